@@ -1,0 +1,46 @@
+# kiln — the two commands a newcomer runs are `make demo` and `make test`.
+# Both create .venv and install into it; nothing but Python 3.11 is assumed.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kiln-installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-slow lint crds demo bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch goes in first and alone: 2.13.0 is the local CPU build, and the package
+# only asks for torch>=2.4, which it satisfies, so pip never pulls CUDA wheels.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[all,test]"
+	$(BIN)/python -m pip check
+	touch $@
+
+install: $(STAMP)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+test: install lint
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS) tests
+
+crds: install
+	$(BIN)/kiln crd --out crds/llmengines.serving.kiln.dev.yaml
+	cp crds/llmengines.serving.kiln.dev.yaml helm/kiln/crds/llmengines.serving.kiln.dev.yaml
+
+demo: install
+	$(BIN)/python examples/demo.py
+
+bench: install
+	$(BIN)/kiln bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

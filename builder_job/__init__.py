@@ -1,0 +1,1 @@
+"""The kiln build pipeline run by a build Job (`kiln build`)."""

@@ -1,0 +1,1 @@
+"""The kiln runtime: paged KV cache, in-flight batching, Llama-family models."""

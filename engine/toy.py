@@ -1,0 +1,172 @@
+"""Small Llama-family checkpoints with seeded random weights, made locally.
+
+Tests, `make demo` and `kiln bench` need real Hugging Face checkpoint
+directories (config.json + safetensors + tokenizer) but no model hub is
+reachable. This module writes one from a transformers config: the model with
+seeded random weights and a byte-level BPE tokenizer trained on a generated
+corpus, so the tokenizer's vocabulary matches the model's. Loading from the
+hub stays real code elsewhere; nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import click
+
+# Chat template in the style of ChatML; enough for `/v1/chat/completions`.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+_COMMON = dict(max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.05, bos_token_id=1, eos_token_id=2)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Llama with grouped-query attention and untied embeddings.
+    "llama-tiny": dict(
+        model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False, **_COMMON,
+    ),
+    # Llama-3 style rope scaling.
+    "llama3-tiny": dict(
+        model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=256),
+        **_COMMON,
+    ),
+    # Qwen2: qkv bias, tied embeddings.
+    "qwen2-tiny": dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True,
+        use_sliding_window=False, **_COMMON,
+    ),
+    # Mistral: multi-head attention here (kv heads == heads).
+    "mistral-tiny": dict(
+        model_type="mistral", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=1024, tie_word_embeddings=False,
+        sliding_window=None, **_COMMON,
+    ),
+    # The demo model: small enough to build and serve on a laptop CPU in seconds.
+    "llama-demo": dict(
+        model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=4096, tie_word_embeddings=False,
+        **{**_COMMON, "max_position_embeddings": 2048},
+    ),
+    # The default `kiln bench` model: ~100M parameters, Llama architecture (issue 7).
+    "llama-bench": dict(
+        model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False,
+        **{**_COMMON, "max_position_embeddings": 2048, "initializer_range": 0.02},
+    ),
+}
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def _corpus(seed: int, num_words: int) -> list[str]:
+    """A deterministic corpus of English-ish words plus random strings, so BPE can
+    learn as many merges as a realistic vocabulary needs."""
+    rng = random.Random(seed)
+    base = (
+        "the of and to in is that for it as was with be by on not he this are or his from at which but have "
+        "an had they you were their one all we can her has there been if more when will would who so no "
+        "kiln engine model token batch cache block kernel serve build artifact version request stream "
+        "paged attention decode prefill schedule sample greedy tensor parallel rank shard quantize weight"
+    ).split()
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lines, line = [], []
+    for _ in range(num_words):
+        if rng.random() < 0.5:
+            word = rng.choice(base)
+        else:
+            word = "".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+        if rng.random() < 0.1:
+            word = word.capitalize()
+        if rng.random() < 0.05:
+            word += rng.choice(".,!?") + " é漢😀"[rng.randint(0, 3)] if rng.random() < 0.2 else "."
+        line.append(word)
+        if len(line) >= 16:
+            lines.append(" ".join(line))
+            line = []
+    lines.append(" ".join(line))
+    return lines
+
+
+def make_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE tokenizer with exactly ``vocab_size`` entries."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    num_words = max(20_000, vocab_size * 12)
+    tok.train_from_iterator(_corpus(seed, num_words), trainer=trainer)
+    if tok.get_vocab_size() < vocab_size:
+        # Pad with plain added tokens so every id the model can emit decodes.
+        missing = vocab_size - tok.get_vocab_size()
+        tok.add_tokens([f"<extra_{i}>" for i in range(missing)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_random_model(
+    out_dir: str | Path, preset: str = "llama-tiny", *, seed: int = 0, dtype: str = "float32",
+    **overrides: Any,
+) -> Path:
+    """Write a checkpoint directory (config.json, model.safetensors, tokenizer) and return its path.
+
+    ``overrides`` replace config fields of the preset, e.g. ``num_attention_heads=3``.
+    The same preset, seed and overrides always give the same weights.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(sorted(PRESETS))}")
+    fields = {**PRESETS[preset], **overrides}
+    model_type = fields.pop("model_type")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.for_model(model_type, architectures=[_ARCHITECTURES[model_type]], **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer = make_tokenizer(config.vocab_size, seed=seed)
+    tokenizer.save_pretrained(out)
+    gen_cfg = out / "generation_config.json"
+    if gen_cfg.exists():
+        gen_cfg.unlink()  # random models have no sampling defaults worth shipping
+    (out / "kiln-toy.json").write_text(json.dumps({"preset": preset, "seed": seed, "overrides": overrides}))
+    return out
+
+
+@click.command("make-model")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="llama-demo", show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="Directory to write.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+def make_model_command(preset: str, out_dir: str, seed: int, dtype: str) -> None:
+    """Write a small random-weight Llama-family checkpoint (no hub access)."""
+    path = make_random_model(out_dir, preset, seed=seed, dtype=dtype)
+    click.echo(f"wrote {preset} (seed {seed}, {dtype}) to {path}")

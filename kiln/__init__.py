@@ -1,0 +1,15 @@
+"""kiln: compile LLM checkpoints into cached engines and serve them.
+
+This package is the shared core: the ``LLMEngine`` API types (:mod:`kiln.api`),
+the build envelope and its version hash (:mod:`kiln.envelope`), the artifact
+store (:mod:`kiln.artifacts`) and the ``kiln`` CLI (:mod:`kiln.cli`). It imports
+neither torch nor Kubernetes; the components (``kiln.engine``, ``kiln.serving``,
+``kiln.builder``, ``kiln.operator``) live in their own folders and extras.
+"""
+
+__version__ = "0.1.0"
+
+# The on-disk engine artifact format. Bump it when a served artifact built by an
+# older kiln could be misread; it is part of the build envelope, so a bump gives
+# every engine a new version.
+ARTIFACT_FORMAT_VERSION = 1

@@ -1,0 +1,3 @@
+from kiln.cli import main
+
+main()

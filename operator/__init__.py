@@ -1,0 +1,1 @@
+"""The kiln operator: kopf handlers and pure renderers of Jobs, Deployments, Services."""

@@ -1,0 +1,33 @@
+"""The distribution's layout: every package folder is installed, and the core
+and operator import without torch (the operator image stays small)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"kiln": "kiln", "kiln.operator": "operator", "kiln.engine": "engine",
+           "kiln.builder": "builder_job", "kiln.serving": "serving_image"}
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert cfg["package-dir"] == FOLDERS
+    found = set()
+    for name, folder in FOLDERS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([name, *rel.parts]))
+    assert found == set(cfg["packages"]), "add new subpackages to [tool.setuptools] packages"
+
+
+def test_core_and_operator_import_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+        "import kiln, kiln.api, kiln.envelope, kiln.artifacts, kiln.cli, kiln.operator\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
