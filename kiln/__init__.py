@@ -9,7 +9,3 @@ neither torch nor Kubernetes; the components (``kiln.engine``, ``kiln.serving``,
 
 __version__ = "0.1.0"
 
-# The on-disk engine artifact format. Bump it when a served artifact built by an
-# older kiln could be misread; it is part of the build envelope, so a bump gives
-# every engine a new version.
-ARTIFACT_FORMAT_VERSION = 1

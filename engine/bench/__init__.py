@@ -1,0 +1,1 @@
+"""`kiln bench`: kiln against transformers baselines on one deterministic workload."""

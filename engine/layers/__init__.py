@@ -1,0 +1,1 @@
+"""Building blocks of the models: linears (incl. tensor-parallel), attention, norms, rotary embeddings."""
