@@ -1,0 +1,555 @@
+"""The ``LLMEngine`` API: pydantic types for ``serving.kiln.dev/v1alpha1``.
+
+These types are the single source of truth: the CRD (``kiln crd``) is generated
+from them, the build envelope (:mod:`kiln.envelope`) reads them, and the
+operator validates what the API server hands it with them. YAML uses camelCase
+(``maxSeqLen``); Python uses snake_case (``spec.max_seq_len``); both are accepted.
+
+Cross-field rules live in :data:`CROSS_FIELD_RULES` twice over: as a Python check
+(``LLMEngineSpec._check_cross_field``) and as the CEL expression the CRD carries,
+so ``kubectl apply`` and ``kiln plan`` reject the same specs. Decisions:
+
+- ``maxInputLen < maxSeqLen``: a prompt must leave room for at least one new token.
+- ``maxNumTokens >= maxBatchSize``: every running sequence must be able to decode in
+  one step. ``maxNumTokens >= maxInputLen`` is *not* required: prefill is chunked,
+  so a long prompt is split over several steps.
+- ``quantization: fp8`` needs FP8 tensor cores (compute capability >= 8.9: L4, L40S,
+  H100, H200). On A100 it would only be dequantized, slower than ``int8``, so it is
+  rejected. ``cpu`` is allowed: it is the reference path (weights stored as fp8 and
+  dequantized to ``dtype`` per matmul) that tests and the demo run.
+- ``model.credentialsSecret`` only means something for ``hf://`` and ``s3://``.
+- ``tensorParallel > 1`` on ``cpu`` is allowed (torch.distributed over gloo).
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import re
+import types
+import typing
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "serving.kiln.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "LLMEngine"
+PLURAL = "llmengines"
+SINGULAR = "llmengine"
+SHORT_NAME = "llme"
+
+__all__ = [
+    "API_VERSION", "GROUP", "KIND", "PLURAL", "SHORT_NAME", "SINGULAR", "VERSION", "GPU_SKUS",
+    "BuildOptions", "Condition", "GPUSpec", "HistoryEntry", "KVOptions", "LLMEngine", "LLMEngineSpec",
+    "LLMEngineStatus", "ManifestError", "Metadata", "ModelSource", "Phase", "QualityGate",
+    "ServingOptions", "load_manifest",
+]
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One supported accelerator. ``memory_gib``/``compute_capability`` are None for ``cpu``."""
+
+    memory_gib: int | None
+    compute_capability: str | None  # "9.0"
+    arch: str  # "sm90" | "cpu": what compiled artifacts are specific to
+    product_label: str | None  # value of the node label nvidia.com/gpu.product (GPU feature discovery)
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.arch == "cpu"
+
+    @property
+    def supports_fp8(self) -> bool:
+        """FP8 weights are native at compute capability >= 8.9; cpu runs the dequantized reference path."""
+        if self.compute_capability is None:
+            return True
+        major, minor = (int(x) for x in self.compute_capability.split("."))
+        return (major, minor) >= (8, 9)
+
+
+GPU_SKUS: dict[str, GPUSpec] = {
+    "cpu": GPUSpec(None, None, "cpu", None),
+    "L4": GPUSpec(24, "8.9", "sm89", "NVIDIA-L4"),
+    "L40S": GPUSpec(48, "8.9", "sm89", "NVIDIA-L40S"),
+    "A100-40GB": GPUSpec(40, "8.0", "sm80", "NVIDIA-A100-SXM4-40GB"),
+    "A100-80GB": GPUSpec(80, "8.0", "sm80", "NVIDIA-A100-SXM4-80GB"),
+    "H100-80GB": GPUSpec(80, "9.0", "sm90", "NVIDIA-H100-80GB-HBM3"),
+    "H200-141GB": GPUSpec(141, "9.0", "sm90", "NVIDIA-H200"),
+}
+
+GPUName = Literal["cpu", "L4", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB"]
+Dtype = Literal["bfloat16", "float16", "float32"]
+Quantization = Literal["none", "int8", "fp8"]
+KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32"]
+TensorParallel = Literal[1, 2, 4, 8]
+BlockSize = Literal[1, 2, 4, 8, 16, 32, 64, 128, 256]
+FP8_GPUS = tuple(name for name, gpu in GPU_SKUS.items() if gpu.supports_fp8)
+
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# One pattern for the CRD; Python checks each scheme separately for a precise message.
+SOURCE_PATTERN = (
+    r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+    r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?"
+    r"|file://(/|\./|\.\./)[^\s]*"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?)$"
+)
+_SOURCE_RULES = {
+    "hf": (r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", "hf://org/name"),
+    "s3": (r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$", "s3://bucket/prefix"),
+    "file": (r"^file://(/|\./|\.\./)[^\s]*$", "file:///absolute/path or file://./relative/path"),
+    "pvc": (r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?$", "pvc://claim-name/sub/path"),
+}
+
+
+class _Model(BaseModel):
+    """camelCase in YAML, snake_case in Python, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, validate_by_name=True, validate_by_alias=True, extra="forbid",
+    )
+
+    def to_k8s(self) -> dict[str, Any]:
+        """The camelCase dict the API server stores (None fields left out)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class ModelSource(_Model):
+    source: str = Field(
+        max_length=1024, json_schema_extra={"pattern": SOURCE_PATTERN},
+        description="Where the checkpoint lives: hf://org/name (Hugging Face hub), s3://bucket/prefix, "
+        "file:///absolute/path or file://./relative/path (relative to the working directory), or "
+        "pvc://claim-name/sub/path (a PersistentVolumeClaim in the engine's namespace).",
+    )
+    revision: str | None = Field(
+        default=None, max_length=255, pattern=r"^[A-Za-z0-9._/-]+$",
+        description="hf://: branch, tag or commit sha (pin a 40-hex commit sha; unset means main). "
+        "Other sources: a label you bump when the files change, since the engine version cannot see them.",
+    )
+    credentials_secret: str | None = Field(
+        default=None, max_length=253, pattern=DNS1123_SUBDOMAIN,
+        description="Secret in the engine's namespace with HF_TOKEN (hf://) or AWS_ACCESS_KEY_ID/"
+        "AWS_SECRET_ACCESS_KEY (s3://) keys; only valid for hf:// and s3:// sources.",
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        scheme = value.split("://", 1)[0] if "://" in value else ""
+        if scheme not in _SOURCE_RULES:
+            raise ValueError(
+                f"unsupported model source {value!r}; use hf://org/name, s3://bucket/prefix, "
+                "file:///path or pvc://claim/path"
+            )
+        pattern, example = _SOURCE_RULES[scheme]
+        if not re.match(pattern, value):
+            raise ValueError(f"malformed {scheme}:// source {value!r}; expected {example}")
+        return value
+
+    @property
+    def scheme(self) -> str:
+        return self.source.split("://", 1)[0]
+
+
+class KVOptions(_Model):
+    block_size: BlockSize = Field(
+        default=16, description="Tokens per KV-cache block: a power of two from 1 to 256."
+    )
+    enable_prefix_caching: bool = Field(
+        default=True, description="Reuse KV blocks of shared prompt prefixes across requests."
+    )
+    memory_fraction: float = Field(
+        default=0.9, ge=0.1, le=0.98,
+        description="Fraction of accelerator memory the engine may use for weights, activations and the "
+        "KV pool together; the builder sizes the KV pool to what is left (vLLM's gpu_memory_utilization).",
+    )
+
+
+class ServingOptions(_Model):
+    replicas: int = Field(default=1, ge=0, le=1000, description="Serving pods (each with tensorParallel GPUs).")
+    port: int = Field(default=8000, ge=1024, le=65535, description="Container and Service port of the API.")
+    resources: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        description="Kubernetes ResourceRequirements for the serving container (limits/requests); "
+        "unset means tensorParallel nvidia.com/gpu and the operator's CPU/memory defaults.",
+    )
+    api_key_secret: str | None = Field(
+        default=None, max_length=253, pattern=DNS1123_SUBDOMAIN,
+        description="Secret with key KILN_API_KEY; when set, requests need 'Authorization: Bearer <key>'.",
+    )
+    image: str | None = Field(default=None, max_length=512, description="Override of the serving image.")
+    max_queue_len: int = Field(
+        default=256, ge=1, le=100000,
+        description="Requests waiting beyond this get HTTP 429 instead of queueing.",
+    )
+    drain_timeout_seconds: int = Field(
+        default=30, ge=0, le=3600,
+        description="On shutdown, how long in-flight requests may finish before being aborted.",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _check_resources(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return value
+        unknown = sorted(set(value) - {"limits", "requests", "claims"})
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}; use limits, requests (and claims)")
+        for key in ("limits", "requests"):
+            if key in value and not isinstance(value[key], dict):
+                raise ValueError(f"{key} must be a map of resource name to quantity, e.g. {{cpu: '4'}}")
+        return value
+
+
+class QualityGate(_Model):
+    max_kl_divergence: float = Field(
+        default=0.05, ge=0.0, alias="maxKLDivergence",
+        description="Largest mean per-token KL divergence of the built engine from the unquantized "
+        "checkpoint on the calibration prompts; a build above it fails and publishes nothing.",
+    )
+    min_token_agreement: float = Field(
+        default=0.9, ge=0.0, le=1.0,
+        description="Smallest fraction of greedy next tokens that must match the unquantized checkpoint.",
+    )
+
+
+class BuildOptions(_Model):
+    image: str | None = Field(default=None, max_length=512, description="Override of the builder image.")
+    timeout_seconds: int = Field(
+        default=3600, ge=60, le=86400, description="Build Job deadline (activeDeadlineSeconds)."
+    )
+    quality_gate: QualityGate = Field(
+        default_factory=QualityGate, json_schema_extra={"default": {}},
+        description="Thresholds a quantized build must meet against the unquantized checkpoint.",
+    )
+    calibration_prompts: list[str] | None = Field(
+        default=None, max_length=256,
+        description="Prompts for the quality gate; unset means kiln's built-in set.",
+    )
+
+
+# (python check name, CEL rule on spec, message, fieldPath). Python twins are in _check_cross_field.
+CROSS_FIELD_RULES: tuple[tuple[str, str, str, str], ...] = (
+    ("input_lt_seq", "self.maxInputLen < self.maxSeqLen",
+     "spec.maxInputLen must be less than spec.maxSeqLen; lower maxInputLen or raise maxSeqLen",
+     ".maxInputLen"),
+    ("tokens_ge_batch", "self.maxNumTokens >= self.maxBatchSize",
+     "spec.maxNumTokens must be at least spec.maxBatchSize; raise maxNumTokens or lower maxBatchSize",
+     ".maxNumTokens"),
+    ("fp8_gpu", "self.quantization != 'fp8' || self.gpu in [" + ", ".join(f"'{g}'" for g in FP8_GPUS) + "]",
+     f"spec.quantization fp8 needs spec.gpu with FP8 support ({', '.join(FP8_GPUS)}); use int8 on A100",
+     ".quantization"),
+    ("credentials_scheme",
+     "!has(self.model.credentialsSecret) || self.model.source.startsWith('hf://') "
+     "|| self.model.source.startsWith('s3://')",
+     "spec.model.credentialsSecret is only used by hf:// and s3:// sources; remove it",
+     ".model.credentialsSecret"),
+)
+
+
+class LLMEngineSpec(_Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": rule, "message": message, "fieldPath": path, "reason": "FieldValueInvalid"}
+        for _, rule, message, path in CROSS_FIELD_RULES
+    ]})
+
+    model: ModelSource = Field(description="The checkpoint to build from.")
+    gpu: GPUName = Field(
+        description="Target accelerator SKU (cpu, L4, L40S, A100-40GB, A100-80GB, H100-80GB, H200-141GB); "
+        "the artifact is compiled for its architecture and memory size."
+    )
+    dtype: Dtype = Field(default="bfloat16", description="Compute and (unquantized) weight dtype.")
+    quantization: Quantization = Field(
+        default="none", description="Weight-only quantization with per-output-channel scales: none, int8, fp8."
+    )
+    kv_cache_dtype: KVCacheDtype = Field(
+        default="auto", alias="kvCacheDtype", description="KV-cache dtype; auto means the same as dtype."
+    )
+    tensor_parallel: TensorParallel = Field(
+        default=1, description="GPUs (or CPU processes) one engine is sharded over: 1, 2, 4 or 8."
+    )
+    max_batch_size: int = Field(default=64, ge=1, le=4096, description="Most sequences running at once.")
+    max_input_len: int = Field(
+        default=2048, ge=1, le=1048576, description="Longest prompt in tokens; must be < maxSeqLen."
+    )
+    max_seq_len: int = Field(
+        default=4096, ge=2, le=1048576, description="Longest prompt + completion in tokens."
+    )
+    max_num_tokens: int = Field(
+        default=8192, ge=1, le=1048576,
+        description="Tokens per forward step (the chunked-prefill budget); must be >= maxBatchSize.",
+    )
+    kv: KVOptions = Field(
+        default_factory=KVOptions, json_schema_extra={"default": {}}, description="Paged KV-cache options."
+    )
+    serving: ServingOptions = Field(
+        default_factory=ServingOptions, json_schema_extra={"default": {}},
+        description="How the engine is served; none of it changes the engine version.",
+    )
+    build: BuildOptions = Field(
+        default_factory=BuildOptions, json_schema_extra={"default": {}},
+        description="How the engine is built; none of it changes the engine version.",
+    )
+
+    @model_validator(mode="after")
+    def _check_cross_field(self) -> LLMEngineSpec:
+        problems = []
+        if self.max_input_len >= self.max_seq_len:
+            problems.append(f"maxInputLen: must be less than maxSeqLen ({self.max_input_len} >= "
+                            f"{self.max_seq_len}); lower maxInputLen or raise maxSeqLen")
+        if self.max_num_tokens < self.max_batch_size:
+            problems.append(f"maxNumTokens: must be at least maxBatchSize ({self.max_num_tokens} < "
+                            f"{self.max_batch_size}); raise maxNumTokens or lower maxBatchSize")
+        if self.quantization == "fp8" and self.gpu not in FP8_GPUS:
+            problems.append(f"quantization: fp8 needs a GPU with FP8 support ({', '.join(FP8_GPUS)}), "
+                            f"not {self.gpu}; use int8 on {self.gpu}")
+        if self.model.credentials_secret is not None and self.model.scheme not in ("hf", "s3"):
+            problems.append("model.credentialsSecret: only used by hf:// and s3:// sources; remove it")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @property
+    def gpu_spec(self) -> GPUSpec:
+        return GPU_SKUS[self.gpu]
+
+    @property
+    def resolved_kv_cache_dtype(self) -> str:
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+
+class Phase(enum.StrEnum):
+    PENDING = "Pending"
+    BUILDING = "Building"
+    DEPLOYING = "Deploying"
+    READY = "Ready"
+    FAILED = "Failed"
+
+
+class Condition(_Model):
+    type: str = Field(max_length=316, description="CamelCase condition type, e.g. Ready, Built.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str | None = Field(default=None, max_length=1024, description="CamelCase machine-readable reason.")
+    message: str | None = Field(default=None, max_length=32768, description="Human-readable detail.")
+    last_transition_time: datetime | None = Field(
+        default=None, description="When status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation the condition was computed for."
+    )
+
+
+class HistoryEntry(_Model):
+    engine_version: str = Field(description="A built engine version.")
+    artifact_uri: str = Field(alias="artifactURI", description="Where that version's artifact lives.")
+    built_at: datetime | None = Field(default=None, description="When it was published (RFC 3339).")
+
+
+HISTORY_LIMIT = 10
+
+
+class LLMEngineStatus(_Model):
+    phase: Phase | None = Field(default=None, description="Pending, Building, Deploying, Ready or Failed.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Kubernetes-style conditions; Ready means the engine serves.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    engine_version: str | None = Field(default=None, description="Version the current spec builds to.")
+    serving_version: str | None = Field(default=None, description="Version the ready pods serve.")
+    artifact_uri: str | None = Field(
+        default=None, alias="artifactURI", description="Artifact of engineVersion in the store."
+    )
+    endpoint: str | None = Field(default=None, description="In-cluster URL of the OpenAI-compatible API.")
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation the status was computed for."
+    )
+    history: list[HistoryEntry] = Field(
+        default_factory=list, max_length=HISTORY_LIMIT,
+        description=f"Most recent built versions, newest first (at most {HISTORY_LIMIT}).",
+    )
+
+    def with_history(self, entry: HistoryEntry) -> list[HistoryEntry]:
+        """History with ``entry`` first, an older entry of the same version dropped, bounded."""
+        rest = [e for e in self.history if e.engine_version != entry.engine_version]
+        return [entry, *rest][:HISTORY_LIMIT]
+
+    def condition(self, type_: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)
+
+
+class Metadata(BaseModel):
+    """The part of ObjectMeta kiln reads; everything else the API server adds is kept as-is."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(max_length=63, pattern=DNS1123_LABEL, description="Engine name (DNS-1123 label).")
+    namespace: str | None = Field(default=None, max_length=63, pattern=DNS1123_LABEL)
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class LLMEngine(_Model):
+    api_version: Literal["serving.kiln.dev/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
+    kind: Literal["LLMEngine"] = Field(default=KIND)
+    metadata: Metadata
+    spec: LLMEngineSpec
+    status: LLMEngineStatus | None = None
+
+
+# ---- loading manifests and turning pydantic errors into one line per problem --------------------------
+
+
+class ManifestError(ValueError):
+    """A manifest a user wrote is invalid. ``str()`` is one line per problem: ``<field path>: <what + fix>``."""
+
+    def __init__(self, problems: list[str] | str, origin: str = "manifest") -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.origin = origin
+        super().__init__("\n".join(self.problems))
+
+
+def load_manifest(source: Any) -> LLMEngine:
+    """An ``LLMEngine`` from a path, YAML/JSON text or a dict; :class:`ManifestError` on any problem."""
+    data, origin = _load_data(source)
+    try:
+        return LLMEngine.model_validate(data)
+    except ValidationError as exc:
+        raise ManifestError(validation_error_lines(exc, LLMEngine), origin) from None
+
+
+def _load_data(source: Any) -> tuple[Any, str]:
+    if isinstance(source, dict):
+        return source, "manifest"
+    text, origin = source, "manifest"
+    is_path = isinstance(source, Path) or (
+        isinstance(source, str) and "\n" not in source
+        and (Path(source).is_file() or source.endswith((".yaml", ".yml", ".json")))
+    )
+    if is_path:
+        origin = str(source)
+        try:
+            text = Path(source).read_text()
+        except OSError as exc:
+            raise ManifestError(f"{origin}: cannot read the file ({exc.strerror}); check the path", origin) from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ManifestError(f"{where}invalid YAML ({problem}); fix the syntax there", origin) from None
+    if len(docs) > 1:
+        docs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND] or docs
+    if len(docs) != 1:
+        raise ManifestError(f"expected exactly one {KIND} document, found {len(docs)}; "
+                            "put one LLMEngine per file", origin)
+    return docs[0], origin
+
+
+_PATTERN_NAMES = {
+    DNS1123_LABEL: "a DNS-1123 label (lowercase letters, digits and '-', at most 63 characters)",
+    DNS1123_SUBDOMAIN: "a DNS-1123 name (lowercase letters, digits, '-' and '.')",
+}
+_TYPE_NAMES = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
+    "bool_parsing": "true or false", "string_type": "a string", "dict_type": "a mapping",
+    "model_type": "a mapping", "model_attributes_type": "a mapping", "list_type": "a list",
+    "datetime_type": "an RFC 3339 timestamp", "datetime_parsing": "an RFC 3339 timestamp",
+    "datetime_from_date_parsing": "an RFC 3339 timestamp",
+}
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "less_than_equal": ("<=", "le"),
+           "greater_than": (">", "gt"), "less_than": ("<", "lt")}
+
+
+def validation_error_lines(exc: ValidationError, root: type[BaseModel]) -> list[str]:
+    """One ``path: problem; fix`` line per pydantic error, paths in YAML (camelCase) terms."""
+    lines: list[str] = []
+    for err in exc.errors(include_url=False):
+        loc = err["loc"]
+        path = _render_path(loc)
+        kind, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
+        if kind == "value_error":
+            for line in str(ctx.get("error", err["msg"])).splitlines():
+                sub = re.match(r"^([A-Za-z][A-Za-z.]*): (.*)$", line)
+                if sub:  # a cross-field check naming its field relative to this model
+                    lines.append(f"{_join(path, sub.group(1))}: {sub.group(2)}")
+                else:
+                    lines.append(f"{path}: {line}")
+        elif kind == "missing":
+            lines.append(f"{path}: required field is missing; add it")
+        elif kind == "extra_forbidden":
+            allowed = _allowed_fields(root, loc[:-1])
+            near = difflib.get_close_matches(str(loc[-1]).lower(), [a.lower() for a in allowed], n=1)
+            hint = next((a for a in allowed if near and a.lower() == near[0]), None)
+            fix = f"did you mean {hint}?" if hint else f"remove it (allowed: {', '.join(allowed)})"
+            lines.append(f"{path}: unknown field; {fix}")
+        elif kind in ("literal_error", "enum"):
+            expected = re.sub(r"'([^']*)'", r"\1", str(ctx.get("expected", ""))).replace(" or ", ", ")
+            lines.append(f"{path}: must be one of {expected} (got {_show(got)})")
+        elif kind in _TYPE_NAMES:
+            lines.append(f"{path}: must be {_TYPE_NAMES[kind]} (got {_show(got)})")
+        elif kind in _BOUNDS:
+            op, key = _BOUNDS[kind]
+            lines.append(f"{path}: must be {op} {ctx.get(key)} (got {_show(got)})")
+        elif kind == "string_pattern_mismatch":
+            pattern = ctx.get("pattern", "")
+            lines.append(f"{path}: must be {_PATTERN_NAMES.get(pattern, f'match {pattern}')} (got {_show(got)})")
+        elif kind in ("string_too_long", "too_long"):
+            unit = "characters" if kind == "string_too_long" else "items"
+            lines.append(f"{path}: must have at most {ctx.get('max_length')} {unit}")
+        else:
+            lines.append(f"{path}: {err['msg']}")
+    return lines
+
+
+def _render_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "manifest"
+
+
+def _join(path: str, rel: str) -> str:
+    return rel if path == "manifest" else f"{path}.{rel}"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict | list):
+        return type(value).__name__
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _allowed_fields(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The YAML field names of the model at ``loc`` (for did-you-mean hints)."""
+    cls: Any = root
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = next((f for n, f in cls.model_fields.items() if part in (n, f.alias)), None)
+        cls = _model_in(field.annotation) if field else None
+        if cls is None:
+            return []
+    return [f.alias or n for n, f in cls.model_fields.items()]
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list):
+        return next((m for a in get_args(annotation) if (m := _model_in(a)) is not None), None)
+    return None
+
+
+if set(get_args(GPUName)) != set(GPU_SKUS):  # pragma: no cover - a table edit missed the Literal
+    raise RuntimeError("GPUName and GPU_SKUS disagree")
