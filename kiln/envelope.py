@@ -1,0 +1,130 @@
+"""The build envelope: exactly what changes a built engine, and the version derived from it.
+
+Two manifests with the same envelope share one artifact, so a GitOps edit that
+only touches replicas, labels, names, serving resources/image or build
+image/timeout never triggers a rebuild. The envelope is a normalized, versioned
+document; the engine version is ``<model-slug>-<first 12 hex of sha256(canonical JSON)>``.
+
+What is in, and why:
+
+- the model source (normalized: scheme kept, trailing and duplicate ``/`` and ``./``
+  segments removed; relative ``file://`` paths stay relative so a version does not
+  depend on where the repository is cloned) and its revision (``main`` for an
+  unpinned ``hf://``). For ``file://``, ``s3://`` and ``pvc://`` the revision is the
+  user's label: the version is computed before anything is fetched, so bump
+  ``revision`` when the files change.
+- dtype, quantization, the *resolved* KV-cache dtype (``auto`` becomes ``dtype``, so
+  spelling it out does not rebuild), tensor-parallel degree, the four max shapes and
+  the KV options: they decide the weights written, their sharding, the KV plan and
+  the CUDA-graph buckets recorded in ``engine.json``. Prefix caching and the memory
+  fraction are recorded there too, so they are in.
+- the GPU's architecture *and* memory size, not its SKU name: kernels are specific to
+  the architecture, and the builder sizes the KV pool for the target's memory, so
+  L4 and L40S (both sm89) get different artifacts while a renamed SKU with the same
+  arch and memory would share one.
+- ``ARTIFACT_FORMAT_VERSION`` (bumped when the artifact layout or its meaning changes)
+  and ``ENVELOPE_VERSION`` (bumped when this document's fields change).
+
+What is out: the quality-gate thresholds and calibration prompts decide whether an
+artifact is *published*, not its bytes (quantization scales are per-channel absmax
+of the weights, not calibrated), so relaxing a threshold after a failed gate builds
+the same version again rather than a new one. If a builder ever derives weights from
+calibration data, those inputs must join the envelope and ENVELOPE_VERSION must bump.
+The kiln version is out too: a kiln upgrade that changes artifacts bumps
+ARTIFACT_FORMAT_VERSION instead of rebuilding every engine on every release.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+import re
+from typing import Any
+
+from kiln.api import LLMEngine, LLMEngineSpec
+
+ARTIFACT_FORMAT_VERSION = 1
+ENVELOPE_VERSION = 1
+HASH_CHARS = 12
+# Versions go into Job/Deployment names and label values (<= 63 characters); keeping
+# them <= 45 leaves room for an 18-character prefix such as "kiln-build-".
+MAX_VERSION_LEN = 45
+MAX_SLUG_LEN = MAX_VERSION_LEN - HASH_CHARS - 1
+
+
+def build_envelope(spec: LLMEngineSpec | LLMEngine) -> dict[str, Any]:
+    """The normalized document the engine version hashes (snake_case keys, JSON types only)."""
+    spec = spec.spec if isinstance(spec, LLMEngine) else spec
+    gpu = spec.gpu_spec
+    return {
+        "envelope_version": ENVELOPE_VERSION,
+        "artifact_format_version": ARTIFACT_FORMAT_VERSION,
+        "model": {"source": normalize_source(spec.model.source), "revision": _revision(spec)},
+        "gpu": {"arch": gpu.arch, "memory_gib": gpu.memory_gib},
+        "dtype": spec.dtype,
+        "quantization": spec.quantization,
+        "kv_cache_dtype": spec.resolved_kv_cache_dtype,
+        "tensor_parallel": spec.tensor_parallel,
+        "max_batch_size": spec.max_batch_size,
+        "max_input_len": spec.max_input_len,
+        "max_seq_len": spec.max_seq_len,
+        "max_num_tokens": spec.max_num_tokens,
+        "kv": {
+            "block_size": spec.kv.block_size,
+            "enable_prefix_caching": spec.kv.enable_prefix_caching,
+            "memory_fraction": spec.kv.memory_fraction,
+        },
+    }
+
+
+def canonical_json(envelope: dict[str, Any]) -> str:
+    """Sorted keys, no whitespace, ASCII: the exact bytes that are hashed."""
+    return json.dumps(envelope, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def envelope_digest(envelope: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(envelope).encode()).hexdigest()
+
+
+def engine_version(spec: LLMEngineSpec | LLMEngine) -> str:
+    """``<model-slug>-<12 hex>``: a DNS-1123 label of at most 45 characters."""
+    spec = spec.spec if isinstance(spec, LLMEngine) else spec
+    envelope = build_envelope(spec)
+    return f"{model_slug(envelope['model']['source'])}-{envelope_digest(envelope)[:HASH_CHARS]}"
+
+
+def normalize_source(source: str) -> str:
+    """One spelling per location: ``file://./a//b/`` -> ``file://./a/b``, ``s3://b/p/`` -> ``s3://b/p``."""
+    scheme, rest = source.split("://", 1)
+    if scheme == "file":
+        path = posixpath.normpath(rest)
+        if path.startswith("/"):
+            return f"file://{path}"
+        return f"file://{path}" if path.startswith("..") else f"file://./{path}"
+    head, _, tail = rest.partition("/")
+    tail = posixpath.normpath(tail).lstrip("/") if tail else ""
+    return f"{scheme}://{head}/{tail}" if tail and tail != "." else f"{scheme}://{head}"
+
+
+def model_slug(source: str) -> str:
+    """A short readable name from the last path segment of the source: ``Llama-3.1-8B`` -> ``llama-3-1-8b``."""
+    rest = source.split("://", 1)[-1].rstrip("/")
+    name = rest.rsplit("/", 1)[-1]
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:MAX_SLUG_LEN].strip("-")
+    if not slug or not slug[0].isalpha():
+        slug = f"m-{slug}"[:MAX_SLUG_LEN].strip("-")
+    return slug
+
+
+def _revision(spec: LLMEngineSpec) -> str | None:
+    if spec.model.scheme == "hf":
+        return spec.model.revision or "main"
+    return spec.model.revision
+
+
+def is_pinned(spec: LLMEngineSpec) -> bool:
+    """False for an ``hf://`` source whose revision is not a 40-hex commit sha (it can move)."""
+    if spec.model.scheme != "hf":
+        return True
+    return bool(spec.model.revision and re.fullmatch(r"[0-9a-f]{40}", spec.model.revision))
