@@ -1,0 +1,220 @@
+"""Sampler semantics against reference implementations (transformers' logits processors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow, apply_penalties, sampling_probs
+from kiln.engine.sampling_params import SamplingParams
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+VOCAB = 1000
+
+
+def make_row(params: SamplingParams, prompt=(), output=(), eos=(2,)) -> SamplingRow:
+    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    return SamplingRow(params, list(prompt), list(output), gen, list(eos))
+
+
+def random_logits(num_rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def hf_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution transformers would sample from, warpers in HF's order."""
+    scores = logits.unsqueeze(0).clone()
+    warpers = [TemperatureLogitsWarper(p.temperature)]
+    if p.top_k:
+        warpers.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1:
+        warpers.append(TopPLogitsWarper(p.top_p))
+    if p.min_p > 0:
+        warpers.append(MinPLogitsWarper(p.min_p))
+    for warper in warpers:
+        scores = warper(None, scores)
+    return scores.softmax(-1)[0]
+
+
+def test_all_greedy_is_exact_argmax():
+    logits = random_logits(64)
+    out = Sampler()(logits, [make_row(SamplingParams(temperature=0)) for _ in range(64)])
+    assert isinstance(out, SamplerOutput)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
+
+
+def test_greedy_rows_in_a_mixed_batch_are_exact_argmax():
+    logits = random_logits(8)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.5, seed=3)] * 4
+    params[2] = SamplingParams(temperature=0, logprobs=2)
+    out = Sampler()(logits, [make_row(p) for p in params])
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    assert torch.equal(out.token_ids[greedy], logits[greedy].argmax(-1))
+
+
+def test_sampler_does_not_modify_the_callers_logits():
+    logits = random_logits(4)
+    before = logits.clone()
+    params = SamplingParams(temperature=0.7, top_k=5, repetition_penalty=1.3, presence_penalty=1.0, min_tokens=3)
+    Sampler()(logits, [make_row(params, prompt=[5, 6], output=[7]) for _ in range(4)])
+    assert torch.equal(logits, before)
+
+
+def _sequence(sampler: Sampler, logits_steps, params: SamplingParams, others: list[SamplingParams], pos: int):
+    """Tokens a seeded request samples over several steps when placed at ``pos`` among ``others``."""
+    row_params = others[:pos] + [params] + others[pos:]
+    rows = [make_row(p) for p in row_params]
+    tokens = []
+    for step_logits in logits_steps:
+        batch = random_logits(len(rows), seed=1000 + len(tokens))
+        batch[pos] = step_logits
+        tokens.append(int(sampler(batch, rows).token_ids[pos]))
+    return tokens
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, seed=7),
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7),
+    SamplingParams(temperature=1.2, min_p=0.01, seed=7, logprobs=1),
+])
+def test_seeded_rows_are_reproducible_whatever_the_batch(params):
+    steps = [random_logits(1, seed=s, scale=1.0)[0] for s in range(20)]
+    sampler = Sampler()
+    alone = _sequence(sampler, steps, params, [], 0)
+    others = [SamplingParams(temperature=0.5, seed=1), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0.9, top_p=0.8),
+              SamplingParams(temperature=1.0, repetition_penalty=1.5)]
+    for pos in (0, 3, 5):
+        torch.manual_seed(pos)  # the shared generator's state must not matter either
+        assert _sequence(sampler, steps, params, others, pos) == alone
+    other_seed = _sequence(sampler, steps, SamplingParams(**{**vars(params), "seed": 8}), [], 0)
+    assert other_seed != alone
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=10),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=1.5, top_p=0.99),  # flat enough that the nucleus needs a full sort
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02),
+    SamplingParams(temperature=2.0, top_k=VOCAB + 5),
+])
+def test_filtered_distribution_matches_transformers(params):
+    logits = random_logits(6)
+    rows = [make_row(params)] * 3 + [make_row(SamplingParams(temperature=1.0))] * 3  # mixed groups
+    probs = sampling_probs(logits, rows)
+    for i in range(3):
+        ours = probs[i] / probs[i].sum()
+        assert torch.allclose(ours, hf_probs(logits[i], params), atol=1e-6)
+        assert torch.equal(ours > 0, hf_probs(logits[i], params) > 0)
+    for i in range(3, 6):
+        assert torch.allclose(probs[i], logits[i].softmax(-1), atol=1e-6)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.5),
+    SamplingParams(temperature=1.0, min_p=0.2),
+])
+def test_samples_only_ever_come_from_the_allowed_set(params):
+    torch.manual_seed(0)
+    logits = random_logits(1, vocab=32000, scale=2.0).expand(64, -1)
+    allowed = hf_probs(logits[0], params) > 0
+    assert 1 < int(allowed.sum()) < 2000  # a small part of the vocabulary: the check can fail
+    sampler = Sampler()
+    seen = torch.cat([sampler(logits, [make_row(params)] * 64).token_ids for _ in range(20)])
+    assert bool(allowed[seen].all())
+    assert len(set(seen.tolist())) > 1
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sampled_frequencies_follow_the_tempered_distribution(temperature):
+    torch.manual_seed(1)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(500, -1)
+    params = SamplingParams(temperature=temperature)
+    tokens = torch.cat([Sampler()(logits, [make_row(params)] * 500).token_ids for _ in range(20)])
+    freq = torch.bincount(tokens, minlength=6).double() / len(tokens)
+    expected = (logits[0].double() / temperature).softmax(-1)
+    sigma = (expected * (1 - expected) / len(tokens)).sqrt()
+    assert bool(((freq - expected).abs() <= 5 * sigma + 1e-3).all()), (freq, expected)
+
+
+def test_seeded_frequencies_follow_the_distribution():
+    logits = torch.tensor([[1.0, 0.0, -1.0, 0.5]])
+    gen_params = SamplingParams(temperature=1.0, seed=11)
+    row = make_row(gen_params)
+    tokens = torch.tensor([int(Sampler()(logits, [row]).token_ids[0]) for _ in range(4000)])
+    freq = torch.bincount(tokens, minlength=4).double() / len(tokens)
+    expected = logits[0].double().softmax(-1)
+    assert bool(((freq - expected).abs() < 0.03).all()), (freq, expected)
+
+
+def test_repetition_penalty_matches_transformers():
+    logits = random_logits(3)
+    prompt, output = [5, 6, 7, 7, 900], [10, 5, 11]
+    rows = [make_row(SamplingParams(temperature=0, repetition_penalty=1.3), prompt, output),
+            make_row(SamplingParams(temperature=0), prompt, output),
+            make_row(SamplingParams(temperature=1.0, repetition_penalty=0.7), output, prompt)]
+    ours = apply_penalties(logits, rows)
+    ref0 = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits[:1].clone())
+    ref2 = RepetitionPenaltyLogitsProcessor(0.7)(torch.tensor([output + prompt]), logits[2:].clone())
+    assert torch.allclose(ours[0], ref0[0]) and torch.allclose(ours[2], ref2[0])
+    assert torch.equal(ours[1], logits[1])
+    penalized = Sampler()(logits[:2], rows[:2]).token_ids
+    assert int(penalized[0]) == int(ref0[0].argmax())
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    logits = random_logits(2)
+    output = [3, 3, 3, 8, 50]
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=-1.25)
+    ours = apply_penalties(logits, [make_row(params, [8, 9, 9], output), make_row(SamplingParams(), [], output)])
+    expected = logits[0].clone()
+    for token in set(output):  # the prompt does not count
+        expected[token] -= output.count(token) * -1.25 + 0.5
+    assert torch.allclose(ours[0], expected)
+    assert torch.equal(ours[1], logits[1])
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(3, 20)
+    logits[:, 2] = 10.0  # eos is by far the most likely
+    logits[:, 7] = 9.0  # a stop token id
+    logits[:, 4] = 8.0
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7])
+    rows = [make_row(params, output=[]), make_row(params, output=[4]), make_row(params, output=[4, 4])]
+    assert Sampler()(logits, rows).token_ids.tolist() == [4, 4, 2]
+    random_params = SamplingParams(temperature=5.0, min_tokens=1, stop_token_ids=[7])
+    tokens = Sampler()(logits[:1].expand(256, -1), [make_row(random_params)] * 256).token_ids
+    assert not bool(((tokens == 2) | (tokens == 7)).any())
+
+
+def test_logprobs_come_from_the_raw_logits_with_sorted_alternatives():
+    logits = random_logits(4)
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.8, logprobs=0),
+              SamplingParams(temperature=1.0, repetition_penalty=2.0, logprobs=5), SamplingParams(temperature=0)]
+    rows = [make_row(p, prompt=[1, 2, 3]) for p in params]
+    out = Sampler()(logits, rows)
+    reference = logits.log_softmax(-1)
+    assert torch.allclose(out.logprobs, reference.gather(1, out.token_ids.unsqueeze(1)).squeeze(1))
+    assert out.top_ids.shape == (4, 5) and out.top_logprobs.shape == (4, 5)
+    assert torch.equal(out.top_ids, reference.topk(5).indices)
+    assert torch.allclose(out.top_logprobs, reference.gather(1, out.top_ids))
+    assert bool((out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all())
+
+
+def test_logprobs_zero_gives_no_alternatives():
+    out = Sampler()(random_logits(2), [make_row(SamplingParams(temperature=0, logprobs=0))] * 2)
+    assert out.logprobs is not None and out.top_ids.shape == (2, 0)
+
+
+def test_mismatched_rows_are_rejected_clearly():
+    with pytest.raises(ValueError, match="sampling rows"):
+        Sampler()(random_logits(3), [make_row(SamplingParams())] * 2)
