@@ -1,0 +1,339 @@
+"""The artifact store: built engines under content-addressed versions, file:// or s3://.
+
+Layout under the store root::
+
+    engines/<version>/manifest.json        # written last; its presence *is* the version
+    engines/<version>/<files...>           # the engine directory, relative paths kept
+    engines/<version>/.publish-claim.json  # only while a publisher moves files in
+    staging/<version>/<upload-id>/<files>  # uploads in flight (or abandoned: `gc`)
+
+A version is visible only through a manifest that parses and lists files, so a
+publish killed at any point leaves nothing a reader can see. Files land in a
+private staging prefix and are verified there (sha256 and size of what the
+store holds), moved under ``engines/<version>/`` and then the manifest is
+created with an exclusive create (``O_EXCL``-style link on disk, a conditional
+``If-None-Match: *`` put on S3), so two publishers cannot clobber each other's
+manifest.
+
+Two publishers of one version could still overwrite each other's *files* while
+moving them in. The short-lived claim object prevents that: only the claim
+holder, or a publisher with byte-identical content (same content digest), moves
+files into ``engines/<version>/``; a publisher with different content waits for
+the holder's manifest and then raises :class:`ArtifactConflict`. A claim older
+than ``claim_ttl`` belongs to a dead publisher and is taken over.
+
+Errors a user can cause (missing bucket, credentials, unreachable endpoint,
+corrupt object) are :class:`StoreError` subclasses whose ``str`` is one line
+naming the store and the fix; CLIs print it and exit 3.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from kiln.artifact_manifest import (
+    CLAIM_NAME,
+    HASH_CHUNK,
+    MANIFEST_NAME,
+    MANIFEST_SCHEMA_VERSION,
+    VERSION_RE,
+    ArtifactConflict,
+    ArtifactCorrupt,
+    ArtifactNotFound,
+    Manifest,
+    ManifestFile,
+    StoreError,
+    check_version,
+    dir_matches,
+    file_sha256,
+    now_utc,
+    scan_dir,
+)
+from kiln.storage import Backend, ObjectInfo
+
+__all__ = [
+    "ArtifactConflict", "ArtifactCorrupt", "ArtifactNotFound", "ArtifactStore", "HASH_CHUNK", "MANIFEST_NAME",
+    "MANIFEST_SCHEMA_VERSION", "Manifest", "ManifestFile", "Progress", "StoreError", "check_version",
+    "file_sha256", "parse_artifact_uri",
+]
+
+# progress(relative_path, bytes_done, bytes_total), called repeatedly per file.
+Progress = Callable[[str, int, int], None]
+
+class ArtifactStore:
+    """One interface over a :class:`kiln.storage.Backend` (file:// or s3://)."""
+
+    def __init__(self, backend: Backend, claim_ttl: timedelta = timedelta(minutes=15)):
+        self.backend = backend
+        self.claim_ttl = claim_ttl
+
+    @classmethod
+    def from_uri(cls, uri: str, **backend_options: Any) -> ArtifactStore:
+        """``file:///abs/path`` (or a plain path) or ``s3://bucket/prefix[?endpoint_url=..&profile=..]``.
+
+        ``backend_options`` go to the backend (S3: ``multipart_threshold``, ``multipart_chunksize``).
+        """
+        if uri.startswith("s3://"):
+            from kiln.storage_s3 import S3Backend
+
+            return cls(S3Backend.from_uri(uri, **backend_options))
+        if "://" in uri and not uri.startswith("file://"):
+            scheme = uri.split("://", 1)[0]
+            raise StoreError(f"{uri}: unsupported store scheme {scheme!r} (use file:///path or s3://bucket/prefix)")
+        from kiln.storage_file import FileBackend
+
+        return cls(FileBackend.from_uri(uri))
+
+    @property
+    def uri(self) -> str:
+        return self.backend.uri
+
+    def artifact_uri(self, version: str) -> str:
+        return f"{self.uri}/engines/{check_version(version)}"
+
+    def __repr__(self) -> str:
+        return f"ArtifactStore({self.uri!r})"
+
+    # ---- reading -------------------------------------------------------------------------
+    def read_manifest(self, version: str) -> Manifest | None:
+        """The version's manifest, or None when it is missing or not a valid, consistent manifest."""
+        data = self.backend.read(f"engines/{check_version(version)}/{MANIFEST_NAME}")
+        if data is None:
+            return None
+        try:
+            manifest = Manifest.model_validate_json(data)
+        except ValidationError:
+            return None
+        if manifest.engine_version != version or not manifest.is_consistent():
+            return None
+        return manifest
+
+    def exists(self, version: str) -> bool:
+        return self.read_manifest(version) is not None
+
+    def list_versions(self) -> list[Manifest]:
+        """Every published (valid) version, oldest first."""
+        found = []
+        for name in self.backend.list_dirs("engines/"):
+            if VERSION_RE.match(name) and (m := self.read_manifest(name)) is not None:
+                found.append(m)
+        return sorted(found, key=lambda m: (m.created_at, m.engine_version))
+
+    def not_found(self, version: str) -> ArtifactNotFound:
+        return ArtifactNotFound(f"{self.uri}: engine version {version!r} is not in the store "
+                                f"(see `kiln cache ls --store {self.uri}`)")
+
+    def fetch(self, version: str, dest_dir: str | Path, progress: Progress | None = None) -> Path:
+        """Download and verify every file, then move the directory into place as ``dest_dir``.
+
+        ``dest_dir`` also receives ``manifest.json``. If it already holds this version
+        (same content digest) and its files verify, nothing is downloaded.
+        """
+        manifest = self.read_manifest(version)
+        if manifest is None:
+            raise self.not_found(version)
+        dest = Path(dest_dir).absolute()
+        if dir_matches(dest, manifest):
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f".{dest.name}.fetch-{uuid.uuid4().hex[:8]}"
+        try:
+            for f in manifest.files:
+                local = tmp / f.path
+                local.parent.mkdir(parents=True, exist_ok=True)
+                key = f"engines/{version}/{f.path}"
+                self.backend.download(key, local, _file_progress(progress, f.path, f.size))
+                size = local.stat().st_size
+                digest = file_sha256(local)
+                if size != f.size or digest != f.sha256:
+                    raise ArtifactCorrupt(
+                        f"{self.uri}/{key}: corrupt: manifest says sha256 {f.sha256} ({f.size} bytes), "
+                        f"downloaded sha256 {digest} ({size} bytes); re-publish with `kiln cache rm {version}` "
+                        f"and a rebuild")
+            (tmp / MANIFEST_NAME).write_text(manifest.model_dump_json(indent=2))
+            _replace_dir(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+
+    # ---- writing -------------------------------------------------------------------------
+    def publish(self, version: str, src_dir: str | Path, envelope: dict,
+                progress: Progress | None = None) -> Manifest:
+        """Upload ``src_dir`` as ``version``: staging -> verify -> move in -> manifest last.
+
+        A no-op returning the existing manifest when the version is already published.
+        Raises :class:`ArtifactConflict` when another publisher won with different content.
+        """
+        check_version(version)
+        existing = self.read_manifest(version)
+        if existing is not None:
+            return existing
+        files, paths = scan_dir(Path(src_dir))
+        upload_id = f"{now_utc():%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+        staging = f"staging/{version}/{upload_id}"
+        try:
+            for f in files:
+                self.backend.upload(paths[f.path], f"{staging}/{f.path}", _file_progress(progress, f.path, f.size))
+            for f in files:
+                self.backend.verify_upload(paths[f.path], f"{staging}/{f.path}", f.sha256, f.size)
+            manifest = Manifest(engine_version=version, created_at=now_utc(), upload_id=upload_id,
+                                envelope=dict(envelope), files=files, total_size=sum(f.size for f in files),
+                                content_digest=Manifest.digest_of(files))
+            return self._move_in(version, staging, manifest)
+        finally:
+            self.backend.delete([o.key for o in self.backend.list(staging + "/")])
+
+    def _settle(self, winner: Manifest, mine: Manifest) -> Manifest:
+        if winner.content_digest == mine.content_digest:
+            return winner
+        raise ArtifactConflict(
+            f"{self.artifact_uri(winner.engine_version)}: already published with different content "
+            f"(content digest {winner.content_digest[:12]}, this upload {mine.content_digest[:12]}); "
+            f"remove it with `kiln cache rm {winner.engine_version}` to publish again")
+
+    def _move_in(self, version: str, staging: str, manifest: Manifest) -> Manifest:
+        base = f"engines/{version}"
+        claim_key = f"{base}/{CLAIM_NAME}"
+        claim = {"upload_id": manifest.upload_id, "content_digest": manifest.content_digest,
+                 "created_at": now_utc().isoformat()}
+        owns_claim = False
+        while True:
+            if (winner := self.read_manifest(version)) is not None:
+                return self._settle(winner, manifest)
+            if self.backend.create_exclusive(claim_key, _json_bytes(claim)):
+                owns_claim = True
+                break
+            other = _read_json(self.backend.read(claim_key))
+            if other is None:
+                continue  # the holder just finished or gave up: look again
+            if other.get("content_digest") == manifest.content_digest:
+                break  # byte-identical content: moving it in alongside the holder is harmless
+            if _claim_age(other) > self.claim_ttl:
+                self.backend.delete([claim_key])  # its publisher died mid-move: take over
+                continue
+            time.sleep(0.2)  # a different upload is moving in: wait for its manifest
+        try:
+            for f in manifest.files:
+                self.backend.promote(f"{staging}/{f.path}", f"{base}/{f.path}")
+            if owns_claim:
+                other = _read_json(self.backend.read(claim_key))
+                if other is not None and other.get("upload_id") != manifest.upload_id:
+                    raise StoreError(f"{self.artifact_uri(version)}: another publisher took over this "
+                                     f"version while it was being moved in (claim older than "
+                                     f"{self.claim_ttl}); publish again")
+            if self.backend.create_exclusive(f"{base}/{MANIFEST_NAME}", _json_bytes(manifest)):
+                return manifest
+            for _ in range(50):  # lost the race: the winner's manifest may still be landing (non-atomic fs)
+                if (winner := self.read_manifest(version)) is not None:
+                    return self._settle(winner, manifest)
+                time.sleep(0.1)
+            raise StoreError(f"{self.artifact_uri(version)}/{MANIFEST_NAME} exists but is not a valid "
+                             f"manifest; remove it with `kiln cache rm {version}`")
+        finally:
+            if owns_claim:
+                self.backend.delete([claim_key])
+
+    def delete(self, version: str) -> list[str]:
+        """Remove a version: manifest first (it vanishes atomically for readers), then its files."""
+        base = f"engines/{check_version(version)}"
+        objects = self.backend.list(base + "/")
+        if not objects:
+            raise self.not_found(version)
+        manifest_key = f"{base}/{MANIFEST_NAME}"
+        self.backend.delete([manifest_key])
+        rest = [o.key for o in objects if o.key != manifest_key]
+        self.backend.delete(rest)
+        return [manifest_key] + rest
+
+    def gc(self, staging_older_than: timedelta) -> list[str]:
+        """Remove staging uploads and manifest-less ``engines/<v>/`` files untouched for that long.
+
+        Returns the removed prefixes (``staging/<v>/<upload-id>/``, ``engines/<v>/``) and
+        any aborted S3 multipart uploads. The threshold must exceed the longest single upload.
+        """
+        cutoff = now_utc() - staging_older_than
+        removed: list[str] = []
+        groups: dict[str, list[ObjectInfo]] = {}
+        for o in self.backend.list("staging/"):
+            parts = o.key.split("/")
+            prefix = "/".join(parts[:3]) + "/" if len(parts) > 3 else o.key
+            groups.setdefault(prefix, []).append(o)
+        for name in self.backend.list_dirs("engines/"):
+            if not (VERSION_RE.match(name) and self.exists(name)):
+                groups[f"engines/{name}/"] = self.backend.list(f"engines/{name}/")
+        for prefix, objects in sorted(groups.items()):
+            if objects and max(o.modified for o in objects) < cutoff:
+                self.backend.delete([o.key for o in objects])
+                removed.append(prefix)
+        removed += self.backend.abort_uploads("staging/", cutoff)
+        return removed
+
+
+def parse_artifact_uri(uri: str, **backend_options: Any) -> tuple[ArtifactStore, str]:
+    """Inverse of :meth:`ArtifactStore.artifact_uri`: ``<store>/engines/<version>[?query]``."""
+    base, sep, query = uri.partition("?")
+    store_uri, marker, version = base.rstrip("/").rpartition("/engines/")
+    if not marker or not VERSION_RE.match(version):
+        raise StoreError(f"{uri}: not an artifact URI (expected <store>/engines/<version>, "
+                         f"e.g. s3://bucket/prefix/engines/llama-0123456789ab)")
+    return ArtifactStore.from_uri(store_uri + sep + query, **backend_options), version
+
+
+def _file_progress(progress: Progress | None, path: str, total: int) -> Callable[[int], None] | None:
+    """Adapt per-chunk byte counts from a backend to cumulative ``progress(path, done, total)``."""
+    if progress is None:
+        return None
+    done = 0
+    lock = threading.Lock()  # S3 multipart transfers report from several threads
+
+    def step(n: int) -> None:
+        nonlocal done
+        with lock:
+            done += n
+            progress(path, done, total)
+
+    return step
+
+
+def _replace_dir(tmp: Path, dest: Path) -> None:
+    """Move ``tmp`` to ``dest``; an existing ``dest`` is swapped out first, then removed."""
+    old = None
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+        dest.rename(old)
+    tmp.rename(dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    if isinstance(obj, BaseModel):
+        return obj.model_dump_json(indent=2).encode()
+    return json.dumps(obj, indent=2).encode()
+
+
+def _read_json(data: bytes | None) -> dict | None:
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _claim_age(claim: dict) -> timedelta:
+    try:
+        return now_utc() - datetime.fromisoformat(claim["created_at"])
+    except (KeyError, TypeError, ValueError):
+        return timedelta.max

@@ -1,0 +1,55 @@
+"""The few primitives an artifact-store backend provides (file:// and s3:// implement them).
+
+Keys are '/'-separated and relative to the store root. Policy (staging, claims,
+manifests, verification against the manifest) lives in :mod:`kiln.artifacts`;
+a backend only moves bytes and reports what it holds, translating its own
+failures into one-line :class:`kiln.artifacts.StoreError` messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+# Called with the number of bytes moved since the previous call.
+ByteCallback = Callable[[int], None]
+
+
+class ObjectInfo(NamedTuple):
+    key: str
+    size: int
+    modified: datetime  # timezone-aware UTC
+
+
+class Backend(Protocol):
+    uri: str  # canonical store URI without query, e.g. "s3://bucket/prefix" or "file:///abs/path"
+
+    def upload(self, local: Path, key: str, progress: ByteCallback | None) -> None: ...
+
+    def verify_upload(self, local: Path, key: str, sha256: str, size: int) -> None:
+        """Raise ArtifactCorrupt unless the stored object has exactly this size and sha256."""
+
+    def promote(self, src_key: str, dst_key: str) -> None:
+        """Move (or copy) a verified staging object to its published key, replacing any object there."""
+
+    def download(self, key: str, local: Path, progress: ByteCallback | None) -> None: ...
+
+    def read(self, key: str) -> bytes | None:
+        """The object's bytes, or None when it does not exist."""
+
+    def create_exclusive(self, key: str, data: bytes) -> bool:
+        """Create the object with ``data`` only if no object exists there; False if one does."""
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every object under ``prefix`` (recursively)."""
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names of the immediate 'subdirectories' under ``prefix``."""
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete these objects; missing ones are ignored."""
+
+    def abort_uploads(self, prefix: str, older_than: datetime) -> list[str]:
+        """Abort incomplete multipart uploads under ``prefix`` started before ``older_than``."""
