@@ -1,0 +1,213 @@
+"""Fetch a checkpoint from its source into a local directory, pinned and safetensors-only.
+
+Sources (``spec.model.source``):
+
+- ``hf://org/name`` — Hugging Face Hub. The revision (branch, tag or sha) is resolved
+  to a commit sha first and the download uses that sha, so the artifact records
+  exactly which weights it was built from. Token: ``HF_TOKEN`` (from the
+  ``credentialsSecret``). Only safetensors, config and tokenizer files are fetched.
+- ``s3://bucket/prefix`` — any S3-compatible store through boto3 (endpoint from
+  ``AWS_ENDPOINT_URL_S3``, credentials from the standard AWS variables).
+- ``file:///abs/path`` or ``file://./relative`` (relative to the working directory) and
+  ``pvc://claim/sub/path`` (mounted at ``$KILN_PVC_ROOT/claim``, default ``/models/claim``)
+  are used in place, read-only.
+
+Pickle checkpoints (``*.bin``, ``*.pt``) are refused: loading them runs arbitrary
+code, and so would ``trust_remote_code``, which kiln never sets.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.builder.errors import FetchError
+
+log = logging.getLogger("kiln.build.fetch")
+
+ALLOW_PATTERNS = [
+    "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+]
+PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt"]
+PVC_ROOT_ENV = "KILN_PVC_ROOT"
+
+
+@dataclass
+class Checkpoint:
+    """A fetched checkpoint directory and where it came from."""
+
+    path: Path
+    source: str
+    revision: str | None  # what the spec asked for
+    resolved_revision: str | None  # the commit sha (hf) or None where sources have no revisions
+    files: dict[str, int] = field(default_factory=dict)  # name -> bytes
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self.files.values())
+
+    def provenance(self) -> dict:
+        return {"source": self.source, "revision": self.revision, "resolved_revision": self.resolved_revision,
+                "files": dict(sorted(self.files.items()))}
+
+
+def _allowed(name: str) -> bool:
+    return "/" not in name and any(fnmatch.fnmatch(name, p) for p in ALLOW_PATTERNS)
+
+
+def _refuse_pickle_only(names: list[str], where: str) -> None:
+    has_safetensors = any(n.endswith(".safetensors") for n in names)
+    pickles = [n for n in names if any(fnmatch.fnmatch(n, p) for p in PICKLE_PATTERNS)]
+    if not has_safetensors:
+        if pickles:
+            raise FetchError(
+                f"spec.model.source: {where} has only pickle weights ({', '.join(sorted(pickles)[:3])}); kiln "
+                "loads safetensors only because unpickling runs arbitrary code. Convert the checkpoint to "
+                "safetensors (e.g. `model.save_pretrained(dir, safe_serialization=True)`) and point at that"
+            )
+        raise FetchError(f"spec.model.source: {where} has no *.safetensors weights; found: "
+                         f"{', '.join(sorted(names)[:8]) or 'nothing'}")
+    if "config.json" not in names:
+        raise FetchError(f"spec.model.source: {where} has no config.json; point at a Hugging Face checkpoint "
+                         "directory (config.json + *.safetensors + tokenizer files)")
+
+
+def local_path(source: str) -> Path:
+    """The directory a ``file://`` or ``pvc://`` source names (not checked)."""
+    if source.startswith("file://"):
+        rest = source[len("file://"):]
+        path = Path(rest).expanduser()
+        return path if path.is_absolute() else Path.cwd() / path
+    if source.startswith("pvc://"):
+        claim, _, sub = source[len("pvc://"):].partition("/")
+        root = Path(os.environ.get(PVC_ROOT_ENV, "/models"))
+        return root / claim / sub
+    raise ValueError(source)
+
+
+def _fetch_local(source: str, revision: str | None) -> Checkpoint:
+    path = local_path(source)
+    if not path.is_dir():
+        hint = (f" (pvc:// sources are read from ${PVC_ROOT_ENV}/<claim>, here {path.parent})"
+                if source.startswith("pvc://") else " (relative file:// paths are resolved against the "
+                f"working directory {Path.cwd()})")
+        raise FetchError(f"spec.model.source: {source} -> {path} is not a directory{hint}")
+    names = [p.name for p in path.iterdir() if p.is_file()]
+    _refuse_pickle_only(names, str(path))
+    files = {n: (path / n).stat().st_size for n in names if _allowed(n)}
+    log.info("using local checkpoint %s (%d files, %.1f MiB)", path, len(files), sum(files.values()) / 2**20)
+    return Checkpoint(path=path.resolve(), source=source, revision=revision, resolved_revision=None, files=files)
+
+
+class _Progress:
+    """Logs download progress at most every few seconds (boto3 calls this per chunk)."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total, self.what, self.done, self.last = max(total, 1), what, 0, 0.0
+
+    def __call__(self, num_bytes: int) -> None:
+        self.done += num_bytes
+        now = time.monotonic()
+        if now - self.last > 5 or self.done >= self.total:
+            self.last = now
+            log.info("fetch %s: %.1f/%.1f MiB (%.0f%%)", self.what, self.done / 2**20, self.total / 2**20,
+                     100 * self.done / self.total)
+
+
+def _fetch_s3(source: str, revision: str | None, dest: Path) -> Checkpoint:
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    bucket, _, prefix = source[len("s3://"):].partition("/")
+    prefix = prefix.strip("/")
+    if not bucket:
+        raise FetchError(f"spec.model.source: {source!r} names no bucket; use s3://bucket/prefix")
+    key_prefix = f"{prefix}/" if prefix else ""
+    try:
+        client = boto3.client("s3")
+        objects: dict[str, int] = {}
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix):
+            for obj in page.get("Contents", []):
+                objects[obj["Key"][len(key_prefix):]] = obj["Size"]
+        if not objects:
+            raise FetchError(f"spec.model.source: nothing under {source} (bucket {bucket}, prefix {key_prefix!r})")
+        names = [n for n in objects if "/" not in n]
+        _refuse_pickle_only(names, source)
+        wanted = {n: s for n, s in objects.items() if _allowed(n)}
+        progress = _Progress(sum(wanted.values()), source)
+        dest.mkdir(parents=True, exist_ok=True)
+        for name, size in sorted(wanted.items()):
+            target = dest / name
+            if target.exists() and target.stat().st_size == size:
+                progress(size)  # a retried Job reuses what it already downloaded
+                continue
+            tmp = target.with_name(target.name + ".part")
+            client.download_file(bucket, key_prefix + name, str(tmp), Callback=progress)
+            tmp.replace(target)
+    except FetchError:
+        raise
+    except NoCredentialsError:
+        raise FetchError(f"spec.model.source: no AWS credentials to read {source}; set AWS_ACCESS_KEY_ID/"
+                         "AWS_SECRET_ACCESS_KEY (spec.model.credentialsSecret)") from None
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "?")
+        raise FetchError(f"spec.model.source: cannot read {source}: S3 error {code}: "
+                         f"{exc.response.get('Error', {}).get('Message', '')}".rstrip(": ")) from None
+    except BotoCoreError as exc:
+        raise FetchError(f"spec.model.source: cannot reach S3 for {source}: {exc}") from None
+    log.info("fetched %d files (%.1f MiB) from %s", len(wanted), sum(wanted.values()) / 2**20, source)
+    return Checkpoint(path=dest, source=source, revision=revision, resolved_revision=None, files=wanted)
+
+
+def _fetch_hf(source: str, revision: str | None, dest: Path) -> Checkpoint:
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo_id = source[len("hf://"):].strip("/")
+    token = os.environ.get("HF_TOKEN") or None
+    try:
+        info = HfApi().model_info(repo_id, revision=revision or "main", token=token)
+        sha = info.sha
+        names = [s.rfilename for s in (info.siblings or []) if "/" not in s.rfilename]
+        _refuse_pickle_only(names, f"{source}@{sha}")
+        log.info("resolved %s@%s to commit %s", repo_id, revision or "main", sha)
+        path = snapshot_download(repo_id, revision=sha, token=token, local_dir=dest, allow_patterns=ALLOW_PATTERNS)
+    except FetchError:
+        raise
+    except GatedRepoError:
+        raise FetchError(f"spec.model.source: {source} is gated; accept its license on the Hub and give a token "
+                         "with access as HF_TOKEN (spec.model.credentialsSecret)") from None
+    except RepositoryNotFoundError:
+        raise FetchError(f"spec.model.source: {source} not found on the Hub (or private: set HF_TOKEN through "
+                         "spec.model.credentialsSecret)") from None
+    except RevisionNotFoundError:
+        raise FetchError(f"spec.model.revision: {revision!r} is not a branch, tag or commit of {repo_id}") from None
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+        raise FetchError(f"spec.model.source: cannot download {source}: {str(exc).splitlines()[0]}") from None
+    path = Path(path)
+    files = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file() and _allowed(p.name)}
+    return Checkpoint(path=path, source=source, revision=revision, resolved_revision=sha, files=files)
+
+
+def fetch_checkpoint(source: str, revision: str | None, work_dir: Path) -> Checkpoint:
+    """Fetch ``source`` (downloading into ``work_dir/checkpoint`` when remote)."""
+    dest = work_dir / "checkpoint"
+    if source.startswith(("file://", "pvc://")):
+        return _fetch_local(source, revision)
+    if source.startswith("s3://"):
+        return _fetch_s3(source, revision, dest)
+    if source.startswith("hf://"):
+        return _fetch_hf(source, revision, dest)
+    raise FetchError(f"spec.model.source: unsupported scheme in {source!r}; use hf://, s3://, file:// or pvc://")

@@ -1,0 +1,158 @@
+"""The quality gate: does the converted engine still compute the source model?
+
+Two measurements on calibration prompts (``spec.build.calibrationPrompts`` or the
+built-in :data:`CALIBRATION_PROMPTS`), both against the source checkpoint run by
+transformers in float32, the definition of correct:
+
+1. Teacher-forced, full vocabulary: the converted weights (dequantized, in the
+   envelope's dtype) in the same transformers architecture, over the same tokens.
+   Per position: KL(source || converted) of the next-token distributions, and
+   whether both argmaxes agree. Also perplexity of both on the text.
+2. The runtime itself (when the engine can load the staged artifact): greedy
+   continuations of each prompt by ``LLM.from_artifact``; the source model, fed
+   the same sequence, must pick the same next token at every generated position.
+
+The gate fails when the mean KL exceeds ``qualityGate.maxKLDivergence`` or the
+greedy agreement (the runtime's when measured, else the teacher-forced one) is
+below ``qualityGate.minTokenAgreement``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("kiln.build.quality")
+
+CALIBRATION_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the old wooden fence.",
+    "In 1969, two astronauts landed on the Moon and spent about twenty-one hours on its surface.",
+    "To make bread, mix flour, water, salt and yeast, knead the dough, let it rise, then bake it until golden.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+    "The mitochondria is the part of the cell that turns nutrients into energy the cell can use.",
+    "Dear team, the release is scheduled for Thursday; please finish your reviews by Wednesday noon.",
+    "A paged KV cache stores attention keys and values in fixed-size blocks so memory is not wasted.",
+    "Rain fell all night over the harbour, and by morning the fishing boats had returned to shore.",
+]
+DEFAULT_MAX_KL = 0.05
+DEFAULT_MIN_AGREEMENT = 0.9
+MAX_TOKENS_PER_PROMPT = 128
+RUNTIME_NEW_TOKENS = 12
+
+
+def load_source_model(checkpoint_dir: Path, device: str = "cpu"):
+    """The checkpoint in float32 through transformers; remote code is never trusted."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(checkpoint_dir), dtype=torch.float32, trust_remote_code=False, use_safetensors=True
+    )
+    return model.to(device).eval()
+
+
+def load_converted_model(source, weights: dict[str, torch.Tensor], dtype: str):
+    """A copy of the source model's architecture holding the converted (dequantized) weights in ``dtype``."""
+    import copy
+
+    model = copy.deepcopy(source).to(getattr(torch, dtype))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"converted weights do not match the architecture: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    return model.eval()
+
+
+def tokenize_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = tokenizer(p, add_special_tokens=True)["input_ids"][:MAX_TOKENS_PER_PROMPT]
+        if len(ids) >= 2:
+            out.append(ids)
+    if not out:
+        raise ValueError("calibration prompts are all shorter than two tokens")
+    return out
+
+
+@torch.inference_mode()
+def _log_probs(model, ids: list[int]) -> torch.Tensor:
+    device = next(model.parameters()).device
+    logits = model(torch.tensor([ids], device=device)).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).cpu()
+
+
+def teacher_forced_metrics(source, converted, token_lists: list[list[int]]) -> dict[str, Any]:
+    """Mean per-position KL(source || converted), argmax agreement and both perplexities."""
+    kl_sum = agree = positions = 0.0
+    nll_src = nll_conv = 0.0
+    targets = 0
+    for ids in token_lists:
+        lp_src, lp_conv = _log_probs(source, ids), _log_probs(converted, ids)
+        kl = (lp_src.exp() * (lp_src - lp_conv)).sum(-1).clamp(min=0)
+        kl_sum += kl.sum().item()
+        agree += (lp_src.argmax(-1) == lp_conv.argmax(-1)).sum().item()
+        positions += len(ids)
+        nxt = torch.tensor(ids[1:])
+        nll_src -= lp_src[:-1].gather(1, nxt[:, None]).sum().item()
+        nll_conv -= lp_conv[:-1].gather(1, nxt[:, None]).sum().item()
+        targets += len(ids) - 1
+    return {
+        "kl_divergence": kl_sum / positions, "teacher_forced_agreement": agree / positions,
+        "num_positions": int(positions), "perplexity_source": math.exp(nll_src / targets),
+        "perplexity_converted": math.exp(nll_conv / targets),
+    }
+
+
+@torch.inference_mode()
+def runtime_agreement(llm, source, token_lists: list[list[int]], max_new_tokens: int = RUNTIME_NEW_TOKENS
+                      ) -> dict[str, Any]:
+    """Greedy continuations by the runtime, checked token by token against the source's argmax."""
+    from kiln.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    outs = llm.generate(token_lists, params)
+    agree = total = exact = 0
+    for ids, out in zip(token_lists, outs, strict=True):
+        gen = list(out.token_ids)
+        lp = _log_probs(source, ids + gen)
+        predicted = lp[len(ids) - 1: len(ids) - 1 + len(gen)].argmax(-1).tolist()
+        agree += sum(int(a == b) for a, b in zip(predicted, gen, strict=True))
+        total += len(gen)
+        exact += int(predicted == gen)
+    return {"runtime_token_agreement": agree / max(total, 1), "runtime_num_tokens": total,
+            "runtime_sequences_identical": exact, "runtime_num_sequences": len(token_lists)}
+
+
+def thresholds(spec) -> tuple[float, float]:
+    gate = getattr(spec.build, "quality_gate", None)
+    max_kl = getattr(gate, "max_kl_divergence", None)
+    min_agree = getattr(gate, "min_token_agreement", None)
+    return (DEFAULT_MAX_KL if max_kl is None else float(max_kl),
+            DEFAULT_MIN_AGREEMENT if min_agree is None else float(min_agree))
+
+
+def judge(metrics: dict[str, Any], max_kl: float, min_agreement: float) -> dict[str, Any]:
+    """Add the verdict to ``metrics``: the gated agreement and whether both limits hold."""
+    agreement = metrics.get("runtime_token_agreement", metrics["teacher_forced_agreement"])
+    if "runtime_token_agreement" in metrics:
+        agreement = min(agreement, metrics["teacher_forced_agreement"])
+    passed = metrics["kl_divergence"] <= max_kl and agreement >= min_agreement
+    return {**metrics, "token_agreement": agreement, "max_kl_divergence": max_kl,
+            "min_token_agreement": min_agreement, "passed": passed}
+
+
+def failure_message(verdict: dict[str, Any]) -> str:
+    parts = []
+    if verdict["kl_divergence"] > verdict["max_kl_divergence"]:
+        parts.append(f"KL divergence {verdict['kl_divergence']:.3g} > "
+                     f"spec.build.qualityGate.maxKLDivergence {verdict['max_kl_divergence']}")
+    if verdict["token_agreement"] < verdict["min_token_agreement"]:
+        parts.append(f"greedy token agreement {verdict['token_agreement']:.3f} < "
+                     f"spec.build.qualityGate.minTokenAgreement {verdict['min_token_agreement']}")
+    return ("quality gate failed: " + "; ".join(parts) +
+            f" (over {verdict['num_positions']} calibration positions; nothing was published). Use a "
+            "higher-precision dtype/quantization, or relax spec.build.qualityGate if this drift is acceptable")
