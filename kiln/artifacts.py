@@ -30,6 +30,7 @@ naming the store and the fix; CLIs print it and exit 3.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -64,7 +65,7 @@ from kiln.storage import Backend, ObjectInfo
 __all__ = [
     "ArtifactConflict", "ArtifactCorrupt", "ArtifactNotFound", "ArtifactStore", "HASH_CHUNK", "MANIFEST_NAME",
     "MANIFEST_SCHEMA_VERSION", "Manifest", "ManifestFile", "Progress", "StoreError", "check_version",
-    "file_sha256", "parse_artifact_uri",
+    "default_store_uri", "file_sha256", "parse_artifact_uri",
 ]
 
 # progress(relative_path, bytes_done, bytes_total), called repeatedly per file.
@@ -277,6 +278,14 @@ class ArtifactStore:
                 removed.append(prefix)
         removed += self.backend.abort_uploads("staging/", cutoff)
         return removed
+
+
+def default_store_uri() -> str:
+    """``$KILN_STORE``, else a file:// store under the user's cache dir (what ``kiln up`` uses)."""
+    if uri := os.environ.get("KILN_STORE", "").strip():
+        return uri
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return f"file://{(base / 'kiln' / 'store').absolute().as_posix()}"
 
 
 def parse_artifact_uri(uri: str, **backend_options: Any) -> tuple[ArtifactStore, str]:
