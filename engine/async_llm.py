@@ -1,0 +1,184 @@
+"""AsyncLLM: the engine's step loop in a background thread, one async stream per request.
+
+The loop thread owns the ``LLMEngine``; the event loop only validates requests
+(synchronously, so a bad request raises in the caller) and posts commands
+(add, abort) to a queue the thread drains before every step. Each step's
+tokens are handed back to the event loop with ``call_soon_threadsafe``. Torch
+releases the GIL inside its kernels, so the event loop stays responsive while
+a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from kiln.engine.config import EngineConfig
+from kiln.engine.errors import RequestError
+from kiln.engine.llm_engine import LLMEngine, StepUpdate
+from kiln.engine.outputs import EngineStats, StreamDelta
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sequence import Request
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; every open stream gets this error."""
+
+
+class AsyncLLM:
+    def __init__(self, model: str | Path | None = None, *, engine_config: EngineConfig | None = None,
+                 **kwargs: Any) -> None:
+        if engine_config is None:
+            if model is None:
+                raise TypeError("AsyncLLM() needs a model directory")
+            engine_config = EngineConfig(model=str(model), **kwargs)
+        self.engine_config = engine_config
+        self.engine = LLMEngine(engine_config)
+        self.tokenizer = self.engine.tokenizer
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+
+    @classmethod
+    def from_artifact(cls, artifact_dir: str | Path, **overrides: Any) -> AsyncLLM:
+        from kiln.engine.artifact import artifact_engine_config
+
+        return cls(engine_config=artifact_engine_config(artifact_dir, **overrides))
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kiln-engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        for rid in list(self._streams):
+            self._end_stream(rid, "abort")
+        self.engine.shutdown()
+
+    async def __aenter__(self) -> AsyncLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._error is None
+
+    # -- requests ---------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Validate and queue at once (RequestError raises here); iterate the result for deltas."""
+        if self._thread is None or self._loop is None:
+            raise RuntimeError("AsyncLLM is not started: await engine.start() or use `async with`")
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._error!r}")
+        if request_id is not None and request_id in self._streams:
+            raise RequestError("request_id", f"request_id {request_id!r} is already in use")
+        req = self.engine.make_request(prompt, params, request_id)
+        if req.request_id in self._streams:
+            raise RequestError("request_id", f"request_id {req.request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[req.request_id] = stream
+        self._commands.put(("add", req))
+        self._wakeup.set()
+        return self._iterate(req.request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[StreamDelta]:
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the consumer went away: stop spending compute on it
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed before the next step and its stream ends with "abort"."""
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # -- the loop thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                for update in self.engine.step():
+                    self._publish(update)
+        except BaseException as e:  # noqa: BLE001 - every stream must learn the loop died
+            self._error = e
+            err = EngineDeadError(f"the engine loop failed: {e!r}")
+            for rid in list(self._streams):
+                self._post(rid, err)
+        finally:
+            for req in list(self.engine.requests.values()):
+                self.engine.abort(req.request_id)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.engine.add(arg)
+            elif kind == "abort":
+                req = self.engine.abort(arg)
+                if req is not None:
+                    self._post(arg, self._delta(req, [], "", None, "abort"))
+
+    def _publish(self, u: StepUpdate) -> None:
+        reason = u.request.finish_reason if u.finished else None
+        self._post(u.request.request_id, self._delta(u.request, u.new_token_ids, u.text_delta, u.logprobs, reason))
+
+    @staticmethod
+    def _delta(req: Request, ids: list[int], text: str, logprobs, reason: str | None) -> StreamDelta:
+        return StreamDelta(req.request_id, ids, text, reason, logprobs, req.num_prompt_tokens,
+                           req.num_output_tokens, req.num_cached_tokens)
+
+    def _post(self, request_id: str, item: StreamDelta | BaseException) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+
+    def _deliver(self, request_id: str, item: StreamDelta | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        stream.put_nowait(item)
+        if isinstance(item, BaseException) or item.finish_reason is not None:
+            del self._streams[request_id]
+
+    def _end_stream(self, request_id: str, reason: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put_nowait(StreamDelta(request_id, [], "", reason, None, 0, 0, 0))

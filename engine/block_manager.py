@@ -1,0 +1,138 @@
+"""The paged KV pool's bookkeeping: which block holds what, who uses it, what can be reused.
+
+Blocks are reference counted. A full block whose tokens are computed gets a
+chained hash (parent block's hash + its own tokens) and is registered in the
+prefix cache; a later request whose leading blocks hash the same, *and* whose
+tokens equal the stored ones, shares the block instead of recomputing it.
+A block whose count drops to zero goes to the back of the free queue but keeps
+its contents and hash, so it can still be hit until it is handed out again
+(LRU eviction: blocks are taken from the front). Requests free their blocks
+tail first, so the tails of prefixes are evicted before their heads.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kiln.engine.sequence import Request
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up at first admission
+        self.prefix_cache_hits = 0     # of those, tokens found in the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_blocks(self, req: Request) -> list[int]:
+        """Leading blocks of ``req`` already in the cache; always leaves the last token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = None
+        bs = self.block_size
+        for i in range((req.num_tokens - 1) // bs):
+            tokens = tuple(req.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def can_allocate(self, req: Request, cached: list[int], num_new_tokens: int) -> bool:
+        """Whether ``req`` (no blocks yet) can take ``cached`` plus blocks for ``num_new_tokens`` more."""
+        reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        needed = self.blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
+        return needed <= self.num_free_blocks - reclaimed
+
+    def allocate(self, req: Request, cached: list[int], num_new_tokens: int) -> None:
+        """Give a newly admitted request its cached prefix blocks and fresh blocks for its first chunk."""
+        assert not req.block_table
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            req.block_table.append(block_id)
+        req.num_hashed_blocks = len(cached)
+        req.num_computed_tokens = len(cached) * self.block_size
+        if req.num_preemptions == 0 and self.enable_prefix_caching:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += req.num_computed_tokens
+            req.num_cached_tokens = req.num_computed_tokens
+        self.append_slots(req, num_new_tokens)
+
+    def can_append(self, req: Request, num_new_tokens: int) -> bool:
+        needed = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
+        return needed <= self.num_free_blocks
+
+    def append_slots(self, req: Request, num_new_tokens: int) -> None:
+        """Grow ``req``'s block table to hold ``num_new_tokens`` more tokens."""
+        needed = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
+        for _ in range(needed):
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict the cached contents this block held
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            req.block_table.append(block_id)
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the blocks that became full and computed this step in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens, req.num_tokens) // bs
+        parent = self.blocks[req.block_table[req.num_hashed_blocks - 1]].hash if req.num_hashed_blocks else None
+        for i in range(req.num_hashed_blocks, num_full):
+            block = self.blocks[req.block_table[i]]
+            tokens = tuple(req.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block.hash, block.token_ids = h, tokens
+            self.hash_to_block.setdefault(h, block.block_id)
+            parent = h
+        req.num_hashed_blocks = max(req.num_hashed_blocks, num_full)
+
+    def free(self, req: Request) -> None:
+        """Release ``req``'s blocks, tail first (see module docstring)."""
+        for block_id in reversed(req.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    # Uncached contents are worthless: hand these out before cached ones.
+                    self.free_block_ids[block_id] = None
+                    self.free_block_ids.move_to_end(block_id, last=False)
+                else:
+                    self.free_block_ids[block_id] = None
+        req.block_table = []
+        req.num_hashed_blocks = 0

@@ -1,0 +1,119 @@
+"""EngineConfig: the engine's limits, resolved from the model's config.json and LLM(...) kwargs.
+
+Every check names the keyword argument to change, so a bad setting fails at
+construction with a message instead of a traceback deep in a step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.engine.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "int8", "fp8")
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model directory {model_dir} has no config.json")
+    return json.loads(path.read_text())
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048
+    max_seq_len: int | None = None
+    max_input_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    device: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+    cuda_graph_batch_sizes: list[int] | None = None
+    enforce_eager: bool = False
+    weights_dir: str | None = None  # per-rank engine weights (artifact); None = load the HF checkpoint
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        import torch
+
+        if not self.hf_config:
+            self.hf_config = read_hf_config(Path(self.model))
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        model_max = int(self.hf_config.get("max_position_embeddings") or 2048)
+        if self.max_seq_len is None:
+            self.max_seq_len = model_max
+        if self.max_input_len is None:
+            self.max_input_len = self.max_seq_len - 1
+        if self.quantization in ("none", ""):
+            self.quantization = None
+        checks = [
+            ("dtype", self.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
+            ("quantization", self.quantization in QUANTIZATIONS, "must be None, 'int8' or 'fp8'"),
+            ("kv_cache_dtype", self.kv_cache_dtype in ("auto", *DTYPES), f"must be 'auto' or one of {', '.join(DTYPES)}"),
+            ("device", self.device in ("cpu", "cuda"), "must be 'cpu' or 'cuda'"),
+            ("device", self.device != "cuda" or torch.cuda.is_available(), "is 'cuda' but no CUDA device is visible"),
+            ("max_batch_size", self.max_batch_size >= 1, "must be >= 1"),
+            ("max_num_tokens", self.max_num_tokens >= self.max_batch_size,
+             f"must be >= max_batch_size ({self.max_batch_size}) so every running request can decode each step"),
+            ("max_seq_len", 2 <= self.max_seq_len <= model_max,
+             f"must be in [2, {model_max}] (the model's max_position_embeddings)"),
+            ("max_input_len", 1 <= self.max_input_len < self.max_seq_len,
+             f"must be >= 1 and < max_seq_len ({self.max_seq_len})"),
+            ("block_size", self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             "must be a power of two"),
+            ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1"),
+            ("kv_memory_fraction", 0 < self.kv_memory_fraction <= 1, "must be in (0, 1]"),
+            ("tensor_parallel_size", self.tensor_parallel_size in (1, 2, 4, 8), "must be 1, 2, 4 or 8"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"{name} {rule}, got {getattr(self, name)!r}")
+        heads = self.hf_config.get("num_attention_heads", 1)
+        kv_heads = self.hf_config.get("num_key_value_heads") or heads
+        tp = self.tensor_parallel_size
+        if heads % tp or kv_heads % tp:
+            raise ConfigError(f"tensor_parallel_size {tp} must divide the model's attention heads ({heads}) "
+                              f"and KV heads ({kv_heads})")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    @property
+    def kv_torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype)
+
+    def eos_token_ids(self, tokenizer: Any = None) -> list[int]:
+        """EOS ids from config.json, generation_config.json and the tokenizer, deduplicated."""
+        ids: list[int] = []
+
+        def add(v: Any) -> None:
+            for x in v if isinstance(v, list) else [v]:
+                if isinstance(x, int) and x not in ids:
+                    ids.append(x)
+
+        add(self.hf_config.get("eos_token_id"))
+        gen = Path(self.model) / "generation_config.json"
+        if gen.is_file():
+            add(json.loads(gen.read_text()).get("eos_token_id"))
+        if tokenizer is not None:
+            add(getattr(tokenizer, "eos_token_id", None))
+        return ids

@@ -1,0 +1,49 @@
+"""The KV pool tensors: one [2, layers, blocks, block_size, kv_heads, head_dim] allocation.
+
+Its size is ``num_kv_blocks`` when given; otherwise what ``kv_memory_fraction``
+of the free device memory holds (RAM on CPU), capped at what
+``max_batch_size`` requests of ``max_seq_len`` tokens could ever use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from kiln.engine.config import EngineConfig
+from kiln.engine.layers.attention import Attention
+from torch import nn
+
+
+def bytes_per_block(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    elem = torch.empty(0, dtype=config.kv_torch_dtype).element_size()
+    return 2 * num_layers * config.block_size * num_kv_heads * head_dim * elem
+
+
+def free_memory_bytes(device: str) -> int:
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return free
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 4 << 30
+
+
+def plan_num_blocks(config: EngineConfig, block_bytes: int) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    useful = config.max_batch_size * -(-config.max_seq_len // config.block_size)
+    affordable = int(free_memory_bytes(config.device) * config.kv_memory_fraction) // block_bytes
+    return max(1, min(useful, affordable))
+
+
+def allocate_kv_cache(model: nn.Module, config: EngineConfig, num_blocks: int) -> torch.Tensor:
+    """Allocate the pool and bind each attention layer's views of it."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    a = layers[0]
+    cache = torch.zeros(2, len(layers), num_blocks, config.block_size, a.num_kv_heads, a.head_dim,
+                        dtype=config.kv_torch_dtype, device=config.device)
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+    return cache

@@ -1,0 +1,88 @@
+"""Attention over the paged KV cache, for a packed batch of decodes and prefill chunks.
+
+The model runner packs each step's tokens with single-token rows ("decodes",
+which includes the last token of a chunked prefill) first, then multi-token
+prefill chunks, and publishes an ``AttentionMetadata`` for the step. Every
+layer first writes its new K/V into the cache slots of ``slot_mapping``, then
+reads each sequence's whole context back from its blocks:
+
+- single-token rows run as one batched SDPA over ``k_cache[block_tables]``,
+  with a padding mask built once per step;
+- each prefill chunk runs its own SDPA over its gathered blocks, with the
+  causal mask offset by the tokens already in the cache (prefix hits and
+  earlier chunks), or plain ``is_causal`` when the chunk is the whole context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int           # offset of the chunk's first token in the packed batch
+    q_len: int             # tokens computed this step
+    ctx_len: int           # tokens in the cache after this step (cached + chunk)
+    block_ids: torch.Tensor  # the blocks holding the first ctx_len tokens
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when q_len == ctx_len (plain causal)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                 # [num_tokens] cache slot of each new token
+    num_decode_tokens: int = 0                 # leading single-token rows
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+_metadata: AttentionMetadata | None = None
+
+
+def set_attention_metadata(md: AttentionMetadata | None) -> None:
+    global _metadata
+    _metadata = md
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    assert _metadata is not None, "model called outside ModelRunner.run (no attention metadata)"
+    return _metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], bound by the runner
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, d]; k, v: [T, kv_heads, d] -> [T, heads * d]."""
+        md = get_attention_metadata()
+        num_blocks, block_size = self.k_cache.shape[:2]
+        k_flat = self.k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        v_flat = self.v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, md.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, md.slot_mapping, v.to(v_flat.dtype))
+        out = torch.empty_like(q)
+        gqa = self.num_heads != self.num_kv_heads
+        nd = md.num_decode_tokens
+        if nd:
+            bt = md.decode_block_tables
+            keys = self.k_cache[bt].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [D, kvh, ctx, d]
+            vals = self.v_cache[bt].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, vals, attn_mask=md.decode_mask,
+                                               scale=self.scale, enable_gqa=gqa)
+            out[:nd] = o.squeeze(2)
+        for p in md.prefills:
+            qs = q[p.q_start: p.q_start + p.q_len].transpose(0, 1)
+            keys = self.k_cache[p.block_ids].flatten(0, 1)[: p.ctx_len].transpose(0, 1).to(q.dtype)
+            vals = self.v_cache[p.block_ids].flatten(0, 1)[: p.ctx_len].transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=p.mask, is_causal=p.mask is None,
+                                               scale=self.scale, enable_gqa=gqa)
+            out[p.q_start: p.q_start + p.q_len] = o.transpose(0, 1)
+        return out.flatten(1)

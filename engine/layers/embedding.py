@@ -1,0 +1,44 @@
+"""Vocab-parallel token embedding and LM head: each rank holds a contiguous slice of the vocabulary.
+
+The vocabulary is padded up to a multiple of the tensor-parallel size; padded
+rows are zero and their logits are cut off after the all-gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from kiln.engine import parallel
+from torch import nn
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = parallel.tp_rank(), parallel.tp_size()
+        self.num_embeddings = num_embeddings
+        self.shard_size = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = max(0, min(self.shard_size, self.num_embeddings - self.vocab_start))
+        param.data.zero_()
+        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mask = (local >= 0) & (local < self.shard_size)
+        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return parallel.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the full vocabulary (all-gathered from each rank's slice)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = F.linear(hidden, self.weight)
+        return parallel.all_gather_last_dim(logits)[..., : self.num_embeddings]

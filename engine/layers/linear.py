@@ -1,0 +1,153 @@
+"""Linear layers that know their tensor-parallel shard, and weight-only quantization.
+
+Each parameter carries a ``weight_loader(param, tensor, shard_id=None)`` that
+copies *its* slice of a full checkpoint tensor, so loading is data-driven
+(see ``weights.py``): column-parallel layers split the output dimension,
+row-parallel layers split the input dimension and all-reduce their output,
+and the fused ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` place each
+checkpoint tensor (``shard_id`` q/k/v or 0/1) at its offset in the fused weight.
+
+Weight-only quantization (``int8`` / ``fp8``): ``weight`` holds int8 or
+float8_e4m3fn values and ``weight_scale`` one float32 scale per output channel;
+the forward pass dequantizes on the fly into the activation dtype (no fp8
+matmul kernels are assumed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from kiln.engine import parallel
+from torch import nn
+
+QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def quantize_weight(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric quantization of a [out, in] weight -> (q, float32 scale[out])."""
+    if method not in QUANT_DTYPES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANT_DTYPES)}, got {method!r}")
+    w32 = w.to(torch.float32)
+    scale = (w32.abs().amax(dim=1) / _QMAX[method]).clamp(min=1e-12)
+    scaled = w32 / scale[:, None]
+    if method == "int8":
+        q = scaled.round().clamp(-127, 127).to(torch.int8)
+    else:
+        q = scaled.clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
+    return n // d
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b over this rank's shard of W."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = parallel.tp_rank(), parallel.tp_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+        self.weight_scale: nn.Parameter | None = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded)
+
+    @property
+    def quantization(self) -> str | None:
+        if self.weight_scale is None:
+            return None
+        return "int8" if self.weight.dtype == torch.int8 else "fp8"
+
+    def quantize_(self, method: str) -> None:
+        """Replace the loaded float weight by its quantized form (runtime quantization)."""
+        q, scale = quantize_weight(self.weight.data, method)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def make_quantized_(self, method: str) -> None:
+        """Empty quantized parameters to receive a pre-quantized (artifact) state dict."""
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=QUANT_DTYPES[method]), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(self.weight.shape[0]), requires_grad=False)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, bias)
+        w = self.weight.to(x.dtype) * self.weight_scale.to(x.dtype)[:, None]
+        return F.linear(x, w, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    """Splits the output dimension; each rank produces its slice of the output."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, _divide(output_size, parallel.tp_size(), "output size"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.data.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused into one weight (gate and up projections)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; each rank holds its query heads and their KV heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        tp = parallel.tp_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
+        output_size = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Splits the input dimension; partial products are summed across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(_divide(input_size, parallel.tp_size(), "input size"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.data.dim() == 1:  # bias: added once, after the reduction
+            param.data.copy_(loaded)
+            return
+        size = param.data.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = parallel.all_reduce(self._linear(x, None))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,118 @@
+"""Rotary position embeddings with the scaling variants Llama-family configs use.
+
+The cos/sin tables are computed once for every position up to the engine's
+max_seq_len, exactly as transformers computes them (same inverse frequencies,
+same float32 outer product), so fp32 results match Hugging Face bit for bit.
+`dynamic` scaling follows vLLM: the table is computed once for the scaled
+context, not re-derived from the longest sequence of each forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Both config forms: transformers 5 ``rope_parameters`` and older ``rope_theta`` + ``rope_scaling``."""
+    params = dict(hf_config.get("rope_parameters") or {})
+    if not params:
+        params = dict(hf_config.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    params["rope_type"] = rope_type
+    return params
+
+
+def _yarn(inv_freq_base: torch.Tensor, dim: int, base: float, p: dict[str, Any], max_pos: int):
+    factor = p["factor"]
+    orig = p.get("original_max_position_embeddings") or max_pos
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = get_mscale(factor, p["mscale"]) / get_mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def compute_inv_freq(head_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, attention scaling) for one rope config."""
+    base = float(params["rope_theta"])
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / params["factor"], 1.0
+    if rope_type == "dynamic":
+        factor = params["factor"]
+        orig = params.get("original_max_position_embeddings") or max_position
+        seq_len = max(max_position, orig)
+        if seq_len > orig:
+            base = base * ((factor * seq_len / orig) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)), 1.0
+    if rope_type == "llama3":
+        factor, low_ff, high_ff = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low_ff, old_len / high_ff
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn(inv_freq, dim, base, params, max_position)
+    raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, dynamic, llama3, yarn)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotate-half RoPE to packed q/k of shape [num_tokens, heads, head_dim]."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        inv_freq, scaling = compute_inv_freq(head_dim, params, max_position)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # Not persistent: derived from the config, never part of a checkpoint.
+        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+        self.rotary_dim = emb.shape[-1]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated * sin
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)

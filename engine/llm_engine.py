@@ -1,0 +1,194 @@
+"""LLMEngine: requests in, one step at a time, tokens out. The core both LLM and AsyncLLM drive.
+
+``step()`` is three calls: ``scheduler.schedule()`` -> ``runner.run()`` ->
+``_postprocess()``; the last one appends the sampled tokens, detokenizes,
+applies the stop rules and returns finished requests' blocks at once.
+Requests are validated (``make_request``) before they reach the queue, so a
+request that could never run fails its caller and never blocks the queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.config import EngineConfig
+from kiln.engine.errors import RequestError
+from kiln.engine.model_runner import ModelRunner
+from kiln.engine.outputs import EngineStats
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.scheduler import Scheduler
+from kiln.engine.sequence import Request
+from kiln.engine.stopping import make_detokenizer, stop_reason
+
+
+@dataclass
+class StepUpdate:
+    """What one step did to one request: the tokens it gained and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    text_delta: str
+    logprobs: list[dict[int, float]] | None
+    finished: bool
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = config.eos_token_ids(self.tokenizer)
+        self.vocab_size = int(config.hf_config["vocab_size"])
+        self.workers = []
+        if config.tensor_parallel_size > 1:
+            from kiln.engine.tp_worker import start_workers
+
+            self.workers = start_workers(config)
+        self.runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_tokens)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = self.num_computed_tokens = self.num_generated_tokens = 0
+        self.sum_running = 0
+        self.sum_kv_usage = 0.0
+
+    # -- requests -------------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Request:
+        """Validate and build a request without queueing it; raises RequestError naming the input."""
+        cfg = self.config
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError("sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text = prompt
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError("prompt", f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:3]}")
+        else:
+            raise RequestError("prompt", "prompt must be a string or a list of token ids")
+        if not ids:
+            raise RequestError("prompt", "prompt is empty; give at least one token")
+        n = len(ids)
+        if n > cfg.max_input_len:
+            raise RequestError("prompt", f"prompt has {n} tokens, more than max_input_len ({cfg.max_input_len})")
+        max_tokens = cfg.max_seq_len - n if params.max_tokens is None else params.max_tokens
+        if n + max_tokens > cfg.max_seq_len:
+            raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len "
+                                             f"({cfg.max_seq_len}); lower max_tokens to {cfg.max_seq_len - n} or less")
+        if max_tokens < params.min_tokens:
+            raise RequestError("min_tokens", f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens "
+                                             f"that fit max_seq_len ({cfg.max_seq_len})")
+        # The last sampled token is never fed back, so the cache holds at most n + max_tokens - 1 tokens.
+        blocks = self.block_manager.blocks_needed(n + max_tokens - 1)
+        if blocks > self.block_manager.num_blocks:
+            which = "prompt" if self.block_manager.blocks_needed(n) > self.block_manager.num_blocks else "max_tokens"
+            raise RequestError(which, f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks "
+                                      f"but the pool has {self.block_manager.num_blocks} "
+                                      f"(num_kv_blocks x block_size {cfg.block_size}); lower max_tokens or grow the pool")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif request_id in self.requests:
+            raise RequestError("request_id", f"request_id {request_id!r} is already in use")
+        req = Request(request_id, text, ids, params, max_tokens, eos_token_ids=self.eos_token_ids)
+        req.detokenizer = make_detokenizer(self.tokenizer, ids, params)
+        return req
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise RequestError("request_id", f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request with reason "abort" and free its blocks now; None if unknown/finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        req.finished_time = time.time()
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[StepUpdate]:
+        decision = self.scheduler.schedule()
+        if not decision.scheduled:
+            return []
+        self.num_steps += 1
+        self.num_computed_tokens += decision.num_tokens
+        self.sum_running += len(decision.scheduled)
+        sampled, out = self.runner.run(decision.scheduled)
+        for req, n in decision.scheduled:
+            req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req)
+        self.sum_kv_usage += self.kv_usage()
+        return self._postprocess(sampled, out)
+
+    def _postprocess(self, sampled: list[Request], out) -> list[StepUpdate]:
+        if out is None:
+            return []
+        token_ids = out.token_ids.tolist()
+        lp = top_ids = top_lp = None
+        if out.logprobs is not None:
+            lp, top_ids, top_lp = out.logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+        now = time.time()
+        updates = []
+        for i, (req, tok) in enumerate(zip(sampled, token_ids, strict=True)):
+            req.token_ids.append(tok)
+            self.num_generated_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            step_lp = None
+            if req.logprobs is not None and lp is not None:
+                k = req.params.logprobs or 0
+                entry = dict(zip(top_ids[i][:k], top_lp[i][:k], strict=True))
+                entry[tok] = lp[i]
+                req.logprobs.append(entry)
+                step_lp = [entry]
+            det = req.detokenizer.append([tok])
+            reason = stop_reason(req, tok, det.stop_string_hit)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                self.requests.pop(req.request_id, None)
+                req.finished_time = now
+            updates.append(StepUpdate(req, [tok], det.text_delta, step_lp, reason is not None))
+        return updates
+
+    # -- introspection --------------------------------------------------------------------
+    def kv_usage(self) -> float:
+        bm = self.block_manager  # every block with a reference is off the free queue
+        return 1.0 - bm.num_free_blocks / bm.num_blocks
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.kv_usage(), num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+            num_computed_tokens=self.num_computed_tokens, num_generated_tokens=self.num_generated_tokens,
+            sum_running=self.sum_running, sum_kv_usage=self.sum_kv_usage,
+        )
+
+    def shutdown(self) -> None:
+        if self.workers:
+            from kiln.engine.tp_worker import stop_workers
+
+            stop_workers(self.workers)
+            self.workers = []

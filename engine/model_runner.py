@@ -1,0 +1,153 @@
+"""Mechanism: turn the scheduler's decision into packed tensors, run the model, sample.
+
+One forward pass computes every scheduled token of every request, unpadded:
+single-token rows (decodes) first, then prefill chunks (see
+``layers/attention.py``). Logits are computed only for rows whose last
+scheduled token is their last token (a finished prefill or a decode); a
+chunk in the middle of a prompt produces no token.
+
+With tensor parallelism, rank 0 prepares the step's inputs once, broadcasts
+them, and every rank runs ``execute``; only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from kiln.engine import parallel
+from kiln.engine.config import EngineConfig
+from kiln.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
+from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
+from kiln.engine.layers.linear import LinearBase
+from kiln.engine.models.llama import head_dim_of
+from kiln.engine.models.registry import model_class
+from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from kiln.engine.sequence import Request
+from kiln.engine.weights import load_checkpoint, load_engine_state
+
+
+@dataclass
+class StepInputs:
+    """Everything a rank needs to run one step; CPU tensors, cheap to broadcast."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_ctx_lens: torch.Tensor      # [num_decodes]
+    prefills: list[tuple[int, int, int, torch.Tensor]]  # (q_start, q_len, ctx_len, block_ids)
+    logits_indices: torch.Tensor       # packed rows whose logits are sampled
+
+
+def build_model(config: EngineConfig) -> torch.nn.Module:
+    """This rank's shard of the model, with weights loaded (and quantized if asked)."""
+    cls = model_class(config.hf_config)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(config.torch_dtype)
+    try:
+        with torch.device(config.device):
+            model = cls(config.hf_config, config.max_seq_len)
+    finally:
+        torch.set_default_dtype(old)
+    if config.weights_dir is not None:
+        if config.quantization:
+            for m in model.modules():
+                if isinstance(m, LinearBase):
+                    m.make_quantized_(config.quantization)
+        name = f"rank-{parallel.tp_rank()}-of-{parallel.tp_size()}.safetensors"
+        load_engine_state(model, Path(config.weights_dir) / name)
+    else:
+        load_checkpoint(model, config.model)
+        if config.quantization:
+            for m in model.modules():
+                if isinstance(m, LinearBase):
+                    m.quantize_(config.quantization)
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.model = build_model(config)
+        cfg = config.hf_config
+        kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
+        block_bytes = bytes_per_block(config, cfg["num_hidden_layers"], kv_heads, head_dim_of(cfg))
+        self.num_blocks = parallel.min_over_ranks(plan_num_blocks(config, block_bytes))
+        self.kv_cache = allocate_kv_cache(self.model, config, self.num_blocks)
+        self.sampler = Sampler()
+
+    # -- rank 0 ---------------------------------------------------------------------------
+    def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
+        """Pack the step; returns the inputs and, in row order, the requests that get a token."""
+        order = sorted(scheduled, key=lambda rn: rn[1] > 1)  # single-token rows first
+        reqs = [r for r, _ in order]
+        nums = [n for _, n in order]
+        starts = [r.num_computed_tokens for r in reqs]
+        ids: list[int] = []
+        for r, s, n in zip(reqs, starts, nums, strict=True):
+            ids.extend(r.token_ids[s:s + n])
+        num_rows = len(reqs)
+        nums_t = torch.tensor(nums, dtype=torch.long)
+        starts_t = torch.tensor(starts, dtype=torch.long)
+        cu = torch.cumsum(nums_t, 0)
+        row_of_token = torch.repeat_interleave(torch.arange(num_rows), nums_t)
+        positions = torch.arange(len(ids)) - (cu - nums_t)[row_of_token] + starts_t[row_of_token]
+        max_blocks = max(len(r.block_table) for r in reqs)
+        tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in reqs],
+                              dtype=torch.long)
+        bs = self.block_size
+        slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
+        ctx = starts_t + nums_t
+        num_decodes = sum(1 for n in nums if n == 1)
+        prefills = [(int(cu[i] - nums[i]), nums[i], starts[i] + nums[i],
+                     tables[i, : -(-(starts[i] + nums[i]) // bs)]) for i in range(num_decodes, num_rows)]
+        sample = [i for i, r in enumerate(reqs) if starts[i] + nums[i] == r.num_tokens]
+        inputs = StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long), positions=positions, slot_mapping=slot_mapping,
+            num_decodes=num_decodes, decode_block_tables=tables[:num_decodes], decode_ctx_lens=ctx[:num_decodes],
+            prefills=prefills, logits_indices=(cu - 1)[sample],
+        )
+        return inputs, [reqs[i] for i in sample]
+
+    def run(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], SamplerOutput | None]:
+        inputs, sampled_reqs = self.prepare(scheduled)
+        if parallel.tp_size() > 1:
+            parallel.broadcast_object(inputs)
+        logits = self.execute(inputs)
+        if not sampled_reqs:
+            return [], None
+        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.eos_token_ids)
+                for r in sampled_reqs]
+        return sampled_reqs, self.sampler(logits.float(), rows)
+
+    # -- every rank -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        dev = self.device
+        ctx = inputs.decode_ctx_lens.to(dev)
+        decode_mask = None
+        if inputs.num_decodes:
+            width = inputs.decode_block_tables.shape[1] * self.block_size
+            decode_mask = (torch.arange(width, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
+        prefills = []
+        for q_start, q_len, ctx_len, block_ids in inputs.prefills:
+            mask = None
+            if q_len != ctx_len:
+                offset = ctx_len - q_len
+                mask = (torch.arange(ctx_len, device=dev)[None, :]
+                        <= torch.arange(q_len, device=dev)[:, None] + offset)
+            prefills.append(PrefillChunk(q_start, q_len, ctx_len, block_ids.to(dev), mask))
+        set_attention_metadata(AttentionMetadata(
+            slot_mapping=inputs.slot_mapping.to(dev), num_decode_tokens=inputs.num_decodes,
+            decode_block_tables=inputs.decode_block_tables.to(dev), decode_mask=decode_mask, prefills=prefills,
+        ))
+        try:
+            hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev))
+            return self.model.compute_logits(hidden[inputs.logits_indices.to(dev)])
+        finally:
+            set_attention_metadata(None)

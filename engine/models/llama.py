@@ -1,0 +1,124 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2) as one model with config switches.
+
+Differences between the family members are data, read from config.json:
+query/key/value bias (Qwen2, or Llama's ``attention_bias``), tied embeddings,
+grouped-query vs multi-head attention, an explicit ``head_dim``, and the rope
+scaling variant. Parameter names follow the Hugging Face checkpoints, except
+for the fused projections named in ``packed_modules``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from kiln.engine import parallel
+from kiln.engine.layers.attention import Attention
+from kiln.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kiln.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kiln.engine.layers.norm import RMSNorm
+from kiln.engine.layers.rotary import RotaryEmbedding, rope_parameters
+from torch import nn
+
+
+def head_dim_of(cfg: dict[str, Any]) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
+        super().__init__()
+        tp = parallel.tp_size()
+        num_heads, num_kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        self.head_dim = head_dim_of(cfg)
+        qkv_bias = cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False))
+        o_bias = cfg.get("model_type") != "qwen2" and bool(cfg.get("attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(cfg["hidden_size"], self.head_dim, num_heads, num_kv_heads, qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, cfg["hidden_size"], bias=o_bias)
+        self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, rope_parameters(cfg))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+        bias = bool(cfg.get("mlp_bias", False))
+        inter = cfg["intermediate_size"]
+        self.gate_up_proj = MergedColumnParallelLinear(cfg["hidden_size"], [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, cfg["hidden_size"], bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, max_position)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, max_position) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint tensor name part -> (fused parameter name part, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
+        super().__init__()
+        self.model = LlamaModel(cfg, max_position)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

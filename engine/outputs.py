@@ -1,0 +1,66 @@
+"""What the engine hands back: finished outputs, streamed deltas, and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    logprobs: list[dict[int, float]] | None
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+@dataclass
+class StreamDelta:
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float            # fraction of blocks held by requests (cached-but-free blocks count as free)
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up at first admission
+    prefix_cache_hits: int     # of those, found in the cache
+    num_preemptions: int
+    num_steps: int             # forward passes run
+    num_computed_tokens: int   # tokens run through the model (prefill + decode, recomputation included)
+    num_generated_tokens: int
+    sum_running: int           # sum over steps of the batch size, for avg_batch_size
+    sum_kv_usage: float        # sum over steps of kv_usage, for avg_kv_usage
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def avg_batch_size(self) -> float:
+        return self.sum_running / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def avg_kv_usage(self) -> float:
+        return self.sum_kv_usage / self.num_steps if self.num_steps else 0.0

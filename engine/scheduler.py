@@ -1,0 +1,110 @@
+"""Scheduling policy: which requests run this step and how many tokens each computes.
+
+No tensors here. Each step:
+
+1. running requests with one token left to compute (decodes) get it, then
+   running requests still prefilling get a chunk of what's left, all within
+   ``max_num_tokens``;
+2. when a running request needs a block and none is free, the newest running
+   request is preempted (its blocks freed, its progress reset to zero, it goes
+   back to the front of the queue to be recomputed later) — possibly itself;
+3. if nothing was preempted, waiting requests are admitted in arrival order
+   (prefix-cache hits first, then a prefill chunk) while blocks, tokens and
+   ``max_batch_size`` allow. Admission stops at the first request that does not
+   fit, so a big request is never starved by smaller ones behind it.
+
+Requests that could never fit the pool are refused before they are queued
+(``LLMEngine.add_request``), so one request alone always makes progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.sequence import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to compute)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_tokens
+        scheduled: dict[str, int] = {}
+        # Decodes before prefill chunks; stable sort keeps arrival order within each group.
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.can_append(req, num_new):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is req:
+                    break
+            else:
+                self.block_manager.append_slots(req, num_new)
+                scheduled[req.request_id] = num_new
+                budget -= num_new
+        if not out.num_preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+                req = self.waiting[0]
+                cached = self.block_manager.find_cached_blocks(req)
+                num_new = min(req.num_tokens - len(cached) * self.block_manager.block_size, budget)
+                if not self.block_manager.can_allocate(req, cached, num_new):
+                    break
+                self.waiting.popleft()
+                self.block_manager.allocate(req, cached, num_new)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled[req.request_id] = num_new
+                budget -= num_new
+        by_id = {r.request_id: r for r in self.running}
+        out.scheduled = [(by_id[rid], n) for rid, n in scheduled.items()]
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark ``req`` finished and return its blocks at once (also used for aborts)."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.block_manager.free(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

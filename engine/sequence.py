@@ -1,0 +1,76 @@
+"""A request's state: its tokens, how many of them are in the KV cache, and its blocks.
+
+Progress is two counters, not a phase: ``num_computed_tokens`` (tokens whose
+K/V are in the cache, prefix-cache hits included) against ``num_tokens``
+(prompt + generated). A prefill chunk, a prefix hit and a preemption are all
+just moves of ``num_computed_tokens``; a request whose counters differ by one
+is decoding.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from kiln.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                      # resolved: params.max_tokens or what fits max_seq_len
+    eos_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)   # prompt + output
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0           # prefix-cache hits at first admission
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0           # leading full blocks registered in the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    detokenizer: Any = None
+    logprobs: list[dict[int, float]] | None = None
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
