@@ -1,0 +1,196 @@
+"""LLMEngine API types: round trips, defaults, and rejections whose messages name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln import api
+from kiln.api import GPU_SKUS, LLMEngine, LLMEngineSpec, LLMEngineStatus, ManifestError, load_manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def manifest(**spec: object) -> dict:
+    base = {"model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct"}, "gpu": "H100-80GB"}
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "demo"},
+            "spec": {**base, **spec}}
+
+
+def problems(data: object) -> list[str]:
+    with pytest.raises(ManifestError) as info:
+        load_manifest(data)
+    assert "Traceback" not in str(info.value) and "pydantic" not in str(info.value)
+    return str(info.value).splitlines()
+
+
+def test_examples_exist_and_load():
+    names = {p.name for p in EXAMPLES}
+    assert {"cpu-small.yaml", "llama-3.1-8b-h100-fp8.yaml", "llama-3.1-70b-4xh100.yaml",
+            "qwen2-7b-l40s-int8.yaml"} <= names
+    for path in EXAMPLES:
+        engine = load_manifest(path)
+        assert engine.kind == "LLMEngine" and engine.metadata.name
+
+
+def test_cpu_example_is_a_small_cpu_engine():
+    spec = load_manifest(ROOT / "examples/cpu-small.yaml").spec
+    assert spec.gpu == "cpu" and spec.dtype in ("float32", "bfloat16")
+    assert spec.model.source == "file://./.kiln-work/models/llama-demo"
+    assert spec.max_seq_len <= 2048  # the llama-demo preset's max_position_embeddings
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_round_trip_through_k8s_dict_and_yaml(path: Path):
+    engine = load_manifest(path)
+    as_k8s = engine.to_k8s()
+    assert LLMEngine.model_validate(as_k8s) == engine
+    assert load_manifest(yaml.safe_dump(as_k8s)) == engine
+    # The operator validates the spec dict the API server stores, camelCase and all.
+    assert LLMEngineSpec.model_validate(as_k8s["spec"]) == engine.spec
+    assert engine.spec.model_dump(by_alias=True, exclude_none=True, mode="json") == as_k8s["spec"]
+
+
+def test_snake_case_and_camel_case_are_both_accepted():
+    camel = LLMEngineSpec.model_validate(manifest(maxSeqLen=8192, kv={"blockSize": 32})["spec"])
+    snake = LLMEngineSpec(model={"source": "hf://meta-llama/Llama-3.1-8B-Instruct"}, gpu="H100-80GB",
+                          max_seq_len=8192, kv={"block_size": 32})
+    assert camel == snake and snake.max_seq_len == 8192 and snake.kv.block_size == 32
+
+
+def test_defaults_fill_a_minimal_spec():
+    spec = load_manifest(manifest()).spec
+    assert (spec.dtype, spec.quantization, spec.kv_cache_dtype, spec.tensor_parallel) == ("bfloat16", "none",
+                                                                                           "auto", 1)
+    assert spec.resolved_kv_cache_dtype == "bfloat16"
+    assert spec.kv.block_size == 16 and spec.kv.enable_prefix_caching and spec.serving.replicas == 1
+    assert spec.build.quality_gate.max_kl_divergence > 0 and spec.max_input_len < spec.max_seq_len
+
+
+def test_every_field_has_a_description():
+    def walk(model: type) -> None:
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            inner = api._model_in(field.annotation)
+            if inner is not None:
+                walk(inner)
+    walk(LLMEngineSpec)
+    walk(LLMEngineStatus)
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    ({"tensorParallel": 3}, "spec.tensorParallel: must be one of 1, 2, 4, 8 (got 3)"),
+    ({"maxInputLen": 4096, "maxSeqLen": 4096}, "spec.maxInputLen: must be less than maxSeqLen"),
+    ({"maxNumTokens": 16, "maxBatchSize": 32}, "spec.maxNumTokens: must be at least maxBatchSize"),
+    ({"kv": {"blockSize": 12}}, "spec.kv.blockSize: must be one of 1, 2, 4, 8, 16, 32, 64, 128, 256 (got 12)"),
+    ({"maxSeqLen": "long"}, "spec.maxSeqLen: must be an integer (got 'long')"),
+    ({"maxSeqlen": 4096}, "spec.maxSeqlen: unknown field; did you mean maxSeqLen?"),
+    ({"frobnicate": True}, "spec.frobnicate: unknown field; remove it (allowed: model, gpu,"),
+    ({"gpu": "H100"}, "spec.gpu: must be one of cpu, L4, L40S, A100-40GB, A100-80GB, H100-80GB, H200-141GB"),
+    ({"dtype": "fp32"}, "spec.dtype: must be one of bfloat16, float16, float32 (got 'fp32')"),
+    ({"quantization": "fp8", "gpu": "A100-80GB"}, "spec.quantization: fp8 needs a GPU with FP8 support"),
+    ({"model": {"source": "hf://llama"}}, "spec.model.source: malformed hf:// source 'hf://llama'"),
+    ({"model": {"source": "gs://bucket/x"}}, "spec.model.source: unsupported model source 'gs://bucket/x'"),
+    ({"model": {"source": "file://relative"}}, "spec.model.source: malformed file:// source"),
+    ({"model": {"source": "s3://B/x"}}, "spec.model.source: malformed s3:// source"),
+    ({"model": {"source": "file:///m", "credentialsSecret": "tok"}}, "spec.model.credentialsSecret: only used"),
+    ({"model": {}}, "spec.model.source: required field is missing"),
+    ({"serving": {"replicas": -1}}, "spec.serving.replicas: must be >= 0 (got -1)"),
+    ({"serving": {"resources": {"limit": {}}}}, "spec.serving.resources: unknown key(s) limit"),
+    ({"kv": {"memoryFraction": 1.5}}, "spec.kv.memoryFraction: must be <= 0.98 (got 1.5)"),
+    ({"build": {"calibrationPrompts": [1]}}, "spec.build.calibrationPrompts[0]: must be a string (got 1)"),
+    ({"build": {"qualityGate": {"minTokenAgreement": 2}}}, "spec.build.qualityGate.minTokenAgreement: must be <="),
+])
+def test_rejections_name_the_field(spec: dict, expected: str):
+    lines = problems(manifest(**spec))
+    assert any(line.startswith(expected) for line in lines), lines
+
+
+def test_one_line_per_problem():
+    lines = problems(manifest(tensorParallel=3, dtype="fp32", kv={"blockSize": 3}))
+    assert len(lines) == 3 and {line.split(":")[0] for line in lines} == {
+        "spec.tensorParallel", "spec.dtype", "spec.kv.blockSize"}
+
+
+def test_metadata_and_kind_are_checked():
+    data = manifest()
+    data["kind"], data["metadata"]["name"] = "Deployment", "Not_A_Name"
+    lines = problems(data)
+    assert any(line.startswith("kind: must be one of LLMEngine") for line in lines)
+    assert any(line.startswith("metadata.name: must be a DNS-1123 label") for line in lines)
+
+
+@pytest.mark.parametrize("source", [
+    "hf://meta-llama/Llama-3.1-8B-Instruct", "hf://Qwen/Qwen2-7B-Instruct", "s3://models/llama/v1",
+    "s3://models", "file:///models/llama", "file://./.kiln-work/models/x", "file://../models/x",
+    "pvc://model-cache/llama/3.1", "pvc://model-cache",
+])
+def test_accepted_sources(source: str):
+    assert load_manifest(manifest(model={"source": source})).spec.model.source == source
+
+
+def test_fp8_is_allowed_on_fp8_gpus_and_on_cpu_reference_path():
+    for gpu, spec in GPU_SKUS.items():
+        accepted = spec.is_cpu or float(spec.compute_capability) >= 8.9
+        try:
+            load_manifest(manifest(gpu=gpu, quantization="fp8"))
+            assert accepted, gpu
+        except ManifestError as exc:
+            assert not accepted, (gpu, str(exc))
+
+
+def test_cpu_allows_tensor_parallel():
+    assert load_manifest(manifest(gpu="cpu", tensorParallel=2)).spec.tensor_parallel == 2
+
+
+def test_gpu_table():
+    assert set(GPU_SKUS) == {"cpu", "L4", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB"}
+    for name, gpu in GPU_SKUS.items():
+        if gpu.is_cpu:
+            assert gpu.memory_gib is None and gpu.product_label is None
+            continue
+        major, minor = gpu.compute_capability.split(".")
+        assert gpu.arch == f"sm{major}{minor}" and gpu.memory_gib > 0
+        assert gpu.product_label.startswith("NVIDIA-"), name
+
+
+def test_load_from_path_text_and_yaml_errors(tmp_path: Path):
+    text = yaml.safe_dump(manifest())
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    assert load_manifest(path) == load_manifest(str(path)) == load_manifest(text)
+    lines = problems("kind: LLMEngine\nspec:\n  gpu: cpu\n  model: source: x\n")
+    assert lines == ["line 4, column 16: invalid YAML (mapping values are not allowed here); fix the syntax there"]
+    assert problems(str(tmp_path / "missing.yaml"))[0].endswith("check the path")
+    assert "found 0" in problems("")[0]
+    assert problems("- a\n- b\n")[0].startswith("manifest: must be a mapping")
+
+
+def test_multi_document_file_picks_the_llmengine():
+    other = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x"}}
+    text = yaml.safe_dump(other) + "---\n" + yaml.safe_dump(manifest())
+    assert load_manifest(text).metadata.name == "demo"
+
+
+def test_status_round_trip_and_bounded_history():
+    raw = {
+        "phase": "Ready", "engineVersion": "v1", "servingVersion": "v1", "artifactURI": "s3://b/engines/v1",
+        "endpoint": "http://demo.default.svc:8000", "observedGeneration": 3,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "Serving", "message": "ok",
+                        "lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": 3}],
+        "history": [{"engineVersion": "v1", "artifactURI": "s3://b/engines/v1", "builtAt": "2026-01-01T00:00:00Z"}],
+    }
+    status = LLMEngineStatus.model_validate(raw)
+    assert status.phase == api.Phase.READY == "Ready" and status.condition("Ready").status == "True"
+    assert status.to_k8s() == raw
+    entries = [api.HistoryEntry(engine_version=f"v{i}", artifact_uri=f"u{i}") for i in range(15)]
+    for entry in entries:
+        status = status.model_copy(update={"history": status.with_history(entry)})
+    assert [e.engine_version for e in status.history] == [f"v{i}" for i in range(14, 4, -1)]
+    with pytest.raises(ValueError):
+        LLMEngineStatus.model_validate({**raw, "history": raw["history"] * 11})
+    with pytest.raises(ValueError):
+        LLMEngineStatus.model_validate({"conditions": [{"type": "Ready", "status": "Yes"}]})

@@ -1,0 +1,184 @@
+"""The build envelope and engine version: stable, blind to serving/build knobs, sensitive to the artifact."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.api import LLMEngineSpec, load_manifest
+from kiln.envelope import (
+    ARTIFACT_FORMAT_VERSION,
+    ENVELOPE_VERSION,
+    build_envelope,
+    canonical_json,
+    engine_version,
+    is_pinned,
+    model_slug,
+    normalize_source,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = ROOT / "examples/cpu-small.yaml"
+H100 = ROOT / "examples/llama-3.1-8b-h100-fp8.yaml"
+# Changing this means every published engine gets rebuilt: only on purpose, with a version bump.
+GOLDEN_CPU_SMALL = "llama-demo-e34c747f5bd0"
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def spec_dict(path: Path) -> dict:
+    return load_manifest(path).spec.to_k8s()
+
+
+def version_with(base: Path, field: str, value: object) -> str:
+    data = copy.deepcopy(spec_dict(base))
+    *parents, leaf = field.split(".")
+    node = data
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    return engine_version(LLMEngineSpec.model_validate(data))
+
+
+def test_golden_version_of_the_cpu_example():
+    assert engine_version(load_manifest(CPU)) == GOLDEN_CPU_SMALL
+
+
+def test_version_is_stable_across_processes():
+    code = "from kiln.api import load_manifest; from kiln.envelope import engine_version; " \
+           f"print(engine_version(load_manifest({str(CPU)!r})))"
+    outs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert outs == {GOLDEN_CPU_SMALL}
+
+
+def test_envelope_is_versioned_and_plain_json():
+    envelope = build_envelope(load_manifest(H100).spec)
+    assert envelope["envelope_version"] == ENVELOPE_VERSION
+    assert envelope["artifact_format_version"] == ARTIFACT_FORMAT_VERSION
+    assert json.loads(canonical_json(envelope)) == envelope
+    assert envelope["gpu"] == {"arch": "sm90", "memory_gib": 80}
+    assert envelope["kv_cache_dtype"] == "bfloat16"  # auto resolved
+
+
+# (base manifest, field, new value): every one of these changes what the builder writes.
+SENSITIVE = [
+    (CPU, "model.source", "file://./.kiln-work/models/other"),
+    (CPU, "model.revision", "seed-1"),
+    (CPU, "gpu", "L4"),
+    (CPU, "dtype", "bfloat16"),
+    (CPU, "quantization", "int8"),
+    (CPU, "kvCacheDtype", "bfloat16"),
+    (CPU, "tensorParallel", 2),
+    (CPU, "maxBatchSize", 16),
+    (CPU, "maxInputLen", 256),
+    (CPU, "maxSeqLen", 2048),
+    (CPU, "maxNumTokens", 1024),
+    (CPU, "kv.blockSize", 32),
+    (CPU, "kv.enablePrefixCaching", False),
+    (CPU, "kv.memoryFraction", 0.8),
+    (H100, "gpu", "H200-141GB"),  # same arch, more memory: a different KV plan
+]
+# Every one of these leaves the artifact alone.
+INSENSITIVE = [
+    (CPU, "model.source", "file://./.kiln-work//models/./llama-demo/"),  # same path, other spelling
+    (CPU, "kvCacheDtype", "float32"),  # what auto resolves to
+    (H100, "model.credentialsSecret", "other-token"),
+    (CPU, "serving.replicas", 7),
+    (CPU, "serving.port", 9000),
+    (CPU, "serving.resources", {"limits": {"cpu": "4", "memory": "8Gi"}}),
+    (CPU, "serving.apiKeySecret", "api-key"),
+    (CPU, "serving.image", "registry.example/kiln-serve:2"),
+    (CPU, "serving.maxQueueLen", 10),
+    (CPU, "serving.drainTimeoutSeconds", 5),
+    (CPU, "build.image", "registry.example/kiln-build:2"),
+    (CPU, "build.timeoutSeconds", 600),
+    (CPU, "build.qualityGate.maxKLDivergence", 0.5),
+    (CPU, "build.qualityGate.minTokenAgreement", 0.5),
+    (CPU, "build.calibrationPrompts", ["Hello"]),
+]
+
+
+@pytest.mark.parametrize(("base", "field", "value"), SENSITIVE, ids=lambda v: getattr(v, "name", str(v)))
+def test_version_changes_with_each_artifact_field(base: Path, field: str, value: object):
+    assert version_with(base, field, value) != engine_version(load_manifest(base))
+
+
+@pytest.mark.parametrize(("base", "field", "value"), INSENSITIVE, ids=lambda v: getattr(v, "name", str(v)))
+def test_version_ignores_serving_and_build_knobs(base: Path, field: str, value: object):
+    assert version_with(base, field, value) == engine_version(load_manifest(base))
+
+
+def test_every_spec_field_is_classified():
+    """A new API field must be put in SENSITIVE or INSENSITIVE (and in the envelope if sensitive)."""
+    def leaves(model: type, prefix: str = "") -> set[str]:
+        out = set()
+        for name, field in model.model_fields.items():
+            path = prefix + (field.alias or name)
+            inner = field.annotation if isinstance(field.annotation, type) else None
+            if inner is not None and hasattr(inner, "model_fields"):
+                out |= leaves(inner, path + ".")
+            else:
+                out.add(path)
+        return out
+    classified = {field for _, field, _ in SENSITIVE + INSENSITIVE}
+    assert leaves(LLMEngineSpec) == classified
+
+
+def test_metadata_does_not_change_the_version():
+    engine = load_manifest(CPU)
+    data = engine.to_k8s()
+    data["metadata"] = {"name": "renamed", "namespace": "prod", "labels": {"team": "x"},
+                        "annotations": {"a": "b"}}
+    assert engine_version(load_manifest(data)) == engine_version(engine) == GOLDEN_CPU_SMALL
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_versions_are_short_dns_labels(path: Path):
+    version = engine_version(load_manifest(path))
+    assert DNS1123_LABEL.match(version) and len(version) <= 45, version
+
+
+@pytest.mark.parametrize(("source", "slug"), [
+    ("hf://meta-llama/Llama-3.1-8B-Instruct", "llama-3-1-8b-instruct"),
+    ("s3://bucket/models/Qwen2_7B/", "qwen2-7b"),
+    ("pvc://model-cache", "model-cache"),
+    ("file:///models/7b", "m-7b"),
+    ("hf://org/" + "x" * 80, "x" * 32),
+    ("file:///___", "m"),
+])
+def test_model_slug(source: str, slug: str):
+    assert model_slug(source) == slug
+    assert DNS1123_LABEL.match(model_slug(source))
+
+
+@pytest.mark.parametrize(("source", "normal"), [
+    ("file://./a//b/", "file://./a/b"),
+    ("file://./a/../b", "file://./b"),
+    ("file://../x/./y", "file://../x/y"),
+    ("file:///abs//p/", "file:///abs/p"),
+    ("s3://bucket/p//q/", "s3://bucket/p/q"),
+    ("s3://bucket/", "s3://bucket"),
+    ("pvc://claim/sub/", "pvc://claim/sub"),
+    ("hf://Org/Name", "hf://Org/Name"),
+])
+def test_normalize_source(source: str, normal: str):
+    assert normalize_source(source) == normal
+
+
+def test_unpinned_hf_revision_is_flagged():
+    spec = load_manifest(H100).spec
+    assert is_pinned(spec)
+    assert not is_pinned(spec.model_copy(update={"model": spec.model.model_copy(update={"revision": "main"})}))
+    assert build_envelope(LLMEngineSpec.model_validate(
+        {"model": {"source": "hf://a/b"}, "gpu": "L4"}))["model"]["revision"] == "main"
+    assert is_pinned(load_manifest(CPU).spec)
