@@ -1,0 +1,138 @@
+"""The build Job: a pure function of (engine, version, config) -> a batch/v1 Job dict.
+
+What the Job hands the builder is the "Build Job contract" in
+/work/coord/CONTRACTS.md: ``kiln build --store $(KILN_STORE_URI)`` with the
+manifest as JSON in ``KILN_SPEC`` and the expected version in
+``KILN_ENGINE_VERSION``. A Job is shared by every LLMEngine that wants its
+version, so it carries no controller owner; each of those engines adds itself
+as a plain owner (see reconcile.py) and Kubernetes' garbage collector deletes
+the Job once the last of them is gone.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kiln.operator.naming import ANNOTATION_ARTIFACT, ANNOTATION_VERSION, build_labels, job_name
+from kiln.operator.settings import OperatorConfig
+
+from kiln.api import API_VERSION, KIND, LLMEngineSpec
+
+WORK_DIR = "/var/lib/kiln"
+PVC_MOUNT_ROOT = f"{WORK_DIR}/pvc"
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def gpu_placement(spec: LLMEngineSpec, config: OperatorConfig) -> dict[str, Any]:
+    """nodeSelector + tolerations for the SKU (validated beforehand to have a node-label entry)."""
+    placement: dict[str, Any] = {}
+    selector = config.node_selector(spec.gpu) or {}
+    if selector:
+        placement["nodeSelector"] = dict(selector)
+    tolerations = [*config.tolerations, *([] if spec.gpu_spec.is_cpu else config.gpu_tolerations)]
+    if tolerations:
+        placement["tolerations"] = tolerations
+    return placement
+
+
+def with_gpus(resources: dict[str, Any] | None, spec: LLMEngineSpec) -> dict[str, Any]:
+    """``resources`` plus ``nvidia.com/gpu: tensorParallel`` in limits (GPUs go in limits only)."""
+    out = json.loads(json.dumps(resources or {}))
+    if not spec.gpu_spec.is_cpu:
+        out.setdefault("limits", {})["nvidia.com/gpu"] = spec.tensor_parallel
+    return out
+
+
+def shm_volume(spec: LLMEngineSpec) -> list[dict[str, Any]]:
+    """Tensor-parallel ranks exchange tensors through /dev/shm, which is 64 MiB by default."""
+    if spec.tensor_parallel == 1:
+        return []
+    return [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
+
+
+def store_env_from(config: OperatorConfig) -> list[dict[str, Any]]:
+    return [{"secretRef": {"name": config.store_secret}}] if config.store_secret else []
+
+
+def manifest_json(spec: LLMEngineSpec, name: str, namespace: str) -> str:
+    return json.dumps({"apiVersion": API_VERSION, "kind": KIND,
+                       "metadata": {"name": name, "namespace": namespace}, "spec": spec.to_k8s()},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
+              config: OperatorConfig) -> dict[str, Any]:
+    labels = build_labels(version)
+    env_from = store_env_from(config)
+    if spec.model.credentials_secret:
+        env_from.append({"secretRef": {"name": spec.model.credentials_secret}})
+    volumes: list[dict[str, Any]] = [{"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}},
+                                     *shm_volume(spec)]
+    mounts: list[dict[str, Any]] = [{"name": "work", "mountPath": WORK_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.tensor_parallel > 1:
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    if spec.model.scheme == "pvc":
+        claim = spec.model.source.removeprefix("pvc://").split("/", 1)[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": f"{PVC_MOUNT_ROOT}/{claim}", "readOnly": True})
+    container: dict[str, Any] = {
+        "name": "build",
+        "image": spec.build.image or config.builder_image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": ["kiln", "build"],
+        "args": ["--store", "$(KILN_STORE_URI)"],
+        "env": [
+            {"name": "KILN_STORE_URI", "value": config.store_uri},
+            {"name": "KILN_ENGINE_VERSION", "value": version},
+            {"name": "KILN_SPEC", "value": manifest_json(spec, name, namespace)},
+            {"name": "KILN_WORK_DIR", "value": WORK_DIR},
+            {"name": "KILN_PVC_ROOT", "value": PVC_MOUNT_ROOT},
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "HF_HOME", "value": f"{WORK_DIR}/hf"},
+        ],
+        "resources": with_gpus(config.build_resources, spec),
+        "volumeMounts": mounts,
+        "securityContext": container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if env_from:
+        container["envFrom"] = env_from
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "securityContext": pod_security_context(),
+        "containers": [container],
+        "volumes": volumes,
+        **gpu_placement(spec, config),
+    }
+    if config.builder_service_account:
+        pod_spec["serviceAccountName"] = config.builder_service_account
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_name(version),
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: _artifact_uri(config, version)},
+        },
+        "spec": {
+            "backoffLimit": config.build_backoff_limit,
+            "activeDeadlineSeconds": spec.build.timeout_seconds,
+            "ttlSecondsAfterFinished": config.build_ttl_seconds,
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
+
+
+def _artifact_uri(config: OperatorConfig, version: str) -> str:
+    return f"{config.store_uri.rstrip('/')}/engines/{version}"

@@ -1,0 +1,128 @@
+"""Operator configuration: one frozen dataclass, read from ``KILN_*`` environment variables.
+
+The Helm chart sets these on the operator Deployment; ``kiln operator`` flags
+override a few of them. Renderers receive the whole object, so a rendered Job
+or Deployment is a pure function of (spec, names, version, config).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.api import GPU_SKUS
+
+DEFAULT_GPU_LABEL = "nvidia.com/gpu.product"
+DEFAULT_IMAGE = "ghcr.io/kiln-dev/kiln:0.1.0"
+
+
+class ConfigError(ValueError):
+    """A ``KILN_*`` variable that cannot be used; the message names it."""
+
+
+def default_sku_node_labels() -> dict[str, dict[str, str]]:
+    """SKU -> nodeSelector, from GPU feature discovery's product label; ``cpu`` selects nothing."""
+    return {
+        sku: ({DEFAULT_GPU_LABEL: gpu.product_label} if gpu.product_label else {})
+        for sku, gpu in GPU_SKUS.items()
+    }
+
+
+def _json_env(env: Mapping[str, str], name: str, default: Any, kind: type) -> Any:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{name} is not valid JSON ({exc.msg} at char {exc.pos})") from None
+    if not isinstance(value, kind):
+        raise ConfigError(f"{name} must be a JSON {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    store_uri: str = ""
+    builder_image: str = DEFAULT_IMAGE
+    serving_image: str = DEFAULT_IMAGE
+    image_pull_policy: str = "IfNotPresent"
+    # Secret with AWS_* (or other store) credentials, mounted into build and serving pods via envFrom.
+    store_secret: str | None = None
+    sku_node_labels: dict[str, dict[str, str]] = field(default_factory=default_sku_node_labels)
+    gpu_tolerations: list[dict[str, Any]] = field(default_factory=lambda: [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    build_resources: dict[str, Any] = field(default_factory=lambda: {
+        "requests": {"cpu": "2", "memory": "8Gi"}})
+    serving_resources: dict[str, Any] = field(default_factory=lambda: {
+        "requests": {"cpu": "1", "memory": "4Gi"}})
+    build_backoff_limit: int = 1
+    build_ttl_seconds: int = 86400
+    startup_timeout_seconds: int = 1800
+    prestop_sleep_seconds: int = 5
+    builder_service_account: str | None = None
+    serving_service_account: str | None = None
+    reconcile_interval: float = 15.0
+    metrics_port: int = 0  # 0 = no metrics server
+    ha: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
+        env = os.environ if env is None else env
+        labels = default_sku_node_labels()
+        custom = _json_env(env, "KILN_SKU_NODE_LABELS", {}, dict)
+        for sku, selector in custom.items():
+            if not isinstance(selector, dict) or not all(isinstance(v, str) for v in selector.values()):
+                raise ConfigError(f"KILN_SKU_NODE_LABELS[{sku!r}] must map label keys to string values")
+            labels[sku] = dict(selector)
+        base = cls()
+        return cls(
+            store_uri=env.get("KILN_STORE_URI", "").strip(),
+            builder_image=env.get("KILN_BUILDER_IMAGE", "").strip() or base.builder_image,
+            serving_image=env.get("KILN_SERVING_IMAGE", "").strip() or base.serving_image,
+            image_pull_policy=env.get("KILN_IMAGE_PULL_POLICY", "").strip() or base.image_pull_policy,
+            store_secret=env.get("KILN_STORE_SECRET", "").strip() or None,
+            sku_node_labels=labels,
+            gpu_tolerations=_json_env(env, "KILN_GPU_TOLERATIONS", base.gpu_tolerations, list),
+            tolerations=_json_env(env, "KILN_TOLERATIONS", [], list),
+            build_resources=_json_env(env, "KILN_BUILD_RESOURCES", base.build_resources, dict),
+            serving_resources=_json_env(env, "KILN_SERVING_RESOURCES", base.serving_resources, dict),
+            build_backoff_limit=_int_env(env, "KILN_BUILD_BACKOFF_LIMIT", base.build_backoff_limit),
+            build_ttl_seconds=_int_env(env, "KILN_BUILD_TTL_SECONDS", base.build_ttl_seconds),
+            startup_timeout_seconds=_int_env(env, "KILN_STARTUP_TIMEOUT_SECONDS", 1800, minimum=10),
+            prestop_sleep_seconds=_int_env(env, "KILN_PRESTOP_SLEEP_SECONDS", 5),
+            builder_service_account=env.get("KILN_BUILDER_SERVICE_ACCOUNT", "").strip() or None,
+            serving_service_account=env.get("KILN_SERVING_SERVICE_ACCOUNT", "").strip() or None,
+            reconcile_interval=_float_env(env, "KILN_RECONCILE_INTERVAL", base.reconcile_interval),
+            metrics_port=_int_env(env, "KILN_METRICS_PORT", 0),
+            ha=env.get("KILN_HA", "").strip().lower() in ("1", "true", "yes"),
+        )
+
+    def node_selector(self, sku: str) -> dict[str, str] | None:
+        """The nodeSelector for a SKU; None when the map has no entry (a spec error, not a default)."""
+        return self.sku_node_labels.get(sku)

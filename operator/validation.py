@@ -1,0 +1,63 @@
+"""Semantic checks of a spec: what the CRD schema cannot express, or what depends on this cluster.
+
+The CRD's schema and CEL rules reject most bad specs at ``kubectl apply``; the
+same pydantic model runs here too because an API server without those rules
+(an old CRD, an emulator) must still never hand the builder a spec it cannot
+build. Every message names the field and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.operator.settings import OperatorConfig
+from pydantic import ValidationError
+
+from kiln.api import LLMEngineSpec
+
+
+class InvalidSpec(ValueError):
+    """A spec that can never work as written; ``str()`` is the user-facing message."""
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    parts = ["spec"]
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1] += f"[{item}]"
+        else:
+            parts.append(str(item))
+    return ".".join(parts)
+
+
+def parse_spec(raw: dict[str, Any]) -> LLMEngineSpec:
+    try:
+        return LLMEngineSpec.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{_field(err['loc'])}: {msg}" if err["loc"] else f"spec: {msg}")
+        raise InvalidSpec("; ".join(lines)) from None
+
+
+def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
+    spec = parse_spec(raw)
+    if spec.model.scheme == "file":
+        raise InvalidSpec(
+            f"spec.model.source: {spec.model.source} is a path on one machine, not visible to build pods; "
+            "use s3://, hf:// or pvc://claim/path (file:// is for `kiln up`)")
+    if config.node_selector(spec.gpu) is None:
+        known = ", ".join(sorted(config.sku_node_labels))
+        raise InvalidSpec(
+            f"spec.gpu: {spec.gpu} has no node label in this operator's SKU map ({known}); "
+            "add it to the chart value gpuNodeLabels (KILN_SKU_NODE_LABELS) or pick a listed SKU")
+    resources = spec.serving.resources or {}
+    for key in ("limits", "requests"):
+        gpus = (resources.get(key) or {}).get("nvidia.com/gpu")
+        if gpus is not None and str(gpus) != str(0 if spec.gpu_spec.is_cpu else spec.tensor_parallel):
+            want = 0 if spec.gpu_spec.is_cpu else spec.tensor_parallel
+            raise InvalidSpec(
+                f"spec.serving.resources.{key}: nvidia.com/gpu is {gpus} but the engine is built for "
+                f"{want} GPU(s) (spec.tensorParallel on spec.gpu {spec.gpu}); remove it, the operator sets it")
+    return spec

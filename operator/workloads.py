@@ -1,0 +1,163 @@
+"""Serving objects: pure functions of (engine, version, config) -> Deployment, Service, PDB dicts.
+
+The engine version appears in the pod template (a label and an annotation) and
+nowhere else that changes with it, so a version change rolls the pods and a
+replicas or label edit does not. The rollout keeps every old pod until a new one
+is Ready (maxUnavailable 0, maxSurge 1): the old version serves until the new
+one can. Shutdown order: the preStop sleep lets Endpoints drop the pod before
+SIGTERM arrives; the server then drains in-flight requests for
+``drainTimeoutSeconds``; the grace period covers both with a margin.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kiln.operator.jobs import (
+    container_security_context,
+    gpu_placement,
+    pod_security_context,
+    shm_volume,
+    store_env_from,
+    with_gpus,
+)
+from kiln.operator.naming import (
+    ANNOTATION_ARTIFACT,
+    ANNOTATION_VERSION,
+    LABEL_VERSION,
+    selector_labels,
+    service_name,
+    serving_labels,
+)
+from kiln.operator.settings import OperatorConfig
+
+from kiln.api import LLMEngineSpec
+
+CACHE_DIR = "/var/cache/kiln"
+GRACE_MARGIN_SECONDS = 15
+PROBE_PERIOD_SECONDS = 10
+
+
+def grace_period(spec: LLMEngineSpec, config: OperatorConfig) -> int:
+    return config.prestop_sleep_seconds + spec.serving.drain_timeout_seconds + GRACE_MARGIN_SECONDS
+
+
+def endpoint(name: str, namespace: str, spec: LLMEngineSpec) -> str:
+    return f"http://{service_name(name)}.{namespace}.svc:{spec.serving.port}/v1"
+
+
+def _probe(path: str, **extra: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, **extra}
+
+
+def serving_container(spec: LLMEngineSpec, artifact_uri: str, config: OperatorConfig) -> dict[str, Any]:
+    env: list[dict[str, Any]] = [
+        {"name": "KILN_CACHE_DIR", "value": CACHE_DIR},
+        {"name": "KILN_MAX_QUEUE_LEN", "value": str(spec.serving.max_queue_len)},
+        {"name": "KILN_DRAIN_TIMEOUT_SECONDS", "value": str(spec.serving.drain_timeout_seconds)},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    if spec.serving.api_key_secret:
+        env.append({"name": "KILN_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": spec.serving.api_key_secret, "key": "KILN_API_KEY"}}})
+    mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.tensor_parallel > 1:
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    container: dict[str, Any] = {
+        "name": "serve",
+        "image": spec.serving.image or config.serving_image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": ["kiln", "serve"],
+        "args": ["--artifact", artifact_uri, "--host", "0.0.0.0", "--port", str(spec.serving.port)],
+        "ports": [{"name": "http", "containerPort": spec.serving.port, "protocol": "TCP"}],
+        "env": env,
+        "resources": with_gpus(spec.serving.resources or config.serving_resources, spec),
+        "readinessProbe": _probe("/ready", periodSeconds=5, failureThreshold=3),
+        "livenessProbe": _probe("/health", periodSeconds=PROBE_PERIOD_SECONDS, failureThreshold=3,
+                                timeoutSeconds=5),
+        # Downloading and loading a large artifact takes minutes; liveness waits for this.
+        "startupProbe": _probe("/health", periodSeconds=PROBE_PERIOD_SECONDS,
+                               failureThreshold=math.ceil(config.startup_timeout_seconds / PROBE_PERIOD_SECONDS)),
+        "lifecycle": {"preStop": {"sleep": {"seconds": config.prestop_sleep_seconds}}},
+        "volumeMounts": mounts,
+        "securityContext": container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    env_from = store_env_from(config)
+    if env_from:
+        container["envFrom"] = env_from
+    return container
+
+
+def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: str, artifact_uri: str,
+                     config: OperatorConfig, owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    labels = serving_labels(name)
+    pod_labels = {**labels, LABEL_VERSION: version}
+    pod_spec: dict[str, Any] = {
+        "terminationGracePeriodSeconds": grace_period(spec, config),
+        "securityContext": pod_security_context(),
+        "containers": [serving_container(spec, artifact_uri, config)],
+        "volumes": [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}, *shm_volume(spec)],
+        **gpu_placement(spec, config),
+    }
+    if config.serving_service_account:
+        pod_spec["serviceAccountName"] = config.serving_service_account
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(name, namespace, labels, owner,
+                          {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri}),
+        "spec": {
+            "replicas": spec.serving.replicas,
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": config.startup_timeout_seconds + 120,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": {
+                    ANNOTATION_VERSION: version,
+                    "prometheus.io/scrape": "true", "prometheus.io/port": str(spec.serving.port),
+                    "prometheus.io/path": "/metrics"}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_service(spec: LLMEngineSpec, name: str, namespace: str,
+                  owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(service_name(name), namespace, serving_labels(name), owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": spec.serving.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_pdb(spec: LLMEngineSpec, name: str, namespace: str,
+              owner: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """maxUnavailable 1 from 2 replicas up; none for 0 or 1 replica, which could never be evicted
+    (a node drain would hang) and cannot stay available through one anyway."""
+    if spec.serving.replicas < 2:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(name, namespace, serving_labels(name), owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
+
+
+def _meta(name: str, namespace: str, labels: dict[str, str], owner: dict[str, Any] | None,
+          annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    if annotations:
+        meta["annotations"] = annotations
+    if owner:
+        meta["ownerReferences"] = [owner]
+    return meta

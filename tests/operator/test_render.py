@@ -1,0 +1,181 @@
+"""The pure renderers: Job, Deployment, Service, PDB dicts, each valid against the Kubernetes schema."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+from kiln.operator.jobs import build_job
+from kiln.operator.naming import LABEL_VERSION, bounded_name, job_name, owner_reference, service_name
+from kiln.operator.settings import ConfigError, OperatorConfig
+from kiln.operator.workloads import build_deployment, build_pdb, build_service, endpoint, grace_period
+
+from kiln.api import GPU_SKUS, LLMEngineSpec
+from kiln.artifacts import ArtifactStore
+from kiln.envelope import engine_version
+
+K8S_VERSION = "1.31"
+CONFIG = OperatorConfig(store_uri="s3://kiln-engines/prod", store_secret="kiln-store",
+                        builder_image="kiln:build", serving_image="kiln:serve")
+OWNER = owner_reference({"metadata": {"name": "demo", "uid": "1234-5678"}})
+
+
+def spec(**overrides) -> LLMEngineSpec:
+    raw = {"model": {"source": "hf://meta-llama/Llama-3.1-8B-Instruct", "revision": "a" * 40},
+           "gpu": "H100-80GB", "dtype": "bfloat16", "quantization": "fp8", **overrides}
+    return LLMEngineSpec.model_validate(raw)
+
+
+def validate(obj: dict) -> dict:
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    return obj
+
+
+def container(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def env(obj: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container(obj)["env"]}
+
+
+@pytest.mark.parametrize("sku", sorted(GPU_SKUS))
+@pytest.mark.parametrize("tp", [1, 4])
+def test_build_job_is_valid_and_targets_the_sku(sku: str, tp: int):
+    s = spec(gpu=sku, tensorParallel=tp, quantization="none")
+    version = engine_version(s)
+    job = validate(build_job(s, "demo", "ml", version, CONFIG))
+    assert job["metadata"]["name"] == job_name(version) and len(job["metadata"]["name"]) <= 63
+    assert job["metadata"]["labels"][LABEL_VERSION] == version
+    pod = job["spec"]["template"]["spec"]
+    limits = container(job)["resources"].get("limits", {})
+    if sku == "cpu":
+        assert "nvidia.com/gpu" not in limits and "nodeSelector" not in pod and "tolerations" not in pod
+    else:
+        assert limits["nvidia.com/gpu"] == tp
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": GPU_SKUS[sku].product_label}
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert any(v["name"] == "shm" for v in pod["volumes"]) == (tp > 1)
+
+
+def test_build_job_passes_the_spec_store_and_version_per_contract():
+    s = spec(build={"timeoutSeconds": 1200, "image": "my/builder:1"}, model={
+        "source": "hf://org/m", "credentialsSecret": "hf-token"})
+    version = engine_version(s)
+    job = validate(build_job(s, "demo", "ml", version, CONFIG))
+    c = container(job)
+    assert c["command"] == ["kiln", "build"] and c["args"] == ["--store", "$(KILN_STORE_URI)"]
+    assert c["image"] == "my/builder:1"
+    e = env(job)
+    assert e["KILN_STORE_URI"] == "s3://kiln-engines/prod" and e["KILN_ENGINE_VERSION"] == version
+    manifest = json.loads(e["KILN_SPEC"])
+    assert manifest["kind"] == "LLMEngine" and manifest["metadata"] == {"name": "demo", "namespace": "ml"}
+    assert engine_version(LLMEngineSpec.model_validate(manifest["spec"])) == version
+    assert c["envFrom"] == [{"secretRef": {"name": "kiln-store"}}, {"secretRef": {"name": "hf-token"}}]
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert job["spec"]["activeDeadlineSeconds"] == 1200
+    assert job["spec"]["backoffLimit"] == CONFIG.build_backoff_limit
+    assert job["spec"]["ttlSecondsAfterFinished"] == CONFIG.build_ttl_seconds
+    assert "ownerReferences" not in job["metadata"]  # shared: owners are added per LLMEngine
+    store = ArtifactStore.from_uri("file:///tmp/kiln-store-x")
+    cfg = OperatorConfig(store_uri="file:///tmp/kiln-store-x")
+    assert build_job(s, "d", "n", version, cfg)["metadata"]["annotations"][
+        "serving.kiln.dev/artifact-uri"] == store.artifact_uri(version)
+
+
+def test_build_job_mounts_a_pvc_source_read_only():
+    s = spec(model={"source": "pvc://models/llama/8b"})
+    job = validate(build_job(s, "demo", "ml", engine_version(s), CONFIG))
+    pod = job["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+    mount = next(m for m in container(job)["volumeMounts"] if m["name"] == "model")
+    assert mount["mountPath"] == env(job)["KILN_PVC_ROOT"] + "/models" and mount["readOnly"]
+
+
+def test_job_names_are_deterministic_bounded_and_distinct():
+    long_a, long_b = "m" * 50 + "-aaaaaaaaaaaa", "m" * 50 + "-bbbbbbbbbbbb"
+    assert job_name(long_a) == job_name(long_a)
+    assert len(job_name(long_a)) <= 63 and job_name(long_a) != job_name(long_b)
+    assert not bounded_name("kiln-build-", "x" * 60).endswith("--")
+    assert job_name("llama-0123456789ab") == "kiln-build-llama-0123456789ab"
+    assert service_name("7b-chat").startswith("llme-") and service_name("chat") == "chat"
+
+
+def test_deployment_serves_the_artifact_safely():
+    s = spec(tensorParallel=2, serving={"replicas": 3, "port": 9000, "drainTimeoutSeconds": 40,
+                                         "apiKeySecret": "api-key"})
+    version = engine_version(s)
+    uri = f"s3://kiln-engines/prod/engines/{version}"
+    dep = validate(build_deployment(s, "demo", "ml", version, uri, CONFIG, OWNER))
+    c = container(dep)
+    assert c["command"] == ["kiln", "serve"] and c["args"][:2] == ["--artifact", uri]
+    assert c["args"][-2:] == ["--port", "9000"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
+    assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == CONFIG.prestop_sleep_seconds
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert {"name": "KILN_API_KEY", "valueFrom": {"secretKeyRef": {"name": "api-key", "key": "KILN_API_KEY"}}} \
+        in c["env"]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == grace_period(s, CONFIG) > 40 + CONFIG.prestop_sleep_seconds
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/tmp", "/var/cache/kiln", "/dev/shm"}
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert dep["spec"]["replicas"] == 3
+    assert dep["metadata"]["ownerReferences"] == [OWNER]
+    assert LABEL_VERSION not in dep["spec"]["selector"]["matchLabels"]
+    assert dep["spec"]["template"]["metadata"]["labels"][LABEL_VERSION] == version
+
+
+def test_only_a_version_change_changes_the_pod_template():
+    a, b = spec(), spec(serving={"replicas": 4})
+    va, vb = engine_version(a), engine_version(b)
+    assert va == vb
+    ta = build_deployment(a, "demo", "ml", va, "s3://x/engines/" + va, CONFIG)["spec"]["template"]
+    tb = build_deployment(b, "demo", "ml", vb, "s3://x/engines/" + vb, CONFIG)["spec"]["template"]
+    assert ta == tb
+    c = spec(maxSeqLen=8192)
+    vc = engine_version(c)
+    assert vc != va
+    tc = build_deployment(c, "demo", "ml", vc, "s3://x/engines/" + vc, CONFIG)["spec"]["template"]
+    assert tc != ta
+
+
+def test_service_and_pdb():
+    s = spec(serving={"replicas": 2, "port": 8080})
+    svc = validate(build_service(s, "demo", "ml", OWNER))
+    assert svc["spec"]["ports"][0]["port"] == 8080 and svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert svc["spec"]["selector"] == build_deployment(
+        s, "demo", "ml", "v", "u", CONFIG)["spec"]["selector"]["matchLabels"]
+    assert endpoint("demo", "ml", s) == "http://demo.ml.svc:8080/v1"
+    pdb = validate(build_pdb(s, "demo", "ml", OWNER))
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert build_pdb(spec(serving={"replicas": 1}), "demo", "ml") is None
+
+
+def test_user_resources_keep_their_values_and_get_gpus():
+    s = spec(serving={"resources": {"requests": {"cpu": "8", "memory": "64Gi"}}})
+    dep = validate(build_deployment(s, "d", "n", "v1-abc", "s3://b/engines/v1-abc", CONFIG))
+    assert container(dep)["resources"] == {"requests": {"cpu": "8", "memory": "64Gi"},
+                                           "limits": {"nvidia.com/gpu": 1}}
+    assert s.serving.resources == {"requests": {"cpu": "8", "memory": "64Gi"}}  # renderer did not mutate it
+
+
+def test_config_from_env_parses_and_names_bad_variables():
+    cfg = OperatorConfig.from_env({
+        "KILN_STORE_URI": "s3://b/p", "KILN_SKU_NODE_LABELS": '{"H100-80GB": {"pool": "h100"}}',
+        "KILN_TOLERATIONS": '[{"key": "dedicated", "operator": "Exists"}]', "KILN_HA": "true"})
+    assert cfg.node_selector("H100-80GB") == {"pool": "h100"}
+    assert cfg.node_selector("L4") == {"nvidia.com/gpu.product": "NVIDIA-L4"}
+    assert cfg.node_selector("cpu") == {} and cfg.ha
+    s = spec()
+    pod = build_job(s, "d", "n", engine_version(s), cfg)["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "h100"} and pod["tolerations"][0]["key"] == "dedicated"
+    with pytest.raises(ConfigError, match="KILN_SKU_NODE_LABELS"):
+        OperatorConfig.from_env({"KILN_SKU_NODE_LABELS": "{nope"})
+    with pytest.raises(ConfigError, match="KILN_BUILD_BACKOFF_LIMIT"):
+        OperatorConfig.from_env({"KILN_BUILD_BACKOFF_LIMIT": "many"})
