@@ -49,7 +49,7 @@ __all__ = [
     "API_VERSION", "GROUP", "KIND", "PLURAL", "SHORT_NAME", "SINGULAR", "VERSION", "GPU_SKUS",
     "BuildOptions", "Condition", "GPUSpec", "HistoryEntry", "KVOptions", "LLMEngine", "LLMEngineSpec",
     "LLMEngineStatus", "ManifestError", "Metadata", "ModelSource", "Phase", "QualityGate",
-    "ServingOptions", "load_manifest",
+    "ServingOptions", "load_manifest", "load_spec",
 ]
 
 
@@ -358,6 +358,10 @@ HISTORY_LIMIT = 10
 
 
 class LLMEngineStatus(_Model):
+    # The operator writes status, not users; keys another writer left (e.g. kopf's own
+    # `status.kopf` on a cluster that kept it) must not make the object unreadable.
+    model_config = ConfigDict(extra="ignore")
+
     phase: Phase | None = Field(default=None, description="Pending, Building, Deploying, Ready or Failed.")
     conditions: list[Condition] = Field(
         default_factory=list, description="Kubernetes-style conditions; Ready means the engine serves.",
@@ -424,6 +428,19 @@ def load_manifest(source: Any) -> LLMEngine:
         return LLMEngine.model_validate(data)
     except ValidationError as exc:
         raise ManifestError(validation_error_lines(exc, LLMEngine), origin) from None
+
+
+def load_spec(raw: Any) -> LLMEngineSpec:
+    """A spec from the camelCase dict the API server stores; ManifestError lines start with ``spec.``."""
+    try:
+        return LLMEngineSpec.model_validate(raw)
+    except ValidationError as exc:
+        lines = validation_error_lines(exc, LLMEngineSpec)
+        raise ManifestError([_join_spec(line) for line in lines], "spec") from None
+
+
+def _join_spec(line: str) -> str:
+    return line.replace("manifest: ", "spec: ", 1) if line.startswith("manifest: ") else f"spec.{line}"
 
 
 def _load_data(source: Any) -> tuple[Any, str]:

@@ -194,3 +194,21 @@ def test_status_round_trip_and_bounded_history():
         LLMEngineStatus.model_validate({**raw, "history": raw["history"] * 11})
     with pytest.raises(ValueError):
         LLMEngineStatus.model_validate({"conditions": [{"type": "Ready", "status": "Yes"}]})
+
+
+def test_load_spec_names_fields_under_spec():
+    raw = manifest(tensorParallel=3, maxInputLen=9000)["spec"]
+    with pytest.raises(ManifestError) as info:
+        api.load_spec(raw)
+    assert str(info.value).splitlines() == ["spec.tensorParallel: must be one of 1, 2, 4, 8 (got 3)"]
+    raw["tensorParallel"] = 2
+    with pytest.raises(ManifestError, match=r"^spec\.maxInputLen: must be less than maxSeqLen \(9000 >= 4096\)"):
+        api.load_spec(raw)
+    with pytest.raises(ManifestError, match=r"^spec: must be a mapping \(got list\)$"):
+        api.load_spec([])
+    assert api.load_spec(manifest()["spec"]).gpu == "H100-80GB"
+
+
+def test_status_tolerates_keys_other_writers_leave():
+    status = LLMEngineStatus.model_validate({"phase": "Pending", "kopf": {"progress": {}}})
+    assert status.phase == "Pending" and "kopf" not in status.to_k8s()
