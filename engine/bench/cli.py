@@ -1,0 +1,152 @@
+"""``kiln bench``: kiln against transformers' static and continuous batching, one workload, one run.
+
+Exit codes: 0 done (the equality check's result is in the output, not the
+exit code, unless ``--strict``), 1 a system failed or ``--strict`` and the
+equality check failed, 2 usage errors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from kiln.engine.bench.suite import SYSTEMS
+
+
+def _default_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@click.command("bench")
+@click.option("--num-requests", type=int, default=None, help="Requests in the workload [default: 64; --quick: 6].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
+@click.option("--arrival-rate", type=float, default=None,
+              help="Poisson arrivals at this many requests/s [default: all arrive at t=0].")
+@click.option("--shared-prefix", "shared_prefix", type=int, default=0, show_default=True,
+              help="Tokens of one shared prefix in front of every prompt (prefix-cache variant).")
+@click.option("--preset", default=None, help="toy model preset [default: llama-bench; --quick: llama-tiny].")
+@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the bench model lives/is written [default: ~/.cache/kiln/bench-models/<preset>-...].")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default="bfloat16",
+              show_default=True)
+@click.option("--threads", type=int, default=None, help="torch threads for every system [default: torch's].")
+@click.option("--repeats", type=int, default=1, show_default=True,
+              help="Run every system N times round-robin; the table shows medians.")
+@click.option("--systems", default=",".join(SYSTEMS), show_default=True, help="Comma-separated systems to run.")
+@click.option("--max-batch-size", type=int, default=64, show_default=True,
+              help="kiln max_batch_size and transformers' max_requests_per_batch.")
+@click.option("--max-num-tokens", type=int, default=2048, show_default=True,
+              help="Tokens per forward step, kiln and transformers' continuous batching alike.")
+@click.option("--check-requests", type=int, default=None,
+              help="Requests in the float32 greedy equality check (0 skips it) [default: 8; --quick: 4].")
+@click.option("--json", "json_out", default=None, help="Write the full results as JSON to this file ('-': stdout).")
+@click.option("--quick", is_flag=True, help="A small run on a tiny model, for smoke tests (seconds, not minutes).")
+@click.option("--strict", is_flag=True, help="Exit 1 if the equality check fails.")
+def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, repeats, systems,
+          max_batch_size, max_num_tokens, check_requests, json_out, quick, strict) -> None:
+    """Benchmark kiln against transformers on one deterministic workload and print the table."""
+    from kiln.engine.bench import report
+    from kiln.engine.bench.model import DEFAULT_PRESET, QUICK_PRESET, ensure_model, model_facts
+    from kiln.engine.bench.suite import SuiteConfig, run_suite
+    from kiln.engine.bench.workload import WorkloadSpec, make_workload
+    from kiln.engine.toy import PRESETS
+
+    chosen = [s.strip() for s in systems.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SYSTEMS]
+    if unknown or not chosen:
+        raise click.UsageError(f"--systems: unknown {', '.join(unknown) or '(none given)'}; "
+                               f"choose from {', '.join(SYSTEMS)}")
+    preset = preset or (QUICK_PRESET if quick else DEFAULT_PRESET)
+    if preset not in PRESETS:
+        raise click.UsageError(f"--preset {preset!r} is unknown; choose from {', '.join(sorted(PRESETS))}")
+    for name, value, low in (("--repeats", repeats, 1), ("--max-batch-size", max_batch_size, 1),
+                             ("--max-num-tokens", max_num_tokens, 1)):
+        if value < low:
+            raise click.UsageError(f"{name} must be >= {low}, got {value}")
+    if threads is not None and threads < 1:
+        raise click.UsageError(f"--threads must be >= 1, got {threads}")
+    threads = threads or _default_threads()
+    spec_kw = {}
+    if quick:
+        spec_kw = dict(prompt_len_min=8, prompt_len_max=48, short_output=(4, 12), long_output=(24, 40))
+    spec = WorkloadSpec(num_requests=num_requests if num_requests is not None else (6 if quick else 64), seed=seed,
+                        arrival_rate=arrival_rate, shared_prefix_len=shared_prefix, **spec_kw)
+    try:
+        spec.check()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if check_requests is None:
+        check_requests = 4 if quick else 8
+
+    def log(msg: str) -> None:
+        click.echo(msg, err=True)
+
+    log(f"model: {preset} ({dtype}) ...")
+    try:
+        model_dir = ensure_model(preset, dtype, seed=0, model_dir=model_dir)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    facts = model_facts(model_dir)
+    workload = make_workload(spec, facts["vocab_size"], set(facts["special_ids"]))
+    cfg = SuiteConfig(model_dir=model_dir, dtype=dtype, threads=threads, systems=chosen, repeats=repeats,
+                      max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, check_requests=check_requests,
+                      check_max_tokens=16 if quick else 32, ceiling_buffer_mib=64 if quick else 512, log=log)
+    try:
+        results = run_suite(cfg, workload, facts)
+    except RuntimeError as exc:
+        click.echo(f"kiln bench: {exc}", err=True)
+        sys.exit(1)
+    doc = {
+        "config": {"preset": preset, "model_dir": str(model_dir), "dtype": dtype, "threads": threads,
+                   "repeats": repeats, "systems": chosen, "max_batch_size": max_batch_size,
+                   "max_num_tokens": max_num_tokens, "quick": quick, "workload_spec": workload.to_json()["spec"]},
+        "machine": report.machine_info(threads),
+        "model": facts,
+        "workload": workload.summary(),
+        **results,
+    }
+    if json_out == "-":
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(_text(doc))
+        if json_out:
+            Path(json_out).write_text(json.dumps(doc, indent=2))
+            click.echo(f"\nJSON written to {json_out}")
+    eq = results.get("equality")
+    if strict and eq is not None and not eq["passed"]:
+        sys.exit(1)
+
+
+def _text(doc: dict) -> str:
+    from kiln.engine.bench import report
+
+    m, w, c = doc["machine"], doc["workload"], doc["config"]
+    lines = [
+        f"kiln bench — {m['cpu']} ({m['cpu_count']} cores), torch {m['torch']} with {c['threads']} threads, "
+        f"transformers {m['transformers']}",
+        f"model: {c['preset']}, {doc['model']['total_params'] / 1e6:.0f}M params, {c['dtype']}",
+        f"workload: {w['num_requests']} requests ({w['arrival']}), prompts {w['prompt_len_min']}..{w['prompt_len_max']}"
+        f" ({w['num_prompt_tokens']} tokens), outputs {w['output_len_min']}..{w['output_len_max']}"
+        f" ({w['num_output_tokens']} tokens, {w['num_long_outputs']} long), ignore_eos, greedy"
+        + (f", shared prefix {w['shared_prefix_len']}" if w["shared_prefix_len"] else ""),
+        f"medians of {c['repeats']} run(s) per system; kiln x = kiln output tok/s / system output tok/s",
+        "",
+        report.table(doc["systems"], doc["ratios"]),
+        "",
+    ]
+    eq = doc.get("equality")
+    if eq is not None:
+        verdict = "PASS" if eq["passed"] else "FAIL"
+        detail = "" if eq["passed"] else f" ({len(eq['mismatches'])} differ: {eq['mismatches'][:4]})"
+        lines.append(f"greedy equality (kiln vs transformers generate, {eq['dtype']}, first {eq['num_requests']} "
+                     f"requests, {eq['max_tokens']} tokens max): {verdict}{detail}")
+    for name, a in doc.get("agreement", {}).items():
+        lines.append(f"{c['dtype']} agreement with {name}: {a['identical_requests']}/{a['num_requests']} requests "
+                     f"identical, {100 * a['prefix_token_share']:.0f}% of tokens before the first difference")
+    if doc.get("ceiling"):
+        lines += report.ceiling_lines(doc["ceiling"])
+    return "\n".join(lines)

@@ -1,0 +1,118 @@
+"""kiln on the bench workload: ``LLM.generate`` with every request submitted at once,
+or ``AsyncLLM`` with each request submitted at its arrival time.
+
+Every request is greedy with ``ignore_eos`` and ``max_tokens = output_len``, so
+kiln does exactly the work the baselines do. Steps and batch sizes come from
+the engine's own counters (``EngineStats``), taken as a difference around the
+timed run so the warm-up does not count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from kiln.engine.bench.records import RequestRecord, RunRecord
+from kiln.engine.bench.workload import Workload
+
+
+def engine_kwargs(job: dict) -> dict:
+    """The LLM() configuration every kiln run of one bench uses (also recorded in the JSON)."""
+    return {
+        "dtype": job["dtype"],
+        "max_batch_size": job["max_batch_size"],
+        "max_num_tokens": job["max_num_tokens"],
+        "max_seq_len": job["max_seq_len"],
+        "num_kv_blocks": job.get("num_kv_blocks"),
+        "enable_prefix_caching": job.get("enable_prefix_caching", True),
+        "device": "cpu",
+    }
+
+
+def load(model_dir: Path, job: dict):
+    from kiln.engine import LLM
+
+    return LLM(str(model_dir), **engine_kwargs(job))
+
+
+def warm(llm) -> None:
+    from kiln.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]] * 2, params)
+
+
+def _params(output_len: int):
+    from kiln.engine import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+
+
+def run(llm, workload: Workload, job: dict) -> RunRecord:
+    before = llm.stats()
+    if all(r.arrival_time == 0 for r in workload.requests):
+        records = _run_offline(llm, workload)
+    else:
+        records = asyncio.run(_run_arrivals(llm, workload, job))
+    after = llm.stats()
+    steps = after.num_steps - before.num_steps
+    run = RunRecord(system="kiln", duration_s=max(r.finished for r in records), num_steps=steps, requests=records)
+    run.extra = {
+        "engine_avg_running": (after.sum_running - before.sum_running) / steps if steps else 0.0,
+        "engine_avg_kv_usage": (after.sum_kv_usage - before.sum_kv_usage) / steps if steps else 0.0,
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
+        "num_computed_tokens": after.num_computed_tokens - before.num_computed_tokens,
+        "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
+        "num_total_blocks": after.num_total_blocks,
+        "engine_kwargs": {k: v for k, v in engine_kwargs(job).items()},
+    }
+    return run
+
+
+def _run_offline(llm, workload: Workload) -> list[RequestRecord]:
+    prompts = [r.prompt_token_ids for r in workload.requests]
+    params = [_params(r.output_len) for r in workload.requests]
+    # RequestMetrics are wall-clock (time.time); convert to seconds after the submission.
+    t0 = time.time()
+    outs = llm.generate(prompts, params)
+    records = []
+    for r, out in zip(workload.requests, outs, strict=True):
+        m = out.metrics
+        records.append(RequestRecord(
+            index=r.index, arrival=0.0, first_token=m.first_token_time - t0, finished=m.finished_time - t0,
+            output_token_ids=list(out.token_ids),
+        ))
+    return records
+
+
+async def _run_arrivals(llm, workload: Workload, job: dict) -> list[RequestRecord]:
+    """Poisson arrivals through the async engine; timestamps are taken as deltas stream in."""
+    from kiln.engine import AsyncLLM
+
+    engine = AsyncLLM(llm=llm) if _accepts_llm(AsyncLLM) else None
+    if engine is None:
+        raise RuntimeError("kiln.engine.AsyncLLM cannot wrap a loaded LLM; arrivals need it")
+    t0 = time.perf_counter()
+
+    async def one(r) -> RequestRecord:
+        await asyncio.sleep(max(0.0, r.arrival_time - (time.perf_counter() - t0)))
+        first, tokens = None, []
+        async for delta in engine.generate(r.prompt_token_ids, _params(r.output_len), request_id=f"bench-{r.index}"):
+            if delta.new_token_ids and first is None:
+                first = time.perf_counter() - t0
+            tokens.extend(delta.new_token_ids)
+        return RequestRecord(index=r.index, arrival=r.arrival_time, first_token=first,
+                             finished=time.perf_counter() - t0, output_token_ids=tokens)
+
+    await engine.start()
+    try:
+        return list(await asyncio.gather(*(one(r) for r in workload.requests)))
+    finally:
+        await engine.shutdown()
+
+
+def _accepts_llm(cls) -> bool:
+    import inspect
+
+    return "llm" in inspect.signature(cls).parameters

@@ -1,0 +1,188 @@
+"""One bench: every system on one workload, round-robin repeats, equality check, ceiling.
+
+Systems run one at a time, each in a fresh subprocess (``child.py``), in a
+rotating round-robin order so that a slow patch of a shared machine spreads
+over all systems instead of landing on one; figures are per-figure medians
+over the repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from math import ceil
+from pathlib import Path
+
+from kiln.engine.bench import ceiling as ceiling_mod
+from kiln.engine.bench.records import RunRecord, common_prefix_len, figures, median_figures
+from kiln.engine.bench.workload import Request, Workload
+
+SYSTEMS = ("kiln", "hf-static-b8", "hf-static-b32", "hf-generate-batch")
+
+
+@dataclass
+class SuiteConfig:
+    model_dir: Path
+    dtype: str
+    threads: int
+    systems: list[str]
+    repeats: int = 1
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048
+    check_requests: int = 8
+    check_max_tokens: int = 32
+    child_timeout_s: float = 3600.0
+    ceiling_buffer_mib: int = 512
+    log: object = field(default=None, repr=False)
+
+    def say(self, msg: str) -> None:
+        if self.log is not None:
+            self.log(msg)
+
+
+def kv_blocks_for(workload: Workload, block_size: int = 16) -> int:
+    """Blocks that hold every request at once: kiln and transformers both get this capacity."""
+    return sum(ceil((len(r.prompt_token_ids) + r.output_len) / block_size) for r in workload.requests) + 8
+
+
+def _job(cfg: SuiteConfig, system: str, workload_path: Path, workload: Workload, dtype: str) -> dict:
+    return {
+        "system": system, "model_dir": str(cfg.model_dir), "workload": str(workload_path), "dtype": dtype,
+        "threads": cfg.threads, "max_batch_size": cfg.max_batch_size, "max_num_tokens": cfg.max_num_tokens,
+        "max_seq_len": None, "num_kv_blocks": kv_blocks_for(workload), "pad_id": 0,
+    }
+
+
+def run_child(job: dict, workdir: Path, timeout: float) -> RunRecord:
+    job_path = workdir / f"job-{job['system']}.json"
+    out_path = workdir / f"out-{job['system']}.json"
+    out_path.unlink(missing_ok=True)
+    job_path.write_text(json.dumps(job))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln.engine.bench.child", str(job_path), str(out_path)],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0 or not out_path.is_file():
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"system {job['system']} failed (exit {proc.returncode}):\n{tail}")
+    return RunRecord.from_json(json.loads(out_path.read_text()))
+
+
+def check_subset(workload: Workload, n: int, max_tokens: int) -> Workload:
+    reqs = [Request(i, r.prompt_token_ids, min(r.output_len, max_tokens), 0.0)
+            for i, r in enumerate(workload.requests[:n])]
+    return Workload(workload.spec, reqs)
+
+
+def run_suite(cfg: SuiteConfig, workload: Workload, facts: dict) -> dict:
+    prompt_lens = {r.index: len(r.prompt_token_ids) for r in workload.requests}
+    output_lens = {r.index: r.output_len for r in workload.requests}
+    per_system: dict[str, dict] = {s: {"runs": [], "notes": [], "extra": []} for s in cfg.systems}
+    outputs: dict[str, dict[int, list[int]]] = {}
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
+        workdir = Path(tmp)
+        wl_path = workdir / "workload.json"
+        workload.save(wl_path)
+        for rep in range(cfg.repeats):
+            shift = rep % len(cfg.systems)
+            for system in cfg.systems[shift:] + cfg.systems[:shift]:
+                cfg.say(f"[repeat {rep + 1}/{cfg.repeats}] {system} ...")
+                t = time.perf_counter()
+                run = run_child(_job(cfg, system, wl_path, workload, cfg.dtype), workdir, cfg.child_timeout_s)
+                fig = figures(run, prompt_lens, output_lens)
+                entry = per_system[system]
+                entry["runs"].append(fig)
+                entry["notes"] = run.notes
+                entry["extra"].append({**run.extra, "load_s": run.load_s})
+                outputs[system] = {r.index: r.output_token_ids for r in run.requests}
+                cfg.say(f"  {system}: {fig['output_tok_s']:.1f} output tok/s, {fig['duration_s']:.1f}s "
+                        f"(wall {time.perf_counter() - t:.0f}s incl. load)")
+        systems = {}
+        for name, entry in per_system.items():
+            systems[name] = {"median": median_figures(entry["runs"]), **entry}
+        equality = _equality(cfg, workload, workdir) if "kiln" in cfg.systems and cfg.check_requests else None
+    kiln = systems.get("kiln")
+    ratios = {}
+    if kiln:
+        for name, entry in systems.items():
+            if name != "kiln":
+                ratios[name] = kiln["median"]["output_tok_s"] / entry["median"]["output_tok_s"]
+    cfg.say("measuring the hardware ceiling ...")
+    ceiling = _ceiling(cfg, workload, facts, systems)
+    return {
+        "systems": systems, "ratios": ratios, "equality": equality, "ceiling": ceiling,
+        "agreement": _agreement(outputs),
+    }
+
+
+def _equality(cfg: SuiteConfig, workload: Workload, workdir: Path) -> dict:
+    """kiln's greedy tokens vs transformers ``generate`` one request at a time, both in float32.
+
+    float32 because greedy equality across different kernels is only meaningful
+    where rounding cannot flip a near-tie: in bf16 two correct implementations
+    legitimately diverge after a few tokens on a random-weight model.
+    """
+    subset = check_subset(workload, cfg.check_requests, cfg.check_max_tokens)
+    path = workdir / "check-workload.json"
+    subset.save(path)
+    cfg.say(f"equality check: kiln vs transformers generate, float32, {len(subset.requests)} requests ...")
+    ref = run_child(_job(cfg, "hf-reference", path, subset, "float32"), workdir, cfg.child_timeout_s)
+    got = run_child(_job(cfg, "kiln-reference", path, subset, "float32"), workdir, cfg.child_timeout_s)
+    ref_ids = {r.index: r.output_token_ids for r in ref.requests}
+    mismatches = []
+    for r in got.requests:
+        want = ref_ids[r.index]
+        if r.output_token_ids != want:
+            mismatches.append({"request": r.index, "first_diff_at": common_prefix_len(r.output_token_ids, want)})
+    return {
+        "dtype": "float32", "num_requests": len(subset.requests), "max_tokens": cfg.check_max_tokens,
+        "passed": not mismatches, "mismatches": mismatches,
+    }
+
+
+def _agreement(outputs: dict[str, dict[int, list[int]]]) -> dict:
+    """In the bench dtype: the share of each request's tokens, up to the first difference, that kiln
+    has in common with each baseline. Informational (see ``_equality`` on why not pass/fail)."""
+    kiln = outputs.get("kiln")
+    if not kiln:
+        return {}
+    result = {}
+    for name, other in outputs.items():
+        if name == "kiln":
+            continue
+        same, total, identical = 0, 0, 0
+        for idx, toks in kiln.items():
+            ref = other.get(idx, [])
+            same += common_prefix_len(toks, ref)
+            total += len(ref)
+            identical += toks == ref
+        result[name] = {"prefix_token_share": same / total if total else 0.0, "identical_requests": identical,
+                        "num_requests": len(kiln)}
+    return result
+
+
+def _ceiling(cfg: SuiteConfig, workload: Workload, facts: dict, systems: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    batches = [s["median"]["avg_batch"] for s in systems.values() if s["median"]["avg_batch"] > 0]
+    hw = ceiling_mod.measure(facts, cfg.dtype, batches or [1], buffer_bytes=cfg.ceiling_buffer_mib * 2**20)
+    itemsize = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
+    # Mean context length seen by a decode token: prompt + tokens generated so far.
+    ctx_sum = sum(len(r.prompt_token_ids) * r.output_len + r.output_len * (r.output_len - 1) / 2
+                  for r in workload.requests)
+    avg_context = ctx_sum / workload.num_output_tokens
+    per_system = {}
+    for name, s in systems.items():
+        batch = s["median"]["avg_batch"]
+        if not batch > 0:  # NaN: not observable
+            continue
+        c = ceiling_mod.workload_ceiling(hw, facts, itemsize, workload.num_prompt_tokens,
+                                         workload.num_output_tokens, avg_context, batch)
+        c["fraction"] = s["median"]["output_tok_s"] / c["output_tok_s"]
+        per_system[name] = c
+    return {"hardware": hw, "avg_decode_context": avg_context, "per_system": per_system}
