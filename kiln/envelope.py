@@ -101,7 +101,9 @@ def normalize_source(source: str) -> str:
         path = posixpath.normpath(rest)
         if path.startswith("/"):
             return f"file://{path}"
-        return f"file://{path}" if path.startswith("..") else f"file://./{path}"
+        if path.startswith(".."):
+            return f"file://{path}"
+        return "file://./" if path == "." else f"file://./{path}"
     head, _, tail = rest.partition("/")
     tail = posixpath.normpath(tail).lstrip("/") if tail else ""
     return f"{scheme}://{head}/{tail}" if tail and tail != "." else f"{scheme}://{head}"

@@ -164,6 +164,7 @@ def test_model_slug(source: str, slug: str):
 @pytest.mark.parametrize(("source", "normal"), [
     ("file://./a//b/", "file://./a/b"),
     ("file://./a/../b", "file://./b"),
+    ("file://./a/..", "file://./"),
     ("file://../x/./y", "file://../x/y"),
     ("file:///abs//p/", "file:///abs/p"),
     ("s3://bucket/p//q/", "s3://bucket/p/q"),
