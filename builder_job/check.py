@@ -32,6 +32,7 @@ ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I8": 1, "U8": 1, "F8
 # Rope types whose factor multiplies the usable context beyond max_position_embeddings.
 EXTENDING_ROPE_TYPES = {"linear", "dynamic", "yarn", "longrope"}
 CPU_MEMORY_ENV = "KILN_CPU_MEMORY_GIB"
+CPU_MEMORY_BUDGET_GIB = 8.0
 # Headroom for activations, logits and allocator slack, per token of the step budget.
 ACTIVATION_BYTES_PER_TOKEN_FACTOR = 24
 
@@ -151,14 +152,12 @@ def weight_bytes_per_rank(facts: ModelFacts, spec) -> int:
 
 
 def device_memory_bytes(spec) -> int:
-    """Memory of one device of the spec's GPU SKU; for ``gpu: cpu`` the CPU budget
-    (the SKU's documented size, or ``$KILN_CPU_MEMORY_GIB``)."""
-    from kiln.api import GPU_SKUS
-
-    gib = float(GPU_SKUS[spec.gpu].memory_gib)
-    if spec.gpu == "cpu" and os.environ.get(CPU_MEMORY_ENV):
-        gib = float(os.environ[CPU_MEMORY_ENV])
-    return int(gib * 2**30)
+    """Memory of one device of the spec's GPU SKU. For ``gpu: cpu`` (no fixed size) a documented
+    budget: ``$KILN_CPU_MEMORY_GIB``, default :data:`CPU_MEMORY_BUDGET_GIB` GiB."""
+    gib = spec.gpu_spec.memory_gib
+    if gib is None:
+        gib = float(os.environ.get(CPU_MEMORY_ENV) or CPU_MEMORY_BUDGET_GIB)
+    return int(float(gib) * 2**30)
 
 
 def activation_reserve_bytes(facts: ModelFacts, spec) -> int:

@@ -1,0 +1,90 @@
+"""Assemble the engine directory that is published: ``engine.json``, config, tokenizer, weights.
+
+Layout (the runtime's ``LLM.from_artifact`` reads it; see the README)::
+
+    engine.json                          format_version, versions, envelope, gpu, engine_config,
+                                         kv_plan, tuning, build_report
+    config.json, tokenizer files, chat template, generation_config.json (copied)
+    weights/rank-{r}-of-{n}.safetensors  one per tensor-parallel rank, engine parameter names
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import kiln
+
+ENGINE_JSON = "engine.json"
+# Everything from the checkpoint except weights; the runtime needs config + tokenizer.
+COPIED_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def copy_model_files(checkpoint_dir: Path, out_dir: Path) -> list[str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in COPIED_FILES:
+        src = checkpoint_dir / name
+        if src.is_file():
+            shutil.copyfile(src, out_dir / name)
+            copied.append(name)
+    return copied
+
+
+def engine_config(spec, num_kv_blocks: int, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``LLM(...)``: the envelope's limits plus what was planned and tuned."""
+    cfg = {
+        "dtype": spec.dtype,
+        "quantization": None if spec.quantization == "none" else spec.quantization,
+        "kv_cache_dtype": spec.kv_cache_dtype,
+        "tensor_parallel_size": spec.tensor_parallel,
+        "max_batch_size": spec.max_batch_size,
+        "max_input_len": spec.max_input_len,
+        "max_seq_len": spec.max_seq_len,
+        "max_num_tokens": spec.max_num_tokens,
+        "block_size": spec.kv.block_size,
+        "enable_prefix_caching": spec.kv.enable_prefix_caching,
+        "num_kv_blocks": num_kv_blocks,
+        "kv_memory_fraction": spec.kv.memory_fraction,
+        "cuda_graph_batch_sizes": None,
+    }
+    cfg.update(overrides or {})
+    return cfg
+
+
+def engine_document(*, spec, envelope: dict, version: str, config: dict, kv_plan: dict, tuning: dict,
+                    build_report: dict) -> dict[str, Any]:
+    import torch
+
+    from kiln.envelope import ARTIFACT_FORMAT_VERSION
+
+    gpu = spec.gpu_spec
+    return {
+        "format_version": ARTIFACT_FORMAT_VERSION,
+        "kiln_version": kiln.__version__,
+        "torch_version": torch.__version__,
+        "engine_version": version,
+        "envelope": envelope,
+        "gpu": {"sku": spec.gpu, "arch": gpu.arch, "compute_capability": gpu.compute_capability,
+                "memory_gib": gpu.memory_gib},
+        "engine_config": config,
+        "kv_plan": kv_plan,
+        "tuning": tuning,
+        "build_report": build_report,
+    }
+
+
+def write_engine_json(out_dir: Path, document: dict[str, Any]) -> Path:
+    path = out_dir / ENGINE_JSON
+    path.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def dir_bytes(path: Path, pattern: str = "**/*") -> int:
+    return sum(p.stat().st_size for p in path.glob(pattern) if p.is_file())

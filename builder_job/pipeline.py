@@ -1,0 +1,169 @@
+"""The build pipeline: fetch -> check -> convert -> gate (reference) -> shard -> plan -> gate (runtime)
+-> tune -> package -> publish.
+
+Every stage runs inside ``report.stage(name)`` (progress log + timing). Nothing
+reaches the store until the last stage, and the store's publish is atomic, so a
+build that fails or is killed at any point leaves no visible version. The
+quality gate runs twice: first on the converted weights in a reference model
+(cheap, fails before sharding), then on the packaged artifact loaded by the
+runtime itself, so what is published is exactly what was measured.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.builder import quality
+from kiln.builder.check import check_envelope, model_facts
+from kiln.builder.convert import convert_state_dict, dequantized_state_dict, load_checkpoint
+from kiln.builder.errors import QualityGateFailed, StorageFailure
+from kiln.builder.fetch import fetch_checkpoint
+from kiln.builder.package import (
+    copy_model_files,
+    dir_bytes,
+    engine_config,
+    engine_document,
+    write_engine_json,
+)
+from kiln.builder.report import BuildReport, human_bytes
+from kiln.builder.shard import shard_weights
+from kiln.builder.tune import kv_plan_summary, plan_kv, tune
+
+log = logging.getLogger("kiln.build")
+
+
+@dataclass
+class BuildResult:
+    version: str
+    artifact_uri: str
+    engine_json: dict[str, Any]
+
+
+def _gate(spec, metrics: dict[str, Any], report: BuildReport) -> dict[str, Any]:
+    max_kl, min_agree = quality.thresholds(spec)
+    verdict = quality.judge(metrics, max_kl, min_agree)
+    report.record("quality", verdict)
+    log.info("quality: KL %.3g (max %s), greedy agreement %.4f (min %s) -> %s", verdict["kl_divergence"], max_kl,
+             verdict["token_agreement"], min_agree, "pass" if verdict["passed"] else "FAIL")
+    if not verdict["passed"]:
+        raise QualityGateFailed(quality.failure_message(verdict), verdict)
+    return verdict
+
+
+def _device(spec) -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and not spec.gpu_spec.is_cpu else "cpu"
+
+
+def run_build(engine, store, version: str, envelope: dict, work_dir: Path, report: BuildReport) -> BuildResult:
+    """Build ``engine`` (an ``LLMEngine``) as ``version`` and publish it to ``store``."""
+    from transformers import AutoTokenizer
+
+    spec = engine.spec
+    out = work_dir / f"engine-{version}"
+    if out.exists():
+        shutil.rmtree(out)  # a retried Job starts the package from scratch
+
+    with report.stage("fetch"):
+        ckpt = fetch_checkpoint(spec.model.source, spec.model.revision, work_dir)
+        report.record("source", ckpt.provenance())
+
+    with report.stage("check"):
+        facts = model_facts(ckpt.path)
+        report.record("model", facts.to_dict())
+        report.record("memory_estimate", check_envelope(spec, facts))
+
+    device = _device(spec)
+    with report.stage("convert"):
+        tensors = load_checkpoint(ckpt.path)
+        converted, summary = convert_state_dict(tensors, spec.dtype, spec.quantization)
+        del tensors
+        report.record("convert", summary)
+
+    with report.stage("quality_reference"):
+        tokenizer = AutoTokenizer.from_pretrained(str(ckpt.path), trust_remote_code=False)
+        prompts = spec.build.calibration_prompts or quality.CALIBRATION_PROMPTS
+        token_lists = quality.tokenize_prompts(tokenizer, prompts)
+        source = quality.load_source_model(ckpt.path, device)
+        reference = quality.load_converted_model(source, dequantized_state_dict(converted, spec.dtype), spec.dtype)
+        del converted
+        metrics = quality.teacher_forced_metrics(source, reference, token_lists)
+        metrics["num_prompts"] = len(token_lists)
+        metrics["calibration_prompts"] = "spec" if spec.build.calibration_prompts else "builtin"
+        del reference
+        gc.collect()
+        _gate(spec, metrics, report)
+
+    with report.stage("shard"):
+        copy_model_files(ckpt.path, out)
+        rank_files = shard_weights(ckpt.path, out / "weights", spec)
+        weights_per_rank = max(p.stat().st_size for p in rank_files)
+        report.record("sizes", {"source_weight_bytes": sum(s for n, s in ckpt.files.items()
+                                                           if n.endswith(".safetensors")),
+                                "artifact_weight_bytes": dir_bytes(out / "weights"),
+                                "weight_bytes_per_rank": weights_per_rank,
+                                "rank_files": [p.name for p in rank_files]})
+        log.info("weights: %s per rank, %d rank file(s)", human_bytes(weights_per_rank), len(rank_files))
+
+    with report.stage("plan"):
+        kv_plan = plan_kv(spec, facts, weights_per_rank)
+        report.record("kv_plan_summary", kv_plan_summary(kv_plan))
+        log.info("kv pool: %s", kv_plan_summary(kv_plan))
+        config = engine_config(spec, kv_plan["num_kv_blocks"])
+
+    def write(tuning: dict, cfg: dict) -> dict:
+        doc = engine_document(spec=spec, envelope=envelope, version=version, config=cfg, kv_plan=kv_plan,
+                              tuning=tuning, build_report=report.to_dict())
+        write_engine_json(out, doc)
+        return doc
+
+    write({}, config)
+
+    def load_llm(**overrides):
+        from kiln.engine import LLM
+
+        return LLM.from_artifact(str(out), device=device, **overrides)
+
+    with report.stage("quality_runtime"):
+        llm = load_llm()
+        metrics.update(quality.runtime_agreement(llm, source, token_lists))
+        del llm, source
+        gc.collect()
+        _gate(spec, metrics, report)
+
+    with report.stage("tune"):
+        tuning, overrides = tune(load_llm, spec, facts.vocab_size)
+        config = {**config, **overrides}
+
+    with report.stage("package"):
+        report.record("sizes", {**report.findings["sizes"], "artifact_bytes": dir_bytes(out)})
+        doc = write(tuning, config)
+
+    with report.stage("publish"):
+        from kiln.artifacts import StoreError
+
+        try:
+            store.publish(version, out, envelope, progress=_publish_progress())
+        except StoreError as exc:
+            raise StorageFailure(str(exc)) from None
+    return BuildResult(version=version, artifact_uri=store.artifact_uri(version), engine_json=doc)
+
+
+def _publish_progress():
+    import time
+
+    last = {"t": 0.0}
+
+    def progress(path: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done >= total or now - last["t"] > 5:
+            last["t"] = now
+            log.info("publish %s: %s/%s", path, human_bytes(done), human_bytes(total))
+
+    return progress

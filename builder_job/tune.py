@@ -1,0 +1,176 @@
+"""Plan the KV pool for the target device and measure runtime knobs on the build machine.
+
+KV plan. A serving pod preallocates one pool of ``num_kv_blocks`` blocks. The
+builder sizes it once, for the target:
+
+    budget      = device memory x kv.memoryFraction
+    num_kv_blocks = (budget - weights of the largest rank - activation reserve) // bytes per block
+
+where a block holds ``blockSize`` tokens of K and V for every layer and the KV
+heads of one rank. On a GPU the pool takes all of that (spare blocks keep
+prefixes cached). For ``gpu: cpu`` the device memory is a documented budget —
+:data:`kiln.builder.check.CPU_MEMORY_BUDGET_GIB` GiB, or ``$KILN_CPU_MEMORY_GIB`` — and the pool is
+capped at what ``maxBatchSize`` requests of ``maxSeqLen`` can ever hold, because
+host RAM is shared with everything else on the machine.
+
+Tuning. Only knobs that do not change the envelope (block size, shapes and
+dtypes are in it) are chosen here, by timing the real artifact through the
+runtime: on CPU the torch thread count, with prefill and decode-step latency and
+tokens/s at a few batch sizes recorded; on GPU the CUDA-graph decode batch
+buckets, eager vs graphs, recorded the same way. Every number measured is kept
+in ``engine.json`` under ``tuning``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any
+
+from kiln.builder.check import (
+    ModelFacts,
+    activation_reserve_bytes,
+    device_memory_bytes,
+    kv_bytes_per_token,
+    kv_dtype_name,
+)
+from kiln.builder.errors import InvalidSpec
+
+log = logging.getLogger("kiln.build.tune")
+
+PREFILL_TOKENS = 128
+DECODE_TOKENS = 8
+PROMPT_TOKENS_PER_SEQ = 16
+
+
+def plan_kv(spec, facts: ModelFacts, weight_bytes_per_rank: int) -> dict[str, Any]:
+    """The KV pool for the target; :class:`InvalidSpec` if not even one ``maxSeqLen`` request fits."""
+    total = device_memory_bytes(spec)
+    budget = int(total * spec.kv.memory_fraction)
+    activations = activation_reserve_bytes(facts, spec)
+    per_token = kv_bytes_per_token(facts, spec)
+    block_bytes = per_token * spec.kv.block_size
+    free = budget - weight_bytes_per_rank - activations
+    num_blocks = max(0, free // block_bytes)
+    blocks_per_seq = math.ceil(spec.max_seq_len / spec.kv.block_size)
+    useful = spec.max_batch_size * blocks_per_seq
+    capped = False
+    if spec.gpu_spec.is_cpu and num_blocks > useful:
+        num_blocks, capped = useful, True
+    if num_blocks < blocks_per_seq:
+        raise InvalidSpec(
+            f"spec.gpu: after {weight_bytes_per_rank / 2**30:.2f} GiB of weights per rank the KV pool on {spec.gpu} "
+            f"has {num_blocks} blocks, fewer than one maxSeqLen ({spec.max_seq_len}) request needs "
+            f"({blocks_per_seq}); lower maxSeqLen, raise kv.memoryFraction or use a larger GPU"
+        )
+    return {
+        "device_memory_bytes": total,
+        "memory_fraction": spec.kv.memory_fraction,
+        "budget_bytes": budget,
+        "weight_bytes_per_rank": weight_bytes_per_rank,
+        "activation_reserve_bytes": activations,
+        "kv_dtype": kv_dtype_name(spec),
+        "kv_bytes_per_token": per_token,
+        "block_size": spec.kv.block_size,
+        "block_bytes": block_bytes,
+        "num_kv_blocks": int(num_blocks),
+        "kv_pool_bytes": int(num_blocks * block_bytes),
+        "max_tokens_in_pool": int(num_blocks * spec.kv.block_size),
+        "full_length_requests": int(num_blocks // blocks_per_seq),
+        "capped_at_max_batch": capped,
+    }
+
+
+def kv_plan_summary(plan: dict[str, Any]) -> str:
+    return (f"{plan['num_kv_blocks']} blocks x {plan['block_size']} tokens ({plan['kv_pool_bytes'] / 2**20:.1f} MiB "
+            f"{plan['kv_dtype']}), {plan['full_length_requests']} full-length requests")
+
+
+def cuda_graph_buckets(max_batch_size: int) -> list[int]:
+    """Decode batch sizes to capture: 1, 2, 4, 8, then every 8 up to maxBatchSize (vLLM's scheme)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch_size] + list(range(8, max_batch_size + 1, 8))
+    if not sizes or sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sizes
+
+
+def _time_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
+    from kiln.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params)
+    return time.perf_counter() - t0
+
+
+def measure(llm, spec, vocab_size: int) -> dict[str, Any]:
+    """Prefill latency and decode step latency / tokens/s at a few batch sizes (greedy, ignore_eos)."""
+    import random
+
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab_size) for _ in range(n)]
+
+    prefill_len = min(PREFILL_TOKENS, spec.max_input_len, spec.max_num_tokens)
+    _time_generate(llm, [prompt(8)], 2)  # warm-up
+    prefill = _time_generate(llm, [prompt(prefill_len)], 1)
+    rows = []
+    batch_sizes = sorted({1, min(4, spec.max_batch_size), min(8, spec.max_batch_size)})
+    for b in batch_sizes:
+        prompts = [prompt(PROMPT_TOKENS_PER_SEQ) for _ in range(b)]
+        first = _time_generate(llm, prompts, 1)
+        total = _time_generate(llm, [prompt(PROMPT_TOKENS_PER_SEQ) for _ in range(b)], DECODE_TOKENS + 1)
+        step = max(total - first, 1e-6) / DECODE_TOKENS
+        rows.append({"batch_size": b, "decode_step_ms": round(step * 1e3, 3),
+                     "decode_tokens_per_s": round(b / step, 1)})
+    return {"prefill_tokens": prefill_len, "prefill_ms": round(prefill * 1e3, 3),
+            "prefill_tokens_per_s": round(prefill_len / prefill, 1), "decode": rows}
+
+
+def tune(load_llm, spec, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Measure on this machine; returns (tuning record, engine_config overrides).
+
+    ``load_llm(**overrides)`` loads the staged artifact through the runtime.
+    """
+    import torch
+
+    tuning: dict[str, Any] = {"device": "cuda" if torch.cuda.is_available() else "cpu",
+                              "measured_on": torch.cuda.get_device_name() if torch.cuda.is_available()
+                              else f"cpu x{os.cpu_count()}"}
+    overrides: dict[str, Any] = {}
+    if tuning["device"] == "cuda" and not spec.gpu_spec.is_cpu:
+        buckets = cuda_graph_buckets(spec.max_batch_size)
+        llm = load_llm(enforce_eager=True)
+        eager = measure(llm, spec, vocab_size)
+        del llm
+        llm = load_llm(cuda_graph_batch_sizes=buckets)
+        graphs = measure(llm, spec, vocab_size)
+        del llm
+        use_graphs = graphs["decode"][0]["decode_step_ms"] < eager["decode"][0]["decode_step_ms"]
+        tuning.update(eager=eager, cuda_graphs=graphs, cuda_graph_batch_sizes=buckets, use_cuda_graphs=use_graphs)
+        overrides["cuda_graph_batch_sizes"] = buckets if use_graphs else []
+        return tuning, overrides
+    original = torch.get_num_threads()
+    candidates = sorted({1, max(1, original // 2), original})
+    by_threads = {}
+    try:
+        llm = load_llm()
+        for n in candidates:
+            torch.set_num_threads(n)
+            by_threads[n] = measure(llm, spec, vocab_size)
+            log.info("threads=%d: prefill %.1f tok/s, decode b=1 %.1f tok/s", n,
+                     by_threads[n]["prefill_tokens_per_s"], by_threads[n]["decode"][0]["decode_tokens_per_s"])
+        del llm
+    finally:
+        torch.set_num_threads(original)
+
+    def score(n: int) -> float:  # decode throughput at the largest measured batch: what serving spends on
+        return by_threads[n]["decode"][-1]["decode_tokens_per_s"]
+
+    best = max(candidates, key=score)
+    tuning.update(threads={str(n): m for n, m in by_threads.items()}, torch_num_threads=best,
+                  measurement=by_threads[best])
+    return tuning, overrides
