@@ -1,0 +1,121 @@
+"""Fixtures of the operator suite: the strict KMock emulator on a real port, and a small sync client.
+
+The emulator runs in its own thread with its own event loop, so kopf (which
+KopfRunner runs in another thread) and the synchronous tests both reach it over
+HTTP exactly as they would reach an API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import kmock
+import pytest
+from kmock_ext import StrictKubernetesEmulator
+
+RESOURCES = {
+    "serving.kiln.dev/v1alpha1/llmengines": ("LLMEngine", True, {"status"}, {"llme"}),
+    "batch/v1/jobs": ("Job", True, {"status"}, set()),
+    "apps/v1/deployments": ("Deployment", True, {"status", "scale"}, {"deploy"}),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, {"status"}, {"pdb"}),
+    "v1/services": ("Service", True, {"status"}, {"svc"}),
+    "v1/pods": ("Pod", True, {"status"}, {"po"}),
+    "v1/events": ("Event", True, set(), {"ev"}),
+    "v1/namespaces": ("Namespace", False, {"status"}, {"ns"}),
+}
+VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
+
+
+class EmulatorThread:
+    def __init__(self) -> None:
+        self.url = ""
+        self.handler: StrictKubernetesEmulator | None = None
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        async with StrictKubernetesEmulator() as handler, kmock.Server(handler) as server:
+            for name, (kind, namespaced, subresources, short) in RESOURCES.items():
+                handler.resources[name] = kmock.ResourceInfo(
+                    kind=kind, namespaced=namespaced, subresources=subresources, shortnames=short, verbs=VERBS)
+            self.handler, self.url = handler, str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+
+    def __enter__(self) -> EmulatorThread:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the KMock emulator did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+class Kube:
+    """Paths like ``/apis/batch/v1/namespaces/ns/jobs``; raises on HTTP errors unless ``ok`` lists the code."""
+
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, timeout=10)
+
+    def call(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (),
+             content_type: str = "application/merge-patch+json", **params: str) -> httpx.Response:
+        headers = {"Content-Type": content_type} if body is not None else {}
+        resp = self.http.request(method, path, json=body, params=params or None, headers=headers)
+        if resp.status_code >= 400 and resp.status_code not in ok:
+            raise AssertionError(f"{method} {path}: {resp.status_code} {resp.text[:300]}")
+        return resp
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        resp = self.call("GET", path, ok=(404,))
+        return None if resp.status_code == 404 else resp.json()
+
+    def list(self, path: str, **params: str) -> list[dict[str, Any]]:
+        return self.call("GET", path, **params).json()["items"]
+
+    def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.call("POST", path, body, content_type="application/json").json()
+
+    def patch(self, path: str, body: Any) -> dict[str, Any]:
+        return self.call("PATCH", path, body).json()
+
+    def delete(self, path: str) -> httpx.Response:
+        return self.call("DELETE", path, ok=(404,))
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def emulator() -> Iterator[EmulatorThread]:
+    with EmulatorThread() as emu:
+        yield emu
+
+
+@pytest.fixture
+def kube(emulator: EmulatorThread) -> Iterator[Kube]:
+    client = Kube(emulator.url)
+    yield client
+    client.http.close()
