@@ -1,0 +1,155 @@
+"""The FastAPI app: probes, metrics, version, models, and the OpenAI routes.
+
+``create_app`` builds everything from a :class:`ServeConfig` without touching
+the engine; the lifespan starts loading it in the background (see
+:mod:`kiln.serving.loader`), so ``/health`` and ``/ready`` answer while a
+long load runs. Probe and metrics endpoints never need the API key; the
+``/v1`` endpoints do when one is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from kiln.serving import routes
+from kiln.serving.auth import require_api_key
+from kiln.serving.config import ServeConfig
+from kiln.serving.errors import APIError, install_error_handlers
+from kiln.serving.loader import build_engine, in_daemon_thread, warm_up
+from kiln.serving.metrics import CONTENT_TYPE, ServingMetrics
+from kiln.serving.state import DRAINING, FAILED, LOADING, READY, ServerState
+
+from kiln import __version__
+
+log = logging.getLogger("kiln.serving")
+
+
+class ServingContext:
+    """Everything a request handler needs, hung on ``app.state.kiln``."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.state = ServerState(max_queue_len=config.max_queue_len)
+        self.served_model_name = config.model_name
+        self.model_names = {self.served_model_name}
+        self.metrics = ServingMetrics(self.served_model_name, self._engine_stats)
+        self.created = int(time.time())
+        self.exit_code = 0
+        self.on_fatal: Callable[[], None] | None = None  # set by the server: stop after a failed load
+
+    def _engine_stats(self) -> Any | None:
+        engine = self.state.engine
+        if engine is None or self.state.phase not in (READY, DRAINING):
+            return None
+        return engine.stats()
+
+    async def load(self) -> None:
+        started = time.monotonic()
+        try:
+            engine, info = await in_daemon_thread(lambda: build_engine(self.config))
+            self.state.engine = engine
+            await engine.start()
+            await warm_up(engine)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.state.phase, self.state.load_error = FAILED, str(exc)
+            self.exit_code = 1
+            if isinstance(exc, ValueError | OSError):  # ConfigError, StoreError, a missing file: a user's fix
+                log.error("kiln serve: could not load the model: %s", exc)
+            else:
+                log.exception("kiln serve: could not load the model")
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
+        self.state.engine_info = info
+        if self.state.phase == LOADING:
+            self.state.phase = READY
+        log.info("model %r ready in %.1fs (max_batch_size=%d, max_queue_len=%d)", self.served_model_name,
+                 time.monotonic() - started, engine.engine_config.max_batch_size, self.config.max_queue_len)
+
+
+probes = APIRouter()
+models = APIRouter()
+
+
+@probes.get("/health")
+async def health() -> dict[str, str]:
+    """Liveness: the process and its event loop answer."""
+    return {"status": "ok"}
+
+
+@probes.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 only when the engine is loaded, warmed up and not draining."""
+    state = request.app.state.kiln.state
+    body: dict[str, Any] = {"status": state.phase}
+    if state.load_error:
+        body["error"] = state.load_error
+    return JSONResponse(body, status_code=200 if state.is_ready else 503)
+
+
+@probes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.kiln.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@probes.get("/version")
+async def version(request: Request) -> dict[str, Any]:
+    ctx = request.app.state.kiln
+    return {"kiln_version": __version__, "served_model_name": ctx.served_model_name, "phase": ctx.state.phase,
+            **ctx.state.engine_info}
+
+
+def _model_card(ctx: ServingContext) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": ctx.served_model_name, "object": "model", "created": ctx.created,
+                            "owned_by": "kiln", "root": ctx.config.artifact or str(ctx.config.model)}
+    if ctx.state.engine is not None:
+        card["max_model_len"] = ctx.state.engine.engine_config.max_seq_len
+    return card
+
+
+@models.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(request.app.state.kiln)]}
+
+
+@models.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    ctx = request.app.state.kiln
+    if model_id not in ctx.model_names:
+        raise APIError(404, f"The model {model_id!r} does not exist on this server; it serves "
+                       f"{ctx.served_model_name!r}", param="model", code="model_not_found")
+    return _model_card(ctx)
+
+
+def create_app(config: ServeConfig) -> FastAPI:
+    ctx = ServingContext(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        load = asyncio.create_task(ctx.load(), name="kiln-load")
+        try:
+            yield
+        finally:
+            load.cancel()
+            with contextlib.suppress(BaseException):
+                await load
+            if ctx.state.engine is not None:
+                await ctx.state.engine.shutdown()
+
+    app = FastAPI(title="kiln", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.kiln = ctx
+    install_error_handlers(app)
+    app.include_router(probes)
+    app.include_router(models, dependencies=[Depends(require_api_key)])
+    app.include_router(routes.router, dependencies=[Depends(require_api_key)])
+    return app

@@ -1,0 +1,100 @@
+"""``kiln serve``: serve a model directory or an engine artifact over the OpenAI API.
+
+Exit codes: 0 after a clean drain (SIGTERM/SIGINT), 1 when the model or
+artifact could not be loaded (the message says why), 2 for usage errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from kiln.serving.config import ServeConfig
+
+# Engine overrides: flag name -> (LLM() keyword, click type, help).
+_ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--dtype", "dtype", click.Choice(["float32", "bfloat16", "float16"]), "Weights/activations dtype."),
+    ("--max-batch-size", "max_batch_size", click.IntRange(min=1), "Most requests in one engine step."),
+    ("--max-num-tokens", "max_num_tokens", click.IntRange(min=1), "Token budget per step (chunked prefill)."),
+    ("--max-seq-len", "max_seq_len", click.IntRange(min=2), "Prompt + output limit per request."),
+    ("--max-input-len", "max_input_len", click.IntRange(min=1), "Prompt limit per request."),
+    ("--block-size", "block_size", click.IntRange(min=1), "KV-cache block size (power of two)."),
+    ("--num-kv-blocks", "num_kv_blocks", click.IntRange(min=1), "KV-cache pool size in blocks."),
+    ("--kv-memory-fraction", "kv_memory_fraction", click.FloatRange(0, 1, min_open=True),
+     "Fraction of free device memory for the KV pool."),
+    ("--tensor-parallel-size", "tensor_parallel_size", click.Choice(["1", "2", "4", "8"]), "Tensor-parallel ranks."),
+    ("--device", "device", click.Choice(["cpu", "cuda"]), "Device (default: cuda when visible)."),
+    ("--quantization", "quantization", click.Choice(["none", "int8", "fp8"]), "Weight-only quantization."),
+    ("--kv-cache-dtype", "kv_cache_dtype", click.Choice(["auto", "float32", "bfloat16", "float16"]),
+     "KV-cache dtype."),
+    ("--seed", "seed", int, "Engine seed for requests without their own."),
+]
+
+
+def _engine_options(fn: Any) -> Any:
+    for flag, dest, kind, help_ in reversed(_ENGINE_FLAGS):
+        fn = click.option(flag, dest, type=kind, default=None, help=help_)(fn)
+    return click.option("--enable-prefix-caching/--no-enable-prefix-caching", "enable_prefix_caching",
+                        default=None, help="Reuse KV blocks of shared prompt prefixes.")(fn)
+
+
+def _read_api_key(api_key_file: Path | None) -> str | None:
+    if api_key_file is not None:
+        key = api_key_file.read_text().strip()
+        if not key:
+            raise click.UsageError(f"--api-key-file {api_key_file} is empty; put the key in it")
+        return key
+    return os.environ.get("KILN_API_KEY", "").strip() or None
+
+
+@click.command("serve")
+@click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A Hugging Face checkpoint directory to serve.")
+@click.option("--artifact", help="An engine artifact URI (<store>/engines/<version>) to fetch, verify and serve.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where artifacts are fetched to (default: ~/.cache/kiln/engines).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 in a pod).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--served-model-name", help="The name clients use as `model` (default: the folder or version).")
+@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="File holding the API key clients must send as a Bearer token (else $KILN_API_KEY).")
+@click.option("--max-queue-len", type=click.IntRange(min=0), default=256, show_default=True,
+              help="Requests admitted beyond max_batch_size before answering 429.")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds in-flight requests get to finish after SIGTERM.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+@click.option("--access-log/--no-access-log", default=False, show_default=True, help="Log every HTTP request.")
+@_engine_options
+def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, host: str, port: int,
+          served_model_name: str | None, api_key_file: Path | None, max_queue_len: int, drain_timeout: float,
+          log_level: str, access_log: bool, **engine: Any) -> None:
+    """Serve a model directory or engine artifact over an OpenAI-compatible API.
+
+    The port opens at once; /health answers 200 and /ready 503 until the engine
+    is loaded and warmed up. SIGTERM drains in-flight requests, then exits 0.
+    """
+    if (model is None) == (artifact is None):
+        raise click.UsageError("give exactly one of --model DIR or --artifact URI")
+    engine_kwargs = {k: v for k, v in engine.items() if v is not None}
+    if "tensor_parallel_size" in engine_kwargs:
+        engine_kwargs["tensor_parallel_size"] = int(engine_kwargs["tensor_parallel_size"])
+    if engine_kwargs.get("quantization") == "none":
+        engine_kwargs["quantization"] = None
+    config = ServeConfig(
+        model=model, artifact=artifact, cache_dir=cache_dir, host=host, port=port,
+        served_model_name=served_model_name, api_key=_read_api_key(api_key_file), max_queue_len=max_queue_len,
+        drain_timeout=drain_timeout, engine_kwargs=engine_kwargs, log_level=log_level, access_log=access_log,
+    )
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kiln.serving")
+    log.info("serving %s as %r on %s:%d (auth %s)", artifact or model, config.model_name, host, port,
+             "on" if config.api_key else "off")
+
+    from kiln.serving.server import run_server
+
+    sys.exit(run_server(config))

@@ -1,0 +1,33 @@
+"""The server's settings, as resolved from ``kiln serve`` flags and the environment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class ServeConfig:
+    model: Path | None = None  # a Hugging Face checkpoint directory ...
+    artifact: str | None = None  # ... or an engine artifact URI (<store>/engines/<version>)
+    cache_dir: Path | None = None  # where artifacts are fetched to
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never printed, never logged
+    max_queue_len: int = 256
+    drain_timeout: float = 30.0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # LLM(...) overrides: dtype, max_batch_size ...
+    log_level: str = "info"
+    access_log: bool = False
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in ``model``: the flag, else the artifact version, else the folder name."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.artifact:
+            return self.artifact.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+        assert self.model is not None
+        return Path(self.model).name

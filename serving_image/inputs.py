@@ -1,0 +1,137 @@
+"""From a validated OpenAI request to engine inputs: token ids and SamplingParams.
+
+The server tokenizes (and renders chat templates) itself so it can check the
+engine's limits before admitting a request and answer a 400 naming the
+parameter: an empty prompt, a prompt over ``max_input_len``, or a prompt plus
+``max_tokens`` over ``max_seq_len``. Each prompt times ``n`` becomes one
+engine request; with a ``seed`` and ``n > 1`` choice ``j`` uses ``seed + j``
+so the choices differ but stay reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.engine import SamplingParams
+from kiln.serving.errors import APIError
+from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, message_text
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class EngineInput:
+    index: int  # the choice index in the response
+    prompt_index: int  # which prompt of a batch (usage counts each prompt once, whatever n is)
+    prompt_token_ids: list[int]
+    prompt_text: str | None  # what `echo` prepends
+    params: SamplingParams
+
+
+def _limits(engine: Any) -> tuple[int, int, int]:
+    config = engine.engine_config
+    vocab = int(config.hf_config.get("vocab_size") or len(engine.tokenizer))
+    return config.max_input_len, config.max_seq_len, vocab
+
+
+def _check_prompt(ids: list[int], param: str, engine: Any) -> None:
+    max_input_len, _, vocab = _limits(engine)
+    if not ids:
+        raise APIError(400, f"{param} is empty; send at least one token of input", param=param)
+    if len(ids) > max_input_len:
+        raise APIError(400, f"{param} is {len(ids)} tokens long, over this engine's max_input_len of "
+                       f"{max_input_len}; shorten it", param=param, code="context_length_exceeded")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"{param} contains token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                       param=param)
+
+
+def _max_tokens(requested: int | None, param: str, num_prompt: int, engine: Any, default: int | None) -> int:
+    _, max_seq_len, _ = _limits(engine)
+    room = max_seq_len - num_prompt
+    if requested is None:
+        return min(default, room) if default is not None else room
+    if requested > room:
+        raise APIError(400, f"{param} is {requested} but the prompt uses {num_prompt} of this engine's "
+                       f"max_seq_len of {max_seq_len} tokens, leaving {room}; lower {param} or shorten the prompt",
+                       param=param, code="context_length_exceeded")
+    return requested
+
+
+def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
+                     choice: int) -> SamplingParams:
+    seed = req.seed + choice if req.seed is not None and req.n > 1 else req.seed
+    kwargs = dict(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=req.min_p, seed=seed, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        # SamplingParams messages start with the field name ("top_k must be >= 0 ...").
+        word = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), param=word if word in kwargs else None) from None
+
+
+def completion_inputs(req: CompletionRequest, engine: Any) -> list[EngineInput]:
+    tokenizer = engine.tokenizer
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) or not prompt:
+        prompts: list[Any] = [prompt]
+    else:
+        prompts = list(prompt)
+    inputs: list[EngineInput] = []
+    for p_index, p in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{p_index}]"
+        if isinstance(p, str):
+            ids = tokenizer.encode(p) if p else []
+            text = p
+        else:
+            ids = list(p)
+            text = None
+        _check_prompt(ids, param, engine)
+        if text is None and req.echo:
+            text = tokenizer.decode(ids)
+        max_tokens = _max_tokens(req.max_tokens, "max_tokens", len(ids), engine, DEFAULT_COMPLETION_MAX_TOKENS)
+        for j in range(req.n):
+            params = _sampling_params(req, max_tokens, req.logprobs, j)
+            inputs.append(EngineInput(p_index * req.n + j, p_index, ids, text if req.echo else None, params))
+    return inputs
+
+
+def render_chat(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    """The conversation through the tokenizer's chat template, as token ids."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "This model's tokenizer has no chat template, so /v1/chat/completions cannot "
+                       "format messages; use /v1/completions with a plain prompt", param="messages",
+                       code="no_chat_template")
+    messages = [{"role": m.role, "content": message_text(m), **({"name": m.name} if m.name else {})}
+                for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                             tokenize=False)
+    except Exception as exc:  # jinja's raise_exception() in templates ("roles must alternate" ...)
+        raise APIError(400, f"The chat template rejected these messages: {exc}", param="messages") from None
+    # The template writes any BOS itself; encoding must not add a second one.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_inputs(req: ChatCompletionRequest, engine: Any) -> list[EngineInput]:
+    ids = render_chat(req, engine.tokenizer)
+    _check_prompt(ids, "messages", engine)
+    requested, param = req.max_tokens, "max_tokens"
+    if req.max_completion_tokens is not None:
+        requested, param = req.max_completion_tokens, "max_completion_tokens"
+    max_tokens = _max_tokens(requested, param, len(ids), engine, None)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return [EngineInput(j, 0, ids, None, _sampling_params(req, max_tokens, logprobs, j)) for j in range(req.n)]

@@ -1,0 +1,107 @@
+"""Load the engine in the background while the server already answers probes.
+
+Kubernetes probes a pod from the moment its container starts, and a big
+artifact takes minutes to fetch and load. So the socket is bound first and
+this runs after: fetch + verify the artifact (if given), build the
+``AsyncLLM`` (weights onto the device), start it, and warm it up with one
+real generation, so the first client request does not pay for lazy
+initialisation. Only then does the phase become ``ready``. The blocking part
+runs in a daemon thread, so a SIGTERM during a long load can still exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kiln.serving.config import ServeConfig
+
+from kiln import __version__
+
+log = logging.getLogger("kiln.serving")
+
+
+async def in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """Run blocking ``fn`` in a daemon thread (unlike the default executor, it never blocks exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=run, name="kiln-load", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.done():  # the awaiting task was cancelled (SIGTERM during the load)
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def default_cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "kiln" / "engines"
+
+
+def fetch_artifact(uri: str, cache_dir: Path | None) -> Path:
+    """Download and checksum-verify an engine artifact; reuses a verified local copy."""
+    from kiln.artifacts import parse_artifact_uri
+
+    store, version = parse_artifact_uri(uri)
+    dest = (cache_dir or default_cache_dir()) / version
+    log.info("fetching engine %s from %s into %s", version, store.uri, dest)
+    started = time.monotonic()
+    path = store.fetch(version, dest)
+    log.info("fetched and verified %s in %.1fs", version, time.monotonic() - started)
+    return Path(path)
+
+
+def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
+    """The (not yet started) AsyncLLM plus what ``/version`` reports about it."""
+    import torch
+    from kiln.engine import AsyncLLM
+
+    info: dict[str, Any] = {"kiln_version": __version__, "torch_version": torch.__version__,
+                            "python_version": platform.python_version()}
+    if config.artifact:
+        path = fetch_artifact(config.artifact, config.cache_dir)
+        engine = AsyncLLM.from_artifact(path, **config.engine_kwargs)
+        meta = json.loads((path / "engine.json").read_text())
+        info.update(artifact_uri=config.artifact, engine_version=meta.get("engine_version"),
+                    built_with_kiln=meta.get("kiln_version"), built_with_torch=meta.get("torch_version"),
+                    gpu=meta.get("gpu"))
+    else:
+        engine = AsyncLLM(str(config.model), **config.engine_kwargs)
+        info.update(model_dir=str(config.model), engine_version=None)
+    cfg = engine.engine_config
+    info["engine_config"] = {k: getattr(cfg, k, None) for k in (
+        "dtype", "device", "quantization", "kv_cache_dtype", "tensor_parallel_size", "max_batch_size",
+        "max_num_tokens", "max_seq_len", "max_input_len", "block_size", "enable_prefix_caching")}
+    return engine, info
+
+
+async def warm_up(engine: Any) -> None:
+    """One real greedy generation, so the first client does not pay for lazy initialisation."""
+    from kiln.engine import SamplingParams
+
+    ids = engine.tokenizer.encode("Hello") or [0]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    async for _ in engine.generate(ids, params, request_id="kiln-warmup"):
+        pass

@@ -1,0 +1,133 @@
+"""OpenAI response and stream-chunk bodies, built from engine deltas.
+
+Shapes follow the OpenAI API exactly: ``text_completion`` objects for
+``/v1/completions`` (streamed chunks use the same object name),
+``chat.completion`` / ``chat.completion.chunk`` for chat, where the first
+streamed delta of each choice carries ``role`` and the last one an empty
+delta with ``finish_reason``. With ``stream_options.include_usage`` every
+chunk carries ``"usage": null`` and one extra chunk with no choices carries
+the totals, just before ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ChoiceText:
+    """The accumulated output of one choice (non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Builder:
+    """Response pieces for one HTTP request; ``kind`` is ``"completion"`` or ``"chat"``."""
+
+    def __init__(self, kind: str, request_id: str, model: str, tokenizer: Any, top_logprobs: int | None) -> None:
+        self.kind = kind
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.top_logprobs = top_logprobs
+        self._offsets: dict[int, int] = {}  # choice -> text offset so far (completion logprobs)
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # -- logprobs ---------------------------------------------------------------------------------
+
+    def logprobs(self, index: int, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                 text_prefix_len: int = 0) -> dict[str, Any] | None:
+        if self.top_logprobs is None or not logprobs:
+            return None
+        k = self.top_logprobs
+        rows = [(tid, lp, sorted(lp.items(), key=lambda kv: -kv[1])[:k]) for tid, lp in zip(token_ids, logprobs, strict=False)]
+        if self.kind == "chat":
+            def entry(tid: int, value: float) -> dict[str, Any]:
+                s = self._token(tid)
+                return {"token": s, "logprob": value, "bytes": list(s.encode())}
+
+            return {"content": [{**entry(tid, lp.get(tid, -9999.0)),
+                                 "top_logprobs": [entry(t, v) for t, v in top]} for tid, lp, top in rows],
+                    "refusal": None}
+        offset = self._offsets.get(index, text_prefix_len)
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for tid, lp, top in rows:
+            s = self._token(tid)
+            tokens.append(s)
+            token_logprobs.append(lp.get(tid, -9999.0))
+            tops.append({self._token(t): v for t, v in top})
+            offsets.append(offset)
+            offset += len(s)
+        self._offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    # -- usage ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    # -- whole responses --------------------------------------------------------------------------
+
+    def response(self, choices: list[ChoiceText], usage: dict[str, Any]) -> dict[str, Any]:
+        if self.kind == "chat":
+            body = self._head("chat.completion")
+            body["choices"] = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                                "logprobs": self.logprobs(i, c.token_ids, c.logprobs),
+                                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+        else:
+            body = self._head("text_completion")
+            body["choices"] = [{"index": i, "text": c.text, "logprobs": self.logprobs(i, c.token_ids, c.logprobs),
+                                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+        body["usage"] = usage
+        body["system_fingerprint"] = None
+        return body
+
+    # -- stream chunks ----------------------------------------------------------------------------
+
+    def chunk(self, index: int, *, text: str | None = None, role: bool = False, finish_reason: str | None = None,
+              logprobs: dict[str, Any] | None = None, include_usage: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            body = self._head("chat.completion.chunk")
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            body = self._head("text_completion")
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        body["choices"] = [choice]
+        body["system_fingerprint"] = None
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        body["choices"] = []
+        body["system_fingerprint"] = None
+        body["usage"] = usage
+        return body

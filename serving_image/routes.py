@@ -1,0 +1,212 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``.
+
+Both run the same steps: refuse unless ready, parse and validate the body
+(400s naming the parameter), check the model name (404), tokenize and check
+the engine's limits (400), admit (429 when full), then generate. A streamed
+response waits for the first delta before sending its 200, so an error the
+engine raises at submission still becomes a proper 400 rather than an error
+event inside a 200 stream.
+
+Disconnects: while no response has started, a watcher task waits on the ASGI
+``http.disconnect`` message; once streaming, Starlette cancels the body
+iterator when the client goes. Either way the request's :class:`Generation`
+is closed, which aborts its engine requests so their KV blocks are freed
+within a step, and its admission slots are released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from kiln.engine.errors import RequestError
+from kiln.serving.errors import APIError, from_validation_error, parse_json_body
+from kiln.serving.generation import Generation
+from kiln.serving.inputs import chat_inputs, completion_inputs
+from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, check_supported
+from kiln.serving.responses import SSE_DONE, Builder, ChoiceText, sse
+from pydantic import ValidationError
+
+log = logging.getLogger("kiln.serving")
+router = APIRouter()
+
+
+class ClientGone(Exception):
+    """The client disconnected before a response started."""
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always runs ``on_close``, however the stream ends."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the iterator may still be running if cancelled mid-step
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._on_close()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it and raise :class:`ClientGone`."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task in done and not task.cancelled():
+        return task.result()
+    raise ClientGone
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _serve(request, "completion")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, "chat")
+
+
+async def _serve(request: Request, kind: str) -> Response:
+    ctx = request.app.state.kiln
+    state = ctx.state
+    _counting_rejections(ctx, state.check_accepting)
+    model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        req = model_cls.model_validate(parse_json_body(await request.body()))
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    if req.model not in ctx.model_names:
+        raise APIError(404, f"The model {req.model!r} does not exist on this server; it serves "
+                       f"{ctx.served_model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+    check_supported(req)
+    engine = state.engine
+    inputs = chat_inputs(req, engine) if kind == "chat" else completion_inputs(req, engine)
+    admission = _counting_rejections(ctx, state.admit, len(inputs))
+    request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    gen = Generation(engine, ctx.metrics, request_id, inputs)
+    state.generations.add(gen)
+    if isinstance(req, ChatCompletionRequest):
+        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        top_logprobs = req.logprobs
+    builder = Builder(kind, request_id, req.model, engine.tokenizer, top_logprobs)
+
+    async def cleanup() -> None:
+        await gen.close()
+        admission.release()
+        state.generations.discard(gen)
+
+    handed_off = False
+    try:
+        if req.stream:
+            stream = gen.deltas()
+            first = await _unless_disconnected(request, anext(stream))
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = _events(builder, gen, stream, first, include_usage)
+            handed_off = True
+            return SSEResponse(events, on_close=cleanup)
+        body = await _unless_disconnected(request, _collect(builder, gen))
+        return JSONResponse(body)
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    except ClientGone:
+        log.info("client left before %s started; aborted", request_id)
+        return Response(status_code=499)
+    finally:
+        if not handed_off:
+            await cleanup()
+
+
+def _counting_rejections(ctx: Any, check: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return check(*args)
+    except APIError as exc:
+        if exc.code in ("queue_full", "draining", "not_ready"):
+            ctx.metrics.rejected(exc.code)
+        raise
+
+
+def _usage(gen: Generation, num_output_tokens: list[int]) -> dict[str, Any]:
+    # A prompt is counted once however many choices (n) it has, as OpenAI does.
+    seen: dict[int, int] = {}
+    cached = 0
+    for slot, item in enumerate(gen.inputs):
+        if item.prompt_index not in seen:
+            seen[item.prompt_index] = gen.num_prompt_tokens[slot]
+            cached += gen.num_cached_tokens[slot]
+    return Builder.usage(sum(seen.values()), sum(num_output_tokens), cached)
+
+
+async def _collect(builder: Builder, gen: Generation) -> dict[str, Any]:
+    choices = [ChoiceText(text=item.prompt_text or "") for item in gen.inputs]
+    async for slot, delta in gen.deltas():
+        choice = choices[slot]
+        choice.text += delta.text
+        choice.token_ids += delta.new_token_ids
+        if delta.logprobs:
+            choice.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            choice.finish_reason = delta.finish_reason
+    return builder.response(choices, _usage(gen, [len(c.token_ids) for c in choices]))
+
+
+async def _events(builder: Builder, gen: Generation, stream: AsyncIterator[tuple[int, Any]],
+                  first: tuple[int, Any], include_usage: bool) -> AsyncIterator[str]:
+    started: set[int] = set()
+    num_output = [0 for _ in gen.inputs]
+
+    async def deltas() -> AsyncIterator[tuple[int, Any]]:
+        yield first
+        async for item in stream:
+            yield item
+
+    try:
+        async for slot, delta in deltas():
+            text = delta.text
+            if slot not in started:
+                started.add(slot)
+                if builder.kind == "chat":
+                    yield sse(builder.chunk(slot, text="", role=True, include_usage=include_usage))
+                elif gen.inputs[slot].prompt_text:
+                    text = gen.inputs[slot].prompt_text + text
+            num_output[slot] += len(delta.new_token_ids)
+            prefix = len(gen.inputs[slot].prompt_text or "")
+            logprobs = builder.logprobs(slot, delta.new_token_ids, delta.logprobs, prefix)
+            if text or logprobs:
+                yield sse(builder.chunk(slot, text=text, logprobs=logprobs, include_usage=include_usage))
+            if delta.finish_reason is not None:
+                yield sse(builder.chunk(slot, text=None if builder.kind == "chat" else "",
+                                        finish_reason=delta.finish_reason, include_usage=include_usage))
+    except RequestError as exc:
+        yield sse(APIError(400, str(exc), param=exc.param).body())
+    except Exception:
+        log.exception("generation %s failed mid-stream", gen.request_id)
+        yield sse(APIError(500, "Internal server error during generation; the server log has the details",
+                           type="server_error").body())
+    else:
+        if include_usage:
+            yield sse(builder.usage_chunk(_usage(gen, num_output)))
+    yield SSE_DONE
