@@ -73,6 +73,7 @@ class FileBackend:
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.replace(self._path(src_key), dst)
             _fsync_dir(dst.parent)
+            self._prune([self._path(src_key).parent])
         except OSError as exc:
             raise self._err(exc, f"move {src_key} to {dst_key}") from None
 
@@ -168,8 +169,11 @@ class FileBackend:
             except OSError as exc:
                 raise self._err(exc, f"delete {key}") from None
             parents.add(p.parent)
-        # Prune directories left empty, deepest first, never the store root itself.
-        for d in sorted(parents, key=lambda d: len(d.parts), reverse=True):
+        self._prune(parents)
+
+    def _prune(self, dirs) -> None:
+        """Remove directories left empty, deepest first, never the store root itself."""
+        for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
             while d != self.root and self.root in d.parents:
                 try:
                     d.rmdir()

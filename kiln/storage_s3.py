@@ -23,7 +23,7 @@ import base64
 import hashlib
 import re
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -228,12 +228,24 @@ class S3Backend:
                 Bucket=self.bucket, Prefix=self._key(prefix))
             for page in pages:
                 for u in page.get("Uploads", []):
-                    if u["Initiated"] < older_than:
+                    if _upload_started(self._rel(u["Key"]), u["Initiated"]) < older_than:
                         self.client.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
                         aborted.append(f"{self._rel(u['Key'])} (incomplete multipart upload)")
         except (bex.BotoCoreError, bex.ClientError) as exc:
             raise self._error(exc, "abort stale multipart uploads") from None
         return aborted
+
+
+def _upload_started(key: str, initiated: datetime) -> datetime:
+    """When an upload began: the later of S3's ``Initiated`` and the publish's upload-id timestamp.
+
+    The upload id (``staging/<v>/<YYYYmmddTHHMMSSZ>-<hex>/``) is a lower bound that
+    holds even where a server reports no real ``Initiated`` time (moto reports 2010).
+    """
+    m = re.match(r"staging/[^/]+/(\d{8}T\d{6}Z)-", key)
+    if m is None:
+        return initiated
+    return max(initiated, datetime.strptime(m.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC))
 
 
 def _b64(hex_digest: str) -> str:
