@@ -15,7 +15,9 @@ Two things make streaming text harder than ``tokenizer.decode`` at the end:
   searched in the new text plus the last ``len(longest stop) - 1`` characters before it,
   so it is found even when it spans tokens, in O(new text) per step.
 
-``.text`` is everything returned so far; after ``finish()`` it is the whole output and
+``.text`` is the output so far, held-back text included; only a trailing incomplete
+character waits for ``finish()``. The engine must call ``finish()`` when a request ends
+for any reason and stream what it returns. Then the deltas joined equal ``.text``, which
 equals ``tokenizer.decode(output_ids, skip_special_tokens=...)`` cut at the stop string.
 """
 
@@ -61,7 +63,7 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        return "".join(self._pieces)
+        return "".join(self._pieces) + self._pending
 
     @property
     def is_stopped(self) -> bool:

@@ -116,6 +116,7 @@ def test_include_stop_str_in_output_streams_without_holding_back(tok):
 def test_partial_stop_string_at_the_end_is_released_by_finish(tok):
     detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["</answer>"]))
     assert detok.append(encode(tok, "42 </ans")).text_delta == "42 "
+    assert detok.text == "42 </ans"  # held back from the stream, not from the text
     assert detok.finish() == "</ans"
     assert detok.text == "42 </ans"
 
