@@ -1,0 +1,87 @@
+"""``kiln up``: the embedded default — build a manifest into a local store if needed, then serve it.
+
+No Kubernetes: the same builder a build Job runs (in this process), then
+``kiln serve --artifact <uri>`` as a child process in the foreground. The server
+runs as a subprocess so this module (core CLI glue) never imports the serving
+component; SIGINT/SIGTERM are forwarded to it so it drains and exits cleanly,
+and ``kiln up`` exits with its code. Exit codes before serving are the
+builder's (``kiln build --help``).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+EXIT_INVALID_SPEC = 2
+
+
+def serve_command(artifact_uri: str, engine, host: str, port: int) -> list[str]:
+    serving = engine.spec.serving
+    return [
+        sys.executable, "-m", "kiln", "serve", "--artifact", artifact_uri, "--host", host, "--port", str(port),
+        "--served-model-name", engine.metadata.name, "--max-queue-len", str(serving.max_queue_len),
+        "--drain-timeout", str(serving.drain_timeout_seconds),
+    ]
+
+
+def run_foreground(cmd: list[str]) -> int:
+    """Run ``cmd``, forwarding SIGINT/SIGTERM to it, and return its exit code."""
+    proc = subprocess.Popen(cmd)
+
+    def forward(signum, _frame) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:  # SIGINT arrived before our handler took over; keep waiting
+                forward(signal.SIGINT, None)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+@click.command("up")
+@click.option("-f", "--file", "manifest", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="LLMEngine manifest (YAML or JSON).")
+@click.option("--store", "store_uri", default=None, metavar="URI",
+              help="Artifact store (default: $KILN_STORE or file://~/.cache/kiln/store).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the server binds.")
+@click.option("--port", type=click.IntRange(0, 65535), default=None, help="Port (default: spec.serving.port).")
+@click.option("--work-dir", default=None, type=click.Path(file_okay=False), help="Build scratch directory.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging for the build.")
+def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_dir: str | None,
+       verbose: bool) -> None:
+    """Build the manifest's engine into a local store if missing, then serve it on this machine."""
+    from kiln.api import ManifestError, load_manifest
+    from kiln.artifacts import default_store_uri
+    from kiln.builder.cli import build_engine
+    from kiln.builder.report import setup_logging, summary_lines
+
+    try:
+        engine = load_manifest(manifest)
+    except ManifestError as exc:
+        click.echo(f"error: invalid LLMEngine manifest {manifest}:", err=True)
+        for line in exc.problems:
+            click.echo(f"  {line}", err=True)
+        sys.exit(EXIT_INVALID_SPEC)
+    setup_logging(verbose)
+    store_uri = store_uri or default_store_uri()
+    outcome = build_engine(engine, store_uri, work_dir)
+    if outcome.exit_code:
+        click.echo(f"error: {outcome.message}", err=True)
+        sys.exit(outcome.exit_code)
+    click.echo(outcome.message)
+    for line in summary_lines(outcome.build_report) if outcome.build_report else []:
+        click.echo(line)
+    port = engine.spec.serving.port if port is None else port
+    click.echo(f"serving {outcome.artifact_uri} on http://{host}:{port}/v1 (Ctrl-C to stop)")
+    sys.exit(run_foreground(serve_command(outcome.artifact_uri, engine, host, port)))
