@@ -155,7 +155,7 @@ class AsyncLLM:
             elif kind == "abort":
                 req = self.engine.abort(arg)
                 if req is not None:
-                    self._post(arg, self._delta(req, [], "", None, "abort"))
+                    self._post(arg, self._delta(req, [], req.abort_text, None, "abort"))
 
     def _publish(self, u: StepUpdate) -> None:
         reason = u.request.finish_reason if u.finished else None

@@ -97,8 +97,8 @@ class LLMEngine:
         if blocks > self.block_manager.num_blocks:
             which = "prompt" if self.block_manager.blocks_needed(n) > self.block_manager.num_blocks else "max_tokens"
             raise RequestError(which, f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks "
-                                      f"but the pool has {self.block_manager.num_blocks} "
-                                      f"(num_kv_blocks x block_size {cfg.block_size}); lower max_tokens or grow the pool")
+                                      f"but the KV pool has {self.block_manager.num_blocks} blocks of {cfg.block_size} tokens; "
+                                      f"lower max_tokens or grow the pool (num_kv_blocks / kv_memory_fraction)")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif request_id in self.requests:
@@ -120,6 +120,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(req, "abort")
         req.finished_time = time.time()
+        req.abort_text = req.detokenizer.finish()
         return req
 
     def has_unfinished(self) -> bool:
@@ -162,12 +163,14 @@ class LLMEngine:
                 req.logprobs.append(entry)
                 step_lp = [entry]
             det = req.detokenizer.append([tok])
+            text_delta = det.text_delta
             reason = stop_reason(req, tok, det.stop_string_hit)
             if reason is not None:
+                text_delta += req.detokenizer.finish()  # held-back text: a partial character or stop prefix
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
                 req.finished_time = now
-            updates.append(StepUpdate(req, [tok], det.text_delta, step_lp, reason is not None))
+            updates.append(StepUpdate(req, [tok], text_delta, step_lp, reason is not None))
         return updates
 
     # -- introspection --------------------------------------------------------------------

@@ -46,6 +46,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    abort_text: str = ""                 # text the detokenizer still held when the request was aborted
 
     def __post_init__(self) -> None:
         if not self.token_ids:
