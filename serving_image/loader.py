@@ -75,13 +75,15 @@ def fetch_artifact(uri: str, cache_dir: Path | None) -> Path:
 
 def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
     """The (not yet started) AsyncLLM plus what ``/version`` reports about it."""
+    # Fetch first: a wrong URI fails in a second, not after importing torch.
+    path = fetch_artifact(config.artifact, config.cache_dir) if config.artifact else None
+
     import torch
     from kiln.engine import AsyncLLM
 
     info: dict[str, Any] = {"kiln_version": __version__, "torch_version": torch.__version__,
                             "python_version": platform.python_version()}
-    if config.artifact:
-        path = fetch_artifact(config.artifact, config.cache_dir)
+    if path is not None:
         engine = AsyncLLM.from_artifact(path, **config.engine_kwargs)
         meta = json.loads((path / "engine.json").read_text())
         info.update(artifact_uri=config.artifact, engine_version=meta.get("engine_version"),

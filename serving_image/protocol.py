@@ -150,7 +150,7 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
             for part in message.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise APIError(400, f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}})"
-                                   " are supported by kiln", param=f"messages.{i}.content")
+                                   " are supported by kiln", param=f"messages[{i}].content")
 
 
 def message_text(message: ChatMessage) -> str:
