@@ -60,7 +60,8 @@ class ManifestFile(BaseModel):
 class Manifest(BaseModel):
     """``engines/<version>/manifest.json``: what a published engine version consists of."""
 
-    model_config = ConfigDict(extra="forbid")
+    # Fields a newer kiln adds are ignored; a breaking change bumps schema_version instead.
+    model_config = ConfigDict(extra="ignore")
     schema_version: int = MANIFEST_SCHEMA_VERSION
     engine_version: str
     kiln_version: str = __version__

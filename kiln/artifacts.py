@@ -192,7 +192,15 @@ class ArtifactStore:
                                 content_digest=Manifest.digest_of(files))
             return self._move_in(version, staging, manifest)
         finally:
-            self.backend.delete([o.key for o in self.backend.list(staging + "/")])
+            self._best_effort(lambda: self.backend.delete([o.key for o in self.backend.list(staging + "/")]))
+
+    @staticmethod
+    def _best_effort(cleanup: Callable[[], None]) -> None:
+        """Clean up without masking the real outcome; whatever is left, `gc` removes later."""
+        try:
+            cleanup()
+        except StoreError:
+            pass
 
     def _settle(self, winner: Manifest, mine: Manifest) -> Manifest:
         if winner.content_digest == mine.content_digest:
@@ -242,7 +250,7 @@ class ArtifactStore:
                              f"manifest; remove it with `kiln cache rm {version}`")
         finally:
             if owns_claim:
-                self.backend.delete([claim_key])
+                self._best_effort(lambda: self.backend.delete([claim_key]))
 
     def delete(self, version: str) -> list[str]:
         """Remove a version: manifest first (it vanishes atomically for readers), then its files."""

@@ -62,7 +62,10 @@ class FileBackend:
 
     def verify_upload(self, local: Path, key: str, sha256: str, size: int) -> None:
         path = self._path(key)
-        got_size, got = path.stat().st_size, file_sha256(path)
+        try:
+            got_size, got = path.stat().st_size, file_sha256(path)
+        except FileNotFoundError:
+            got_size, got = 0, "nothing (the file is missing)"
         if got_size != size or got != sha256:
             raise ArtifactCorrupt(f"{self.uri}/{key}: upload of {local} did not land intact: expected sha256 "
                                   f"{sha256} ({size} bytes), store holds {got} ({got_size} bytes)")
