@@ -78,7 +78,8 @@ class LinearBase(nn.Module):
     def make_quantized_(self, method: str) -> None:
         """Empty quantized parameters to receive a pre-quantized (artifact) state dict."""
         self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=QUANT_DTYPES[method]), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(self.weight.shape[0]), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(self.weight.shape[0], dtype=torch.float32, device=self.weight.device),
+                                         requires_grad=False)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:

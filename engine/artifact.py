@@ -1,0 +1,123 @@
+"""Engine artifacts: what the builder writes and ``LLM.from_artifact`` loads.
+
+Layout (CONTRACTS.md): ``engine.json`` (format version, GPU arch, the
+``engine_config`` kwargs for ``LLM``), config.json and tokenizer files, and
+``weights/rank-{r}-of-{n}.safetensors``: each rank's shard of the model under
+engine parameter names (fused ``qkv_proj``/``gate_up_proj``), already cast and,
+for weight-only quantization, int8 / float8_e4m3fn ``<name>.weight`` plus a
+float32 ``<name>.weight_scale`` per output channel. The runtime copies these
+tensors as they are; no conversion happens at serving time.
+
+``shard_checkpoint`` produces those per-rank state dicts with the runtime's
+own layers (each parameter slicing its shard), so what the builder writes is
+by construction what the runtime expects.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from kiln.engine import parallel
+from kiln.engine.config import EngineConfig
+from kiln.engine.errors import ConfigError
+from kiln.engine.layers.linear import quantize_weight
+
+__all__ = ["FORMAT_VERSION", "artifact_engine_config", "current_arch", "quantize_weight", "read_engine_json",
+           "save_rank_weights", "shard_checkpoint", "weights_file_name"]
+
+# Mirrors kiln.envelope.ARTIFACT_FORMAT_VERSION (the engine imports nothing of kiln core).
+FORMAT_VERSION = 1
+
+
+def weights_file_name(rank: int, size: int) -> str:
+    return f"rank-{rank}-of-{size}.safetensors"
+
+
+def current_arch() -> str:
+    """"cpu", or "sm<major><minor>" of the visible CUDA device."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm{major}{minor}"
+
+
+def read_engine_json(artifact_dir: str | Path) -> dict[str, Any]:
+    path = Path(artifact_dir) / "engine.json"
+    if not path.is_file():
+        raise ConfigError(f"{artifact_dir} is not an engine artifact: engine.json is missing")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ConfigError(f"{path}: format_version {version!r} is not supported by this runtime "
+                          f"(it reads format_version {FORMAT_VERSION}); rebuild the engine with this kiln version")
+    return doc
+
+
+def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> EngineConfig:
+    """The EngineConfig to run an artifact here; refuses another GPU arch or mismatched weights."""
+    root = Path(artifact_dir)
+    doc = read_engine_json(root)
+    built_arch = (doc.get("gpu") or {}).get("arch", "cpu")
+    here = current_arch()
+    if built_arch != "cpu" and built_arch != here:
+        sku = (doc.get("gpu") or {}).get("sku", "?")
+        raise ConfigError(f"artifact {root} was built for GPU arch {built_arch} ({sku}) but this machine's device "
+                          f"is {here}; build the engine for {here} (spec.gpu) or run it on a {built_arch} GPU")
+    known = {f.name for f in fields(EngineConfig)}
+    kwargs = {k: v for k, v in (doc.get("engine_config") or {}).items() if k in known}
+    kwargs.update(overrides)
+    kwargs.setdefault("device", "cpu" if built_arch == "cpu" else "cuda")
+    if kwargs.get("quantization") in ("none", ""):
+        kwargs["quantization"] = None
+    weights = root / "weights"
+    tp = int(kwargs.get("tensor_parallel_size", 1))
+    if weights.is_dir():
+        missing = [weights_file_name(r, tp) for r in range(tp) if not (weights / weights_file_name(r, tp)).is_file()]
+        if missing:
+            have = sorted(p.name for p in weights.glob("*.safetensors"))
+            raise ConfigError(f"artifact {root} lacks {', '.join(missing)} for tensor_parallel_size={tp} "
+                              f"(it has {', '.join(have) or 'no weights'}); the weights are sharded at build time")
+        kwargs["weights_dir"] = str(weights)
+    kwargs["model"] = str(root)
+    return EngineConfig(**kwargs)
+
+
+def shard_checkpoint(model_dir: str | Path, tp_size: int, dtype: str = "float32",
+                     quantization: str | None = None) -> list[dict[str, torch.Tensor]]:
+    """Per-rank engine state dicts of a Hugging Face checkpoint, cast and optionally quantized.
+
+    Built with the runtime's own layers, one rank at a time, with no process group.
+    Tied LM heads are left out (the runtime ties them again at load).
+    """
+    from kiln.engine.model_runner import build_model
+
+    states = []
+    for rank in range(tp_size):
+        with parallel.shard_context(rank, tp_size):
+            config = EngineConfig(model=str(model_dir), dtype=dtype, quantization=quantization,
+                                  tensor_parallel_size=tp_size, device="cpu", num_kv_blocks=1)
+            model = build_model(config)
+        names = {n for n, _ in model.named_parameters()}
+        states.append({n: t.detach().contiguous() for n, t in model.state_dict().items() if n in names})
+    return states
+
+
+def save_rank_weights(states: list[dict[str, torch.Tensor]], weights_dir: str | Path) -> list[Path]:
+    """Write ``weights/rank-{r}-of-{n}.safetensors`` for each state dict of ``shard_checkpoint``."""
+    from safetensors.torch import save_file
+
+    out = Path(weights_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for rank, state in enumerate(states):
+        path = out / weights_file_name(rank, len(states))
+        save_file(state, str(path), metadata={"format": "pt", "kiln_rank": str(rank), "kiln_tp": str(len(states))})
+        paths.append(path)
+    return paths
