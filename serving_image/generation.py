@@ -89,12 +89,14 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        # Everything synchronous first: when a client disconnects, this runs inside an
+        # already-cancelled scope where any await raises CancelledError at once.
         self.abort()
         for task in self._tasks:
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
         for slot, timer in enumerate(self.timers):
             if self.finish_reasons[slot] is None:
                 self.finish_reasons[slot] = "abort"
                 timer.finish("abort", self.num_prompt_tokens[slot])
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

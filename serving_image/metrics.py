@@ -111,6 +111,11 @@ class ServingMetrics:
         self.queue_time = Histogram("kiln:request_queue_time_seconds", "Arrival until first scheduled.",
                                     names, buckets=_LATENCY_BUCKETS, registry=r)
         r.register(EngineStatsCollector(stats, labels))
+        # Create every series up front, so dashboards and rate() see zeros rather than gaps.
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
+            metric.labels(**labels)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(**labels, finished_reason=reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
