@@ -9,14 +9,16 @@ Rows are grouped by the features they use and each feature is one vectorized op 
 group, so Python work is per row and scalar, never per vocabulary entry.
 
 Drawing is by inverse CDF: one uniform number per row, looked up in the row's cumulative
-distribution (accumulated in float64 so rare tokens keep their mass). A seeded row draws
-its uniform from its own ``torch.Generator`` and every op before the draw is row-wise, so
-a seeded request samples the same tokens whatever else is in the batch and wherever it
-sits. Unseeded rows share torch's default generator.
+distribution taken in token-id order (in float64, so rare tokens keep their mass). A
+seeded row draws its uniform from its own ``torch.Generator``, and every op before the
+draw is row-wise and independent of tie order (each filter keeps the tokens at or above a
+threshold value), so a seeded request samples the same tokens whatever else is in the
+batch and wherever it sits. Unseeded rows share torch's default generator.
 
-Top-p first looks for the nucleus among each row's ``_TOP_P_CANDIDATES`` most likely
-tokens: when their mass already reaches ``top_p`` the nucleus lies inside them (exact,
-not an approximation); only rows whose distribution is flatter than that pay a full sort.
+Top-p finds its threshold among each row's most likely ``_TOP_P_TIERS[0]`` tokens, then
+``_TOP_P_TIERS[1]``: once their mass reaches ``top_p`` the nucleus lies inside them (exact,
+not an approximation). Only rows flatter than that pay a full sort of the vocabulary.
+Tokens tied with the last one of the nucleus are all kept (HF keeps an arbitrary subset).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from kiln.engine.sampling_params import SamplingParams
 
 # Temperatures below this are greedy, as in vLLM: dividing by them overflows float32.
 _SAMPLING_EPS = 1e-5
-_TOP_P_CANDIDATES = 128
+_TOP_P_TIERS = (128, 1024)
 
 
 @dataclass
@@ -212,19 +214,27 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Zero the tokens outside each row's nucleus: the smallest set, taken from the most
-    likely down, whose mass reaches ``top_p`` (a token stays while the mass before it is
-    below ``top_p``; the most likely token always stays)."""
-    num_candidates = min(_TOP_P_CANDIDATES, probs.shape[1])
-    values, order = probs.topk(num_candidates, dim=-1)
-    covered = values.sum(dim=-1, keepdim=True) >= top_p
-    if not bool(covered.all()):
-        values, order = probs.sort(dim=-1, descending=True)
-    mass_before = values.cumsum(dim=-1) - values
-    drop = mass_before >= top_p
-    drop[:, 0] = False
-    kept = values.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, kept)
+    """Zero the tokens outside each row's nucleus: taking tokens from the most likely down,
+    a token stays while the mass before it is below ``top_p`` (the most likely always stays)."""
+    num_rows, vocab = probs.shape
+    threshold = torch.empty_like(top_p)
+    todo = torch.arange(num_rows, device=probs.device)
+    for tier in (*_TOP_P_TIERS, vocab):
+        sub = probs[todo] if len(todo) < num_rows else probs
+        if tier >= vocab:
+            values = sub.sort(dim=-1, descending=True).values
+        else:
+            values = sub.topk(tier, dim=-1).values
+        cumulative = values.cumsum(dim=-1)
+        wanted = top_p[todo]
+        num_kept = ((cumulative - values) < wanted).sum(dim=-1, keepdim=True).clamp_(min=1)
+        row_threshold = values.gather(1, num_kept - 1)
+        covered = (cumulative[:, -1:] >= wanted).squeeze(1) if tier < vocab else torch.ones_like(todo, dtype=bool)
+        threshold[todo[covered]] = row_threshold[covered]
+        todo = todo[~covered]
+        if len(todo) == 0:
+            break
+    return probs.masked_fill(probs < threshold, 0.0)
 
 
 def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -243,7 +253,8 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     total = cdf[:, -1:]
     # u < total strictly, so the first entry of the CDF above u exists and has mass > 0.
     target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # The clamp only matters for rows with no mass at all (NaN or all -inf logits).
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _with_logprobs(logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor) -> SamplerOutput:
