@@ -9,7 +9,7 @@ Rows are grouped by the features they use and each feature is one vectorized op 
 group, so Python work is per row and scalar, never per vocabulary entry.
 
 Drawing is by inverse CDF: one uniform number per row, looked up in the row's cumulative
-distribution taken in token-id order (in float64, so rare tokens keep their mass). A
+distribution taken in token-id order (see ``_inverse_cdf``). A
 seeded row draws its uniform from its own ``torch.Generator``, and every op before the
 draw is row-wise and independent of tie order (each filter keeps the tokens at or above a
 threshold value), so a seeded request samples the same tokens whatever else is in the
@@ -33,6 +33,7 @@ from kiln.engine.sampling_params import SamplingParams
 # Temperatures below this are greedy, as in vLLM: dividing by them overflows float32.
 _SAMPLING_EPS = 1e-5
 _TOP_P_TIERS = (128, 1024)
+_DRAW_BLOCK = 256
 
 
 @dataclass
@@ -249,12 +250,35 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         own = [torch.rand(1, dtype=torch.float64, generator=g, device=g.device).item()
                for g in (rows[i].generator for i in seeded)]
         uniforms[_index(seeded, device)] = torch.tensor(own, dtype=torch.float64, device=device)
-    cdf = probs.to(torch.float64).cumsum_(dim=-1)
-    total = cdf[:, -1:]
-    # u < total strictly, so the first entry of the CDF above u exists and has mass > 0.
-    target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return _inverse_cdf(probs, uniforms)
+
+
+def _below(x: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(x, torch.zeros_like(x))
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token where each row's cumulative weight (token-id order) first exceeds u * total.
+
+    Two levels instead of a cumsum over the vocabulary: per-block sums pick a block of
+    ``_DRAW_BLOCK`` tokens, then a cumsum inside that block picks the token. Both cumsums
+    are in float64 and short, so this is cheaper than one long one and keeps rare tokens'
+    mass. The target is kept strictly below each total, so the chosen token has weight > 0.
+    """
+    num_rows, vocab = weights.shape
+    pad = -vocab % _DRAW_BLOCK
+    blocks = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).view(num_rows, -1, _DRAW_BLOCK)
+    num_blocks = blocks.shape[1]
+    block_cdf = blocks.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)
+    target = torch.minimum(uniforms.unsqueeze(1) * block_cdf[:, -1:], _below(block_cdf[:, -1:]))
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=num_blocks - 1)
+    before = block_cdf.gather(1, (block - 1).clamp(min=0)).masked_fill_(block == 0, 0.0)
+    inside = blocks.gather(1, block.unsqueeze(2).expand(-1, -1, _DRAW_BLOCK)).squeeze(1)
+    inside_cdf = inside.to(torch.float64).cumsum_(dim=-1)
+    rest = torch.minimum(target - before, _below(inside_cdf[:, -1:]))
+    offset = torch.searchsorted(inside_cdf, rest, right=True).clamp_(max=_DRAW_BLOCK - 1)
     # The clamp only matters for rows with no mass at all (NaN or all -inf logits).
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    return (block * _DRAW_BLOCK + offset).squeeze(1).clamp_(max=vocab - 1)
 
 
 def _with_logprobs(logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor) -> SamplerOutput:

@@ -264,3 +264,17 @@ def test_tiny_temperatures_are_greedy():
     logits = random_logits(16)
     out = Sampler()(logits, [make_row(SamplingParams(temperature=1e-7, top_p=0.5))] * 16)
     assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [512, 700])  # a whole number of draw blocks, and not
+def test_draws_reach_every_block_in_proportion(vocab):
+    torch.manual_seed(2)
+    logits = torch.full((1, vocab), float("-inf"))
+    chosen = torch.tensor([0, 255, 256, 300, vocab - 1])
+    logits[0, chosen] = torch.tensor([0.0, 1.0, 0.5, -0.5, 0.2])
+    tokens = torch.cat([Sampler()(logits.expand(400, -1), [make_row(SamplingParams())] * 400).token_ids
+                        for _ in range(10)])
+    freq = torch.bincount(tokens, minlength=vocab).double() / len(tokens)
+    expected = logits[0].double().softmax(-1)
+    assert bool((freq[expected == 0] == 0).all())
+    assert bool(((freq - expected).abs() < 0.03).all())
