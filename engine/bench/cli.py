@@ -128,7 +128,7 @@ def _text(doc: dict) -> str:
     lines = [
         f"kiln bench — {m['cpu']} ({m['cpu_count']} cores), torch {m['torch']} with {c['threads']} threads, "
         f"transformers {m['transformers']}",
-        f"model: {c['preset']}, {doc['model']['total_params'] / 1e6:.0f}M params, {c['dtype']}",
+        f"model: {c['preset']}, {doc['model']['total_params'] / 1e6:.3g}M params, {c['dtype']}",
         f"workload: {w['num_requests']} requests ({w['arrival']}), prompts {w['prompt_len_min']}..{w['prompt_len_max']}"
         f" ({w['num_prompt_tokens']} tokens), outputs {w['output_len_min']}..{w['output_len_max']}"
         f" ({w['num_output_tokens']} tokens, {w['num_long_outputs']} long), ignore_eos, greedy"

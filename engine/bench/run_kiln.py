@@ -1,5 +1,5 @@
 """kiln on the bench workload: ``LLM.generate`` with every request submitted at once,
-or ``AsyncLLM`` with each request submitted at its arrival time.
+or the engine's step loop with each request added at its arrival time.
 
 Every request is greedy with ``ignore_eos`` and ``max_tokens = output_len``, so
 kiln does exactly the work the baselines do. Steps and batch sizes come from
@@ -9,7 +9,6 @@ timed run so the warm-up does not count.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
@@ -54,7 +53,7 @@ def run(llm, workload: Workload, job: dict) -> RunRecord:
     if all(r.arrival_time == 0 for r in workload.requests):
         records = _run_offline(llm, workload)
     else:
-        records = asyncio.run(_run_arrivals(llm, workload, job))
+        records = _run_arrivals(llm, workload)
     after = llm.stats()
     steps = after.num_steps - before.num_steps
     run = RunRecord(system="kiln", duration_s=max(r.finished for r in records), num_steps=steps, requests=records)
@@ -86,33 +85,27 @@ def _run_offline(llm, workload: Workload) -> list[RequestRecord]:
     return records
 
 
-async def _run_arrivals(llm, workload: Workload, job: dict) -> list[RequestRecord]:
-    """Poisson arrivals through the async engine; timestamps are taken as deltas stream in."""
-    from kiln.engine import AsyncLLM
-
-    engine = AsyncLLM(llm=llm) if _accepts_llm(AsyncLLM) else None
-    if engine is None:
-        raise RuntimeError("kiln.engine.AsyncLLM cannot wrap a loaded LLM; arrivals need it")
-    t0 = time.perf_counter()
-
-    async def one(r) -> RequestRecord:
-        await asyncio.sleep(max(0.0, r.arrival_time - (time.perf_counter() - t0)))
-        first, tokens = None, []
-        async for delta in engine.generate(r.prompt_token_ids, _params(r.output_len), request_id=f"bench-{r.index}"):
-            if delta.new_token_ids and first is None:
-                first = time.perf_counter() - t0
-            tokens.extend(delta.new_token_ids)
-        return RequestRecord(index=r.index, arrival=r.arrival_time, first_token=first,
-                             finished=time.perf_counter() - t0, output_token_ids=tokens)
-
-    await engine.start()
-    try:
-        return list(await asyncio.gather(*(one(r) for r in workload.requests)))
-    finally:
-        await engine.shutdown()
-
-
-def _accepts_llm(cls) -> bool:
-    import inspect
-
-    return "llm" in inspect.signature(cls).parameters
+def _run_arrivals(llm, workload: Workload) -> list[RequestRecord]:
+    """Poisson arrivals: the bench drives the engine's step loop itself and adds each request
+    once its arrival time has passed (what AsyncLLM's loop does, minus the thread hand-off)."""
+    engine = llm.engine
+    pending = sorted(workload.requests, key=lambda r: r.arrival_time)
+    live = {}
+    t0 = time.time()
+    while pending or engine.has_unfinished():
+        now = time.time() - t0
+        while pending and pending[0].arrival_time <= now:
+            r = pending.pop(0)
+            req = engine.make_request(r.prompt_token_ids, _params(r.output_len), request_id=f"bench-{r.index}")
+            req.arrival_time = t0 + r.arrival_time  # scheduled arrival, so queueing delay counts in TTFT
+            engine.add(req)
+            live[r.index] = (r, req)
+        if engine.has_unfinished():
+            engine.step()
+        elif pending:
+            time.sleep(max(0.0, pending[0].arrival_time - (time.time() - t0)))
+    return [
+        RequestRecord(index=r.index, arrival=r.arrival_time, first_token=req.first_token_time - t0,
+                      finished=req.finished_time - t0, output_token_ids=list(req.output_token_ids))
+        for r, req in (live[i] for i in sorted(live))
+    ]
