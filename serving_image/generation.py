@@ -38,10 +38,23 @@ class Generation:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
 
-    async def _pump(self, slot: int) -> None:
-        item = self.inputs[slot]
+    def start(self) -> None:
+        """Submit every engine request now; a RequestError (bad prompt, over a limit) raises here,
+        before any response has started, and leaves nothing queued."""
+        streams = []
         try:
-            stream = self.engine.generate(item.prompt_token_ids, item.params, request_id=self.engine_ids[slot])
+            for slot, item in enumerate(self.inputs):
+                streams.append(self.engine.generate(item.prompt_token_ids, item.params,
+                                                    request_id=self.engine_ids[slot]))
+        except BaseException:
+            for slot in range(len(streams)):
+                self.engine.abort(self.engine_ids[slot])
+            self._closed = True  # nothing ran: nothing to record
+            raise
+        self._tasks = [asyncio.create_task(self._pump(slot, stream)) for slot, stream in enumerate(streams)]
+
+    async def _pump(self, slot: int, stream: AsyncIterator[Any]) -> None:
+        try:
             async for delta in stream:
                 self._queue.put_nowait((slot, delta))
         except asyncio.CancelledError:
@@ -53,8 +66,7 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[tuple[int, Any]]:
         """Yield ``(slot, StreamDelta)`` as the engine produces them; ``slot`` indexes ``inputs``."""
-        self._tasks = [asyncio.create_task(self._pump(slot)) for slot in range(len(self.inputs))]
-        remaining = len(self.inputs)
+        remaining = len(self._tasks)
         try:
             while remaining:
                 slot, delta = await self._queue.get()

@@ -2,13 +2,13 @@
 
 Both run the same steps: refuse unless ready, parse and validate the body
 (400s naming the parameter), check the model name (404), tokenize and check
-the engine's limits (400), admit (429 when full), then generate. A streamed
-response waits for the first delta before sending its 200, so an error the
-engine raises at submission still becomes a proper 400 rather than an error
-event inside a 200 stream.
+the engine's limits (400), admit (429 when full), then generate. The engine
+validates at submission (``Generation.start``), before any response starts,
+so its errors are proper 400s; only a failure after that (the engine loop
+dying) reaches a client as an error event inside the stream.
 
-Disconnects: while no response has started, a watcher task waits on the ASGI
-``http.disconnect`` message; once streaming, Starlette cancels the body
+Disconnects: for a non-streamed request a watcher task waits on the ASGI
+``http.disconnect`` message; for a stream, Starlette cancels the body
 iterator when the client goes. Either way the request's :class:`Generation`
 is closed, which aborts its engine requests so their KV blocks are freed
 within a step, and its admission slots are released.
@@ -121,11 +121,10 @@ async def _serve(request: Request, kind: str) -> Response:
 
     handed_off = False
     try:
+        gen.start()
         if req.stream:
-            stream = gen.deltas()
-            first = await _unless_disconnected(request, anext(stream))
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = _events(builder, gen, stream, first, include_usage)
+            events = _events(builder, gen, include_usage)
             handed_off = True
             return SSEResponse(events, on_close=cleanup)
         body = await _unless_disconnected(request, _collect(builder, gen))
@@ -173,18 +172,11 @@ async def _collect(builder: Builder, gen: Generation) -> dict[str, Any]:
     return builder.response(choices, _usage(gen, [len(c.token_ids) for c in choices]))
 
 
-async def _events(builder: Builder, gen: Generation, stream: AsyncIterator[tuple[int, Any]],
-                  first: tuple[int, Any], include_usage: bool) -> AsyncIterator[str]:
+async def _events(builder: Builder, gen: Generation, include_usage: bool) -> AsyncIterator[str]:
     started: set[int] = set()
     num_output = [0 for _ in gen.inputs]
-
-    async def deltas() -> AsyncIterator[tuple[int, Any]]:
-        yield first
-        async for item in stream:
-            yield item
-
     try:
-        async for slot, delta in deltas():
+        async for slot, delta in gen.deltas():
             text = delta.text
             if slot not in started:
                 started.add(slot)
