@@ -95,27 +95,43 @@ def test_unknown_system_is_a_usage_error():
     assert "--systems" in proc.stderr and "vllm" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.timeout(300)
-def test_quick_bench_runs_every_system_and_passes_equality(tmp_path):
+def _quick(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kiln", "bench", "--quick", "--model-dir", str(tmp_path / "model"),
-         "--json", str(out), "--strict"],
+         "--json", str(out), "--strict", *extra],
         capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "greedy equality" in proc.stdout and "PASS" in proc.stdout
-    doc = json.loads(out.read_text())
-    assert set(doc["systems"]) == {"kiln", "hf-static-b8", "hf-static-b32", "hf-generate-batch"}
+    return proc, json.loads(out.read_text())
+
+
+def _check_doc(doc: dict, systems: set[str]) -> None:
+    assert set(doc["systems"]) == systems
     for entry in doc["systems"].values():
         med = entry["median"]
         for key in ("output_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s",
                     "peak_rss_mib", "avg_batch"):
             assert med[key] > 0, key
         assert med["output_tokens"] == doc["workload"]["num_output_tokens"]
-    assert set(doc["ratios"]) == {"hf-static-b8", "hf-static-b32", "hf-generate-batch"}
+    assert set(doc["ratios"]) == systems - {"kiln"}
     assert doc["equality"]["passed"] is True and doc["equality"]["num_requests"] == 4
     assert doc["ceiling"]["hardware"]["bandwidth"]["read_gb_s"] > 0
-    assert 0 < doc["ceiling"]["per_system"]["kiln"]["fraction"]
+    assert doc["ceiling"]["per_system"]["kiln"]["fraction"] > 0
     for key in ("cpu", "cpu_count", "torch", "torch_threads"):
         assert key in doc["machine"]
+
+
+@pytest.mark.timeout(300)
+def test_quick_bench_kiln_vs_static_passes_equality(tmp_path):
+    proc, doc = _quick(tmp_path, "--systems", "kiln,hf-static-b8")
+    assert "greedy equality" in proc.stdout and "PASS" in proc.stdout
+    assert "kiln x" in proc.stdout and "hardware:" in proc.stdout
+    _check_doc(doc, {"kiln", "hf-static-b8"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quick_bench_runs_every_system(tmp_path):
+    _, doc = _quick(tmp_path)
+    _check_doc(doc, {"kiln", "hf-static-b8", "hf-static-b32", "hf-generate-batch"})
