@@ -62,7 +62,7 @@ class ServingContext:
         except Exception as exc:
             self.state.phase, self.state.load_error = FAILED, str(exc)
             self.exit_code = 1
-            if isinstance(exc, ValueError | OSError):  # ConfigError, StoreError, a missing file: a user's fix
+            if _is_user_error(exc):
                 log.error("kiln serve: could not load the model: %s", exc)
             else:
                 log.exception("kiln serve: could not load the model")
@@ -74,6 +74,13 @@ class ServingContext:
             self.state.phase = READY
         log.info("model %r ready in %.1fs (max_batch_size=%d, max_queue_len=%d)", self.served_model_name,
                  time.monotonic() - started, engine.engine_config.max_batch_size, self.config.max_queue_len)
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    """A failure the message explains (bad setting, missing or corrupt artifact): no traceback."""
+    from kiln.artifacts import StoreError
+
+    return isinstance(exc, ValueError | OSError | StoreError)
 
 
 probes = APIRouter()

@@ -55,17 +55,20 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="A Hugging Face checkpoint directory to serve.")
 @click.option("--artifact", help="An engine artifact URI (<store>/engines/<version>) to fetch, verify and serve.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Where artifacts are fetched to (default: ~/.cache/kiln/engines).")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), envvar="KILN_CACHE_DIR",
+              help="Where artifacts are fetched to [env KILN_CACHE_DIR; default: ~/.cache/kiln/engines].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 in a pod).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--served-model-name", help="The name clients use as `model` (default: the folder or version).")
+@click.option("--served-model-name", envvar="KILN_SERVED_MODEL_NAME",
+              help="The name clients use as `model` [env KILN_SERVED_MODEL_NAME; default: folder or version].")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="File holding the API key clients must send as a Bearer token (else $KILN_API_KEY).")
 @click.option("--max-queue-len", type=click.IntRange(min=0), default=256, show_default=True,
-              help="Requests admitted beyond max_batch_size before answering 429.")
+              envvar="KILN_MAX_QUEUE_LEN",
+              help="Requests admitted beyond max_batch_size before answering 429 [env KILN_MAX_QUEUE_LEN].")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="Seconds in-flight requests get to finish after SIGTERM.")
+              envvar="KILN_DRAIN_TIMEOUT_SECONDS",
+              help="Seconds in-flight requests get to finish after SIGTERM [env KILN_DRAIN_TIMEOUT_SECONDS].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @click.option("--access-log/--no-access-log", default=False, show_default=True, help="Log every HTTP request.")

@@ -33,11 +33,11 @@ def free_port() -> int:
 class Server:
     """A `kiln serve` subprocess; its log goes to a file (a full pipe would block it)."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, source: list[str], log_path: Path, *flags: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "kiln", "serve", "--model", str(model_dir), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "kiln", "serve", *source, "--port", str(self.port),
                "--served-model-name", MODEL_NAME, *flags]
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -88,12 +88,15 @@ def model_dir(toy_model: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="package")
 def start_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
-    """``start_server(*flags, env=None)`` -> a started (not yet ready) server, stopped at the end."""
+    """``start_server(*flags, env=None, source=None)`` -> a started (not yet ready) server, stopped at the end.
+
+    ``source`` defaults to ``["--model", <llama-tiny>]``; pass ``["--artifact", uri]`` to serve an artifact.
+    """
     servers: list[Server] = []
 
-    def start(*flags: str, env: dict[str, str] | None = None) -> Server:
+    def start(*flags: str, env: dict[str, str] | None = None, source: list[str] | None = None) -> Server:
         log_path = tmp_path_factory.mktemp("serve") / "server.log"
-        server = Server(model_dir, log_path, *flags, env=env)
+        server = Server(source or ["--model", str(model_dir)], log_path, *flags, env=env)
         servers.append(server)
         return server
 
