@@ -72,17 +72,28 @@ class Attention(nn.Module):
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decode_tokens
         if nd:
-            bt = md.decode_block_tables
-            keys = self.k_cache[bt].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [D, kvh, ctx, d]
-            vals = self.v_cache[bt].flatten(1, 2).transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, vals, attn_mask=md.decode_mask,
-                                               scale=self.scale, enable_gqa=gqa)
+            keys, vals = self._gather(md.decode_block_tables, q.dtype)  # [D, ctx, kvh, d]
+            o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
+                                               attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa)
             out[:nd] = o.squeeze(2)
         for p in md.prefills:
-            qs = q[p.q_start: p.q_start + p.q_len].transpose(0, 1)
-            keys = self.k_cache[p.block_ids].flatten(0, 1)[: p.ctx_len].transpose(0, 1).to(q.dtype)
-            vals = self.v_cache[p.block_ids].flatten(0, 1)[: p.ctx_len].transpose(0, 1).to(q.dtype)
-            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=p.mask, is_causal=p.mask is None,
-                                               scale=self.scale, enable_gqa=gqa)
-            out[p.q_start: p.q_start + p.q_len] = o.transpose(0, 1)
+            end = p.q_start + p.q_len
+            qs = q[p.q_start:end].transpose(0, 1)
+            if p.mask is None:  # the chunk is the whole context: its own k/v, no gather
+                keys, vals = k[p.q_start:end], v[p.q_start:end]
+            else:
+                keys, vals = self._gather(p.block_ids[None], q.dtype)
+                keys, vals = keys[0, : p.ctx_len], vals[0, : p.ctx_len]
+            o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=p.mask,
+                                               is_causal=p.mask is None, scale=self.scale, enable_gqa=gqa)
+            out[p.q_start:end] = o.transpose(0, 1)
         return out.flatten(1)
+
+    def _gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks, [rows, blocks * block_size, kv_heads, d], one index_select each."""
+        rows, nblocks = block_tables.shape
+        flat = block_tables.reshape(-1)
+        shape = (rows, nblocks * self.k_cache.shape[1], self.num_kv_heads, self.head_dim)
+        keys = self.k_cache.index_select(0, flat).view(shape)
+        vals = self.v_cache.index_select(0, flat).view(shape)
+        return keys.to(dtype), vals.to(dtype)

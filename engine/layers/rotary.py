@@ -102,12 +102,18 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: derived from the config, never part of a checkpoint.
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
-        self.rotary_dim = emb.shape[-1]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token tables [num_tokens, 1, rotary_dim], looked up once per forward pass for all layers."""
+        return (self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(dtype))
+
+
+
+def apply_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+    """Rotate packed q [T, heads, d] and k [T, kv_heads, d] with tables from ``RotaryEmbedding.cos_sin``."""
+    cos, sin = cos_sin
+    dim = cos.shape[-1]
+    return _apply(q, cos, sin, dim), _apply(k, cos, sin, dim)
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.engine.layers.norm import RMSNorm
-from kiln.engine.layers.rotary import RotaryEmbedding, rope_parameters
+from kiln.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from torch import nn
 
 
@@ -27,7 +27,7 @@ def head_dim_of(cfg: dict[str, Any]) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
+    def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         tp = parallel.tp_size()
         num_heads, num_kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
@@ -38,15 +38,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, cfg["hidden_size"], bias=o_bias)
         self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, rope_parameters(cfg))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = apply_rotary(cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -66,20 +65,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
+    def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, max_position)
+        self.self_attn = LlamaAttention(cfg)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
-    def forward(self, positions, hidden, residual):
+    def forward(self, cos_sin, hidden, residual):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(cos_sin, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -88,13 +87,16 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, max_position) for _ in range(cfg["num_hidden_layers"]))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        # One table for every layer: cos/sin are looked up once per forward pass.
+        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), max_position, rope_parameters(cfg))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(cos_sin, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
