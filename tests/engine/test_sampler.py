@@ -203,11 +203,22 @@ def test_logprobs_come_from_the_raw_logits_with_sorted_alternatives():
     rows = [make_row(p, prompt=[1, 2, 3]) for p in params]
     out = Sampler()(logits, rows)
     reference = logits.log_softmax(-1)
-    assert torch.allclose(out.logprobs, reference.gather(1, out.token_ids.unsqueeze(1)).squeeze(1))
+    asked = [0, 1, 2]
+    expected = reference.gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
+    assert torch.allclose(out.logprobs[asked], expected[asked])
     assert out.top_ids.shape == (4, 5) and out.top_logprobs.shape == (4, 5)
-    assert torch.equal(out.top_ids, reference.topk(5).indices)
-    assert torch.allclose(out.top_logprobs, reference.gather(1, out.top_ids))
-    assert bool((out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all())
+    assert torch.equal(out.top_ids[asked], reference.topk(5).indices[asked])
+    assert torch.allclose(out.top_logprobs[asked], reference[asked].gather(1, out.top_ids[asked]))
+    assert bool((out.top_logprobs[asked, :-1] >= out.top_logprobs[asked, 1:]).all())
+    assert bool(out.logprobs[3].isnan()) and bool((out.top_ids[3] == -1).all())  # row 3 did not ask
+
+
+def test_logprobs_for_a_whole_batch():
+    logits = random_logits(3)
+    out = Sampler()(logits, [make_row(SamplingParams(temperature=1.0, top_k=3, logprobs=2))] * 3)
+    reference = logits.log_softmax(-1)
+    assert torch.allclose(out.logprobs, reference.gather(1, out.token_ids.unsqueeze(1)).squeeze(1))
+    assert torch.equal(out.top_ids, reference.topk(2).indices)
 
 
 def test_logprobs_zero_gives_no_alternatives():
@@ -278,3 +289,40 @@ def test_draws_reach_every_block_in_proportion(vocab):
     expected = logits[0].double().softmax(-1)
     assert bool((freq[expected == 0] == 0).all())
     assert bool(((freq - expected).abs() < 0.03).all())
+
+
+def test_block_argmax_is_exactly_argmax_with_ties():
+    logits = (random_logits(64, vocab=32000, seed=4) * 2).round()  # many tied maxima
+    logits[3, 31999] = 100.0
+    logits[5, :] = 1.0
+    rows = [make_row(SamplingParams(temperature=0))] * 64
+    assert torch.equal(Sampler()(logits, rows).token_ids, logits.argmax(-1))
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.zeros(3, 300)
+    logits[:, :5] = 3.0
+    logits[:, 5:150] = 2.0  # 145 tokens tied at the 6th place: past the first candidate tier
+    params = [SamplingParams(top_k=6), SamplingParams(top_k=6, top_p=0.5), SamplingParams(top_k=6, top_p=0.05)]
+    probs = sampling_probs(logits, [make_row(p) for p in params])
+    # The nucleus of 0.5 ends inside the tied group and of 0.05 inside the top 5: ties stay together.
+    assert [int((row > 0).sum()) for row in probs] == [150, 150, 5]
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_logprob_alternatives_in_a_large_vocabulary_with_ties(k):
+    logits = (random_logits(8, vocab=32000, seed=6) * 4).round() / 4  # tied values, as bf16 logits have
+    out = Sampler()(logits, [make_row(SamplingParams(temperature=0, logprobs=k))] * 8)
+    reference = logits.log_softmax(-1)
+    assert torch.equal(out.top_logprobs, reference.topk(k).values)
+    assert torch.equal(reference.gather(1, out.top_ids), out.top_logprobs)
+    assert all(len(set(row)) == k for row in out.top_ids.tolist())
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=7), SamplingParams(top_k=60, top_p=0.7)])
+def test_top_k_in_a_large_vocabulary_matches_transformers(params):
+    logits = random_logits(4, vocab=32000, seed=8)
+    probs = sampling_probs(logits, [make_row(params)] * 4)
+    for i in range(4):
+        assert torch.equal(probs[i] > 0, hf_probs(logits[i], params) > 0)
+        assert torch.allclose(probs[i] / probs[i].sum(), hf_probs(logits[i], params), atol=1e-6)
