@@ -87,20 +87,27 @@ probes = APIRouter()
 models = APIRouter()
 
 
+def _engine_dead(state: ServerState) -> bool:
+    """The engine's step loop died after loading: only a restart helps."""
+    return state.phase in (READY, DRAINING) and not getattr(state.engine, "is_running", True)
+
+
 @probes.get("/health")
-async def health() -> dict[str, str]:
-    """Liveness: the process and its event loop answer."""
-    return {"status": "ok"}
+async def health(request: Request) -> JSONResponse:
+    """Liveness: the process and its event loop answer, and the engine loop (once loaded) is alive."""
+    if _engine_dead(request.app.state.kiln.state):
+        return JSONResponse({"status": "engine_dead"}, status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 @probes.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    """Readiness: 200 only when the engine is loaded, warmed up and not draining."""
+    """Readiness: 200 only when the engine is loaded, warmed up, alive and not draining."""
     state = request.app.state.kiln.state
-    body: dict[str, Any] = {"status": state.phase}
+    body: dict[str, Any] = {"status": "engine_dead" if _engine_dead(state) else state.phase}
     if state.load_error:
         body["error"] = state.load_error
-    return JSONResponse(body, status_code=200 if state.is_ready else 503)
+    return JSONResponse(body, status_code=200 if state.is_ready and body["status"] == READY else 503)
 
 
 @probes.get("/metrics")

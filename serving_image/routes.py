@@ -36,6 +36,9 @@ from pydantic import ValidationError
 log = logging.getLogger("kiln.serving")
 router = APIRouter()
 
+MAX_BODY_BYTES = 16 * 2**20
+_TOKENIZE_INLINE_BYTES = 64 * 2**10
+
 
 class ClientGone(Exception):
     """The client disconnected before a response started."""
@@ -94,8 +97,9 @@ async def _serve(request: Request, kind: str) -> Response:
     state = ctx.state
     _counting_rejections(ctx, state.check_accepting)
     model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    raw = await _read_body(request)
     try:
-        req = model_cls.model_validate(parse_json_body(await request.body()))
+        req = model_cls.model_validate(parse_json_body(raw))
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     if req.model not in ctx.model_names:
@@ -103,7 +107,12 @@ async def _serve(request: Request, kind: str) -> Response:
                        f"{ctx.served_model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
     check_supported(req)
     engine = state.engine
-    inputs = chat_inputs(req, engine) if kind == "chat" else completion_inputs(req, engine)
+    make_inputs = chat_inputs if kind == "chat" else completion_inputs
+    # Tokenizing a big body takes a while: keep the event loop (probes, other streams) responsive.
+    if len(raw) > _TOKENIZE_INLINE_BYTES:
+        inputs = await asyncio.to_thread(make_inputs, req, engine)
+    else:
+        inputs = make_inputs(req, engine)
     admission = _counting_rejections(ctx, state.admit, len(inputs))
     request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     gen = Generation(engine, ctx.metrics, request_id, inputs)
@@ -137,6 +146,25 @@ async def _serve(request: Request, kind: str) -> Response:
     finally:
         if not handed_off:
             await cleanup()
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refused with 413 past MAX_BODY_BYTES before it is all in memory."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"The request body is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter prompt",
+                    code="request_too_large")
 
 
 def _counting_rejections(ctx: Any, check: Callable[..., Any], *args: Any) -> Any:

@@ -100,3 +100,15 @@ def test_errors_leave_the_server_healthy(server):
                           timeout=30)
     assert response.status_code == 200
     assert "Traceback" not in server.log()
+
+
+def test_oversized_body_is_413_and_huge_prompt_is_400(server):
+    huge = b'{"model": "tiny", "prompt": "' + b"x" * (17 * 2**20) + b'"}'
+    response = httpx.post(f"{server.url}/v1/completions", content=huge, timeout=60,
+                          headers={"content-type": "application/json"})
+    assert_openai_error(response, 413, None)
+    # Under the body cap but far over max_input_len: tokenized off the event loop, then refused.
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"model": M, "prompt": "hello " * 20000, "max_tokens": 2})
+    assert_openai_error(response, 400, "prompt")
+    assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
