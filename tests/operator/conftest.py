@@ -8,6 +8,7 @@ HTTP exactly as they would reach an API server.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,11 @@ import httpx
 import kmock
 import pytest
 from kmock_ext import StrictKubernetesEmulator
+
+# kopf reads these when kiln.operator.handlers is imported (the timer interval is fixed at decoration):
+# fast reconciles and short watches keep the KopfRunner scenarios quick.
+os.environ.setdefault("KILN_RECONCILE_INTERVAL", "0.3")
+os.environ.setdefault("KILN_WATCH_TIMEOUT", "10")
 
 RESOURCES = {
     "serving.kiln.dev/v1alpha1/llmengines": ("LLMEngine", True, {"status"}, {"llme"}),

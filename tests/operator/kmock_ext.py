@@ -14,6 +14,8 @@ correctness depends on API-server behaviour it lacks, so this subclass adds:
   ``status`` is dropped on create;
 - ``labelSelector`` (=, ==, !=, exists, !exists, in, notin) and ``fieldSelector``
   (metadata.name, metadata.namespace) on list and watch; watches end after ``timeoutSeconds``;
+- ``/api/v1/namespaces`` (kmock 0.8's path parser fails on it): lists the namespaces that
+  hold objects plus ``extra_namespaces``; a watch on it stays open until ``timeoutSeconds``;
 - finalizers (deletionTimestamp until the last one is removed) and the garbage collector:
   when an object is gone, dependents lose that ownerReference and are deleted once no owner
   is left (``propagationPolicy: Orphan`` only strips the reference).
@@ -103,6 +105,26 @@ def _essence(obj: dict[str, Any]) -> dict[str, Any]:
 class StrictKubernetesEmulator(kmock.KubernetesEmulator):
     _revision: itertools.count = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_revision: int = attrs.field(default=0, init=False)
+
+    extra_namespaces: set[str] = attrs.field(factory=set)
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw_request.path.rstrip("/") == "/api/v1/namespaces":
+            return await self._serve_namespaces(raw_request)
+        return await super().__call__(raw_request)
+
+    async def _serve_namespaces(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw_request.query.get("watch") == "true":
+            response = aiohttp.web.StreamResponse()
+            await response.prepare(raw_request)
+            await asyncio.sleep(float(raw_request.query.get("timeoutSeconds") or 60))
+            await response.write_eof()
+            return response
+        names = {ns for _, ns, _ in self.objects.keys() if ns} | self.extra_namespaces
+        items = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "resourceVersion": "1"}}
+                 for ns in sorted(names)]
+        return aiohttp.web.json_response({"apiVersion": "v1", "kind": "NamespaceList", "items": items,
+                                          "metadata": {"resourceVersion": str(self._last_revision)}})
 
     # ---- helpers ---------------------------------------------------------------------------
     def _next_rv(self) -> str:

@@ -1,0 +1,118 @@
+"""kopf handlers: thin wrappers around :func:`kiln.operator.reconcile.reconcile`.
+
+Creation, spec edits and operator restarts reconcile at once; a timer
+reconciles every ``KILN_RECONCILE_INTERVAL`` seconds, which is how Job and
+Deployment progress is noticed (level-triggered: nothing depends on catching
+one event). Both paths take a per-engine lock, so they never interleave.
+Run with ``kiln operator`` or ``kopf run -m kiln.operator.handlers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from typing import Any
+
+import aiohttp
+import kopf
+from kiln.operator import metrics
+from kiln.operator.kube import ApiError, KubeClient
+from kiln.operator.reconcile import Context, Result, reconcile
+from kiln.operator.settings import ConfigError, OperatorConfig
+
+from kiln.api import GROUP, PLURAL, VERSION
+from kiln.artifacts import ArtifactStore, StoreError
+
+INTERVAL = float(os.environ.get("KILN_RECONCILE_INTERVAL") or 15)
+WATCH_TIMEOUT = int(os.environ.get("KILN_WATCH_TIMEOUT") or 300)
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    try:
+        config = OperatorConfig.from_env()
+        if not config.store_uri:
+            raise ConfigError("KILN_STORE_URI is not set; pass --store s3://bucket/prefix (chart value store.uri)")
+        store = ArtifactStore.from_uri(config.store_uri)
+    except (ConfigError, StoreError) as exc:
+        raise kopf.PermanentError(f"operator configuration: {exc}") from None
+    # Bookkeeping in annotations: status belongs to kiln's API, kopf's progress must not leak into it.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=f"kopf.{GROUP}")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=f"kopf.{GROUP}", key="last-handled-configuration")
+    # kopf holds deletion with this finalizer only to stop the engine's timer; children (and shared
+    # build Jobs, once their last owner is gone) are deleted by the garbage collector via ownerReferences.
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    # Watches end server-side and are re-listed, so a dropped connection heals within this time.
+    settings.watching.server_timeout = WATCH_TIMEOUT
+    settings.watching.client_timeout = WATCH_TIMEOUT + 30
+    settings.watching.connect_timeout = 30
+    # On deletion kopf waits for a running reconcile (the timer) to finish before releasing its
+    # finalizer: give it a second, then re-check every second instead of kopf's default minute.
+    settings.background.instant_exit_timeout = 1.0
+    settings.background.cancellation_polling = 1.0
+    # One event per state transition is ours; kopf's own per-handler events are noise at INFO.
+    settings.posting.level = logging.WARNING
+    # Peering off by default (no CRD needed); with --ha, replicas pick random priorities: the highest
+    # runs and the others pause until its peering record expires — leader election by priority.
+    settings.peering.standalone = not config.ha
+    if config.ha:
+        settings.peering.name = "kiln"
+        settings.peering.priority = random.randint(1, 1_000_000)
+    memo.ctx = Context(kube=KubeClient(), store=store, config=config)
+    if config.metrics_port:
+        metrics.serve(config.metrics_port)
+    logger.info(f"kiln operator: store {store.uri}, reconcile every {INTERVAL}s, ha={config.ha}")
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, logger: logging.Logger, settings: kopf.OperatorSettings,
+          **kwargs: Any) -> kopf.ConnectionInfo | None:
+    # In a pod: the service account. Elsewhere: kubeconfig via the client library (exec plugins work).
+    info = kopf.login_with_service_account(settings=settings, **kwargs) or kopf.login_via_client(
+        logger=logger, settings=settings, **kwargs)
+    if "ctx" in memo:
+        memo.ctx.kube.connection = info  # the same server and credentials for our own client
+    return info
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    if "ctx" in memo:
+        await memo.ctx.kube.close()
+
+
+async def _reconcile(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger) -> Result:
+    lock = memo.setdefault("lock", asyncio.Lock())
+    async with lock:
+        try:
+            result = await reconcile(memo.ctx, namespace, name, logger)
+        except StoreError as exc:
+            metrics.RECONCILE_ERRORS.labels(kind="store").inc()
+            raise kopf.TemporaryError(f"artifact store: {exc}", delay=10) from None
+        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+            metrics.RECONCILE_ERRORS.labels(kind="api").inc()
+            raise kopf.TemporaryError(f"Kubernetes API: {exc or type(exc).__name__}", delay=5) from None
+    for type_, reason, message in result.events:
+        kopf.event(result.body, type=type_, reason=reason, message=message)
+    return result
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+async def reconcile_on_change(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
+                              **_: Any) -> None:
+    result = await _reconcile(namespace, name, memo, logger)
+    if result.stale:
+        raise kopf.TemporaryError("the LLMEngine changed while reconciling; again", delay=1)
+    if result.invalid:
+        raise kopf.PermanentError(result.invalid)  # status says Failed; a spec edit retries
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, initial_delay=INTERVAL)
+async def reconcile_periodically(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
+                                 **_: Any) -> None:
+    await _reconcile(namespace, name, memo, logger)  # an invalid spec stays Failed quietly: no retry loop

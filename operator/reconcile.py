@@ -1,0 +1,229 @@
+"""One level-triggered reconcile of one LLMEngine: read the world, converge it one step, write status.
+
+Order, and why:
+
+1. Re-read the LLMEngine (handlers may hold an older body) and validate its spec;
+   a spec that can never work is written as Failed and reported to the caller.
+2. Engine version = hash of the build envelope. If the store has a valid
+   manifest for it, roll out; if not, make sure ONE build Job exists for it.
+   The Job name comes from the version, so creation races (two engines with one
+   envelope, a restart, a second replica) end in AlreadyExists, which is fine.
+   Every engine waiting for a Job adds itself as a (non-controller) owner, so
+   the garbage collector deletes the Job when the last of them is deleted: no
+   finalizer is needed on LLMEngines.
+3. The Deployment is not touched until the wanted artifact exists, so a GitOps
+   bump keeps the old version serving for the whole build; the rollout itself
+   keeps old pods until new ones are available (maxUnavailable 0).
+4. Status is recomputed from what was observed and written only when it changed,
+   with the read's resourceVersion as a precondition (a concurrent change makes
+   the write fail with 409 and the next reconcile starts from the new truth).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.operator import metrics
+from kiln.operator.jobs import build_job
+from kiln.operator.kube import ApiError, KubeClient, api_path
+from kiln.operator.naming import job_name, owner_reference
+from kiln.operator.settings import OperatorConfig
+from kiln.operator.status import (
+    JobState,
+    Observation,
+    compose_status,
+    job_duration_seconds,
+    job_state,
+    same_status,
+    serving_version,
+    termination_message,
+    transitions,
+)
+from kiln.operator.validation import InvalidSpec, validate_spec
+from kiln.operator.workloads import build_deployment, build_pdb, build_service, endpoint
+
+from kiln.api import API_VERSION, PLURAL
+from kiln.artifacts import ArtifactStore
+from kiln.envelope import engine_version
+
+HASH_ANNOTATION = "serving.kiln.dev/rendered-hash"
+MANAGED_POD_FIELDS = ("nodeSelector", "tolerations", "serviceAccountName")
+
+
+@dataclass
+class Context:
+    kube: KubeClient
+    store: ArtifactStore
+    config: OperatorConfig
+
+
+@dataclass(frozen=True)
+class Result:
+    body: dict[str, Any] | None = None  # the LLMEngine as read (None: gone or being deleted)
+    status: dict[str, Any] | None = None
+    events: tuple[tuple[str, str, str], ...] = ()
+    invalid: str | None = None
+    stale: bool = False  # the status write lost a race; reconcile again
+
+
+def engine_path(namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    return api_path(API_VERSION, PLURAL, namespace, name, sub)
+
+
+async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -> Result:
+    body = await ctx.kube.get(engine_path(namespace, name))
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return Result()
+    old = body.get("status") or {}
+    generation = body["metadata"].get("generation") or 0
+    try:
+        spec = validate_spec(body.get("spec") or {}, ctx.config)
+    except InvalidSpec as exc:
+        obs = Observation(generation=generation, old=old, invalid=str(exc), serving=old.get("servingVersion"))
+        return await _finish(ctx, body, old, compose_status(obs), invalid=str(exc))
+
+    version = engine_version(spec)
+    uri = ctx.store.artifact_uri(version)
+    manifest = await asyncio.to_thread(ctx.store.read_manifest, version)
+    is_new = old.get("engineVersion") != version
+    base = dict(generation=generation, old=old, engine_version=version, artifact_uri=uri,
+                job_name=job_name(version), replicas=spec.serving.replicas,
+                endpoint=endpoint(name, namespace, spec), history=old.get("history") or [])
+    deployment_path = api_path("apps/v1", "deployments", namespace, name)
+    if manifest is None:
+        if is_new:
+            metrics.CACHE_MISSES.inc()
+        job = await ensure_job(ctx, body, spec, version, logger)
+        state = job_state(job)
+        detail = await builder_message(ctx, namespace, job) if state.state == "failed" else ""
+        deployment = await ctx.kube.get(deployment_path)
+        obs = Observation(**base, built=False, job=state, failure_detail=detail,
+                          serving=serving_version(deployment, old.get("servingVersion")))
+        if state.state == "failed":
+            _count_build_outcome(old, state, job)
+    else:
+        if is_new and old.get("phase") != "Building":
+            metrics.CACHE_HITS.inc()
+        owner = owner_reference(body)
+        deployment = await apply(ctx.kube, build_deployment(spec, name, namespace, version, uri, ctx.config, owner))
+        await apply(ctx.kube, build_service(spec, name, namespace, owner))
+        pdb = build_pdb(spec, name, namespace, owner)
+        if pdb is not None:
+            await apply(ctx.kube, pdb)
+        else:
+            await ctx.kube.delete(api_path("policy/v1", "poddisruptionbudgets", namespace, name))
+        history = [e for e in base["history"] if e.get("engineVersion") != version]
+        entry = {"engineVersion": version, "artifactURI": uri,
+                 "builtAt": manifest.created_at.isoformat().replace("+00:00", "Z")}
+        base["history"] = ([entry, *history] if len(history) == len(base["history"]) else base["history"])[:10]
+        obs = Observation(**base, built=True, serving=serving_version(deployment, old.get("servingVersion")))
+        _count_build_outcome(old, JobState("succeeded"), await ctx.kube.get(
+            api_path("batch/v1", "jobs", namespace, job_name(version))) if old.get("phase") == "Building" else None)
+    return await _finish(ctx, body, old, compose_status(obs))
+
+
+async def _finish(ctx: Context, body: dict[str, Any], old: dict[str, Any], new: dict[str, Any],
+                  invalid: str | None = None) -> Result:
+    events = tuple(transitions(old, new))
+    if same_status(old, new):
+        return Result(body=body, status=new, invalid=invalid)
+    meta = body["metadata"]
+    patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": new}
+    try:
+        await ctx.kube.patch(engine_path(meta["namespace"], meta["name"], "status"), patch)
+    except ApiError as exc:
+        if exc.status == 409:
+            return Result(body=body, status=new, invalid=invalid, stale=True)
+        raise
+    return Result(body=body, status=new, events=events, invalid=invalid)
+
+
+async def ensure_job(ctx: Context, body: dict[str, Any], spec: Any, version: str,
+                     logger: logging.Logger) -> dict[str, Any]:
+    """Get-or-create THE build Job of ``version``, with this engine among its owners."""
+    meta = body["metadata"]
+    namespace = meta["namespace"]
+    path = api_path("batch/v1", "jobs", namespace, job_name(version))
+    mine = owner_reference(body, controller=False)
+    job = await ctx.kube.get(path)
+    if job is None:
+        desired = build_job(spec, meta["name"], namespace, version, ctx.config)
+        desired["metadata"]["ownerReferences"] = [mine]
+        try:
+            job = await ctx.kube.create(api_path("batch/v1", "jobs", namespace), desired)
+            metrics.BUILDS_STARTED.inc()
+            logger.info(f"created build Job {job_name(version)} for {version}")
+            return job
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            job = await ctx.kube.get(path)  # someone else created it first: share theirs
+            if job is None:
+                raise
+    refs = job["metadata"].get("ownerReferences") or []
+    if not any(ref.get("uid") == mine["uid"] for ref in refs):
+        try:
+            job = await ctx.kube.patch(path, {"metadata": {
+                "resourceVersion": job["metadata"]["resourceVersion"], "ownerReferences": [*refs, mine]}})
+        except ApiError as exc:
+            if exc.status != 409:
+                raise  # 409: another engine joined at the same time; the next reconcile adds us
+    return job
+
+
+async def builder_message(ctx: Context, namespace: str, job: dict[str, Any]) -> str:
+    """The builder's termination message; empty when pods are gone or not readable (RBAC)."""
+    selector = f"batch.kubernetes.io/job-name={job['metadata']['name']}"
+    try:
+        pods = await ctx.kube.list(api_path("v1", "pods", namespace), label_selector=selector)
+    except ApiError:
+        return ""
+    return termination_message(pods)
+
+
+def rendered_hash(obj: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+async def apply(kube: KubeClient, desired: dict[str, Any]) -> dict[str, Any]:
+    """Create, or merge-patch when the rendering changed (a hash annotation, not a diff against
+    server-defaulted fields, decides); returns the live object."""
+    meta = desired["metadata"]
+    meta.setdefault("annotations", {})[HASH_ANNOTATION] = rendered_hash(desired)
+    plural = {"Deployment": "deployments", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets"}
+    collection = api_path(desired["apiVersion"], plural[desired["kind"]], meta["namespace"])
+    path = f"{collection}/{meta['name']}"
+    live = await kube.get(path)
+    if live is None:
+        try:
+            return await kube.create(collection, desired)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            live = await kube.get(path) or {}
+    if (live.get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][
+            HASH_ANNOTATION]:
+        return live
+    patch = json.loads(json.dumps(desired))
+    if desired["kind"] == "Deployment":  # merge patches keep absent keys: clear the ones we own
+        pod = patch["spec"]["template"]["spec"]
+        for key in MANAGED_POD_FIELDS:
+            pod.setdefault(key, None)
+    return await kube.patch(path, patch)
+
+
+def _count_build_outcome(old: dict[str, Any], state: JobState, job: dict[str, Any] | None) -> None:
+    if old.get("phase") != "Building":
+        return
+    if state.state == "failed":
+        metrics.BUILDS_FAILED.labels(reason=state.reason or "Failed").inc()
+    elif state.state == "succeeded":
+        metrics.BUILDS_SUCCEEDED.inc()
+        seconds = job_duration_seconds(job) if job else None
+        if seconds is not None:
+            metrics.BUILD_DURATION.observe(seconds)

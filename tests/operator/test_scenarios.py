@@ -1,0 +1,198 @@
+"""The operator end to end: kopf running for real against the emulated API over HTTP, store on moto S3."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Kube, wait_for
+from harness import (
+    DEPLOYMENTS,
+    ENGINES,
+    JOBS,
+    PDBS,
+    SERVICES,
+    SPEC,
+    VERSION_LABEL,
+    Cluster,
+    manifest,
+    running_operator,
+    write_kubeconfig,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def cluster(emulator, kube: Kube, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cluster:
+    store_uri = f"s3://{s3_bucket}/kiln"
+    kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", emulator.url))
+    monkeypatch.setenv("KUBECONFIG", kubeconfig)
+    # The client library reads KUBECONFIG once, at import; an operator process starts with it set.
+    monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
+    monkeypatch.setenv("KILN_STORE_URI", store_uri)
+    monkeypatch.setenv("KILN_STORE_SECRET", "kiln-store")
+    return Cluster(kube, store_uri, tmp_path)
+
+
+def ready(c: Cluster, name: str, spec: dict) -> str:
+    """Drive one engine from creation to Ready; returns its version."""
+    job = c.wait_job()
+    version = c.build(job, spec)
+    wait_for(lambda: c.template_version(name) == version, what="the Deployment of the new version")
+    c.roll_out(name)
+    c.wait_status(name, "Ready", phase="Ready", servingVersion=version)
+    return version
+
+
+def test_create_builds_once_then_rolls_out_and_reports_ready(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        job = c.wait_job()
+        version = job["metadata"]["labels"][VERSION_LABEL]
+        building = c.wait_status("demo", "Building", phase="Building", engineVersion=version)
+        assert building.get("servingVersion") is None and c.condition("demo", "Built")["reason"] == "Building"
+        assert c.deployment("demo") is None  # nothing to serve before the artifact exists
+        time.sleep(1)  # several reconciles later: still exactly one Job
+        assert len(c.jobs()) == 1
+        c.build(job, SPEC)
+        wait_for(lambda: c.deployment("demo"), what="the Deployment")
+        c.wait_status("demo", "Deploying", phase="Deploying")
+        assert c.condition("demo", "Ready")["status"] == "False"
+        c.roll_out("demo")
+        status = c.wait_status("demo", "Ready", phase="Ready", servingVersion=version)
+        assert status["engineVersion"] == version and status["observedGeneration"] == 1
+        assert status["artifactURI"] == c.store.artifact_uri(version)
+        assert status["endpoint"] == "http://demo.ml.svc:8000/v1"
+        assert [h["engineVersion"] for h in status["history"]] == [version]
+        assert c.condition("demo", "Ready")["status"] == "True" and c.condition("demo", "Built")["status"] == "True"
+        assert c.kube.get(f"{SERVICES}/demo") and c.kube.get(f"{PDBS}/demo")
+        wait_for(lambda: {"Building", "ArtifactAvailable", "Serving"} <= set(c.event_reasons("demo")),
+                 what="events for each transition")
+        assert "spec" in c.engine("demo") and c.engine("demo")["spec"] == manifest("demo")["spec"] | {
+            "serving": SPEC["serving"]}  # the operator never writes spec
+
+
+def test_gitops_bump_keeps_old_version_serving_until_new_pods_are_available_then_revert(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        old = ready(c, "demo", SPEC)
+        c.kube.patch(f"{ENGINES}/demo", {"spec": {"maxSeqLen": 1024}})
+        new_spec = {**SPEC, "maxSeqLen": 1024}
+        job = wait_for(lambda: next((j for j in c.jobs() if j["metadata"]["labels"][VERSION_LABEL] != old), None),
+                       what="a Job for the new version")
+        new = job["metadata"]["labels"][VERSION_LABEL]
+        status = c.wait_status("demo", "Building the bump", phase="Building", engineVersion=new)
+        assert status["servingVersion"] == old and status["observedGeneration"] == 2
+        assert c.condition("demo", "Ready")["status"] == "False"
+        assert c.template_version("demo") == old  # untouched while building
+        c.build(job, new_spec)
+        wait_for(lambda: c.template_version("demo") == new, what="the rollout of the new version")
+        status = c.wait_status("demo", "Deploying the bump", phase="Deploying")
+        assert status["servingVersion"] == old  # old pods serve until the new ones are available
+        time.sleep(0.8)
+        assert c.status("demo")["servingVersion"] == old
+        c.roll_out("demo")
+        status = c.wait_status("demo", "Ready on the new version", phase="Ready", servingVersion=new)
+        assert [h["engineVersion"] for h in status["history"]] == [new, old]
+
+        # Revert (GitOps rollback): the old artifact is in the store, so no Job, only a rollout.
+        c.kube.patch(f"{ENGINES}/demo", {"spec": {"maxSeqLen": SPEC["maxSeqLen"]}})
+        wait_for(lambda: c.template_version("demo") == old, what="the rollback rollout")
+        c.roll_out("demo")
+        c.wait_status("demo", "Ready on the old version", phase="Ready", servingVersion=old, engineVersion=old)
+        assert len(c.jobs()) == 2  # the original build and the bump's, nothing for the revert
+
+
+def test_two_engines_with_one_envelope_share_one_build_and_its_cleanup(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        a = c.kube.create(ENGINES, manifest("chat-a"))
+        b = c.kube.create(ENGINES, manifest("chat-b", serving={"replicas": 1, "port": 9000}))
+        job = c.wait_job()
+        wait_for(lambda: len(c.jobs()[0]["metadata"].get("ownerReferences") or []) == 2, what="both owners")
+        owners = {r["uid"] for r in c.jobs()[0]["metadata"]["ownerReferences"]}
+        assert owners == {a["metadata"]["uid"], b["metadata"]["uid"]} and len(c.jobs()) == 1
+        version = c.build(job, SPEC)
+        for name in ("chat-a", "chat-b"):
+            wait_for(lambda n=name: c.template_version(n) == version, what=f"{name} rolled out")
+            c.roll_out(name)
+            c.wait_status(name, f"{name} Ready", phase="Ready", servingVersion=version)
+        assert c.kube.get(f"{PDBS}/chat-b") is None  # one replica: no PDB that would block drains
+        c.kube.delete(f"{ENGINES}/chat-a")
+        wait_for(lambda: c.kube.get(f"{ENGINES}/chat-a") is None, what="chat-a deleted")
+        assert c.deployment("chat-a") is None and c.kube.get(f"{SERVICES}/chat-a") is None
+        assert c.kube.get(f"{PDBS}/chat-a") is None
+        assert len(c.jobs()) == 1 and c.deployment("chat-b") is not None  # chat-b still owns the build
+        c.kube.delete(f"{ENGINES}/chat-b")
+        wait_for(lambda: c.kube.get(f"{ENGINES}/chat-b") is None, what="chat-b deleted")
+        assert c.jobs() == [] and c.deployment("chat-b") is None
+        assert c.store.exists(version)  # artifacts are cache: they stay
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"model": {"source": "file:///models/llama"}}, "spec.model.source"),
+    ({"maxInputLen": 512, "maxSeqLen": 512}, "maxInputLen"),
+])
+def test_invalid_spec_fails_with_the_field_and_builds_nothing(cluster: Cluster, spec: dict, field: str):
+    c = cluster
+    with running_operator() as runner:
+        c.kube.create(ENGINES, manifest("bad", **spec))
+        status = c.wait_status("bad", "Failed", phase="Failed")
+        built = c.condition("bad", "Built")
+        assert built["reason"] == "InvalidSpec" and field in built["message"]
+        time.sleep(1)
+        assert c.jobs() == [] and c.deployment("bad") is None
+        assert "Warning" in {e.get("type") for e in c.kube.list("/api/v1/namespaces/ml/events")}
+        # Fixing the spec is all it takes: no stuck resource.
+        c.kube.patch(f"{ENGINES}/bad", {"spec": {**SPEC, **{k: SPEC.get(k) for k in spec}}})
+        c.wait_job()
+        c.wait_status("bad", "Building after the fix", phase="Building")
+    assert runner.output.count("failed permanently") == 1  # one report, no retry loop
+    assert status["observedGeneration"] == 1
+
+
+def test_build_failure_reports_job_reason_and_builder_message(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        job = c.wait_job()
+        c.fail(job, "spec.model.source: s3://models/llama-tiny has no config.json; check the prefix")
+        c.wait_status("demo", "Failed", phase="Failed")
+        built = c.condition("demo", "Built")
+        assert built["reason"] == "BuildFailed" and "BackoffLimitExceeded" in built["message"]
+        assert "has no config.json" in built["message"]
+        wait_for(lambda: "BuildFailed" in c.event_reasons("demo"), what="a BuildFailed event")
+        time.sleep(0.8)
+        assert len(c.jobs()) == 1  # no retry loop of new Jobs
+
+
+def test_operator_restart_mid_build_creates_no_duplicate_and_continues(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        job = c.wait_job()
+        c.wait_status("demo", "Building", phase="Building")
+    with running_operator():
+        time.sleep(1.2)  # resume + several timer ticks
+        assert [j["metadata"]["name"] for j in c.jobs()] == [job["metadata"]["name"]]
+        version = c.build(job, SPEC)
+        wait_for(lambda: c.template_version("demo") == version, what="the rollout after the restart")
+        c.roll_out("demo")
+        c.wait_status("demo", "Ready", phase="Ready", servingVersion=version)
+
+
+def test_delete_removes_children(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        ready(c, "demo", SPEC)
+        assert c.kube.list(DEPLOYMENTS) and c.kube.list(SERVICES) and c.kube.list(PDBS) and c.kube.list(JOBS)
+        c.kube.delete(f"{ENGINES}/demo")
+        # kopf's finalizer (it stops the engine's timer first) is released promptly.
+        wait_for(lambda: c.kube.get(f"{ENGINES}/demo") is None, timeout=10, what="the LLMEngine gone")
+        assert c.kube.list(DEPLOYMENTS) == [] and c.kube.list(SERVICES) == [] and c.kube.list(PDBS) == []
+        assert c.kube.list(JOBS) == []
