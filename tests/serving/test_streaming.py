@@ -152,3 +152,9 @@ def test_sse_wire_format(server):
     assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["total_tokens"] > 0
     assert payloads[-2]["choices"][0]["delta"] == {} and payloads[-2]["choices"][0]["finish_reason"]
+
+
+def test_server_log_has_no_tracebacks(server):
+    # Last in the suite's last module: disconnects, aborts and bad input above left no error behind.
+    log = server.log()
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
