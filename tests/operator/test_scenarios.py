@@ -20,8 +20,13 @@ from harness import (
     running_operator,
     write_kubeconfig,
 )
+from kiln.operator.metrics import REGISTRY
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 @pytest.fixture
@@ -48,6 +53,8 @@ def ready(c: Cluster, name: str, spec: dict) -> str:
 
 def test_create_builds_once_then_rolls_out_and_reports_ready(cluster: Cluster):
     c = cluster
+    started, misses = metric("kiln_builds_started_total"), metric("kiln_artifact_cache_misses_total")
+    succeeded = metric("kiln_builds_succeeded_total")
     with running_operator():
         c.kube.create(ENGINES, manifest("demo"))
         job = c.wait_job()
@@ -71,6 +78,9 @@ def test_create_builds_once_then_rolls_out_and_reports_ready(cluster: Cluster):
         assert c.kube.get(f"{SERVICES}/demo") and c.kube.get(f"{PDBS}/demo")
         wait_for(lambda: {"Building", "ArtifactAvailable", "Serving"} <= set(c.event_reasons("demo")),
                  what="events for each transition")
+        assert metric("kiln_builds_started_total") == started + 1
+        assert metric("kiln_artifact_cache_misses_total") == misses + 1
+        assert metric("kiln_builds_succeeded_total") == succeeded + 1
         assert "spec" in c.engine("demo") and c.engine("demo")["spec"] == manifest("demo")["spec"] | {
             "serving": SPEC["serving"]}  # the operator never writes spec
 
@@ -100,11 +110,13 @@ def test_gitops_bump_keeps_old_version_serving_until_new_pods_are_available_then
         assert [h["engineVersion"] for h in status["history"]] == [new, old]
 
         # Revert (GitOps rollback): the old artifact is in the store, so no Job, only a rollout.
+        hits = metric("kiln_artifact_cache_hits_total")
         c.kube.patch(f"{ENGINES}/demo", {"spec": {"maxSeqLen": SPEC["maxSeqLen"]}})
         wait_for(lambda: c.template_version("demo") == old, what="the rollback rollout")
         c.roll_out("demo")
         c.wait_status("demo", "Ready on the old version", phase="Ready", servingVersion=old, engineVersion=old)
         assert len(c.jobs()) == 2  # the original build and the bump's, nothing for the revert
+        assert metric("kiln_artifact_cache_hits_total") == hits + 1
 
 
 def test_two_engines_with_one_envelope_share_one_build_and_its_cleanup(cluster: Cluster):
@@ -166,6 +178,7 @@ def test_build_failure_reports_job_reason_and_builder_message(cluster: Cluster):
         assert built["reason"] == "BuildFailed" and "BackoffLimitExceeded" in built["message"]
         assert "has no config.json" in built["message"]
         wait_for(lambda: "BuildFailed" in c.event_reasons("demo"), what="a BuildFailed event")
+        assert metric("kiln_builds_failed_total", reason="BackoffLimitExceeded") >= 1
         time.sleep(0.8)
         assert len(c.jobs()) == 1  # no retry loop of new Jobs
 
