@@ -78,8 +78,16 @@ class ModelRunner:
         kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
         block_bytes = bytes_per_block(config, cfg["num_hidden_layers"], kv_heads, head_dim_of(cfg))
         self.num_blocks = parallel.min_over_ranks(plan_num_blocks(config, block_bytes))
-        self.kv_cache = allocate_kv_cache(self.model, config, self.num_blocks)
+        # One block more than the block manager hands out: CUDA-graph padding rows write there.
+        self.kv_cache = allocate_kv_cache(self.model, config, self.num_blocks + 1)
         self.sampler = Sampler()
+        self.graphs = None
+        if config.device == "cuda" and not config.enforce_eager:
+            from kiln.engine.cuda_graphs import CUDAGraphRunner, default_batch_sizes
+
+            sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_batch_size)
+            self.graphs = CUDAGraphRunner(self.model, self.block_size, -(-config.max_seq_len // self.block_size),
+                                          self.num_blocks, sizes, self.device)
 
     # -- rank 0 ---------------------------------------------------------------------------
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
@@ -128,6 +136,11 @@ class ModelRunner:
     # -- every rank -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
+        n = inputs.input_ids.shape[0]
+        if (self.graphs is not None and inputs.num_decodes == n and inputs.logits_indices.shape[0] == n
+                and self.graphs.can_run(n)):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                                   inputs.decode_block_tables, inputs.decode_ctx_lens)
         dev = self.device
         ctx = inputs.decode_ctx_lens.to(dev)
         decode_mask = None
