@@ -28,7 +28,6 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
 
 
 class ResponseFormat(_Body):

@@ -47,6 +47,14 @@ def test_ready_only_after_load_then_sigterm_drains_in_flight_stream(start_server
     assert "drained; shutting down" in srv.log()
 
 
+def test_sigterm_while_loading_exits_zero_promptly(start_server):
+    srv = start_server()
+    srv.wait_listening()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(timeout=30) == 0
+    assert "while loading; exiting" in srv.log()
+
+
 def test_sigterm_drain_timeout_aborts_and_exits_zero(start_server):
     srv = start_server("--max-seq-len", "1024", "--drain-timeout", "0.2")
     srv.wait_ready()
