@@ -47,7 +47,7 @@ def _engine_quantize():
     """The runtime's own quantizer when it has one, so builder and runtime agree on the format."""
     try:
         from kiln.engine.artifact import quantize_weight
-    except ImportError:
+    except ImportError:  # a runtime without artifact support: the documented format below
         return None
     return quantize_weight
 

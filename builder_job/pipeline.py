@@ -132,7 +132,10 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
 
     with report.stage("quality_runtime"):
         llm = load_llm()
-        metrics.update(quality.runtime_agreement(llm, source, token_lists))
+        try:
+            metrics.update(quality.runtime_agreement(llm, source, token_lists))
+        finally:
+            llm.shutdown()  # frees the KV pool and, with TP, the worker ranks and process group
         del llm, source
         gc.collect()
         _gate(spec, metrics, report)

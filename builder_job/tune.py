@@ -130,6 +130,14 @@ def measure(llm, spec, vocab_size: int) -> dict[str, Any]:
             "prefill_tokens_per_s": round(prefill_len / prefill, 1), "decode": rows}
 
 
+def _measure_loaded(load_llm, spec, vocab_size: int, **overrides) -> dict[str, Any]:
+    llm = load_llm(**overrides)
+    try:
+        return measure(llm, spec, vocab_size)
+    finally:
+        llm.shutdown()
+
+
 def tune(load_llm, spec, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """Measure on this machine; returns (tuning record, engine_config overrides).
 
@@ -143,28 +151,25 @@ def tune(load_llm, spec, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any
     overrides: dict[str, Any] = {}
     if tuning["device"] == "cuda" and not spec.gpu_spec.is_cpu:
         buckets = cuda_graph_buckets(spec.max_batch_size)
-        llm = load_llm(enforce_eager=True)
-        eager = measure(llm, spec, vocab_size)
-        del llm
-        llm = load_llm(cuda_graph_batch_sizes=buckets)
-        graphs = measure(llm, spec, vocab_size)
-        del llm
+        eager = _measure_loaded(load_llm, spec, vocab_size, enforce_eager=True)
+        graphs = _measure_loaded(load_llm, spec, vocab_size, cuda_graph_batch_sizes=buckets)
         use_graphs = graphs["decode"][0]["decode_step_ms"] < eager["decode"][0]["decode_step_ms"]
         tuning.update(eager=eager, cuda_graphs=graphs, cuda_graph_batch_sizes=buckets, use_cuda_graphs=use_graphs)
         overrides["cuda_graph_batch_sizes"] = buckets if use_graphs else []
         return tuning, overrides
     original = torch.get_num_threads()
-    candidates = sorted({1, max(1, original // 2), original})
+    # With TP the worker ranks pick their own share of the cores; only rank 0 would see a change here.
+    candidates = [original] if spec.tensor_parallel > 1 else sorted({1, max(1, original // 2), original})
     by_threads = {}
+    llm = load_llm()
     try:
-        llm = load_llm()
         for n in candidates:
             torch.set_num_threads(n)
             by_threads[n] = measure(llm, spec, vocab_size)
             log.info("threads=%d: prefill %.1f tok/s, decode b=1 %.1f tok/s", n,
                      by_threads[n]["prefill_tokens_per_s"], by_threads[n]["decode"][0]["decode_tokens_per_s"])
-        del llm
     finally:
+        llm.shutdown()
         torch.set_num_threads(original)
 
     def score(n: int) -> float:  # decode throughput at the largest measured batch: what serving spends on

@@ -80,13 +80,16 @@ def test_s3_source_bf16_build_loads_and_follows_source(toy_model, s3_bucket, wri
 @pytest.mark.parametrize("method,qdtype", [("int8", "torch.int8"), ("fp8", "torch.float8_e4m3fn")])
 def test_quantized_builds_load_and_pass_the_gate(method, qdtype, toy_model, write_manifest, kiln_build, tmp_path):
     model = toy_model("llama-tiny")
-    manifest = write_manifest(f"file://{model}", quantization=method)
+    # A random model's next-token distributions are nearly flat, so small weight errors flip near-ties
+    # far more often than in a trained model: the gate here allows 20% flips but only a tiny KL.
+    gate = {"maxKLDivergence": 0.01, "minTokenAgreement": 0.8}
+    manifest = write_manifest(f"file://{model}", quantization=method, build={"qualityGate": gate})
     store = f"file://{tmp_path / 'store'}"
     result = kiln_build("-f", str(manifest), "--store", store)
     assert result.exit_code == 0, result.output
     artifact, doc = engine_json(store, version_of(manifest), tmp_path / "fetched")
     q = doc["build_report"]["quality"]
-    assert q["passed"] and 0 < q["kl_divergence"] < 0.01 and q["token_agreement"] >= 0.9
+    assert q["passed"] and 0 < q["kl_divergence"] < 0.01 and q["token_agreement"] >= 0.8
     assert abs(q["perplexity_converted"] / q["perplexity_source"] - 1) < 0.01
     sizes = doc["build_report"]["sizes"]
     assert sizes["artifact_weight_bytes"] < sizes["source_weight_bytes"]

@@ -1,0 +1,75 @@
+"""`kiln up`: build a manifest into a local store and serve it, as a real subprocess over HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"kiln up exited with {proc.returncode}"
+        try:
+            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{base}/ready never answered 200")
+
+
+def test_kiln_up_builds_serves_and_stops(toy_model, tmp_path):
+    import torch
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = toy_model("llama-tiny")
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(yaml.safe_dump({
+        "apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEngine", "metadata": {"name": "tiny-up"},
+        "spec": {"model": {"source": f"file://{model_dir}"}, "gpu": "cpu", "dtype": "float32", "maxBatchSize": 4,
+                 "maxInputLen": 128, "maxSeqLen": 256, "maxNumTokens": 128},
+    }))
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln", "up", "-f", str(manifest), "--store", f"file://{tmp_path / 'store'}",
+         "--port", str(port), "--work-dir", str(tmp_path / "work")],
+        cwd=REPO, env={**os.environ, "KILN_TERMINATION_LOG": str(tmp_path / "term")},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        wait_ready(base, proc)
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        out = client.completions.create(model="tiny-up", prompt="The kiln engine", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        ids = tok("The kiln engine", return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                              do_sample=False, pad_token_id=tok.eos_token_id)
+        assert out.choices[0].text == tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+        assert out.usage.completion_tokens == 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output
+    assert "built: " in output and "quality gate:" in output and f"on http://127.0.0.1:{port}/v1" in output
