@@ -82,6 +82,9 @@ class EngineConfig:
         for name, ok, rule in checks:
             if not ok:
                 raise ConfigError(f"{name} {rule}, got {getattr(self, name)!r}")
+        if self.device == "cuda" and torch.cuda.device_count() < self.tensor_parallel_size:
+            raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} needs as many GPUs; "
+                              f"{torch.cuda.device_count()} visible")
         heads = self.hf_config.get("num_attention_heads", 1)
         kv_heads = self.hf_config.get("num_key_value_heads") or heads
         tp = self.tensor_parallel_size

@@ -15,6 +15,7 @@ import socket
 import torch
 from kiln.engine import parallel
 from kiln.engine.config import EngineConfig
+from kiln.engine.errors import ConfigError
 
 
 def _free_port() -> int:
@@ -30,6 +31,9 @@ def _threads_per_rank(size: int) -> int:
 def start_workers(config: EngineConfig) -> list[mp.process.BaseProcess]:
     """Spawn ranks 1..n-1 and join the process group as rank 0 (blocks until all have joined)."""
     size = config.tensor_parallel_size
+    if torch.distributed.is_initialized():
+        raise ConfigError("this process already runs a tensor-parallel engine; shut it down (LLM.shutdown()) "
+                          "before starting another, or use tensor_parallel_size=1")
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker_main, args=(config, rank, init_method), daemon=True,

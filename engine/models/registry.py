@@ -5,14 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.engine.errors import UnsupportedModelError
+from kiln.engine.models import SUPPORTED_ARCHITECTURES
 from kiln.engine.models.llama import LlamaForCausalLM
 from torch import nn
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
+# The Llama family is one class with config switches (see models/llama.py).
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
 
 
 def model_class(hf_config: dict[str, Any]) -> type[nn.Module]:
