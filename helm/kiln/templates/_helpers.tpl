@@ -1,0 +1,94 @@
+{{- define "kiln.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kiln.labels" -}}
+app.kubernetes.io/name: kiln
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: operator
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "kiln.selectorLabels" -}}
+app.kubernetes.io/name: kiln
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "kiln.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kiln.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kiln.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The rules the operator needs in every namespace it manages: nothing else. */}}
+{{- define "kiln.namespacedRules" -}}
+# LLMEngines: kopf watches them and keeps its bookkeeping in annotations (patch); status is ours.
+- apiGroups: [serving.kiln.dev]
+  resources: [llmengines]
+  verbs: [get, list, watch, patch]
+- apiGroups: [serving.kiln.dev]
+  resources: [llmengines/status]
+  verbs: [get, patch]
+# Children carry ownerReferences with blockOwnerDeletion, which needs this.
+- apiGroups: [serving.kiln.dev]
+  resources: [llmengines/finalizers]
+  verbs: [update]
+# One build Job per engine version; engines add themselves as owners (patch).
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, create, patch]
+# The builder's termination message, shown in status when a build fails.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- if .Values.ha.enabled }}
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end -}}
+
+{{- define "kiln.args" -}}
+- operator
+{{- if .Values.watchNamespaces }}
+{{- range .Values.watchNamespaces }}
+- --namespace={{ . }}
+{{- end }}
+{{- else }}
+- --all-namespaces
+{{- end }}
+{{- if .Values.metrics.enabled }}
+- --metrics-port={{ .Values.metrics.port }}
+{{- end }}
+{{- if .Values.ha.enabled }}
+- --ha
+{{- end }}
+{{- if .Values.operator.logVerbose }}
+- --verbose
+{{- end }}
+{{- end -}}
