@@ -119,3 +119,17 @@ def test_stop_string_and_seeded_sampling(client, offline):
     assert stop not in got.choices[0].text and base.startswith(got.choices[0].text)
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, extra_body={"top_k": 20})
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_chat_stream_with_n_choices(client, offline):
+    want = greedy(offline, chat_prompt_ids(offline, MESSAGES), 4, ignore_eos=True).text
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, n=2,
+                                            stream=True, extra_body={"ignore_eos": True})
+    texts, roles, reasons = {0: "", 1: ""}, {}, {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            roles[choice.index] = roles.get(choice.index) or choice.delta.role
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert texts == {0: want, 1: want}
+    assert roles == {0: "assistant", 1: "assistant"} and reasons == {0: "length", 1: "length"}
