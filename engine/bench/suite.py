@@ -9,6 +9,7 @@ over the repeats.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -62,9 +63,13 @@ def run_child(job: dict, workdir: Path, timeout: float) -> RunRecord:
     out_path = workdir / f"out-{job['system']}.json"
     out_path.unlink(missing_ok=True)
     job_path.write_text(json.dumps(job))
+    # The thread count also goes in the environment: threads a system starts itself (transformers'
+    # continuous-batching loop) then get the same OpenMP pool size as the main thread.
+    env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "MKL_NUM_THREADS": str(job["threads"]),
+           "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         [sys.executable, "-m", "kiln.engine.bench.child", str(job_path), str(out_path)],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True, text=True, timeout=timeout, env=env,
     )
     if proc.returncode != 0 or not out_path.is_file():
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
