@@ -122,7 +122,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     blocks = x.view(num_rows, -1, _BLOCK)
     block_max = blocks.amax(dim=-1)
-    first = (block_max == block_max.amax(dim=-1, keepdim=True)).to(torch.uint8).argmax(dim=-1, keepdim=True)
+    first = block_max.argmax(dim=-1, keepdim=True)  # the first block holding the maximum
     inside = blocks.gather(1, first.unsqueeze(2).expand(-1, -1, _BLOCK)).squeeze(1)
     return first.squeeze(1) * _BLOCK + inside.argmax(dim=-1)
 

@@ -300,13 +300,21 @@ def test_block_argmax_is_exactly_argmax_with_ties():
 
 
 def test_top_k_keeps_every_token_tied_with_the_kth():
-    logits = torch.zeros(3, 300)
+    logits = torch.zeros(1, 300)
     logits[:, :5] = 3.0
     logits[:, 5:150] = 2.0  # 145 tokens tied at the 6th place: past the first candidate tier
-    params = [SamplingParams(top_k=6), SamplingParams(top_k=6, top_p=0.5), SamplingParams(top_k=6, top_p=0.05)]
-    probs = sampling_probs(logits, [make_row(p) for p in params])
-    # The nucleus of 0.5 ends inside the tied group and of 0.05 inside the top 5: ties stay together.
-    assert [int((row > 0).sum()) for row in probs] == [150, 150, 5]
+    params = [SamplingParams(top_k=6), SamplingParams(top_k=6, top_p=0.5), SamplingParams(top_k=6, top_p=0.05),
+              SamplingParams(top_k=6, top_p=0.09)]
+    probs = sampling_probs(logits.expand(4, -1), [make_row(p) for p in params])
+    # Nuclei of 0.5 and 0.09 of the top-k mass end inside the tied group (0.09 only when all of the
+    # tied tokens count towards that mass), 0.05 inside the top 5: ties stay together.
+    assert [int((row > 0).sum()) for row in probs] == [150, 150, 5, 150]
+
+
+def test_top_k_keeps_tokens_too_unlikely_to_move_the_cumulative_mass():
+    logits = torch.tensor([[0.0, 0.0, -30.0, -40.0, -50.0]])
+    params = SamplingParams(top_k=3)
+    assert torch.equal(sampling_probs(logits, [make_row(params)])[0] > 0, hf_probs(logits[0], params) > 0)
 
 
 @pytest.mark.parametrize("k", [1, 5, 20])
