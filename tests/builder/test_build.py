@@ -63,7 +63,9 @@ def test_file_source_into_s3_store_matches_transformers_then_cache_hit(
 def test_s3_source_bf16_build_loads_and_follows_source(toy_model, s3_bucket, write_manifest, kiln_build, tmp_path):
     model = toy_model("qwen2-tiny")
     upload_dir(s3_bucket, "models/qwen2-tiny", model)
-    manifest = write_manifest(f"s3://{s3_bucket}/models/qwen2-tiny", dtype="bfloat16")
+    calibration = ["Paged attention keeps KV blocks in a pool.", "The operator rolls out a new version."]
+    manifest = write_manifest(f"s3://{s3_bucket}/models/qwen2-tiny", dtype="bfloat16",
+                              build={"calibrationPrompts": calibration})
     store = f"s3://{s3_bucket}/store"
     result = kiln_build("-f", str(manifest), "--store", store)
     assert result.exit_code == 0, result.output
@@ -74,6 +76,8 @@ def test_s3_source_bf16_build_loads_and_follows_source(toy_model, s3_bucket, wri
     assert dtypes == {"torch.bfloat16"}
     # bf16 rounding may flip near-ties of a random model; the gate measured how often.
     assert doc["build_report"]["quality"]["token_agreement"] >= 0.9
+    assert doc["build_report"]["quality"]["calibration_prompts"] == "spec"
+    assert doc["build_report"]["quality"]["num_prompts"] == 2
     assert len(runtime_greedy(artifact, PROMPTS[:1], NEW_TOKENS)[0]) == NEW_TOKENS
 
 
