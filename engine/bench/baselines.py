@@ -25,10 +25,10 @@ from kiln.engine.bench.records import RequestRecord, RunRecord
 from kiln.engine.bench.workload import Workload
 
 
-def load_hf_model(model_dir: Path, dtype: str):
+def load_hf_model(model_dir: Path, dtype: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
     model.eval()
     # generate() merges model.generation_config into any config it is given, so
     # EOS must be cleared at the source too, or a sampled EOS ends a request early.
@@ -43,6 +43,8 @@ class _StepClock:
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        if input_ids.is_cuda:
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -71,9 +73,10 @@ def run_hf_static(model, workload: Workload, batch_size: int, pad_id: int) -> Ru
         clock = _StepClock()
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=config,
+                input_ids=ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config,
                 stopping_criteria=StoppingCriteriaList([clock]),
             )
+        out = out.cpu()
         done = time.perf_counter()
         if out.shape[1] - width != max_new:
             raise RuntimeError(f"static batch produced {out.shape[1] - width} tokens, expected {max_new}")

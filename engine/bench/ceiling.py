@@ -29,14 +29,21 @@ import torch
 import torch.nn.functional as F
 
 
-def _best_time(fn, trials: int, min_time: float = 0.05) -> float:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _best_time(fn, trials: int, device: str = "cpu", min_time: float = 0.05) -> float:
     fn()  # warm caches, allocator, kernel selection
     best = float("inf")
     for _ in range(trials):
+        _sync(device)
         n, t0 = 0, time.perf_counter()
         while True:
             fn()
             n += 1
+            _sync(device)
             elapsed = time.perf_counter() - t0
             if elapsed >= min_time:
                 break
@@ -44,11 +51,11 @@ def _best_time(fn, trials: int, min_time: float = 0.05) -> float:
     return best
 
 
-def measure_bandwidth(num_bytes: int = 512 * 2**20, trials: int = 5) -> dict:
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+def measure_bandwidth(num_bytes: int = 512 * 2**20, trials: int = 5, device: str = "cpu") -> dict:
+    x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
-    read = num_bytes / _best_time(lambda: x.sum(), trials)
-    copy = 2 * num_bytes / _best_time(lambda: y.copy_(x), trials)
+    read = num_bytes / _best_time(lambda: x.sum(), trials, device)
+    copy = 2 * num_bytes / _best_time(lambda: y.copy_(x), trials, device)
     return {"read_gb_s": read / 1e9, "copy_gb_s": copy / 1e9, "buffer_mib": num_bytes / 2**20}
 
 
@@ -59,12 +66,13 @@ def _linear_shapes(facts: dict) -> list[tuple[int, int]]:
     return [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter), (facts["vocab_size"], h)]
 
 
-def measure_matmul(facts: dict, dtype: torch.dtype, rows: list[int], trials: int = 3) -> dict[int, float]:
+def measure_matmul(facts: dict, dtype: torch.dtype, rows: list[int], trials: int = 3,
+                   device: str = "cpu") -> dict[int, float]:
     """FLOP/s of the model's linears (one layer's worth + LM head) at each M in ``rows``."""
-    weights = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in _linear_shapes(facts)]
+    weights = [torch.randn(o, i, dtype=dtype, device=device) * 0.02 for o, i in _linear_shapes(facts)]
     out = {}
     for m in rows:
-        xs = [torch.randn(m, w.shape[1], dtype=dtype) for w in weights]
+        xs = [torch.randn(m, w.shape[1], dtype=dtype, device=device) for w in weights]
         flops = sum(2 * m * w.shape[0] * w.shape[1] for w in weights)
 
         def run(xs=xs):
@@ -72,17 +80,18 @@ def measure_matmul(facts: dict, dtype: torch.dtype, rows: list[int], trials: int
                 F.linear(x, w)
 
         with torch.inference_mode():
-            out[m] = flops / _best_time(run, trials)
+            out[m] = flops / _best_time(run, trials, device)
     return out
 
 
 def measure(facts: dict, dtype: str, batch_sizes: list[float], prefill_rows: int = 512,
-            buffer_bytes: int = 512 * 2**20) -> dict:
+            buffer_bytes: int = 512 * 2**20, device: str = "cpu") -> dict:
     torch_dtype = getattr(torch, dtype)
     rows = sorted({max(1, round(b)) for b in batch_sizes} | {prefill_rows})
-    flops = measure_matmul(facts, torch_dtype, rows)
+    flops = measure_matmul(facts, torch_dtype, rows, device=device)
     return {
-        "bandwidth": measure_bandwidth(buffer_bytes),
+        "device": device,
+        "bandwidth": measure_bandwidth(buffer_bytes, device=device),
         "matmul_gflop_s": {str(m): f / 1e9 for m, f in flops.items()},
         "peak_gflop_s": max(flops.values()) / 1e9,
         "dtype": dtype,

@@ -34,7 +34,7 @@ def run_job(job: dict) -> dict:
     if system.startswith("hf-static-b") or system == "hf-generate-batch" or system == "hf-reference":
         from kiln.engine.bench import baselines
 
-        model = baselines.load_hf_model(model_dir, job["dtype"])
+        model = baselines.load_hf_model(model_dir, job["dtype"], job.get("device", "cpu"))
         load_s = time.perf_counter() - t_load
         if system == "hf-generate-batch":
             run = baselines.run_hf_continuous(model, workload, job["max_num_tokens"], job["max_batch_size"])

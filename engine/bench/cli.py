@@ -21,6 +21,16 @@ def _default_threads() -> int:
     return torch.get_num_threads()
 
 
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    return device
+
+
 @click.command("bench")
 @click.option("--num-requests", type=int, default=None, help="Requests in the workload [default: 64; --quick: 6].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
@@ -34,6 +44,8 @@ def _default_threads() -> int:
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default="bfloat16",
               show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads for every system [default: torch's].")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where every system runs; auto = cuda when available (kiln then uses CUDA graphs).")
 @click.option("--repeats", type=int, default=1, show_default=True,
               help="Run every system N times round-robin; the table shows medians.")
 @click.option("--systems", default=",".join(SYSTEMS), show_default=True, help="Comma-separated systems to run.")
@@ -46,7 +58,7 @@ def _default_threads() -> int:
 @click.option("--json", "json_out", default=None, help="Write the full results as JSON to this file ('-': stdout).")
 @click.option("--quick", is_flag=True, help="A small run on a tiny model, for smoke tests (seconds, not minutes).")
 @click.option("--strict", is_flag=True, help="Exit 1 if the equality check fails.")
-def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, repeats, systems,
+def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
           max_batch_size, max_num_tokens, check_requests, json_out, quick, strict) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     from kiln.engine.bench import report
@@ -70,6 +82,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     if threads is not None and threads < 1:
         raise click.UsageError(f"--threads must be >= 1, got {threads}")
     threads = threads or _default_threads()
+    device = _resolve_device(device)
     spec_kw = {}
     if quick:
         spec_kw = dict(prompt_len_min=8, prompt_len_max=48, short_output=(4, 12), long_output=(24, 40))
@@ -92,7 +105,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
         raise click.UsageError(str(exc)) from None
     facts = model_facts(model_dir)
     workload = make_workload(spec, facts["vocab_size"], set(facts["special_ids"]))
-    cfg = SuiteConfig(model_dir=model_dir, dtype=dtype, threads=threads, systems=chosen, repeats=repeats,
+    cfg = SuiteConfig(model_dir=model_dir, dtype=dtype, threads=threads, device=device, systems=chosen, repeats=repeats,
                       max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, check_requests=check_requests,
                       check_max_tokens=16 if quick else 32, ceiling_buffer_mib=64 if quick else 512, log=log)
     try:
@@ -101,7 +114,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
         click.echo(f"kiln bench: {exc}", err=True)
         sys.exit(1)
     doc = {
-        "config": {"preset": preset, "model_dir": str(model_dir), "dtype": dtype, "threads": threads,
+        "config": {"preset": preset, "model_dir": str(model_dir), "dtype": dtype, "threads": threads, "device": device,
                    "repeats": repeats, "systems": chosen, "max_batch_size": max_batch_size,
                    "max_num_tokens": max_num_tokens, "quick": quick, "workload_spec": workload.to_json()["spec"]},
         "machine": report.machine_info(threads),
@@ -127,7 +140,7 @@ def _text(doc: dict) -> str:
     m, w, c = doc["machine"], doc["workload"], doc["config"]
     lines = [
         f"kiln bench — {m['cpu']} ({m['cpu_count']} cores), torch {m['torch']} with {c['threads']} threads, "
-        f"transformers {m['transformers']}",
+        f"transformers {m['transformers']}" + (f", device {m['cuda']}" if c.get("device") == "cuda" else ""),
         f"model: {c['preset']}, {doc['model']['total_params'] / 1e6:.3g}M params, {c['dtype']}",
         f"workload: {w['num_requests']} requests ({w['arrival']}), prompts {w['prompt_len_min']}..{w['prompt_len_max']}"
         f" ({w['num_prompt_tokens']} tokens), outputs {w['output_len_min']}..{w['output_len_max']}"

@@ -25,7 +25,7 @@ def engine_kwargs(job: dict) -> dict:
         "max_seq_len": job["max_seq_len"],
         "num_kv_blocks": job.get("num_kv_blocks"),
         "enable_prefix_caching": job.get("enable_prefix_caching", True),
-        "device": "cpu",
+        "device": job.get("device", "cpu"),
     }
 
 

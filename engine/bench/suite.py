@@ -30,6 +30,7 @@ class SuiteConfig:
     model_dir: Path
     dtype: str
     threads: int
+    device: str = "cpu"
     systems: list[str]
     repeats: int = 1
     max_batch_size: int = 64
@@ -54,7 +55,7 @@ def _job(cfg: SuiteConfig, system: str, workload_path: Path, workload: Workload,
     return {
         "system": system, "model_dir": str(cfg.model_dir), "workload": str(workload_path), "dtype": dtype,
         "threads": cfg.threads, "max_batch_size": cfg.max_batch_size, "max_num_tokens": cfg.max_num_tokens,
-        "max_seq_len": None, "num_kv_blocks": kv_blocks_for(workload), "pad_id": 0,
+        "max_seq_len": None, "num_kv_blocks": kv_blocks_for(workload), "pad_id": 0, "device": cfg.device,
     }
 
 
@@ -175,7 +176,8 @@ def _ceiling(cfg: SuiteConfig, workload: Workload, facts: dict, systems: dict) -
 
     torch.set_num_threads(cfg.threads)
     batches = [s["median"]["avg_batch"] for s in systems.values() if s["median"]["avg_batch"] > 0]
-    hw = ceiling_mod.measure(facts, cfg.dtype, batches or [1], buffer_bytes=cfg.ceiling_buffer_mib * 2**20)
+    hw = ceiling_mod.measure(facts, cfg.dtype, batches or [1], buffer_bytes=cfg.ceiling_buffer_mib * 2**20,
+                             device=cfg.device)
     itemsize = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
     # Mean context length seen by a decode token: prompt + tokens generated so far.
     ctx_sum = sum(len(r.prompt_token_ids) * r.output_len + r.output_len * (r.output_len - 1) / 2
