@@ -90,7 +90,7 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
                             message=f"BuildFailed: unexpected {exc_type.__name__}: {exc_value} (see the build log)")
 
 
-@click.command("build", help=__doc__)
+@click.command("build", help=__doc__.replace("``", ""))
 @click.option("-f", "--file", "manifest", metavar="MANIFEST", default=None,
               help="LLMEngine manifest (YAML or JSON); '-' reads stdin.")
 @click.option("--spec-file", default=None, metavar="FILE", help="Manifest file as a Job mounts it.")
