@@ -73,6 +73,10 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
     with report.stage("fetch"):
         ckpt = fetch_checkpoint(spec.model.source, spec.model.revision, work_dir)
         report.record("source", ckpt.provenance())
+        if ckpt.resolved_revision and ckpt.resolved_revision != spec.model.revision:
+            log.warning("spec.model.revision %s can move; this build used commit %s (recorded in engine.json); "
+                        "pin that sha so the version names one set of weights", spec.model.revision or "main",
+                        ckpt.resolved_revision)
 
     with report.stage("check"):
         facts = model_facts(ckpt.path)
