@@ -30,8 +30,8 @@ class SuiteConfig:
     model_dir: Path
     dtype: str
     threads: int
-    device: str = "cpu"
     systems: list[str]
+    device: str = "cpu"
     repeats: int = 1
     max_batch_size: int = 64
     max_num_tokens: int = 2048
