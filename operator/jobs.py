@@ -24,7 +24,7 @@ PVC_MOUNT_ROOT = f"{WORK_DIR}/pvc"
 
 
 def pod_security_context() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+    return {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 

@@ -153,16 +153,15 @@ def compose_status(obs: Observation, now: str | None = None) -> dict[str, Any]:
 
     status: dict[str, Any] = {"observedGeneration": gen, "servingVersion": obs.serving}
     still = f"; {obs.serving} keeps serving" if obs.serving and obs.serving != obs.engine_version else ""
-    if obs.invalid is not None:
-        status.update(phase="Failed", conditions=[
+    if obs.invalid is not None:  # the spec builds nothing: no wanted version
+        status.update(phase="Failed", engineVersion=None, artifactURI=None, conditions=[
             cond(BUILT, False, "InvalidSpec", obs.invalid),
             cond(READY, False, "InvalidSpec", obs.invalid + still)])
         return status
     status.update(engineVersion=obs.engine_version, artifactURI=obs.artifact_uri)
     if obs.history is not None:
         status["history"] = obs.history
-    if obs.serving:
-        status["endpoint"] = obs.endpoint
+    status["endpoint"] = obs.endpoint if obs.serving else None  # None: a merge patch removes it
     if not obs.built:
         job = obs.job or JobState("running")
         if job.state == "failed":

@@ -51,8 +51,10 @@ def _probe(path: str, **extra: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, **extra}
 
 
-def serving_container(spec: LLMEngineSpec, artifact_uri: str, config: OperatorConfig) -> dict[str, Any]:
+def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str,
+                      config: OperatorConfig) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
+        {"name": "KILN_SERVED_MODEL_NAME", "value": name},  # clients send model=<LLMEngine name>
         {"name": "KILN_CACHE_DIR", "value": CACHE_DIR},
         {"name": "KILN_MAX_QUEUE_LEN", "value": str(spec.serving.max_queue_len)},
         {"name": "KILN_DRAIN_TIMEOUT_SECONDS", "value": str(spec.serving.drain_timeout_seconds)},
@@ -97,7 +99,7 @@ def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: st
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": grace_period(spec, config),
         "securityContext": pod_security_context(),
-        "containers": [serving_container(spec, artifact_uri, config)],
+        "containers": [serving_container(spec, name, artifact_uri, config)],
         "volumes": [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}, *shm_volume(spec)],
         **gpu_placement(spec, config),
     }

@@ -112,6 +112,7 @@ def test_deployment_serves_the_artifact_safely():
     c = container(dep)
     assert c["command"] == ["kiln", "serve"] and c["args"][:2] == ["--artifact", uri]
     assert c["args"][-2:] == ["--port", "9000"]
+    assert env(dep)["KILN_SERVED_MODEL_NAME"] == "demo"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800

@@ -83,6 +83,7 @@ def test_phases_follow_the_observation():
     assert conds(building) == {"Built": ("False", "Building"), "Ready": ("False", "Building")}
     assert "m-old keeps serving" in building["conditions"][1]["message"]
     assert building["endpoint"].endswith("/v1")
+    assert status_of(built=False, job=JobState("running"))["endpoint"] is None  # nothing serves yet
 
     failed = status_of(built=False, job=JobState("failed", "BackoffLimitExceeded", "limit"),
                        failure_detail="spec.model.source: 404")
@@ -98,7 +99,7 @@ def test_phases_follow_the_observation():
     assert ready["observedGeneration"] == 2 and ready["engineVersion"] == "m-new"
 
     invalid = status_of(invalid="spec.gpu: nope")
-    assert invalid["phase"] == "Failed" and "engineVersion" not in invalid
+    assert invalid["phase"] == "Failed" and invalid["engineVersion"] is None
     assert conds(invalid)["Ready"] == ("False", "InvalidSpec")
 
 
