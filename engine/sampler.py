@@ -202,19 +202,22 @@ def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
 def _thresholds(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
     """Per row, the smallest probability that survives top-k, top-p and min-p (0: all do)."""
     device, vocab = probs.device, probs.shape[1]
-    ranked = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab or r.params.top_p < 1.0]
+    # Rows with top-k start from k + 1 candidates, rows with top-p only from _TIERS[0].
+    with_k = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab]
+    top_p_only = [i for i, r in enumerate(rows) if r.params.top_p < 1.0 and not 0 < r.params.top_k < vocab]
     min_p = [i for i, r in enumerate(rows) if r.params.min_p > 0.0]
-    if not (ranked or min_p):
+    if not (with_k or top_p_only or min_p):
         return None
     threshold = torch.zeros(len(rows), 1, dtype=probs.dtype, device=device)
     if min_p:
         idx = _index(min_p, device)
         largest = probs.amax(dim=-1, keepdim=True)[idx]
         threshold[idx] = largest * _column([rows[i].params.min_p for i in min_p], probs)
-    if ranked:
-        idx = _index(ranked, device)
-        ranked_rows = [rows[i] for i in ranked]
-        threshold[idx] = torch.maximum(threshold[idx], _ranked_thresholds(probs.index_select(0, idx), ranked_rows))
+    for ranked in (with_k, top_p_only):
+        if ranked:
+            idx = _index(ranked, device)
+            sub = probs if len(ranked) == len(rows) else probs.index_select(0, idx)
+            threshold[idx] = torch.maximum(threshold[idx], _ranked_thresholds(sub, [rows[i] for i in ranked]))
     return threshold
 
 
@@ -232,7 +235,7 @@ def _ranked_thresholds(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     top_p = _column([r.params.top_p for r in rows], probs)
     threshold = torch.empty(num_rows, 1, dtype=probs.dtype, device=probs.device)
     todo = torch.arange(num_rows, device=probs.device)
-    size = max(int(top_k.max()) + 1, _TIERS[0] if bool((top_p < 1).any()) else 0)
+    size = int(top_k.max()) + 1 if bool((top_k > 0).all()) else max(int(top_k.max()) + 1, _TIERS[0])
     while len(todo):
         size = min(size, vocab)
         sub = probs if len(todo) == num_rows else probs.index_select(0, todo)
@@ -261,9 +264,9 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         shared = [i for i, r in enumerate(rows) if r.generator is None]
         uniforms[_index(shared, device)] = torch.rand(len(shared), dtype=torch.float64, device=device)
     if seeded:
-        own = [torch.rand(1, dtype=torch.float64, generator=g, device=g.device).item()
+        own = [torch.rand(1, dtype=torch.float64, generator=g, device=g.device).to(device)
                for g in (rows[i].generator for i in seeded)]
-        uniforms[_index(seeded, device)] = torch.tensor(own, dtype=torch.float64, device=device)
+        uniforms[_index(seeded, device)] = torch.cat(own)
     return _inverse_cdf(probs, uniforms)
 
 
@@ -280,19 +283,20 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     The target is kept strictly below each total, so the chosen token has weight > 0.
     """
     num_rows, vocab = weights.shape
-    pad = -vocab % _BLOCK
-    blocks = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).view(num_rows, -1, _BLOCK)
+    size = min(_BLOCK, vocab)
+    pad = -vocab % size
+    blocks = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).view(num_rows, -1, size)
     num_blocks = blocks.shape[1]
     block_cdf = blocks.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)
     target = torch.minimum(uniforms.unsqueeze(1) * block_cdf[:, -1:], _below(block_cdf[:, -1:]))
     block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=num_blocks - 1)
     before = block_cdf.gather(1, (block - 1).clamp(min=0)).masked_fill_(block == 0, 0.0)
-    inside = blocks.gather(1, block.unsqueeze(2).expand(-1, -1, _BLOCK)).squeeze(1)
+    inside = blocks.gather(1, block.unsqueeze(2).expand(-1, -1, size)).squeeze(1)
     inside_cdf = inside.to(torch.float64).cumsum_(dim=-1)
     rest = torch.minimum(target - before, _below(inside_cdf[:, -1:]))
-    offset = torch.searchsorted(inside_cdf, rest, right=True).clamp_(max=_BLOCK - 1)
+    offset = torch.searchsorted(inside_cdf, rest, right=True).clamp_(max=size - 1)
     # The clamp only matters for rows with no mass at all (NaN or all -inf logits).
-    return (block * _BLOCK + offset).squeeze(1).clamp_(max=vocab - 1)
+    return (block * size + offset).squeeze(1).clamp_(max=vocab - 1)
 
 
 def _with_logprobs(logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor) -> SamplerOutput:
