@@ -58,4 +58,4 @@ def operator(namespace: tuple[str, ...], all_namespaces: bool, store: str | None
 
     kopf.configure(verbose=verbose)
     kopf.run(clusterwide=clusterwide, namespaces=namespaces, standalone=not config.ha,
-             liveness_endpoint=liveness or None)
+             peering_name="kiln" if config.ha else None, liveness_endpoint=liveness or None)

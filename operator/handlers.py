@@ -59,7 +59,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     # runs and the others pause until its peering record expires — leader election by priority.
     settings.peering.standalone = not config.ha
     if config.ha:
-        settings.peering.name = "kiln"
+        settings.peering.name = "kiln"  # the chart creates this (Cluster)KopfPeering
+        settings.peering.mandatory = True  # a missing peering object is an error, not a silent standalone
         settings.peering.priority = random.randint(1, 1_000_000)
     memo.ctx = Context(kube=KubeClient(), store=store, config=config)
     if config.metrics_port:

@@ -117,7 +117,7 @@ def transitions(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str
     return events
 
 
-FAILURE_REASONS = {"InvalidSpec", "BuildFailed", "ArtifactMissing", "StoreUnavailable"}
+FAILURE_REASONS = {"InvalidSpec", "BuildFailed", "ArtifactMissing"}
 
 
 def same_status(old: dict[str, Any], new: dict[str, Any]) -> bool:

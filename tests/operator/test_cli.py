@@ -51,3 +51,20 @@ def test_namespaces_from_flags_or_env(monkeypatch: pytest.MonkeyPatch):
     assert _namespaces((), False) == (False, ["x", "y"])
     monkeypatch.setenv("KILN_NAMESPACES", "*")
     assert _namespaces((), False) == (True, [])
+
+
+def test_kiln_cli_reaches_the_operator_command():
+    from kiln.cli import cli
+
+    result = CliRunner().invoke(cli, ["operator", "--help"])
+    assert result.exit_code == 0 and "--all-namespaces" in result.output
+
+
+def test_operator_modules_import_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+            "import kiln.operator.handlers, kiln.operator.cli, kiln.operator.reconcile\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
