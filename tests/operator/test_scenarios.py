@@ -226,3 +226,14 @@ def test_delete_removes_children(cluster: Cluster):
         wait_for(lambda: c.kube.get(f"{ENGINES}/demo") is None, timeout=10, what="the LLMEngine gone")
         assert c.kube.list(DEPLOYMENTS) == [] and c.kube.list(SERVICES) == [] and c.kube.list(PDBS) == []
         assert c.kube.list(JOBS) == []
+
+
+def test_a_missing_bucket_is_retried_with_a_clear_line_and_no_build(cluster: Cluster, monkeypatch):
+    c = cluster
+    monkeypatch.setenv("KILN_STORE_URI", "s3://kiln-no-such-bucket/kiln")
+    errors = metric("kiln_reconcile_errors_total", kind="store")
+    with running_operator() as runner:
+        c.kube.create(ENGINES, manifest("demo"))
+        wait_for(lambda: metric("kiln_reconcile_errors_total", kind="store") > errors, what="a store error")
+        assert c.jobs() == []  # nothing is built while the store cannot be read
+    assert "bucket 'kiln-no-such-bucket' does not exist" in runner.output
