@@ -18,7 +18,9 @@ dtypes are in it) are chosen here, by timing the real artifact through the
 runtime: on CPU the torch thread count, with prefill and decode-step latency and
 tokens/s at a few batch sizes recorded; on GPU the CUDA-graph decode batch
 buckets, eager vs graphs, recorded the same way. Every number measured is kept
-in ``engine.json`` under ``tuning``.
+in ``engine.json`` under ``tuning``. CUDA-graph buckets go into ``engine_config``
+(an ``LLM`` argument); the thread count has no ``LLM`` argument, so ``kiln up``
+applies ``tuning.torch_num_threads`` as ``OMP_NUM_THREADS`` for the server.
 """
 
 from __future__ import annotations

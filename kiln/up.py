@@ -10,6 +10,8 @@ builder's (``kiln build --help``).
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -29,9 +31,27 @@ def serve_command(artifact_uri: str, engine, host: str, port: int) -> list[str]:
     ]
 
 
-def run_foreground(cmd: list[str]) -> int:
+def tuned_env(store_uri: str, version: str) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` from the artifact's measured thread count (CPU engines), unless the user set one.
+
+    The builder times the runtime at several torch thread counts and records the best in
+    ``engine.json`` (``tuning.torch_num_threads``); the server's torch reads it at start.
+    """
+    from kiln.artifacts import ArtifactStore, StoreError
+
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    try:
+        data = ArtifactStore.from_uri(store_uri).backend.read(f"engines/{version}/engine.json")
+    except StoreError:
+        return {}  # the server fetches and reports on the store itself
+    threads = (json.loads(data).get("tuning") or {}).get("torch_num_threads") if data else None
+    return {"OMP_NUM_THREADS": str(threads)} if threads else {}
+
+
+def run_foreground(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run ``cmd``, forwarding SIGINT/SIGTERM to it, and return its exit code."""
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
 
     def forward(signum, _frame) -> None:
         if proc.poll() is None:
@@ -83,5 +103,8 @@ def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_
     for line in summary_lines(outcome.build_report) if outcome.build_report else []:
         click.echo(line)
     port = engine.spec.serving.port if port is None else port
+    env = tuned_env(store_uri, outcome.version)
+    if env:
+        click.echo(f"torch threads: {env['OMP_NUM_THREADS']} (measured at build time, engine.json tuning)")
     click.echo(f"serving {outcome.artifact_uri} on http://{host}:{port}/v1 (Ctrl-C to stop)")
-    sys.exit(run_foreground(serve_command(outcome.artifact_uri, engine, host, port)))
+    sys.exit(run_foreground(serve_command(outcome.artifact_uri, engine, host, port), env))

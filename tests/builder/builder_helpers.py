@@ -24,8 +24,10 @@ def manifest_dict(source: str, name: str = "tiny", **spec) -> dict:
             "spec": base}
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True,
+def run_cli(*args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None,
+            **kw) -> subprocess.CompletedProcess:
+    """``python -m kiln ARGS`` (or ``python PREFIX... ARGS``) from the repository root."""
+    return subprocess.run([sys.executable, *(prefix or ["-m", "kiln"]), *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, cwd=REPO, **kw)
 
 
