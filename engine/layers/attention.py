@@ -73,21 +73,40 @@ class Attention(nn.Module):
         nd = md.num_decode_tokens
         if nd:
             keys, vals = self._gather(md.decode_block_tables, q.dtype)  # [D, ctx, kvh, d]
-            o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.transpose(1, 2), vals.transpose(1, 2),
-                                               attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa)
-            out[:nd] = o.squeeze(2)
+            keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)      # [D, kvh, ctx, d]
+            if q.is_cuda:
+                o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, vals, attn_mask=md.decode_mask,
+                                                   scale=self.scale, enable_gqa=gqa)
+                out[:nd] = o.squeeze(2)
+            else:
+                out[:nd] = self._decode_cpu(q[:nd], keys, vals, md.decode_mask)
         for p in md.prefills:
             end = p.q_start + p.q_len
-            qs = q[p.q_start:end].transpose(0, 1)
+            qs = q[None, p.q_start:end].transpose(1, 2)  # 4-D: the CPU flash kernel does not take 3-D
             if p.mask is None:  # the chunk is the whole context: its own k/v, no gather
-                keys, vals = k[p.q_start:end], v[p.q_start:end]
+                keys, vals = k[None, p.q_start:end], v[None, p.q_start:end]
             else:
                 keys, vals = self._gather(p.block_ids[None], q.dtype)
-                keys, vals = keys[0, : p.ctx_len], vals[0, : p.ctx_len]
-            o = F.scaled_dot_product_attention(qs, keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=p.mask,
+                keys, vals = keys[:, : p.ctx_len], vals[:, : p.ctx_len]
+            o = F.scaled_dot_product_attention(qs, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=p.mask,
                                                is_causal=p.mask is None, scale=self.scale, enable_gqa=gqa)
-            out[p.q_start:end] = o.transpose(0, 1)
+            out[p.q_start:end] = o[0].transpose(0, 1)
         return out.flatten(1)
+
+    def _decode_cpu(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One query per row, as two batched matmuls with the query heads grouped by KV head.
+
+        On CPU this beats SDPA for single-token queries (several times in bf16): no
+        K/V repeat for GQA and no flash tiling over a one-row query. Scores and
+        softmax are float32.
+        """
+        rows = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        qg = q.view(rows, self.num_kv_heads, group, self.head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [D, kvh, group, ctx]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(vals.dtype)
+        return torch.matmul(probs, vals).view(rows, self.num_heads, self.head_dim)
 
     def _gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole blocks, [rows, blocks * block_size, kv_heads, d], one index_select each."""
