@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
 from kiln.operator.jobs import build_job
 from kiln.operator.naming import LABEL_VERSION, bounded_name, job_name, owner_reference, service_name
 from kiln.operator.settings import ConfigError, OperatorConfig
+from kiln.operator.validation import InvalidSpec, validate_spec
 from kiln.operator.workloads import build_deployment, build_pdb, build_service, endpoint, grace_period
 
-from kiln.api import GPU_SKUS, LLMEngineSpec
+from kiln.api import GPU_SKUS, LLMEngineSpec, load_manifest
 from kiln.artifacts import ArtifactStore
 from kiln.envelope import engine_version
 
@@ -180,3 +182,24 @@ def test_config_from_env_parses_and_names_bad_variables():
         OperatorConfig.from_env({"KILN_SKU_NODE_LABELS": "{nope"})
     with pytest.raises(ConfigError, match="KILN_BUILD_BACKOFF_LIMIT"):
         OperatorConfig.from_env({"KILN_BUILD_BACKOFF_LIMIT": "many"})
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_cluster_examples_pass_the_operator_and_render_valid_objects(path: Path):
+    engine = load_manifest(path)
+    if engine.spec.model.scheme == "file":  # `kiln up` examples: the operator rejects them by design
+        with pytest.raises(InvalidSpec, match="spec.model.source"):
+            validate_spec(engine.spec.to_k8s(), CONFIG)
+        return
+    spec = validate_spec(engine.spec.to_k8s(), CONFIG)
+    version = engine_version(spec)
+    name, ns = engine.metadata.name, engine.metadata.namespace or "default"
+    validate(build_job(spec, name, ns, version, CONFIG))
+    dep = validate(build_deployment(spec, name, ns, version, f"s3://b/engines/{version}", CONFIG, OWNER))
+    assert container(dep)["resources"]["limits"]["nvidia.com/gpu"] == spec.tensor_parallel
+    validate(build_service(spec, name, ns, OWNER))
+    if (pdb := build_pdb(spec, name, ns, OWNER)) is not None:
+        validate(pdb)
