@@ -56,7 +56,8 @@ def write_kubeconfig(path: Path, url: str) -> Path:
 
 @contextlib.contextmanager
 def running_operator() -> Iterator[KopfRunner]:
-    """kopf in a thread; on exit, the run must have been clean."""
+    """kopf in a thread; on exit, the run must have been clean. KILN_TEST_VERBOSE=1: kopf debug logs, printed
+    in full when the block fails."""
     args = ["run", *(["--verbose"] if os.environ.get("KILN_TEST_VERBOSE") else []), "--standalone", "--namespace", NS, "-m", "kiln.operator.handlers"]
     error: BaseException | None = None
     with KopfRunner(args, timeout=30) as runner:
