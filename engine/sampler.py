@@ -46,7 +46,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None  # the request's own, when params.seed is set
-    eos_token_ids: Sequence[int] = ()  # masked, with params.stop_token_ids, below min_tokens
+    eos_token_ids: Sequence[int] = ()  # masked (unless ignore_eos), with stop_token_ids, below min_tokens
 
 
 @dataclass
@@ -69,10 +69,16 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _SAMPLING_EPS
 
 
+def _min_tokens_masked_ids(row: SamplingRow) -> list[int]:
+    """The ids that would stop the request, which it may not sample below min_tokens (vLLM's
+    rule: EOS only counts when it stops the request, i.e. without ignore_eos)."""
+    if len(row.output_token_ids) >= row.params.min_tokens:
+        return []
+    return [*(() if row.params.ignore_eos else row.eos_token_ids), *row.params.stop_token_ids]
+
+
 def _needs_min_tokens_mask(row: SamplingRow) -> bool:
-    return len(row.output_token_ids) < row.params.min_tokens and bool(
-        row.eos_token_ids or row.params.stop_token_ids
-    )
+    return bool(_min_tokens_masked_ids(row))
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
@@ -162,7 +168,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         return logits
     out = logits.clone()
     if masked:
-        local, ids = _pairs([[*rows[i].eos_token_ids, *rows[i].params.stop_token_ids] for i in masked], device)
+        local, ids = _pairs([_min_tokens_masked_ids(rows[i]) for i in masked], device)
         out[_index(masked, device)[local], ids] = float("-inf")
     if rep:
         local, ids = _pairs([[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in rep], device)

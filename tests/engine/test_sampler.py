@@ -191,6 +191,8 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7])
     rows = [make_row(params, output=[]), make_row(params, output=[4]), make_row(params, output=[4, 4])]
     assert Sampler()(logits, rows).token_ids.tolist() == [4, 4, 2]
+    ignoring = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7], ignore_eos=True)
+    assert Sampler()(logits[:1], [make_row(ignoring)]).token_ids.tolist() == [2]  # EOS stops nothing here
     random_params = SamplingParams(temperature=5.0, min_tokens=1, stop_token_ids=[7])
     tokens = Sampler()(logits[:1].expand(256, -1), [make_row(random_params)] * 256).token_ids
     assert not bool(((tokens == 2) | (tokens == 7)).any())
