@@ -36,11 +36,13 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 @dataclass
 class DetokenizerStep:
-    text_delta: str
-    stop_string_hit: bool
+    text_delta: str  # new text to stream; "" while text is held back
+    stop_string_hit: bool  # the output ends here: the request should stop with "stop"
 
 
 class IncrementalDetokenizer:
+    """One request's output text, fed token ids as they are sampled (see the module docstring)."""
+
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams):
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
