@@ -84,19 +84,34 @@ def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
     info: dict[str, Any] = {"kiln_version": __version__, "torch_version": torch.__version__,
                             "python_version": platform.python_version()}
     if path is not None:
-        engine = AsyncLLM.from_artifact(path, **config.engine_kwargs)
         meta = json.loads((path / "engine.json").read_text())
+        _apply_tuned_threads(meta)
+        engine = AsyncLLM.from_artifact(path, **config.engine_kwargs)
         info.update(artifact_uri=config.artifact, engine_version=meta.get("engine_version"),
                     built_with_kiln=meta.get("kiln_version"), built_with_torch=meta.get("torch_version"),
                     gpu=meta.get("gpu"))
     else:
         engine = AsyncLLM(str(config.model), **config.engine_kwargs)
         info.update(model_dir=str(config.model), engine_version=None)
+    info["torch_num_threads"] = torch.get_num_threads()
     cfg = engine.engine_config
     info["engine_config"] = {k: getattr(cfg, k, None) for k in (
         "dtype", "device", "quantization", "kv_cache_dtype", "tensor_parallel_size", "max_batch_size",
         "max_num_tokens", "max_seq_len", "max_input_len", "block_size", "enable_prefix_caching")}
     return engine, info
+
+
+def _apply_tuned_threads(meta: dict[str, Any]) -> None:
+    """Use the CPU thread count the builder measured best (``tuning.torch_num_threads``),
+    unless OMP_NUM_THREADS says otherwise or this machine has fewer cores."""
+    import torch
+
+    threads = (meta.get("tuning") or {}).get("torch_num_threads")
+    if not threads or "OMP_NUM_THREADS" in os.environ or (meta.get("gpu") or {}).get("arch", "cpu") != "cpu":
+        return
+    threads = min(int(threads), os.cpu_count() or int(threads))
+    torch.set_num_threads(threads)
+    log.info("torch threads: %d (measured best at build time)", threads)
 
 
 async def warm_up(engine: Any) -> None:

@@ -33,13 +33,16 @@ def free_port() -> int:
 class Server:
     """A `kiln serve` subprocess; its log goes to a file (a full pipe would block it)."""
 
-    def __init__(self, source: list[str], log_path: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, source: list[str], log_path: Path, *flags: str,
+                 env: dict[str, str | None] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "kiln", "serve", *source, "--port", str(self.port),
                "--served-model-name", MODEL_NAME, *flags]
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        # One torch thread per server: the suite runs on two shared cores. A None value unsets a variable.
+        merged = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        full_env = {k: v for k, v in merged.items() if v is not None}
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
 
@@ -94,7 +97,7 @@ def start_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     """
     servers: list[Server] = []
 
-    def start(*flags: str, env: dict[str, str] | None = None, source: list[str] | None = None) -> Server:
+    def start(*flags: str, env: dict[str, str | None] | None = None, source: list[str] | None = None) -> Server:
         log_path = tmp_path_factory.mktemp("serve") / "server.log"
         server = Server(source or ["--model", str(model_dir)], log_path, *flags, env=env)
         servers.append(server)

@@ -27,15 +27,19 @@ def test_serves_an_artifact_from_a_store(start_server, model_dir, offline, tmp_p
         "engine_config": {"dtype": "float32", "quantization": "none", "tensor_parallel_size": 1,
                           "max_batch_size": 4, "max_num_tokens": 64, "max_seq_len": 256, "max_input_len": 128,
                           "block_size": 16, "num_kv_blocks": 64},
+        "tuning": {"torch_num_threads": 1},
     }))
     store = ArtifactStore.from_uri(f"file://{tmp_path / 'store'}")
     store.publish(VERSION, src, {"test": True})
 
-    srv = start_server("--cache-dir", str(tmp_path / "cache"), source=["--artifact", store.artifact_uri(VERSION)])
+    # Without OMP_NUM_THREADS the server uses the thread count the builder measured best.
+    srv = start_server("--cache-dir", str(tmp_path / "cache"), source=["--artifact", store.artifact_uri(VERSION)],
+                       env={"OMP_NUM_THREADS": None})
     srv.wait_ready()
     version = httpx.get(f"{srv.url}/version", timeout=10).json()
     assert version["engine_version"] == VERSION
     assert version["engine_config"]["max_batch_size"] == 4
+    assert version["torch_num_threads"] == 1
     assert (tmp_path / "cache" / VERSION / "engine.json").is_file()
 
     want = offline.generate(["From the store"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
