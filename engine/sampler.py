@@ -34,7 +34,7 @@ from kiln.engine.sampling_params import SamplingParams
 
 # Temperatures below this are greedy, as in vLLM: dividing by them overflows float32.
 _SAMPLING_EPS = 1e-5
-_TIERS = (128, 1024)
+_TIERS = (32, 128, 1024)
 _BLOCK = 256  # tokens per block in the two-level argmax and inverse CDF
 
 
