@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,3 +74,13 @@ def test_kiln_up_builds_serves_and_stops(toy_model, tmp_path):
         output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, output
     assert "built: " in output and "quality gate:" in output and f"on http://127.0.0.1:{port}/v1" in output
+
+
+@pytest.mark.slow
+def test_demo_script_runs_end_to_end():
+    """`make demo`'s script: generates the model if missing, serves, answers, shows the cache hit."""
+    proc = subprocess.run([sys.executable, "examples/demo.py"], cwd=REPO, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "completion: 'The kiln engine' -> " in proc.stdout and "chat: " in proc.stdout
+    assert "cache hit: llama-demo-" in proc.stdout and "quality gate: KL" in proc.stdout
