@@ -24,13 +24,26 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--max-input-len", "max_input_len", click.IntRange(min=1), "Prompt limit per request."),
     ("--block-size", "block_size", click.IntRange(min=1), "KV-cache block size (power of two)."),
     ("--num-kv-blocks", "num_kv_blocks", click.IntRange(min=1), "KV-cache pool size in blocks."),
-    ("--kv-memory-fraction", "kv_memory_fraction", click.FloatRange(0, 1, min_open=True),
-     "Fraction of free device memory for the KV pool."),
-    ("--tensor-parallel-size", "tensor_parallel_size", click.Choice(["1", "2", "4", "8"]), "Tensor-parallel ranks."),
+    (
+        "--kv-memory-fraction",
+        "kv_memory_fraction",
+        click.FloatRange(0, 1, min_open=True),
+        "Fraction of free device memory for the KV pool.",
+    ),
+    (
+        "--tensor-parallel-size",
+        "tensor_parallel_size",
+        click.Choice(["1", "2", "4", "8"]),
+        "Tensor-parallel ranks.",
+    ),
     ("--device", "device", click.Choice(["cpu", "cuda"]), "Device (default: cuda when visible)."),
     ("--quantization", "quantization", click.Choice(["none", "int8", "fp8"]), "Weight-only quantization."),
-    ("--kv-cache-dtype", "kv_cache_dtype", click.Choice(["auto", "float32", "bfloat16", "float16"]),
-     "KV-cache dtype."),
+    (
+        "--kv-cache-dtype",
+        "kv_cache_dtype",
+        click.Choice(["auto", "float32", "bfloat16", "float16"]),
+        "KV-cache dtype.",
+    ),
     ("--seed", "seed", int, "Engine seed for requests without their own."),
 ]
 
@@ -54,13 +67,18 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 @click.command("serve")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="A Hugging Face checkpoint directory to serve.")
-@click.option("--artifact", help="An engine artifact URI (<store>/engines/<version>) to fetch, verify and serve.")
+@click.option(
+    "--artifact", help="An engine artifact URI (<store>/engines/<version>) to fetch, verify and serve."
+)
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), envvar="KILN_CACHE_DIR",
               help="Where artifacts are fetched to [env KILN_CACHE_DIR; default: ~/.cache/kiln/engines].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 in a pod).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("--served-model-name", envvar="KILN_SERVED_MODEL_NAME",
-              help="The name clients use as `model` [env KILN_SERVED_MODEL_NAME; default: folder or version].")
+@click.option(
+    "--served-model-name",
+    envvar="KILN_SERVED_MODEL_NAME",
+    help="The name clients use as `model` [env KILN_SERVED_MODEL_NAME; default: folder or version].",
+)
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="File holding the API key clients must send as a Bearer token (else $KILN_API_KEY).")
 @click.option("--max-queue-len", type=click.IntRange(min=0), default=256, show_default=True,
@@ -71,7 +89,9 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
               help="Seconds in-flight requests get to finish after SIGTERM [env KILN_DRAIN_TIMEOUT_SECONDS].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-@click.option("--access-log/--no-access-log", default=False, show_default=True, help="Log every HTTP request.")
+@click.option(
+    "--access-log/--no-access-log", default=False, show_default=True, help="Log every HTTP request."
+)
 @_engine_options
 def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, host: str, port: int,
           served_model_name: str | None, api_key_file: Path | None, max_queue_len: int, drain_timeout: float,

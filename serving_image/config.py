@@ -18,7 +18,9 @@ class ServeConfig:
     api_key: str | None = field(default=None, repr=False)  # never printed, never logged
     max_queue_len: int = 256
     drain_timeout: float = 30.0
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # LLM(...) overrides: dtype, max_batch_size ...
+    engine_kwargs: dict[str, Any] = field(
+        default_factory=dict
+    )  # LLM(...) overrides: dtype, max_batch_size ...
     log_level: str = "info"
     access_log: bool = False
 

@@ -77,9 +77,15 @@ def from_validation_error(exc: ValidationError) -> APIError:
         message = f"{param} is required"
     else:
         value = first.get("input")
-        shown = json.dumps(value)[:80] if isinstance(value, str | int | float | bool | None) else type(value).__name__
+        shown = (
+            json.dumps(value)[:80]
+            if isinstance(value, str | int | float | bool | None)
+            else type(value).__name__
+        )
         message = f"{param}: {first['msg']} (got {shown})"
-    return APIError(400, message, param=param, code="invalid_value" if kind != "missing" else "missing_required")
+    return APIError(
+        400, message, param=param, code="invalid_value" if kind != "missing" else "missing_required"
+    )
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -90,7 +96,9 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise APIError(400, f"The request body is not valid JSON ({exc}); send a JSON object with "
                        "Content-Type: application/json", code="invalid_json") from None
     if not isinstance(obj, dict):
-        raise APIError(400, f"The request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+        raise APIError(
+            400, f"The request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
+        )
     return obj
 
 
@@ -107,7 +115,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
-            message = f"Unknown path {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
+            message = (
+                f"Unknown path {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
+            )
         elif exc.status_code == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
@@ -115,4 +125,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return APIError(500, "Internal server error; the server log has the details", type="server_error").response()
+        return APIError(
+            500, "Internal server error; the server log has the details", type="server_error"
+        ).response()

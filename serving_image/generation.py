@@ -25,7 +25,9 @@ _DONE = object()
 
 
 class Generation:
-    def __init__(self, engine: Any, metrics: ServingMetrics, request_id: str, inputs: list[EngineInput]) -> None:
+    def __init__(
+        self, engine: Any, metrics: ServingMetrics, request_id: str, inputs: list[EngineInput]
+    ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.inputs = inputs
@@ -81,7 +83,9 @@ class Generation:
             await self.close()
 
     def _observe(self, slot: int, delta: Any) -> None:
-        self.num_prompt_tokens[slot] = getattr(delta, "num_prompt_tokens", None) or self.num_prompt_tokens[slot]
+        self.num_prompt_tokens[slot] = (
+            getattr(delta, "num_prompt_tokens", None) or self.num_prompt_tokens[slot]
+        )
         self.num_cached_tokens[slot] = getattr(delta, "num_cached_tokens", 0) or 0
         self.timers[slot].on_tokens(len(delta.new_token_ids), getattr(delta, "queue_time", None))
         if delta.finish_reason is not None and self.finish_reasons[slot] is None:

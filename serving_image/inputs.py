@@ -54,9 +54,13 @@ def _max_tokens(requested: int | None, param: str, num_prompt: int, engine: Any,
     if requested is None:
         return min(default, room) if default is not None else room
     if requested > room:
-        raise APIError(400, f"{param} is {requested} but the prompt uses {num_prompt} of this engine's "
-                       f"max_seq_len of {max_seq_len} tokens, leaving {room}; lower {param} or shorten the prompt",
-                       param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"{param} is {requested} but the prompt uses {num_prompt} of this engine's "
+            f"max_seq_len of {max_seq_len} tokens, leaving {room}; lower {param} or shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
     return requested
 
 
@@ -102,7 +106,9 @@ def completion_inputs(req: CompletionRequest, engine: Any) -> list[EngineInput]:
         _check_prompt(ids, param, engine)
         if text is None and req.echo:
             text = tokenizer.decode(ids)
-        max_tokens = _max_tokens(req.max_tokens, "max_tokens", len(ids), engine, DEFAULT_COMPLETION_MAX_TOKENS)
+        max_tokens = _max_tokens(
+            req.max_tokens, "max_tokens", len(ids), engine, DEFAULT_COMPLETION_MAX_TOKENS
+        )
         for j in range(req.n):
             params = _sampling_params(req, max_tokens, req.logprobs, j)
             inputs.append(EngineInput(p_index * req.n + j, p_index, ids, text if req.echo else None, params))
@@ -134,4 +140,6 @@ def chat_inputs(req: ChatCompletionRequest, engine: Any) -> list[EngineInput]:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     max_tokens = _max_tokens(requested, param, len(ids), engine, None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return [EngineInput(j, 0, ids, None, _sampling_params(req, max_tokens, logprobs, j)) for j in range(req.n)]
+    return [
+        EngineInput(j, 0, ids, None, _sampling_params(req, max_tokens, logprobs, j)) for j in range(req.n)
+    ]

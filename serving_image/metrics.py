@@ -52,12 +52,16 @@ class EngineStatsCollector(Collector):
             return family
 
         yield gauge("kiln:num_requests_running", "Requests in the engine's running batch.", stats.num_running)
-        yield gauge("kiln:num_requests_waiting", "Requests queued in the engine, not yet running.", stats.num_waiting)
+        yield gauge(
+            "kiln:num_requests_waiting", "Requests queued in the engine, not yet running.", stats.num_waiting
+        )
         yield gauge("kiln:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", stats.kv_usage)
         yield gauge("kiln:kv_cache_total_blocks", "Blocks in the KV-cache pool.", stats.num_total_blocks)
         yield counter("kiln:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries)
-        yield counter("kiln:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield counter(
+            "kiln:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
+        )
         yield counter("kiln:num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.",
                       getattr(stats, "num_preemptions", 0))
         yield _batch_histogram(stats, names, values)
@@ -112,7 +116,14 @@ class ServingMetrics:
                                     names, buckets=_LATENCY_BUCKETS, registry=r)
         r.register(EngineStatsCollector(stats, labels))
         # Create every series up front, so dashboards and rate() see zeros rather than gaps.
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+        ):
             metric.labels(**labels)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(**labels, finished_reason=reason)

@@ -120,7 +120,9 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
         raise APIError(400, "stop strings must be non-empty", param="stop")
     if isinstance(req, CompletionRequest):
         if req.suffix:
-            raise APIError(400, "suffix (fill-in-the-middle) is not supported by kiln; remove it", param="suffix")
+            raise APIError(
+                400, "suffix (fill-in-the-middle) is not supported by kiln; remove it", param="suffix"
+            )
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported by kiln; use n instead", param="best_of")
         if req.echo and req.logprobs is not None:
@@ -148,8 +150,12 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
         if isinstance(message.content, list):
             for part in message.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}})"
-                                   " are supported by kiln", param=f"messages[{i}].content")
+                    raise APIError(
+                        400,
+                        f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}})"
+                        " are supported by kiln",
+                        param=f"messages[{i}].content",
+                    )
 
 
 def message_text(message: ChatMessage) -> str:

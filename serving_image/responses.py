@@ -37,7 +37,9 @@ class ChoiceText:
 class Builder:
     """Response pieces for one HTTP request; ``kind`` is ``"completion"`` or ``"chat"``."""
 
-    def __init__(self, kind: str, request_id: str, model: str, tokenizer: Any, top_logprobs: int | None) -> None:
+    def __init__(
+        self, kind: str, request_id: str, model: str, tokenizer: Any, top_logprobs: int | None
+    ) -> None:
         self.kind = kind
         self.id = request_id
         self.model = model
@@ -59,7 +61,10 @@ class Builder:
         if self.top_logprobs is None or not logprobs:
             return None
         k = self.top_logprobs
-        rows = [(tid, lp, sorted(lp.items(), key=lambda kv: -kv[1])[:k]) for tid, lp in zip(token_ids, logprobs, strict=False)]
+        rows = [
+            (tid, lp, sorted(lp.items(), key=lambda kv: -kv[1])[:k])
+            for tid, lp in zip(token_ids, logprobs, strict=False)
+        ]
         if self.kind == "chat":
             def entry(tid: int, value: float) -> dict[str, Any]:
                 s = self._token(tid)
@@ -78,7 +83,12 @@ class Builder:
             offsets.append(offset)
             offset += len(s)
         self._offsets[index] = offset
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     # -- usage ------------------------------------------------------------------------------------
 
@@ -93,21 +103,42 @@ class Builder:
     def response(self, choices: list[ChoiceText], usage: dict[str, Any]) -> dict[str, Any]:
         if self.kind == "chat":
             body = self._head("chat.completion")
-            body["choices"] = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                                "logprobs": self.logprobs(i, c.token_ids, c.logprobs),
-                                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+            body["choices"] = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "logprobs": self.logprobs(i, c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(choices)
+            ]
         else:
             body = self._head("text_completion")
-            body["choices"] = [{"index": i, "text": c.text, "logprobs": self.logprobs(i, c.token_ids, c.logprobs),
-                                "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+            body["choices"] = [
+                {
+                    "index": i,
+                    "text": c.text,
+                    "logprobs": self.logprobs(i, c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(choices)
+            ]
         body["usage"] = usage
         body["system_fingerprint"] = None
         return body
 
     # -- stream chunks ----------------------------------------------------------------------------
 
-    def chunk(self, index: int, *, text: str | None = None, role: bool = False, finish_reason: str | None = None,
-              logprobs: dict[str, Any] | None = None, include_usage: bool = False) -> dict[str, Any]:
+    def chunk(
+        self,
+        index: int,
+        *,
+        text: str | None = None,
+        role: bool = False,
+        finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        include_usage: bool = False,
+    ) -> dict[str, Any]:
         if self.kind == "chat":
             body = self._head("chat.completion.chunk")
             delta: dict[str, Any] = {}
@@ -118,7 +149,12 @@ class Builder:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             body = self._head("text_completion")
-            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         body["choices"] = [choice]
         body["system_fingerprint"] = None
         if include_usage:

@@ -103,8 +103,13 @@ async def _serve(request: Request, kind: str) -> Response:
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     if req.model not in ctx.model_names:
-        raise APIError(404, f"The model {req.model!r} does not exist on this server; it serves "
-                       f"{ctx.served_model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model {req.model!r} does not exist on this server; it serves "
+            f"{ctx.served_model_name!r} (see GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
     check_supported(req)
     engine = state.engine
     make_inputs = chat_inputs if kind == "chat" else completion_inputs

@@ -56,8 +56,12 @@ class ServerState:
         """Reserve ``num_requests`` engine slots, or raise the 503/429 the client should see."""
         self.check_accepting()
         if num_requests > self.max_in_flight:
-            raise APIError(400, f"This request asks for {num_requests} generations (prompts x n) but the server "
-                           f"admits at most {self.max_in_flight} at once; lower n or send fewer prompts", param="n")
+            raise APIError(
+                400,
+                f"This request asks for {num_requests} generations (prompts x n) but the server "
+                f"admits at most {self.max_in_flight} at once; lower n or send fewer prompts",
+                param="n",
+            )
         if self.num_in_flight + num_requests > self.max_in_flight:
             raise APIError(429, f"The server is at capacity ({self.num_in_flight} requests in flight, limit "
                            f"{self.max_in_flight}); retry after {self.retry_after_s}s",

@@ -90,14 +90,18 @@ def model_dir(toy_model: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="package")
-def start_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
-    """``start_server(*flags, env=None, source=None)`` -> a started (not yet ready) server, stopped at the end.
+def start_server(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., Server]]:
+    """``start_server(*flags, env=None, source=None)`` -> a started (not ready) server, stopped at the end.
 
     ``source`` defaults to ``["--model", <llama-tiny>]``; pass ``["--artifact", uri]`` to serve an artifact.
     """
     servers: list[Server] = []
 
-    def start(*flags: str, env: dict[str, str | None] | None = None, source: list[str] | None = None) -> Server:
+    def start(
+        *flags: str, env: dict[str, str | None] | None = None, source: list[str] | None = None
+    ) -> Server:
         log_path = tmp_path_factory.mktemp("serve") / "server.log"
         server = Server(source or ["--model", str(model_dir)], log_path, *flags, env=env)
         servers.append(server)

@@ -33,8 +33,12 @@ def test_serves_an_artifact_from_a_store(start_server, model_dir, offline, tmp_p
     store.publish(VERSION, src, {"test": True})
 
     # Without OMP_NUM_THREADS the server uses the thread count the builder measured best.
-    srv = start_server("--cache-dir", str(tmp_path / "cache"), source=["--artifact", store.artifact_uri(VERSION)],
-                       env={"OMP_NUM_THREADS": None})
+    srv = start_server(
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        source=["--artifact", store.artifact_uri(VERSION)],
+        env={"OMP_NUM_THREADS": None},
+    )
     srv.wait_ready()
     version = httpx.get(f"{srv.url}/version", timeout=10).json()
     assert version["engine_version"] == VERSION
@@ -42,7 +46,18 @@ def test_serves_an_artifact_from_a_store(start_server, model_dir, offline, tmp_p
     assert version["torch_num_threads"] == 1
     assert (tmp_path / "cache" / VERSION / "engine.json").is_file()
 
-    want = offline.generate(["From the store"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    got = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": "From the store", "max_tokens": 8, "temperature": 0, "ignore_eos": True}).json()
+    want = offline.generate(["From the store"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[
+        0
+    ]
+    got = httpx.post(
+        f"{srv.url}/v1/completions",
+        timeout=60,
+        json={
+            "model": "tiny",
+            "prompt": "From the store",
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    ).json()
     assert got["choices"][0]["text"] == want.text

@@ -33,7 +33,11 @@ COMPLETION_CASES = [
     ({"model": M, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
     ({"model": M, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ({"model": M, "prompt": "hi", "max_token": 5}, 400, "max_token"),
-    ({"model": M, "prompt": "hi", "stream_options": {"include_usage": "y"}}, 400, "stream_options.include_usage"),
+    (
+        {"model": M, "prompt": "hi", "stream_options": {"include_usage": "y"}},
+        400,
+        "stream_options.include_usage",
+    ),
 ]
 
 CHAT_CASES = [
@@ -42,12 +46,22 @@ CHAT_CASES = [
     ({"model": "gpt-4", "messages": USER}, 404, "model"),
     ({"model": M, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ({"model": M, "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
-    ({"model": M, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, "messages[0].content"),
+    (
+        {
+            "model": M,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        },
+        400,
+        "messages[0].content",
+    ),
     ({"model": M, "messages": USER, "max_completion_tokens": 1000}, 400, "max_completion_tokens"),
     ({"model": M, "messages": USER, "temperature": -1}, 400, "temperature"),
     ({"model": M, "messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ({"model": M, "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (
+        {"model": M, "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+    ),
     ({"model": M, "messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     ({"model": M, "messages": USER, "logprobs": 3}, 400, "logprobs"),
 ]

@@ -15,8 +15,9 @@ def tokenizer(model_dir):
 
 
 def chat(**kw) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                                 **kw})
+    return ChatCompletionRequest.model_validate(
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **kw}
+    )
 
 
 def test_chat_renders_through_the_template_without_a_second_bos(tokenizer):

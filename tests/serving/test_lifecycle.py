@@ -93,7 +93,9 @@ def test_auth(guarded):
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{guarded.url}/v1/models", timeout=30).status_code == 401
-    assert httpx.post(f"{guarded.url}/v1/completions", json=body, headers=auth(), timeout=30).status_code == 200
+    assert (
+        httpx.post(f"{guarded.url}/v1/completions", json=body, headers=auth(), timeout=30).status_code == 200
+    )
     assert httpx.get(f"{guarded.url}/v1/models", headers=auth(), timeout=30).status_code == 200
     # Probes and metrics stay open for kubelet and Prometheus.
     for path in ("/health", "/ready", "/metrics", "/version"):
@@ -120,7 +122,9 @@ def test_backpressure_429_with_retry_after(guarded, scrape):
             assert waiting[("kiln:num_requests_waiting", ())] == 1
         # Both clients left: their slots are released and new work is admitted again.
         for _ in range(50):
-            ok = http.post(f"{guarded.url}/v1/completions", json={"model": M, "prompt": "hi", "max_tokens": 2})
+            ok = http.post(
+                f"{guarded.url}/v1/completions", json={"model": M, "prompt": "hi", "max_tokens": 2}
+            )
             if ok.status_code != 429:
                 break
             time.sleep(0.1)

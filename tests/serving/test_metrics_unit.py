@@ -32,7 +32,10 @@ def test_engine_series_are_absent_until_loaded_then_read_at_scrape():
     got = samples(metrics)
     assert got[("kiln:num_requests_running", ())] == 3 and got[("kiln:num_requests_waiting", ())] == 2
     assert got[("kiln:kv_cache_usage_perc", ())] == 0.25
-    assert got[("kiln:prefix_cache_queries_total", ())] == 100 and got[("kiln:prefix_cache_hits_total", ())] == 40
+    assert (
+        got[("kiln:prefix_cache_queries_total", ())] == 100
+        and got[("kiln:prefix_cache_hits_total", ())] == 40
+    )
     # Without a per-step record the batch histogram still gives the mean: sum / count.
     assert got[("kiln:iteration_batch_size_count", ())] == 10
     assert got[("kiln:iteration_batch_size_sum", ())] == 25

@@ -39,9 +39,17 @@ async def test_64_concurrent_streaming_clients(server, offline):
     prompts = [f"Client number {i} says" for i in range(64)]
     tok = offline.tokenizer
     # Odd clients use completions (the prompt as is), even ones chat (the prompt through the template).
-    engine_prompts = [p if i % 2 else tok.encode(tok.apply_chat_template(
-        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False), add_special_tokens=False)
-        for i, p in enumerate(prompts)]
+    engine_prompts = [
+        p
+        if i % 2
+        else tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for i, p in enumerate(prompts)
+    ]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want = [o.text for o in offline.generate(engine_prompts, params)]
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120,
@@ -75,7 +83,9 @@ async def test_64_concurrent_streaming_clients(server, offline):
 def test_disconnect_mid_stream_frees_blocks(server, scrape):
     before = scrape(server.url)
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", f"{server.url}/v1/completions", json={**LONG_GEN, "stream": True}) as response:
+        with http.stream(
+            "POST", f"{server.url}/v1/completions", json={**LONG_GEN, "stream": True}
+        ) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             got = 0
@@ -108,8 +118,11 @@ def test_disconnect_during_non_streamed_request(server, scrape):
 
 def test_metrics_parse_and_counters_move(server, scrape):
     before = scrape(server.url)
-    body = httpx.post(f"{server.url}/v1/completions", timeout=30,
-                      json={"model": M, "prompt": "Count the tokens", "max_tokens": 5, "ignore_eos": True}).json()
+    body = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=30,
+        json={"model": M, "prompt": "Count the tokens", "max_tokens": 5, "ignore_eos": True},
+    ).json()
     after = scrape(server.url)
 
     def delta(name, labels=()):
