@@ -38,15 +38,12 @@ ACTIVATION_BYTES_PER_TOKEN_FACTOR = 24
 
 
 def supported_architectures() -> tuple[str, ...]:
+    """The runtime's registry; the fallback only matters for a runtime without one."""
     try:
-        from kiln.engine import models
+        from kiln.engine.models.registry import MODEL_REGISTRY
     except ImportError:
         return FALLBACK_ARCHITECTURES
-    for name in ("SUPPORTED_ARCHITECTURES", "ARCHITECTURES", "MODEL_REGISTRY", "REGISTRY"):
-        found = getattr(models, name, None)
-        if found:
-            return tuple(found)
-    return FALLBACK_ARCHITECTURES
+    return tuple(sorted(MODEL_REGISTRY))
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:

@@ -11,10 +11,15 @@ channel (row of the ``[out, in]`` weight):
 
 A quantized ``<name>.weight`` is stored as the int8/float8 tensor next to
 ``<name>.weight_scale``. Only linear projections inside decoder layers are
-quantized (:func:`kiln.builder.check.is_quantizable`); embeddings, ``lm_head``
-and norms stay in ``dtype``, which is where most of the quality is. A per-row
-scale stays valid when a row-parallel layer is split along its input dimension,
-so quantizing before sharding gives every rank the same numbers.
+quantized (:func:`kiln.builder.check.is_quantizable`), as the runtime does;
+embeddings, ``lm_head`` and norms stay in ``dtype``. The quantizer is the
+runtime's own (``kiln.engine.artifact.quantize_weight``).
+
+These converted tensors feed the quality gate's reference model. The artifact's
+per-rank files are written by the runtime's ``shard_checkpoint``, which quantizes
+each rank's slice: identical for TP=1 and for column-parallel layers; for
+row-parallel layers at TP>1 each rank's scales cover its half of the row, which
+the gate's second, runtime-side measurement covers.
 """
 
 from __future__ import annotations
@@ -24,17 +29,16 @@ from pathlib import Path
 
 import torch
 from kiln.builder.check import is_quantizable
+from kiln.engine.artifact import quantize_weight
 from safetensors import safe_open
 
 log = logging.getLogger("kiln.build.convert")
 
-INT8_MAX = 127.0
-FP8_E4M3_MAX = 448.0
 SCALE_SUFFIX = "_scale"
 
 
 def load_checkpoint(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint's safetensors files (float32 copies are not made here)."""
+    """Every tensor of the checkpoint's safetensors files."""
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(checkpoint_dir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -43,35 +47,9 @@ def load_checkpoint(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _engine_quantize():
-    """The runtime's own quantizer when it has one, so builder and runtime agree on the format."""
-    try:
-        from kiln.engine.artifact import quantize_weight
-    except ImportError:  # a runtime without artifact support: the documented format below
-        return None
-    return quantize_weight
-
-
-def quantize_weight(weight: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)`` for a 2-D weight; scale is float32 of shape ``[out]``."""
-    engine_quantize = _engine_quantize()
-    if engine_quantize is not None:
-        return engine_quantize(weight, method)
-    w = weight.float()
-    absmax = w.abs().amax(dim=1).clamp(min=1e-8)
-    if method == "int8":
-        scale = absmax / INT8_MAX
-        q = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    elif method == "fp8":
-        scale = absmax / FP8_E4M3_MAX
-        q = (w / scale[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    else:
-        raise ValueError(f"unknown quantization {method!r}")
-    return q, scale.to(torch.float32)
-
-
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
+    """As the runtime's forward does it: both factors in the activation dtype."""
+    return q.to(dtype) * scale.to(dtype)[:, None]
 
 
 def convert_state_dict(
