@@ -40,8 +40,11 @@ class Server:
         self.log_path = log_path
         cmd = [sys.executable, "-m", "kiln", "serve", *source, "--port", str(self.port),
                "--served-model-name", MODEL_NAME, *flags]
-        # One torch thread per server: the suite runs on two shared cores. A None value unsets a variable.
-        merged = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        # One torch thread per server: the suite runs on two shared cores. A None value unsets a variable;
+        # settings the server reads from the environment are unset unless a test passes them.
+        isolated = dict.fromkeys(("KILN_API_KEY", "KILN_CACHE_DIR", "KILN_MAX_QUEUE_LEN",
+                                  "KILN_DRAIN_TIMEOUT_SECONDS", "KILN_SERVED_MODEL_NAME"))
+        merged = {**os.environ, **isolated, "OMP_NUM_THREADS": "1", **(env or {})}
         full_env = {k: v for k, v in merged.items() if v is not None}
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
