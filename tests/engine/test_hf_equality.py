@@ -68,3 +68,17 @@ def test_preemption(preset, toy_model, make_llm, hf_greedy):
     llm = make_llm(model_dir, num_kv_blocks=14, block_size=4)
     check(llm, model_dir, hf_greedy, random_prompts([12, 14, 10, 13], seed=3), [12, 10, 14, 11])
     assert llm.stats().num_preemptions > 0
+
+
+def test_everything_at_once(toy_model, make_llm, hf_greedy):
+    """Shared prefixes + chunking + a pool small enough to preempt, arriving in two waves."""
+    model_dir = toy_model("llama-tiny")
+    shared = random_prompts([21], seed=9)[0][1:]
+    prompts = random_prompts([30, 26, 41, 23, 35, 28], seed=10, prefix=shared) + random_prompts([7, 15], seed=11)
+    max_tokens = [11, 3, 8, 14, 6, 9, 12, 5]
+    llm = make_llm(model_dir, num_kv_blocks=24, block_size=4, max_num_tokens=12, max_batch_size=6)
+    check(llm, model_dir, hf_greedy, prompts[:3], max_tokens[:3])
+    outs = check(llm, model_dir, hf_greedy, prompts, max_tokens)
+    stats = llm.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert any(o.num_cached_tokens > 0 for o in outs)
