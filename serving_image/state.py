@@ -48,6 +48,9 @@ class ServerState:
         if self.phase == DRAINING:
             raise APIError(503, "The server is shutting down; retry on another replica",
                            code="draining", headers={"Retry-After": str(self.retry_after_s)})
+        if self.phase == READY and not getattr(self.engine, "is_running", True):
+            raise APIError(503, "The engine's step loop failed; this replica needs a restart (see /health)",
+                           code="engine_dead")
         if self.phase != READY:
             raise APIError(503, f"The model is not ready yet (phase: {self.phase}); retry shortly",
                            code="not_ready", headers={"Retry-After": str(self.retry_after_s)})
