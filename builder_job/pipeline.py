@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,8 @@ from kiln.builder.shard import shard_weights
 from kiln.builder.tune import kv_plan_summary, plan_kv, tune
 
 log = logging.getLogger("kiln.build")
+# Tokens of KV the build-time runtime loads need: the calibration prompts and the tuning batches.
+BUILD_TIME_KV_TOKENS = 8 * 1024
 
 
 @dataclass
@@ -93,7 +96,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
     with report.stage("quality_reference"):
         tokenizer = AutoTokenizer.from_pretrained(str(ckpt.path), trust_remote_code=False)
         prompts = spec.build.calibration_prompts or quality.CALIBRATION_PROMPTS
-        token_lists = quality.tokenize_prompts(tokenizer, prompts)
+        token_lists = quality.tokenize_prompts(tokenizer, prompts, spec)
         source = quality.load_source_model(ckpt.path, device)
         reference = quality.load_converted_model(source, dequantized_state_dict(converted, spec.dtype), spec.dtype)
         del converted
@@ -129,10 +132,15 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
 
     write({}, config)
 
+    # Build-time loads (gate, tuning) share the device with the fp32 source model, so they get a small
+    # KV pool: enough for their own requests. engine.json keeps the planned pool for serving.
+    build_pool = min(kv_plan["num_kv_blocks"], BUILD_TIME_KV_TOKENS // spec.kv.block_size
+                     + math.ceil(spec.max_seq_len / spec.kv.block_size))
+
     def load_llm(**overrides):
         from kiln.engine import LLM
 
-        return LLM.from_artifact(str(out), device=device, **overrides)
+        return LLM.from_artifact(str(out), device=device, **{"num_kv_blocks": build_pool, **overrides})
 
     with report.stage("quality_runtime"):
         llm = load_llm()

@@ -67,10 +67,12 @@ def load_converted_model(source, weights: dict[str, torch.Tensor], dtype: str):
     return model.eval()
 
 
-def tokenize_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+def tokenize_prompts(tokenizer, prompts: list[str], spec) -> list[list[int]]:
+    """Token ids per prompt, cut so the runtime can take them and still generate within the envelope."""
+    limit = min(MAX_TOKENS_PER_PROMPT, spec.max_input_len, spec.max_seq_len - RUNTIME_NEW_TOKENS)
     out = []
     for p in prompts:
-        ids = tokenizer(p, add_special_tokens=True)["input_ids"][:MAX_TOKENS_PER_PROMPT]
+        ids = tokenizer(p, add_special_tokens=True)["input_ids"][:limit]
         if len(ids) >= 2:
             out.append(ids)
     if not out:

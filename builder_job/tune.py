@@ -117,14 +117,15 @@ def measure(llm, spec, vocab_size: int) -> dict[str, Any]:
         return [rng.randrange(3, vocab_size) for _ in range(n)]
 
     prefill_len = min(PREFILL_TOKENS, spec.max_input_len, spec.max_num_tokens)
-    _time_generate(llm, [prompt(8)], 2)  # warm-up
+    prompt_len = max(1, min(PROMPT_TOKENS_PER_SEQ, spec.max_input_len, spec.max_seq_len - DECODE_TOKENS - 1))
+    _time_generate(llm, [prompt(prompt_len)], 2)  # warm-up
     prefill = _time_generate(llm, [prompt(prefill_len)], 1)
     rows = []
     batch_sizes = sorted({1, min(4, spec.max_batch_size), min(8, spec.max_batch_size)})
     for b in batch_sizes:
-        prompts = [prompt(PROMPT_TOKENS_PER_SEQ) for _ in range(b)]
+        prompts = [prompt(prompt_len) for _ in range(b)]
         first = _time_generate(llm, prompts, 1)
-        total = _time_generate(llm, [prompt(PROMPT_TOKENS_PER_SEQ) for _ in range(b)], DECODE_TOKENS + 1)
+        total = _time_generate(llm, [prompt(prompt_len) for _ in range(b)], DECODE_TOKENS + 1)
         step = max(total - first, 1e-6) / DECODE_TOKENS
         rows.append({"batch_size": b, "decode_step_ms": round(step * 1e3, 3),
                      "decode_tokens_per_s": round(b / step, 1)})

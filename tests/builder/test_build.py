@@ -81,13 +81,18 @@ def test_s3_source_bf16_build_loads_and_follows_source(toy_model, s3_bucket, wri
     assert len(runtime_greedy(artifact, PROMPTS[:1], NEW_TOKENS)[0]) == NEW_TOKENS
 
 
-@pytest.mark.parametrize("method,qdtype", [("int8", "torch.int8"), ("fp8", "torch.float8_e4m3fn")])
-def test_quantized_builds_load_and_pass_the_gate(method, qdtype, toy_model, write_manifest, kiln_build, tmp_path):
+# The fp8 case also uses shapes smaller than the calibration prompts: the gate and tuning must fit them.
+@pytest.mark.parametrize("method,qdtype,shapes", [
+    ("int8", "torch.int8", {}),
+    ("fp8", "torch.float8_e4m3fn", {"maxInputLen": 24, "maxSeqLen": 48, "maxNumTokens": 32}),
+])
+def test_quantized_builds_load_and_pass_the_gate(method, qdtype, shapes, toy_model, write_manifest, kiln_build,
+                                                 tmp_path):
     model = toy_model("llama-tiny")
     # A random model's next-token distributions are nearly flat, so small weight errors flip near-ties
     # far more often than in a trained model: the gate here allows 20% flips but only a tiny KL.
     gate = {"maxKLDivergence": 0.01, "minTokenAgreement": 0.8}
-    manifest = write_manifest(f"file://{model}", quantization=method, build={"qualityGate": gate})
+    manifest = write_manifest(f"file://{model}", quantization=method, build={"qualityGate": gate}, **shapes)
     store = f"file://{tmp_path / 'store'}"
     result = kiln_build("-f", str(manifest), "--store", store)
     assert result.exit_code == 0, result.output
