@@ -95,7 +95,11 @@ def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_
         sys.exit(EXIT_INVALID_SPEC)
     setup_logging(verbose)
     store_uri = store_uri or default_store_uri()
-    outcome = build_engine(engine, store_uri, work_dir)
+    try:
+        outcome = build_engine(engine, store_uri, work_dir)
+    except KeyboardInterrupt:
+        click.echo("interrupted: nothing was published", err=True)
+        sys.exit(130)
     if outcome.exit_code:
         click.echo(f"error: {outcome.message}", err=True)
         sys.exit(outcome.exit_code)

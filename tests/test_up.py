@@ -84,3 +84,20 @@ def test_demo_script_runs_end_to_end():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "completion: 'The kiln engine' -> " in proc.stdout and "chat: " in proc.stdout
     assert "cache hit: llama-demo-" in proc.stdout and "quality gate: KL" in proc.stdout
+
+
+def test_kiln_up_stops_at_a_failed_build_with_its_exit_code(toy_model, tmp_path):
+    from click.testing import CliRunner
+
+    from kiln.up import up
+
+    manifest = tmp_path / "too-long.yaml"
+    manifest.write_text(yaml.safe_dump({
+        "apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEngine", "metadata": {"name": "too-long"},
+        "spec": {"model": {"source": f"file://{toy_model('llama-tiny')}"}, "gpu": "cpu", "dtype": "float32",
+                 "maxInputLen": 1024, "maxSeqLen": 2048, "maxNumTokens": 1024},
+    }))
+    result = CliRunner().invoke(up, ["-f", str(manifest), "--store", f"file://{tmp_path / 'store'}"])
+    assert result.exit_code == 2
+    assert "spec.maxSeqLen: 2048 exceeds the model's 1024 positions" in result.output
+    assert "serving" not in result.output
