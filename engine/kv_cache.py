@@ -1,4 +1,4 @@
-"""The KV pool tensors: one [2, layers, blocks, block_size, kv_heads, head_dim] allocation.
+"""The KV pool tensors: one [2, layers, kv_heads, blocks, block_size, head_dim] allocation.
 
 Its size is ``num_kv_blocks`` when given; otherwise what ``kv_memory_fraction``
 of the free device memory holds (RAM on CPU), capped at what
@@ -42,7 +42,7 @@ def allocate_kv_cache(model: nn.Module, config: EngineConfig, num_blocks: int) -
     """Allocate the pool and bind each attention layer's views of it."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     a = layers[0]
-    cache = torch.zeros(2, len(layers), num_blocks, config.block_size, a.num_kv_heads, a.head_dim,
+    cache = torch.zeros(2, len(layers), a.num_kv_heads, num_blocks, config.block_size, a.head_dim,
                         dtype=config.kv_torch_dtype, device=config.device)
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]

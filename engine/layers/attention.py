@@ -54,29 +54,31 @@ def get_attention_metadata() -> AttentionMetadata:
 
 
 class Attention(nn.Module):
+    """Paged attention for one layer. The cache is head-major, [kv_heads, blocks, block_size, d], so a
+    gather of whole blocks comes out as [kv_heads, rows, context, d]: batched matmuls take it as is."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.k_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], bound by the runner
+        self.k_cache = torch.empty(0)  # [kv_heads, num_blocks, block_size, head_dim], bound by the runner
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, d]; k, v: [T, kv_heads, d] -> [T, heads * d]."""
         md = get_attention_metadata()
-        num_blocks, block_size = self.k_cache.shape[:2]
-        k_flat = self.k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        v_flat = self.v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, md.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, md.slot_mapping, v.to(v_flat.dtype))
+        kvh, num_blocks, block_size, d = self.k_cache.shape
+        k_slots = self.k_cache.view(kvh, num_blocks * block_size, d)
+        v_slots = self.v_cache.view(kvh, num_blocks * block_size, d)
+        k_slots.index_copy_(1, md.slot_mapping, k.transpose(0, 1).to(k_slots.dtype))
+        v_slots.index_copy_(1, md.slot_mapping, v.transpose(0, 1).to(v_slots.dtype))
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decode_tokens
         if nd:
-            keys, vals = self._gather(md.decode_block_tables, q.dtype)  # [D, ctx, kvh, d]
-            keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)      # [D, kvh, ctx, d]
+            keys, vals = self._gather(md.decode_block_tables, q.dtype)  # [kvh, D, ctx, d]
             if q.is_cuda:
-                o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, vals, attn_mask=md.decode_mask,
-                                                   scale=self.scale, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.transpose(0, 1), vals.transpose(0, 1),
+                                                   attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa)
                 out[:nd] = o.squeeze(2)
             else:
                 out[:nd] = self._decode_cpu(q[:nd], keys, vals, md.decode_mask)
@@ -84,12 +86,12 @@ class Attention(nn.Module):
             end = p.q_start + p.q_len
             qs = q[None, p.q_start:end].transpose(1, 2)  # 4-D: the CPU flash kernel does not take 3-D
             if p.mask is None:  # the chunk is the whole context: its own k/v, no gather
-                keys, vals = k[None, p.q_start:end], v[None, p.q_start:end]
+                keys, vals = k[None, p.q_start:end].transpose(1, 2), v[None, p.q_start:end].transpose(1, 2)
             else:
                 keys, vals = self._gather(p.block_ids[None], q.dtype)
-                keys, vals = keys[:, : p.ctx_len], vals[:, : p.ctx_len]
-            o = F.scaled_dot_product_attention(qs, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=p.mask,
-                                               is_causal=p.mask is None, scale=self.scale, enable_gqa=gqa)
+                keys, vals = keys[:, 0, : p.ctx_len][None], vals[:, 0, : p.ctx_len][None]
+            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=p.mask, is_causal=p.mask is None,
+                                               scale=self.scale, enable_gqa=gqa)
             out[p.q_start:end] = o[0].transpose(0, 1)
         return out.flatten(1)
 
@@ -97,22 +99,23 @@ class Attention(nn.Module):
         """One query per row, as two batched matmuls with the query heads grouped by KV head.
 
         On CPU this beats SDPA for single-token queries (several times in bf16): no
-        K/V repeat for GQA and no flash tiling over a one-row query. Scores and
-        softmax are float32.
+        K/V repeat for GQA, no flash tiling over a one-row query, no copy of the
+        gathered K/V. Scores and softmax are float32.
         """
         rows = q.shape[0]
         group = self.num_heads // self.num_kv_heads
-        qg = q.view(rows, self.num_kv_heads, group, self.head_dim)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [D, kvh, group, ctx]
-        scores = scores.masked_fill(~mask, float("-inf"))
+        qg = q.view(rows, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [kvh, D, group, d]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale      # [kvh, D, group, ctx]
+        scores.masked_fill_(~mask.view(1, rows, 1, -1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(vals.dtype)
-        return torch.matmul(probs, vals).view(rows, self.num_heads, self.head_dim)
+        return torch.matmul(probs, vals).transpose(0, 1).reshape(rows, self.num_heads, self.head_dim)
 
     def _gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole blocks, [rows, blocks * block_size, kv_heads, d], one index_select each."""
+        """K and V of whole blocks, [kv_heads, rows, blocks * block_size, d], one index_select each."""
         rows, nblocks = block_tables.shape
         flat = block_tables.reshape(-1)
-        shape = (rows, nblocks * self.k_cache.shape[1], self.num_kv_heads, self.head_dim)
-        keys = self.k_cache.index_select(0, flat).view(shape)
-        vals = self.v_cache.index_select(0, flat).view(shape)
+        kvh, _, block_size, d = self.k_cache.shape
+        shape = (kvh, rows, nblocks * block_size, d)
+        keys = self.k_cache.index_select(1, flat).view(shape)
+        vals = self.v_cache.index_select(1, flat).view(shape)
         return keys.to(dtype), vals.to(dtype)
