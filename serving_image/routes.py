@@ -47,9 +47,10 @@ class ClientGone(Exception):
 class SSEResponse(StreamingResponse):
     """A text/event-stream response that always runs ``on_close``, however the stream ends."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
+                 request_id: str) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={
+            "Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id})
         self._on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -140,9 +141,9 @@ async def _serve(request: Request, kind: str) -> Response:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             events = _events(builder, gen, include_usage)
             handed_off = True
-            return SSEResponse(events, on_close=cleanup)
+            return SSEResponse(events, on_close=cleanup, request_id=request_id)
         body = await _unless_disconnected(request, _collect(builder, gen))
-        return JSONResponse(body)
+        return JSONResponse(body, headers={"X-Request-Id": request_id})
     except RequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
     except ClientGone:

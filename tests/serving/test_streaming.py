@@ -161,11 +161,13 @@ def test_sse_wire_format(server):
                       json={"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                             "stream": True, "stream_options": {"include_usage": True}}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
+        request_id = response.headers["x-request-id"]
         raw = response.read().decode()
     events = raw.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
     assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(p["id"] == request_id for p in payloads)
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["total_tokens"] > 0
     assert payloads[-2]["choices"][0]["delta"] == {} and payloads[-2]["choices"][0]["finish_reason"]
 
