@@ -31,22 +31,27 @@ def serve_command(artifact_uri: str, engine, host: str, port: int) -> list[str]:
     ]
 
 
-def tuned_env(store_uri: str, version: str) -> dict[str, str]:
+def read_engine_json(store_uri: str, version: str) -> dict:
+    """The published artifact's ``engine.json`` ({} when it cannot be read; the server will say why)."""
+    from kiln.artifacts import ArtifactStore, StoreError
+
+    try:
+        data = ArtifactStore.from_uri(store_uri).backend.read(f"engines/{version}/engine.json")
+        return json.loads(data) if data else {}
+    except (StoreError, ValueError):
+        return {}
+
+
+def tuned_env(doc: dict) -> dict[str, str]:
     """``OMP_NUM_THREADS`` from the artifact's measured thread count (CPU engines), unless the user set one.
 
     The builder times the runtime at several torch thread counts and records the best in
     ``engine.json`` (``tuning.torch_num_threads``); the server's torch reads it at start.
     """
-    from kiln.artifacts import ArtifactStore, StoreError
-
-    if "OMP_NUM_THREADS" in os.environ:
+    threads = (doc.get("tuning") or {}).get("torch_num_threads")
+    if "OMP_NUM_THREADS" in os.environ or not threads:
         return {}
-    try:
-        data = ArtifactStore.from_uri(store_uri).backend.read(f"engines/{version}/engine.json")
-    except StoreError:
-        return {}  # the server fetches and reports on the store itself
-    threads = (json.loads(data).get("tuning") or {}).get("torch_num_threads") if data else None
-    return {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    return {"OMP_NUM_THREADS": str(threads)}
 
 
 def run_foreground(cmd: list[str], env: dict[str, str] | None = None) -> int:
@@ -104,10 +109,12 @@ def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_
         click.echo(f"error: {outcome.message}", err=True)
         sys.exit(outcome.exit_code)
     click.echo(outcome.message)
-    for line in summary_lines(outcome.build_report) if outcome.build_report else []:
+    doc = read_engine_json(store_uri, outcome.version)
+    report = outcome.build_report or doc.get("build_report")
+    for line in summary_lines(report) if report else []:
         click.echo(line)
     port = engine.spec.serving.port if port is None else port
-    env = tuned_env(store_uri, outcome.version)
+    env = tuned_env(doc)
     if env:
         click.echo(f"torch threads: {env['OMP_NUM_THREADS']} (measured at build time, engine.json tuning)")
     click.echo(f"serving {outcome.artifact_uri} on http://{host}:{port}/v1 (Ctrl-C to stop)")
