@@ -10,7 +10,8 @@ checkpoint tensor (``shard_id`` q/k/v or 0/1) at its offset in the fused weight.
 Weight-only quantization (``int8`` / ``fp8``): ``weight`` holds int8 or
 float8_e4m3fn values and ``weight_scale`` one float32 scale per output channel;
 the forward pass dequantizes on the fly into the activation dtype (no fp8
-matmul kernels are assumed).
+matmul kernels are assumed), except int8 with bf16 activations on CPU, which
+uses torch's int8-weight matmul (same math, scale applied to the output).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from kiln.engine import parallel
 from torch import nn
 
+_HAS_INT8_MM = hasattr(torch, "_weight_int8pack_mm")
 QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 
@@ -84,6 +86,11 @@ class LinearBase(nn.Module):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
+        if self.weight.dtype == torch.int8 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and _HAS_INT8_MM:
+            # int8 x bf16 kernel: reads the int8 weight once instead of materializing a bf16 copy.
+            y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale.to(x.dtype))
+            y = y.view(*x.shape[:-1], -1)
+            return y if bias is None else y + bias
         w = self.weight.to(x.dtype) * self.weight_scale.to(x.dtype)[:, None]
         return F.linear(x, w, bias)
 

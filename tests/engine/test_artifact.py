@@ -100,3 +100,15 @@ def test_refuses_other_arch_and_format(toy_model, tmp_path):
         LLM.from_artifact(tp1, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="engine.json"):
         LLM.from_artifact(model_dir)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_runtime_quantization_bf16_close_to_unquantized(toy_model, make_llm, quantization):
+    """Next-token agreement over many prompts (whole greedy paths of a random model diverge for good
+    after one flip, which says little about the weights' quality)."""
+    model_dir = toy_model("llama-tiny")
+    prompts = random_prompts([5 + 3 * i for i in range(16)], seed=4)
+    ref = greedy(make_llm(model_dir, dtype="bfloat16", num_kv_blocks=64), prompts, n=1)
+    quant = greedy(make_llm(model_dir, dtype="bfloat16", quantization=quantization, num_kv_blocks=64), prompts, n=1)
+    agree = sum(a == b for a, b in zip(ref, quant, strict=True)) / len(prompts)
+    assert agree >= 0.75, agree
