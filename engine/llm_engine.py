@@ -128,6 +128,10 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[StepUpdate]:
+        for rank, proc in enumerate(self.workers, start=1):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode}); "
+                                   "the engine cannot continue")
         decision = self.scheduler.schedule()
         if not decision.scheduled:
             return []
