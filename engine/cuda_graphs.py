@@ -1,11 +1,12 @@
 """CUDA graphs for decode steps: one captured forward pass per batch-size bucket.
 
 A decode-only step (every row one token, every row sampled) of ``n`` rows
-replays the graph of the smallest bucket >= n. The graphs read static input
-buffers; rows past ``n`` are padding that writes its K/V into a scratch block
-the block manager never hands out (the pool's last block) and attends one
-token of it. Block tables are captured at full width (``max_seq_len`` /
-``block_size`` blocks) so one graph serves every context length.
+whose longest block table has ``w`` blocks replays the graph of the smallest
+(batch bucket >= n, context bucket >= w). Context buckets (16, 64, 256, ...
+blocks, up to ``max_seq_len``) keep a short-context batch from gathering and
+attending ``max_seq_len`` keys. The graphs read static input buffers; rows past
+``n`` are padding that writes its K/V into a scratch block the block manager
+never hands out (the pool's last block) and attends one token of it.
 
 Only used when ``device == "cuda"`` and not ``enforce_eager``; prefill and
 mixed steps run eagerly.
@@ -16,6 +17,14 @@ from __future__ import annotations
 import torch
 from kiln.engine.layers.attention import AttentionMetadata, set_attention_metadata
 from torch import nn
+
+
+def context_buckets(max_blocks_per_seq: int) -> list[int]:
+    sizes, b = [], 16
+    while b < max_blocks_per_seq:
+        sizes.append(b)
+        b *= 4
+    return [*sizes, max_blocks_per_seq]
 
 
 def default_batch_sizes(max_batch_size: int) -> list[int]:
@@ -37,19 +46,21 @@ class CUDAGraphRunner:
         self.block_tables = torch.full((max_bs, max_blocks_per_seq), scratch_block, dtype=torch.long, device=device)
         self.ctx_lens = torch.ones(max_bs, dtype=torch.long, device=device)
         self.key_index = torch.arange(max_blocks_per_seq * block_size, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.context_buckets = context_buckets(max_blocks_per_seq)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._capture()
 
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        mask = (self.key_index[None, :] < self.ctx_lens[:bs, None])[:, None, None, :]
+    def _forward(self, bs: int, nblocks: int) -> torch.Tensor:
+        keys = self.key_index[: nblocks * self.block_size]
+        mask = (keys[None, :] < self.ctx_lens[:bs, None])[:, None, None, :]
         set_attention_metadata(AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], num_decode_tokens=bs,
-            decode_block_tables=self.block_tables[:bs], decode_mask=mask, prefills=[],
+            decode_block_tables=self.block_tables[:bs, :nblocks], decode_mask=mask, prefills=[],
         ))
         try:
             hidden = self.model(self.input_ids[:bs], self.positions[:bs])
@@ -60,14 +71,16 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
-        for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its memory pool
-            self._forward(bs)  # warm up kernels and allocator outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self._forward(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+        # Largest first: the smaller graphs reuse its memory pool.
+        for nblocks in reversed(self.context_buckets):
+            for bs in reversed(self.batch_sizes):
+                self._forward(bs, nblocks)  # warm up kernels and allocator outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bs, nblocks] = self._forward(bs, nblocks)
+                pool = graph.pool()
+                self.graphs[bs, nblocks] = graph
         torch.cuda.synchronize()
 
     def can_run(self, num_rows: int) -> bool:
@@ -80,14 +93,15 @@ class CUDAGraphRunner:
         n = input_ids.shape[0]
         bs = next(s for s in self.batch_sizes if s >= n)
         width = block_tables.shape[1]
+        nblocks = next(c for c in self.context_buckets if c >= width)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
         self.slot_mapping[n:bs].fill_(self.scratch_block * self.block_size)
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
-        self.block_tables[:n, width:].fill_(self.scratch_block)
-        self.block_tables[n:bs].fill_(self.scratch_block)
+        self.block_tables[:n, width:nblocks].fill_(self.scratch_block)
+        self.block_tables[n:bs, :nblocks].fill_(self.scratch_block)
         self.ctx_lens[:n].copy_(ctx_lens, non_blocking=True)
         self.ctx_lens[n:bs].fill_(1)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        self.graphs[bs, nblocks].replay()
+        return self.outputs[bs, nblocks][:n]
