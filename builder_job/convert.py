@@ -72,7 +72,8 @@ def convert_state_dict(
     summary = {"dtype": dtype, "quantization": quantization, "num_tensors": len(tensors),
                "num_quantized_tensors": num_quantized,
                "converted_bytes": sum(t.numel() * t.element_size() for t in out.values())}
-    log.info("converted %d tensors to %s (%d quantized %s)", len(tensors), dtype, num_quantized, quantization)
+    log.info("converted %d tensors to %s (%s)", len(tensors), dtype,
+             f"{num_quantized} quantized to {quantization}" if num_quantized else "no quantization")
     return out, summary
 
 

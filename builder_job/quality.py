@@ -47,7 +47,9 @@ RUNTIME_NEW_TOKENS = 12
 def load_source_model(checkpoint_dir: Path, device: str = "cpu"):
     """The checkpoint in float32 through transformers; remote code is never trusted."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the build log has its own stage lines
     model = AutoModelForCausalLM.from_pretrained(
         str(checkpoint_dir), dtype=torch.float32, trust_remote_code=False, use_safetensors=True
     )
