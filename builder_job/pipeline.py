@@ -161,10 +161,14 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
         doc = write(tuning, config)
 
     with report.stage("publish"):
-        from kiln.artifacts import StoreError
+        from kiln.artifacts import ArtifactConflict, StoreError
 
         try:
             store.publish(version, out, envelope, progress=_publish_progress())
+        except ArtifactConflict:
+            # Another builder of the same version won the race; its artifact differs from ours only in
+            # what was measured (timings), and a version is immutable once published: use theirs.
+            log.warning("%s was published concurrently by another build; keeping that one", version)
         except StoreError as exc:
             raise StorageFailure(str(exc)) from None
     return BuildResult(version=version, artifact_uri=store.artifact_uri(version), engine_json=doc)
