@@ -156,9 +156,13 @@ def tune(load_llm, spec, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any
         buckets = cuda_graph_buckets(spec.max_batch_size)
         eager = _measure_loaded(load_llm, spec, vocab_size, enforce_eager=True)
         graphs = _measure_loaded(load_llm, spec, vocab_size, cuda_graph_batch_sizes=buckets)
-        use_graphs = graphs["decode"][0]["decode_step_ms"] < eager["decode"][0]["decode_step_ms"]
+        def step_ms(m: dict) -> float:  # summed over the measured batch sizes
+            return sum(row["decode_step_ms"] for row in m["decode"])
+
+        use_graphs = step_ms(graphs) < step_ms(eager)
         tuning.update(eager=eager, cuda_graphs=graphs, cuda_graph_batch_sizes=buckets, use_cuda_graphs=use_graphs)
-        overrides["cuda_graph_batch_sizes"] = buckets if use_graphs else []
+        # An empty bucket list means "the runtime's defaults" to LLM(); eager is its own switch.
+        overrides.update({"cuda_graph_batch_sizes": buckets} if use_graphs else {"enforce_eager": True})
         return tuning, overrides
     original = torch.get_num_threads()
     # With TP the worker ranks pick their own share of the cores; only rank 0 would see a change here.
