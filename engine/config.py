@@ -24,6 +24,19 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def max_model_len(hf_config: dict[str, Any]) -> int:
+    """Positions the model supports: max_position_embeddings, or the original length times the rope
+    factor for the scaling types that extend the context (same rule as the builder's check)."""
+    from kiln.engine.layers.rotary import rope_parameters
+
+    mpe = int(hf_config.get("max_position_embeddings") or 2048)
+    rope = rope_parameters(hf_config)
+    if rope["rope_type"] in ("linear", "dynamic", "yarn") and rope.get("factor"):
+        base = int(rope.get("original_max_position_embeddings") or mpe)
+        return max(mpe, int(base * float(rope["factor"])))
+    return mpe
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -53,7 +66,7 @@ class EngineConfig:
             self.hf_config = read_hf_config(Path(self.model))
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        model_max = int(self.hf_config.get("max_position_embeddings") or 2048)
+        model_max = max_model_len(self.hf_config)
         if self.max_seq_len is None:
             self.max_seq_len = model_max
         if self.max_input_len is None:
