@@ -22,7 +22,7 @@ from typing import Any
 from kiln.builder import quality
 from kiln.builder.check import check_envelope, model_facts
 from kiln.builder.convert import convert_state_dict, dequantized_state_dict, load_checkpoint
-from kiln.builder.errors import QualityGateFailed, StorageFailure
+from kiln.builder.errors import InvalidSpec, QualityGateFailed, StorageFailure
 from kiln.builder.fetch import fetch_checkpoint
 from kiln.builder.package import (
     copy_model_files,
@@ -139,8 +139,12 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
 
     def load_llm(**overrides):
         from kiln.engine import LLM
+        from kiln.engine.errors import ConfigError
 
-        return LLM.from_artifact(str(out), device=device, **{"num_kv_blocks": build_pool, **overrides})
+        try:
+            return LLM.from_artifact(str(out), device=device, **{"num_kv_blocks": build_pool, **overrides})
+        except ConfigError as exc:  # a limit the runtime enforces beyond the checks above
+            raise InvalidSpec(f"the kiln runtime cannot run this envelope: {exc}") from None
 
     with report.stage("quality_runtime"):
         llm = load_llm()

@@ -13,15 +13,21 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from kiln.builder.errors import InvalidSpec
+
 log = logging.getLogger("kiln.build.shard")
 
 
 def shard_weights(checkpoint_dir: Path, out_dir: Path, spec) -> list[Path]:
     """Write one safetensors file per rank into ``out_dir``; returns their paths in rank order."""
     from kiln.engine.artifact import save_rank_weights, shard_checkpoint
+    from kiln.engine.errors import ConfigError
 
-    states = shard_checkpoint(checkpoint_dir, spec.tensor_parallel, dtype=spec.dtype,
-                              quantization=None if spec.quantization == "none" else spec.quantization)
+    try:
+        states = shard_checkpoint(checkpoint_dir, spec.tensor_parallel, dtype=spec.dtype,
+                                  quantization=None if spec.quantization == "none" else spec.quantization)
+    except ConfigError as exc:
+        raise InvalidSpec(f"the kiln runtime cannot shard this checkpoint: {exc}") from None
     paths = save_rank_weights(states, out_dir)
     for path, state in zip(paths, states, strict=True):
         log.info("wrote %s (%d tensors, %.1f MiB)", path.name, len(state), path.stat().st_size / 2**20)
