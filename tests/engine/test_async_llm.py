@@ -85,3 +85,19 @@ async def test_bad_request_raises_at_call_and_queue_keeps_going(toy_model):
         ids, _, _ = await collect(engine, [1, 2, 3], SamplingParams(**GREEDY, max_tokens=2))
         assert len(ids) >= 1
     assert_no_leaks(engine)
+
+
+async def test_streamed_text_joins_to_final_text_with_stop_string(toy_model, make_llm):
+    model_dir = toy_model("llama-tiny")
+    prompt = random_prompts([9], seed=5)[0]
+    ref = make_llm(model_dir, num_kv_blocks=64).generate(
+        [prompt], SamplingParams(**GREEDY, max_tokens=16, ignore_eos=True))[0]
+    stop = ref.text[6:9]
+    offline = make_llm(model_dir, num_kv_blocks=64).generate(
+        [prompt], SamplingParams(**GREEDY, max_tokens=16, stop=[stop]))[0]
+    engine = AsyncLLM(model_dir, num_kv_blocks=64)
+    async with engine:
+        ids, text, deltas = await collect(engine, prompt, SamplingParams(**GREEDY, max_tokens=16, stop=[stop]))
+    assert text == offline.text == ref.text[:6]
+    assert ids == offline.token_ids and deltas[-1].finish_reason == "stop"
+    assert_no_leaks(engine)
