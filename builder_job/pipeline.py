@@ -58,6 +58,17 @@ def _gate(spec, metrics: dict[str, Any], report: BuildReport) -> dict[str, Any]:
     return verdict
 
 
+def _check_build_machine(spec) -> None:
+    """The gate and the tuning run the artifact here, so this machine must be the target's arch."""
+    from kiln.engine.artifact import current_arch
+
+    here = current_arch()
+    if here != spec.gpu_spec.arch:
+        raise InvalidSpec(f"spec.gpu: {spec.gpu} engines ({spec.gpu_spec.arch}) must be built on a {spec.gpu} "
+                          f"(the build verifies and tunes on the target), but this machine is {here}; run the "
+                          f"build on a {spec.gpu} node, or set spec.gpu: cpu for a CPU engine")
+
+
 def _device(spec) -> str:
     import torch
 
@@ -82,6 +93,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
                         ckpt.resolved_revision)
 
     with report.stage("check"):
+        _check_build_machine(spec)
         facts = model_facts(ckpt.path)
         report.record("model", facts.to_dict())
         report.record("memory_estimate", check_envelope(spec, facts))

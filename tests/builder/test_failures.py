@@ -111,3 +111,10 @@ def test_build_killed_midway_leaves_no_version(stage, toy_model, write_manifest,
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     assert nothing_published(store, version_of(manifest))
+
+
+def test_gpu_engine_cannot_be_built_on_this_cpu_machine(toy_model, write_manifest, kiln_build, tmp_path):
+    manifest = write_manifest(f"file://{toy_model('llama-tiny')}", gpu="H100-80GB", dtype="bfloat16")
+    result = kiln_build("-f", str(manifest), "--store", f"file://{tmp_path / 'store'}")
+    assert result.exit_code == EXIT_INVALID_SPEC
+    assert "spec.gpu: H100-80GB engines (sm90) must be built on a H100-80GB" in result.output
