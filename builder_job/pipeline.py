@@ -84,6 +84,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
     if out.exists():
         shutil.rmtree(out)  # a retried Job starts the package from scratch
 
+    _check_build_machine(spec)  # before a download that could take an hour
     with report.stage("fetch"):
         ckpt = fetch_checkpoint(spec.model.source, spec.model.revision, work_dir)
         report.record("source", ckpt.provenance())
@@ -93,7 +94,6 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
                         ckpt.resolved_revision)
 
     with report.stage("check"):
-        _check_build_machine(spec)
         facts = model_facts(ckpt.path)
         report.record("model", facts.to_dict())
         report.record("memory_estimate", check_envelope(spec, facts))
