@@ -16,6 +16,7 @@ by construction what the runtime expects.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from kiln.engine.layers.linear import quantize_weight
 
 __all__ = ["FORMAT_VERSION", "artifact_engine_config", "current_arch", "quantize_weight", "read_engine_json",
            "save_rank_weights", "shard_checkpoint", "weights_file_name"]
+
+log = logging.getLogger("kiln.engine.artifact")
 
 # Mirrors kiln.envelope.ARTIFACT_FORMAT_VERSION (the engine imports nothing of kiln core).
 FORMAT_VERSION = 1
@@ -71,7 +74,11 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
         raise ConfigError(f"artifact {root} was built for GPU arch {built_arch} ({sku}) but this machine's device "
                           f"is {here}; build the engine for {here} (spec.gpu) or run it on a {built_arch} GPU")
     known = {f.name for f in fields(EngineConfig)}
-    kwargs = {k: v for k, v in (doc.get("engine_config") or {}).items() if k in known}
+    stored = doc.get("engine_config") or {}
+    ignored = sorted(set(stored) - known)
+    if ignored:
+        log.warning("engine.json engine_config keys this runtime does not know, ignored: %s", ", ".join(ignored))
+    kwargs = {k: v for k, v in stored.items() if k in known}
     kwargs.update(overrides)
     kwargs.setdefault("device", "cpu" if built_arch == "cpu" else "cuda")
     if kwargs.get("quantization") in ("none", ""):

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import EngineConfig
 from kiln.engine.errors import RequestError
@@ -45,6 +46,7 @@ def load_tokenizer(model_dir: str) -> Any:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        torch.manual_seed(config.seed)  # unseeded sampling draws from the default generator (as vLLM's seed=)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = config.eos_token_ids(self.tokenizer)
         self.vocab_size = int(config.hf_config["vocab_size"])
