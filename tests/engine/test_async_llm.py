@@ -101,3 +101,27 @@ async def test_streamed_text_joins_to_final_text_with_stop_string(toy_model, mak
     assert text == offline.text == ref.text[:6]
     assert ids == offline.token_ids and deltas[-1].finish_reason == "stop"
     assert_no_leaks(engine)
+
+
+async def test_churn_with_random_aborts_leaves_no_blocks(toy_model):
+    import random
+
+    rng = random.Random(0)
+    engine = AsyncLLM(toy_model("llama-tiny"), num_kv_blocks=40, block_size=4, max_batch_size=8,
+                      max_num_tokens=32)
+    async with engine:
+        async def one(i):
+            prompt = [1] + [rng.randrange(5, 1000) for _ in range(rng.randint(1, 40))]
+            params = SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randint(1, 30), ignore_eos=True)
+            cut = rng.randint(1, 12) if i % 2 else None
+            n = 0
+            async for d in engine.generate(prompt, params, request_id=f"r{i}"):
+                n += len(d.new_token_ids)
+                if cut is not None and n >= cut and d.finish_reason is None:
+                    engine.abort(f"r{i}")
+                last = d
+            return last.finish_reason
+
+        reasons = await asyncio.gather(*(one(i) for i in range(30)))
+        assert set(reasons) <= {"length", "abort"} and "abort" in reasons and "length" in reasons
+    assert_no_leaks(engine)
