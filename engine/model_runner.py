@@ -112,12 +112,14 @@ class ModelRunner:
         slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
         ctx = starts_t + nums_t
         num_decodes = sum(1 for n in nums if n == 1)
+        # Decode rows gather only as many blocks as the longest of them holds.
+        decode_width = max((len(r.block_table) for r in reqs[:num_decodes]), default=0)
         prefills = [(int(cu[i] - nums[i]), nums[i], starts[i] + nums[i],
                      tables[i, : -(-(starts[i] + nums[i]) // bs)]) for i in range(num_decodes, num_rows)]
         sample = [i for i, r in enumerate(reqs) if starts[i] + nums[i] == r.num_tokens]
         inputs = StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long), positions=positions, slot_mapping=slot_mapping,
-            num_decodes=num_decodes, decode_block_tables=tables[:num_decodes], decode_ctx_lens=ctx[:num_decodes],
+            num_decodes=num_decodes, decode_block_tables=tables[:num_decodes, :decode_width], decode_ctx_lens=ctx[:num_decodes],
             prefills=prefills, logits_indices=(cu - 1)[sample],
         )
         return inputs, [reqs[i] for i in sample]
