@@ -107,7 +107,8 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     workload = make_workload(spec, facts["vocab_size"], set(facts["special_ids"]))
     cfg = SuiteConfig(model_dir=model_dir, dtype=dtype, threads=threads, device=device, systems=chosen, repeats=repeats,
                       max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, check_requests=check_requests,
-                      check_max_tokens=16 if quick else 32, ceiling_buffer_mib=64 if quick else 512, log=log)
+                      check_max_tokens=16 if quick else 32, ceiling_buffer_mib=64 if quick else 512, log=log,
+                      partial_json=Path(json_out) if json_out and json_out != "-" else None)
     try:
         results = run_suite(cfg, workload, facts)
     except RuntimeError as exc:

@@ -39,6 +39,7 @@ class SuiteConfig:
     check_max_tokens: int = 32
     child_timeout_s: float = 3600.0
     ceiling_buffer_mib: int = 512
+    partial_json: Path | None = None  # rewritten after every system run, so a killed bench keeps its runs
     log: object = field(default=None, repr=False)
 
     def say(self, msg: str) -> None:
@@ -107,6 +108,8 @@ def run_suite(cfg: SuiteConfig, workload: Workload, facts: dict) -> dict:
                 outputs[system] = {r.index: r.output_token_ids for r in run.requests}
                 cfg.say(f"  {system}: {fig['output_tok_s']:.1f} output tok/s, {fig['duration_s']:.1f}s "
                         f"(wall {time.perf_counter() - t:.0f}s incl. load)")
+                if cfg.partial_json is not None:
+                    cfg.partial_json.write_text(json.dumps({"partial": True, "systems": per_system}, indent=1))
         systems = {}
         for name, entry in per_system.items():
             systems[name] = {"median": median_figures(entry["runs"]), **entry}
