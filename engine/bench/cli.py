@@ -109,6 +109,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
                       max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, check_requests=check_requests,
                       check_max_tokens=16 if quick else 32, ceiling_buffer_mib=64 if quick else 512, log=log,
                       partial_json=Path(json_out) if json_out and json_out != "-" else None)
+    machine = report.machine_info(threads)  # before the run: the commit benchmarked, not the one after
     try:
         results = run_suite(cfg, workload, facts)
     except RuntimeError as exc:
@@ -118,7 +119,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
         "config": {"preset": preset, "model_dir": str(model_dir), "dtype": dtype, "threads": threads, "device": device,
                    "repeats": repeats, "systems": chosen, "max_batch_size": max_batch_size,
                    "max_num_tokens": max_num_tokens, "quick": quick, "workload_spec": workload.to_json()["spec"]},
-        "machine": report.machine_info(threads),
+        "machine": machine,
         "model": facts,
         "workload": workload.summary(),
         **results,
