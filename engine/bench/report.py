@@ -108,6 +108,11 @@ def machine_info(threads: int) -> dict:
         info["git_commit"] = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
         ).stdout.strip() or None
+        # Uncommitted runtime changes make the commit alone not reproduce the figures.
+        info["engine_dirty"] = bool(subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "engine"], capture_output=True, text=True,
+            timeout=5,
+        ).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         info["git_commit"] = None
     return info
