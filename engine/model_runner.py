@@ -20,7 +20,7 @@ from kiln.engine import parallel
 from kiln.engine.config import EngineConfig
 from kiln.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
 from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
-from kiln.engine.layers.linear import LinearBase
+from kiln.engine.layers.linear import LinearBase, can_prepack, pack_model
 from kiln.engine.models.llama import head_dim_of
 from kiln.engine.models.registry import model_class
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -74,6 +74,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         self.model = build_model(config)
+        if can_prepack(config.device, config.torch_dtype):
+            pack_model(self.model, config.max_batch_size)
         cfg = config.hf_config
         kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
         block_bytes = bytes_per_block(config, cfg["num_hidden_layers"], kv_heads, head_dim_of(cfg))

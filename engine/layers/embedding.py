@@ -39,6 +39,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary (all-gathered from each rank's slice)."""
 
+    packed_weight: torch.Tensor | None = None  # oneDNN-prepacked copy on CPU bf16 (layers/linear.pack_model)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
+        if self.packed_weight is not None:
+            from kiln.engine.layers.linear import packed_linear
+
+            logits = packed_linear(hidden, self.packed_weight, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         return parallel.all_gather_last_dim(logits)[..., : self.num_embeddings]

@@ -12,6 +12,7 @@ float8_e4m3fn values and ``weight_scale`` one float32 scale per output channel;
 the forward pass dequantizes on the fly into the activation dtype (no fp8
 matmul kernels are assumed), except int8 with bf16 activations on CPU, which
 uses torch's int8-weight matmul (same math, scale applied to the output).
+On CPU in bf16, unquantized weights are prepacked for oneDNN (``pack_model``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.weight_scale: nn.Parameter | None = None
+        self.packed_weight: torch.Tensor | None = None  # see pack_for_cpu_
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
@@ -83,7 +85,14 @@ class LinearBase(nn.Module):
         self.weight_scale = nn.Parameter(torch.empty(self.weight.shape[0], dtype=torch.float32, device=self.weight.device),
                                          requires_grad=False)
 
+    def pack_for_cpu_(self, batch_hint: int) -> None:
+        """Serve from a oneDNN-prepacked copy of the (bf16) weight and drop the plain one (see pack_model)."""
+        self.packed_weight = prepack(self.weight.detach(), batch_hint)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
         if self.weight.dtype == torch.int8 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and _HAS_INT8_MM:
@@ -159,3 +168,39 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = parallel.all_reduce(self._linear(x, None))
         return y if self.bias is None else y + self.bias
+
+
+def can_prepack(device: str, dtype: torch.dtype) -> bool:
+    """bf16 on a CPU whose oneDNN has bf16 kernels (AVX512-BF16 / AMX)."""
+    mkldnn = torch.ops.mkldnn
+    return (device == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(mkldnn, "_reorder_linear_weight") and mkldnn._is_mkldnn_bf16_supported())
+
+
+def prepack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_model(model: nn.Module, batch_hint: int) -> int:
+    """Prepack every unquantized linear and the LM head for oneDNN; returns how many were packed.
+
+    aten's bf16 linear on CPU already runs oneDNN but reorders the weight into the
+    kernel's blocked layout on every call; packing once makes small-batch (decode)
+    matmuls about 2x faster with bit-identical results. The packed copies are opaque
+    tensors outside the state dict.
+    """
+    from kiln.engine.layers.embedding import ParallelLMHead
+
+    count = 0
+    for m in model.modules():
+        if isinstance(m, LinearBase) and m.weight_scale is None:
+            m.pack_for_cpu_(batch_hint)
+            count += 1
+        elif isinstance(m, ParallelLMHead):
+            m.packed_weight = prepack(m.weight.detach(), batch_hint)  # tied: the embedding keeps the weight
+            count += 1
+    return count
