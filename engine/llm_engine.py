@@ -55,7 +55,16 @@ class LLMEngine:
             from kiln.engine.tp_worker import start_workers
 
             self.workers = start_workers(config)
-        self.runner = ModelRunner(config)
+        try:
+            self.runner = ModelRunner(config)
+        except BaseException:
+            for proc in self.workers:  # they may wait forever on a collective rank 0 never joins
+                proc.terminate()
+            if self.workers:
+                from kiln.engine.parallel import destroy_distributed
+
+                destroy_distributed()
+            raise
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_tokens)
         self.requests: dict[str, Request] = {}
