@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread: on a shared 2-core machine two OpenMP threads spin-wait on each other and
+# every small op costs a scheduler quantum (measured 20-40x slower under load). HF and kiln share it.
+torch.set_num_threads(1)
 
 
 def assert_no_leaks(engine) -> None:
