@@ -95,9 +95,12 @@ class LinearBase(nn.Module):
             return packed_linear(x, self.packed_weight, bias)
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
-        if self.weight.dtype == torch.int8 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and _HAS_INT8_MM:
-            # int8 x bf16 kernel: reads the int8 weight once instead of materializing a bf16 copy.
-            y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale.to(x.dtype))
+        if self.weight.dtype == torch.int8 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and _HAS_INT8_MM \
+                and x.shape[-1] % 32 == 0:
+            # int8 x bf16 kernel: reads the int8 weight once instead of materializing a bf16 copy. It
+            # crashes (segfault, torch 2.13) for input sizes that are not a multiple of 8; 32 keeps clear.
+            x2 = x.reshape(-1, x.shape[-1]).contiguous()
+            y = torch._weight_int8pack_mm(x2, self.weight, self.weight_scale.to(x.dtype))
             y = y.view(*x.shape[:-1], -1)
             return y if bias is None else y + bias
         w = self.weight.to(x.dtype) * self.weight_scale.to(x.dtype)[:, None]
