@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,24 @@ def _job(cfg: SuiteConfig, system: str, workload_path: Path, workload: Workload,
     }
 
 
+def snapshot_sources(dest: Path) -> Path:
+    """Copy the ``kiln`` core and ``kiln.engine`` sources as they are now into ``dest``.
+
+    Children import from this copy (PYTHONPATH comes before the editable install's
+    finder), so every run of one bench measures the same code even while the
+    working tree changes under it.
+    """
+    import kiln.engine
+
+    import kiln
+
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(Path(kiln.__file__).parent, dest / "kiln", ignore=ignore)
+    shutil.rmtree(dest / "kiln" / "engine", ignore_errors=True)
+    shutil.copytree(Path(kiln.engine.__file__).parent, dest / "kiln" / "engine", ignore=ignore)
+    return dest
+
+
 def run_child(job: dict, workdir: Path, timeout: float) -> RunRecord:
     job_path = workdir / f"job-{job['system']}.json"
     out_path = workdir / f"out-{job['system']}.json"
@@ -69,6 +88,8 @@ def run_child(job: dict, workdir: Path, timeout: float) -> RunRecord:
     # continuous-batching loop) then get the same OpenMP pool size as the main thread.
     env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "MKL_NUM_THREADS": str(job["threads"]),
            "TOKENIZERS_PARALLELISM": "false"}
+    if (workdir / "src").is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workdir / "src"), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-m", "kiln.engine.bench.child", str(job_path), str(out_path)],
         capture_output=True, text=True, timeout=timeout, env=env,
@@ -92,6 +113,7 @@ def run_suite(cfg: SuiteConfig, workload: Workload, facts: dict) -> dict:
     outputs: dict[str, dict[int, list[int]]] = {}
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
         workdir = Path(tmp)
+        snapshot_sources(workdir / "src")
         wl_path = workdir / "workload.json"
         workload.save(wl_path)
         for rep in range(cfg.repeats):
