@@ -98,6 +98,12 @@ class EngineConfig:
         if self.device == "cuda" and torch.cuda.device_count() < self.tensor_parallel_size:
             raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} needs as many GPUs; "
                               f"{torch.cuda.device_count()} visible")
+        window = self.hf_config.get("sliding_window")
+        uses_window = self.hf_config.get("use_sliding_window", self.hf_config.get("model_type") == "mistral")
+        if window and uses_window and self.max_seq_len > window:
+            raise ConfigError(f"max_seq_len {self.max_seq_len} exceeds the model's sliding_window ({window}); kiln "
+                              f"attends the full context, which equals the model only up to {window} tokens: "
+                              f"set max_seq_len <= {window}")
         heads = self.hf_config.get("num_attention_heads", 1)
         kv_heads = self.hf_config.get("num_key_value_heads") or heads
         tp = self.tensor_parallel_size

@@ -84,3 +84,10 @@ def test_string_prompts_and_input_order(llm):
     alone = llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert alone[0].token_ids == outs[1].token_ids
     assert all(o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs)
+
+
+def test_sliding_window_models_are_limited_to_the_window(toy_model):
+    model_dir = toy_model("mistral-tiny", sliding_window=64)
+    with pytest.raises(ConfigError, match="sliding_window"):
+        LLM(model_dir)
+    assert LLM(model_dir, max_seq_len=64).engine_config.max_seq_len == 64
