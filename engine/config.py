@@ -39,6 +39,15 @@ def max_model_len(hf_config: dict[str, Any]) -> int:
 
 @dataclass
 class EngineConfig:
+    """``LLM(...)`` keyword arguments, resolved and checked.
+
+    ``max_seq_len`` defaults to the model's positions, ``max_input_len`` to ``max_seq_len - 1``.
+    ``num_kv_blocks=None`` sizes the pool from ``kv_memory_fraction`` of the memory free after the
+    weights load (RAM on CPU), capped at what ``max_batch_size`` full-length requests could use.
+    ``max_num_tokens`` is the per-step token budget (chunked prefill); ``enforce_eager`` turns off
+    CUDA graphs; ``weights_dir`` is set by ``from_artifact`` (per-rank engine weights).
+    """
+
     model: str
     dtype: str = "float32"
     max_batch_size: int = 64
