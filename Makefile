@@ -8,16 +8,18 @@ PYTEST_ARGS ?=
 
 .PHONY: install test test-slow lint crds demo bench clean
 
+# -I / -P: never put the repo root on sys.path, where operator/ would shadow the
+# standard library's `operator` module (DESIGN.md keeps that folder name).
 $(BIN)/python:
-	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(PY) -I -m venv $(VENV)
+	$(BIN)/python -P -m pip install -q --upgrade pip
 
 # torch goes in first and alone: 2.13.0 is the local CPU build, and the package
 # only asks for torch>=2.4, which it satisfies, so pip never pulls CUDA wheels.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[all,test]"
-	$(BIN)/python -m pip check
+	$(BIN)/python -P -m pip install -q torch==2.13.0
+	$(BIN)/python -P -m pip install -q -e ".[all,test]"
+	$(BIN)/python -P -m pip check
 	touch $@
 
 install: $(STAMP)
@@ -36,10 +38,10 @@ lint: install
 	cd $(LINT_TREE) && PYTHONPATH=. $(CURDIR)/$(BIN)/lint-imports --config $(CURDIR)/.importlinter
 
 test: install lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+	$(BIN)/python -P -m pytest -q $(PYTEST_ARGS) tests
 
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS) tests
+	$(BIN)/python -P -m pytest -q -m slow $(PYTEST_ARGS) tests
 
 crds: install
 	$(BIN)/kiln crd --out crds/llmengines.serving.kiln.dev.yaml
