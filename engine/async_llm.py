@@ -154,17 +154,20 @@ class AsyncLLM:
                 self.engine.add(arg)
             elif kind == "abort":
                 req = self.engine.abort(arg)
-                if req is not None:
-                    self._post(arg, self._delta(req, [], req.abort_text, None, "abort"))
+                if req is not None:  # with no token streamed yet, this is the request's first delta
+                    queue_time = req.queue_time if req.first_token_time is None else None
+                    self._post(arg, self._delta(req, [], req.abort_text, None, "abort", queue_time))
 
     def _publish(self, u: StepUpdate) -> None:
         reason = u.request.finish_reason if u.finished else None
-        self._post(u.request.request_id, self._delta(u.request, u.new_token_ids, u.text_delta, u.logprobs, reason))
+        self._post(u.request.request_id,
+                   self._delta(u.request, u.new_token_ids, u.text_delta, u.logprobs, reason, u.queue_time))
 
     @staticmethod
-    def _delta(req: Request, ids: list[int], text: str, logprobs, reason: str | None) -> StreamDelta:
+    def _delta(req: Request, ids: list[int], text: str, logprobs, reason: str | None,
+               queue_time: float | None = None) -> StreamDelta:
         return StreamDelta(req.request_id, ids, text, reason, logprobs, req.num_prompt_tokens,
-                           req.num_output_tokens, req.num_cached_tokens)
+                           req.num_output_tokens, req.num_cached_tokens, queue_time)
 
     def _post(self, request_id: str, item: StreamDelta | BaseException) -> None:
         assert self._loop is not None

@@ -31,7 +31,7 @@ def to_output(req: Request) -> RequestOutput:
         request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
         token_ids=req.output_token_ids, text=req.detokenizer.text, finish_reason=req.finish_reason,
         logprobs=req.logprobs, num_cached_tokens=req.num_cached_tokens,
-        metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time),
+        metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.queue_time),
     )
 
 

@@ -35,6 +35,7 @@ class StepUpdate:
     text_delta: str
     logprobs: list[dict[int, float]] | None
     finished: bool
+    queue_time: float | None = None  # set on the request's first update only (see StreamDelta.queue_time)
 
 
 def load_tokenizer(model_dir: str) -> Any:
@@ -72,6 +73,7 @@ class LLMEngine:
         self.num_steps = self.num_computed_tokens = self.num_generated_tokens = 0
         self.sum_running = 0
         self.sum_kv_usage = 0.0
+        self.batch_size_histogram: dict[int, int] = {}
 
     # -- requests -------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -148,7 +150,13 @@ class LLMEngine:
             return []
         self.num_steps += 1
         self.num_computed_tokens += decision.num_tokens
-        self.sum_running += len(decision.scheduled)
+        batch = len(decision.scheduled)
+        self.sum_running += batch
+        self.batch_size_histogram[batch] = self.batch_size_histogram.get(batch, 0) + 1
+        now = time.time()
+        for req, _ in decision.scheduled:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
         sampled, out = self.runner.run(decision.scheduled)
         for req, n in decision.scheduled:
             req.num_computed_tokens += n
@@ -168,8 +176,10 @@ class LLMEngine:
         for i, (req, tok) in enumerate(zip(sampled, token_ids, strict=True)):
             req.token_ids.append(tok)
             self.num_generated_tokens += 1
+            queue_time = None
             if req.first_token_time is None:
                 req.first_token_time = now
+                queue_time = req.queue_time
             step_lp = None
             if req.logprobs is not None and lp is not None:
                 k = req.params.logprobs or 0
@@ -185,7 +195,7 @@ class LLMEngine:
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
                 req.finished_time = now
-            updates.append(StepUpdate(req, [tok], text_delta, step_lp, reason is not None))
+            updates.append(StepUpdate(req, [tok], text_delta, step_lp, reason is not None, queue_time))
         return updates
 
     # -- introspection --------------------------------------------------------------------
@@ -202,6 +212,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
             num_computed_tokens=self.num_computed_tokens, num_generated_tokens=self.num_generated_tokens,
             sum_running=self.sum_running, sum_kv_usage=self.sum_kv_usage,
+            batch_size_histogram=dict(self.batch_size_histogram),  # a copy: the step loop keeps counting
         )
 
     def shutdown(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -10,6 +10,7 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None
     finished_time: float | None
+    queue_time: float | None = None  # seconds from arrival to the first time the request was scheduled
 
 
 @dataclass
@@ -35,6 +36,7 @@ class StreamDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    queue_time: float | None = None  # on a request's first delta only: arrival to first scheduled, seconds
 
 
 @dataclass
@@ -52,6 +54,7 @@ class EngineStats:
     num_generated_tokens: int
     sum_running: int           # sum over steps of the batch size, for avg_batch_size
     sum_kv_usage: float        # sum over steps of kv_usage, for avg_kv_usage
+    batch_size_histogram: dict[int, int] = field(default_factory=dict)  # running batch size -> steps run with it
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -43,6 +43,7 @@ class Request:
     detokenizer: Any = None
     logprobs: list[dict[int, float]] | None = None
     arrival_time: float = field(default_factory=time.time)
+    first_scheduled_time: float | None = None  # first step that computed any of its tokens
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
@@ -55,6 +56,11 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to the first time the request was scheduled (a preemption does not reset it)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def num_tokens(self) -> int:
