@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from kiln.engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
+from kiln.engine.detokenizer import DetokenizerStep, IncrementalDetokenizer, raw_decoder
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.toy import make_tokenizer
 
@@ -166,3 +166,27 @@ def test_append_after_finish_is_an_error(tok):
     detok.finish()
     with pytest.raises(RuntimeError, match="finish"):
         detok.append([5])
+
+
+def test_raw_decoder_is_the_wrapper_without_its_overhead(tok):
+    raw = raw_decoder(tok)
+    assert raw is not None  # the toy tokenizer is a fast one: the engine takes the direct path
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 12))]
+        for skip in (True, False):
+            assert raw(ids, skip_special_tokens=skip) == tok.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_tokenizers_that_override_decoding_keep_the_wrapper(tok):
+    assert raw_decoder(CountingTokenizer(tok)) is None
+
+    class Shouting(type(tok)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=tok.backend_tokenizer, eos_token=tok.eos_token)
+    assert raw_decoder(shouting) is None
+    ids = encode(tok, "hello there")
+    assert stream(shouting, [], ids, SamplingParams())[0].text == "HELLO THERE"
