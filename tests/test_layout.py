@@ -31,3 +31,11 @@ def test_core_and_operator_import_without_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_test_module_basenames_are_unique():
+    # Test folders are not packages (tests/operator would shadow the stdlib), so pytest
+    # imports test modules by basename: two files of one name break collection.
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    assert not dupes, f"rename these test modules to unique names: {dupes}"
