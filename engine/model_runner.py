@@ -83,6 +83,7 @@ class ModelRunner:
         # One block more than the block manager hands out: CUDA-graph padding rows write there.
         self.kv_cache = allocate_kv_cache(self.model, config, self.num_blocks + 1)
         self.sampler = Sampler()
+        self.workspace: dict[str, torch.Tensor] = {}  # attention's gather buffers, reused every step
         self.graphs = None
         if config.device == "cuda" and not config.enforce_eager:
             from kiln.engine.cuda_graphs import CUDAGraphRunner, default_batch_sizes
@@ -147,10 +148,11 @@ class ModelRunner:
                                    inputs.decode_block_tables, inputs.decode_ctx_lens)
         dev = self.device
         ctx = inputs.decode_ctx_lens.to(dev)
-        decode_mask = None
+        decode_mask = decode_pad_mask = None
         if inputs.num_decodes:
             width = inputs.decode_block_tables.shape[1] * self.block_size
             decode_mask = (torch.arange(width, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
+            decode_pad_mask = ~decode_mask.view(1, inputs.num_decodes, 1, width)
         prefills = []
         for q_start, q_len, ctx_len, block_ids in inputs.prefills:
             mask = None
@@ -161,7 +163,8 @@ class ModelRunner:
             prefills.append(PrefillChunk(q_start, q_len, ctx_len, block_ids.to(dev), mask))
         set_attention_metadata(AttentionMetadata(
             slot_mapping=inputs.slot_mapping.to(dev), num_decode_tokens=inputs.num_decodes,
-            decode_block_tables=inputs.decode_block_tables.to(dev), decode_mask=decode_mask, prefills=prefills,
+            decode_block_tables=inputs.decode_block_tables.to(dev).contiguous(), decode_mask=decode_mask,
+            prefills=prefills, decode_pad_mask=decode_pad_mask, workspace=self.workspace,
         ))
         try:
             hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev))

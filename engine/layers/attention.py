@@ -15,6 +15,7 @@ reads each sequence's whole context back from its blocks:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,10 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_pad_mask: torch.Tensor | None = None  # ~decode_mask as [1, num_decodes, 1, ctx] (CPU decode path)
+    # Reusable gather buffers (name -> flat tensor), owned by the runner and grown on demand: every
+    # layer gathers the same amount, so one buffer serves all layers and every step after the first.
+    workspace: dict[str, torch.Tensor] | None = None
 
 
 _metadata: AttentionMetadata | None = None
@@ -75,47 +80,72 @@ class Attention(nn.Module):
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decode_tokens
         if nd:
-            keys, vals = self._gather(md.decode_block_tables, q.dtype)  # [kvh, D, ctx, d]
+            keys, vals = self._gather(md.decode_block_tables, q.dtype, md.workspace)  # [kvh, D, ctx, d]
             if q.is_cuda:
                 o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.transpose(0, 1), vals.transpose(0, 1),
                                                    attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa)
                 out[:nd] = o.squeeze(2)
             else:
-                out[:nd] = self._decode_cpu(q[:nd], keys, vals, md.decode_mask)
+                pad = md.decode_pad_mask
+                if pad is None:
+                    pad = ~md.decode_mask.view(1, nd, 1, -1)
+                out[:nd] = self._decode_cpu(q[:nd], keys, vals, pad)
         for p in md.prefills:
             end = p.q_start + p.q_len
             qs = q[None, p.q_start:end].transpose(1, 2)  # 4-D: the CPU flash kernel does not take 3-D
             if p.mask is None:  # the chunk is the whole context: its own k/v, no gather
                 keys, vals = k[None, p.q_start:end].transpose(1, 2), v[None, p.q_start:end].transpose(1, 2)
             else:
-                keys, vals = self._gather(p.block_ids[None], q.dtype)
+                keys, vals = self._gather(p.block_ids[None], q.dtype, md.workspace)
                 keys, vals = keys[:, 0, : p.ctx_len][None], vals[:, 0, : p.ctx_len][None]
             o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=p.mask, is_causal=p.mask is None,
                                                scale=self.scale, enable_gqa=gqa)
             out[p.q_start:end] = o[0].transpose(0, 1)
         return out.flatten(1)
 
-    def _decode_cpu(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _decode_cpu(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         """One query per row, as two batched matmuls with the query heads grouped by KV head.
 
         On CPU this beats SDPA for single-token queries (several times in bf16): no
         K/V repeat for GQA, no flash tiling over a one-row query, no copy of the
-        gathered K/V. Scores and softmax are float32.
+        gathered K/V. Scores and softmax are float32. ``pad`` [1, D, 1, ctx] is True past each
+        row's context.
         """
         rows = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         qg = q.view(rows, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [kvh, D, group, d]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale      # [kvh, D, group, ctx]
-        scores.masked_fill_(~mask.view(1, rows, 1, -1), float("-inf"))
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(self.scale)  # [kvh, D, group, ctx]
+        scores.masked_fill_(pad, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(vals.dtype)
         return torch.matmul(probs, vals).transpose(0, 1).reshape(rows, self.num_heads, self.head_dim)
 
-    def _gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole blocks, [kv_heads, rows, blocks * block_size, d], one index_select each."""
+    def _gather(self, block_tables: torch.Tensor, dtype: torch.dtype,
+                workspace: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks, [kv_heads, rows, blocks * block_size, d], one index_select each.
+
+        With a ``workspace`` the result is a view of a reused buffer (valid until the next
+        gather): no fresh multi-megabyte tensor per layer, whose pages the allocator would
+        hand back to the OS and fault in again every time.
+        """
         rows, nblocks = block_tables.shape
         flat = block_tables.reshape(-1)
         kvh, _, block_size, d = self.k_cache.shape
         shape = (kvh, rows, nblocks * block_size, d)
-        keys = self.k_cache.index_select(1, flat).view(shape)
-        vals = self.v_cache.index_select(1, flat).view(shape)
+        if workspace is None:
+            keys = self.k_cache.index_select(1, flat).view(shape)
+            vals = self.v_cache.index_select(1, flat).view(shape)
+        else:
+            gathered = (kvh, rows * nblocks, block_size, d)
+            keys = torch.index_select(self.k_cache, 1, flat, out=_buffer(workspace, "k", self.k_cache, gathered))
+            vals = torch.index_select(self.v_cache, 1, flat, out=_buffer(workspace, "v", self.v_cache, gathered))
+            keys, vals = keys.view(shape), vals.view(shape)
         return keys.to(dtype), vals.to(dtype)
+
+
+def _buffer(workspace: dict[str, torch.Tensor], name: str, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A ``shape`` view of ``workspace[name]`` (``like``'s dtype and device), grown when too small."""
+    numel = math.prod(shape)
+    buf = workspace.get(name)
+    if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+        buf = workspace[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel].view(shape)

@@ -17,8 +17,7 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
+        # torch.rms_norm on the float32 upcast is transformers' pow/mean/rsqrt/mul, bit for bit, in one op.
+        h = torch.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
+        out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)

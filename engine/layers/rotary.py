@@ -116,9 +116,21 @@ def apply_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k:
     return _apply(q, cos, sin, dim), _apply(k, cos, sin, dim)
 
 
+def apply_rotary_qk(cos_sin: tuple[torch.Tensor, torch.Tensor], qk: torch.Tensor) -> torch.Tensor:
+    """Rotate q and k heads packed side by side, [T, heads + kv_heads, d], in one pass (same values)."""
+    cos, sin = cos_sin
+    return _apply(qk, cos, sin, cos.shape[-1])
+
+
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
+    if rotary_dim == x.shape[-1]:
+        # rotate_half(x) = cat(-x2, x1) is roll by half with the first half negated: fewer, larger ops.
+        rotated = torch.roll(x, half, dims=-1)
+        rotated[..., :half].neg_()
+        out = x * cos
+        return out.add_(rotated.mul_(sin))
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
     out = rot * cos + rotated * sin
-    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+    return torch.cat((out, rest), dim=-1)

@@ -18,7 +18,7 @@ from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.engine.layers.norm import RMSNorm
-from kiln.engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from kiln.engine.layers.rotary import RotaryEmbedding, apply_rotary_qk, rope_parameters
 from torch import nn
 
 
@@ -41,12 +41,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(cos_sin, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k are adjacent in the fused output: one rotary pass over both.
+        qk = apply_rotary_qk(cos_sin, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
 
 
 class LlamaMLP(nn.Module):
@@ -61,7 +60,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
