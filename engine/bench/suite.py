@@ -93,6 +93,7 @@ def run_child(job: dict, workdir: Path, timeout: float) -> RunRecord:
     proc = subprocess.run(
         [sys.executable, "-m", "kiln.engine.bench.child", str(job_path), str(out_path)],
         capture_output=True, text=True, timeout=timeout, env=env,
+        cwd=workdir,  # not the repo root: `-m` puts the cwd first on sys.path, ahead of the snapshot
     )
     if proc.returncode != 0 or not out_path.is_file():
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
