@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32 like transformers' LlamaRMSNorm."""
+"""RMSNorm, computed in float32 like transformers' LlamaRMSNorm (the weight multiply in the model dtype)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        # torch.rms_norm on the float32 upcast is transformers' pow/mean/rsqrt/mul, bit for bit, in one op.
-        h = torch.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
-        out = self.weight * h.to(x.dtype)
+        # torch.rms_norm computes in float32 for bf16/fp16 input and rounds once at the end: transformers'
+        # upcast/pow/mean/rsqrt/mul/downcast, bit for bit, without the two copies.
+        out = self.weight * torch.rms_norm(x, (x.shape[-1],), eps=self.eps)
         return out if residual is None else (out, residual)
