@@ -44,7 +44,7 @@ def test_engine_series_are_absent_until_loaded_then_read_at_scrape():
 
 
 def test_batch_histogram_buckets_from_a_per_step_record():
-    record = SimpleNamespace(**vars(stats()), batch_size_histogram={1: 3, 4: 2, 100: 1})
+    record = SimpleNamespace(**{**vars(stats()), "batch_size_histogram": {1: 3, 4: 2, 100: 1}})
     got = samples(ServingMetrics("m", lambda: record))
     assert got[("kiln:iteration_batch_size_bucket", (("le", "1.0"),))] == 3
     assert got[("kiln:iteration_batch_size_bucket", (("le", "4.0"),))] == 5
