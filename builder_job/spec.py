@@ -2,7 +2,7 @@
 
 A build Job passes the ``LLMEngine`` as JSON in ``KILN_SPEC`` (CONTRACTS.md, "Build Job
 contract"); people pass ``-f manifest.yaml``. Either way the result is validated by
-:func:`kiln.api.load_manifest`, and a problem becomes :class:`InvalidSpec` (exit 2)
+:func:`kiln.manifest.load_manifest`, and a problem becomes :class:`InvalidSpec` (exit 2)
 naming the field.
 """
 
@@ -21,7 +21,7 @@ EXPECTED_VERSION_ENV = "KILN_ENGINE_VERSION"
 
 def resolve_manifest(manifest: str | None, spec_file: str | None):
     """The ``LLMEngine`` to build; :class:`InvalidSpec` when missing or invalid."""
-    from kiln.api import ManifestError, load_manifest
+    from kiln.manifest import ManifestError, load_manifest
 
     try:
         if manifest == "-":

@@ -73,8 +73,8 @@ def build_summary(version: str) -> list[str]:
 def main() -> int:
     os.chdir(REPO)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from kiln.api import load_manifest
     from kiln.envelope import engine_version
+    from kiln.manifest import load_manifest
 
     started = time.monotonic()
     if not (MODEL_DIR / "config.json").is_file():

@@ -23,18 +23,13 @@ so ``kubectl apply`` and ``kiln plan`` reject the same specs. Decisions:
 
 from __future__ import annotations
 
-import difflib
 import enum
 import re
-import types
-import typing
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Literal, get_args
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "serving.kiln.dev"
@@ -48,8 +43,8 @@ SHORT_NAME = "llme"
 __all__ = [
     "API_VERSION", "GROUP", "KIND", "PLURAL", "SHORT_NAME", "SINGULAR", "VERSION", "GPU_SKUS",
     "BuildOptions", "Condition", "GPUSpec", "HistoryEntry", "KVOptions", "LLMEngine", "LLMEngineSpec",
-    "LLMEngineStatus", "ManifestError", "Metadata", "ModelSource", "Phase", "QualityGate",
-    "ServingOptions", "load_manifest", "load_spec",
+    "LLMEngineStatus", "Metadata", "ModelSource", "Phase", "QualityGate",
+    "ServingOptions",
 ]
 
 
@@ -407,165 +402,6 @@ class LLMEngine(_Model):
     metadata: Metadata
     spec: LLMEngineSpec
     status: LLMEngineStatus | None = None
-
-
-# ---- loading manifests and turning pydantic errors into one line per problem --------------------------
-
-
-class ManifestError(ValueError):
-    """A manifest a user wrote is invalid. ``str()`` is one line per problem: ``<field path>: <what + fix>``."""
-
-    def __init__(self, problems: list[str] | str, origin: str = "manifest") -> None:
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        self.origin = origin
-        super().__init__("\n".join(self.problems))
-
-
-def load_manifest(source: Any) -> LLMEngine:
-    """An ``LLMEngine`` from a path, YAML/JSON text or a dict; :class:`ManifestError` on any problem."""
-    data, origin = _load_data(source)
-    try:
-        return LLMEngine.model_validate(data)
-    except ValidationError as exc:
-        raise ManifestError(validation_error_lines(exc, LLMEngine), origin) from None
-
-
-def load_spec(raw: Any) -> LLMEngineSpec:
-    """A spec from the camelCase dict the API server stores; ManifestError lines start with ``spec.``."""
-    try:
-        return LLMEngineSpec.model_validate(raw)
-    except ValidationError as exc:
-        lines = validation_error_lines(exc, LLMEngineSpec)
-        raise ManifestError([_join_spec(line) for line in lines], "spec") from None
-
-
-def _join_spec(line: str) -> str:
-    return line.replace("manifest: ", "spec: ", 1) if line.startswith("manifest: ") else f"spec.{line}"
-
-
-def _load_data(source: Any) -> tuple[Any, str]:
-    if isinstance(source, dict):
-        return source, "manifest"
-    text, origin = source, "manifest"
-    is_path = isinstance(source, Path) or (
-        isinstance(source, str) and "\n" not in source
-        and (Path(source).is_file() or source.endswith((".yaml", ".yml", ".json")))
-    )
-    if is_path:
-        origin = str(source)
-        try:
-            text = Path(source).read_text()
-        except OSError as exc:
-            raise ManifestError(f"{origin}: cannot read the file ({exc.strerror}); check the path", origin) from None
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ManifestError(f"{where}invalid YAML ({problem}); fix the syntax there", origin) from None
-    if len(docs) > 1:
-        docs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND] or docs
-    if len(docs) != 1:
-        raise ManifestError(f"expected exactly one {KIND} document, found {len(docs)}; "
-                            "put one LLMEngine per file", origin)
-    return docs[0], origin
-
-
-_PATTERN_NAMES = {
-    DNS1123_LABEL: "a DNS-1123 label (lowercase letters, digits and '-', at most 63 characters)",
-    DNS1123_SUBDOMAIN: "a DNS-1123 name (lowercase letters, digits, '-' and '.')",
-}
-_TYPE_NAMES = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
-    "bool_parsing": "true or false", "string_type": "a string", "dict_type": "a mapping",
-    "model_type": "a mapping", "model_attributes_type": "a mapping", "list_type": "a list",
-    "datetime_type": "an RFC 3339 timestamp", "datetime_parsing": "an RFC 3339 timestamp",
-    "datetime_from_date_parsing": "an RFC 3339 timestamp",
-}
-_BOUNDS = {"greater_than_equal": (">=", "ge"), "less_than_equal": ("<=", "le"),
-           "greater_than": (">", "gt"), "less_than": ("<", "lt")}
-
-
-def validation_error_lines(exc: ValidationError, root: type[BaseModel]) -> list[str]:
-    """One ``path: problem; fix`` line per pydantic error, paths in YAML (camelCase) terms."""
-    lines: list[str] = []
-    for err in exc.errors(include_url=False):
-        loc = err["loc"]
-        path = _render_path(loc)
-        kind, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
-        if kind == "value_error":
-            for line in str(ctx.get("error", err["msg"])).splitlines():
-                sub = re.match(r"^([A-Za-z][A-Za-z.]*): (.*)$", line)
-                if sub:  # a cross-field check naming its field relative to this model
-                    lines.append(f"{_join(path, sub.group(1))}: {sub.group(2)}")
-                else:
-                    lines.append(f"{path}: {line}")
-        elif kind == "missing":
-            lines.append(f"{path}: required field is missing; add it")
-        elif kind == "extra_forbidden":
-            allowed = _allowed_fields(root, loc[:-1])
-            near = difflib.get_close_matches(str(loc[-1]).lower(), [a.lower() for a in allowed], n=1)
-            hint = next((a for a in allowed if near and a.lower() == near[0]), None)
-            fix = f"did you mean {hint}?" if hint else f"remove it (allowed: {', '.join(allowed)})"
-            lines.append(f"{path}: unknown field; {fix}")
-        elif kind in ("literal_error", "enum"):
-            expected = re.sub(r"'([^']*)'", r"\1", str(ctx.get("expected", ""))).replace(" or ", ", ")
-            lines.append(f"{path}: must be one of {expected} (got {_show(got)})")
-        elif kind in _TYPE_NAMES:
-            lines.append(f"{path}: must be {_TYPE_NAMES[kind]} (got {_show(got)})")
-        elif kind in _BOUNDS:
-            op, key = _BOUNDS[kind]
-            lines.append(f"{path}: must be {op} {ctx.get(key)} (got {_show(got)})")
-        elif kind == "string_pattern_mismatch":
-            pattern = ctx.get("pattern", "")
-            lines.append(f"{path}: must be {_PATTERN_NAMES.get(pattern, f'match {pattern}')} (got {_show(got)})")
-        elif kind in ("string_too_long", "too_long"):
-            unit = "characters" if kind == "string_too_long" else "items"
-            lines.append(f"{path}: must have at most {ctx.get('max_length')} {unit}")
-        else:
-            lines.append(f"{path}: {err['msg']}")
-    return lines
-
-
-def _render_path(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "manifest"
-
-
-def _join(path: str, rel: str) -> str:
-    return rel if path == "manifest" else f"{path}.{rel}"
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, dict | list):
-        return type(value).__name__
-    text = repr(value) if isinstance(value, str) else str(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _allowed_fields(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """The YAML field names of the model at ``loc`` (for did-you-mean hints)."""
-    cls: Any = root
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        field = next((f for n, f in cls.model_fields.items() if part in (n, f.alias)), None)
-        cls = _model_in(field.annotation) if field else None
-        if cls is None:
-            return []
-    return [f.alias or n for n, f in cls.model_fields.items()]
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list):
-        return next((m for a in get_args(annotation) if (m := _model_in(a)) is not None), None)
-    return None
 
 
 if set(get_args(GPUName)) != set(GPU_SKUS):  # pragma: no cover - a table edit missed the Literal

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import yaml
 
-from kiln.api import ManifestError, load_manifest
+from kiln.manifest import ManifestError, load_manifest
 
 EXIT_INVALID_SPEC = 2
 

@@ -86,10 +86,10 @@ def run_foreground(cmd: list[str], env: dict[str, str] | None = None) -> int:
 def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_dir: str | None,
        verbose: bool) -> None:
     """Build the manifest's engine into a local store if missing, then serve it on this machine."""
-    from kiln.api import ManifestError, load_manifest
     from kiln.artifacts import default_store_uri
     from kiln.builder.cli import build_engine
     from kiln.builder.report import setup_logging, summary_lines
+    from kiln.manifest import ManifestError, load_manifest
 
     try:
         engine = load_manifest(manifest)

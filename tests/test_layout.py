@@ -27,7 +27,7 @@ def test_every_package_folder_is_listed_in_pyproject():
 def test_core_and_operator_import_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
-        "import kiln, kiln.api, kiln.envelope, kiln.artifacts, kiln.cli, kiln.operator\n"
+        "import kiln, kiln.api, kiln.manifest, kiln.envelope, kiln.artifacts, kiln.cli, kiln.operator\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -58,7 +58,7 @@ def engine_json(store_uri: str, version: str, dest: Path) -> tuple[Path, dict]:
 
 
 def version_of(manifest: Path) -> str:
-    from kiln.api import load_manifest
     from kiln.envelope import engine_version
+    from kiln.manifest import load_manifest
 
     return engine_version(load_manifest(manifest))

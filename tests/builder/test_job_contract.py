@@ -7,9 +7,9 @@ import shutil
 
 from click.testing import CliRunner
 
-from kiln.api import load_manifest
 from kiln.artifacts import ArtifactStore
 from kiln.envelope import engine_version
+from kiln.manifest import load_manifest
 
 
 def test_operator_rendered_build_job_publishes_the_operators_version(toy_model, tmp_path):

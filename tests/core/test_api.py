@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from kiln import api
-from kiln.api import GPU_SKUS, LLMEngine, LLMEngineSpec, LLMEngineStatus, ManifestError, load_manifest
+from kiln.api import GPU_SKUS, LLMEngine, LLMEngineSpec, LLMEngineStatus
+from kiln.manifest import ManifestError, _model_in, load_manifest, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -74,7 +75,7 @@ def test_every_field_has_a_description():
     def walk(model: type) -> None:
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
-            inner = api._model_in(field.annotation)
+            inner = _model_in(field.annotation)
             if inner is not None:
                 walk(inner)
     walk(LLMEngineSpec)
@@ -199,14 +200,14 @@ def test_status_round_trip_and_bounded_history():
 def test_load_spec_names_fields_under_spec():
     raw = manifest(tensorParallel=3, maxInputLen=9000)["spec"]
     with pytest.raises(ManifestError) as info:
-        api.load_spec(raw)
+        load_spec(raw)
     assert str(info.value).splitlines() == ["spec.tensorParallel: must be one of 1, 2, 4, 8 (got 3)"]
     raw["tensorParallel"] = 2
     with pytest.raises(ManifestError, match=r"^spec\.maxInputLen: must be less than maxSeqLen \(9000 >= 4096\)"):
-        api.load_spec(raw)
+        load_spec(raw)
     with pytest.raises(ManifestError, match=r"^spec: must be a mapping \(got list\)$"):
-        api.load_spec([])
-    assert api.load_spec(manifest()["spec"]).gpu == "H100-80GB"
+        load_spec([])
+    assert load_spec(manifest()["spec"]).gpu == "H100-80GB"
 
 
 def test_status_tolerates_keys_other_writers_leave():

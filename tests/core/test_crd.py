@@ -11,9 +11,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kiln import api
-from kiln.api import LLMEngineSpec, ManifestError, load_manifest
+from kiln.api import LLMEngineSpec
 from kiln.crd import CRD_NAME, generate_crd, render_crd
+from kiln.manifest import ManifestError, load_manifest, validation_error_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = [ROOT / "crds/llmengines.serving.kiln.dev.yaml", ROOT / "helm/kiln/crds/llmengines.serving.kiln.dev.yaml"]
@@ -148,7 +148,7 @@ def test_cel_rules_agree_with_pydantic(change: dict):
         from pydantic import ValidationError
 
         assert isinstance(exc, ValidationError)
-        python_lines = api.validation_error_lines(exc, LLMEngineSpec)
+        python_lines = validation_error_lines(exc, LLMEngineSpec)
     assert bool(failed) == bool(python_lines), (failed, python_lines)
     # Both name the same fields.
     assert sorted(r["fieldPath"].lstrip(".") for r in failed) == sorted(line.split(":")[0] for line in python_lines)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.api import LLMEngineSpec, load_manifest
+from kiln.api import LLMEngineSpec
 from kiln.envelope import (
     ARTIFACT_FORMAT_VERSION,
     ENVELOPE_VERSION,
@@ -23,6 +23,7 @@ from kiln.envelope import (
     model_slug,
     normalize_source,
 )
+from kiln.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = ROOT / "examples/cpu-small.yaml"
@@ -51,7 +52,7 @@ def test_golden_version_of_the_cpu_example():
 
 
 def test_version_is_stable_across_processes():
-    code = "from kiln.api import load_manifest; from kiln.envelope import engine_version; " \
+    code = "from kiln.manifest import load_manifest; from kiln.envelope import engine_version; " \
            f"print(engine_version(load_manifest({str(CPU)!r})))"
     outs = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

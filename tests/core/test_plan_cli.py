@@ -10,10 +10,10 @@ from pathlib import Path
 import yaml
 from click.testing import CliRunner
 
-from kiln.api import load_manifest
 from kiln.cli import cli
 from kiln.crd import render_crd
 from kiln.envelope import build_envelope, engine_version
+from kiln.manifest import load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = ROOT / "examples/cpu-small.yaml"

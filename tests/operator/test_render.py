@@ -13,9 +13,10 @@ from kiln.operator.settings import ConfigError, OperatorConfig
 from kiln.operator.validation import InvalidSpec, validate_spec
 from kiln.operator.workloads import build_deployment, build_pdb, build_service, endpoint, grace_period
 
-from kiln.api import GPU_SKUS, LLMEngineSpec, load_manifest
+from kiln.api import GPU_SKUS, LLMEngineSpec
 from kiln.artifacts import ArtifactStore
 from kiln.envelope import engine_version
+from kiln.manifest import load_manifest
 
 K8S_VERSION = "1.31"
 CONFIG = OperatorConfig(store_uri="s3://kiln-engines/prod", store_secret="kiln-store",
