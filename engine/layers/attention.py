@@ -46,6 +46,8 @@ class AttentionMetadata:
 
 
 _metadata: AttentionMetadata | None = None
+# CPU decode attention gathers at most about this many bytes of K+V at a time (see Attention._decode_cpu).
+_CHUNK_BYTES = 4 << 20
 
 
 def set_attention_metadata(md: AttentionMetadata | None) -> None:
@@ -79,17 +81,16 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decode_tokens
-        if nd:
+        if nd and not q.is_cuda:
+            pad = md.decode_pad_mask
+            if pad is None:
+                pad = ~md.decode_mask.view(1, nd, 1, -1)
+            out[:nd] = self._decode_cpu(q[:nd], md.decode_block_tables, pad, md.workspace)
+        elif nd:
             keys, vals = self._gather(md.decode_block_tables, q.dtype, md.workspace)  # [kvh, D, ctx, d]
-            if q.is_cuda:
-                o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.transpose(0, 1), vals.transpose(0, 1),
-                                                   attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa)
-                out[:nd] = o.squeeze(2)
-            else:
-                pad = md.decode_pad_mask
-                if pad is None:
-                    pad = ~md.decode_mask.view(1, nd, 1, -1)
-                out[:nd] = self._decode_cpu(q[:nd], keys, vals, pad)
+            o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.transpose(0, 1), vals.transpose(0, 1),
+                                               attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa)
+            out[:nd] = o.squeeze(2)
         for p in md.prefills:
             end = p.q_start + p.q_len
             qs = q[None, p.q_start:end].transpose(1, 2)  # 4-D: the CPU flash kernel does not take 3-D
@@ -103,25 +104,37 @@ class Attention(nn.Module):
             out[p.q_start:end] = o[0].transpose(0, 1)
         return out.flatten(1)
 
-    def _decode_cpu(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    def _decode_cpu(self, q: torch.Tensor, block_tables: torch.Tensor, pad: torch.Tensor,
+                    workspace: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """One query per row, as two batched matmuls with the query heads grouped by KV head.
 
         On CPU this beats SDPA for single-token queries (several times in bf16): no
         K/V repeat for GQA, no flash tiling over a one-row query, no copy of the
-        gathered K/V. Scores and softmax are float32. ``pad`` [1, D, 1, ctx] is True past each
-        row's context.
+        gathered K/V. Scores and softmax are float32. ``pad`` [1, D, 1, ctx] is True past
+        each row's context. When the gathered K/V of all heads would outgrow the cache
+        (``_CHUNK_BYTES``), KV heads are gathered and attended a few at a time, so the
+        matmuls read K/V while it is still in cache (measured 30 % faster at 48 rows x 400
+        tokens, slower below ~3 MB where the extra ops dominate). Same values either way.
         """
-        rows = q.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        qg = q.view(rows, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # [kvh, D, group, d]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(self.scale)  # [kvh, D, group, ctx]
-        scores.masked_fill_(pad, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(vals.dtype)
-        return torch.matmul(probs, vals).transpose(0, 1).reshape(rows, self.num_heads, self.head_dim)
+        rows, nblocks = block_tables.shape
+        kvh, _, block_size, d = self.k_cache.shape
+        qg = q.view(rows, kvh, self.num_heads // kvh, d).transpose(0, 1)  # [kvh, D, group, d]
+        step = heads_per_chunk(kvh, 2 * kvh * rows * nblocks * block_size * d * self.k_cache.element_size())
+        outs = []
+        for h in range(0, kvh, step):
+            heads = slice(h, min(h + step, kvh))
+            keys, vals = self._gather(block_tables, q.dtype, workspace, heads)  # [step, D, ctx, d]
+            scores = torch.matmul(qg[heads], keys.transpose(-1, -2)).float().mul_(self.scale)  # [step, D, group, ctx]
+            scores.masked_fill_(pad, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(vals.dtype)
+            outs.append(torch.matmul(probs, vals))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return o.transpose(0, 1).reshape(rows, self.num_heads, d)
 
-    def _gather(self, block_tables: torch.Tensor, dtype: torch.dtype,
-                workspace: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole blocks, [kv_heads, rows, blocks * block_size, d], one index_select each.
+    def _gather(self, block_tables: torch.Tensor, dtype: torch.dtype, workspace: dict[str, torch.Tensor] | None = None,
+                heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks, [kv_heads, rows, blocks * block_size, d], one index_select each
+        (only the KV heads in ``heads``).
 
         With a ``workspace`` the result is a view of a reused buffer (valid until the next
         gather): no fresh multi-megabyte tensor per layer, whose pages the allocator would
@@ -129,17 +142,23 @@ class Attention(nn.Module):
         """
         rows, nblocks = block_tables.shape
         flat = block_tables.reshape(-1)
-        kvh, _, block_size, d = self.k_cache.shape
+        k_cache, v_cache = self.k_cache[heads], self.v_cache[heads]
+        kvh, _, block_size, d = k_cache.shape
         shape = (kvh, rows, nblocks * block_size, d)
         if workspace is None:
-            keys = self.k_cache.index_select(1, flat).view(shape)
-            vals = self.v_cache.index_select(1, flat).view(shape)
+            keys = k_cache.index_select(1, flat).view(shape)
+            vals = v_cache.index_select(1, flat).view(shape)
         else:
             gathered = (kvh, rows * nblocks, block_size, d)
-            keys = torch.index_select(self.k_cache, 1, flat, out=_buffer(workspace, "k", self.k_cache, gathered))
-            vals = torch.index_select(self.v_cache, 1, flat, out=_buffer(workspace, "v", self.v_cache, gathered))
+            keys = torch.index_select(k_cache, 1, flat, out=_buffer(workspace, "k", k_cache, gathered))
+            vals = torch.index_select(v_cache, 1, flat, out=_buffer(workspace, "v", v_cache, gathered))
             keys, vals = keys.view(shape), vals.view(shape)
         return keys.to(dtype), vals.to(dtype)
+
+
+def heads_per_chunk(num_kv_heads: int, kv_bytes: int) -> int:
+    """How many KV heads CPU decode attention gathers at once, for ``kv_bytes`` of K+V over all heads."""
+    return num_kv_heads if kv_bytes <= _CHUNK_BYTES else max(1, num_kv_heads * _CHUNK_BYTES // kv_bytes)
 
 
 def _buffer(workspace: dict[str, torch.Tensor], name: str, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -82,3 +82,25 @@ def test_everything_at_once(toy_model, make_llm, hf_greedy):
     stats = llm.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert any(o.num_cached_tokens > 0 for o in outs)
+
+
+@pytest.mark.parametrize(("preset", "step"), [("llama-tiny", 1), ("mistral-tiny", 3)])
+def test_decode_attention_in_kv_head_chunks(preset, step, toy_model, make_llm, hf_greedy, monkeypatch):
+    """Large decode batches attend a few KV heads at a time (cache locality); the tokens stay HF's."""
+    from kiln.engine.layers import attention
+
+    calls = []
+    monkeypatch.setattr(attention, "heads_per_chunk", lambda kvh, kv_bytes: calls.append(kvh) or step)
+    model_dir = toy_model(preset)
+    llm = make_llm(model_dir, num_kv_blocks=64, enable_prefix_caching=False)
+    check(llm, model_dir, hf_greedy, random_prompts(LENGTHS, seed=1), MAX_TOKENS)
+    assert calls  # the chunked path really ran
+
+
+def test_heads_per_chunk_keeps_small_gathers_whole():
+    from kiln.engine.layers.attention import _CHUNK_BYTES, heads_per_chunk
+
+    assert heads_per_chunk(4, _CHUNK_BYTES) == 4
+    assert heads_per_chunk(4, 2 * _CHUNK_BYTES) == 2
+    assert heads_per_chunk(4, 3 * _CHUNK_BYTES) == 1
+    assert heads_per_chunk(8, 100 * _CHUNK_BYTES) == 1
