@@ -80,7 +80,7 @@ def run_hf_static(model, workload: Workload, batch_size: int, pad_id: int) -> Ru
         done = time.perf_counter()
         if out.shape[1] - width != max_new:
             raise RuntimeError(f"static batch produced {out.shape[1] - width} tokens, expected {max_new}")
-        # Steps that produced a token for at least one member: all max_new of them.
+        # One forward pass per generated position: the prefill (first token) + max_new - 1 decodes.
         num_steps += max_new
         for row, r in enumerate(batch):
             records.append(RequestRecord(

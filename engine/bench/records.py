@@ -10,8 +10,9 @@ the system, not in the bookkeeping:
   steps a static batch runs for its longest member never count);
 - TTFT = first token time - arrival; E2E = time the caller has the whole
   output - arrival (for a static batch: when ``generate`` returns);
-- average batch = output tokens / forward steps that produced tokens, i.e.
-  the mean number of requests that got a token per step.
+- average batch = output tokens / forward steps, i.e. the mean number of
+  requests that got a token per step (a step that only runs a prefill chunk
+  counts as a step with none).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class RequestRecord:
 class RunRecord:
     system: str
     duration_s: float  # first arrival to last finish
-    num_steps: int  # forward steps that produced at least one token (0 = not observable)
+    num_steps: int  # forward passes in the timed run (0 = not observable)
     requests: list[RequestRecord] = field(default_factory=list)
     peak_rss_bytes: int = 0
     load_s: float = 0.0
