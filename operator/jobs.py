@@ -1,9 +1,9 @@
 """The build Job: a pure function of (engine, version, config) -> a batch/v1 Job dict.
 
-What the Job hands the builder is the "Build Job contract" in
-/work/coord/CONTRACTS.md: ``kiln build --store $(KILN_STORE_URI)`` with the
-manifest as JSON in ``KILN_SPEC`` and the expected version in
-``KILN_ENGINE_VERSION``. A Job is shared by every LLMEngine that wants its
+What the Job hands the builder is what ``builder_job/spec.py`` reads:
+``kiln build --store $(KILN_STORE_URI)`` with the manifest as JSON in
+``KILN_SPEC`` and the expected version in ``KILN_ENGINE_VERSION``
+(tests/builder/test_job_contract.py runs the builder on a rendered Job's env). A Job is shared by every LLMEngine that wants its
 version, so it carries no controller owner; each of those engines adds itself
 as a plain owner (see reconcile.py) and Kubernetes' garbage collector deletes
 the Job once the last of them is gone.
