@@ -21,8 +21,9 @@ COLUMNS = [
 ]
 
 
-def table(systems: dict[str, dict], ratios: dict[str, float]) -> str:
-    rows = [[title for _, title, _ in COLUMNS]]
+def _cells(systems: dict[str, dict], ratios: dict[str, float]) -> list[list[str]]:
+    """One row of formatted cells per system (medians, plus kiln's ratio to it)."""
+    rows = []
     for name, entry in systems.items():
         med = {**entry["median"], "kiln_ratio": ratios.get(name)}
         row = [name]
@@ -30,6 +31,11 @@ def table(systems: dict[str, dict], ratios: dict[str, float]) -> str:
             value = med.get(key)
             row.append("-" if value is None or value != value else fmt.format(value))
         rows.append(row)
+    return rows
+
+
+def table(systems: dict[str, dict], ratios: dict[str, float]) -> str:
+    rows = [[title for _, title, _ in COLUMNS], *_cells(systems, ratios)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = []
     for n, row in enumerate(rows):
@@ -43,14 +49,7 @@ def table(systems: dict[str, dict], ratios: dict[str, float]) -> str:
 def markdown_table(systems: dict[str, dict], ratios: dict[str, float]) -> str:
     head = "| " + " | ".join(title or "system" for _, title, _ in COLUMNS) + " |"
     sep = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|"
-    lines = [head, sep]
-    for name, entry in systems.items():
-        med = {**entry["median"], "kiln_ratio": ratios.get(name)}
-        cells = [name]
-        for key, _, fmt in COLUMNS[1:]:
-            value = med.get(key)
-            cells.append("-" if value is None or value != value else fmt.format(value))
-        lines.append("| " + " | ".join(cells) + " |")
+    lines = [head, sep] + ["| " + " | ".join(cells) + " |" for cells in _cells(systems, ratios)]
     return "\n".join(lines)
 
 
