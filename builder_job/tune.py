@@ -19,8 +19,8 @@ runtime: on CPU the torch thread count, with prefill and decode-step latency and
 tokens/s at a few batch sizes recorded; on GPU the CUDA-graph decode batch
 buckets, eager vs graphs, recorded the same way. Every number measured is kept
 in ``engine.json`` under ``tuning``. CUDA-graph buckets go into ``engine_config``
-(an ``LLM`` argument); the thread count has no ``LLM`` argument, so ``kiln up``
-applies ``tuning.torch_num_threads`` as ``OMP_NUM_THREADS`` for the server.
+(an ``LLM`` argument); the thread count has no ``LLM`` argument, so ``kiln serve``
+applies ``tuning.torch_num_threads`` at load (kiln.serving.loader).
 """
 
 from __future__ import annotations

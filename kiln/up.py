@@ -11,7 +11,6 @@ builder's (``kiln build --help``).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -42,21 +41,9 @@ def read_engine_json(store_uri: str, version: str) -> dict:
         return {}
 
 
-def tuned_env(doc: dict) -> dict[str, str]:
-    """``OMP_NUM_THREADS`` from the artifact's measured thread count (CPU engines), unless the user set one.
-
-    The builder times the runtime at several torch thread counts and records the best in
-    ``engine.json`` (``tuning.torch_num_threads``); the server's torch reads it at start.
-    """
-    threads = (doc.get("tuning") or {}).get("torch_num_threads")
-    if "OMP_NUM_THREADS" in os.environ or not threads:
-        return {}
-    return {"OMP_NUM_THREADS": str(threads)}
-
-
-def run_foreground(cmd: list[str], env: dict[str, str] | None = None) -> int:
+def run_foreground(cmd: list[str]) -> int:
     """Run ``cmd``, forwarding SIGINT/SIGTERM to it, and return its exit code."""
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd)
 
     def forward(signum, _frame) -> None:
         if proc.poll() is None:
@@ -109,13 +96,9 @@ def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_
         click.echo(f"error: {outcome.message}", err=True)
         sys.exit(outcome.exit_code)
     click.echo(outcome.message)
-    doc = read_engine_json(store_uri, outcome.version)
-    report = outcome.build_report or doc.get("build_report")
+    report = outcome.build_report or read_engine_json(store_uri, outcome.version).get("build_report")
     for line in summary_lines(report) if report else []:
         click.echo(line)
     port = engine.spec.serving.port if port is None else port
-    env = tuned_env(doc)
-    if env:
-        click.echo(f"torch threads: {env['OMP_NUM_THREADS']} (measured at build time, engine.json tuning)")
     click.echo(f"serving {outcome.artifact_uri} on http://{host}:{port}/v1 (Ctrl-C to stop)")
-    sys.exit(run_foreground(serve_command(outcome.artifact_uri, engine, host, port), env))
+    sys.exit(run_foreground(serve_command(outcome.artifact_uri, engine, host, port)))
