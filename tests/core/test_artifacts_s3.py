@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.exceptions import ClientError
+from netutil import free_port, wait_for_port
 
 from kiln.artifacts import ArtifactCorrupt, ArtifactStore, StoreError, parse_artifact_uri
 from kiln.storage_s3 import _local_checksums
@@ -22,22 +22,6 @@ from kiln.storage_s3 import _local_checksums
 MiB = 1024 * 1024
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited early"
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(port)
 
 
 def write_random(path: Path, size: int, seed: int = 0) -> Path:
@@ -179,7 +163,7 @@ def test_access_denied_from_a_server_that_enforces_auth(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for_port(port, proc)
+        wait_for_port(port, proc=proc)
         store = ArtifactStore.from_uri(f"s3://locked-1/x?endpoint_url=http://127.0.0.1:{port}")
         with pytest.raises(StoreError, match=r"^s3://locked-1/x: access denied while trying to list engines/ "
                                              r"\(InvalidAccessKeyId\); check the credentials"):

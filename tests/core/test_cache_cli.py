@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from netutil import free_port
 
 from kiln.artifacts import ArtifactStore
 from kiln.cache_cli import cache, human_size, parse_duration
@@ -111,18 +111,13 @@ def test_missing_bucket_exits_3_with_one_line(s3_endpoint):
                         "(create it or fix --store)\n")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("case", ["missing-bucket", "unreachable"])
 def test_storage_errors_from_the_real_cli_process(case: str, s3_endpoint: str):
     env = {**os.environ, "KILN_STORE": "s3://no-such-bucket-kiln/x"}
     expected = "bucket 'no-such-bucket-kiln' does not exist"
     if case == "unreachable":
-        env["KILN_STORE"] = f"s3://b-1/x?endpoint_url=http://127.0.0.1:{_free_port()}"
+        env["KILN_STORE"] = f"s3://b-1/x?endpoint_url=http://127.0.0.1:{free_port()}"
         expected = "cannot reach the S3 endpoint"
     proc = subprocess.run([sys.executable, "-m", "kiln", "cache", "ls"], env=env, capture_output=True,
                           text=True, timeout=60)

@@ -18,16 +18,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from netutil import free_port
 
 MODEL_NAME = "tiny"
 # Small limits so over-limit inputs are cheap to send.
 DEFAULT_FLAGS = ["--max-seq-len", "256", "--max-input-len", "128", "--num-kv-blocks", "256"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
