@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.engine.config import EngineConfig
-from kiln.engine.errors import RequestError
+from kiln.engine.errors import RequestError, RequestFailedError
 from kiln.engine.llm_engine import LLMEngine, StepUpdate
 from kiln.engine.outputs import EngineStats, StreamDelta
 from kiln.engine.sampling_params import SamplingParams
@@ -159,6 +159,9 @@ class AsyncLLM:
                     self._post(arg, self._delta(req, [], req.abort_text, None, "abort", queue_time))
 
     def _publish(self, u: StepUpdate) -> None:
+        if u.error is not None:
+            self._post(u.request.request_id, RequestFailedError(u.error))
+            return
         reason = u.request.finish_reason if u.finished else None
         self._post(u.request.request_id,
                    self._delta(u.request, u.new_token_ids, u.text_delta, u.logprobs, reason, u.queue_time))

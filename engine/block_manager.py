@@ -12,6 +12,8 @@ tail first, so the tails of prefixes are evicted before their heads.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 
 from kiln.engine.sequence import Request
@@ -23,12 +25,22 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
+PREFIX_HASH_SCHEME = "kiln-prefix-v1"
+_ROOT = hashlib.sha256(PREFIX_HASH_SCHEME.encode()).digest()
+
+
+def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """SHA-256 of the parent block's hash and this block's token ids (uint32, little-endian).
+
+    Cryptographic on purpose: with a fast non-cryptographic hash, a client could craft a
+    prompt whose chain collides with another tenant's and be handed that tenant's KV
+    blocks. The first block's parent is SHA-256 of ``PREFIX_HASH_SCHEME``.
+    """
+    return hashlib.sha256((parent or _ROOT) + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
 
 
 class BlockManager:
@@ -38,7 +50,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up at first admission
         self.prefix_cache_hits = 0     # of those, tokens found in the cache
 

@@ -23,6 +23,7 @@ equals ``tokenizer.decode(output_ids, skip_special_tokens=...)`` cut at the stop
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,7 @@ class IncrementalDetokenizer:
         # Holding back text is only needed when the stop string must not appear in the output.
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._max_hold = 0 if self._include_stop else max(self._max_stop_len - 1, 0)
+        self._prefixes = StopPrefixes(self._stops) if self._max_hold else None
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         if self._decode(context).endswith(_REPLACEMENT_CHAR):
             context = []  # the prompt ends mid-character: decoding it as context would merge bytes
@@ -139,7 +141,7 @@ class IncrementalDetokenizer:
             self._is_stopped = True
             self._pending = ""
             return self._emit(window[:cut], stop_string_hit=True)
-        hold = 0 if final else self._hold_length(window)
+        hold = 0 if final else self._hold_length(window, new_text)
         self._pending = window[len(window) - hold:]
         return self._emit(window[:len(window) - hold], stop_string_hit=False)
 
@@ -168,10 +170,55 @@ class IncrementalDetokenizer:
         cut = best[0] if self._include_stop else -best[1]
         return max(cut - len(self._recent), 0)
 
-    def _hold_length(self, window: str) -> int:
-        """Length of the longest suffix of ``window`` that is a proper prefix of a stop string."""
-        for length in range(min(self._max_hold, len(window)), 0, -1):
-            suffix = window[-length:]
-            if any(stop.startswith(suffix) for stop in self._stops):
-                return length
-        return 0
+    def _hold_length(self, window: str, new_text: str) -> int:
+        """Length of the longest suffix of ``window`` that is a proper prefix of a stop string.
+
+        Text that could begin a stop string is never released (that is what holding means),
+        so that suffix always lies inside ``window``: the automaton, fed each new
+        character once, knows it in amortized O(1) per character, whatever the number or
+        length of the stop strings.
+        """
+        if self._prefixes is None:
+            return 0
+        return min(self._prefixes.feed(new_text), len(window))
+
+
+class StopPrefixes:
+    """Aho-Corasick automaton over the stop strings, tracking one quantity: after each
+    character fed, the length of the longest suffix of all text fed that is a prefix of
+    some stop string. Built once per request in O(total stop characters)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._goto: list[dict[str, int]] = [{}]
+        self._fail = [0]
+        self._depth = [0]
+        for stop in stops:
+            node = 0
+            for ch in stop:
+                child = self._goto[node].get(ch)
+                if child is None:
+                    child = len(self._goto)
+                    self._goto.append({})
+                    self._fail.append(0)
+                    self._depth.append(self._depth[node] + 1)
+                    self._goto[node][ch] = child
+                node = child
+        queue = deque(self._goto[0].values())  # breadth first: a node's fail link is shallower
+        while queue:
+            node = queue.popleft()
+            for ch, child in self._goto[node].items():
+                self._fail[child] = self._next(self._fail[node], ch) if node else 0
+                queue.append(child)
+        self._state = 0
+
+    def _next(self, state: int, ch: str) -> int:
+        while state and ch not in self._goto[state]:
+            state = self._fail[state]
+        return self._goto[state].get(ch, 0)
+
+    def feed(self, text: str) -> int:
+        state = self._state
+        for ch in text:
+            state = self._next(state, ch)
+        self._state = state
+        return self._depth[state]

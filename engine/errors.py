@@ -15,6 +15,11 @@ class RequestError(ValueError):
         self.param = param
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed on its own after it was admitted (its sampling or its text); the engine
+    and the other requests go on. AsyncLLM raises it in that request's stream."""
+
+
 class ConfigError(ValueError):
     """An engine setting (an ``LLM(...)`` keyword argument or artifact) that cannot work."""
 

@@ -10,6 +10,7 @@ request that could never run fails its caller and never blocks the queue.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import Request
 from kiln.engine.stopping import make_detokenizer, stop_reason
 
+log = logging.getLogger("kiln.engine")
+
 
 @dataclass
 class StepUpdate:
@@ -36,6 +39,7 @@ class StepUpdate:
     logprobs: list[dict[int, float]] | None
     finished: bool
     queue_time: float | None = None  # set on the request's first update only (see StreamDelta.queue_time)
+    error: str | None = None  # set when this request failed alone (finish reason "error"); the batch went on
 
 
 def load_tokenizer(model_dir: str) -> Any:
@@ -93,6 +97,10 @@ class LLMEngine:
                 raise RequestError("prompt", f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:3]}")
         else:
             raise RequestError("prompt", "prompt must be a string or a list of token ids")
+        # Ids the sampler indexes with: one out of range would fail the whole batch's step.
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("logit_bias", list(params.logit_bias or ()))
+        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
         if not ids:
             raise RequestError("prompt", "prompt is empty; give at least one token")
         n = len(ids)
@@ -119,6 +127,12 @@ class LLMEngine:
         req = Request(request_id, text, ids, params, max_tokens, eos_token_ids=self.eos_token_ids)
         req.detokenizer = make_detokenizer(self.tokenizer, ids, params)
         return req
+
+    def _check_token_ids(self, param: str, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(param, f"{param} holds token ids outside this model's vocabulary "
+                                      f"[0, {self.vocab_size}): {bad[:3]}")
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -174,29 +188,51 @@ class LLMEngine:
         now = time.time()
         updates = []
         for i, (req, tok) in enumerate(zip(sampled, token_ids, strict=True)):
-            req.token_ids.append(tok)
-            self.num_generated_tokens += 1
             queue_time = None
             if req.first_token_time is None:
                 req.first_token_time = now
                 queue_time = req.queue_time
-            step_lp = None
-            if req.logprobs is not None and lp is not None:
-                k = req.params.logprobs or 0
-                entry = dict(zip(top_ids[i][:k], top_lp[i][:k], strict=True))
-                entry[tok] = lp[i]
-                req.logprobs.append(entry)
-                step_lp = [entry]
-            det = req.detokenizer.append([tok])
-            text_delta = det.text_delta
-            reason = stop_reason(req, tok, det.stop_string_hit)
-            if reason is not None:
-                text_delta += req.detokenizer.finish()  # held-back text: a partial character or stop prefix
-                self.scheduler.finish(req, reason)
-                self.requests.pop(req.request_id, None)
-                req.finished_time = now
-            updates.append(StepUpdate(req, [tok], text_delta, step_lp, reason is not None, queue_time))
+            error = out.errors.get(i)
+            if error is None:
+                try:
+                    updates.append(self._advance(req, tok, i, lp, top_ids, top_lp, now, queue_time))
+                    continue
+                except Exception as exc:  # this request's text or stop rules failed: it alone ends
+                    log.exception("request %s failed after sampling; the rest of the batch goes on",
+                                  req.request_id)
+                    error = f"the request failed while decoding its output ({type(exc).__name__})"
+            self._fail(req, error, now)
+            updates.append(StepUpdate(req, [], "", None, True, queue_time, error=error))
         return updates
+
+    def _advance(self, req: Request, tok: int, i: int, lp, top_ids, top_lp, now: float,
+                 queue_time: float | None) -> StepUpdate:
+        """Append one sampled token to ``req``: logprobs, text, stop rules."""
+        req.token_ids.append(tok)
+        self.num_generated_tokens += 1
+        step_lp = None
+        if req.logprobs is not None and lp is not None:
+            k = req.params.logprobs or 0
+            entry = dict(zip(top_ids[i][:k], top_lp[i][:k], strict=True))
+            entry[tok] = lp[i]
+            req.logprobs.append(entry)
+            step_lp = [entry]
+        det = req.detokenizer.append([tok])
+        text_delta = det.text_delta
+        reason = stop_reason(req, tok, det.stop_string_hit)
+        if reason is not None:
+            text_delta += req.detokenizer.finish()  # held-back text: a partial character or stop prefix
+            self.scheduler.finish(req, reason)
+            self.requests.pop(req.request_id, None)
+            req.finished_time = now
+        return StepUpdate(req, [tok], text_delta, step_lp, reason is not None, queue_time)
+
+    def _fail(self, req: Request, error: str, now: float) -> None:
+        """Finish one request with reason "error" and free its blocks; the engine goes on."""
+        self.scheduler.finish(req, "error")
+        self.requests.pop(req.request_id, None)
+        req.finished_time = now
+        req.error = error
 
     # -- introspection --------------------------------------------------------------------
     def kv_usage(self) -> float:

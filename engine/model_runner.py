@@ -12,6 +12,7 @@ them, and every rank runs ``execute``; only rank 0 samples.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.sequence import Request
 from kiln.engine.weights import load_checkpoint, load_engine_state
 
+log = logging.getLogger("kiln.engine")
+
 
 @dataclass
 class StepInputs:
@@ -40,6 +43,26 @@ class StepInputs:
     decode_ctx_lens: torch.Tensor      # [num_decodes]
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (q_start, q_len, ctx_len, block_ids)
     logits_indices: torch.Tensor       # packed rows whose logits are sampled
+
+
+def merge_rows(outs: dict[int, SamplerOutput], errors: dict[int, str], num_rows: int,
+               device: torch.device) -> SamplerOutput:
+    """One SamplerOutput from rows sampled one at a time (rows in ``errors`` get id -1)."""
+    token_ids = torch.full((num_rows,), -1, dtype=torch.long, device=device)
+    for i, out in outs.items():
+        token_ids[i] = out.token_ids[0]
+    with_lp = {i: out for i, out in outs.items() if out.logprobs is not None}
+    if not with_lp:
+        return SamplerOutput(token_ids, errors=errors)
+    k = max(out.top_ids.shape[1] for out in with_lp.values())
+    logprobs = torch.full((num_rows,), float("nan"), device=device)
+    top_ids = torch.full((num_rows, k), -1, dtype=torch.long, device=device)
+    top_logprobs = torch.full((num_rows, k), float("nan"), device=device)
+    for i, out in with_lp.items():
+        width = out.top_ids.shape[1]
+        logprobs[i] = out.logprobs[0]
+        top_ids[i, :width], top_logprobs[i, :width] = out.top_ids[0], out.top_logprobs[0]
+    return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, errors)
 
 
 def build_model(config: EngineConfig) -> torch.nn.Module:
@@ -136,7 +159,24 @@ class ModelRunner:
             return [], None
         rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.eos_token_ids)
                 for r in sampled_reqs]
-        return sampled_reqs, self.sampler(logits.float(), rows)
+        return sampled_reqs, self.sample(logits.float(), rows)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """The batch's tokens; if sampling the batch fails, each row is sampled alone so that
+        only the rows that fail by themselves are lost (``errors``, token id -1)."""
+        try:
+            return self.sampler(logits, rows)
+        except Exception:
+            log.exception("sampling a batch of %d rows failed; sampling each row alone", len(rows))
+        outs: dict[int, SamplerOutput] = {}
+        errors: dict[int, str] = {}
+        for i, row in enumerate(rows):
+            try:
+                outs[i] = self.sampler(logits[i:i + 1], [row])
+            except Exception as exc:
+                log.exception("sampling failed for row %d", i)
+                errors[i] = f"sampling failed for this request ({type(exc).__name__})"
+        return merge_rows(outs, errors, len(rows), logits.device)
 
     # -- every rank -----------------------------------------------------------------------
     @torch.inference_mode()

@@ -20,10 +20,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (this request failed alone: see error)
     logprobs: list[dict[int, float]] | None
     num_cached_tokens: int
     metrics: RequestMetrics
+    error: str | None = None
 
 
 @dataclass

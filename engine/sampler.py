@@ -1,9 +1,10 @@
 """Turn one step's logits into next tokens, each row under its own ``SamplingParams``.
 
-Order, as in vLLM and Hugging Face: min_tokens masking of EOS/stop ids -> repetition
-penalty (HF style, over prompt and output) -> presence/frequency penalties (OpenAI style,
-over output) -> greedy rows take the argmax here -> temperature -> top-k -> top-p -> min-p
--> draw. A batch that is all plain greedy is one argmax and nothing else.
+Order, as in vLLM: allowed_token_ids mask -> min_tokens masking of EOS/stop ids ->
+logit_bias -> repetition penalty (HF style, over prompt and output) -> presence/frequency
+penalties (OpenAI style, over output) -> greedy rows take the argmax here -> temperature
+-> top-k -> top-p -> min-p -> draw. A batch that is all plain greedy is one argmax and
+nothing else.
 
 Rows are grouped by the features they use and each feature is one vectorized op over its
 group: Python work is per row and scalar, never per vocabulary entry. Penalties touch only
@@ -27,13 +28,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from kiln.engine.sampling_params import SamplingParams
 
-# Temperatures below this are greedy, as in vLLM: dividing by them overflows float32.
-_SAMPLING_EPS = 1e-5
 _TIERS = (32, 128, 1024)
 _BLOCK = 256  # tokens per block in the two-level argmax and inverse CDF
 
@@ -63,10 +62,11 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # float [num_rows]
     top_ids: torch.Tensor | None = None  # long [num_rows, k]
     top_logprobs: torch.Tensor | None = None  # float [num_rows, k]
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why sampling failed for it (token id -1)
 
 
 def _is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < _SAMPLING_EPS
+    return params.is_greedy
 
 
 def _min_tokens_masked_ids(row: SamplingRow) -> list[int]:
@@ -84,8 +84,9 @@ def _needs_min_tokens_mask(row: SamplingRow) -> bool:
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (
-        p.temperature < _SAMPLING_EPS and p.logprobs is None and p.repetition_penalty == 1.0
+        p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0
         and not p.presence_penalty and not p.frequency_penalty and not _needs_min_tokens_mask(row)
+        and not p.logit_bias and p.allowed_token_ids is None
     )
 
 
@@ -159,17 +160,27 @@ def _pairs(token_lists: list[Sequence[int]], device: torch.device) -> tuple[torc
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """min_tokens masking and the three penalties; ``logits`` itself when none apply."""
+    """allowed_token_ids, min_tokens masking, logit_bias and the three penalties; ``logits``
+    itself when none apply."""
     device, vocab = logits.device, logits.shape[1]
+    allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
     masked = [i for i, r in enumerate(rows) if _needs_min_tokens_mask(r)]
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     counted = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
-    if not (masked or rep or counted):
+    if not (allowed or masked or biased or rep or counted):
         return logits
     out = logits.clone()
+    for i in allowed:
+        keep = torch.full((vocab,), float("-inf"), dtype=out.dtype, device=device)
+        keep[rows[i].params.allowed_ids_tensor.to(device)] = 0.0
+        out[i] += keep
     if masked:
         local, ids = _pairs([_min_tokens_masked_ids(rows[i]) for i in masked], device)
         out[_index(masked, device)[local], ids] = float("-inf")
+    for i in biased:
+        ids, values = rows[i].params.logit_bias_tensors
+        out[i].index_add_(0, ids.to(device), values.to(device=device, dtype=out.dtype))
     if rep:
         local, ids = _pairs([[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in rep], device)
         where = (_index(rep, device)[local], ids)

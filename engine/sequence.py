@@ -48,6 +48,8 @@ class Request:
     finished_time: float | None = None
     num_preemptions: int = 0
     abort_text: str = ""                 # text the detokenizer still held when the request was aborted
+    error: str | None = None             # why it finished with reason "error" (it failed alone)
+    stop_token_set: frozenset[int] = frozenset()  # params.stop_token_ids, for a per-token lookup
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -56,6 +58,7 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        self.stop_token_set = frozenset(self.params.stop_token_ids)
 
     @property
     def queue_time(self) -> float | None:

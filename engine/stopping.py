@@ -19,7 +19,7 @@ def stop_reason(req: Request, token_id: int, stop_string_hit: bool) -> str | Non
     if req.num_output_tokens >= params.min_tokens:
         if not params.ignore_eos and token_id in req.eos_token_ids:
             return "stop"
-        if token_id in params.stop_token_ids or stop_string_hit:
+        if token_id in req.stop_token_set or stop_string_hit:
             return "stop"
     if req.num_output_tokens >= req.max_tokens:
         return "length"
