@@ -3,12 +3,20 @@
 A manifest is what makes a version exist: it lists every file with its sha256
 and size, and carries a digest over that list (``content_digest``) so two
 uploads of one version can tell whether they hold the same bytes.
+
+It also records who built the artifact (``built_by``: the builder image the
+operator ran and the operator's identity), and an :class:`ArtifactExpectation`
+is what a reader that knows what it wants (a serving pod the operator started)
+checks a manifest against before using any of its files. See
+docs/operator-trust.md.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,6 +32,10 @@ RESERVED_NAMES = frozenset({MANIFEST_NAME, CLAIM_NAME})
 HASH_CHUNK = 8 * 1024 * 1024
 
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# The operator tells a build container who is building (JSON of BuiltBy) ...
+BUILT_BY_ENV = "KILN_BUILT_BY"
+# ... and a serving container which artifact it verified (JSON of ArtifactExpectation).
+EXPECT_ENV = "KILN_EXPECT_ARTIFACT"
 
 
 class StoreError(Exception):
@@ -42,6 +54,10 @@ class ArtifactConflict(StoreError):
     """The version was already published with different content."""
 
 
+class ArtifactUntrusted(StoreError):
+    """The manifest is not the one the reader was told to expect (other builder, other content)."""
+
+
 class ManifestFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str = Field(description="path relative to the engine directory, '/'-separated")
@@ -55,6 +71,72 @@ class ManifestFile(BaseModel):
         if not v or v.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in v:
             raise ValueError(f"unsafe file path {v!r} in manifest")
         return v
+
+
+class BuiltBy(BaseModel):
+    """Who published an artifact: what the operator ran the build with, as the operator stated it."""
+
+    model_config = ConfigDict(extra="ignore")
+    builder_image: str = Field(min_length=1, description="image reference of the build container")
+    builder_image_digest: str | None = Field(
+        default=None, description="sha256:... when the reference is pinned by digest")
+    operator: str = Field(min_length=1, description="identity of the operator that created the build Job")
+
+    @classmethod
+    def of(cls, builder_image: str, operator: str) -> BuiltBy:
+        digest = builder_image.partition("@")[2] or None
+        return cls(builder_image=builder_image, builder_image_digest=digest, operator=operator)
+
+    def describe(self) -> str:
+        return f"image {self.builder_image} via operator {self.operator}"
+
+
+def _from_env_json(cls: type[BaseModel], env: Mapping[str, str], name: str) -> Any:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return cls.model_validate_json(raw)
+    except ValueError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise StoreError(f"${name} is not a valid {cls.__name__} JSON document ({first}); it is set by the "
+                         "kiln operator: run matching operator and kiln images") from None
+
+
+def built_by_from_env(env: Mapping[str, str]) -> BuiltBy | None:
+    """What the operator says about this build (``$KILN_BUILT_BY``); None outside the operator."""
+    return _from_env_json(BuiltBy, env, BUILT_BY_ENV)
+
+
+class ArtifactExpectation(BaseModel):
+    """What the operator verified about an artifact before pointing pods at it."""
+
+    model_config = ConfigDict(extra="forbid")
+    built_by: BuiltBy
+    content_digest: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ArtifactExpectation | None:
+        """``$KILN_EXPECT_ARTIFACT``; None when unset (``kiln up``, ``kiln serve`` by hand: no check)."""
+        return _from_env_json(cls, env, EXPECT_ENV)
+
+    def to_env(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def mismatch(self, manifest: Manifest) -> str | None:
+        """One line saying what differs between ``manifest`` and this expectation; None when it matches."""
+        got = manifest.built_by
+        if got is None:
+            return (f"its manifest records no builder, the operator expected one built by "
+                    f"{self.built_by.describe()}")
+        for key in ("operator", "builder_image", "builder_image_digest"):
+            want, have = getattr(self.built_by, key), getattr(got, key)
+            if want != have:
+                return f"manifest built_by.{key} is {have!r}, the operator expected {want!r}"
+        if self.content_digest is not None and manifest.content_digest != self.content_digest:
+            return (f"manifest content_digest is {manifest.content_digest[:16]}..., the operator verified "
+                    f"{self.content_digest[:16]}... (the artifact was replaced after the operator checked it)")
+        return None
 
 
 class Manifest(BaseModel):
@@ -71,6 +153,8 @@ class Manifest(BaseModel):
     files: list[ManifestFile] = Field(min_length=1)
     total_size: int = Field(ge=0)
     content_digest: str = Field(description="sha256 over the sorted (path, sha256, size) lines")
+    built_by: BuiltBy | None = Field(default=None, description="who built it; None: published outside "
+                                     "the operator (kiln up, kiln build by hand)")
 
     @staticmethod
     def digest_of(files: list[ManifestFile]) -> str:

@@ -50,10 +50,14 @@ from kiln.artifact_manifest import (
     VERSION_RE,
     ArtifactConflict,
     ArtifactCorrupt,
+    ArtifactExpectation,
     ArtifactNotFound,
+    ArtifactUntrusted,
+    BuiltBy,
     Manifest,
     ManifestFile,
     StoreError,
+    built_by_from_env,
     check_version,
     dir_matches,
     file_sha256,
@@ -63,7 +67,8 @@ from kiln.artifact_manifest import (
 from kiln.storage import Backend, ObjectInfo
 
 __all__ = [
-    "ArtifactConflict", "ArtifactCorrupt", "ArtifactNotFound", "ArtifactStore", "HASH_CHUNK", "MANIFEST_NAME",
+    "ArtifactConflict", "ArtifactCorrupt", "ArtifactExpectation", "ArtifactNotFound", "ArtifactStore",
+    "ArtifactUntrusted", "BuiltBy", "HASH_CHUNK", "MANIFEST_NAME", "built_by_from_env",
     "MANIFEST_SCHEMA_VERSION", "Manifest", "ManifestFile", "Progress", "StoreError", "check_version",
     "default_store_uri", "file_sha256", "parse_artifact_uri",
 ]
@@ -134,15 +139,23 @@ class ArtifactStore:
         return ArtifactNotFound(f"{self.uri}: engine version {version!r} is not in the store "
                                 f"(see `kiln cache ls --store {self.uri}`)")
 
-    def fetch(self, version: str, dest_dir: str | Path, progress: Progress | None = None) -> Path:
+    def fetch(self, version: str, dest_dir: str | Path, progress: Progress | None = None,
+              expect: ArtifactExpectation | None = None) -> Path:
         """Download and verify every file, then move the directory into place as ``dest_dir``.
 
         ``dest_dir`` also receives ``manifest.json``. If it already holds this version
-        (same content digest) and its files verify, nothing is downloaded.
+        (same content digest) and its files verify, nothing is downloaded. With ``expect``,
+        a manifest that does not match it raises :class:`ArtifactUntrusted` before any file
+        is used (the files are then checked against that same manifest).
         """
         manifest = self.read_manifest(version)
         if manifest is None:
             raise self.not_found(version)
+        if expect is not None and (problem := expect.mismatch(manifest)) is not None:
+            raise ArtifactUntrusted(
+                f"{self.artifact_uri(version)}: refusing this artifact: {problem}; it was published by someone "
+                "other than the build the operator checked. Ask the cluster admin; the LLMEngine's status "
+                "says what the operator found")
         dest = Path(dest_dir).absolute()
         if dir_matches(dest, manifest):
             return dest
@@ -169,9 +182,10 @@ class ArtifactStore:
 
     # ---- writing -------------------------------------------------------------------------
     def publish(self, version: str, src_dir: str | Path, envelope: dict,
-                progress: Progress | None = None) -> Manifest:
+                progress: Progress | None = None, built_by: BuiltBy | None = None) -> Manifest:
         """Upload ``src_dir`` as ``version``: staging -> verify -> move in -> manifest last.
 
+        ``built_by`` is recorded in the manifest (who built it; see :class:`BuiltBy`).
         A no-op returning the existing manifest when the version is already published.
         Raises :class:`ArtifactConflict` when another publisher won with different content.
         """
@@ -189,7 +203,7 @@ class ArtifactStore:
                 self.backend.verify_upload(paths[f.path], f"{staging}/{f.path}", f.sha256, f.size)
             manifest = Manifest(engine_version=version, created_at=now_utc(), upload_id=upload_id,
                                 envelope=dict(envelope), files=files, total_size=sum(f.size for f in files),
-                                content_digest=Manifest.digest_of(files))
+                                content_digest=Manifest.digest_of(files), built_by=built_by)
             return self._move_in(version, staging, manifest)
         finally:
             self._best_effort(lambda: self.backend.delete([o.key for o in self.backend.list(staging + "/")]))

@@ -61,14 +61,23 @@ def default_cache_dir() -> Path:
 
 
 def fetch_artifact(uri: str, cache_dir: Path | None) -> Path:
-    """Download and checksum-verify an engine artifact; reuses a verified local copy."""
-    from kiln.artifacts import parse_artifact_uri
+    """Download and checksum-verify an engine artifact; reuses a verified local copy.
+
+    In a pod the operator started, ``$KILN_EXPECT_ARTIFACT`` says which build it verified
+    (builder image, operator, content digest); an artifact whose manifest differs is refused
+    (:class:`kiln.artifacts.ArtifactUntrusted`, one line naming what differs). Unset (``kiln up``,
+    ``kiln serve`` by hand): no such check, only the checksums.
+    """
+    from kiln.artifacts import ArtifactExpectation, parse_artifact_uri
 
     store, version = parse_artifact_uri(uri)
+    expect = ArtifactExpectation.from_env(os.environ)
     dest = (cache_dir or default_cache_dir()) / version
     log.info("fetching engine %s from %s into %s", version, store.uri, dest)
+    if expect is not None:
+        log.info("expecting an artifact built by %s", expect.built_by.describe())
     started = time.monotonic()
-    path = store.fetch(version, dest)
+    path = store.fetch(version, dest, expect=expect)
     log.info("fetched and verified %s in %.1fs", version, time.monotonic() - started)
     return Path(path)
 
