@@ -12,6 +12,12 @@ Exit codes:
 On failure the one-line reason also goes to the termination message file
 ($KILN_TERMINATION_LOG, default /dev/termination-log) for the operator.
 The cache-hit path imports neither torch nor transformers, so it answers in seconds.
+
+\b
+Two steps, for a build Job (model and store credentials in separate containers):
+  --fetch-only   fetch the checkpoint into --work-dir and stop (needs no store)
+  --prefetched   build from what --fetch-only left in --work-dir (never fetches)
+$KILN_BUILT_BY (set by the operator) is recorded in the artifact's manifest.
 """
 
 from __future__ import annotations
@@ -46,16 +52,55 @@ class BuildOutcome:
     build_report: dict = field(default_factory=dict)
 
 
-def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, keep_work_dir: bool = False
-                 ) -> BuildOutcome:
-    """Build ``engine`` (an ``LLMEngine``) into ``store_uri`` unless it is there; never raises for user errors."""
-    from kiln.artifacts import ArtifactStore, StoreError
+def fetch_engine(engine, work_dir: str | Path) -> BuildOutcome:
+    """``--fetch-only``: fetch ``engine``'s checkpoint into ``work_dir``; never raises for user errors."""
+    from kiln.builder.prefetch import fetch_only
+
+    from kiln.envelope import engine_version
+
+    version = None
+    try:
+        version = engine_version(engine.spec)
+        check_expected_version(version)
+        work = Path(work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        ckpt = fetch_only(engine, work)
+        return BuildOutcome(EXIT_OK, version, message=f"fetched: {engine.spec.model.source} -> {ckpt.path} "
+                                                      f"({len(ckpt.files)} files) for {version}")
+    except BuildError as exc:
+        return BuildOutcome(exc.exit_code, version, message=f"{exc.reason}: {exc}")
+    except Exception:  # a bug: keep the traceback in the log, one line for the operator
+        log.error("unexpected error:\n%s", traceback.format_exc())
+        exc_type, exc_value = sys.exc_info()[:2]
+        return BuildOutcome(EXIT_UNEXPECTED, version,
+                            message=f"FetchFailed: unexpected {exc_type.__name__}: {exc_value} (see the log)")
+
+
+def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, keep_work_dir: bool = False,
+                 prefetched: bool = False) -> BuildOutcome:
+    """Build ``engine`` (an ``LLMEngine``) into ``store_uri`` unless it is there; never raises for user errors.
+
+    ``prefetched``: build from the checkpoint ``fetch_engine`` left in ``work_dir`` instead of fetching.
+    """
+    from kiln.artifacts import ArtifactStore, StoreError, built_by_from_env
     from kiln.envelope import build_envelope, engine_version
 
     version = None
     try:
         version = engine_version(engine.spec)
         check_expected_version(version)
+        try:
+            built_by = built_by_from_env(os.environ)
+        except StoreError as exc:
+            raise InvalidSpec(str(exc)) from None
+        checkpoint = None
+        if prefetched:
+            from kiln.builder.prefetch import load_fetched
+
+            if work_dir is None:
+                raise InvalidSpec(f"--prefetched needs --work-dir (or ${WORK_DIR_ENV}): the directory "
+                                  "`kiln build --fetch-only` fetched into")
+            checkpoint = load_fetched(engine, Path(work_dir))
         try:
             store = ArtifactStore.from_uri(store_uri)
             hit = store.exists(version)
@@ -72,7 +117,8 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
         try:
             from kiln.builder.pipeline import run_build
 
-            result = run_build(engine, store, version, build_envelope(engine.spec), work, report)
+            result = run_build(engine, store, version, build_envelope(engine.spec), work, report,
+                               checkpoint=checkpoint, built_by=built_by)
         finally:
             if made_tmp and not keep_work_dir:
                 shutil.rmtree(work, ignore_errors=True)
@@ -94,28 +140,46 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
 @click.option("-f", "--file", "manifest", metavar="MANIFEST", default=None,
               help="LLMEngine manifest (YAML or JSON); '-' reads stdin.")
 @click.option("--spec-file", default=None, metavar="FILE", help="Manifest file as a Job mounts it.")
-@click.option("--store", "store_uri", envvar=STORE_ENV, required=True, metavar="URI",
-              help=f"Artifact store: file:///path or s3://bucket/prefix (default ${STORE_ENV}).")
+@click.option("--store", "store_uri", envvar=STORE_ENV, default=None, metavar="URI",
+              help=f"Artifact store: file:///path or s3://bucket/prefix (default ${STORE_ENV}); "
+                   "required unless --fetch-only.")
 @click.option("--work-dir", envvar=WORK_DIR_ENV, default=None, type=click.Path(file_okay=False),
               help=f"Scratch space for the download and the package (default ${WORK_DIR_ENV} or a temp dir).")
 @click.option("--keep-work-dir", is_flag=True, help="Keep the staged engine directory after publishing.")
+@click.option("--fetch-only", is_flag=True,
+              help="Only fetch the checkpoint into --work-dir (with the model's credentials, no store's).")
+@click.option("--prefetched", is_flag=True,
+              help="Build from the checkpoint --fetch-only left in --work-dir (with the store's credentials only).")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def build(manifest: str | None, spec_file: str | None, store_uri: str, work_dir: str | None,
-          keep_work_dir: bool, verbose: bool) -> None:
+def build(manifest: str | None, spec_file: str | None, store_uri: str | None, work_dir: str | None,
+          keep_work_dir: bool, fetch_only: bool, prefetched: bool, verbose: bool) -> None:
     setup_logging(verbose)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if fetch_only and prefetched:
+        raise click.UsageError("--fetch-only and --prefetched are the two halves of one build; pass one")
+    if fetch_only and not work_dir:
+        raise click.UsageError(f"--fetch-only needs --work-dir (or ${WORK_DIR_ENV}): the directory the "
+                               "--prefetched build reads")
+    if not fetch_only and not store_uri:
+        raise click.UsageError(f"no artifact store: pass --store file:///path or s3://bucket/prefix "
+                               f"(or set ${STORE_ENV})")
     try:
         engine = resolve_manifest(manifest, spec_file)
     except InvalidSpec as exc:
         outcome = BuildOutcome(exc.exit_code, message=f"{exc.reason}: {exc}")
     else:
-        outcome = build_engine(engine, store_uri, work_dir, keep_work_dir)
+        if fetch_only:
+            outcome = fetch_engine(engine, work_dir)
+        else:
+            outcome = build_engine(engine, store_uri, work_dir, keep_work_dir, prefetched=prefetched)
     if outcome.exit_code == EXIT_OK:
         click.echo(outcome.message)
-        click.echo(f"artifact: {outcome.artifact_uri}")
+        if not fetch_only:
+            click.echo(f"artifact: {outcome.artifact_uri}")
     else:
         click.echo(f"error: {outcome.message}", err=True)
         if outcome.build_report:
             click.echo("report: " + json.dumps(outcome.build_report, indent=2, default=str), err=True)
-    write_termination_message(outcome.message if outcome.exit_code else f"{outcome.message} ({outcome.artifact_uri})")
+    ok_message = outcome.message if fetch_only else f"{outcome.message} ({outcome.artifact_uri})"
+    write_termination_message(outcome.message if outcome.exit_code else ok_message)
     sys.exit(outcome.exit_code)

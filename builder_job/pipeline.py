@@ -23,7 +23,7 @@ from kiln.builder import quality
 from kiln.builder.check import check_envelope, model_facts
 from kiln.builder.convert import convert_state_dict, dequantized_state_dict, load_checkpoint
 from kiln.builder.errors import InvalidSpec, QualityGateFailed, StorageFailure
-from kiln.builder.fetch import fetch_checkpoint
+from kiln.builder.fetch import Checkpoint, fetch_checkpoint
 from kiln.builder.package import (
     copy_model_files,
     dir_bytes,
@@ -75,8 +75,13 @@ def _device(spec) -> str:
     return "cuda" if torch.cuda.is_available() and not spec.gpu_spec.is_cpu else "cpu"
 
 
-def run_build(engine, store, version: str, envelope: dict, work_dir: Path, report: BuildReport) -> BuildResult:
-    """Build ``engine`` (an ``LLMEngine``) as ``version`` and publish it to ``store``."""
+def run_build(engine, store, version: str, envelope: dict, work_dir: Path, report: BuildReport,
+              checkpoint: Checkpoint | None = None, built_by=None) -> BuildResult:
+    """Build ``engine`` (an ``LLMEngine``) as ``version`` and publish it to ``store``.
+
+    ``checkpoint``: already fetched (``--prefetched``); otherwise this fetches it. ``built_by``
+    (:class:`kiln.artifacts.BuiltBy`) is recorded in the published manifest.
+    """
     from transformers import AutoTokenizer
 
     spec = engine.spec
@@ -86,7 +91,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
 
     _check_build_machine(spec)  # before a download that could take an hour
     with report.stage("fetch"):
-        ckpt = fetch_checkpoint(spec.model.source, spec.model.revision, work_dir)
+        ckpt = checkpoint or fetch_checkpoint(spec.model.source, spec.model.revision, work_dir)
         report.record("source", ckpt.provenance())
         if ckpt.resolved_revision and ckpt.resolved_revision != spec.model.revision:
             log.warning("spec.model.revision %s can move; this build used commit %s (recorded in engine.json); "
@@ -180,7 +185,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
         from kiln.artifacts import ArtifactConflict, StoreError
 
         try:
-            store.publish(version, out, envelope, progress=_publish_progress())
+            store.publish(version, out, envelope, progress=_publish_progress(), built_by=built_by)
         except ArtifactConflict:
             # Another builder of the same version won the race; its artifact differs from ours only in
             # what was measured (timings), and a version is immutable once published: use theirs.

@@ -1,0 +1,54 @@
+"""``kiln build --fetch-only`` / ``--prefetched``: fetching the checkpoint apart from building it.
+
+A build Job runs the two halves in two containers of one pod, so the user's model
+credentials (``spec.model.credentialsSecret``: HF_TOKEN, AWS_*) and the artifact
+store's credentials are never in one environment: the fetch init container
+downloads with the first into the shared work dir and records what it fetched
+(:data:`FETCHED_RECORD`); the build container, holding only the second, builds
+from that record. This module imports neither torch nor the store.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kiln.builder.errors import InvalidSpec
+from kiln.builder.fetch import Checkpoint, fetch_checkpoint
+
+FETCHED_RECORD = "fetched-checkpoint.json"
+
+
+def fetch_only(engine, work_dir: Path) -> Checkpoint:
+    """Fetch ``engine``'s checkpoint into ``work_dir`` and record it there for :func:`load_fetched`."""
+    spec = engine.spec
+    ckpt = fetch_checkpoint(spec.model.source, spec.model.revision, work_dir)
+    record = {**ckpt.provenance(), "path": str(ckpt.path)}
+    (work_dir / FETCHED_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return ckpt
+
+
+def load_fetched(engine, work_dir: Path) -> Checkpoint:
+    """The checkpoint a ``--fetch-only`` run left in ``work_dir``, for this spec's source and revision."""
+    spec = engine.spec
+    path = work_dir / FETCHED_RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InvalidSpec(f"--prefetched: no {path}; run `kiln build --fetch-only` with the same --work-dir "
+                          "first (a build Job's fetch init container does)") from None
+    except ValueError as exc:
+        raise InvalidSpec(f"--prefetched: {path} is not valid JSON ({exc}); run `kiln build --fetch-only` "
+                          "again") from None
+    wanted = {"source": spec.model.source, "revision": spec.model.revision}
+    if {k: record.get(k) for k in wanted} != wanted:
+        raise InvalidSpec(f"--prefetched: {path} holds {record.get('source')}@{record.get('revision')}, but "
+                          f"spec.model is {spec.model.source}@{spec.model.revision}; fetch this spec's model with "
+                          "`kiln build --fetch-only` into that work dir")
+    ckpt_dir = Path(record.get("path") or "")
+    if not ckpt_dir.is_dir():
+        raise InvalidSpec(f"--prefetched: the fetched checkpoint {ckpt_dir} named in {path} is gone; fetch again")
+    extra = {"gguf": record["gguf"]} if record.get("gguf") else {}  # a GGUF source's provenance
+    return Checkpoint(path=ckpt_dir, source=record["source"], revision=record["revision"],
+                      resolved_revision=record.get("resolved_revision"), files=dict(record.get("files") or {}),
+                      **extra)
