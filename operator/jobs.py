@@ -1,9 +1,18 @@
 """The build Job: a pure function of (engine, version, config) -> a batch/v1 Job dict.
 
-What the Job hands the builder is what ``builder_job/spec.py`` reads:
-``kiln build --store $(KILN_STORE_URI)`` with the manifest as JSON in
-``KILN_SPEC`` and the expected version in ``KILN_ENGINE_VERSION``
-(tests/builder/test_job_contract.py runs the builder on a rendered Job's env). A Job is shared by every LLMEngine that wants its
+Two containers, so that the model's credentials and the store's never share an
+environment (docs/operator-trust.md):
+
+- init container ``fetch``: ``kiln build --fetch-only``, with the user's
+  ``spec.model.credentialsSecret`` (HF_TOKEN or AWS_*) and no store settings:
+  downloads the checkpoint into the shared ``work`` emptyDir.
+- container ``build``: ``kiln build --prefetched --store $(KILN_STORE_URI)``, with
+  the store Secret and no model credentials: builds from that local checkpoint
+  and publishes, recording ``$KILN_BUILT_BY`` (image + operator) in the manifest.
+
+Both read the manifest as JSON in ``KILN_SPEC`` and the expected version in
+``KILN_ENGINE_VERSION`` (``builder_job/spec.py``; tests/builder/test_job_contract.py
+runs each container's command with that container's env only). A Job is shared by every LLMEngine that wants its
 version, so it carries no controller owner; each of those engines adds itself
 as a plain owner (see reconcile.py) and Kubernetes' garbage collector deletes
 the Job once the last of them is gone.
@@ -16,8 +25,10 @@ from typing import Any
 
 from kiln.operator.naming import ANNOTATION_ARTIFACT, ANNOTATION_VERSION, build_labels, job_name
 from kiln.operator.settings import OperatorConfig
+from kiln.operator.trust import builder_image, built_by
 
 from kiln.api import API_VERSION, KIND, LLMEngineSpec
+from kiln.artifact_manifest import BUILT_BY_ENV
 
 WORK_DIR = "/var/lib/kiln"
 PVC_MOUNT_ROOT = f"{WORK_DIR}/pvc"
@@ -60,8 +71,8 @@ def shm_volume(spec: LLMEngineSpec) -> list[dict[str, Any]]:
     return [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
 
 
-def store_env_from(config: OperatorConfig) -> list[dict[str, Any]]:
-    return [{"secretRef": {"name": config.store_secret}}] if config.store_secret else []
+def secret_env_from(secret: str | None) -> list[dict[str, Any]]:
+    return [{"secretRef": {"name": secret}}] if secret else []
 
 
 def manifest_json(spec: LLMEngineSpec, name: str, namespace: str) -> str:
@@ -73,43 +84,64 @@ def manifest_json(spec: LLMEngineSpec, name: str, namespace: str) -> str:
 def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
               config: OperatorConfig) -> dict[str, Any]:
     labels = build_labels(version)
-    env_from = store_env_from(config)
-    if spec.model.credentials_secret:
-        env_from.append({"secretRef": {"name": spec.model.credentials_secret}})
+    image = builder_image(spec, config)
     volumes: list[dict[str, Any]] = [{"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}},
-                                     *shm_volume(spec)]
-    mounts: list[dict[str, Any]] = [{"name": "work", "mountPath": WORK_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
-    if spec.tensor_parallel > 1:
-        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+                                     {"name": "fetch-tmp", "emptyDir": {}}, *shm_volume(spec)]
+    model_mounts: list[dict[str, Any]] = []
     if spec.model.scheme == "pvc":
         claim = spec.model.source.removeprefix("pvc://").split("/", 1)[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": f"{PVC_MOUNT_ROOT}/{claim}", "readOnly": True})
-    container: dict[str, Any] = {
-        "name": "build",
-        "image": spec.build.image or config.builder_image,
+        model_mounts.append({"name": "model", "mountPath": f"{PVC_MOUNT_ROOT}/{claim}", "readOnly": True})
+    common_env = [
+        {"name": "KILN_ENGINE_VERSION", "value": version},
+        {"name": "KILN_SPEC", "value": manifest_json(spec, name, namespace)},
+        {"name": "KILN_WORK_DIR", "value": WORK_DIR},
+        {"name": "KILN_PVC_ROOT", "value": PVC_MOUNT_ROOT},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": f"{WORK_DIR}/hf"},
+    ]
+    # The user's model credentials: only here, with no store settings or credentials.
+    fetch: dict[str, Any] = {
+        "name": "fetch",
+        "image": image,
         "imagePullPolicy": config.image_pull_policy,
         "command": ["kiln", "build"],
-        "args": ["--store", "$(KILN_STORE_URI)"],
-        "env": [
-            {"name": "KILN_STORE_URI", "value": config.store_uri},
-            {"name": "KILN_ENGINE_VERSION", "value": version},
-            {"name": "KILN_SPEC", "value": manifest_json(spec, name, namespace)},
-            {"name": "KILN_WORK_DIR", "value": WORK_DIR},
-            {"name": "KILN_PVC_ROOT", "value": PVC_MOUNT_ROOT},
-            {"name": "HOME", "value": "/tmp"},
-            {"name": "HF_HOME", "value": f"{WORK_DIR}/hf"},
-        ],
+        "args": ["--fetch-only"],
+        "env": common_env,
+        "resources": json.loads(json.dumps(config.build_resources or {})),
+        "volumeMounts": [{"name": "work", "mountPath": WORK_DIR}, {"name": "fetch-tmp", "mountPath": "/tmp"},
+                         *model_mounts],
+        "securityContext": container_security_context(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.model.credentials_secret:
+        fetch["envFrom"] = secret_env_from(spec.model.credentials_secret)
+    # The store's credentials: only here, with no model credentials.
+    mounts: list[dict[str, Any]] = [{"name": "work", "mountPath": WORK_DIR}, {"name": "tmp", "mountPath": "/tmp"},
+                                    *model_mounts]
+    if spec.tensor_parallel > 1:
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    container: dict[str, Any] = {
+        "name": "build",
+        "image": image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": ["kiln", "build"],
+        "args": ["--prefetched", "--store", "$(KILN_STORE_URI)"],
+        "env": [{"name": "KILN_STORE_URI", "value": config.store_uri}, *common_env,
+                {"name": BUILT_BY_ENV, "value": built_by(spec, config).model_dump_json()}],
         "resources": with_gpus(config.build_resources, spec),
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if env_from:
-        container["envFrom"] = env_from
+    if config.store_secret:
+        container["envFrom"] = secret_env_from(config.store_secret)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "securityContext": pod_security_context(),
+        # Nothing in a build talks to the Kubernetes API: no token in the pod to steal.
+        "automountServiceAccountToken": False,
+        "initContainers": [fetch],
         "containers": [container],
         "volumes": volumes,
         **gpu_placement(spec, config),

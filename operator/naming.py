@@ -42,6 +42,25 @@ def service_name(engine: str) -> str:
     return engine if re.match(r"^[a-z]", engine) else bounded_name("llme-", engine)
 
 
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def engine_name_problem(name: str) -> str | None:
+    """Why an LLMEngine called ``name`` cannot have its children (Deployment, Service, PDB, pod labels); None if
+    it can. LLMEngine names are DNS-1123 subdomains (up to 253 characters, dots allowed); the children need less."""
+    if len(name) > MAX_NAME:
+        return (f"metadata.name: {name!r} is {len(name)} characters, but it names this engine's Deployment and "
+                f"Service and is a label value on its pods, which allow at most {MAX_NAME}; "
+                f"recreate the LLMEngine with a name of at most {MAX_NAME} characters")
+    if "." in name:
+        return (f"metadata.name: {name!r} contains '.', but it names this engine's Service, which must be a "
+                "DNS-1035 label (lowercase letters, digits and '-'); recreate the LLMEngine with '-' instead of '.'")
+    if not DNS_1035_LABEL.match(service_name(name)):
+        return (f"metadata.name: {name!r} cannot name a Service (a DNS-1035 label: lowercase letters, digits and "
+                "'-', starting with a letter, ending with a letter or digit); recreate the LLMEngine with such a name")
+    return None
+
+
 def build_labels(version: str) -> dict[str, str]:
     return {**COMMON_LABELS, "app.kubernetes.io/component": "build", LABEL_VERSION: version}
 

@@ -44,7 +44,8 @@ from kiln.operator.status import (
     termination_message,
     transitions,
 )
-from kiln.operator.validation import InvalidSpec, validate_spec
+from kiln.operator.trust import artifact_problem, expectation
+from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
 from kiln.operator.workloads import build_deployment, build_pdb, build_service, endpoint
 
 from kiln.api import API_VERSION, PLURAL
@@ -82,6 +83,7 @@ async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Log
     old = body.get("status") or {}
     generation = body["metadata"].get("generation") or 0
     try:
+        validate_name(name)
         spec = validate_spec(body.get("spec") or {}, ctx.config)
     except InvalidSpec as exc:
         obs = Observation(generation=generation, old=old, invalid=str(exc), serving=old.get("servingVersion"))
@@ -95,7 +97,15 @@ async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Log
                 job_name=job_name(version), replicas=spec.serving.replicas,
                 endpoint=endpoint(name, namespace, spec), history=old.get("history") or [])
     deployment_path = api_path("apps/v1", "deployments", namespace, name)
-    if manifest is None:
+    untrusted = artifact_problem(manifest, ctx.config) if manifest is not None else None
+    if untrusted is not None:
+        # Someone else published this version: serve nothing new from it (the old version keeps serving),
+        # and build nothing (a build would find the version published); the status says how to recover.
+        deployment = await ctx.kube.get(deployment_path)
+        obs = Observation(**base, untrusted=untrusted, serving=serving_version(deployment, old.get("servingVersion")))
+        if is_new or old.get("phase") != "Failed":
+            logger.warning(f"{uri}: not serving it: {untrusted}")
+    elif manifest is None:
         if is_new:
             metrics.CACHE_MISSES.inc()
         job = await ensure_job(ctx, body, spec, version, logger)
@@ -110,7 +120,8 @@ async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Log
         if is_new and old.get("phase") != "Building":
             metrics.CACHE_HITS.inc()
         owner = owner_reference(body)
-        deployment = await apply(ctx.kube, build_deployment(spec, name, namespace, version, uri, ctx.config, owner))
+        deployment = await apply(ctx.kube, build_deployment(spec, name, namespace, version, uri, ctx.config, owner,
+                                                            expectation(manifest)))
         await apply(ctx.kube, build_service(spec, name, namespace, owner))
         pdb = build_pdb(spec, name, namespace, owner)
         if pdb is not None:

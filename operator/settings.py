@@ -13,10 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.operator.images import parse_allow_entry, parse_image
+
 from kiln.api import GPU_SKUS
 
 DEFAULT_GPU_LABEL = "nvidia.com/gpu.product"
 DEFAULT_IMAGE = "ghcr.io/kiln-dev/kiln:0.1.0"
+# Recorded in every artifact this operator builds and required of every artifact it serves; the chart
+# sets "<namespace>/<service account>" (value operatorId overrides it).
+DEFAULT_OPERATOR_ID = "kiln-operator"
 
 
 class ConfigError(ValueError):
@@ -57,6 +62,28 @@ def _int_env(env: Mapping[str, str], name: str, default: int, minimum: int = 0) 
     return value
 
 
+def _allowed_images(env: Mapping[str, str]) -> tuple[str, ...]:
+    entries = _json_env(env, "KILN_ALLOWED_IMAGES", [], list)
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, str):
+            raise ConfigError(f"KILN_ALLOWED_IMAGES[{i}] must be a string, got {type(entry).__name__}")
+        try:
+            parse_allow_entry(entry)
+        except ValueError as exc:
+            raise ConfigError(f"KILN_ALLOWED_IMAGES[{i}] {entry!r}: {exc} (chart value allowedImages; forms: "
+                              "repo:tag, repo@sha256:..., repo, registry/path/*)") from None
+    return tuple(entries)
+
+
+def _image_env(env: Mapping[str, str], name: str, default: str) -> str:
+    image = env.get(name, "").strip() or default
+    try:
+        parse_image(image)
+    except ValueError as exc:
+        raise ConfigError(f"{name} {image!r} is not an image reference: {exc}") from None
+    return image
+
+
 def _float_env(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name, "").strip()
     try:
@@ -71,8 +98,14 @@ class OperatorConfig:
     builder_image: str = DEFAULT_IMAGE
     serving_image: str = DEFAULT_IMAGE
     image_pull_policy: str = "IfNotPresent"
-    # Secret with AWS_* (or other store) credentials, mounted into build and serving pods via envFrom.
+    # Secret with AWS_* (or other store) credentials: envFrom of the build container (it publishes) ...
     store_secret: str | None = None
+    # ... and of serving pods (they only read: give them read-only credentials); None: store_secret.
+    serving_store_secret: str | None = None
+    # Images an LLMEngine may name in spec.build.image / spec.serving.image besides the chart's own
+    # (forms: kiln.operator.images). Empty: only the chart's images.
+    allowed_images: tuple[str, ...] = ()
+    operator_id: str = DEFAULT_OPERATOR_ID
     sku_node_labels: dict[str, dict[str, str]] = field(default_factory=default_sku_node_labels)
     gpu_tolerations: list[dict[str, Any]] = field(default_factory=lambda: [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
@@ -101,12 +134,16 @@ class OperatorConfig:
                 raise ConfigError(f"KILN_SKU_NODE_LABELS[{sku!r}] must map label keys to string values")
             labels[sku] = dict(selector)
         base = cls()
+        store_secret = env.get("KILN_STORE_SECRET", "").strip() or None
         return cls(
             store_uri=env.get("KILN_STORE_URI", "").strip(),
-            builder_image=env.get("KILN_BUILDER_IMAGE", "").strip() or base.builder_image,
-            serving_image=env.get("KILN_SERVING_IMAGE", "").strip() or base.serving_image,
+            builder_image=_image_env(env, "KILN_BUILDER_IMAGE", base.builder_image),
+            serving_image=_image_env(env, "KILN_SERVING_IMAGE", base.serving_image),
             image_pull_policy=env.get("KILN_IMAGE_PULL_POLICY", "").strip() or base.image_pull_policy,
-            store_secret=env.get("KILN_STORE_SECRET", "").strip() or None,
+            store_secret=store_secret,
+            serving_store_secret=env.get("KILN_SERVING_STORE_SECRET", "").strip() or None,
+            allowed_images=_allowed_images(env),
+            operator_id=env.get("KILN_OPERATOR_ID", "").strip() or base.operator_id,
             sku_node_labels=labels,
             gpu_tolerations=_json_env(env, "KILN_GPU_TOLERATIONS", base.gpu_tolerations, list),
             tolerations=_json_env(env, "KILN_TOLERATIONS", [], list),
@@ -122,6 +159,10 @@ class OperatorConfig:
             metrics_port=_int_env(env, "KILN_METRICS_PORT", 0),
             ha=env.get("KILN_HA", "").strip().lower() in ("1", "true", "yes"),
         )
+
+    @property
+    def serving_secret(self) -> str | None:
+        return self.serving_store_secret or self.store_secret
 
     def node_selector(self, sku: str) -> dict[str, str] | None:
         """The nodeSelector for a SKU; None when the map has no entry (a spec error, not a default)."""

@@ -48,7 +48,9 @@ def termination_message(pods: list[dict[str, Any]], limit: int = MESSAGE_TAIL) -
     """The tail of the newest terminated builder container's message (or its log, by FallbackToLogsOnError)."""
     found: list[tuple[str, str]] = []
     for pod in pods:
-        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        status = pod.get("status") or {}
+        # The fetch init container fails first when the model cannot be read; the build container after it.
+        for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
             term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
             if term and term.get("message"):
                 found.append((term.get("finishedAt") or "", term["message"].strip()))
@@ -117,7 +119,7 @@ def transitions(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str
     return events
 
 
-FAILURE_REASONS = {"InvalidSpec", "BuildFailed", "ArtifactMissing"}
+FAILURE_REASONS = {"InvalidSpec", "BuildFailed", "ArtifactMissing", "ArtifactUntrusted"}
 
 
 def same_status(old: dict[str, Any], new: dict[str, Any]) -> bool:
@@ -135,6 +137,7 @@ class Observation:
     artifact_uri: str | None = None
     invalid: str | None = None  # a user-facing message naming the field
     built: bool = False  # the artifact of engine_version is in the store
+    untrusted: str | None = None  # it is, but this operator did not build it (why; kiln.operator.trust)
     job: JobState | None = None  # the build Job, when not built
     job_name: str | None = None
     failure_detail: str = ""  # tail of the builder's termination message
@@ -162,6 +165,14 @@ def compose_status(obs: Observation, now: str | None = None) -> dict[str, Any]:
     if obs.history is not None:
         status["history"] = obs.history
     status["endpoint"] = obs.endpoint if obs.serving else None  # None: a merge patch removes it
+    if obs.untrusted is not None:
+        store = (obs.artifact_uri or "").rpartition("/engines/")[0] or "<store>"
+        msg = (f"{obs.artifact_uri} is in the store but {obs.untrusted}, so this operator will not serve it, "
+               f"and a build cannot replace a published version; remove it (`kiln cache rm {obs.engine_version} "
+               f"--store {store}`) and the operator rebuilds it")
+        status.update(phase="Failed", conditions=[
+            cond(BUILT, False, "ArtifactUntrusted", msg), cond(READY, False, "ArtifactUntrusted", msg + still)])
+        return status
     if not obs.built:
         job = obs.job or JobState("running")
         if job.state == "failed":

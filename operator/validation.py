@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.operator.naming import engine_name_problem
 from kiln.operator.settings import OperatorConfig
+from kiln.operator.trust import spec_image_problem
 from pydantic import ValidationError
 
 from kiln.api import LLMEngineSpec
@@ -41,8 +43,16 @@ def parse_spec(raw: dict[str, Any]) -> LLMEngineSpec:
         raise InvalidSpec("; ".join(lines)) from None
 
 
+def validate_name(name: str) -> None:
+    """An LLMEngine whose name cannot name its children fails once, naming ``metadata.name``."""
+    if problem := engine_name_problem(name):
+        raise InvalidSpec(problem)
+
+
 def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
     spec = parse_spec(raw)
+    if problem := spec_image_problem(spec, config):
+        raise InvalidSpec(problem)
     if spec.model.scheme == "file":
         raise InvalidSpec(
             f"spec.model.source: {spec.model.source} is a path on one machine, not visible to build pods; "

@@ -18,8 +18,8 @@ from kiln.operator.jobs import (
     container_security_context,
     gpu_placement,
     pod_security_context,
+    secret_env_from,
     shm_volume,
-    store_env_from,
     with_gpus,
 )
 from kiln.operator.naming import (
@@ -31,10 +31,15 @@ from kiln.operator.naming import (
     serving_labels,
 )
 from kiln.operator.settings import OperatorConfig
+from kiln.operator.trust import serving_image
 
 from kiln.api import LLMEngineSpec
+from kiln.artifact_manifest import EXPECT_ENV, ArtifactExpectation
 
 CACHE_DIR = "/var/cache/kiln"
+API_KEY_DIR = "/var/run/secrets/kiln/api-key"
+API_KEY_FILE = f"{API_KEY_DIR}/api-key"
+API_KEY_SECRET_KEY = "KILN_API_KEY"  # the key inside spec.serving.apiKeySecret
 GRACE_MARGIN_SECONDS = 15
 PROBE_PERIOD_SECONDS = 10
 
@@ -51,8 +56,8 @@ def _probe(path: str, **extra: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, **extra}
 
 
-def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str,
-                      config: OperatorConfig) -> dict[str, Any]:
+def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str, config: OperatorConfig,
+                      expect: ArtifactExpectation | None = None) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
         {"name": "KILN_SERVED_MODEL_NAME", "value": name},  # clients send model=<LLMEngine name>
         {"name": "KILN_CACHE_DIR", "value": CACHE_DIR},
@@ -60,18 +65,21 @@ def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str,
         {"name": "KILN_DRAIN_TIMEOUT_SECONDS", "value": str(spec.serving.drain_timeout_seconds)},
         {"name": "HOME", "value": "/tmp"},
     ]
-    if spec.serving.api_key_secret:
-        env.append({"name": "KILN_API_KEY", "valueFrom": {"secretKeyRef": {
-            "name": spec.serving.api_key_secret, "key": "KILN_API_KEY"}}})
+    if expect is not None:  # the build the operator verified; the pod refuses any other artifact
+        env.append({"name": EXPECT_ENV, "value": expect.to_env()})
+    args = ["--artifact", artifact_uri, "--host", "0.0.0.0", "--port", str(spec.serving.port)]
     mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    if spec.serving.api_key_secret:  # a read-only file, not an env var (env leaks into /proc, dumps, logs)
+        mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+        args += ["--api-key-file", API_KEY_FILE]
     if spec.tensor_parallel > 1:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     container: dict[str, Any] = {
         "name": "serve",
-        "image": spec.serving.image or config.serving_image,
+        "image": serving_image(spec, config),
         "imagePullPolicy": config.image_pull_policy,
         "command": ["kiln", "serve"],
-        "args": ["--artifact", artifact_uri, "--host", "0.0.0.0", "--port", str(spec.serving.port)],
+        "args": args,
         "ports": [{"name": "http", "containerPort": spec.serving.port, "protocol": "TCP"}],
         "env": env,
         "resources": with_gpus(spec.serving.resources or config.serving_resources, spec),
@@ -86,21 +94,33 @@ def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str,
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    env_from = store_env_from(config)
-    if env_from:
-        container["envFrom"] = env_from
+    if config.serving_secret:
+        container["envFrom"] = secret_env_from(config.serving_secret)
     return container
 
 
+def api_key_volume(spec: LLMEngineSpec) -> list[dict[str, Any]]:
+    if not spec.serving.api_key_secret:
+        return []
+    # 0440 with the pod's fsGroup: readable by the server's group, by no one else.
+    return [{"name": "api-key", "secret": {"secretName": spec.serving.api_key_secret, "defaultMode": 0o440,
+                                            "items": [{"key": API_KEY_SECRET_KEY, "path": "api-key"}]}}]
+
+
 def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: str, artifact_uri: str,
-                     config: OperatorConfig, owner: dict[str, Any] | None = None) -> dict[str, Any]:
+                     config: OperatorConfig, owner: dict[str, Any] | None = None,
+                     expect: ArtifactExpectation | None = None) -> dict[str, Any]:
+    """``expect``: the build the operator verified (reconcile passes it; ``None`` renders no check)."""
     labels = serving_labels(name)
     pod_labels = {**labels, LABEL_VERSION: version}
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": grace_period(spec, config),
         "securityContext": pod_security_context(),
-        "containers": [serving_container(spec, name, artifact_uri, config)],
-        "volumes": [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}, *shm_volume(spec)],
+        # The server never talks to the Kubernetes API: no token in the pod to steal.
+        "automountServiceAccountToken": False,
+        "containers": [serving_container(spec, name, artifact_uri, config, expect)],
+        "volumes": [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}, *shm_volume(spec),
+                    *api_key_volume(spec)],
         **gpu_placement(spec, config),
     }
     if config.serving_service_account:

@@ -175,8 +175,25 @@ def test_operator_deployment_carries_the_configuration(helm: Path, tmp_path: Pat
 
     config = OperatorConfig.from_env({k: v for k, v in env.items() if v is not None})
     assert config.node_selector("H100-80GB") == {"pool": "h100"} and config.store_uri == "s3://my-engines/prod"
+    # Tenancy defaults: only the chart's images, and the operator's identity is its namespace/service account.
+    assert config.allowed_images == () and config.operator_id == "kiln-system/kiln"
+    assert config.serving_secret is None
     (deployment,) = by_kind(docs, "Deployment")
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_tenancy_values_reach_the_operator(helm: Path, tmp_path: Path):
+    from kiln.operator.settings import OperatorConfig
+
+    docs = render(helm, values={
+        "store": {"uri": "s3://engines/prod", "credentialsSecret": "store-rw", "servingCredentialsSecret": "store-ro"},
+        "allowedImages": ["registry.example.com/ml/*", "quay.io/org/kiln-cuda:12.4"],
+        "operatorId": "prod/kiln"}, tmp=tmp_path)
+    env = env_of(operator_container(docs))
+    config = OperatorConfig.from_env({k: v for k, v in env.items() if v is not None})
+    assert config.allowed_images == ("registry.example.com/ml/*", "quay.io/org/kiln-cuda:12.4")
+    assert config.operator_id == "prod/kiln"
+    assert (config.store_secret, config.serving_secret) == ("store-rw", "store-ro")
 
 
 def test_ha_runs_replicas_with_peering(helm: Path):
@@ -189,7 +206,8 @@ def test_ha_runs_replicas_with_peering(helm: Path):
 
 
 @pytest.mark.parametrize("bad", ["store.uri=gs://bucket", "operator.replicas=2", "ha.replicas=1",
-                                 "gpuNodeLabels.B200.x=y", "unknownKey=1", "metrics.port=8080"])
+                                 "gpuNodeLabels.B200.x=y", "unknownKey=1", "metrics.port=8080",
+                                 "allowedImages[0]=reg.io/*/x", "allowedImages[0]=a b"])
 def test_values_schema_rejects_bad_values(helm: Path, bad: str):
     proc = run_helm(helm, "template", "kiln", str(CHART), "--set", bad)
     assert proc.returncode != 0 and "schema" in proc.stderr.lower(), proc.stderr

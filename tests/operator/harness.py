@@ -19,7 +19,8 @@ from conftest import Kube, wait_for
 from kopf.testing import KopfRunner
 
 from kiln.api import LLMEngineSpec
-from kiln.artifacts import ArtifactStore
+from kiln.artifact_manifest import BUILT_BY_ENV
+from kiln.artifacts import ArtifactStore, BuiltBy
 from kiln.envelope import build_envelope
 
 NS = "ml"
@@ -107,14 +108,20 @@ class Cluster:
             return jobs[0] if jobs else None
         return wait_for(check, what=f"a build Job for {version or 'any version'}")
 
-    def build(self, job: dict[str, Any], spec: dict[str, Any]) -> str:
-        """Be the builder: publish the artifact of the Job's version, then mark the Job complete."""
-        version = job["metadata"]["labels"][VERSION_LABEL]
+    def publish(self, version: str, spec: dict[str, Any], built_by: BuiltBy | None) -> None:
         src = self.tmp / f"artifact-{version}"
         (src / "weights").mkdir(parents=True, exist_ok=True)
         (src / "engine.json").write_text(json.dumps({"format_version": 1, "engine_version": version}))
         (src / "weights" / "rank-0-of-1.safetensors").write_bytes(version.encode() * 64)
-        self.store.publish(version, src, build_envelope(LLMEngineSpec.model_validate(spec)))
+        self.store.publish(version, src, build_envelope(LLMEngineSpec.model_validate(spec)), built_by=built_by)
+
+    def build(self, job: dict[str, Any], spec: dict[str, Any]) -> str:
+        """Be the builder: publish the artifact of the Job's version, recording who built it as the Job's build
+        container says (``$KILN_BUILT_BY``, as `kiln build` does), then mark the Job complete."""
+        version = job["metadata"]["labels"][VERSION_LABEL]
+        build = next(c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "build")
+        env = {e["name"]: e.get("value") for e in build["env"]}
+        self.publish(version, spec, BuiltBy.model_validate_json(env[BUILT_BY_ENV]))
         self.kube.patch(f"{JOBS}/{job['metadata']['name']}/status", {"status": {
             "startTime": "2026-01-01T00:00:00Z", "completionTime": "2026-01-01T00:05:00Z", "succeeded": 1,
             "conditions": [{"type": "Complete", "status": "True", "reason": "CompletionsReached"}]}})

@@ -11,10 +11,18 @@ from kiln.operator.jobs import build_job
 from kiln.operator.naming import LABEL_VERSION, bounded_name, job_name, owner_reference, service_name
 from kiln.operator.settings import ConfigError, OperatorConfig
 from kiln.operator.validation import InvalidSpec, validate_spec
-from kiln.operator.workloads import build_deployment, build_pdb, build_service, endpoint, grace_period
+from kiln.operator.workloads import (
+    API_KEY_FILE,
+    build_deployment,
+    build_pdb,
+    build_service,
+    endpoint,
+    grace_period,
+)
 
 from kiln.api import GPU_SKUS, LLMEngineSpec
-from kiln.artifacts import ArtifactStore
+from kiln.artifact_manifest import BUILT_BY_ENV, EXPECT_ENV
+from kiln.artifacts import ArtifactExpectation, ArtifactStore, BuiltBy
 from kiln.envelope import engine_version
 from kiln.manifest import load_manifest
 
@@ -62,20 +70,26 @@ def test_build_job_is_valid_and_targets_the_sku(sku: str, tp: int):
     assert any(v["name"] == "shm" for v in pod["volumes"]) == (tp > 1)
 
 
+def init_container(obj: dict) -> dict:
+    (fetch,) = obj["spec"]["template"]["spec"]["initContainers"]
+    return fetch
+
+
 def test_build_job_passes_the_spec_store_and_version_per_contract():
     s = spec(build={"timeoutSeconds": 1200, "image": "my/builder:1"}, model={
         "source": "hf://org/m", "credentialsSecret": "hf-token"})
     version = engine_version(s)
     job = validate(build_job(s, "demo", "ml", version, CONFIG))
     c = container(job)
-    assert c["command"] == ["kiln", "build"] and c["args"] == ["--store", "$(KILN_STORE_URI)"]
+    assert c["command"] == ["kiln", "build"] and c["args"] == ["--prefetched", "--store", "$(KILN_STORE_URI)"]
     assert c["image"] == "my/builder:1"
     e = env(job)
     assert e["KILN_STORE_URI"] == "s3://kiln-engines/prod" and e["KILN_ENGINE_VERSION"] == version
     manifest = json.loads(e["KILN_SPEC"])
     assert manifest["kind"] == "LLMEngine" and manifest["metadata"] == {"name": "demo", "namespace": "ml"}
     assert engine_version(LLMEngineSpec.model_validate(manifest["spec"])) == version
-    assert c["envFrom"] == [{"secretRef": {"name": "kiln-store"}}, {"secretRef": {"name": "hf-token"}}]
+    assert BuiltBy.model_validate_json(e[BUILT_BY_ENV]) == BuiltBy(
+        builder_image="my/builder:1", operator=CONFIG.operator_id)
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert job["spec"]["activeDeadlineSeconds"] == 1200
@@ -88,13 +102,35 @@ def test_build_job_passes_the_spec_store_and_version_per_contract():
         "serving.kiln.dev/artifact-uri"] == store.artifact_uri(version)
 
 
+def test_build_job_keeps_model_and_store_credentials_in_separate_containers():
+    s = spec(model={"source": "s3://models/m", "credentialsSecret": "team-a-models"})
+    job = validate(build_job(s, "demo", "ml", engine_version(s), CONFIG))
+    pod = job["spec"]["template"]["spec"]
+    fetch, build = init_container(job), container(job)
+    assert fetch["args"] == ["--fetch-only"] and fetch["image"] == build["image"] == CONFIG.builder_image
+    assert fetch["envFrom"] == [{"secretRef": {"name": "team-a-models"}}]
+    assert build["envFrom"] == [{"secretRef": {"name": "kiln-store"}}]
+    fetch_env = {e["name"] for e in fetch["env"]}
+    assert not any(n.startswith("KILN_STORE") for n in fetch_env) and BUILT_BY_ENV not in fetch_env
+    assert "nvidia.com/gpu" not in (fetch["resources"].get("limits") or {})  # fetching needs no GPU
+    # Only the work dir is shared (the checkpoint), not /tmp.
+    mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (fetch, build)}
+    assert mounts["fetch"]["work"] == mounts["build"]["work"] == env(job)["KILN_WORK_DIR"]
+    assert mounts["fetch"]["fetch-tmp"] == mounts["build"]["tmp"] == "/tmp"
+    assert pod["automountServiceAccountToken"] is False
+    for secretless in (spec(), spec(model={"source": "pvc://models/m"})):
+        job = build_job(secretless, "demo", "ml", engine_version(secretless), CONFIG)
+        assert "envFrom" not in init_container(job)
+
+
 def test_build_job_mounts_a_pvc_source_read_only():
     s = spec(model={"source": "pvc://models/llama/8b"})
     job = validate(build_job(s, "demo", "ml", engine_version(s), CONFIG))
     pod = job["spec"]["template"]["spec"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
-    mount = next(m for m in container(job)["volumeMounts"] if m["name"] == "model")
-    assert mount["mountPath"] == env(job)["KILN_PVC_ROOT"] + "/models" and mount["readOnly"]
+    for c in (init_container(job), container(job)):  # fetch records the path, build reads the weights there
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "model")
+        assert mount["mountPath"] == env(job)["KILN_PVC_ROOT"] + "/models" and mount["readOnly"]
 
 
 def test_job_names_are_deterministic_bounded_and_distinct():
@@ -114,16 +150,23 @@ def test_deployment_serves_the_artifact_safely():
     dep = validate(build_deployment(s, "demo", "ml", version, uri, CONFIG, OWNER))
     c = container(dep)
     assert c["command"] == ["kiln", "serve"] and c["args"][:2] == ["--artifact", uri]
-    assert c["args"][-2:] == ["--port", "9000"]
+    assert c["args"][c["args"].index("--port") + 1] == "9000"
     assert env(dep)["KILN_SERVED_MODEL_NAME"] == "demo"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == CONFIG.prestop_sleep_seconds
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
-    assert {"name": "KILN_API_KEY", "valueFrom": {"secretKeyRef": {"name": "api-key", "key": "KILN_API_KEY"}}} \
-        in c["env"]
     pod = dep["spec"]["template"]["spec"]
+    # The API key is a read-only file passed with --api-key-file, never an env var.
+    assert not any("API_KEY" in e["name"] for e in c["env"])
+    assert c["args"][c["args"].index("--api-key-file") + 1] == API_KEY_FILE
+    assert {"name": "api-key", "mountPath": API_KEY_FILE.rsplit("/", 1)[0], "readOnly": True} in c["volumeMounts"]
+    assert {"name": "api-key", "secret": {"secretName": "api-key", "defaultMode": 0o440, "items": [
+        {"key": "KILN_API_KEY", "path": API_KEY_FILE.rsplit("/", 1)[1]}]}} in pod["volumes"]
+    assert pod["automountServiceAccountToken"] is False
+    assert c["envFrom"] == [{"secretRef": {"name": "kiln-store"}}]
+    assert EXPECT_ENV not in env(dep)  # no verified build passed: nothing to expect
     assert pod["terminationGracePeriodSeconds"] == grace_period(s, CONFIG) > 40 + CONFIG.prestop_sleep_seconds
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -133,6 +176,18 @@ def test_deployment_serves_the_artifact_safely():
     assert dep["metadata"]["ownerReferences"] == [OWNER]
     assert LABEL_VERSION not in dep["spec"]["selector"]["matchLabels"]
     assert dep["spec"]["template"]["metadata"]["labels"][LABEL_VERSION] == version
+
+
+def test_deployment_tells_pods_which_build_the_operator_verified():
+    s = spec(serving={"apiKeySecret": "k"})
+    expect = ArtifactExpectation(built_by=BuiltBy.of("kiln:build", "kiln-system/kiln"), content_digest="ab" * 32)
+    dep = validate(build_deployment(s, "demo", "ml", "v", "s3://b/engines/v", CONFIG, OWNER, expect))
+    assert ArtifactExpectation.model_validate_json(env(dep)[EXPECT_ENV]) == expect
+    cfg = OperatorConfig(store_uri="s3://b", store_secret="store-rw", serving_store_secret="store-ro")
+    assert container(build_deployment(s, "d", "n", "v", "s3://b/engines/v", cfg))["envFrom"] == [
+        {"secretRef": {"name": "store-ro"}}]  # serving only reads: read-only credentials when the admin has them
+    assert container(build_job(s, "d", "n", engine_version(s), cfg))["envFrom"] == [
+        {"secretRef": {"name": "store-rw"}}]
 
 
 def test_only_a_version_change_changes_the_pod_template():

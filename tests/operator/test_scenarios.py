@@ -22,6 +22,11 @@ from harness import (
 )
 from kiln.operator.metrics import REGISTRY
 
+from kiln.api import LLMEngineSpec
+from kiln.artifact_manifest import EXPECT_ENV
+from kiln.artifacts import ArtifactExpectation, BuiltBy
+from kiln.envelope import engine_version
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -165,6 +170,7 @@ def test_two_engines_with_one_envelope_share_one_build_and_its_cleanup(cluster: 
 @pytest.mark.parametrize("spec, field", [
     ({"model": {"source": "file:///models/llama"}}, "spec.model.source"),
     ({"maxInputLen": 512, "maxSeqLen": 512}, "maxInputLen"),
+    ({"build": {"image": "evil.example.com/steal-the-store:1"}}, "spec.build.image"),
 ])
 def test_invalid_spec_fails_with_the_field_and_builds_nothing(cluster: Cluster, spec: dict, field: str):
     c = cluster
@@ -176,6 +182,8 @@ def test_invalid_spec_fails_with_the_field_and_builds_nothing(cluster: Cluster, 
         time.sleep(1)
         assert c.jobs() == [] and c.deployment("bad") is None
         assert "Warning" in {e.get("type") for e in c.kube.list("/api/v1/namespaces/ml/events")}
+        if field == "spec.build.image":
+            assert "allowedImages" in built["message"]  # the fix: ask the operator's admin
         # Fixing the spec is all it takes: no stuck resource.
         c.kube.patch(f"{ENGINES}/bad", {"spec": {**SPEC, **{k: SPEC.get(k) for k in spec}}})
         c.wait_job()
@@ -237,3 +245,62 @@ def test_a_missing_bucket_is_retried_with_a_clear_line_and_no_build(cluster: Clu
         wait_for(lambda: metric("kiln_reconcile_errors_total", kind="store") > errors, what="a store error")
         assert c.jobs() == []  # nothing is built while the store cannot be read
     assert "bucket 'kiln-no-such-bucket' does not exist" in runner.output
+
+
+def test_an_image_on_the_allowlist_builds_and_serves_and_records_who_built_it(cluster: Cluster, monkeypatch):
+    c = cluster
+    monkeypatch.setenv("KILN_ALLOWED_IMAGES", '["registry.example.com/ml-team/*"]')
+    monkeypatch.setenv("KILN_OPERATOR_ID", "kiln-system/kiln")
+    spec = {**SPEC, "build": {"image": "registry.example.com/ml-team/kiln-cuda:12.4"},
+            "serving": {**SPEC["serving"], "image": "registry.example.com/ml-team/kiln-serve:1"}}
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo", **spec))
+        job = c.wait_job()
+        pod = job["spec"]["template"]["spec"]
+        assert {x["image"] for x in [*pod["initContainers"], *pod["containers"]]} == {spec["build"]["image"]}
+        version = ready(c, "demo", spec)
+        built_by = c.store.read_manifest(version).built_by
+        assert (built_by.builder_image, built_by.operator) == (spec["build"]["image"], "kiln-system/kiln")
+        dep = c.deployment("demo")
+        serve = dep["spec"]["template"]["spec"]["containers"][0]
+        assert serve["image"] == spec["serving"]["image"]
+        expect = ArtifactExpectation.model_validate_json(
+            next(e["value"] for e in serve["env"] if e["name"] == EXPECT_ENV))
+        assert expect.built_by == built_by and expect.content_digest == c.store.read_manifest(version).content_digest
+
+
+@pytest.mark.parametrize("name, rule", [("a" * 64, "at most 63"), ("llama.chat", "DNS-1035")])
+def test_a_name_that_cannot_name_its_children_fails_once_on_metadata_name(cluster: Cluster, name: str, rule: str):
+    c = cluster
+    with running_operator() as runner:
+        c.kube.create(ENGINES, manifest(name))
+        c.wait_status(name, "Failed", phase="Failed")
+        built = c.condition(name, "Built")
+        assert built["reason"] == "InvalidSpec" and built["message"].startswith(f"metadata.name: {name!r}")
+        assert rule in built["message"]
+        time.sleep(1)  # several timer ticks: nothing created, nothing retried
+        assert c.jobs() == [] and c.kube.list(DEPLOYMENTS) == [] and c.kube.list(SERVICES) == []
+    assert runner.output.count("failed permanently") == 1
+
+
+def test_an_artifact_someone_else_published_is_not_served_until_removed_then_rebuilt(cluster: Cluster, monkeypatch):
+    c = cluster
+    monkeypatch.setenv("KILN_OPERATOR_ID", "kiln-system/kiln")
+    version = engine_version(LLMEngineSpec.model_validate(SPEC))
+    # Another tenant, holding store credentials, published this team's version first.
+    c.publish(version, SPEC, BuiltBy.of("evil.example.com/kiln:1", "tenant-b/kiln"))
+    hits = metric("kiln_artifact_cache_hits_total")
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        c.wait_status("demo", "Failed", phase="Failed", engineVersion=version)
+        built = c.condition("demo", "Built")
+        assert built["reason"] == "ArtifactUntrusted"
+        assert "operator 'tenant-b/kiln'" in built["message"] and f"kiln cache rm {version}" in built["message"]
+        wait_for(lambda: "ArtifactUntrusted" in c.event_reasons("demo"), what="a Warning event")
+        time.sleep(1)
+        assert c.jobs() == [] and c.deployment("demo") is None  # neither served nor built over
+        assert metric("kiln_artifact_cache_hits_total") == hits
+        c.store.delete(version)  # the recovery the message names
+        c.wait_job(version)
+        assert ready(c, "demo", SPEC) == version
+        assert c.store.read_manifest(version).built_by.operator == "kiln-system/kiln"

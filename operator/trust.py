@@ -1,0 +1,84 @@
+"""What the operator trusts: which images build and serving pods may run, and which artifacts it serves.
+
+Build pods hold the artifact store's write credentials and serving pods its read
+credentials, so an LLMEngine may name only images the operator's admin allowed
+(the chart's images, or an ``allowedImages`` entry; forms in
+:mod:`kiln.operator.images`). Every artifact records who built it
+(:class:`kiln.artifacts.BuiltBy`: the builder image and this operator's
+identity); the operator serves only artifacts it built with a trusted image, and
+tells the serving pods exactly which build it verified (``$KILN_EXPECT_ARTIFACT``)
+so they refuse anything else. docs/operator-trust.md explains the whole model.
+"""
+
+from __future__ import annotations
+
+from kiln.operator.images import AllowEntry, image_allowed, parse_allow_entry, parse_image, repository_entry
+from kiln.operator.settings import OperatorConfig
+
+from kiln.api import LLMEngineSpec
+from kiln.artifacts import ArtifactExpectation, BuiltBy, Manifest
+
+ALLOWLIST_HINT = "the chart value allowedImages (KILN_ALLOWED_IMAGES)"
+
+
+def allow_entries(config: OperatorConfig) -> list[AllowEntry]:
+    """The chart's images (their repositories) and then the admin's allowlist."""
+    return [repository_entry(config.builder_image), repository_entry(config.serving_image),
+            *(parse_allow_entry(e) for e in config.allowed_images)]
+
+
+def image_problem(field: str, image: str | None, config: OperatorConfig) -> str | None:
+    """A user-facing message when ``image`` (an LLMEngine's override at ``field``) may not run; None if it may."""
+    if image is None:
+        return None
+    try:
+        parse_image(image)
+    except ValueError as exc:
+        return f"{field}: {image!r} is not an image reference ({exc}); fix it, or remove {field} to use the " \
+               "chart's image"
+    if image_allowed(image, allow_entries(config)):
+        return None
+    chart = sorted({repository_entry(config.builder_image).text, repository_entry(config.serving_image).text})
+    listed = ", ".join(config.allowed_images) or "empty"
+    return (f"{field}: {image} is not an image this operator may run (its pods get the artifact store's "
+            f"credentials); allowed: the chart's {' and '.join(chart)} (any tag) and allowedImages ({listed}). "
+            f"Remove {field} to use the chart's image, or ask the operator's admin to add it to {ALLOWLIST_HINT}")
+
+
+def spec_image_problem(spec: LLMEngineSpec, config: OperatorConfig) -> str | None:
+    return (image_problem("spec.build.image", spec.build.image, config)
+            or image_problem("spec.serving.image", spec.serving.image, config))
+
+
+def builder_image(spec: LLMEngineSpec, config: OperatorConfig) -> str:
+    return spec.build.image or config.builder_image
+
+
+def serving_image(spec: LLMEngineSpec, config: OperatorConfig) -> str:
+    return spec.serving.image or config.serving_image
+
+
+def built_by(spec: LLMEngineSpec, config: OperatorConfig) -> BuiltBy:
+    """What a build Job of ``spec`` records in its artifact (``$KILN_BUILT_BY``)."""
+    return BuiltBy.of(builder_image(spec, config), config.operator_id)
+
+
+def artifact_problem(manifest: Manifest, config: OperatorConfig) -> str | None:
+    """Why this operator will not serve ``manifest``'s artifact; None when it trusts it."""
+    got = manifest.built_by
+    if got is None:
+        return ("its manifest records no builder (published outside an operator, e.g. by `kiln build` by hand "
+                "or by a kiln without build provenance)")
+    if got.operator != config.operator_id:
+        return (f"it was built through operator {got.operator!r}, not this one ({config.operator_id!r}; chart "
+                "value operatorId)")
+    if not image_allowed(got.builder_image, allow_entries(config)):
+        return (f"it was built by image {got.builder_image}, which this operator does not trust (the chart's "
+                f"images and {ALLOWLIST_HINT})")
+    return None
+
+
+def expectation(manifest: Manifest) -> ArtifactExpectation:
+    """What serving pods must find in the manifest: the build the operator just verified, byte for byte."""
+    assert manifest.built_by is not None
+    return ArtifactExpectation(built_by=manifest.built_by, content_digest=manifest.content_digest)
