@@ -4,7 +4,7 @@
 the engine; the lifespan starts loading it in the background (see
 :mod:`kiln.serving.loader`), so ``/health`` and ``/ready`` answer while a
 long load runs. Probe and metrics endpoints never need the API key; the
-``/v1`` endpoints do when one is configured.
+``/v1`` endpoints and ``/version`` do when one is configured.
 """
 
 from __future__ import annotations
@@ -115,8 +115,10 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.kiln.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@probes.get("/version")
+@models.get("/version")
 async def version(request: Request) -> dict[str, Any]:
+    """What runs here (versions, engine config); behind the API key when one is set: it tells an
+    attacker which kiln, torch and model to target."""
     ctx = request.app.state.kiln
     return {"kiln_version": __version__, "served_model_name": ctx.served_model_name, "phase": ctx.state.phase,
             **ctx.state.engine_info}
@@ -144,6 +146,25 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     return _model_card(ctx)
 
 
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request bodies: the routes parse bodies themselves (to bound
+    their size and nesting first), so FastAPI cannot see them; the pydantic models are the truth."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+        from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def create_app(config: ServeConfig) -> FastAPI:
     ctx = ServingContext(config)
 
@@ -160,7 +181,8 @@ def create_app(config: ServeConfig) -> FastAPI:
                 await ctx.state.engine.shutdown()
 
     app = FastAPI(title="kiln", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url="/openapi.json")
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.state.kiln = ctx
     install_error_handlers(app)
     app.include_router(probes)

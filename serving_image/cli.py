@@ -87,6 +87,13 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               envvar="KILN_DRAIN_TIMEOUT_SECONDS",
               help="Seconds in-flight requests get to finish after SIGTERM [env KILN_DRAIN_TIMEOUT_SECONDS].")
+@click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
+              envvar="KILN_MAX_CONNECTIONS",
+              help="Open HTTP connections at most; past it new requests get 503 [env KILN_MAX_CONNECTIONS].")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a client may take to send a request's headers before the connection is closed.")
+@click.option("--body-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds a client may take to send a request's body before it gets 408.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 @click.option(
@@ -95,7 +102,8 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 @_engine_options
 def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, host: str, port: int,
           served_model_name: str | None, api_key_file: Path | None, max_queue_len: int, drain_timeout: float,
-          log_level: str, access_log: bool, **engine: Any) -> None:
+          max_connections: int, header_timeout: float, body_timeout: float, log_level: str, access_log: bool,
+          **engine: Any) -> None:
     """Serve a model directory or engine artifact over an OpenAI-compatible API.
 
     The port opens at once; /health answers 200 and /ready 503 until the engine
@@ -112,6 +120,7 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, host
         model=model, artifact=artifact, cache_dir=cache_dir, host=host, port=port,
         served_model_name=served_model_name, api_key=_read_api_key(api_key_file), max_queue_len=max_queue_len,
         drain_timeout=drain_timeout, engine_kwargs=engine_kwargs, log_level=log_level, access_log=access_log,
+        max_connections=max_connections, header_read_timeout=header_timeout, body_read_timeout=body_timeout,
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kiln.serving")

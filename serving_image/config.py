@@ -23,6 +23,11 @@ class ServeConfig:
     )  # LLM(...) overrides: dtype, max_batch_size ...
     log_level: str = "info"
     access_log: bool = False
+    # HTTP limits (docs/serving-limits.md): open connections, and how long a client may take
+    # to send its request headers and its body.
+    max_connections: int = 1024
+    header_read_timeout: float = 10.0
+    body_read_timeout: float = 30.0
 
     @property
     def model_name(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,6 +26,7 @@ _TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
@@ -59,16 +61,25 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     for item in loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif isinstance(item, str) and item not in _TYPE_TAGS and "[" not in item:
+        elif (isinstance(item, str) and item not in _TYPE_TAGS and "[" not in item
+              and not item.startswith("constrained-")):
             parts.append(("." if parts else "") + item)
     return "".join(parts) or None
 
 
+def _specificity(error: dict[str, Any]) -> tuple[bool, int]:
+    """Sort key: a broken rule (too long, out of range) before a union member's type mismatch,
+    then the shortest location."""
+    kind = error["type"]
+    mismatch = kind.endswith("_type") or kind in ("model_attributes_type", "is_instance_of")
+    return mismatch, len(error["loc"])
+
+
 def from_validation_error(exc: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming its parameter (``messages[0].role``)."""
+    """The most telling pydantic error as a 400 naming its parameter (``messages[0].role``)."""
     errors = exc.errors(include_url=False)
     # Union members each report an error; prefer the one that names a concrete field problem.
-    first = min(errors, key=lambda e: len(e["loc"]))
+    first = min(errors, key=_specificity)
     param = _param_from_loc(tuple(first["loc"]))
     kind = first["type"]
     if kind == "extra_forbidden":
@@ -88,17 +99,62 @@ def from_validation_error(exc: ValidationError) -> APIError:
     )
 
 
+MAX_JSON_DEPTH = 32  # nesting of arrays and objects; OpenAI bodies need 5
+
+
+def _bad_json(message: str) -> APIError:
+    return APIError(400, message, code="invalid_json")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _bad_json(f"The request body holds {name}, which is not JSON (RFC 8259); send finite numbers")
+
+
+def _json_depth(raw: bytes) -> int:
+    """Deepest nesting of arrays/objects in the UTF-8 ``raw``, counted outside strings, in C.
+
+    Brackets are ASCII, and UTF-8 never uses ASCII bytes inside a multi-byte character.
+    """
+    import numpy as np
+
+    codes = np.frombuffer(_STRING.sub(b"", raw), dtype=np.uint8)  # strings' brackets do not nest
+    steps = ((codes == 0x5B) | (codes == 0x7B)).astype(np.int8) - ((codes == 0x5D) | (codes == 0x7D))
+    return int(steps.cumsum(dtype=np.int64).max(initial=0))
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 saying why not."""
+    """The request body as a JSON object, or a 400 saying why not.
+
+    Stricter than ``json.loads``: UTF-8 only (no UTF-16/32 guessing, no invalid bytes),
+    no ``NaN``/``Infinity``, no lone surrogate escapes (they cannot be tokenized), and at
+    most ``MAX_JSON_DEPTH`` levels of nesting (refused before parsing, so a deep body
+    never reaches a recursive parser).
+    """
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"The request body is not valid JSON ({exc}); send a JSON object with "
-                       "Content-Type: application/json", code="invalid_json") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _bad_json(f"The request body is not valid UTF-8 (byte {exc.start}); JSON must be sent as "
+                        "UTF-8") from None
+    depth = _json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise _bad_json(f"The request body nests arrays/objects {depth} levels deep; at most "
+                        f"{MAX_JSON_DEPTH} are allowed")
+    try:
+        obj = json.loads(text, parse_constant=_refuse_constant)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise _bad_json(f"The request body is not valid JSON ({exc}); send a JSON object with "
+                        "Content-Type: application/json") from None
     if not isinstance(obj, dict):
-        raise APIError(
-            400, f"The request body must be a JSON object, got {type(obj).__name__}", code="invalid_json"
-        )
+        raise _bad_json(f"The request body must be a JSON object, got {type(obj).__name__}")
+    if "\\ud" in text.lower():  # only an escape can make a surrogate: UTF-8 cannot encode one
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise _bad_json("The request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                            "not in a pair); send valid Unicode text") from None
     return obj
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.engine import SamplingParams
+from kiln.engine.sampling_params import SEED_MAX
 from kiln.serving.errors import APIError
 from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, message_text
 
@@ -66,7 +67,11 @@ def _max_tokens(requested: int | None, param: str, num_prompt: int, engine: Any,
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
                      choice: int) -> SamplingParams:
-    seed = req.seed + choice if req.seed is not None and req.n > 1 else req.seed
+    seed = req.seed
+    if seed is not None and req.n > 1:
+        seed += choice
+        if seed > SEED_MAX:  # wrap: the generator takes no more, and the choices must still differ
+            seed -= SEED_MAX + 1
     kwargs = dict(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -78,6 +83,8 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
         stop_token_ids=list(req.stop_token_ids or []),
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+        allowed_token_ids=req.allowed_token_ids,
     )
     try:
         return SamplingParams(**kwargs)

@@ -4,8 +4,13 @@ Requests follow OpenAI's field names plus vLLM's usual sampling extensions
 (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
 ``stop_token_ids``...). Unknown fields are refused (OpenAI answers
 "Unrecognized request argument"), so a typo such as ``max_token`` is a 400
-naming it instead of a silently ignored limit. Fields OpenAI accepts but kiln
-cannot honour (``tools``, ``logit_bias``, JSON ``response_format``, ``suffix``,
+naming it instead of a silently ignored limit. Every count and length a client
+controls is bounded here (the limits below and the engine's in
+``kiln.engine.sampling_params``; docs/serving-limits.md lists them), and
+prompts x n is checked as the body is parsed, before anything is tokenized.
+Token ids are checked against the model's vocabulary by the engine when the
+request is submitted, still before anything runs. Fields OpenAI accepts but
+kiln cannot honour (``tools``, JSON ``response_format``, ``suffix``,
 ``best_of > n``) are refused by :func:`check_supported` with a 400 naming the
 field. Responses are built as plain dicts by the handlers; only their shape is
 documented here.
@@ -15,11 +20,30 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from kiln.engine.sampling_params import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+)
 from kiln.serving.errors import APIError
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+# Server limits on one request (the engine's own per-request limits come from
+# sampling_params). Each bounds work done before admission or per token.
 MAX_N = 16
-MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+MAX_CHOICES = 64  # prompts x n: engine requests one HTTP request may start
+MAX_MESSAGES = 2048
+MAX_ALLOWED_TOKEN_IDS = 1 << 17  # a whole vocabulary of the largest common models
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 
 class _Body(BaseModel):
@@ -45,11 +69,15 @@ class _SamplingFields(_Body):
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    logit_bias: dict[str, float] | None = None
-    seed: StrictInt | None = None
+    logit_bias: Annotated[
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+             Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]],
+        Field(max_length=MAX_LOGIT_BIAS),
+    ] | None = None
+    seed: Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     # Accepted and ignored: they change nothing kiln computes.
     user: str | None = None
     store: bool | None = None
@@ -58,29 +86,45 @@ class _SamplingFields(_Body):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # vLLM-style extensions.
-    top_k: StrictInt | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     ignore_eos: StrictBool = False
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
-    stop_token_ids: list[StrictInt] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=100)] = 1.0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+
+    def num_prompts(self) -> int:
+        return 1
+
+    @model_validator(mode="after")
+    def _bounded_choices(self) -> _SamplingFields:
+        """prompts x n, checked right after parsing, before anything is tokenized."""
+        if self.num_prompts() * self.n > MAX_CHOICES:  # an APIError passes through pydantic unchanged
+            raise APIError(400, f"{self.num_prompts()} prompts x n={self.n} asks for "
+                           f"{self.num_prompts() * self.n} generations; this server allows at most "
+                           f"{MAX_CHOICES} per request: lower n or split the prompts over several requests",
+                           param="n", code="too_many_choices")
+        return self
 
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt`` is text, token ids, or a batch of either."""
 
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: (str | list[StrictInt] | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+             | Annotated[list[list[StrictInt]], Field(max_length=MAX_PROMPTS)])
     echo: StrictBool = False
-    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: Annotated[StrictInt, Field(ge=1)] | None = None
 
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+    def num_prompts(self) -> int:
+        """How many prompts ``prompt`` holds (a list of ids is one prompt)."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return 1
+        return len(self.prompt)
 
 
 class ChatMessage(BaseModel):
@@ -95,10 +139,10 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``, rendered through the tokenizer's chat template."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
-    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -111,13 +155,6 @@ class ChatCompletionRequest(_SamplingFields):
 
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse valid OpenAI fields kiln does not implement, naming each one."""
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported by kiln; remove it", param="logit_bias")
-    if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
-        raise APIError(400, "stop_token_ids must be non-negative token ids", param="stop_token_ids")
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if any(not s for s in stops):
-        raise APIError(400, "stop strings must be non-empty", param="stop")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise APIError(

@@ -25,7 +25,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from kiln.engine.errors import RequestError
+from kiln.engine.errors import RequestError, RequestFailedError
 from kiln.serving.errors import APIError, from_validation_error, parse_json_body
 from kiln.serving.generation import Generation
 from kiln.serving.inputs import chat_inputs, completion_inputs
@@ -37,7 +37,7 @@ log = logging.getLogger("kiln.serving")
 router = APIRouter()
 
 MAX_BODY_BYTES = 16 * 2**20
-_TOKENIZE_INLINE_BYTES = 64 * 2**10
+_INLINE_BYTES = 64 * 2**10  # bodies up to this size are parsed and tokenized on the event loop
 
 
 class ClientGone(Exception):
@@ -98,11 +98,17 @@ async def _serve(request: Request, kind: str) -> Response:
     state = ctx.state
     _counting_rejections(ctx, state.check_accepting)
     model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    raw = await _read_body(request)
-    try:
-        req = model_cls.model_validate(parse_json_body(raw))
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+    raw = await _read_body(request, ctx.config.body_read_timeout)
+
+    def parse() -> CompletionRequest | ChatCompletionRequest:
+        try:
+            return model_cls.model_validate(parse_json_body(raw))
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+
+    # A big body takes a while to parse and tokenize: keep the event loop (probes, other streams) free.
+    inline = len(raw) <= _INLINE_BYTES
+    req = parse() if inline else await asyncio.to_thread(parse)
     if req.model not in ctx.model_names:
         raise APIError(
             404,
@@ -114,12 +120,13 @@ async def _serve(request: Request, kind: str) -> Response:
     check_supported(req)
     engine = state.engine
     make_inputs = chat_inputs if kind == "chat" else completion_inputs
-    # Tokenizing a big body takes a while: keep the event loop (probes, other streams) responsive.
-    if len(raw) > _TOKENIZE_INLINE_BYTES:
-        inputs = await asyncio.to_thread(make_inputs, req, engine)
-    else:
-        inputs = make_inputs(req, engine)
-    admission = _counting_rejections(ctx, state.admit, len(inputs))
+    # Slots are taken before tokenizing, so a flood of big bodies is refused before it costs anything.
+    admission = _counting_rejections(ctx, state.admit, req.num_prompts() * req.n)
+    try:
+        inputs = make_inputs(req, engine) if inline else await asyncio.to_thread(make_inputs, req, engine)
+    except BaseException:
+        admission.release()
+        raise
     request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     gen = Generation(engine, ctx.metrics, request_id, inputs)
     state.generations.add(gen)
@@ -146,6 +153,9 @@ async def _serve(request: Request, kind: str) -> Response:
         return JSONResponse(body, headers={"X-Request-Id": request_id})
     except RequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
+    except RequestFailedError as exc:  # this request failed alone; the engine serves the others
+        raise APIError(500, f"Generation failed: {exc}; the server log has the details",
+                       type="server_error") from None
     except ClientGone:
         log.info("client left before %s started; aborted", request_id)
         return Response(status_code=499)
@@ -154,17 +164,23 @@ async def _serve(request: Request, kind: str) -> Response:
             await cleanup()
 
 
-async def _read_body(request: Request) -> bytes:
-    """The body, refused with 413 past MAX_BODY_BYTES before it is all in memory."""
+async def _read_body(request: Request, timeout: float) -> bytes:
+    """The body, refused with 413 past MAX_BODY_BYTES before it is all in memory, and with 408
+    when it takes over ``timeout`` seconds to arrive (a slow sender holds a connection)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise _too_large()
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _too_large()
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise _too_large()
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout:g}s; send it at once",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     return b"".join(chunks)
 
 

@@ -24,11 +24,13 @@ import uvicorn
 from kiln.serving.app import ServingContext, create_app
 from kiln.serving.config import ServeConfig
 from kiln.serving.state import DRAINING, READY
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("kiln.serving")
 
 # After a drain timeout, how long aborted streams get to send their final chunk.
 _ABORT_GRACE_S = 5.0
+_MAX_HEADER_BYTES = 64 * 2**10  # request line + headers; past it uvicorn answers 400
 
 
 class KilnServer(uvicorn.Server):
@@ -78,6 +80,57 @@ class KilnServer(uvicorn.Server):
         self.should_exit = True
 
 
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, plus a deadline for a request's headers.
+
+    uvicorn closes idle keep-alive connections but waits forever for a request that
+    trickles in a byte at a time (slowloris), and every such connection counts against
+    ``limit_concurrency``, so a few hundred of them would starve real clients and the
+    kubelet's probes. Here a connection whose next request's headers are not complete
+    within ``header_read_timeout`` seconds of its first byte (or of connecting) is closed.
+    """
+
+    header_read_timeout = 10.0  # set per server by make_protocol()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_deadline: asyncio.TimerHandle | None = None
+        self._arm_header_deadline()
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_deadline is None:
+            self._header_deadline = self.loop.call_later(self.header_read_timeout, self._headers_too_slow)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _awaiting_headers(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def data_received(self, data: bytes) -> None:
+        if self._awaiting_headers():
+            self._arm_header_deadline()
+        super().data_received(data)
+        if not self._awaiting_headers():
+            self._disarm_header_deadline()
+
+    def _headers_too_slow(self) -> None:
+        self._header_deadline = None
+        if self._awaiting_headers() and not self.transport.is_closing():
+            log.info("closing a connection whose request headers took over %.0fs", self.header_read_timeout)
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+
+def make_protocol(header_read_timeout: float) -> type[HeaderTimeoutH11Protocol]:
+    return type("KilnH11Protocol", (HeaderTimeoutH11Protocol,), {"header_read_timeout": header_read_timeout})
+
+
 def run_server(config: ServeConfig) -> int:
     """Serve until drained; returns the process exit code (0, or 1 when the model failed to load)."""
     app = create_app(config)
@@ -85,6 +138,8 @@ def run_server(config: ServeConfig) -> int:
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, access_log=config.access_log,
         timeout_graceful_shutdown=5, lifespan="on", log_config=None,
+        http=make_protocol(config.header_read_timeout), limit_concurrency=config.max_connections,
+        timeout_keep_alive=5, h11_max_incomplete_event_size=_MAX_HEADER_BYTES,
     )
     server = KilnServer(uv_config, ctx, drain_timeout=config.drain_timeout)
     server.run()

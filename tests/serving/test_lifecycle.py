@@ -98,9 +98,11 @@ def test_auth(guarded):
         httpx.post(f"{guarded.url}/v1/completions", json=body, headers=auth(), timeout=30).status_code == 200
     )
     assert httpx.get(f"{guarded.url}/v1/models", headers=auth(), timeout=30).status_code == 200
-    # Probes and metrics stay open for kubelet and Prometheus.
-    for path in ("/health", "/ready", "/metrics", "/version"):
+    # Probes and metrics stay open for kubelet and Prometheus; /version tells what to attack, so it needs the key.
+    for path in ("/health", "/ready", "/metrics"):
         assert httpx.get(f"{guarded.url}{path}", timeout=30).status_code == 200
+    assert httpx.get(f"{guarded.url}/version", timeout=30).status_code == 401
+    assert httpx.get(f"{guarded.url}/version", headers=auth(), timeout=30).status_code == 200
     assert KEY not in guarded.log()
 
 
