@@ -1,4 +1,5 @@
-"""Semantic checks of a spec: what the CRD schema cannot express, or what depends on this cluster.
+"""Semantic checks of a spec (and of the LLMEngine's name): what the CRD schema cannot express, or what
+depends on this cluster or operator (its SKU map, its image allowlist: kiln.operator.trust).
 
 The CRD's schema and CEL rules reject most bad specs at ``kubectl apply``; the
 same pydantic model runs here too because an API server without those rules

@@ -55,6 +55,12 @@ def test_job_state_and_termination_message():
     msg = termination_message(pods, limit=100)
     assert msg.endswith("spec.maxSeqLen too long") and len(msg) == 101
     assert termination_message([{"status": {}}]) == ""
+    # The fetch init container fails before the build container starts: its message is the one to show.
+    fetch_failed = [{"status": {
+        "initContainerStatuses": [{"name": "fetch", "state": {"terminated": {
+            "finishedAt": "2026-01-01T00:00:05Z", "message": "FetchError: spec.model.source: s3://m is gated"}}}],
+        "containerStatuses": [{"name": "build", "state": {"waiting": {"reason": "PodInitializing"}}}]}}]
+    assert termination_message(fetch_failed) == "FetchError: spec.model.source: s3://m is gated"
     assert job_duration_seconds({"status": {"startTime": "2026-01-01T00:00:00Z",
                                             "completionTime": "2026-01-01T00:02:30Z"}}) == 150
 
