@@ -14,6 +14,15 @@ Sources (``spec.model.source``):
 
 Pickle checkpoints (``*.bin``, ``*.pt``) are refused: loading them runs arbitrary
 code, and so would ``trust_remote_code``, which kiln never sets.
+
+Local sources (``file://``, ``pvc://``) are read in place, so they must be what they
+say: a symlink (the named path, a folder on the way inside a claim, or a file in the
+checkpoint) or a ``..`` that leaves the given root is refused, naming
+``spec.model.source`` and the path.
+
+GGUF: a source naming a ``.gguf`` file (``file://``, ``s3://``, ``pvc://``, or ``hf://``
+with ``spec.model.file``) is checked and dequantized into a checkpoint directory under
+the work dir (:mod:`kiln.builder.gguf`); the provenance records the file's sha256.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.builder import gguf
 from kiln.builder.errors import FetchError
 
 log = logging.getLogger("kiln.build.fetch")
@@ -47,14 +57,18 @@ class Checkpoint:
     revision: str | None  # what the spec asked for
     resolved_revision: str | None  # the commit sha (hf) or None where sources have no revisions
     files: dict[str, int] = field(default_factory=dict)  # name -> bytes
+    gguf: dict | None = None  # for a GGUF source: file, sha256, architecture, tensor types
 
     @property
     def num_bytes(self) -> int:
         return sum(self.files.values())
 
     def provenance(self) -> dict:
-        return {"source": self.source, "revision": self.revision, "resolved_revision": self.resolved_revision,
-                "files": dict(sorted(self.files.items()))}
+        doc = {"source": self.source, "revision": self.revision, "resolved_revision": self.resolved_revision,
+               "files": dict(sorted(self.files.items()))}
+        if self.gguf:
+            doc["gguf"] = self.gguf
+        return doc
 
 
 def _allowed(name: str) -> bool:
@@ -79,30 +93,100 @@ def _refuse_pickle_only(names: list[str], where: str) -> None:
 
 
 def local_path(source: str) -> Path:
-    """The directory a ``file://`` or ``pvc://`` source names (not checked)."""
+    """The path a ``file://`` or ``pvc://`` source names (not checked)."""
     if source.startswith("file://"):
         rest = source[len("file://"):]
         path = Path(rest).expanduser()
         return path if path.is_absolute() else Path.cwd() / path
     if source.startswith("pvc://"):
         claim, _, sub = source[len("pvc://"):].partition("/")
-        root = Path(os.environ.get(PVC_ROOT_ENV, "/models"))
-        return root / claim / sub
+        return pvc_root(claim) / sub
     raise ValueError(source)
 
 
-def _fetch_local(source: str, revision: str | None) -> Checkpoint:
+def pvc_root(claim: str) -> Path:
+    return Path(os.environ.get(PVC_ROOT_ENV, "/models")) / claim
+
+
+def _refuse(source: str, why: str, fix: str) -> FetchError:
+    return FetchError(f"spec.model.source: {source} {why}; {fix}")
+
+
+def check_local_path(source: str) -> Path:
+    """The path a local source names, refusing ``..`` escapes and symlinks (returns the unresolved path)."""
     path = local_path(source)
+    if source.startswith("pvc://"):
+        claim = source[len("pvc://"):].partition("/")[0]
+        root = pvc_root(claim)
+        sub = source[len("pvc://") + len(claim):].strip("/")
+        if ".." in sub.split("/"):
+            raise _refuse(source, "has a '..' segment", f"name a path inside the claim {claim}")
+        here = root
+        for part in [p for p in sub.split("/") if p not in ("", ".")]:
+            here = here / part
+            if here.is_symlink():
+                raise _refuse(source, f"goes through the symlink {here}", "point at the real path inside the claim")
+        if root.exists() and path.exists() and not path.resolve().is_relative_to(root.resolve()):
+            raise _refuse(source, f"resolves to {path.resolve()}, outside the claim's root {root}",
+                          "name a path inside the claim")
+        return path
+    rest = source[len("file://"):]
+    parts = rest.split("/")
+    leading = 0
+    while leading < len(parts) and parts[leading] in ("", ".", ".."):
+        leading += 1
+    if ".." in parts[leading:]:
+        raise _refuse(source, "has a '..' segment inside the path", "write the path without '..' after its start")
+    if path.is_symlink():
+        raise _refuse(source, f"-> {path} is a symlink (to {path.resolve()})",
+                      "point at the real checkpoint directory or file, not a link to it")
+    return path
+
+
+def _refuse_linked_files(source: str, root: Path, names: list[str]) -> None:
+    for n in sorted(names):
+        p = root / n
+        if p.is_symlink() or not p.resolve().is_relative_to(root.resolve()):
+            raise _refuse(source, f"contains {n}, a symlink to {p.resolve()}",
+                          "copy the real file into the checkpoint directory (kiln reads no links)")
+
+
+def _fetch_local(source: str, revision: str | None, work_dir: Path) -> Checkpoint:
+    path = check_local_path(source)
+    if gguf.is_gguf(path.name):
+        if not path.is_file():
+            raise FetchError(f"spec.model.source: {source} -> {path} is not a file{_local_hint(source, path)}")
+        return _from_gguf(path, source, revision, None, work_dir)
     if not path.is_dir():
-        hint = (f" (pvc:// sources are read from ${PVC_ROOT_ENV}/<claim>, here {path.parent})"
-                if source.startswith("pvc://") else " (relative file:// paths are resolved against the "
-                f"working directory {Path.cwd()})")
-        raise FetchError(f"spec.model.source: {source} -> {path} is not a directory{hint}")
+        raise FetchError(f"spec.model.source: {source} -> {path} is not a directory{_local_hint(source, path)}")
     names = [p.name for p in path.iterdir() if p.is_file()]
     _refuse_pickle_only(names, str(path))
+    _refuse_linked_files(source, path, [n for n in names if _allowed(n)])
     files = {n: (path / n).stat().st_size for n in names if _allowed(n)}
     log.info("using local checkpoint %s (%d files, %.1f MiB)", path, len(files), sum(files.values()) / 2**20)
     return Checkpoint(path=path.resolve(), source=source, revision=revision, resolved_revision=None, files=files)
+
+
+def _local_hint(source: str, path: Path) -> str:
+    if source.startswith("pvc://"):
+        return f" (pvc:// sources are read from ${PVC_ROOT_ENV}/<claim>, here {path.parent})"
+    return f" (relative file:// paths are resolved against the working directory {Path.cwd()})"
+
+
+def _from_gguf(path: Path, source: str, revision: str | None, resolved: str | None, work_dir: Path
+               ) -> Checkpoint:
+    """Check a GGUF file and dequantize it into ``work_dir/checkpoint-gguf``.
+
+    Outside hf:// (where the revision is the repo's commit), a 64-hex ``revision`` is the file's sha256.
+    """
+    expected = revision if resolved is None and gguf.is_sha256(revision) else None
+    info = gguf.inspect_gguf(path, source, expected)
+    ckpt_dir = gguf.convert_gguf(path, info, work_dir / "checkpoint-gguf")
+    files = {p.name: p.stat().st_size for p in ckpt_dir.iterdir() if p.is_file() and _allowed(p.name)}
+    log.info("GGUF %s (sha256 %s, %s) -> checkpoint %s (%.1f MiB float32)", info.file, info.sha256[:12],
+             info.architecture, ckpt_dir, sum(files.values()) / 2**20)
+    return Checkpoint(path=ckpt_dir, source=source, revision=revision, resolved_revision=resolved, files=files,
+                      gguf=info.to_dict())
 
 
 class _Progress:
@@ -120,7 +204,7 @@ class _Progress:
                      100 * self.done / self.total)
 
 
-def _fetch_s3(source: str, revision: str | None, dest: Path) -> Checkpoint:
+def _fetch_s3(source: str, revision: str | None, dest: Path, work_dir: Path | None = None) -> Checkpoint:
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
@@ -131,6 +215,8 @@ def _fetch_s3(source: str, revision: str | None, dest: Path) -> Checkpoint:
     key_prefix = f"{prefix}/" if prefix else ""
     try:
         client = boto3.client("s3")
+        if gguf.is_gguf(prefix):
+            return _fetch_s3_gguf(client, source, bucket, prefix, revision, work_dir or dest.parent)
         objects: dict[str, int] = {}
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix):
             for obj in page.get("Contents", []):
@@ -165,7 +251,47 @@ def _fetch_s3(source: str, revision: str | None, dest: Path) -> Checkpoint:
     return Checkpoint(path=dest, source=source, revision=revision, resolved_revision=None, files=wanted)
 
 
-def _fetch_hf(source: str, revision: str | None, dest: Path) -> Checkpoint:
+def _fetch_s3_gguf(client, source: str, bucket: str, key: str, revision: str | None, work_dir: Path) -> Checkpoint:
+    """One GGUF object: download it (reused when complete) and convert it."""
+    from botocore.exceptions import ClientError
+
+    try:
+        size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            raise FetchError(f"spec.model.source: no object {key!r} in bucket {bucket} ({source})") from None
+        raise
+    target = work_dir / "gguf" / key.rsplit("/", 1)[-1]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not (target.exists() and target.stat().st_size == size):
+        tmp = target.with_name(target.name + ".part")
+        client.download_file(bucket, key, str(tmp), Callback=_Progress(size, source))
+        tmp.replace(target)
+    return _from_gguf(target, source, revision, None, work_dir)
+
+
+def _fetch_hf_gguf(source: str, repo_id: str, file: str, revision: str | None, work_dir: Path) -> Checkpoint:
+    """``spec.model.file`` of an hf:// repo: resolve the revision, download that one file, convert it."""
+    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    token = os.environ.get("HF_TOKEN") or None
+    info = HfApi().model_info(repo_id, revision=revision or "main", token=token)
+    sha = info.sha
+    names = [s.rfilename for s in (info.siblings or [])]
+    if names and file not in names:
+        ggufs = sorted(n for n in names if gguf.is_gguf(n))
+        raise FetchError(f"spec.model.file: {file!r} is not in {repo_id}@{sha}; its GGUF files: "
+                         f"{', '.join(ggufs[:8]) or 'none'}")
+    log.info("resolved %s@%s to commit %s", repo_id, revision or "main", sha)
+    try:
+        path = hf_hub_download(repo_id, filename=file, revision=sha, token=token, local_dir=work_dir / "gguf")
+    except EntryNotFoundError:
+        raise FetchError(f"spec.model.file: {file!r} is not in {repo_id}@{sha}") from None
+    return _from_gguf(Path(path), source, revision, sha, work_dir)
+
+
+def _fetch_hf(source: str, revision: str | None, dest: Path, file: str | None = None) -> Checkpoint:
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -178,6 +304,8 @@ def _fetch_hf(source: str, revision: str | None, dest: Path) -> Checkpoint:
     repo_id = source[len("hf://"):].strip("/")
     token = os.environ.get("HF_TOKEN") or None
     try:
+        if file:
+            return _fetch_hf_gguf(source, repo_id, file, revision, dest.parent)
         info = HfApi().model_info(repo_id, revision=revision or "main", token=token)
         sha = info.sha
         names = [s.rfilename for s in (info.siblings or []) if "/" not in s.rfilename]
@@ -201,13 +329,20 @@ def _fetch_hf(source: str, revision: str | None, dest: Path) -> Checkpoint:
     return Checkpoint(path=path, source=source, revision=revision, resolved_revision=sha, files=files)
 
 
-def fetch_checkpoint(source: str, revision: str | None, work_dir: Path) -> Checkpoint:
-    """Fetch ``source`` (downloading into ``work_dir/checkpoint`` when remote)."""
+def fetch_checkpoint(source: str, revision: str | None, work_dir: Path, *, file: str | None = None
+                     ) -> Checkpoint:
+    """Fetch ``source`` (downloading into ``work_dir/checkpoint`` when remote).
+
+    ``file`` is ``spec.model.file``: a GGUF file inside an hf:// repo.
+    """
     dest = work_dir / "checkpoint"
+    if file and not source.startswith("hf://"):
+        raise FetchError(f"spec.model.file: only used with hf:// sources; put the file's path in "
+                         f"spec.model.source ({source})")
     if source.startswith(("file://", "pvc://")):
-        return _fetch_local(source, revision)
+        return _fetch_local(source, revision, work_dir)
     if source.startswith("s3://"):
-        return _fetch_s3(source, revision, dest)
+        return _fetch_s3(source, revision, dest, work_dir)
     if source.startswith("hf://"):
-        return _fetch_hf(source, revision, dest)
+        return _fetch_hf(source, revision, dest, file)
     raise FetchError(f"spec.model.source: unsupported scheme in {source!r}; use hf://, s3://, file:// or pvc://")
