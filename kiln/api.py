@@ -18,6 +18,8 @@ so ``kubectl apply`` and ``kiln plan`` reject the same specs. Decisions:
   rejected. ``cpu`` is allowed: it is the reference path (weights stored as fp8 and
   dequantized to ``dtype`` per matmul) that tests and the demo run.
 - ``model.credentialsSecret`` only means something for ``hf://`` and ``s3://``.
+- ``model.file`` (a GGUF file inside the repo) only means something for ``hf://``; the
+  other sources name a ``.gguf`` file in ``model.source`` itself.
 - ``tensorParallel > 1`` on ``cpu`` is allowed (torch.distributed over gloo).
 """
 
@@ -97,6 +99,8 @@ SOURCE_PATTERN = (
     r"|file://(/|\./|\.\./)[^\s]*"
     r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?)$"
 )
+# A GGUF file inside an hf:// repo: a relative path ending in .gguf (no '..' segment: ModelSource checks).
+GGUF_FILE_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._/-]*\.[gG][gG][uU][fF]$"
 _SOURCE_RULES = {
     "hf": (r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", "hf://org/name"),
     "s3": (r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$", "s3://bucket/prefix"),
@@ -122,12 +126,19 @@ class ModelSource(_Model):
         max_length=1024, json_schema_extra={"pattern": SOURCE_PATTERN},
         description="Where the checkpoint lives: hf://org/name (Hugging Face hub), s3://bucket/prefix, "
         "file:///absolute/path or file://./relative/path (relative to the working directory), or "
-        "pvc://claim-name/sub/path (a PersistentVolumeClaim in the engine's namespace).",
+        "pvc://claim-name/sub/path (a PersistentVolumeClaim in the engine's namespace). A checkpoint "
+        "directory (config.json, tokenizer, *.safetensors) or, except for hf://, one .gguf file.",
     )
     revision: str | None = Field(
         default=None, max_length=255, pattern=r"^[A-Za-z0-9._/-]+$",
         description="hf://: branch, tag or commit sha (pin a 40-hex commit sha; unset means main). "
-        "Other sources: a label you bump when the files change, since the engine version cannot see them.",
+        "Other sources: a label you bump when the files change, since the engine version cannot see them; "
+        "for a .gguf file, 64 hex digits are its sha256, checked when the build fetches it.",
+    )
+    file: str | None = Field(
+        default=None, max_length=512, pattern=GGUF_FILE_PATTERN,
+        description="hf:// only: the .gguf file in the repo to build from (e.g. model.Q4_K_M.gguf); unset means "
+        "the repo's safetensors checkpoint.",
     )
     credentials_secret: str | None = Field(
         default=None, max_length=253, pattern=DNS1123_SUBDOMAIN,
@@ -147,6 +158,13 @@ class ModelSource(_Model):
         pattern, example = _SOURCE_RULES[scheme]
         if not re.match(pattern, value):
             raise ValueError(f"malformed {scheme}:// source {value!r}; expected {example}")
+        return value
+
+    @field_validator("file")
+    @classmethod
+    def _check_file(cls, value: str | None) -> str | None:
+        if value is not None and ".." in value.split("/"):
+            raise ValueError(f"{value!r} has a '..' segment; name the .gguf file by its path inside the repo")
         return value
 
     @property
@@ -248,6 +266,9 @@ CROSS_FIELD_RULES: tuple[tuple[str, str, str, str], ...] = (
      "|| self.model.source.startsWith('s3://')",
      "spec.model.credentialsSecret is only used by hf:// and s3:// sources; remove it",
      ".model.credentialsSecret"),
+    ("file_scheme", "!has(self.model.file) || self.model.source.startsWith('hf://')",
+     "spec.model.file is only used by hf:// sources; name the .gguf file in spec.model.source instead",
+     ".model.file"),
 )
 
 
@@ -309,6 +330,8 @@ class LLMEngineSpec(_Model):
                             f"not {self.gpu}; use int8 on {self.gpu}")
         if self.model.credentials_secret is not None and self.model.scheme not in ("hf", "s3"):
             problems.append("model.credentialsSecret: only used by hf:// and s3:// sources; remove it")
+        if self.model.file is not None and self.model.scheme != "hf":
+            problems.append("model.file: only used by hf:// sources; name the .gguf file in model.source instead")
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -13,6 +13,12 @@ What is in, and why:
   unpinned ``hf://``). For ``file://``, ``s3://`` and ``pvc://`` the revision is the
   user's label: the version is computed before anything is fetched, so bump
   ``revision`` when the files change.
+- for a GGUF source, the file's identity: its name is in the source (file://, s3://,
+  pvc://) or in ``model.file`` (hf://, added to the document only when set, so the
+  versions of safetensors sources are unchanged), and its revision is the repo commit
+  (hf://) or, for the other sources, a label or the file's sha256 (64 hex digits,
+  checked when the build fetches the file). The slug is the file's name without
+  ``.gguf``, so ``SmolLM2-135M-Instruct.Q4_1.gguf`` reads ``smollm2-135m-instruct-q4-1``.
 - dtype, quantization, the *resolved* KV-cache dtype (``auto`` becomes ``dtype``, so
   spelling it out does not rebuild), tensor-parallel degree, the four max shapes and
   the KV options: they decide the weights written, their sharding, the KV plan and
@@ -60,7 +66,7 @@ def build_envelope(spec: LLMEngineSpec | LLMEngine) -> dict[str, Any]:
     return {
         "envelope_version": ENVELOPE_VERSION,
         "artifact_format_version": ARTIFACT_FORMAT_VERSION,
-        "model": {"source": normalize_source(spec.model.source), "revision": _revision(spec)},
+        "model": _model(spec),
         "gpu": {"arch": gpu.arch, "memory_gib": gpu.memory_gib},
         "dtype": spec.dtype,
         "quantization": spec.quantization,
@@ -78,6 +84,13 @@ def build_envelope(spec: LLMEngineSpec | LLMEngine) -> dict[str, Any]:
     }
 
 
+def _model(spec: LLMEngineSpec) -> dict[str, Any]:
+    model = {"source": normalize_source(spec.model.source), "revision": _revision(spec)}
+    if spec.model.file is not None:
+        model["file"] = posixpath.normpath(spec.model.file)
+    return model
+
+
 def canonical_json(envelope: dict[str, Any]) -> str:
     """Sorted keys, no whitespace, ASCII: the exact bytes that are hashed."""
     return json.dumps(envelope, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
@@ -91,7 +104,8 @@ def engine_version(spec: LLMEngineSpec | LLMEngine) -> str:
     """``<model-slug>-<12 hex>``: a DNS-1123 label of at most 45 characters."""
     spec = spec.spec if isinstance(spec, LLMEngine) else spec
     envelope = build_envelope(spec)
-    return f"{model_slug(envelope['model']['source'])}-{envelope_digest(envelope)[:HASH_CHARS]}"
+    named = envelope["model"].get("file") or envelope["model"]["source"]
+    return f"{model_slug(named)}-{envelope_digest(envelope)[:HASH_CHARS]}"
 
 
 def normalize_source(source: str) -> str:
@@ -113,6 +127,8 @@ def model_slug(source: str) -> str:
     """A short readable name from the last path segment of the source: ``Llama-3.1-8B`` -> ``llama-3-1-8b``."""
     rest = source.split("://", 1)[-1].rstrip("/")
     name = rest.rsplit("/", 1)[-1]
+    if name.lower().endswith(".gguf"):
+        name = name[: -len(".gguf")]
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:MAX_SLUG_LEN].strip("-")
     if not slug or not slug[0].isalpha():
         slug = f"m-{slug}"[:MAX_SLUG_LEN].strip("-")

@@ -88,6 +88,7 @@ SENSITIVE = [
     (CPU, "kv.enablePrefixCaching", False),
     (CPU, "kv.memoryFraction", 0.8),
     (H100, "gpu", "H200-141GB"),  # same arch, more memory: a different KV plan
+    (H100, "model.file", "model.Q4_K_M.gguf"),  # a GGUF in the repo instead of its safetensors
 ]
 # Every one of these leaves the artifact alone.
 INSENSITIVE = [
@@ -184,3 +185,21 @@ def test_unpinned_hf_revision_is_flagged():
     assert build_envelope(LLMEngineSpec.model_validate(
         {"model": {"source": "hf://a/b"}, "gpu": "L4"}))["model"]["revision"] == "main"
     assert is_pinned(load_manifest(CPU).spec)
+
+
+def test_gguf_sources_name_the_file_in_the_version_and_leave_other_versions_alone():
+    """A GGUF's identity (file name + revision/sha256) is in the envelope; `model.file` only when set."""
+    base = spec_dict(H100)
+    plain = LLMEngineSpec.model_validate(base)
+    assert "file" not in build_envelope(plain)["model"]  # safetensors sources keep their versions
+    q4 = LLMEngineSpec.model_validate({**base, "model": {**base["model"], "file": "gguf/./m.Q4_K_M.gguf"}})
+    q8 = LLMEngineSpec.model_validate({**base, "model": {**base["model"], "file": "gguf/m.Q8_0.gguf"}})
+    assert build_envelope(q4)["model"]["file"] == "gguf/m.Q4_K_M.gguf"  # one spelling per file
+    assert engine_version(q4).startswith("m-q4-k-m-") and engine_version(q8).startswith("m-q8-0-")
+    assert len({engine_version(plain), engine_version(q4), engine_version(q8)}) == 3
+
+    cpu = spec_dict(CPU)
+    local = {**cpu, "model": {"source": "file://./models/SmolLM2-135M-Instruct.Q4_1.gguf"}}
+    pinned = {**cpu, "model": {**local["model"], "revision": "b" * 64}}
+    v_local, v_pinned = (engine_version(LLMEngineSpec.model_validate(d)) for d in (local, pinned))
+    assert v_local.startswith("smollm2-135m-instruct-q4-1-") and v_local != v_pinned
