@@ -78,11 +78,14 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
     ignored = sorted(set(stored) - known)
     if ignored:
         log.warning("engine.json engine_config keys this runtime does not know, ignored: %s", ", ".join(ignored))
+    adapt = overrides.pop("adapt_to_cpu", True)
     kwargs = {k: v for k, v in stored.items() if k in known}
     kwargs.update(overrides)
     kwargs.setdefault("device", "cpu" if built_arch == "cpu" else "cuda")
     if kwargs.get("quantization") in ("none", ""):
         kwargs["quantization"] = None
+    if kwargs["device"] == "cpu" and adapt:
+        _adapt_to_cpu(kwargs, doc, dtype_forced="dtype" in overrides)
     weights = root / "weights"
     tp = int(kwargs.get("tensor_parallel_size", 1))
     if weights.is_dir():
@@ -94,6 +97,25 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
         kwargs["weights_dir"] = str(weights)
     kwargs["model"] = str(root)
     return EngineConfig(**kwargs)
+
+
+def _adapt_to_cpu(kwargs: dict[str, Any], doc: dict[str, Any], dtype_forced: bool) -> None:
+    """Compute dtype, int8 path and threads for this CPU (:func:`kiln.engine.cpu_target.plan_cpu_load`).
+
+    The build's tuned thread count is a hint used only on the CPU type it was measured on.
+    ``adapt_to_cpu=False`` (an ``LLM.from_artifact`` keyword) runs the artifact as built.
+    """
+    from kiln.engine.cpu_target import plan_cpu_load
+
+    tuning = doc.get("tuning") or {}
+    plan = plan_cpu_load(kwargs.get("dtype", "float32"), kwargs.get("quantization"),
+                         kwargs.get("kv_cache_dtype", "auto"), threads_hint=tuning.get("torch_num_threads"),
+                         built_on=tuning.get("cpu"))
+    if dtype_forced:
+        plan["dtype"] = kwargs["dtype"]
+    kwargs["dtype"] = plan["dtype"]
+    kwargs["kv_cache_dtype"] = plan["kv_cache_dtype"]
+    kwargs["cpu_target"] = plan
 
 
 def shard_checkpoint(model_dir: str | Path, tp_size: int, dtype: str = "float32",

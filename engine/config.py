@@ -66,6 +66,8 @@ class EngineConfig:
     cuda_graph_batch_sizes: list[int] | None = None
     enforce_eager: bool = False
     weights_dir: str | None = None  # per-rank engine weights (artifact); None = load the HF checkpoint
+    # How an artifact was adapted to this CPU at load (kiln.engine.cpu_target.plan_cpu_load); None otherwise.
+    cpu_target: dict[str, Any] | None = field(default=None, repr=False)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -80,7 +80,10 @@ def load_engine_state(model: nn.Module, path: Path) -> None:
     with torch.no_grad():
         for name, param in params.items():
             tensor = state[name]
-            if tensor.shape != param.shape or tensor.dtype != param.dtype:
+            # A bf16/fp16 artifact on a CPU without native bf16/fp16 matmuls runs in float32 (cpu_target):
+            # its floating weights are upcast here, once.
+            upcast = (param.dtype == torch.float32 and tensor.dtype in (torch.bfloat16, torch.float16))
+            if tensor.shape != param.shape or (tensor.dtype != param.dtype and not upcast):
                 raise ConfigError(f"{path.name}: {name} is {tuple(tensor.shape)} {tensor.dtype}, "
                                   f"the model expects {tuple(param.shape)} {param.dtype}")
             param.data.copy_(tensor)
