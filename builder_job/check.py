@@ -11,11 +11,18 @@ so a spec that can never work fails in seconds with the field and the numbers:
 - the GPU SKU's memory (× ``kv.memoryFraction``) holds the weights of one rank plus
   a KV pool for ``maxBatchSize`` requests of a typical length (a quarter of
   ``maxSeqLen``, at least one block) and one request of ``maxSeqLen``.
+
+For ``gpu: cpu`` with ``dtype`` bfloat16/float16 it also measures whether this build host
+multiplies that dtype natively (:func:`kiln.engine.cpu_target.probe`, a small timed
+matmul against float32; the only part that touches torch) and records it with the CPU's
+flags as ``cpu_dtype`` in the estimate. A host without it still builds the engine, but
+warns: such a host (this one included, for the gate and the tuning) computes it in float32.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from dataclasses import asdict, dataclass
@@ -23,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.builder.errors import InvalidSpec
+
+log = logging.getLogger("kiln.build.check")
 
 # Used only when the engine's own registry cannot be imported.
 FALLBACK_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -167,6 +176,20 @@ def typical_request_len(spec) -> int:
     return max(spec.kv.block_size, spec.max_seq_len // 4)
 
 
+def cpu_dtype_check(dtype: str) -> dict[str, Any]:
+    """Does this build host multiply ``dtype`` natively? Warns when it does not (see the module doc)."""
+    from kiln.engine.cpu_target import cpu_flags, probe
+
+    result = {**probe(dtype), "flags": sorted(f for f in cpu_flags() if "avx" in f or "amx" in f or f == "fma")}
+    if not result["native"]:
+        measured = (f"{result['gflops']} vs {result['float32_gflops']} GFLOP/s float32, one thread"
+                    if result["how"] == "measured" else result["how"])
+        log.warning("spec.dtype: this build host has no native %s matmul (%s; CPU flags: %s): CPU hosts like it "
+                    "run this engine in float32 (weights upcast at load); on CPU fleets without AVX512-BF16/AMX "
+                    "prefer dtype: float32", dtype, measured, " ".join(result["flags"]) or "none")
+    return result
+
+
 def check_envelope(spec, facts: ModelFacts) -> dict[str, Any]:
     """Raise :class:`InvalidSpec` naming the field and numbers; return the memory estimate."""
     archs = supported_architectures()
@@ -198,6 +221,8 @@ def check_envelope(spec, facts: ModelFacts) -> dict[str, Any]:
         "activation_reserve_bytes": activations, "kv_bytes_per_token": per_token,
         "kv_tokens_needed": needed_tokens, "kv_bytes_needed": kv_needed,
     }
+    if spec.gpu_spec.is_cpu:
+        estimate["cpu_dtype"] = cpu_dtype_check(spec.dtype)
     if weights + activations + kv_needed > budget:
         gib = 2**30
         raise InvalidSpec(

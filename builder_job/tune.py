@@ -19,8 +19,9 @@ runtime: on CPU the torch thread count, with prefill and decode-step latency and
 tokens/s at a few batch sizes recorded; on GPU the CUDA-graph decode batch
 buckets, eager vs graphs, recorded the same way. Every number measured is kept
 in ``engine.json`` under ``tuning``. CUDA-graph buckets go into ``engine_config``
-(an ``LLM`` argument); the thread count has no ``LLM`` argument, so ``kiln serve``
-applies ``tuning.torch_num_threads`` at load (kiln.serving.loader).
+(an ``LLM`` argument); the thread count is a hint the runtime uses at load on the same CPU type
+(``tuning.cpu`` records the model, flags, CPU count and native bf16/fp16 measurement), see
+``kiln.engine.cpu_target``.
 """
 
 from __future__ import annotations
@@ -164,9 +165,16 @@ def tune(load_llm, spec, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any
         # An empty bucket list means "the runtime's defaults" to LLM(); eager is its own switch.
         overrides.update({"cuda_graph_batch_sizes": buckets} if use_graphs else {"enforce_eager": True})
         return tuning, overrides
+    from kiln.engine.cpu_target import available_cpus, describe_host
+
+    # The CPU this was measured on (model, flags, CPUs, quota, native bf16/fp16): a serving host of
+    # another type treats torch_num_threads as a hint and measures its own (kiln.engine.cpu_target).
+    tuning["cpu"] = describe_host()
+    tuning["measured_on"] = f"{tuning['cpu']['model']} x{tuning['cpu']['cpus']}"
     original = torch.get_num_threads()
+    cpus = available_cpus()
     # With TP the worker ranks pick their own share of the cores; only rank 0 would see a change here.
-    candidates = [original] if spec.tensor_parallel > 1 else sorted({1, max(1, original // 2), original})
+    candidates = [original] if spec.tensor_parallel > 1 else sorted({1, max(1, cpus // 2), cpus})
     by_threads = {}
     llm = load_llm()
     try:
