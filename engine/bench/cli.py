@@ -40,7 +40,8 @@ def _resolve_device(device: str) -> str:
               help="Tokens of one shared prefix in front of every prompt (prefix-cache variant).")
 @click.option("--preset", default=None, help="toy model preset [default: llama-bench; --quick: llama-tiny].")
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where the bench model lives/is written [default: ~/.cache/kiln/bench-models/<preset>-...].")
+              help="A checkpoint directory to benchmark (any: config.json + *.safetensors), or where the --preset "
+                   "toy model is written [default: ~/.cache/kiln/bench-models/<preset>-...].")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default="bfloat16",
               show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads for every system [default: torch's].")
@@ -98,7 +99,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     def log(msg: str) -> None:
         click.echo(msg, err=True)
 
-    log(f"model: {preset} ({dtype}) ...")
+    log(f"model: {model_dir if model_dir and (model_dir / 'config.json').is_file() else preset} ({dtype}) ...")
     try:
         model_dir = ensure_model(preset, dtype, seed=0, model_dir=model_dir)
     except ValueError as exc:

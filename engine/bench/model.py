@@ -21,18 +21,28 @@ def default_cache_dir() -> Path:
 
 
 def ensure_model(preset: str, dtype: str, seed: int = 0, model_dir: Path | None = None) -> Path:
-    """Return a checkpoint directory for ``preset`` in ``dtype``, writing it if missing or different."""
+    """Return a checkpoint directory for ``preset`` in ``dtype``, writing it if missing or different.
+
+    A ``model_dir`` that already holds a checkpoint kiln bench did not write (``config.json`` +
+    ``*.safetensors``: a real model, e.g. a fetched GGUF's) is benchmarked as it is, ``preset`` unused.
+    """
     from kiln.engine.toy import make_random_model
 
     out = model_dir or default_cache_dir() / f"{preset}-{dtype}-seed{seed}"
     marker = out / "kiln-bench.json"
+    if model_dir is not None and not marker.is_file() and (out / "config.json").is_file():
+        if not any(out.glob("*.safetensors")):
+            raise ValueError(f"--model-dir {out} has a config.json but no *.safetensors weights; point it at a "
+                             "checkpoint directory (config.json, tokenizer, *.safetensors)")
+        return out
     want = {"preset": preset, "dtype": dtype, "seed": seed}
     if marker.is_file() and json.loads(marker.read_text()) == want and (out / "config.json").is_file():
         return out
     if out.exists() and model_dir is None:
         shutil.rmtree(out)  # our own cache entry, stale or half-written
     elif out.exists() and any(out.iterdir()) and not marker.is_file():
-        raise ValueError(f"--model-dir {out} exists and was not written by kiln bench; pass an empty or new directory")
+        raise ValueError(f"--model-dir {out} exists but is neither a checkpoint (config.json + *.safetensors) nor "
+                         "written by kiln bench; pass a checkpoint directory, or an empty or new one")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     make_random_model(tmp, preset, seed=seed, dtype=dtype)
