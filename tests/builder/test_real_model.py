@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -139,12 +140,15 @@ def test_kiln_up_serves_a_gguf_manifest_with_its_chat_template(smollm2, tmp_path
     gguf_file, ckpt, _ = smollm2
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiln", "up", "-f", str(_manifest(tmp_path, gguf_file)),
-                             "--store", f"file://{tmp_path / 'store'}", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--store", f"file://{tmp_path / 'store'}", "--port", str(port),
+                             "--work-dir", str(tmp_path / "work")], cwd=ROOT,
+                            env={**os.environ, "KILN_TERMINATION_LOG": str(tmp_path / "term")}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 400
         while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "kiln up exited or never got ready"
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"kiln up exited ({proc.poll()}) or never got ready: {proc.communicate()[0][-3000:]}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
                     break
