@@ -73,12 +73,14 @@ def test_kiln_up_builds_serves_and_stops(toy_model, tmp_path):
 
 @pytest.mark.slow
 def test_demo_script_runs_end_to_end():
-    """`make demo`'s script: generates the model if missing, serves, answers, shows the cache hit."""
+    """`make demo`'s script: gets the real model's GGUF if missing, builds, serves, answers, shows the cache hit."""
     proc = subprocess.run([sys.executable, "examples/demo.py"], cwd=REPO, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "completion: 'The kiln engine' -> " in proc.stdout and "chat: " in proc.stdout
-    assert "cache hit: llama-demo-" in proc.stdout and "quality gate: KL" in proc.stdout
+    assert "Q: What is the capital of France?\nA: " in proc.stdout
+    answer = proc.stdout.split("Q: What is the capital of France?\nA: ", 1)[1].splitlines()[0]
+    assert "Paris" in answer
+    assert "cache hit: smollm2-135m-instruct-q4-1-" in proc.stdout and "quality gate: KL" in proc.stdout
 
 
 def test_kiln_up_stops_at_a_failed_build_with_its_exit_code(toy_model, tmp_path):
