@@ -6,8 +6,10 @@ prefill chunks, and publishes an ``AttentionMetadata`` for the step. Every
 layer first writes its new K/V into the cache slots of ``slot_mapping``, then
 reads each sequence's whole context back from its blocks:
 
-- single-token rows run as one batched SDPA over ``k_cache[block_tables]``,
-  with a padding mask built once per step;
+- single-token rows run as batched matmuls over ``k_cache[block_tables]``
+  (CPU: in groups of rows of similar context length, each gathering only the
+  blocks its longest row holds; GPU: one SDPA), with padding masks built once
+  per step;
 - each prefill chunk runs its own SDPA over its gathered blocks, with the
   causal mask offset by the tokens already in the cache (prefix hits and
   earlier chunks), or plain ``is_causal`` when the chunk is the whole context.
@@ -43,6 +45,53 @@ class AttentionMetadata:
     # Reusable gather buffers (name -> flat tensor), owned by the runner and grown on demand: every
     # layer gathers the same amount, so one buffer serves all layers and every step after the first.
     workspace: dict[str, torch.Tensor] | None = None
+    decode_groups: list[DecodeGroup] | None = None  # CPU decode rows grouped by context; built by the first layer
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows of similar context length, attended together over only as many blocks as the
+    longest of them holds (CPU path)."""
+
+    rows: torch.Tensor          # indices into the step's decode rows
+    block_tables: torch.Tensor  # [len(rows), width]
+    pad: torch.Tensor           # [1, len(rows), 1, width * block_size], True past each row's context
+
+
+# Cost model for grouping: one more group costs about as much as this many (row x context token)
+# pairs of attention (measured on CPU: ~55 us per group call against ~0.5 us per row-token).
+_GROUP_COST_ROW_TOKENS = 512
+_MAX_GROUPS = 8
+
+
+def decode_groups(block_tables: torch.Tensor, pad: torch.Tensor, block_size: int) -> list[DecodeGroup]:
+    """Split the decode rows into groups of similar context length.
+
+    Padding every row to the longest context wastes the attention work of the gap:
+    with contexts spread over 40-480 tokens, 40 % of it. Rows are sorted by context and
+    cut into the number of equal-size groups that minimizes (padded row-tokens + a
+    per-group cost); each group gathers only its own longest context's blocks.
+    """
+    rows, width = block_tables.shape
+    lens = (~pad.view(rows, -1)).sum(dim=-1)
+    order = torch.argsort(lens, descending=True, stable=True)
+    sorted_lens = lens[order].tolist()
+    best_cost, best = None, 1
+    for count in range(1, min(_MAX_GROUPS, rows) + 1):
+        starts = [i * rows // count for i in range(count)]
+        cost = sum((min(rows, (i + 1) * rows // count) - start) * sorted_lens[start] for i, start in enumerate(starts))
+        cost += count * _GROUP_COST_ROW_TOKENS
+        if best_cost is None or cost < best_cost:
+            best_cost, best = cost, count
+    groups = []
+    for i in range(best):
+        start, end = i * rows // best, (i + 1) * rows // best
+        idx = order[start:end]
+        blocks = max(1, -(-sorted_lens[start] // block_size))
+        groups.append(DecodeGroup(idx, block_tables.index_select(0, idx)[:, :blocks],
+                                  pad.view(rows, -1).index_select(0, idx)[:, : blocks * block_size]
+                                  .view(1, end - start, 1, -1)))
+    return groups
 
 
 _metadata: AttentionMetadata | None = None
@@ -82,10 +131,14 @@ class Attention(nn.Module):
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decode_tokens
         if nd and not q.is_cuda:
-            pad = md.decode_pad_mask
-            if pad is None:
-                pad = ~md.decode_mask.view(1, nd, 1, -1)
-            out[:nd] = self._decode_cpu(q[:nd], md.decode_block_tables, pad, md.workspace)
+            if md.decode_groups is None:  # once per step: every layer has the same rows
+                pad = md.decode_pad_mask
+                if pad is None:
+                    pad = ~md.decode_mask.view(1, nd, 1, -1)
+                md.decode_groups = decode_groups(md.decode_block_tables, pad, block_size)
+            for g in md.decode_groups:  # decode rows are the first nd rows of the batch
+                out.index_copy_(0, g.rows, self._decode_cpu(q.index_select(0, g.rows), g.block_tables, g.pad,
+                                                            md.workspace))
         elif nd:
             keys, vals = self._gather(md.decode_block_tables, q.dtype, md.workspace)  # [kvh, D, ctx, d]
             o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys.transpose(0, 1), vals.transpose(0, 1),
