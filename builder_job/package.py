@@ -5,7 +5,7 @@ Layout (the runtime's ``LLM.from_artifact`` reads it; see the README)::
     engine.json                          format_version, versions, envelope, gpu, engine_config,
                                          kv_plan, tuning, build_report
     config.json, tokenizer files, chat template, generation_config.json (copied)
-    weights/rank-{r}-of-{n}.safetensors  one per tensor-parallel rank, engine parameter names
+    weights/rank-{r}-of-{n}.safetensors  one per (pipeline stage, tensor-parallel rank), engine parameter names
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def engine_config(spec, num_kv_blocks: int, overrides: dict[str, Any] | None = N
         "quantization": None if spec.quantization == "none" else spec.quantization,
         "kv_cache_dtype": spec.kv_cache_dtype,
         "tensor_parallel_size": spec.tensor_parallel,
+        "pipeline_parallel_size": int(getattr(spec, "pipeline_parallel", None) or 1),
         "max_batch_size": spec.max_batch_size,
         "max_input_len": spec.max_input_len,
         "max_seq_len": spec.max_seq_len,

@@ -2,7 +2,10 @@
 
 Layout (CONTRACTS.md): ``engine.json`` (format version, GPU arch, the
 ``engine_config`` kwargs for ``LLM``), config.json and tokenizer files, and
-``weights/rank-{r}-of-{n}.safetensors``: each rank's shard of the model under
+``weights/rank-{r}-of-{n}.safetensors``: each rank's shard of the model (``n`` =
+tensor_parallel_size x pipeline_parallel_size, ``r = pp_stage * tp_size + tp_rank``: a
+stage's file holds only its layers, stage 0 the embedding, the last stage the norm and
+LM head) under
 engine parameter names (fused ``qkv_proj``/``gate_up_proj``), already cast and,
 for weight-only quantization, int8 / float8_e4m3fn ``<name>.weight`` plus a
 float32 ``<name>.weight_scale`` per output channel. The runtime copies these
@@ -88,12 +91,15 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
         _adapt_to_cpu(kwargs, doc, dtype_forced="dtype" in overrides)
     weights = root / "weights"
     tp = int(kwargs.get("tensor_parallel_size", 1))
+    pp = int(kwargs.get("pipeline_parallel_size", 1))
+    n = tp * pp
     if weights.is_dir():
-        missing = [weights_file_name(r, tp) for r in range(tp) if not (weights / weights_file_name(r, tp)).is_file()]
+        missing = [weights_file_name(r, n) for r in range(n) if not (weights / weights_file_name(r, n)).is_file()]
         if missing:
             have = sorted(p.name for p in weights.glob("*.safetensors"))
-            raise ConfigError(f"artifact {root} lacks {', '.join(missing)} for tensor_parallel_size={tp} "
-                              f"(it has {', '.join(have) or 'no weights'}); the weights are sharded at build time")
+            raise ConfigError(f"artifact {root} lacks {', '.join(missing)} for tensor_parallel_size={tp} x "
+                              f"pipeline_parallel_size={pp} (it has {', '.join(have) or 'no weights'}); the weights "
+                              f"are sharded at build time: run it with the parallel sizes it was built for")
         kwargs["weights_dir"] = str(weights)
     kwargs["model"] = str(root)
     return EngineConfig(**kwargs)
@@ -119,34 +125,40 @@ def _adapt_to_cpu(kwargs: dict[str, Any], doc: dict[str, Any], dtype_forced: boo
 
 
 def shard_checkpoint(model_dir: str | Path, tp_size: int, dtype: str = "float32",
-                     quantization: str | None = None) -> list[dict[str, torch.Tensor]]:
-    """Per-rank engine state dicts of a Hugging Face checkpoint, cast and optionally quantized.
+                     quantization: str | None = None, pp_size: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Per-rank engine state dicts of a Hugging Face checkpoint, cast and optionally quantized,
+    in global rank order (``rank = pp_stage * tp_size + tp_rank``).
 
     Built with the runtime's own layers, one rank at a time, with no process group.
-    Tied LM heads are left out (the runtime ties them again at load).
+    Tied LM heads are left out where the embedding is in the same file (the runtime ties
+    them again at load); a last pipeline stage without the embedding stores its own head.
     """
     from kiln.engine.model_runner import build_model
 
     states = []
-    for rank in range(tp_size):
-        with parallel.shard_context(rank, tp_size):
+    for rank in range(tp_size * pp_size):
+        with parallel.shard_context(rank, tp_size, pp_size):
             config = EngineConfig(model=str(model_dir), dtype=dtype, quantization=quantization,
-                                  tensor_parallel_size=tp_size, device="cpu", num_kv_blocks=1)
+                                  tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size, device="cpu",
+                                  num_kv_blocks=1)
             model = build_model(config)
         names = {n for n, _ in model.named_parameters()}
         states.append({n: t.detach().contiguous() for n, t in model.state_dict().items() if n in names})
     return states
 
 
-def save_rank_weights(states: list[dict[str, torch.Tensor]], weights_dir: str | Path) -> list[Path]:
+def save_rank_weights(states: list[dict[str, torch.Tensor]], weights_dir: str | Path,
+                      pp_size: int = 1) -> list[Path]:
     """Write ``weights/rank-{r}-of-{n}.safetensors`` for each state dict of ``shard_checkpoint``."""
     from safetensors.torch import save_file
 
     out = Path(weights_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
+    tp = len(states) // pp_size
     for rank, state in enumerate(states):
         path = out / weights_file_name(rank, len(states))
-        save_file(state, str(path), metadata={"format": "pt", "kiln_rank": str(rank), "kiln_tp": str(len(states))})
+        save_file(state, str(path), metadata={"format": "pt", "kiln_rank": str(rank), "kiln_tp": str(tp),
+                                              "kiln_pp": str(pp_size), "kiln_pp_stage": str(rank // tp)})
         paths.append(path)
     return paths

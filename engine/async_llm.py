@@ -130,6 +130,7 @@ class AsyncLLM:
             while not self._stopping:
                 self._drain_commands()
                 if not self.engine.has_unfinished():
+                    self.engine.check_ranks()  # a lost rank fails the loop even while idle (/health)
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue

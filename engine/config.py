@@ -45,7 +45,10 @@ class EngineConfig:
     ``num_kv_blocks=None`` sizes the pool from ``kv_memory_fraction`` of the memory free after the
     weights load (RAM on CPU), capped at what ``max_batch_size`` full-length requests could use.
     ``max_num_tokens`` is the per-step token budget (chunked prefill); ``enforce_eager`` turns off
-    CUDA graphs; ``weights_dir`` is set by ``from_artifact`` (per-rank engine weights).
+    CUDA graphs; ``pipeline_parallel_size`` splits the layers into stages (rank layout in
+    ``parallel.py``) and ``num_micro_batches`` splits each step's batch so the stages overlap;
+    ``distributed_address``/``rank_offset``/``local_ranks`` place ranks started separately
+    (docs/multi-node.md); ``weights_dir`` is set by ``from_artifact`` (per-rank engine weights).
     """
 
     model: str
@@ -59,6 +62,16 @@ class EngineConfig:
     kv_memory_fraction: float = 0.9
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    num_micro_batches: int | None = None  # per step with pipeline parallelism; None = pipeline_parallel_size
+    # Ranks started separately (LeaderWorkerSet pods, `kiln serve --rank`): rank 0's HOST:PORT, and which
+    # consecutive ranks this process hosts. None = every rank spawned here (one machine).
+    distributed_address: str | None = None
+    rank_offset: int = 0
+    local_ranks: int | None = None  # None: every rank without distributed_address, else 1
+    distributed_timeout_s: float = 120.0  # most any collective waits for another rank
+    join_timeout_s: float = 600.0  # most a rank waits for the others to join at start
+    heartbeat_interval_s: float | None = None  # rank 0 pings idle ranks this often; None = timeout / 8
     device: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -84,6 +97,12 @@ class EngineConfig:
             self.max_input_len = self.max_seq_len - 1
         if self.quantization in ("none", ""):
             self.quantization = None
+        if self.num_micro_batches is None:
+            self.num_micro_batches = self.pipeline_parallel_size
+        if self.local_ranks is None:
+            self.local_ranks = self.world_size if self.distributed_address is None else 1
+        if self.heartbeat_interval_s is None:
+            self.heartbeat_interval_s = min(5.0, self.distributed_timeout_s / 8)
         checks = [
             ("dtype", self.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
             ("quantization", self.quantization in QUANTIZATIONS, "must be None, 'int8' or 'fp8'"),
@@ -102,13 +121,30 @@ class EngineConfig:
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1"),
             ("kv_memory_fraction", 0 < self.kv_memory_fraction <= 1, "must be in (0, 1]"),
             ("tensor_parallel_size", self.tensor_parallel_size in (1, 2, 4, 8), "must be 1, 2, 4 or 8"),
+            ("pipeline_parallel_size", self.pipeline_parallel_size in (1, 2, 4, 8), "must be 1, 2, 4 or 8"),
+            ("num_micro_batches", isinstance(self.num_micro_batches, int) and 1 <= self.num_micro_batches <= 64,
+             "must be in [1, 64] (1 = no micro-batching)"),
+            ("distributed_timeout_s", self.distributed_timeout_s > 0, "must be > 0 seconds"),
+            ("join_timeout_s", self.join_timeout_s > 0, "must be > 0 seconds"),
+            ("heartbeat_interval_s", 0 < self.heartbeat_interval_s < self.distributed_timeout_s,
+             f"must be > 0 and below distributed_timeout_s ({self.distributed_timeout_s})"),
         ]
         for name, ok, rule in checks:
             if not ok:
                 raise ConfigError(f"{name} {rule}, got {getattr(self, name)!r}")
-        if self.device == "cuda" and torch.cuda.device_count() < self.tensor_parallel_size:
-            raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} needs as many GPUs; "
+        self._check_placement()
+        if self.device == "cuda" and torch.cuda.device_count() < self.local_ranks:
+            raise ConfigError(f"this process hosts {self.local_ranks} rank(s) (tensor_parallel_size "
+                              f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size}"
+                              f"{', local_ranks' if self.distributed_address else ''}) and needs as many GPUs; "
                               f"{torch.cuda.device_count()} visible")
+        if self.pipeline_parallel_size > 1 and self.device == "cuda":
+            self.enforce_eager = True  # CUDA graphs capture one whole-model decode step; stages run eager
+        layers = int(self.hf_config.get("num_hidden_layers", 1))
+        if self.pipeline_parallel_size > layers:
+            raise ConfigError(f"pipeline_parallel_size {self.pipeline_parallel_size} exceeds the model's "
+                              f"num_hidden_layers ({layers}); every stage needs at least one layer: "
+                              f"set pipeline_parallel_size <= {layers}")
         window = self.hf_config.get("sliding_window")
         uses_window = self.hf_config.get("use_sliding_window", self.hf_config.get("model_type") == "mistral")
         if window and uses_window and self.max_seq_len > window:
@@ -121,6 +157,29 @@ class EngineConfig:
         if heads % tp or kv_heads % tp:
             raise ConfigError(f"tensor_parallel_size {tp} must divide the model's attention heads ({heads}) "
                               f"and KV heads ({kv_heads})")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_placement(self) -> None:
+        world = self.world_size
+        if self.distributed_address is None:
+            if self.rank_offset != 0 or self.local_ranks != world:
+                raise ConfigError(f"rank_offset {self.rank_offset} / local_ranks {self.local_ranks} need "
+                                  "distributed_address (rank 0's HOST:PORT); without it every rank is spawned here")
+            return
+        host, _, port = self.distributed_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"distributed_address must be HOST:PORT (rank 0's rendezvous), "
+                              f"got {self.distributed_address!r}")
+        if not isinstance(self.local_ranks, int) or self.local_ranks < 1:
+            raise ConfigError(f"local_ranks must be >= 1, got {self.local_ranks!r}")
+        if not 0 <= self.rank_offset or self.rank_offset + self.local_ranks > world:
+            raise ConfigError(f"ranks {self.rank_offset}..{self.rank_offset + self.local_ranks - 1} (rank_offset, "
+                              f"local_ranks) do not fit the world of {world} ranks (tensor_parallel_size "
+                              f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size}); "
+                              f"give every process the same parallel sizes and a rank below {world}")
 
     @property
     def torch_dtype(self):

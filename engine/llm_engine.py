@@ -55,21 +55,20 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = config.eos_token_ids(self.tokenizer)
         self.vocab_size = int(config.hf_config["vocab_size"])
-        self.workers = []
-        if config.tensor_parallel_size > 1:
-            from kiln.engine.tp_worker import start_workers
+        self.group = None  # the other ranks (tensor / pipeline parallel), driven from here
+        if config.world_size > 1:
+            from kiln.engine.workers import RankGroup
 
-            self.workers = start_workers(config)
+            self.group = RankGroup(config)
         try:
             self.runner = ModelRunner(config)
         except BaseException:
-            for proc in self.workers:  # they may wait forever on a collective rank 0 never joins
-                proc.terminate()
-            if self.workers:
-                from kiln.engine.parallel import destroy_distributed
-
-                destroy_distributed()
+            if self.group is not None:  # they may wait on a collective rank 0 never joins
+                self.group.fail("rank 0 failed to load its shard")
+                self.group.stop()
             raise
+        if self.group is not None:
+            self.group.start_heartbeat()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_tokens)
         self.requests: dict[str, Request] = {}
@@ -155,10 +154,7 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[StepUpdate]:
-        for rank, proc in enumerate(self.workers, start=1):
-            if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode}); "
-                                   "the engine cannot continue")
+        self.check_ranks()
         decision = self.scheduler.schedule()
         if not decision.scheduled:
             return []
@@ -171,7 +167,16 @@ class LLMEngine:
         for req, _ in decision.scheduled:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        sampled, out = self.runner.run(decision.scheduled)
+        if self.group is None:
+            sampled, out = self.runner.run(decision.scheduled)
+        else:
+            with self.group.lock:  # the heartbeat must not interleave its broadcast with a step's
+                try:
+                    sampled, out = self.runner.run(decision.scheduled)
+                except Exception as exc:
+                    self.group.fail(str(exc))
+                    raise
+                self.group.step_done()
         for req, n in decision.scheduled:
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
@@ -234,6 +239,11 @@ class LLMEngine:
         req.finished_time = now
         req.error = error
 
+    def check_ranks(self) -> None:
+        """Raise if a rank of a parallel engine is gone (it exited, or missed a heartbeat or a step)."""
+        if self.group is not None:
+            self.group.check()
+
     # -- introspection --------------------------------------------------------------------
     def kv_usage(self) -> float:
         bm = self.block_manager  # every block with a reference is off the free queue
@@ -252,8 +262,6 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        if self.workers:
-            from kiln.engine.tp_worker import stop_workers
-
-            stop_workers(self.workers)
-            self.workers = []
+        if self.group is not None:
+            self.group.stop()
+            self.group = None

@@ -6,15 +6,19 @@ single-token rows (decodes) first, then prefill chunks (see
 scheduled token is their last token (a finished prefill or a decode); a
 chunk in the middle of a prompt produces no token.
 
-With tensor parallelism, rank 0 prepares the step's inputs once, broadcasts
-them, and every rank runs ``execute``; only rank 0 samples.
+With tensor/pipeline parallelism, rank 0 prepares the step's inputs once (one
+``StepInputs`` per micro-batch), broadcasts them, and every rank runs its stage
+(``run_stage``): activations go stage to stage point to point, the last stage
+sends the logits to rank 0, and only rank 0 samples.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from kiln.engine import parallel
@@ -22,7 +26,7 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
 from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 from kiln.engine.layers.linear import LinearBase, can_prepack, pack_model
-from kiln.engine.models.llama import head_dim_of
+from kiln.engine.models.llama import Intermediate, head_dim_of
 from kiln.engine.models.registry import model_class
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.sequence import Request
@@ -43,6 +47,31 @@ class StepInputs:
     decode_ctx_lens: torch.Tensor      # [num_decodes]
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (q_start, q_len, ctx_len, block_ids)
     logits_indices: torch.Tensor       # packed rows whose logits are sampled
+
+
+_LOGITS_TAG = 1 << 20  # point-to-point tags: micro-batch i's activations use i, its logits this + i
+
+
+def split_batch(scheduled: list[tuple[Request, int]], parts: int) -> list[list[tuple[Request, int]]]:
+    """Split one step's (request, tokens) rows into at most ``parts`` micro-batches of about equal
+    tokens, keeping the order (decodes first); each request lies in exactly one."""
+    parts = max(1, min(parts, len(scheduled)))
+    if parts == 1:
+        return [scheduled]
+    total = sum(n for _, n in scheduled)
+    out: list[list[tuple[Request, int]]] = []
+    cur: list[tuple[Request, int]] = []
+    acc = 0
+    for i, (req, n) in enumerate(scheduled):
+        cur.append((req, n))
+        acc += n
+        left_rows, left_parts = len(scheduled) - i - 1, parts - len(out) - 1
+        if left_parts and (acc * parts >= total * (len(out) + 1) or left_rows == left_parts):
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    return out
 
 
 def merge_rows(outs: dict[int, SamplerOutput], errors: dict[int, str], num_rows: int,
@@ -80,7 +109,7 @@ def build_model(config: EngineConfig) -> torch.nn.Module:
             for m in model.modules():
                 if isinstance(m, LinearBase):
                     m.make_quantized_(config.quantization)
-        name = f"rank-{parallel.tp_rank()}-of-{parallel.tp_size()}.safetensors"
+        name = f"rank-{parallel.rank()}-of-{parallel.world_size()}.safetensors"
         load_engine_state(model, Path(config.weights_dir) / name)
     else:
         load_checkpoint(model, config.model)
@@ -101,7 +130,9 @@ class ModelRunner:
             pack_model(self.model, config.max_batch_size)
         cfg = config.hf_config
         kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
-        block_bytes = bytes_per_block(config, cfg["num_hidden_layers"], kv_heads, head_dim_of(cfg))
+        # This stage's layers only: each stage's pool holds its own layers' K/V for every block.
+        start, end = parallel.stage_layers(cfg["num_hidden_layers"], parallel.pp_rank(), parallel.pp_size())
+        block_bytes = bytes_per_block(config, end - start, kv_heads, head_dim_of(cfg))
         self.num_blocks = parallel.min_over_ranks(plan_num_blocks(config, block_bytes))
         # One block more than the block manager hands out: CUDA-graph padding rows write there.
         self.kv_cache = allocate_kv_cache(self.model, config, self.num_blocks + 1)
@@ -151,12 +182,15 @@ class ModelRunner:
         return inputs, [reqs[i] for i in sample]
 
     def run(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], SamplerOutput | None]:
-        inputs, sampled_reqs = self.prepare(scheduled)
-        if parallel.tp_size() > 1:
+        batches = [self.prepare(part) for part in split_batch(scheduled, self.config.num_micro_batches)]
+        inputs = [b for b, _ in batches]
+        if parallel.world_size() > 1:
             parallel.broadcast_object(inputs)
-        logits = self.execute(inputs)
+        parts = self.run_stage(inputs)
+        sampled_reqs = [r for _, reqs in batches for r in reqs]
         if not sampled_reqs:
             return [], None
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.eos_token_ids)
                 for r in sampled_reqs]
         return sampled_reqs, self.sample(logits.float(), rows)
@@ -180,7 +214,58 @@ class ModelRunner:
 
     # -- every rank -----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
+    def run_stage(self, batches: list[StepInputs]) -> list[torch.Tensor]:
+        """This rank's stage over each micro-batch, in order; on rank 0, the logits of every
+        micro-batch that samples (``[rows, vocab]``), in order.
+
+        Stage ``s`` receives micro-batch ``i``'s activations from stage ``s - 1`` while it
+        works on ``i - 1``: with ``m`` micro-batches in flight the stages overlap. Every
+        receive is posted up front and every wait is bounded by ``distributed_timeout_s``.
+        """
+        if parallel.pp_size() == 1:
+            return [self.execute(b) for b in batches]
+        dev, dtype = self.device, self.config.torch_dtype
+        hidden_size, vocab = self.config.hf_config["hidden_size"], self.config.hf_config["vocab_size"]
+        timeout = datetime.timedelta(seconds=self.config.distributed_timeout_s)
+        first, last = parallel.is_first_stage(), parallel.is_last_stage()
+        recvs: list[tuple[torch.Tensor, Any]] = []
+        if not first:
+            for i, b in enumerate(batches):
+                buf = torch.empty(2, b.input_ids.shape[0], hidden_size, dtype=dtype, device=dev)
+                recvs.append((buf, parallel.irecv(buf, parallel.prev_stage_peer(), tag=i)))
+        logit_recvs: list[tuple[torch.Tensor, Any]] = []
+        if parallel.rank() == 0:
+            for i, b in enumerate(batches):
+                if b.logits_indices.shape[0]:
+                    buf = torch.empty(b.logits_indices.shape[0], vocab, dtype=dtype, device=dev)
+                    logit_recvs.append((buf, parallel.irecv(buf, parallel.last_stage_driver(), tag=_LOGITS_TAG + i)))
+        sends: list[tuple[torch.Tensor, Any]] = []
+        try:
+            for i, b in enumerate(batches):
+                intermediate = None
+                if not first:
+                    buf, work = recvs[i]
+                    work.wait(timeout)
+                    intermediate = (buf[0], buf[1])
+                out = self.execute(b, intermediate)
+                if not last:
+                    payload = torch.stack(out)
+                    sends.append((payload, parallel.isend(payload, parallel.next_stage_peer(), tag=i)))
+                elif parallel.tp_rank() == 0 and out.shape[0]:
+                    out = out.to(dtype).contiguous()
+                    sends.append((out, parallel.isend(out, 0, tag=_LOGITS_TAG + i)))
+            for _, work in logit_recvs:
+                work.wait(timeout)
+            for _, work in sends:
+                work.wait(timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(f"pipeline stage {parallel.pp_rank()} (rank {parallel.rank()}) lost a peer "
+                               f"or timed out after {self.config.distributed_timeout_s:.0f}s: {exc}") from exc
+        return [buf for buf, _ in logit_recvs]
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs, intermediate: Intermediate | None = None):
+        """One forward pass of this rank's stage: logits on the last stage, else (hidden, residual)."""
         n = inputs.input_ids.shape[0]
         if (self.graphs is not None and inputs.num_decodes == n and inputs.logits_indices.shape[0] == n
                 and self.graphs.can_run(n)):
@@ -207,7 +292,9 @@ class ModelRunner:
             prefills=prefills, decode_pad_mask=decode_pad_mask, workspace=self.workspace,
         ))
         try:
-            hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev))
-            return self.model.compute_logits(hidden[inputs.logits_indices.to(dev)])
+            out = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), intermediate)
+            if not parallel.is_last_stage():
+                return out
+            return self.model.compute_logits(out[inputs.logits_indices.to(dev)])
         finally:
             set_attention_metadata(None)

@@ -1,13 +1,25 @@
-"""Tensor-parallel context: which rank this process is, and the collectives the layers use.
+"""Parallel context: which rank this process is, and the collectives the layers and stages use.
 
-Layers ask this module for ``tp_rank()``/``tp_size()`` when they are built, so the
-same model code builds one rank's shard inside a worker process (after
-``init_distributed``) or offline in the builder (``shard_context`` with no
-process group at all, used by ``artifact.shard_checkpoint``).
+Rank layout (``world = pipeline_parallel_size * tensor_parallel_size``)::
 
-Two process groups: the default one carries tensors between ranks (NCCL on
-GPU, gloo on CPU) and a gloo group carries the step's inputs from rank 0 to
-the workers as Python objects, whatever the device.
+    rank = pp_stage * tp_size + tp_rank
+
+so the ``tp_size`` ranks of one pipeline stage are consecutive (one node / one
+LeaderWorkerSet pod holds one stage, tensor parallel over NVLink inside it), and
+rank 0 (stage 0, TP rank 0) is the driver: scheduler, sampler, detokenizer.
+
+Layers ask this module for ``tp_rank()``/``tp_size()`` and models for
+``pp_rank()``/``pp_size()`` when they are built, so the same model code builds
+one rank's shard inside a rank process (after ``init_distributed``) or offline
+in the builder (``shard_context`` with no process group at all, used by
+``artifact.shard_checkpoint``).
+
+Process groups: the default one carries tensors (NCCL on GPU, gloo on CPU):
+pipeline activations point to point, the last stage's logits back to rank 0;
+one TP group per stage carries the all-reduces / all-gathers; a gloo group over
+every rank carries the step's inputs from rank 0 as Python objects. Every wait
+that depends on another process is bounded by ``timeout`` (the process group's
+timeout): a dead or hung peer fails the step with an error, never a hang.
 """
 
 from __future__ import annotations
@@ -19,60 +31,118 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-_rank = 0
-_size = 1
+_rank = 0          # global rank
+_world = 1
+_tp_rank = 0
+_tp_size = 1
+_pp_rank = 0
+_pp_size = 1
 _cpu_group: dist.ProcessGroup | None = None
+_tp_group: dist.ProcessGroup | None = None
 
 
 def tp_rank() -> int:
-    return _rank
+    return _tp_rank
 
 
 def tp_size() -> int:
-    return _size
+    return _tp_size
+
+
+def pp_rank() -> int:
+    return _pp_rank
+
+
+def pp_size() -> int:
+    return _pp_size
+
+
+def rank() -> int:
+    return _rank
+
+
+def world_size() -> int:
+    return _world
+
+
+def is_first_stage() -> bool:
+    return _pp_rank == 0
+
+
+def is_last_stage() -> bool:
+    return _pp_rank == _pp_size - 1
+
+
+def global_rank(pp: int, tp: int, tp_size_: int) -> int:
+    return pp * tp_size_ + tp
+
+
+def stage_layers(num_layers: int, stage: int, num_stages: int) -> tuple[int, int]:
+    """Layers [start, end) of ``stage``: as even as possible, earlier stages take the remainder
+    (the last stage also runs the norm and the LM head)."""
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return start, start + base + (1 if stage < extra else 0)
+
+
+def _set(rank_: int, tp: int, pp: int) -> None:
+    global _rank, _world, _tp_rank, _tp_size, _pp_rank, _pp_size
+    _rank, _world = rank_, tp * pp
+    _tp_size, _pp_size = tp, pp
+    _pp_rank, _tp_rank = divmod(rank_, tp)
 
 
 @contextlib.contextmanager
-def shard_context(rank: int, size: int) -> Iterator[None]:
-    """Build layers as rank ``rank`` of ``size`` without any process group (offline sharding)."""
-    global _rank, _size
-    old = (_rank, _size)
-    _rank, _size = rank, size
+def shard_context(rank_: int, tp: int, pp: int = 1) -> Iterator[None]:
+    """Build layers as global rank ``rank_`` of ``tp * pp`` without any process group (offline sharding)."""
+    old = (_rank, _tp_size, _pp_size)
+    _set(rank_, tp, pp)
     try:
         yield
     finally:
-        _rank, _size = old
+        _set(*old)
 
 
-def init_distributed(rank: int, size: int, init_method: str, device: str) -> None:
-    """Join the tensor-parallel group; rank 0 is the driver that schedules."""
-    global _rank, _size, _cpu_group
+def init_distributed(rank_: int, tp: int, pp: int, device: str, *, store: dist.Store | None = None,
+                     init_method: str | None = None, timeout_s: float = 600.0) -> None:
+    """Join the world (``tp * pp`` ranks) and make the TP group of this rank's stage."""
+    global _cpu_group, _tp_group
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(minutes=10))
-    _cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-    _rank, _size = rank, size
+    world = tp * pp
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank_, world_size=world,
+                            timeout=timeout)
+    _cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    _set(rank_, tp, pp)
+    _tp_group = None
+    for stage in range(pp):  # every rank creates every group, in the same order
+        ranks = list(range(stage * tp, (stage + 1) * tp))
+        group = dist.new_group(ranks, timeout=timeout) if pp > 1 else dist.group.WORLD
+        if stage == _pp_rank:
+            _tp_group = group
 
 
 def destroy_distributed() -> None:
-    global _rank, _size, _cpu_group
+    global _cpu_group, _tp_group
     if dist.is_initialized():
-        dist.destroy_process_group()
-    _rank, _size, _cpu_group = 0, 1, None
+        with contextlib.suppress(Exception):  # a peer may be gone already
+            dist.destroy_process_group()
+    _set(0, 1, 1)
+    _cpu_group = _tp_group = None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _size > 1:
-        dist.all_reduce(x)
+    if _tp_size > 1:
+        dist.all_reduce(x, group=_tp_group)
     return x
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along the last dimension (vocab shards of the LM head)."""
-    if _size == 1:
+    """Concatenate every TP rank's ``x`` along the last dimension (vocab shards of the LM head)."""
+    if _tp_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_size)]
-    dist.all_gather(parts, x.contiguous())
+    parts = [torch.empty_like(x) for _ in range(_tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=-1)
 
 
@@ -85,8 +155,31 @@ def broadcast_object(obj: object | None = None) -> object:
 
 def min_over_ranks(value: int) -> int:
     """The smallest ``value`` any rank holds (e.g. KV blocks every rank can afford)."""
-    if _size == 1:
+    if _world == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_cpu_group)
     return int(t.item())
+
+
+# -- pipeline point to point ----------------------------------------------------------------
+def next_stage_peer() -> int:
+    """The same TP rank in the next stage (activations go there)."""
+    return global_rank(_pp_rank + 1, _tp_rank, _tp_size)
+
+
+def prev_stage_peer() -> int:
+    return global_rank(_pp_rank - 1, _tp_rank, _tp_size)
+
+
+def last_stage_driver() -> int:
+    """The rank that sends the logits to rank 0: TP rank 0 of the last stage."""
+    return global_rank(_pp_size - 1, 0, _tp_size)
+
+
+def isend(x: torch.Tensor, dst: int, tag: int) -> dist.Work:
+    return dist.isend(x.contiguous(), dst, tag=tag)
+
+
+def irecv(buf: torch.Tensor, src: int, tag: int) -> dist.Work:
+    return dist.irecv(buf, src, tag=tag)

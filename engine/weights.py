@@ -37,6 +37,10 @@ def load_checkpoint(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     tied = getattr(model, "tie_word_embeddings", False)
+    # Pipeline stages: tensors of other stages are skipped; a tied LM head without the embedding
+    # in this stage loads the embedding's tensor (models/llama.py).
+    is_foreign = getattr(model, "is_foreign", lambda name: False)
+    aliases = getattr(model, "checkpoint_aliases", {})
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -44,6 +48,12 @@ def load_checkpoint(model: nn.Module, model_dir: Path) -> None:
                 if "rotary_emb.inv_freq" in name:
                     continue
                 if tied and name == "lm_head.weight":
+                    continue
+                if name in aliases:
+                    params[aliases[name]].weight_loader(params[aliases[name]], f.get_tensor(name))
+                    loaded.add(aliases[name])
+                    continue
+                if is_foreign(name):
                     continue
                 target, shard_id = name, None
                 for ckpt_part, (fused_part, sid) in packed.items():

@@ -82,20 +82,43 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class OtherStageLayer(nn.Module):
+    """A decoder layer that another pipeline stage runs: no parameters, never called."""
+
+
+Intermediate = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) handed from one stage to the next
+
+
 class LlamaModel(nn.Module):
+    """One pipeline stage of the model: stage 0 embeds, the last stage norms; each runs its layers.
+
+    Layers keep their global index (``layers.{i}``) so checkpoint names load unchanged;
+    ``is_foreign(name)`` says which checkpoint tensors belong to another stage.
+    """
+
     def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+        num_layers = cfg["num_hidden_layers"]
+        self.first, self.last = parallel.is_first_stage(), parallel.is_last_stage()
+        self.start, self.end = parallel.stage_layers(num_layers, parallel.pp_rank(), parallel.pp_size())
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"]) if self.first else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) if self.start <= i < self.end else OtherStageLayer()
+                                    for i in range(num_layers))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)) if self.last else None
         # One table for every layer: cos/sin are looked up once per forward pass.
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), max_position, rope_parameters(cfg))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        if self.first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        for layer in self.layers:
+        for layer in self.layers[self.start:self.end]:
             hidden, residual = layer(cos_sin, hidden, residual)
+        if not self.last:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -113,13 +136,37 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: dict[str, Any], max_position: int) -> None:
         super().__init__()
         self.model = LlamaModel(cfg, max_position)
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"]) if self.model.last else None
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        # With pipeline stages the LM head lives apart from the embedding: a tied head loads the
+        # checkpoint's embedding into its own parameter (``checkpoint_aliases``).
+        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    @property
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """Extra checkpoint tensor -> parameter mappings of this stage."""
+        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is None:
+            return {"model.embed_tokens.weight": "lm_head.weight"}
+        return {}
+
+    def is_foreign(self, name: str) -> bool:
+        """True for a checkpoint tensor another pipeline stage holds."""
+        m = self.model
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            return not m.start <= index < m.end
+        if name.startswith("model.embed_tokens."):
+            return m.embed_tokens is None and not self.checkpoint_aliases
+        if name.startswith("model.norm."):
+            return m.norm is None
+        if name.startswith("lm_head."):
+            return self.lm_head is None
+        return False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

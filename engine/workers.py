@@ -1,0 +1,232 @@
+"""Rank processes for tensor and pipeline parallelism; rank 0 (the LLM's process) drives.
+
+Rank layout: ``rank = pp_stage * tensor_parallel_size + tp_rank`` (see ``parallel.py``).
+Rank 0 owns the scheduler and the sampler. Each step it broadcasts the step's
+packed ``StepInputs`` (one per micro-batch) over the gloo group; every rank runs
+its stage (``ModelRunner.run_stage``): stage 0 embeds, each stage runs its layers
+and sends the activations to the next stage, the last stage computes the logits
+and sends them to rank 0. ``None`` tells the ranks to exit; ``PING`` is the
+driver's heartbeat while no step runs, so a rank waiting for work learns within
+``distributed_timeout_s`` that the driver is gone, and the driver learns that a
+rank is gone at the next heartbeat or step.
+
+Where the ranks come from:
+
+- ``distributed_address=None``: this process hosts every rank; ranks 1..n-1 are
+  spawned here (one machine, one process tree; what ``tensor_parallel_size`` always did).
+- ``distributed_address="HOST:PORT"``: ranks were started separately (pods of a
+  LeaderWorkerSet, or ``kiln serve --rank``); this process hosts ``local_ranks``
+  consecutive ranks from ``rank_offset``, spawning all but the first of them.
+  Rank 0's process serves the store at HOST:PORT that every rank joins.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from kiln.engine import parallel
+from kiln.engine.config import EngineConfig
+from kiln.engine.errors import ConfigError
+
+log = logging.getLogger("kiln.engine")
+
+PING = "ping"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads_per_rank(local: int) -> int:
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _join(config: EngineConfig, rank: int, address: str) -> None:
+    """Join the world as ``rank``: rank 0 serves the rendezvous store, the others connect to it.
+
+    Joining waits up to ``join_timeout_s`` (pods start minutes apart); every collective
+    after that waits at most ``distributed_timeout_s``.
+    """
+    host, port = _split_address(address)
+    world = config.world_size
+    who = "waiting for the other ranks to join" if rank == 0 else f"joining the leader at {address}"
+    deadline = time.monotonic() + config.join_timeout_s
+    try:
+        store = dist.TCPStore(host, port, world, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=config.join_timeout_s), wait_for_workers=False)
+        store.add("kiln/joined", 1)
+        # Every rank is here before the process groups form (their setup waits distributed_timeout_s only).
+        while (joined := store.add("kiln/joined", 0)) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{joined} of {world} ranks joined")
+            time.sleep(0.05)
+        store.set_timeout(datetime.timedelta(seconds=config.distributed_timeout_s))
+    except Exception as exc:
+        raise RuntimeError(f"rank {rank} of {world}: {who} failed within join_timeout_s "
+                           f"({config.join_timeout_s:.0f}s): {exc}") from None
+    parallel.init_distributed(rank, config.tensor_parallel_size, config.pipeline_parallel_size, config.device,
+                              store=store, timeout_s=config.distributed_timeout_s)
+
+
+def _set_local_device(config: EngineConfig, local_index: int, spawned: bool) -> None:
+    if config.device == "cpu":
+        if spawned or config.local_ranks > 1:  # the ranks share this machine's cores
+            torch.set_num_threads(_threads_per_rank(config.local_ranks))
+    else:
+        torch.cuda.set_device(local_index)
+
+
+class RankGroup:
+    """Rank 0's handle on the other ranks: local children, the heartbeat, the lock every step holds."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if dist.is_initialized():
+            raise ConfigError("this process already runs a parallel engine; shut it down (LLM.shutdown()) "
+                              "before starting another, or use tensor_parallel_size=1 and pipeline_parallel_size=1")
+        self.config = config
+        self.address = config.distributed_address or f"127.0.0.1:{_free_port()}"
+        self.procs = spawn_local_ranks(config, self.address)
+        self.lock = threading.Lock()  # held by each step and each heartbeat: one collective at a time
+        self.last_sent = time.monotonic()
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        _set_local_device(config, 0, spawned=False)
+        try:
+            _join(config, 0, self.address)
+        except BaseException:
+            self._kill_children()
+            raise
+
+    # -- liveness -----------------------------------------------------------------------------
+    def start_heartbeat(self) -> None:
+        """Ping the ranks when no step ran for a while (they time out waiting otherwise)."""
+        if self.config.world_size > 1 and self._thread is None:
+            self._thread = threading.Thread(target=self._heartbeat, name="kiln-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _heartbeat(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        while not self._stop.wait(interval / 2):
+            with self.lock:
+                if self._stop.is_set() or self.error is not None:
+                    return
+                if time.monotonic() - self.last_sent < interval:
+                    continue
+                try:
+                    parallel.broadcast_object(PING)
+                    self.last_sent = time.monotonic()
+                except Exception as exc:
+                    self.fail(f"a rank stopped answering the heartbeat: {exc}")
+                    return
+
+    def fail(self, why: str) -> None:
+        if self.error is None:
+            self.error = why
+            log.error("parallel engine failed: %s", why)
+
+    def check(self) -> None:
+        """Raise if any rank is known to be gone: the engine cannot continue without it."""
+        for proc in self.procs:
+            if not proc.is_alive():
+                self.fail(f"rank process {proc.name} exited (code {proc.exitcode})")
+        if self.error is not None:
+            raise RuntimeError(f"the parallel engine lost a rank and cannot continue: {self.error}")
+
+    def step_done(self) -> None:
+        self.last_sent = time.monotonic()
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+        with self.lock:
+            if self.error is None:
+                try:
+                    parallel.broadcast_object(None)
+                except Exception as exc:  # a rank is gone: nobody to tell
+                    log.warning("could not tell the ranks to stop: %s", exc)
+        for p in self.procs:
+            p.join(timeout=30)
+        self._kill_children()
+        parallel.destroy_distributed()
+
+    def _kill_children(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+def spawn_local_ranks(config: EngineConfig, address: str) -> list[mp.process.BaseProcess]:
+    """Start the ranks this process hosts after its first one, as child processes."""
+    ctx = mp.get_context("spawn")
+    first = config.rank_offset
+    procs = [ctx.Process(target=rank_main, args=(config, rank, address, rank - first), daemon=True,
+                         name=f"kiln-rank-{rank}") for rank in range(first + 1, first + config.local_ranks)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def rank_main(config: EngineConfig, rank: int, address: str, local_index: int, spawned: bool = True) -> None:
+    """One non-driver rank: join, load this rank's shard, run the steps rank 0 broadcasts."""
+    from kiln.engine.model_runner import ModelRunner
+
+    _set_local_device(config, local_index, spawned)
+    _join(config, rank, address)
+    clean = False
+    try:
+        runner = ModelRunner(config)
+        while True:
+            msg = parallel.broadcast_object()
+            if msg is None:
+                clean = True
+                break
+            if msg == PING:
+                continue
+            runner.run_stage(msg)
+    finally:
+        if clean:
+            parallel.destroy_distributed()
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """A process started separately that hosts ranks ``rank_offset..`` (not rank 0): run until rank 0
+    says stop (exit code 0) or the group breaks (1: a rank or the leader is gone, a collective timed
+    out). It never serves requests; rank 0's process does."""
+    if config.rank_offset == 0 or config.distributed_address is None:
+        raise ConfigError("run_worker_node is for ranks other than 0 with a distributed_address; "
+                          "rank 0 runs the engine (LLM / AsyncLLM / kiln serve)")
+    address = config.distributed_address
+    procs = spawn_local_ranks(config, address)
+    code = 0
+    try:
+        rank_main(config, config.rank_offset, address, 0, spawned=False)
+        log.info("rank %d: the leader stopped the engine; exiting", config.rank_offset)
+    except Exception as exc:
+        log.error("rank %d of %d: the engine group broke (%s); exiting 1 so the group restarts",
+                  config.rank_offset, config.world_size, exc)
+        code = 1
+    for p in procs:
+        p.join(timeout=10 if code == 0 else 1)
+        if p.is_alive():
+            p.terminate()
+        elif p.exitcode:
+            code = 1
+    parallel.destroy_distributed()
+    return code

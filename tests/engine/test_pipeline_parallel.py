@@ -1,0 +1,180 @@
+"""Pipeline parallelism over gloo on local processes: the same greedy tokens as one process.
+
+P=2 (with and without micro-batches in flight) and T=2 x P=2 run the hardest mix the
+engine knows (shared prefixes, chunked prefill, a pool small enough to preempt, two
+waves of requests) and must equal P=1, T=1 token for token. Plus the parts: the layer
+split, the micro-batch split, per-(stage, TP rank) artifact files, config errors, and
+what happens when a rank dies or sits idle.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from engine_testlib import random_prompts
+from kiln.engine import LLM, ConfigError, SamplingParams
+from kiln.engine.artifact import save_rank_weights, shard_checkpoint
+from kiln.engine.model_runner import split_batch
+from kiln.engine.parallel import stage_layers
+from safetensors import safe_open
+
+KWARGS = dict(num_kv_blocks=24, block_size=4, max_num_tokens=12, max_batch_size=6)
+
+
+def workload():
+    shared = random_prompts([21], seed=9)[0][1:]
+    prompts = random_prompts([30, 26, 41, 23, 35, 28], seed=10, prefix=shared) + random_prompts([7, 15], seed=11)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (11, 3, 8, 14, 6, 9, 12, 5)]
+    return prompts, params
+
+
+def run_mix(llm):
+    """Two waves: the first three prompts, then all eight (prefix hits on the second)."""
+    prompts, params = workload()
+    first = [o.token_ids for o in llm.generate(prompts[:3], params[:3])]
+    second = [o.token_ids for o in llm.generate(prompts, params)]
+    return first, second
+
+
+_REFERENCE: dict[str, tuple] = {}
+
+
+def reference(model_dir: Path, make_llm):
+    if str(model_dir) not in _REFERENCE:
+        llm = make_llm(model_dir, **KWARGS)
+        _REFERENCE[str(model_dir)] = run_mix(llm)
+        stats = llm.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # the mix really exercises both
+    return _REFERENCE[str(model_dir)]
+
+
+@pytest.mark.parametrize(("preset", "overrides", "micro"), [
+    ("llama-tiny", {"num_hidden_layers": 3}, None),  # uneven split (2 + 1 layers), 2 micro-batches in flight
+    ("llama-tiny", {"num_hidden_layers": 3}, 1),     # no micro-batching
+    ("qwen2-tiny", {}, 3),                           # tied LM head on the last stage, qkv bias
+])
+def test_pp2_equals_single_process(preset, overrides, micro, toy_model, make_llm):
+    model_dir = toy_model(preset, **overrides)
+    expected = reference(model_dir, make_llm)
+    llm = make_llm(model_dir, pipeline_parallel_size=2, num_micro_batches=micro, **KWARGS)
+    assert run_mix(llm) == expected
+    stats = llm.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
+def test_tp2_pp2_equals_single_process(toy_model, make_llm):
+    model_dir = toy_model("llama-tiny")
+    expected = reference(model_dir, make_llm)
+    llm = make_llm(model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, **KWARGS)
+    assert llm.engine.group is not None and len(llm.engine.group.procs) == 3
+    assert run_mix(llm) == expected
+
+
+def test_micro_batches_without_pipeline_equal_one_batch(toy_model, make_llm):
+    """Splitting a step into micro-batches is itself exact (P=1, 3 micro-batches, no processes)."""
+    model_dir = toy_model("llama-tiny", num_hidden_layers=3)
+    expected = reference(model_dir, make_llm)
+    assert run_mix(make_llm(model_dir, num_micro_batches=3, **KWARGS)) == expected
+
+
+def test_stage_layers_split_evenly_earlier_stages_take_the_rest():
+    assert [stage_layers(3, s, 2) for s in range(2)] == [(0, 2), (2, 3)]
+    assert [stage_layers(10, s, 4) for s in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert [stage_layers(8, s, 8) for s in range(8)] == [(i, i + 1) for i in range(8)]
+
+
+def test_split_batch_balances_tokens_and_keeps_every_row_once():
+    rows = [(f"r{i}", n) for i, n in enumerate([1, 1, 1, 1, 12, 4])]
+    parts = split_batch(rows, 2)
+    assert [r for part in parts for r in part] == rows
+    assert len(parts) == 2 and all(parts)
+    assert split_batch(rows[:1], 4) == [rows[:1]]
+    assert len(split_batch(rows, 6)) == 6
+    assert split_batch(rows, 1) == [rows]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    (dict(pipeline_parallel_size=3), "pipeline_parallel_size"),
+    (dict(pipeline_parallel_size=4), "pipeline_parallel_size"),  # 2 layers: a stage would have none
+    (dict(num_micro_batches=0), "num_micro_batches"),
+    (dict(distributed_address="leader"), "distributed_address"),
+    (dict(rank_offset=1), "rank_offset"),
+    (dict(pipeline_parallel_size=2, distributed_address="h:29500", rank_offset=2), "rank_offset"),
+    (dict(distributed_timeout_s=0), "distributed_timeout_s"),
+])
+def test_config_errors_name_the_field(kwargs, field, toy_model):
+    from kiln.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(model=str(toy_model("llama-tiny")), **kwargs)
+
+
+def make_pp_artifact(model_dir: Path, out: Path, tp: int, pp: int) -> Path:
+    out.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    save_rank_weights(shard_checkpoint(model_dir, tp, "float32", None, pp_size=pp), out / "weights", pp_size=pp)
+    (out / "engine.json").write_text(json.dumps({
+        "format_version": 1, "gpu": {"sku": "cpu", "arch": "cpu"},
+        "engine_config": {"dtype": "float32", "tensor_parallel_size": tp, "pipeline_parallel_size": pp, **KWARGS},
+    }))
+    return out
+
+
+def test_artifact_is_sharded_per_stage_and_loads_per_rank(toy_model, make_llm, tmp_path):
+    model_dir = toy_model("qwen2-tiny")  # tied: the last stage stores its own LM head
+    art = make_pp_artifact(model_dir, tmp_path / "art", tp=1, pp=2)
+    files = sorted(p.name for p in (art / "weights").iterdir())
+    assert files == ["rank-0-of-2.safetensors", "rank-1-of-2.safetensors"]
+    with safe_open(str(art / "weights" / files[0]), "pt") as f:
+        first = set(f.keys())
+        assert f.metadata()["kiln_pp_stage"] == "0"
+    with safe_open(str(art / "weights" / files[1]), "pt") as f:
+        last = set(f.keys())
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first and "model.norm.weight" not in first
+    assert {n for n in first if n.startswith("model.layers.")} == {n for n in first if ".layers.0." in n}
+    assert "lm_head.weight" in last and "model.norm.weight" in last and "model.embed_tokens.weight" not in last
+    assert {n for n in last if n.startswith("model.layers.")} == {n for n in last if ".layers.1." in n}
+
+    llm = LLM.from_artifact(art)
+    try:
+        assert llm.engine_config.pipeline_parallel_size == 2
+        assert run_mix(llm) == reference(model_dir, make_llm)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=1"):
+        LLM.from_artifact(art, pipeline_parallel_size=1)
+
+
+def test_a_dead_rank_fails_the_step_never_hangs(toy_model):
+    llm = LLM(toy_model("llama-tiny"), pipeline_parallel_size=2, distributed_timeout_s=20, **KWARGS)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(llm.generate([[1, 5, 6, 7]], params)[0].token_ids) == 4
+        proc = llm.engine.group.procs[0]
+        proc.kill()
+        proc.join(10)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank"):
+            llm.generate([[1, 5, 6, 7]], params)
+        assert time.monotonic() - started < 20
+    finally:
+        llm.shutdown()
+
+
+def test_idle_ranks_are_kept_alive_by_the_heartbeat(toy_model):
+    """Ranks wait at most distributed_timeout_s for work; the driver's heartbeat keeps an idle group up."""
+    llm = LLM(toy_model("llama-tiny"), pipeline_parallel_size=2, distributed_timeout_s=2.0, **KWARGS)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        first = llm.generate([[1, 5, 6, 7]], params)[0].token_ids
+        time.sleep(5)  # 2.5x the timeout, idle
+        assert llm.generate([[1, 5, 6, 7]], params)[0].token_ids == first
+        assert all(p.is_alive() for p in llm.engine.group.procs)
+    finally:
+        llm.shutdown()
