@@ -91,7 +91,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
 
     _check_build_machine(spec)  # before a download that could take an hour
     with report.stage("fetch"):
-        ckpt = checkpoint or fetch_checkpoint(spec.model.source, spec.model.revision, work_dir)
+        ckpt = checkpoint or fetch_checkpoint(spec.model.source, spec.model.revision, work_dir, file=spec.model.file)
         report.record("source", ckpt.provenance())
         if ckpt.resolved_revision and ckpt.resolved_revision != spec.model.revision:
             log.warning("spec.model.revision %s can move; this build used commit %s (recorded in engine.json); "

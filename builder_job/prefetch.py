@@ -22,8 +22,8 @@ FETCHED_RECORD = "fetched-checkpoint.json"
 def fetch_only(engine, work_dir: Path) -> Checkpoint:
     """Fetch ``engine``'s checkpoint into ``work_dir`` and record it there for :func:`load_fetched`."""
     spec = engine.spec
-    ckpt = fetch_checkpoint(spec.model.source, spec.model.revision, work_dir)
-    record = {**ckpt.provenance(), "path": str(ckpt.path)}
+    ckpt = fetch_checkpoint(spec.model.source, spec.model.revision, work_dir, file=spec.model.file)
+    record = {**ckpt.provenance(), "file": spec.model.file, "path": str(ckpt.path)}
     (work_dir / FETCHED_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return ckpt
 
@@ -40,11 +40,12 @@ def load_fetched(engine, work_dir: Path) -> Checkpoint:
     except ValueError as exc:
         raise InvalidSpec(f"--prefetched: {path} is not valid JSON ({exc}); run `kiln build --fetch-only` "
                           "again") from None
-    wanted = {"source": spec.model.source, "revision": spec.model.revision}
+    wanted = {"source": spec.model.source, "revision": spec.model.revision, "file": spec.model.file}
     if {k: record.get(k) for k in wanted} != wanted:
-        raise InvalidSpec(f"--prefetched: {path} holds {record.get('source')}@{record.get('revision')}, but "
-                          f"spec.model is {spec.model.source}@{spec.model.revision}; fetch this spec's model with "
-                          "`kiln build --fetch-only` into that work dir")
+        held = f"{record.get('source')}@{record.get('revision')}" + (f" file {record['file']}" if record.get("file") else "")
+        asked = f"{spec.model.source}@{spec.model.revision}" + (f" file {spec.model.file}" if spec.model.file else "")
+        raise InvalidSpec(f"--prefetched: {path} holds {held}, but spec.model is {asked}; fetch this spec's model "
+                          "with `kiln build --fetch-only` into that work dir")
     ckpt_dir = Path(record.get("path") or "")
     if not ckpt_dir.is_dir():
         raise InvalidSpec(f"--prefetched: the fetched checkpoint {ckpt_dir} named in {path} is gone; fetch again")
