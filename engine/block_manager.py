@@ -1,7 +1,7 @@
 """The paged KV pool's bookkeeping: which block holds what, who uses it, what can be reused.
 
 Blocks are reference counted. A full block whose tokens are computed gets a
-chained hash (parent block's hash + its own tokens) and is registered in the
+chained key (parent block's key + its own tokens, SHA-256: ``prefix_hash.py``) and is registered in the
 prefix cache; a later request whose leading blocks hash the same, *and* whose
 tokens equal the stored ones, shares the block instead of recomputing it.
 A block whose count drops to zero goes to the back of the free queue but keeps
@@ -12,10 +12,9 @@ tail first, so the tails of prefixes are evicted before their heads.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 
+from kiln.engine.prefix_hash import chain_hash
 from kiln.engine.sequence import Request
 
 
@@ -27,20 +26,6 @@ class Block:
         self.ref_count = 0
         self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
-
-
-PREFIX_HASH_SCHEME = "kiln-prefix-v1"
-_ROOT = hashlib.sha256(PREFIX_HASH_SCHEME.encode()).digest()
-
-
-def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
-    """SHA-256 of the parent block's hash and this block's token ids (uint32, little-endian).
-
-    Cryptographic on purpose: with a fast non-cryptographic hash, a client could craft a
-    prompt whose chain collides with another tenant's and be handed that tenant's KV
-    blocks. The first block's parent is SHA-256 of ``PREFIX_HASH_SCHEME``.
-    """
-    return hashlib.sha256((parent or _ROOT) + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
 
 
 class BlockManager:

@@ -259,6 +259,7 @@ class LLMEngine:
             num_computed_tokens=self.num_computed_tokens, num_generated_tokens=self.num_generated_tokens,
             sum_running=self.sum_running, sum_kv_usage=self.sum_kv_usage,
             batch_size_histogram=dict(self.batch_size_histogram),  # a copy: the step loop keeps counting
+            block_size=bm.block_size,
         )
 
     def shutdown(self) -> None:

@@ -56,6 +56,7 @@ class EngineStats:
     sum_running: int           # sum over steps of the batch size, for avg_batch_size
     sum_kv_usage: float        # sum over steps of kv_usage, for avg_kv_usage
     batch_size_histogram: dict[int, int] = field(default_factory=dict)  # running batch size -> steps run with it
+    block_size: int = 0        # tokens per KV block (the prefix-cache hashing unit)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

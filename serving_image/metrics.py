@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kiln.engine.prefix_hash import PREFIX_HASH_SCHEME
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -65,6 +66,31 @@ class EngineStatsCollector(Collector):
         yield counter("kiln:num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.",
                       getattr(stats, "num_preemptions", 0))
         yield _batch_histogram(stats, names, values)
+        yield from _endpoint_picker_metrics(stats, names, values)
+
+
+def _endpoint_picker_metrics(stats: Any, names: list[str], values: list[str]) -> Iterator[Any]:
+    """The series the Gateway API Inference Extension's endpoint picker scrapes by default
+    (its model-server protocol speaks vLLM's names), so an InferencePool over kiln pods
+    needs no metric flags: queue depth, running requests, KV-cache usage, the cache's block
+    size and size, and LoRA (kiln serves none: no adapters, max 0)."""
+    for name, doc, value in (
+        ("vllm:num_requests_waiting", "Same as kiln:num_requests_waiting (endpoint-picker name).", stats.num_waiting),
+        ("vllm:num_requests_running", "Same as kiln:num_requests_running (endpoint-picker name).", stats.num_running),
+        ("vllm:kv_cache_usage_perc", "Same as kiln:kv_cache_usage_perc (endpoint-picker name).", stats.kv_usage),
+    ):
+        family = GaugeMetricFamily(name, doc, labels=names)
+        family.add_metric(values, float(value))
+        yield family
+    cache = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration (labels); value 1.",
+                              labels=[*names, "block_size", "num_gpu_blocks", "prefix_hash_scheme"])
+    cache.add_metric([*values, str(getattr(stats, "block_size", 0)), str(stats.num_total_blocks),
+                      PREFIX_HASH_SCHEME], 1.0)
+    yield cache
+    lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters (kiln serves none); value: scrape time.",
+                             labels=[*names, "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    lora.add_metric([*values, "", "", "0"], time.time())
+    yield lora
 
 
 def _batch_histogram(stats: Any, names: list[str], values: list[str]) -> HistogramMetricFamily:

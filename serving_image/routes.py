@@ -98,7 +98,7 @@ async def _serve(request: Request, kind: str) -> Response:
     state = ctx.state
     _counting_rejections(ctx, state.check_accepting)
     model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    raw = await _read_body(request, ctx.config.body_read_timeout)
+    raw = await read_body(request, ctx.config.body_read_timeout)
 
     def parse() -> CompletionRequest | ChatCompletionRequest:
         try:
@@ -164,7 +164,7 @@ async def _serve(request: Request, kind: str) -> Response:
             await cleanup()
 
 
-async def _read_body(request: Request, timeout: float) -> bytes:
+async def read_body(request: Request, timeout: float) -> bytes:
     """The body, refused with 413 past MAX_BODY_BYTES before it is all in memory, and with 408
     when it takes over ``timeout`` seconds to arrive (a slow sender holds a connection)."""
     declared = request.headers.get("content-length")

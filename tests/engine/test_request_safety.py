@@ -11,8 +11,8 @@ import struct
 import pytest
 from engine_testlib import random_prompts
 from kiln.engine import RequestError, SamplingParams
-from kiln.engine.block_manager import PREFIX_HASH_SCHEME, chain_hash
 from kiln.engine.detokenizer import StopPrefixes
+from kiln.engine.prefix_hash import PREFIX_HASH_SCHEME, chain_hash
 from kiln.engine.sampling_params import MAX_STOP_STRINGS, SEED_MAX
 
 

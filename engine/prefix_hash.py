@@ -1,0 +1,41 @@
+"""The prefix-cache block keys, scheme ``kiln-prefix-v1``: what a router computes to predict hits.
+
+A prompt's token ids are cut into full blocks of ``block_size`` tokens (the engine's
+KV block size, published on ``/metrics`` as ``vllm:cache_config_info{block_size}`` and
+by ``GET /v1/prefix_cache``). Block ``i``'s key is::
+
+    key[-1] = SHA-256(b"kiln-prefix-v1")
+    key[i]  = SHA-256(key[i-1] || token ids of block i as uint32 little-endian)
+
+A request reuses the cached KV of its longest run of leading blocks whose keys the engine
+holds, except that the prompt's last token is always computed: a prompt of ``n`` tokens
+can hit at most ``(n - 1) // block_size`` blocks. Keys are cryptographic on purpose: a
+client cannot craft a prompt whose chain collides with another tenant's prefix.
+
+Plain Python (hashlib), no torch: the server, routers and tests import it as is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+PREFIX_HASH_SCHEME = "kiln-prefix-v1"
+ROOT_KEY = hashlib.sha256(PREFIX_HASH_SCHEME.encode()).digest()
+
+
+def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """The key of a block holding ``token_ids`` whose preceding block's key is ``parent``."""
+    return hashlib.sha256((parent or ROOT_KEY) + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[bytes]:
+    """Keys of the full blocks of ``token_ids`` (at most ``limit`` of them)."""
+    count = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
+    keys: list[bytes] = []
+    parent = None
+    for i in range(count):
+        parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        keys.append(parent)
+    return keys

@@ -1,0 +1,78 @@
+"""A router's view of the prefix cache matches the engine's: keys computed on the client side
+from the documented scheme (docs/prefix-routing.md, written out here with hashlib, not imported
+from kiln) predict exactly how many prompt tokens each request finds cached."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+
+import httpx
+
+M = "tiny"
+
+
+def client_keys(ids: list[int], block_size: int) -> list[bytes]:
+    """kiln-prefix-v1, as a router would implement it from the docs."""
+    keys, parent = [], hashlib.sha256(b"kiln-prefix-v1").digest()
+    for i in range(len(ids) // block_size):
+        block = ids[i * block_size:(i + 1) * block_size]
+        parent = hashlib.sha256(parent + struct.pack(f"<{block_size}I", *block)).digest()
+        keys.append(parent)
+    return keys
+
+
+def predicted_hit(ids: list[int], cached: set[bytes], block_size: int) -> int:
+    usable = client_keys(ids, block_size)[: (len(ids) - 1) // block_size]  # the last token is computed
+    hits = 0
+    for key in usable:
+        if key not in cached:
+            break
+        hits += 1
+    return hits * block_size
+
+
+def test_client_side_keys_predict_engine_hits(server, scrape):
+    info = httpx.get(f"{server.url}/v1/prefix_cache", timeout=10).json()
+    assert info["scheme"] == "kiln-prefix-v1" and info["enabled"]
+    size = info["block_size"]
+    metrics = scrape(server.url)
+    config = [labels for (name, labels) in metrics if name == "vllm:cache_config_info"]
+    assert config and dict(config[0])["block_size"] == str(size)
+
+    rng = random.Random(7)
+    vocab = 1000  # within the toy model's vocabulary
+    stems = [[rng.randrange(5, vocab) for _ in range(3 * size + 5)] for _ in range(3)]
+    prompts = []
+    for _ in range(12):  # prompts sharing 0..3 blocks of a stem, plus a random tail
+        stem = rng.choice(stems)
+        shared = rng.randrange(0, 4) * size + rng.randrange(0, size)
+        prompts.append(stem[:shared] + [rng.randrange(5, vocab) for _ in range(rng.randrange(1, 2 * size))])
+    cached: set[bytes] = set()
+    predictions, actual = [], []
+    for ids in prompts:
+        keys = httpx.post(f"{server.url}/v1/prefix_cache/keys", json={"model": M, "prompt": ids}, timeout=10)
+        assert keys.status_code == 200, keys.text
+        assert keys.json()["keys"] == [k.hex() for k in client_keys(ids, size)[: (len(ids) - 1) // size]]
+        predictions.append(predicted_hit(ids, cached, size))
+        # max_tokens 1: the sampled token is never fed back, so exactly the prompt's full blocks get cached.
+        out = httpx.post(f"{server.url}/v1/completions", json={"model": M, "prompt": ids, "max_tokens": 1},
+                         timeout=60)
+        assert out.status_code == 200, out.text
+        actual.append(out.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        cached.update(client_keys(ids, size))
+    assert predictions == actual
+    assert sum(1 for p in predictions if p) >= 3  # the sequence really exercises hits
+
+
+def test_keys_of_a_conversation_use_the_chat_template(server):
+    messages = [{"role": "user", "content": "Tell me about kilns " * 8}]
+    keys = httpx.post(f"{server.url}/v1/prefix_cache/keys", json={"model": M, "messages": messages}, timeout=10)
+    assert keys.status_code == 200, keys.text
+    body = keys.json()
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"model": M, "messages": messages, "max_tokens": 1},
+                      timeout=60).json()
+    assert body["num_prompt_tokens"] == chat["usage"]["prompt_tokens"]
+    bad = httpx.post(f"{server.url}/v1/prefix_cache/keys", json={"model": M}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
