@@ -48,6 +48,9 @@ def _free_port() -> int:
 
 
 def _threads_per_rank(local: int) -> int:
+    """$OMP_NUM_THREADS when set (per rank), else this machine's cores shared among its ranks."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     return max(1, (os.cpu_count() or 1) // local)
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from kiln.serving import routes
+from kiln.serving import prefix, routes
 from kiln.serving.auth import require_api_key
 from kiln.serving.config import ServeConfig
 from kiln.serving.errors import APIError, install_error_handlers
@@ -74,6 +75,25 @@ class ServingContext:
             self.state.phase = READY
         log.info("model %r ready in %.1fs (max_batch_size=%d, max_queue_len=%d)", self.served_model_name,
                  time.monotonic() - started, engine.engine_config.max_batch_size, self.config.max_queue_len)
+
+
+    async def watch_group(self, grace_s: float) -> None:
+        """A parallel engine whose group broke (a rank died, a collective timed out) cannot heal:
+        /health and /ready answer 503 at once, and after ``grace_s`` (so probes and logs see why)
+        the leader exits 1, which makes a LeaderWorkerSet recreate the whole group."""
+        while True:
+            await asyncio.sleep(0.25)
+            engine = self.state.engine
+            world = getattr(getattr(engine, "engine_config", None), "world_size", 1)
+            if engine is None or world == 1 or not _engine_dead(self.state):
+                continue
+            log.error("kiln serve: the engine group broke (%s); /health is 503, exiting 1 in %.0fs so the "
+                      "group restarts", getattr(engine, "_error", None), grace_s)
+            await asyncio.sleep(grace_s)
+            self.exit_code = 1
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
 
 
 def _is_user_error(exc: BaseException) -> bool:
@@ -165,18 +185,28 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+def _group_failure_grace() -> float:
+    """Seconds a leader whose engine group broke keeps answering 503 before it exits 1."""
+    try:
+        return max(0.0, float(os.environ.get("KILN_GROUP_FAILURE_EXIT_SECONDS", "10")))
+    except ValueError:
+        return 10.0
+
+
 def create_app(config: ServeConfig) -> FastAPI:
     ctx = ServingContext(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         load = asyncio.create_task(ctx.load(), name="kiln-load")
+        watch = asyncio.create_task(ctx.watch_group(_group_failure_grace()), name="kiln-watch-group")
         try:
             yield
         finally:
-            load.cancel()
-            with contextlib.suppress(BaseException):
-                await load
+            for task in (load, watch):
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
             if ctx.state.engine is not None:
                 await ctx.state.engine.shutdown()
 
@@ -188,4 +218,5 @@ def create_app(config: ServeConfig) -> FastAPI:
     app.include_router(probes)
     app.include_router(models, dependencies=[Depends(require_api_key)])
     app.include_router(routes.router, dependencies=[Depends(require_api_key)])
+    app.include_router(prefix.router, dependencies=[Depends(require_api_key)])
     return app

@@ -36,6 +36,18 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         click.Choice(["1", "2", "4", "8"]),
         "Tensor-parallel ranks.",
     ),
+    (
+        "--pipeline-parallel-size",
+        "pipeline_parallel_size",
+        click.Choice(["1", "2", "4", "8"]),
+        "Pipeline stages (layers split across processes / nodes).",
+    ),
+    (
+        "--num-micro-batches",
+        "num_micro_batches",
+        click.IntRange(1, 64),
+        "Micro-batches in flight per step with pipeline stages (default: the stage count; 1 = off).",
+    ),
     ("--device", "device", click.Choice(["cpu", "cuda"]), "Device (default: cuda when visible)."),
     ("--quantization", "quantization", click.Choice(["none", "int8", "fp8"]), "Weight-only quantization."),
     (
@@ -99,37 +111,77 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 @click.option(
     "--access-log/--no-access-log", default=False, show_default=True, help="Log every HTTP request."
 )
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="This process's rank when ranks are started separately (0 = the leader, which serves HTTP).")
+@click.option("--world-size", type=click.IntRange(min=1), default=None,
+              help="Ranks in all: tensor_parallel_size x pipeline_parallel_size (one rank per process).")
+@click.option("--leader-address", default=None,
+              help="Rank 0's HOST[:PORT] where the ranks meet. Without these three flags, $LWS_LEADER_ADDRESS, "
+                   "$LWS_GROUP_SIZE and $LWS_WORKER_INDEX place the process (docs/multi-node.md).")
+@click.option("--leader-port", type=click.IntRange(1, 65535), default=29500, show_default=True,
+              envvar="KILN_LEADER_PORT", help="Rendezvous port when the leader address has none [env KILN_LEADER_PORT].")
+@click.option("--distributed-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              envvar="KILN_DISTRIBUTED_TIMEOUT_SECONDS",
+              help="Most seconds any rank waits on another once running (default 120) [env KILN_DISTRIBUTED_TIMEOUT_SECONDS].")
+@click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              envvar="KILN_JOIN_TIMEOUT_SECONDS",
+              help="Most seconds ranks wait for each other at start (default 600) [env KILN_JOIN_TIMEOUT_SECONDS].")
 @_engine_options
 def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, host: str, port: int,
           served_model_name: str | None, api_key_file: Path | None, max_queue_len: int, drain_timeout: float,
           max_connections: int, header_timeout: float, body_timeout: float, log_level: str, access_log: bool,
-          **engine: Any) -> None:
+          rank: int | None, world_size: int | None, leader_address: str | None, leader_port: int,
+          distributed_timeout: float | None, join_timeout: float | None, **engine: Any) -> None:
     """Serve a model directory or engine artifact over an OpenAI-compatible API.
 
     The port opens at once; /health answers 200 and /ready 503 until the engine
     is loaded and warmed up. SIGTERM drains in-flight requests, then exits 0.
+    With ranks started separately (--rank/--world-size/--leader-address, or a
+    LeaderWorkerSet's LWS_* environment), rank 0 serves and the others only compute.
     """
     if (model is None) == (artifact is None):
         raise click.UsageError("give exactly one of --model DIR or --artifact URI")
     engine_kwargs = {k: v for k, v in engine.items() if v is not None}
-    if "tensor_parallel_size" in engine_kwargs:
-        engine_kwargs["tensor_parallel_size"] = int(engine_kwargs["tensor_parallel_size"])
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if key in engine_kwargs:
+            engine_kwargs[key] = int(engine_kwargs[key])
     if engine_kwargs.get("quantization") == "none":
         engine_kwargs["quantization"] = None
+    from kiln.serving.ranks import resolve_placement
+
+    placement = resolve_placement(rank, world_size, leader_address, leader_port, os.environ,
+                                  distributed_timeout, join_timeout)
+    if placement is None and (distributed_timeout is not None or join_timeout is not None):
+        engine_kwargs.update({k: v for k, v in (("distributed_timeout_s", distributed_timeout),
+                                                 ("join_timeout_s", join_timeout)) if v is not None})
+    if placement is not None and model is not None:  # the sizes are the flags': check the placement now
+        placement.engine_kwargs(engine_kwargs.get("tensor_parallel_size", 1),
+                                engine_kwargs.get("pipeline_parallel_size", 1))
     config = ServeConfig(
         model=model, artifact=artifact, cache_dir=cache_dir, host=host, port=port,
         served_model_name=served_model_name, api_key=_read_api_key(api_key_file), max_queue_len=max_queue_len,
         drain_timeout=drain_timeout, engine_kwargs=engine_kwargs, log_level=log_level, access_log=access_log,
         max_connections=max_connections, header_read_timeout=header_timeout, body_read_timeout=body_timeout,
+        placement=placement,
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kiln.serving")
+    if placement is not None and not placement.is_leader:
+        from kiln.serving.worker import run_worker
+
+        log.info("kiln serve: worker, %s; no HTTP here (the leader serves)", placement.describe())
+        _exit(run_worker(config))
+    if placement is not None:
+        log.info("kiln serve: leader, %s", placement.describe())
     log.info("serving %s as %r on %s:%d (auth %s)", artifact or model, config.model_name, host, port,
              "on" if config.api_key else "off")
 
     from kiln.serving.server import run_server
 
-    code = run_server(config)
+    _exit(run_server(config))
+
+
+def _exit(code: int) -> None:
     # The drain finished and the engine is shut down; tearing down torch's modules at
     # interpreter exit only adds seconds to every pod termination. Flush and leave.
     logging.shutdown()

@@ -28,6 +28,9 @@ class ServeConfig:
     max_connections: int = 1024
     header_read_timeout: float = 10.0
     body_read_timeout: float = 30.0
+    # Ranks started separately (kiln.serving.ranks.Placement): --rank/--world-size/--leader-address or a
+    # LeaderWorkerSet's environment; None = every rank of the engine runs on this machine.
+    placement: Any = None
 
     @property
     def model_name(self) -> str:

@@ -82,6 +82,23 @@ def fetch_artifact(uri: str, cache_dir: Path | None) -> Path:
     return Path(path)
 
 
+def placed_engine_kwargs(config: ServeConfig, artifact_dir: Path | None) -> dict[str, Any]:
+    """The engine overrides plus, for ranks started separately, where this process's ranks sit.
+
+    The parallel sizes are the flags', else the artifact's ``engine.json`` (what it was sharded for).
+    """
+    kwargs = dict(config.engine_kwargs)
+    if config.placement is None:
+        return kwargs
+    stored: dict[str, Any] = {}
+    if artifact_dir is not None:
+        stored = json.loads((artifact_dir / "engine.json").read_text()).get("engine_config") or {}
+    tp = int(kwargs.get("tensor_parallel_size", stored.get("tensor_parallel_size", 1)))
+    pp = int(kwargs.get("pipeline_parallel_size", stored.get("pipeline_parallel_size", 1)))
+    kwargs.update(config.placement.engine_kwargs(tp, pp))
+    return kwargs
+
+
 def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
     """The (not yet started) AsyncLLM plus what ``/version`` reports about it."""
     # Fetch first: a wrong URI fails in a second, not after importing torch.
@@ -94,33 +111,23 @@ def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
                             "python_version": platform.python_version()}
     if path is not None:
         meta = json.loads((path / "engine.json").read_text())
-        _apply_tuned_threads(meta)
-        engine = AsyncLLM.from_artifact(path, **config.engine_kwargs)
+        # Threads and compute dtype for this host are chosen by the engine (kiln.engine.cpu_target).
+        engine = AsyncLLM.from_artifact(path, **placed_engine_kwargs(config, path))
         info.update(artifact_uri=config.artifact, engine_version=meta.get("engine_version"),
                     built_with_kiln=meta.get("kiln_version"), built_with_torch=meta.get("torch_version"),
                     gpu=meta.get("gpu"))
     else:
-        engine = AsyncLLM(str(config.model), **config.engine_kwargs)
+        engine = AsyncLLM(str(config.model), **placed_engine_kwargs(config, None))
         info.update(model_dir=str(config.model), engine_version=None)
     info["torch_num_threads"] = torch.get_num_threads()
     cfg = engine.engine_config
     info["engine_config"] = {k: getattr(cfg, k, None) for k in (
-        "dtype", "device", "quantization", "kv_cache_dtype", "tensor_parallel_size", "max_batch_size",
+        "dtype", "device", "quantization", "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size",
+        "num_micro_batches", "max_batch_size",
         "max_num_tokens", "max_seq_len", "max_input_len", "block_size", "enable_prefix_caching")}
+    # Artifact vs compute dtype, the native-dtype probe, the int8 path, the host and the thread choice.
+    info["cpu_target"] = getattr(cfg, "cpu_target", None)
     return engine, info
-
-
-def _apply_tuned_threads(meta: dict[str, Any]) -> None:
-    """Use the CPU thread count the builder measured best (``tuning.torch_num_threads``),
-    unless OMP_NUM_THREADS says otherwise or this machine has fewer cores."""
-    import torch
-
-    threads = (meta.get("tuning") or {}).get("torch_num_threads")
-    if not threads or "OMP_NUM_THREADS" in os.environ or (meta.get("gpu") or {}).get("arch", "cpu") != "cpu":
-        return
-    threads = min(int(threads), os.cpu_count() or int(threads))
-    torch.set_num_threads(threads)
-    log.info("torch threads: %d (measured best at build time)", threads)
 
 
 async def warm_up(engine: Any) -> None:
