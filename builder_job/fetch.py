@@ -39,11 +39,13 @@ from kiln.builder.errors import FetchError
 
 log = logging.getLogger("kiln.build.fetch")
 
-ALLOW_PATTERNS = [
-    "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-]
+# The checkpoint's files besides its weights: fetched, and copied into every artifact (package.py).
+MODEL_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+    "chat_template.json",
+)
+ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", *MODEL_FILES]
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt"]
 PVC_ROOT_ENV = "KILN_PVC_ROOT"
 

@@ -15,15 +15,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from kiln.builder.fetch import MODEL_FILES
+
 import kiln
 
 ENGINE_JSON = "engine.json"
-# Everything from the checkpoint except weights; the runtime needs config + tokenizer.
-COPIED_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
-    "chat_template.json",
-)
+# Everything fetched from the checkpoint except weights: the runtime needs config + tokenizer.
+COPIED_FILES = MODEL_FILES
 
 
 def copy_model_files(checkpoint_dir: Path, out_dir: Path) -> list[str]:

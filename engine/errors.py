@@ -10,9 +10,10 @@ class RequestError(ValueError):
     SamplingParams field...) so a server can map it to a 400 with a field name.
     """
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code  # OpenAI-style error code where one applies ("context_length_exceeded")
 
 
 class RequestFailedError(RuntimeError):

@@ -19,6 +19,7 @@ import torch
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import EngineConfig
 from kiln.engine.errors import RequestError
+from kiln.engine.limits import check_prompt, resolve_max_tokens
 from kiln.engine.model_runner import ModelRunner
 from kiln.engine.outputs import EngineStats
 from kiln.engine.sampling_params import SamplingParams
@@ -91,24 +92,15 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, ids = None, list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError("prompt", f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:3]}")
         else:
             raise RequestError("prompt", "prompt must be a string or a list of token ids")
         # Ids the sampler indexes with: one out of range would fail the whole batch's step.
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("logit_bias", list(params.logit_bias or ()))
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
-        if not ids:
-            raise RequestError("prompt", "prompt is empty; give at least one token")
+        check_prompt(ids, cfg.max_input_len, self.vocab_size)
         n = len(ids)
-        if n > cfg.max_input_len:
-            raise RequestError("prompt", f"prompt has {n} tokens, more than max_input_len ({cfg.max_input_len})")
-        max_tokens = cfg.max_seq_len - n if params.max_tokens is None else params.max_tokens
-        if n + max_tokens > cfg.max_seq_len:
-            raise RequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len "
-                                             f"({cfg.max_seq_len}); lower max_tokens to {cfg.max_seq_len - n} or less")
+        max_tokens = resolve_max_tokens(params.max_tokens, n, cfg.max_seq_len)
         if max_tokens < params.min_tokens:
             raise RequestError("min_tokens", f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens "
                                              f"that fit max_seq_len ({cfg.max_seq_len})")

@@ -1,9 +1,10 @@
 """From a validated OpenAI request to engine inputs: token ids and SamplingParams.
 
-The server tokenizes (and renders chat templates) itself so it can check the
-engine's limits before admitting a request and answer a 400 naming the
-parameter: an empty prompt, a prompt over ``max_input_len``, or a prompt plus
-``max_tokens`` over ``max_seq_len``. Each prompt times ``n`` becomes one
+The server tokenizes (and renders chat templates) itself so it can apply the
+engine's own limit rules (``kiln.engine.limits``) before the engine sees the
+request and answer a 400 naming the parameter (``prompt[1]``, ``messages``,
+``max_completion_tokens``): an empty prompt, a prompt over ``max_input_len``,
+or a prompt plus ``max_tokens`` over ``max_seq_len``. Each prompt times ``n`` becomes one
 engine request; with a ``seed`` and ``n > 1`` choice ``j`` uses ``seed + j``
 so the choices differ but stay reproducible.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.engine import SamplingParams
+from kiln.engine.errors import RequestError
+from kiln.engine.limits import check_prompt, resolve_max_tokens
 from kiln.engine.sampling_params import SEED_MAX
 from kiln.serving.errors import APIError
 from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, message_text
@@ -30,39 +33,23 @@ class EngineInput:
     params: SamplingParams
 
 
-def _limits(engine: Any) -> tuple[int, int, int]:
-    config = engine.engine_config
-    vocab = int(config.hf_config.get("vocab_size") or len(engine.tokenizer))
-    return config.max_input_len, config.max_seq_len, vocab
+def _from_engine_rule(check: Any, *args: Any, **kwargs: Any) -> Any:
+    """Apply one of the engine's limit rules (kiln.engine.limits), its refusal as a 400."""
+    try:
+        return check(*args, **kwargs)
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
 
 
 def _check_prompt(ids: list[int], param: str, engine: Any) -> None:
-    max_input_len, _, vocab = _limits(engine)
-    if not ids:
-        raise APIError(400, f"{param} is empty; send at least one token of input", param=param)
-    if len(ids) > max_input_len:
-        raise APIError(400, f"{param} is {len(ids)} tokens long, over this engine's max_input_len of "
-                       f"{max_input_len}; shorten it", param=param, code="context_length_exceeded")
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise APIError(400, f"{param} contains token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-                       param=param)
+    config = engine.engine_config
+    vocab = int(config.hf_config.get("vocab_size") or len(engine.tokenizer))
+    _from_engine_rule(check_prompt, ids, config.max_input_len, vocab, param=param)
 
 
 def _max_tokens(requested: int | None, param: str, num_prompt: int, engine: Any, default: int | None) -> int:
-    _, max_seq_len, _ = _limits(engine)
-    room = max_seq_len - num_prompt
-    if requested is None:
-        return min(default, room) if default is not None else room
-    if requested > room:
-        raise APIError(
-            400,
-            f"{param} is {requested} but the prompt uses {num_prompt} of this engine's "
-            f"max_seq_len of {max_seq_len} tokens, leaving {room}; lower {param} or shorten the prompt",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return requested
+    return _from_engine_rule(resolve_max_tokens, requested, num_prompt, engine.engine_config.max_seq_len,
+                             param=param, default=default)
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,

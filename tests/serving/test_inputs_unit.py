@@ -34,3 +34,23 @@ def test_model_without_chat_template_is_a_clear_400(tokenizer, monkeypatch):
         render_chat(chat(), tokenizer)
     assert err.value.status == 400 and err.value.param == "messages"
     assert "no chat template" in err.value.message and "/v1/completions" in err.value.message
+
+
+def test_server_and_engine_apply_one_prompt_rule(offline):
+    """The server's 400 and the offline engine's RequestError come from kiln.engine.limits: same words."""
+    from kiln.engine import RequestError, SamplingParams
+    from kiln.serving.inputs import completion_inputs
+    from kiln.serving.protocol import CompletionRequest
+
+    cfg = offline.engine_config
+    for prompt, max_tokens, param in (([5] * (cfg.max_input_len + 1), 1, "prompt"),
+                                      ([5] * 10, cfg.max_seq_len, "max_tokens"),
+                                      ([5, 10**6], 1, "prompt")):
+        with pytest.raises(APIError) as served:
+            completion_inputs(CompletionRequest.model_validate(
+                {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}), offline)
+        with pytest.raises(RequestError) as engine:
+            offline.generate([prompt], SamplingParams(max_tokens=max_tokens))
+        assert served.value.param == engine.value.param == param
+        assert served.value.message == str(engine.value)
+        assert served.value.code == engine.value.code
