@@ -8,6 +8,7 @@ import shutil
 import httpx
 from kiln.engine import SamplingParams
 from kiln.engine.artifact import FORMAT_VERSION, save_rank_weights, shard_checkpoint
+from kiln.engine.cpu_target import cgroup_cpu_quota, describe_host
 
 from kiln.artifacts import ArtifactStore
 
@@ -27,12 +28,13 @@ def test_serves_an_artifact_from_a_store(start_server, model_dir, offline, tmp_p
         "engine_config": {"dtype": "float32", "quantization": "none", "tensor_parallel_size": 1,
                           "max_batch_size": 4, "max_num_tokens": 64, "max_seq_len": 256, "max_input_len": 128,
                           "block_size": 16, "num_kv_blocks": 64},
-        "tuning": {"torch_num_threads": 1},
+        "tuning": {"torch_num_threads": 1, "cpu": describe_host()},  # built on this very CPU type
     }))
     store = ArtifactStore.from_uri(f"file://{tmp_path / 'store'}")
     store.publish(VERSION, src, {"test": True})
 
-    # Without OMP_NUM_THREADS the server uses the thread count the builder measured best.
+    # Without OMP_NUM_THREADS (or a cgroup quota) the server uses the thread count the builder measured best
+    # on this CPU type (kiln.engine.cpu_target.choose_threads).
     srv = start_server(
         "--cache-dir",
         str(tmp_path / "cache"),
@@ -43,7 +45,9 @@ def test_serves_an_artifact_from_a_store(start_server, model_dir, offline, tmp_p
     version = httpx.get(f"{srv.url}/version", timeout=10).json()
     assert version["engine_version"] == VERSION
     assert version["engine_config"]["max_batch_size"] == 4
-    assert version["torch_num_threads"] == 1
+    if cgroup_cpu_quota() is None:  # a container's quota outranks the build's measurement
+        assert version["torch_num_threads"] == 1
+    assert version["cpu_target"]["threads"] == version["torch_num_threads"]
     assert (tmp_path / "cache" / VERSION / "engine.json").is_file()
 
     want = offline.generate(["From the store"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[
