@@ -91,13 +91,6 @@ def kv_plan_summary(plan: dict[str, Any]) -> str:
             f"{plan['kv_dtype']}), {plan['full_length_requests']} full-length requests")
 
 
-def cuda_graph_buckets(max_batch_size: int) -> list[int]:
-    """Decode batch sizes to capture: 1, 2, 4, 8, then every 8 up to maxBatchSize (vLLM's scheme)."""
-    sizes = [b for b in (1, 2, 4) if b < max_batch_size] + list(range(8, max_batch_size + 1, 8))
-    if not sizes or sizes[-1] != max_batch_size:
-        sizes.append(max_batch_size)
-    return sizes
-
 
 def _time_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
     from kiln.engine import SamplingParams
@@ -154,7 +147,9 @@ def tune(load_llm, spec, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any
                               else f"cpu x{os.cpu_count()}"}
     overrides: dict[str, Any] = {}
     if tuning["device"] == "cuda" and not spec.gpu_spec.is_cpu:
-        buckets = cuda_graph_buckets(spec.max_batch_size)
+        from kiln.engine.cuda_graphs import default_batch_sizes  # torch: only when tuning a GPU build
+
+        buckets = default_batch_sizes(spec.max_batch_size)
         eager = _measure_loaded(load_llm, spec, vocab_size, enforce_eager=True)
         graphs = _measure_loaded(load_llm, spec, vocab_size, cuda_graph_batch_sizes=buckets)
         def step_ms(m: dict) -> float:  # summed over the measured batch sizes

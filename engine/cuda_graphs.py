@@ -28,7 +28,11 @@ def context_buckets(max_blocks_per_seq: int) -> list[int]:
 
 
 def default_batch_sizes(max_batch_size: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, max_batch_size + 1, 16))
+    """Decode batch sizes to capture: 1, 2, 4, then every 8 up to max_batch_size (vLLM's scheme).
+
+    The one home of this rule: the builder's tuner measures and records these buckets.
+    """
+    sizes = [1, 2, 4] + list(range(8, max_batch_size + 1, 8))
     return sorted({s for s in sizes if s <= max_batch_size} | {max_batch_size})
 
 

@@ -59,10 +59,6 @@ class EngineStats:
     block_size: int = 0        # tokens per KV block (the prefix-cache hashing unit)
 
     @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-    @property
     def avg_batch_size(self) -> float:
         return self.sum_running / self.num_steps if self.num_steps else 0.0
 

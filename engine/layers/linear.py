@@ -110,10 +110,6 @@ class LinearBase(nn.Module):
         return self._linear(x, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    pass
-
-
 class ColumnParallelLinear(LinearBase):
     """Splits the output dimension; each rank produces its slice of the output."""
 

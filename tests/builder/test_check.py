@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from kiln.builder.check import check_envelope, model_facts, weight_bytes_per_rank
 from kiln.builder.errors import InvalidSpec
-from kiln.builder.tune import cuda_graph_buckets, plan_kv
+from kiln.builder.tune import plan_kv
+from kiln.engine.cuda_graphs import default_batch_sizes as cuda_graph_buckets
 from safetensors.numpy import save_file
 
 from kiln.api import LLMEngineSpec
