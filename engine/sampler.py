@@ -7,8 +7,9 @@ penalties (OpenAI style, over output) -> greedy rows take the argmax here -> tem
 nothing else.
 
 Rows are grouped by the features they use and each feature is one vectorized op over its
-group: Python work is per row and scalar, never per vocabulary entry. Penalties touch only
-the (row, token) pairs that occurred, so they cost O(tokens), not O(vocabulary).
+group: Python work is per row and scalar, never per vocabulary entry. The masks, bias and
+penalties are ``penalties.py``; the exact CPU-fast argmax, top-k and inverse-CDF draw are
+``sampling_kernels.py``; this module is the policy.
 
 Every filter becomes one threshold per row on the softmax probabilities (top-k: the k-th
 largest; top-p: the smallest probability in the nucleus; min-p: ``min_p`` times the
@@ -18,7 +19,7 @@ arbitrary subset). They come from each row's most likely tokens (``torch.topk``,
 few columns), in growing tiers: a tier settles a row once it provably holds the whole
 top-k set / nucleus; only rows flatter than ``_TIERS[-1]`` tokens pay a full sort.
 
-Drawing is by inverse CDF in token-id order (``_inverse_cdf``): one uniform number per
+Drawing is by inverse CDF in token-id order (``sampling_kernels.inverse_cdf``): one uniform number per
 row. A seeded row draws it from its own ``torch.Generator``; since every op before is
 row-wise and order-independent, a seeded request samples the same tokens whatever else is
 in the batch and wherever it sits. Unseeded rows share torch's default generator.
@@ -26,15 +27,18 @@ in the batch and wherever it sits. Unseeded rows share torch's default generator
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from kiln.engine.penalties import apply_penalties, needs_min_tokens_mask
+from kiln.engine.sampling_kernels import argmax as _argmax
+from kiln.engine.sampling_kernels import index as _index
+from kiln.engine.sampling_kernels import inverse_cdf as _inverse_cdf
+from kiln.engine.sampling_kernels import topk as _topk
 from kiln.engine.sampling_params import SamplingParams
 
 _TIERS = (32, 128, 1024)
-_BLOCK = 256  # tokens per block in the two-level argmax and inverse CDF
 
 
 @dataclass
@@ -69,23 +73,11 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.is_greedy
 
 
-def _min_tokens_masked_ids(row: SamplingRow) -> list[int]:
-    """The ids that would stop the request, which it may not sample below min_tokens (vLLM's
-    rule: EOS only counts when it stops the request, i.e. without ignore_eos)."""
-    if len(row.output_token_ids) >= row.params.min_tokens:
-        return []
-    return [*(() if row.params.ignore_eos else row.eos_token_ids), *row.params.stop_token_ids]
-
-
-def _needs_min_tokens_mask(row: SamplingRow) -> bool:
-    return bool(_min_tokens_masked_ids(row))
-
-
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (
         p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0
-        and not p.presence_penalty and not p.frequency_penalty and not _needs_min_tokens_mask(row)
+        and not p.presence_penalty and not p.frequency_penalty and not needs_min_tokens_mask(row)
         and not p.logit_bias and p.allowed_token_ids is None
     )
 
@@ -113,90 +105,8 @@ class Sampler:
         return _with_logprobs(logits, rows, token_ids)
 
 
-def _index(positions: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(positions, dtype=torch.long, device=device)
-
-
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
-
-
-def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(-1)``, exactly (the first maximum); on CPU via per-block maxima, which
-    vectorize where argmax does not (about 6x faster for a 32k vocabulary)."""
-    num_rows, vocab = x.shape
-    if x.device.type != "cpu" or vocab % _BLOCK or vocab < 16 * _BLOCK or not x.is_contiguous():
-        return x.argmax(dim=-1)
-    blocks = x.view(num_rows, -1, _BLOCK)
-    block_max = blocks.amax(dim=-1)
-    first = block_max.argmax(dim=-1, keepdim=True)  # the first block holding the maximum
-    inside = blocks.gather(1, first.unsqueeze(2).expand(-1, -1, _BLOCK)).squeeze(1)
-    return first.squeeze(1) * _BLOCK + inside.argmax(dim=-1)
-
-
-def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x.topk(k)``: the same values; among tied values, possibly other ids. For small
-    ``k`` on CPU, first picks the ``k`` blocks with the largest maxima (they hold the top
-    ``k``: a block outside them has ``k`` larger maxima elsewhere), about 4x faster."""
-    num_rows, vocab = x.shape
-    size = _BLOCK
-    while size > 16 and vocab // size < 8 * k:
-        size //= 2
-    if x.device.type != "cpu" or not 0 < k <= 64 or vocab % size or vocab // size < 8 * k or not x.is_contiguous():
-        return x.topk(k, dim=-1)
-    blocks = x.view(num_rows, -1, size)
-    best = blocks.amax(dim=-1).topk(k, dim=-1).indices
-    candidates = blocks.gather(1, best.unsqueeze(2).expand(-1, -1, size)).view(num_rows, k * size)
-    values, position = candidates.topk(k, dim=-1)
-    return values, best.gather(1, position // size) * size + position % size
-
-
-def _pairs(token_lists: list[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(local row, token id) pairs of a ragged batch of token lists, as two tensors."""
-    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
-    local_rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
-    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
-    return local_rows.to(device), ids.to(device)
-
-
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """allowed_token_ids, min_tokens masking, logit_bias and the three penalties; ``logits``
-    itself when none apply."""
-    device, vocab = logits.device, logits.shape[1]
-    allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
-    masked = [i for i, r in enumerate(rows) if _needs_min_tokens_mask(r)]
-    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
-    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    counted = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
-    if not (allowed or masked or biased or rep or counted):
-        return logits
-    out = logits.clone()
-    for i in allowed:
-        keep = torch.full((vocab,), float("-inf"), dtype=out.dtype, device=device)
-        keep[rows[i].params.allowed_ids_tensor.to(device)] = 0.0
-        out[i] += keep
-    if masked:
-        local, ids = _pairs([_min_tokens_masked_ids(rows[i]) for i in masked], device)
-        out[_index(masked, device)[local], ids] = float("-inf")
-    for i in biased:
-        ids, values = rows[i].params.logit_bias_tensors
-        out[i].index_add_(0, ids.to(device), values.to(device=device, dtype=out.dtype))
-    if rep:
-        local, ids = _pairs([[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in rep], device)
-        where = (_index(rep, device)[local], ids)
-        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], dtype=out.dtype, device=device)
-        penalty = penalty[local]
-        seen = out[where]  # duplicates read and write the same value
-        out[where] = torch.where(seen > 0, seen / penalty, seen * penalty)
-    if counted:
-        local, ids = _pairs([rows[i].output_token_ids for i in counted], device)
-        keys, counts = torch.unique(local * vocab + ids, return_counts=True)
-        local, ids = keys // vocab, keys % vocab
-        frequency = torch.tensor([rows[i].params.frequency_penalty for i in counted], dtype=out.dtype, device=device)
-        presence = torch.tensor([rows[i].params.presence_penalty for i in counted], dtype=out.dtype, device=device)
-        frequency, presence = frequency[local], presence[local]
-        out[_index(counted, device)[local], ids] -= frequency * counts.to(out.dtype) + presence
-    return out
 
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -285,35 +195,6 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
                for g in (rows[i].generator for i in seeded)]
         uniforms[_index(seeded, device)] = torch.cat(own)
     return _inverse_cdf(probs, uniforms)
-
-
-def _below(x: torch.Tensor) -> torch.Tensor:
-    return torch.nextafter(x, torch.zeros_like(x))
-
-
-def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """The token where each row's cumulative weight (token-id order) first exceeds u * total.
-
-    Two levels instead of a cumsum over the vocabulary: per-block sums pick a block of
-    ``_BLOCK`` tokens, then a cumsum inside that block picks the token. Both cumsums are in
-    float64 and short, so this is cheaper than one long one and keeps rare tokens' mass.
-    The target is kept strictly below each total, so the chosen token has weight > 0.
-    """
-    num_rows, vocab = weights.shape
-    size = min(_BLOCK, vocab)
-    pad = -vocab % size
-    blocks = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).view(num_rows, -1, size)
-    num_blocks = blocks.shape[1]
-    block_cdf = blocks.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)
-    target = torch.minimum(uniforms.unsqueeze(1) * block_cdf[:, -1:], _below(block_cdf[:, -1:]))
-    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=num_blocks - 1)
-    before = block_cdf.gather(1, (block - 1).clamp(min=0)).masked_fill_(block == 0, 0.0)
-    inside = blocks.gather(1, block.unsqueeze(2).expand(-1, -1, size)).squeeze(1)
-    inside_cdf = inside.to(torch.float64).cumsum_(dim=-1)
-    rest = torch.minimum(target - before, _below(inside_cdf[:, -1:]))
-    offset = torch.searchsorted(inside_cdf, rest, right=True).clamp_(max=size - 1)
-    # The clamp only matters for rows with no mass at all (NaN or all -inf logits).
-    return (block * size + offset).squeeze(1).clamp_(max=vocab - 1)
 
 
 def _with_logprobs(logits: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor) -> SamplerOutput:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow, apply_penalties, sampling_probs
+from kiln.engine.penalties import apply_penalties
+from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow, sampling_probs
 from kiln.engine.sampling_params import SamplingParams
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
