@@ -21,6 +21,12 @@ so ``kubectl apply`` and ``kiln plan`` reject the same specs. Decisions:
 - ``model.file`` (a GGUF file inside the repo) only means something for ``hf://``; the
   other sources name a ``.gguf`` file in ``model.source`` itself.
 - ``tensorParallel > 1`` on ``cpu`` is allowed (torch.distributed over gloo).
+- ``pipelineParallel`` splits the layers into stages; one replica is ``tensorParallel x
+  pipelineParallel`` ranks, packed onto pods of ``gpusPerNode`` GPUs (default: the SKU's
+  ``gpus_per_node`` in :data:`GPU_SKUS`). :func:`replica_shape` is the one rule: a replica
+  that fits one node is one pod; a larger one is ``ranks / gpusPerNode`` pods, which needs
+  ``tensorParallel <= gpusPerNode`` so that no tensor-parallel group (one stage) is split
+  across nodes. :data:`SHAPE_RULE` is its CEL twin, generated from the same table.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ __all__ = [
     "API_VERSION", "GROUP", "KIND", "PLURAL", "SHORT_NAME", "SINGULAR", "VERSION", "GPU_SKUS",
     "BuildOptions", "Condition", "GPUSpec", "HistoryEntry", "KVOptions", "LLMEngine", "LLMEngineSpec",
     "LLMEngineStatus", "Metadata", "ModelSource", "Phase", "QualityGate",
-    "ServingOptions",
+    "ReplicaShape", "ServingOptions", "gpus_per_node", "replica_shape", "shape_problem",
 ]
 
 
@@ -58,6 +64,9 @@ class GPUSpec:
     compute_capability: str | None  # "9.0"
     arch: str  # "sm90" | "cpu": what compiled artifacts are specific to
     product_label: str | None  # value of the node label nvidia.com/gpu.product (GPU feature discovery)
+    # GPUs on one node of the usual machine type (8 for HGX/DGX H100 and H200, A100, L40S and L4 servers);
+    # spec.gpusPerNode overrides it. None (cpu): a replica is one pod unless spec.gpusPerNode says otherwise.
+    gpus_per_node: int | None = 8
 
     @property
     def is_cpu(self) -> bool:
@@ -73,7 +82,7 @@ class GPUSpec:
 
 
 GPU_SKUS: dict[str, GPUSpec] = {
-    "cpu": GPUSpec(None, None, "cpu", None),
+    "cpu": GPUSpec(None, None, "cpu", None, gpus_per_node=None),
     "L4": GPUSpec(24, "8.9", "sm89", "NVIDIA-L4"),
     "L40S": GPUSpec(48, "8.9", "sm89", "NVIDIA-L40S"),
     "A100-40GB": GPUSpec(40, "8.0", "sm80", "NVIDIA-A100-SXM4-40GB"),
@@ -87,6 +96,8 @@ Dtype = Literal["bfloat16", "float16", "float32"]
 Quantization = Literal["none", "int8", "fp8"]
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32"]
 TensorParallel = Literal[1, 2, 4, 8]
+PipelineParallel = Literal[1, 2, 4, 8]
+GPUsPerNode = Literal[1, 2, 4, 8, 16]
 BlockSize = Literal[1, 2, 4, 8, 16, 32, 64, 128, 256]
 FP8_GPUS = tuple(name for name, gpu in GPU_SKUS.items() if gpu.supports_fp8)
 
@@ -187,13 +198,18 @@ class KVOptions(_Model):
 
 
 class ServingOptions(_Model):
-    replicas: int = Field(default=1, ge=0, le=1000, description="Serving pods (each with tensorParallel GPUs).")
+    replicas: int = Field(
+        default=1, ge=0, le=1000,
+        description="Serving replicas: each is one pod, or one LeaderWorkerSet group of pods when the engine "
+        "spans nodes (tensorParallel x pipelineParallel > gpusPerNode).",
+    )
     port: int = Field(default=8000, ge=1024, le=65535, description="Container and Service port of the API.")
     resources: dict[str, Any] | None = Field(
         default=None,
         json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
         description="Kubernetes ResourceRequirements for the serving container (limits/requests); "
-        "unset means tensorParallel nvidia.com/gpu and the operator's CPU/memory defaults.",
+        "unset means the pod's GPUs (tensorParallel x pipelineParallel, at most gpusPerNode) as nvidia.com/gpu and "
+        "the operator's CPU/memory defaults.",
     )
     api_key_secret: str | None = Field(
         default=None, max_length=253, pattern=DNS1123_SUBDOMAIN,
@@ -250,6 +266,79 @@ class BuildOptions(_Model):
     )
 
 
+@dataclass(frozen=True)
+class ReplicaShape:
+    """One serving replica: ``pods`` pods of ``ranks_per_pod`` ranks each (one GPU per rank; processes on cpu).
+
+    Ranks are numbered ``stage * tensor_parallel + tp_rank`` (docs/multi-node.md) and pod ``i`` holds
+    ranks ``i * ranks_per_pod ..``, so a pod holds whole pipeline stages.
+    """
+
+    tensor_parallel: int
+    pipeline_parallel: int
+    pods: int
+    ranks_per_pod: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def multi_node(self) -> bool:
+        return self.pods > 1
+
+
+def gpus_per_node(gpu: str, override: int | None = None) -> int | None:
+    """``spec.gpusPerNode`` if set, else the SKU's; None (cpu): no limit, the replica is one pod."""
+    return override if override is not None else GPU_SKUS[gpu].gpus_per_node
+
+
+def shape_problem(gpu: str, tensor_parallel: int, pipeline_parallel: int, override: int | None = None) -> str | None:
+    """Why this shape cannot be laid out on nodes (a ``tensorParallel: ...`` line); None when it can.
+
+    The one rule (CEL twin: :data:`SHAPE_RULE`): a replica larger than a node needs each
+    tensor-parallel group on one node, i.e. ``tensorParallel <= gpusPerNode``. With the enums
+    (powers of two) that also makes ``gpusPerNode`` divide ``tensorParallel x pipelineParallel``.
+    """
+    node = gpus_per_node(gpu, override)
+    world = tensor_parallel * pipeline_parallel
+    if node is None or world <= node:
+        return None
+    whose = f"spec.gpusPerNode {node}" if override is not None else f"{node} on a {gpu} node (spec.gpu)"
+    if tensor_parallel > node or node % tensor_parallel or world % node:
+        return (f"tensorParallel: {tensor_parallel} GPUs per pipeline stage do not fit the GPUs per node ({whose}): "
+                "a tensor-parallel group must stay inside one node; lower tensorParallel to at most "
+                f"{node} and raise pipelineParallel, or set gpusPerNode to the GPUs your nodes have")
+    return None
+
+
+def replica_shape(gpu: str, tensor_parallel: int, pipeline_parallel: int, override: int | None = None) -> ReplicaShape:
+    """Pods per replica = tensorParallel x pipelineParallel / gpusPerNode (one pod when it fits a node)."""
+    if (problem := shape_problem(gpu, tensor_parallel, pipeline_parallel, override)) is not None:
+        raise ValueError(problem)
+    node = gpus_per_node(gpu, override)
+    world = tensor_parallel * pipeline_parallel
+    if node is None or world <= node:
+        return ReplicaShape(tensor_parallel, pipeline_parallel, 1, world)
+    return ReplicaShape(tensor_parallel, pipeline_parallel, world // node, node)
+
+
+def _shape_cel() -> str:
+    nodeless = [sku for sku, g in GPU_SKUS.items() if g.gpus_per_node is None]
+    table = ", ".join(f"'{sku}': {g.gpus_per_node}" for sku, g in GPU_SKUS.items() if g.gpus_per_node is not None)
+    return ("has(self.gpusPerNode) ? self.tensorParallel <= self.gpusPerNode : ("
+            + "".join(f"self.gpu == '{sku}' || " for sku in nodeless)
+            + f"self.tensorParallel <= {{{table}}}[self.gpu])")
+
+
+SHAPE_RULE = (
+    "replica_shape", _shape_cel(),
+    "spec.tensorParallel must be at most spec.gpusPerNode (default: the GPU SKU's GPUs per node, 8): a "
+    "tensor-parallel group must stay inside one node; lower tensorParallel and raise pipelineParallel, or set "
+    "gpusPerNode to the GPUs your nodes have",
+    ".tensorParallel",
+)
+
 # (python check name, CEL rule on spec, message, fieldPath). Python twins are in _check_cross_field.
 CROSS_FIELD_RULES: tuple[tuple[str, str, str, str], ...] = (
     ("input_lt_seq", "self.maxInputLen < self.maxSeqLen",
@@ -269,6 +358,7 @@ CROSS_FIELD_RULES: tuple[tuple[str, str, str, str], ...] = (
     ("file_scheme", "!has(self.model.file) || self.model.source.startsWith('hf://')",
      "spec.model.file is only used by hf:// sources; name the .gguf file in spec.model.source instead",
      ".model.file"),
+    SHAPE_RULE,
 )
 
 
@@ -291,7 +381,18 @@ class LLMEngineSpec(_Model):
         default="auto", alias="kvCacheDtype", description="KV-cache dtype; auto means the same as dtype."
     )
     tensor_parallel: TensorParallel = Field(
-        default=1, description="GPUs (or CPU processes) one engine is sharded over: 1, 2, 4 or 8."
+        default=1, description="GPUs (or CPU processes) each pipeline stage is sharded over: 1, 2, 4 or 8; "
+        "a stage never spans nodes, so at most gpusPerNode."
+    )
+    pipeline_parallel: PipelineParallel = Field(
+        default=1, description="Pipeline stages the layers are split into: 1, 2, 4 or 8. One replica is "
+        "tensorParallel x pipelineParallel GPUs; more than gpusPerNode makes it a LeaderWorkerSet group of "
+        "tensorParallel x pipelineParallel / gpusPerNode pods.",
+    )
+    gpus_per_node: GPUsPerNode | None = Field(
+        default=None,
+        description="GPUs on one node of spec.gpu: 1, 2, 4, 8 or 16; unset means the SKU's (8; cpu: the "
+        "whole replica in one pod). Only decides how ranks are packed into pods, not the engine version.",
     )
     max_batch_size: int = Field(default=64, ge=1, le=4096, description="Most sequences running at once.")
     max_input_len: int = Field(
@@ -332,6 +433,8 @@ class LLMEngineSpec(_Model):
             problems.append("model.credentialsSecret: only used by hf:// and s3:// sources; remove it")
         if self.model.file is not None and self.model.scheme != "hf":
             problems.append("model.file: only used by hf:// sources; name the .gguf file in model.source instead")
+        if shape := shape_problem(self.gpu, self.tensor_parallel, self.pipeline_parallel, self.gpus_per_node):
+            problems.append(shape)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -339,6 +442,11 @@ class LLMEngineSpec(_Model):
     @property
     def gpu_spec(self) -> GPUSpec:
         return GPU_SKUS[self.gpu]
+
+    @property
+    def replica_shape(self) -> ReplicaShape:
+        """How one replica is laid out on pods (validated: never raises on a parsed spec)."""
+        return replica_shape(self.gpu, self.tensor_parallel, self.pipeline_parallel, self.gpus_per_node)
 
     @property
     def resolved_kv_cache_dtype(self) -> str:

@@ -20,7 +20,10 @@ What is in, and why:
   checked when the build fetches the file). The slug is the file's name without
   ``.gguf``, so ``SmolLM2-135M-Instruct.Q4_1.gguf`` reads ``smollm2-135m-instruct-q4-1``.
 - dtype, quantization, the *resolved* KV-cache dtype (``auto`` becomes ``dtype``, so
-  spelling it out does not rebuild), tensor-parallel degree, the four max shapes and
+  spelling it out does not rebuild), tensor-parallel degree, the pipeline-parallel degree
+  (``pipeline_parallel``, in the document only when > 1, so every engine version from
+  before pipeline parallelism is unchanged: its artifact has one file per (stage, TP rank)
+  and each stage's KV plan covers only its layers), the four max shapes and
   the KV options: they decide the weights written, their sharding, the KV plan and
   the CUDA-graph buckets recorded in ``engine.json``. Prefix caching and the memory
   fraction are recorded there too, so they are in.
@@ -31,7 +34,8 @@ What is in, and why:
 - ``ARTIFACT_FORMAT_VERSION`` (bumped when the artifact layout or its meaning changes)
   and ``ENVELOPE_VERSION`` (bumped when this document's fields change).
 
-What is out: the quality-gate thresholds and calibration prompts decide whether an
+What is out: ``gpusPerNode`` (how ranks are packed into pods; the per-rank files are the
+same whether a replica is one pod or a LeaderWorkerSet group), the quality-gate thresholds and calibration prompts decide whether an
 artifact is *published*, not its bytes (quantization scales are per-channel absmax
 of the weights, not calibrated), so relaxing a threshold after a failed gate builds
 the same version again rather than a new one. If a builder ever derives weights from
@@ -63,7 +67,7 @@ def build_envelope(spec: LLMEngineSpec | LLMEngine) -> dict[str, Any]:
     """The normalized document the engine version hashes (snake_case keys, JSON types only)."""
     spec = spec.spec if isinstance(spec, LLMEngine) else spec
     gpu = spec.gpu_spec
-    return {
+    envelope = {
         "envelope_version": ENVELOPE_VERSION,
         "artifact_format_version": ARTIFACT_FORMAT_VERSION,
         "model": _model(spec),
@@ -82,6 +86,9 @@ def build_envelope(spec: LLMEngineSpec | LLMEngine) -> dict[str, Any]:
             "memory_fraction": spec.kv.memory_fraction,
         },
     }
+    if spec.pipeline_parallel > 1:  # absent at 1: versions from before pipeline parallelism stay the same
+        envelope["pipeline_parallel"] = spec.pipeline_parallel
+    return envelope
 
 
 def _model(spec: LLMEngineSpec) -> dict[str, Any]:

@@ -8,7 +8,15 @@ import pytest
 import yaml
 
 from kiln import api
-from kiln.api import GPU_SKUS, LLMEngine, LLMEngineSpec, LLMEngineStatus
+from kiln.api import (
+    GPU_SKUS,
+    LLMEngine,
+    LLMEngineSpec,
+    LLMEngineStatus,
+    gpus_per_node,
+    replica_shape,
+    shape_problem,
+)
 from kiln.manifest import ManifestError, _model_in, load_manifest, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -213,3 +221,47 @@ def test_load_spec_names_fields_under_spec():
 def test_status_tolerates_keys_other_writers_leave():
     status = LLMEngineStatus.model_validate({"phase": "Pending", "kopf": {"progress": {}}})
     assert status.phase == "Pending" and "kopf" not in status.to_k8s()
+
+
+# (gpu, tensorParallel, pipelineParallel, gpusPerNode) -> (pods per replica, ranks (GPUs) per pod), or None: invalid.
+SHAPES = [
+    ("H100-80GB", 1, 1, None, (1, 1)),
+    ("H100-80GB", 8, 1, None, (1, 8)),
+    ("H100-80GB", 2, 2, None, (1, 4)),      # pipeline parallel inside one node: still one pod
+    ("H100-80GB", 8, 2, None, (2, 8)),      # Llama 3.1 405B on 2 x 8 x H100: one stage per node
+    ("H100-80GB", 4, 4, None, (2, 8)),      # two 4-GPU stages per node
+    ("H100-80GB", 8, 8, None, (8, 8)),
+    ("H200-141GB", 8, 2, 4, None),          # a stage of 8 cannot sit on 4-GPU nodes
+    ("H100-80GB", 4, 2, 4, (2, 4)),
+    ("L4", 1, 8, 1, (8, 1)),
+    ("A100-40GB", 8, 2, 16, (1, 16)),       # 16-GPU nodes (a2-megagpu-16g): one pod
+    ("cpu", 4, 4, None, (1, 16)),           # cpu: every rank in one pod unless gpusPerNode says otherwise
+    ("cpu", 2, 2, 2, (2, 2)),
+    ("cpu", 4, 1, 2, None),
+]
+
+
+@pytest.mark.parametrize(("gpu", "tp", "pp", "per_node", "expected"), SHAPES, ids=str)
+def test_pods_per_replica_is_ranks_over_gpus_per_node_and_stages_never_split(gpu, tp, pp, per_node, expected):
+    raw = {"model": {"source": "hf://org/m"}, "gpu": gpu, "tensorParallel": tp, "pipelineParallel": pp,
+           **({"gpusPerNode": per_node} if per_node else {})}
+    if expected is None:
+        assert shape_problem(gpu, tp, pp, per_node) is not None
+        with pytest.raises(ManifestError) as err:
+            load_spec(raw)
+        (line,) = err.value.problems
+        assert line.startswith("spec.tensorParallel: ") and "gpusPerNode" in line and "pipelineParallel" in line
+        with pytest.raises(ValueError, match="tensorParallel"):
+            replica_shape(gpu, tp, pp, per_node)
+        return
+    shape = load_spec(raw).replica_shape
+    assert (shape.pods, shape.ranks_per_pod) == expected
+    assert shape.pods * shape.ranks_per_pod == tp * pp == shape.world_size
+    assert shape.ranks_per_pod % tp == 0 or shape.pods == 1  # a pod holds whole stages
+    assert shape.multi_node == (shape.pods > 1)
+
+
+def test_gpus_per_node_comes_from_the_sku_table():
+    assert {sku: g.gpus_per_node for sku, g in GPU_SKUS.items()} == {
+        "cpu": None, "L4": 8, "L40S": 8, "A100-40GB": 8, "A100-80GB": 8, "H100-80GB": 8, "H200-141GB": 8}
+    assert gpus_per_node("H100-80GB") == 8 and gpus_per_node("H100-80GB", 4) == 4 and gpus_per_node("cpu") is None

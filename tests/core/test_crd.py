@@ -88,7 +88,8 @@ def test_examples_validate_against_the_crd_schema(path: Path):
 @pytest.mark.parametrize(("field", "value"), [
     ("tensorParallel", 3), ("dtype", "fp32"), ("maxSeqLen", "long"), ("gpu", "H100"),
     ("model", {"source": "gs://bucket/x"}), ("model", {"source": "hf://only-name"}), ("kv", {"blockSize": 12}),
-    ("maxBatchSize", 0), ("kv", {"memoryFraction": 1.5}),
+    ("maxBatchSize", 0), ("kv", {"memoryFraction": 1.5}), ("pipelineParallel", 3), ("pipelineParallel", 16),
+    ("gpusPerNode", 3), ("gpusPerNode", 0),
 ])
 def test_crd_schema_rejects_what_pydantic_rejects(field: str, value: object):
     data = load_manifest(ROOT / "examples/cpu-small.yaml").to_k8s()
@@ -130,6 +131,16 @@ CEL_SAMPLES = [
     {"model": {"source": "pvc://claim/m", "credentialsSecret": "tok"}},
     {"model": {"source": "s3://bucket/m", "credentialsSecret": "tok"}},
     {"model": {"source": "hf://org/m", "credentialsSecret": "tok"}},
+    # The replica shape: a tensor-parallel group must fit one node (kiln.api.shape_problem / SHAPE_RULE).
+    {"gpu": "H100-80GB", "tensorParallel": 8, "pipelineParallel": 2},
+    {"gpu": "H100-80GB", "tensorParallel": 8, "pipelineParallel": 2, "gpusPerNode": 4},
+    {"gpu": "H100-80GB", "tensorParallel": 8, "pipelineParallel": 1, "gpusPerNode": 4},
+    {"gpu": "H100-80GB", "tensorParallel": 4, "pipelineParallel": 8, "gpusPerNode": 4},
+    {"gpu": "L4", "tensorParallel": 2, "pipelineParallel": 4, "gpusPerNode": 1},
+    {"gpu": "A100-40GB", "tensorParallel": 8, "pipelineParallel": 2, "gpusPerNode": 16},
+    {"gpu": "cpu", "tensorParallel": 8, "pipelineParallel": 8},
+    {"gpu": "cpu", "tensorParallel": 4, "pipelineParallel": 2, "gpusPerNode": 2},
+    {"gpu": "cpu", "tensorParallel": 2, "pipelineParallel": 2, "gpusPerNode": 2},
 ]
 
 

@@ -80,6 +80,7 @@ SENSITIVE = [
     (CPU, "quantization", "int8"),
     (CPU, "kvCacheDtype", "bfloat16"),
     (CPU, "tensorParallel", 2),
+    (CPU, "pipelineParallel", 2),  # one file per (stage, TP rank), a KV plan per stage
     (CPU, "maxBatchSize", 16),
     (CPU, "maxInputLen", 256),
     (CPU, "maxSeqLen", 2048),
@@ -95,6 +96,9 @@ INSENSITIVE = [
     (CPU, "model.source", "file://./.kiln-work//models/./llama-demo/"),  # same path, other spelling
     (CPU, "kvCacheDtype", "float32"),  # what auto resolves to
     (H100, "model.credentialsSecret", "other-token"),
+    (CPU, "gpusPerNode", 2),  # how ranks are packed into pods, not what is in their files
+    (H100, "gpusPerNode", 4),
+    (CPU, "pipelineParallel", 1),  # the default, spelled out
     (CPU, "serving.replicas", 7),
     (CPU, "serving.port", 9000),
     (CPU, "serving.resources", {"limits": {"cpu": "4", "memory": "8Gi"}}),
@@ -203,3 +207,12 @@ def test_gguf_sources_name_the_file_in_the_version_and_leave_other_versions_alon
     pinned = {**cpu, "model": {**local["model"], "revision": "b" * 64}}
     v_local, v_pinned = (engine_version(LLMEngineSpec.model_validate(d)) for d in (local, pinned))
     assert v_local.startswith("smollm2-135m-instruct-q4-1-") and v_local != v_pinned
+
+
+def test_pipeline_parallel_is_in_the_envelope_only_above_one():
+    """Versions built before pipeline parallelism existed stay the same (GOLDEN_CPU_SMALL above);
+    pipelineParallel > 1 is a key of its own."""
+    assert "pipeline_parallel" not in build_envelope(load_manifest(CPU).spec)
+    data = load_manifest(CPU).to_k8s()
+    data["spec"]["pipelineParallel"] = 4
+    assert build_envelope(load_manifest(data).spec)["pipeline_parallel"] == 4
