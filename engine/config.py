@@ -64,6 +64,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     num_micro_batches: int | None = None  # per step with pipeline parallelism; None = pipeline_parallel_size
+    micro_batch_min_tokens: int = 64  # a step splits only into micro-batches of at least this many tokens
     # Ranks started separately (LeaderWorkerSet pods, `kiln serve --rank`): rank 0's HOST:PORT, and which
     # consecutive ranks this process hosts. None = every rank spawned here (one machine).
     distributed_address: str | None = None
@@ -124,6 +125,7 @@ class EngineConfig:
             ("pipeline_parallel_size", self.pipeline_parallel_size in (1, 2, 4, 8), "must be 1, 2, 4 or 8"),
             ("num_micro_batches", isinstance(self.num_micro_batches, int) and 1 <= self.num_micro_batches <= 64,
              "must be in [1, 64] (1 = no micro-batching)"),
+            ("micro_batch_min_tokens", self.micro_batch_min_tokens >= 1, "must be >= 1"),
             ("distributed_timeout_s", self.distributed_timeout_s > 0, "must be > 0 seconds"),
             ("join_timeout_s", self.join_timeout_s > 0, "must be > 0 seconds"),
             ("heartbeat_interval_s", 0 < self.heartbeat_interval_s < self.distributed_timeout_s,

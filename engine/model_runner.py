@@ -52,13 +52,16 @@ class StepInputs:
 _LOGITS_TAG = 1 << 20  # point-to-point tags: micro-batch i's activations use i, its logits this + i
 
 
-def split_batch(scheduled: list[tuple[Request, int]], parts: int) -> list[list[tuple[Request, int]]]:
+def split_batch(scheduled: list[tuple[Request, int]], parts: int,
+                min_tokens: int = 1) -> list[list[tuple[Request, int]]]:
     """Split one step's (request, tokens) rows into at most ``parts`` micro-batches of about equal
-    tokens, keeping the order (decodes first); each request lies in exactly one."""
-    parts = max(1, min(parts, len(scheduled)))
+    tokens (and at least ``min_tokens`` each), keeping the order (decodes first); each request lies
+    in exactly one. Small steps stay whole: on CPU a linear over half the rows costs nearly what it
+    costs over all of them, so splitting a small decode batch only adds work."""
+    total = sum(n for _, n in scheduled)
+    parts = max(1, min(parts, len(scheduled), total // min_tokens))
     if parts == 1:
         return [scheduled]
-    total = sum(n for _, n in scheduled)
     out: list[list[tuple[Request, int]]] = []
     cur: list[tuple[Request, int]] = []
     acc = 0
@@ -182,7 +185,8 @@ class ModelRunner:
         return inputs, [reqs[i] for i in sample]
 
     def run(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], SamplerOutput | None]:
-        batches = [self.prepare(part) for part in split_batch(scheduled, self.config.num_micro_batches)]
+        batches = [self.prepare(part) for part in split_batch(scheduled, self.config.num_micro_batches,
+                                                                self.config.micro_batch_min_tokens)]
         inputs = [b for b, _ in batches]
         if parallel.world_size() > 1:
             parallel.broadcast_object(inputs)

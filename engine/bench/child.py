@@ -43,7 +43,7 @@ def run_job(job: dict) -> dict:
             _warm_static(baselines, model, workload)
             run = baselines.run_hf_static(model, workload, batch, pad_id=job["pad_id"])
             run.system = system
-    elif system in ("kiln", "kiln-reference"):
+    elif system in ("kiln", "kiln-reference") or system.startswith("kiln-pp"):
         from kiln.engine.bench import run_kiln
 
         llm = run_kiln.load(model_dir, job)
@@ -51,6 +51,7 @@ def run_job(job: dict) -> dict:
         run_kiln.warm(llm)
         run = run_kiln.run(llm, workload, job)
         run.system = system
+        llm.shutdown()  # stops the rank processes of the pipeline systems
     else:
         raise ValueError(f"unknown system {system!r}")
     run.load_s = load_s

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import click
-from kiln.engine.bench.suite import SYSTEMS
+from kiln.engine.bench.suite import ALL_SYSTEMS, SYSTEMS
 
 
 def _default_threads() -> int:
@@ -49,7 +49,8 @@ def _resolve_device(device: str) -> str:
               help="Where every system runs; auto = cuda when available (kiln then uses CUDA graphs).")
 @click.option("--repeats", type=int, default=1, show_default=True,
               help="Run every system N times round-robin; the table shows medians.")
-@click.option("--systems", default=",".join(SYSTEMS), show_default=True, help="Comma-separated systems to run.")
+@click.option("--systems", default=",".join(SYSTEMS), show_default=True, help="Comma-separated systems to run; also kiln-pp2 / kiln-pp2-nomb: two pipeline stages "
+                   "in two processes with / without micro-batches in flight (--threads each).")
 @click.option("--max-batch-size", type=int, default=64, show_default=True,
               help="kiln max_batch_size and transformers' max_requests_per_batch.")
 @click.option("--max-num-tokens", type=int, default=2048, show_default=True,
@@ -69,10 +70,10 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     from kiln.engine.toy import PRESETS
 
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in SYSTEMS]
+    unknown = [s for s in chosen if s not in ALL_SYSTEMS]
     if unknown or not chosen:
         raise click.UsageError(f"--systems: unknown {', '.join(unknown) or '(none given)'}; "
-                               f"choose from {', '.join(SYSTEMS)}")
+                               f"choose from {', '.join(ALL_SYSTEMS)}")
     preset = preset or (QUICK_PRESET if quick else DEFAULT_PRESET)
     if preset not in PRESETS:
         raise click.UsageError(f"--preset {preset!r} is unknown; choose from {', '.join(sorted(PRESETS))}")

@@ -24,6 +24,13 @@ from kiln.engine.bench.records import RunRecord, common_prefix_len, figures, med
 from kiln.engine.bench.workload import Request, Workload
 
 SYSTEMS = ("kiln", "hf-static-b8", "hf-static-b32", "hf-generate-batch")
+# kiln with two pipeline stages (two rank processes over gloo/NCCL, --threads each), with two
+# micro-batches in flight per step and without: opt-in (--systems), not in the default run.
+PIPELINE_SYSTEMS: dict[str, dict] = {
+    "kiln-pp2": {"pipeline_parallel_size": 2, "num_micro_batches": 2},
+    "kiln-pp2-nomb": {"pipeline_parallel_size": 2, "num_micro_batches": 1},
+}
+ALL_SYSTEMS = SYSTEMS + tuple(PIPELINE_SYSTEMS)
 
 
 @dataclass
@@ -58,6 +65,7 @@ def _job(cfg: SuiteConfig, system: str, workload_path: Path, workload: Workload,
         "system": system, "model_dir": str(cfg.model_dir), "workload": str(workload_path), "dtype": dtype,
         "threads": cfg.threads, "max_batch_size": cfg.max_batch_size, "max_num_tokens": cfg.max_num_tokens,
         "max_seq_len": None, "num_kv_blocks": kv_blocks_for(workload), "pad_id": 0, "device": cfg.device,
+        "engine_extra": PIPELINE_SYSTEMS.get(system, {}),
     }
 
 

@@ -60,7 +60,7 @@ def reference(model_dir: Path, make_llm):
 def test_pp2_equals_single_process(preset, overrides, micro, toy_model, make_llm):
     model_dir = toy_model(preset, **overrides)
     expected = reference(model_dir, make_llm)
-    llm = make_llm(model_dir, pipeline_parallel_size=2, num_micro_batches=micro, **KWARGS)
+    llm = make_llm(model_dir, pipeline_parallel_size=2, num_micro_batches=micro, micro_batch_min_tokens=1, **KWARGS)
     assert run_mix(llm) == expected
     stats = llm.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
@@ -69,7 +69,7 @@ def test_pp2_equals_single_process(preset, overrides, micro, toy_model, make_llm
 def test_tp2_pp2_equals_single_process(toy_model, make_llm):
     model_dir = toy_model("llama-tiny")
     expected = reference(model_dir, make_llm)
-    llm = make_llm(model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, **KWARGS)
+    llm = make_llm(model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, micro_batch_min_tokens=1, **KWARGS)
     assert llm.engine.group is not None and len(llm.engine.group.procs) == 3
     assert run_mix(llm) == expected
 
@@ -78,7 +78,7 @@ def test_micro_batches_without_pipeline_equal_one_batch(toy_model, make_llm):
     """Splitting a step into micro-batches is itself exact (P=1, 3 micro-batches, no processes)."""
     model_dir = toy_model("llama-tiny", num_hidden_layers=3)
     expected = reference(model_dir, make_llm)
-    assert run_mix(make_llm(model_dir, num_micro_batches=3, **KWARGS)) == expected
+    assert run_mix(make_llm(model_dir, num_micro_batches=3, micro_batch_min_tokens=1, **KWARGS)) == expected
 
 
 def test_stage_layers_split_evenly_earlier_stages_take_the_rest():
@@ -95,6 +95,8 @@ def test_split_batch_balances_tokens_and_keeps_every_row_once():
     assert split_batch(rows[:1], 4) == [rows[:1]]
     assert len(split_batch(rows, 6)) == 6
     assert split_batch(rows, 1) == [rows]
+    assert split_batch(rows, 2, min_tokens=16) == [rows]  # 20 tokens: two parts of 16 do not fit
+    assert len(split_batch(rows, 2, min_tokens=10)) == 2
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
