@@ -17,6 +17,8 @@ from kiln import __version__
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "crd": ("kiln.commands:crd", "Print or write the LLMEngine CRD generated from the API types."),
     "plan": ("kiln.commands:plan", "Show the build envelope and engine version of a manifest."),
+    "render": ("kiln.operator.render:render",
+               "Print the Kubernetes objects the operator would create for a manifest (YAML)."),
     "cache": ("kiln.cache_cli:cache", "List, show, remove and garbage-collect built engines in a store."),
     "build": ("kiln.builder.cli:build", "Build an engine artifact for a manifest into a store."),
     "up": ("kiln.up:up", "Build (if missing) and serve a manifest on this machine, no Kubernetes."),

@@ -56,17 +56,27 @@ def gpu_placement(spec: LLMEngineSpec, config: OperatorConfig) -> dict[str, Any]
     return placement
 
 
+def pod_gpus(spec: LLMEngineSpec) -> int:
+    """GPUs of one serving pod, and of the build Job: the ranks one pod holds
+    (``tensorParallel x pipelineParallel``, at most ``gpusPerNode``: :func:`kiln.api.replica_shape`).
+
+    A multi-node engine is built on one node with that node's GPUs: the builder converts and shards
+    every (stage, TP rank) file in host memory, so the node must hold the checkpoint in RAM and on its
+    work volume (docs/multi-node-cluster.md)."""
+    return spec.replica_shape.ranks_per_pod
+
+
 def with_gpus(resources: dict[str, Any] | None, spec: LLMEngineSpec) -> dict[str, Any]:
-    """``resources`` plus ``nvidia.com/gpu: tensorParallel`` in limits (GPUs go in limits only)."""
+    """``resources`` plus ``nvidia.com/gpu: <the pod's ranks>`` in limits (GPUs go in limits only)."""
     out = json.loads(json.dumps(resources or {}))
     if not spec.gpu_spec.is_cpu:
-        out.setdefault("limits", {})["nvidia.com/gpu"] = spec.tensor_parallel
+        out.setdefault("limits", {})["nvidia.com/gpu"] = pod_gpus(spec)
     return out
 
 
 def shm_volume(spec: LLMEngineSpec) -> list[dict[str, Any]]:
-    """Tensor-parallel ranks exchange tensors through /dev/shm, which is 64 MiB by default."""
-    if spec.tensor_parallel == 1:
+    """Ranks in one pod exchange tensors through /dev/shm, which is 64 MiB by default."""
+    if pod_gpus(spec) == 1:
         return []
     return [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
 
@@ -119,7 +129,7 @@ def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
     # The store's credentials: only here, with no model credentials.
     mounts: list[dict[str, Any]] = [{"name": "work", "mountPath": WORK_DIR}, {"name": "tmp", "mountPath": "/tmp"},
                                     *model_mounts]
-    if spec.tensor_parallel > 1:
+    if pod_gpus(spec) > 1:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     container: dict[str, Any] = {
         "name": "build",

@@ -90,6 +90,16 @@ class KubeClient:
                 return None
             raise
 
+    async def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the API server serves ``plural`` in ``api_version`` (discovery; a CRD not installed is a 404)."""
+        try:
+            found = await self.request("GET", api_path(api_version, ""))
+        except ApiError as exc:
+            if exc.status in (404, 503):  # 503: an aggregated API that is registered but down
+                return False
+            raise
+        return any(r.get("name") == plural for r in (found or {}).get("resources") or [])
+
     async def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
         params = {"labelSelector": label_selector} if label_selector else None
         return (await self.request("GET", path, params=params))["items"] or []

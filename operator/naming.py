@@ -61,6 +61,17 @@ def engine_name_problem(name: str) -> str | None:
     return None
 
 
+# LeaderWorkerSet names prefix its StatefulSets (<lws>-<group>), pods (<lws>-<group>-<worker>) and their
+# controller-revision-hash label values (<statefulset>-<10-char hash>), which must stay within 63 characters.
+MAX_LWS_NAME = 40
+
+
+def lws_name(engine: str) -> str:
+    """The LeaderWorkerSet of a multi-node engine. Not the engine's own name: the LWS controller creates a
+    headless Service named after the LWS (the pods' DNS subdomain), and ``service_name(engine)`` is kiln's."""
+    return bounded_name("", f"{service_name(engine)}-lws", MAX_LWS_NAME)
+
+
 def build_labels(version: str) -> dict[str, str]:
     return {**COMMON_LABELS, "app.kubernetes.io/component": "build", LABEL_VERSION: version}
 
@@ -72,6 +83,18 @@ def selector_labels(engine: str) -> dict[str, str]:
 
 def serving_labels(engine: str) -> dict[str, str]:
     return {**COMMON_LABELS, "app.kubernetes.io/instance": engine, **selector_labels(engine)}
+
+
+def engine_pod_labels(engine: str) -> dict[str, str]:
+    """Every serving pod of an engine, API-serving or not (a multi-node engine's PodDisruptionBudget)."""
+    return {LABEL_ENGINE: engine}
+
+
+def worker_labels(engine: str) -> dict[str, str]:
+    """Pods of a LeaderWorkerSet group other than the leader: they only compute, so a different component
+    keeps them out of the Service (which selects :func:`selector_labels`: Deployment pods and LWS leaders)."""
+    return {**COMMON_LABELS, "app.kubernetes.io/instance": engine, LABEL_ENGINE: engine,
+            "app.kubernetes.io/component": "serving-worker"}
 
 
 def owner_reference(body: dict[str, Any], controller: bool = True) -> dict[str, Any]:

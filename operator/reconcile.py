@@ -11,7 +11,8 @@ Order, and why:
    Every engine waiting for a Job adds itself as a (non-controller) owner, so
    the garbage collector deletes the Job when the last of them is deleted: no
    finalizer is needed on LLMEngines.
-3. The Deployment is not touched until the wanted artifact exists, so a GitOps
+3. The serving workload (a Deployment, or a LeaderWorkerSet when a replica spans nodes; an engine
+   that needs one on a cluster without the LWS CRD fails before building) is not touched until the wanted artifact exists, so a GitOps
    bump keeps the old version serving for the whole build; the rollout itself
    keeps old pods until new ones are available (maxUnavailable 0).
 4. Status is recomputed from what was observed and written only when it changed,
@@ -31,7 +32,7 @@ from typing import Any
 from kiln.operator import metrics
 from kiln.operator.jobs import build_job
 from kiln.operator.kube import ApiError, KubeClient, api_path
-from kiln.operator.naming import job_name, owner_reference
+from kiln.operator.naming import job_name, lws_name, owner_reference
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import (
     JobState,
@@ -39,6 +40,7 @@ from kiln.operator.status import (
     compose_status,
     job_duration_seconds,
     job_state,
+    rollout_complete,
     same_status,
     serving_version,
     termination_message,
@@ -46,7 +48,14 @@ from kiln.operator.status import (
 )
 from kiln.operator.trust import artifact_problem, expectation
 from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
-from kiln.operator.workloads import build_deployment, build_pdb, build_service, endpoint
+from kiln.operator.workloads import (
+    LWS_API_VERSION,
+    LWS_PLURAL,
+    build_pdb,
+    build_service,
+    build_workload,
+    endpoint,
+)
 
 from kiln.api import API_VERSION, PLURAL
 from kiln.artifacts import ArtifactStore
@@ -91,18 +100,31 @@ async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Log
 
     version = engine_version(spec)
     uri = ctx.store.artifact_uri(version)
+    shape = spec.replica_shape
+    if shape.multi_node and not await ctx.kube.serves(LWS_API_VERSION, LWS_PLURAL):
+        # Checked before anything is built: a multi-node build takes hours and could never serve here.
+        # Not InvalidSpec: installing LeaderWorkerSet fixes it, and the next timer reconcile notices.
+        deployment, lws = await live_workloads(ctx, namespace, name)
+        obs = Observation(generation=generation, old=old, engine_version=version, artifact_uri=uri,
+                          job_name=job_name(version), replicas=spec.serving.replicas,
+                          endpoint=endpoint(name, namespace, spec), history=old.get("history") or [],
+                          missing_api=lws_missing_message(spec),
+                          serving=serving_now(spec, deployment, lws, old.get("servingVersion")))
+        if old.get("phase") != "Failed":
+            logger.warning(obs.missing_api)
+        return await _finish(ctx, body, old, compose_status(obs))
     manifest = await asyncio.to_thread(ctx.store.read_manifest, version)
     is_new = old.get("engineVersion") != version
     base = dict(generation=generation, old=old, engine_version=version, artifact_uri=uri,
                 job_name=job_name(version), replicas=spec.serving.replicas,
                 endpoint=endpoint(name, namespace, spec), history=old.get("history") or [])
-    deployment_path = api_path("apps/v1", "deployments", namespace, name)
     untrusted = artifact_problem(manifest, ctx.config) if manifest is not None else None
     if untrusted is not None:
         # Someone else published this version: serve nothing new from it (the old version keeps serving),
         # and build nothing (a build would find the version published); the status says how to recover.
-        deployment = await ctx.kube.get(deployment_path)
-        obs = Observation(**base, untrusted=untrusted, serving=serving_version(deployment, old.get("servingVersion")))
+        deployment, lws = await live_workloads(ctx, namespace, name)
+        obs = Observation(**base, untrusted=untrusted,
+                          serving=serving_now(spec, deployment, lws, old.get("servingVersion")))
         if is_new or old.get("phase") != "Failed":
             logger.warning(f"{uri}: not serving it: {untrusted}")
     elif manifest is None:
@@ -111,31 +133,85 @@ async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Log
         job = await ensure_job(ctx, body, spec, version, logger)
         state = job_state(job)
         detail = await builder_message(ctx, namespace, job) if state.state == "failed" else ""
-        deployment = await ctx.kube.get(deployment_path)
+        deployment, lws = await live_workloads(ctx, namespace, name)
         obs = Observation(**base, built=False, job=state, failure_detail=detail,
-                          serving=serving_version(deployment, old.get("servingVersion")))
+                          serving=serving_now(spec, deployment, lws, old.get("servingVersion")))
         if state.state == "failed":
             _count_build_outcome(old, state, job)
     else:
         if is_new and old.get("phase") != "Building":
             metrics.CACHE_HITS.inc()
         owner = owner_reference(body)
-        deployment = await apply(ctx.kube, build_deployment(spec, name, namespace, version, uri, ctx.config, owner,
-                                                            expectation(manifest)))
+        await apply(ctx.kube, build_workload(spec, name, namespace, version, uri, ctx.config, owner,
+                                             expectation(manifest)))
         await apply(ctx.kube, build_service(spec, name, namespace, owner))
         pdb = build_pdb(spec, name, namespace, owner)
         if pdb is not None:
             await apply(ctx.kube, pdb)
         else:
             await ctx.kube.delete(api_path("policy/v1", "poddisruptionbudgets", namespace, name))
+        deployment, lws = await live_workloads(ctx, namespace, name)
+        await retire_other_workload(ctx, spec, name, namespace, deployment, lws, logger)
         history = [e for e in base["history"] if e.get("engineVersion") != version]
         entry = {"engineVersion": version, "artifactURI": uri,
                  "builtAt": manifest.created_at.isoformat().replace("+00:00", "Z")}
         base["history"] = ([entry, *history] if len(history) == len(base["history"]) else base["history"])[:10]
-        obs = Observation(**base, built=True, serving=serving_version(deployment, old.get("servingVersion")))
+        obs = Observation(**base, built=True, serving=serving_now(spec, deployment, lws, old.get("servingVersion")))
         _count_build_outcome(old, JobState("succeeded"), await ctx.kube.get(
             api_path("batch/v1", "jobs", namespace, job_name(version))) if old.get("phase") == "Building" else None)
     return await _finish(ctx, body, old, compose_status(obs))
+
+
+def lws_missing_message(spec: Any) -> str:
+    shape = spec.replica_shape
+    return (f"spec.pipelineParallel: one replica of this engine spans {shape.pods} pods (tensorParallel "
+            f"{shape.tensor_parallel} x pipelineParallel {shape.pipeline_parallel} ranks, {shape.ranks_per_pod} per "
+            f"node), which kiln runs as a LeaderWorkerSet, but this cluster does not serve {LWS_API_VERSION} "
+            f"{LWS_PLURAL} (the LeaderWorkerSet CRD is not installed). Install LeaderWorkerSet, a prerequisite of "
+            "multi-node engines (docs/multi-node-cluster.md), and the operator continues on its own; or lower "
+            "tensorParallel x pipelineParallel to fit one node")
+
+
+async def live_workloads(ctx: Context, namespace: str, name: str) -> tuple[dict[str, Any] | None,
+                                                                          dict[str, Any] | None]:
+    """The engine's Deployment and LeaderWorkerSet as they are (either may be absent; the LWS is absent on a
+    cluster without its CRD: the GET is a 404 like a missing object)."""
+    deployment = await ctx.kube.get(api_path("apps/v1", "deployments", namespace, name))
+    lws = await ctx.kube.get(api_path(LWS_API_VERSION, LWS_PLURAL, namespace, lws_name(name)))
+    return deployment, lws
+
+
+def serving_now(spec: Any, deployment: dict[str, Any] | None, lws: dict[str, Any] | None,
+                previous: str | None) -> str | None:
+    """servingVersion with either workload kind: the wanted kind's template version once its rollout is
+    complete; otherwise, while pods of either kind run, the version that served before."""
+    wanted, other = (lws, deployment) if spec.replica_shape.multi_node else (deployment, lws)
+    if wanted is not None and serving_version(wanted, None) is not None:
+        return serving_version(wanted, None)
+    running = [w for w in (wanted, other) if w is not None and (w.get("spec") or {}).get("replicas", 1) != 0]
+    return previous if running else None
+
+
+async def retire_other_workload(ctx: Context, spec: Any, name: str, namespace: str,
+                                deployment: dict[str, Any] | None, lws: dict[str, Any] | None,
+                                logger: logging.Logger) -> None:
+    """When an engine moves between a Deployment and a LeaderWorkerSet (its shape crossed a node), the old
+    kind keeps serving until the new one's rollout is complete, then goes: a LeaderWorkerSet is deleted, a
+    Deployment scaled to zero (the chart grants Deployments no delete; the garbage collector removes it with
+    the engine, and a move back re-renders it)."""
+    if spec.replica_shape.multi_node:
+        if lws is None or not rollout_complete(lws) or deployment is None:
+            return
+        if (deployment.get("spec") or {}).get("replicas", 1) == 0:
+            return
+        await ctx.kube.patch(api_path("apps/v1", "deployments", namespace, name), {
+            "metadata": {"annotations": {HASH_ANNOTATION: None}}, "spec": {"replicas": 0}})
+        logger.info(f"{lws_name(name)} serves {name}: scaled Deployment {name} to 0")
+    else:
+        if deployment is None or not rollout_complete(deployment) or lws is None:
+            return
+        await ctx.kube.delete(api_path(LWS_API_VERSION, LWS_PLURAL, namespace, lws_name(name)))
+        logger.info(f"Deployment {name} serves {name}: deleted LeaderWorkerSet {lws_name(name)}")
 
 
 async def _finish(ctx: Context, body: dict[str, Any], old: dict[str, Any], new: dict[str, Any],
@@ -206,7 +282,8 @@ async def apply(kube: KubeClient, desired: dict[str, Any]) -> dict[str, Any]:
     server-defaulted fields, decides); returns the live object."""
     meta = desired["metadata"]
     meta.setdefault("annotations", {})[HASH_ANNOTATION] = rendered_hash(desired)
-    plural = {"Deployment": "deployments", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets"}
+    plural = {"Deployment": "deployments", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets",
+              "LeaderWorkerSet": LWS_PLURAL}
     collection = api_path(desired["apiVersion"], plural[desired["kind"]], meta["namespace"])
     path = f"{collection}/{meta['name']}"
     live = await kube.get(path)
@@ -222,7 +299,13 @@ async def apply(kube: KubeClient, desired: dict[str, Any]) -> dict[str, Any]:
         return live
     patch = json.loads(json.dumps(desired))
     if desired["kind"] == "Deployment":  # merge patches keep absent keys: clear the ones we own
-        pod = patch["spec"]["template"]["spec"]
+        pods = [patch["spec"]["template"]["spec"]]
+    elif desired["kind"] == "LeaderWorkerSet":
+        lwt = patch["spec"]["leaderWorkerTemplate"]
+        pods = [lwt["leaderTemplate"]["spec"], lwt["workerTemplate"]["spec"]]
+    else:
+        pods = []
+    for pod in pods:
         for key in MANAGED_POD_FIELDS:
             pod.setdefault(key, None)
     return await kube.patch(path, patch)

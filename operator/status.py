@@ -69,20 +69,35 @@ def job_duration_seconds(job: dict[str, Any]) -> float | None:
     return (parse(end) - parse(start)).total_seconds()
 
 
-def rollout_complete(deployment: dict[str, Any]) -> bool:
-    spec, status = deployment.get("spec") or {}, deployment.get("status") or {}
-    generation = (deployment.get("metadata") or {}).get("generation") or 0
+def rollout_complete(workload: dict[str, Any]) -> bool:
+    """Every replica runs the current template and is available, and no old one is left.
+
+    A LeaderWorkerSet counts groups: ``readyReplicas`` are groups whose leader is Ready and whose
+    workers' StatefulSet is ready (the leader's ``/ready`` already waits for every rank), and
+    ``replicas`` includes a surge group until the rolling update has removed it."""
+    spec, status = workload.get("spec") or {}, workload.get("status") or {}
+    generation = (workload.get("metadata") or {}).get("generation") or 0
     wanted = spec.get("replicas", 1)
+    available = "readyReplicas" if workload.get("kind") == "LeaderWorkerSet" else "availableReplicas"
     return (
         (status.get("observedGeneration") or 0) >= generation
         and (status.get("updatedReplicas") or 0) == wanted
-        and (status.get("availableReplicas") or 0) == wanted
+        and (status.get(available) or 0) == wanted
         and (status.get("replicas") or 0) == wanted
     )
 
 
-def template_version(deployment: dict[str, Any]) -> str | None:
-    template_meta = ((deployment.get("spec") or {}).get("template") or {}).get("metadata") or {}
+def pod_template(workload: dict[str, Any]) -> dict[str, Any]:
+    """The template of the pods that serve the API: a Deployment's, a LeaderWorkerSet's leader's."""
+    spec = workload.get("spec") or {}
+    if workload.get("kind") == "LeaderWorkerSet":
+        lwt = spec.get("leaderWorkerTemplate") or {}
+        return lwt.get("leaderTemplate") or lwt.get("workerTemplate") or {}
+    return spec.get("template") or {}
+
+
+def template_version(workload: dict[str, Any]) -> str | None:
+    template_meta = pod_template(workload).get("metadata") or {}
     return (template_meta.get("annotations") or {}).get(ANNOTATION_VERSION)
 
 
@@ -119,7 +134,7 @@ def transitions(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str
     return events
 
 
-FAILURE_REASONS = {"InvalidSpec", "BuildFailed", "ArtifactMissing", "ArtifactUntrusted"}
+FAILURE_REASONS = {"InvalidSpec", "BuildFailed", "ArtifactMissing", "ArtifactUntrusted", "LeaderWorkerSetMissing"}
 
 
 def same_status(old: dict[str, Any], new: dict[str, Any]) -> bool:
@@ -138,6 +153,7 @@ class Observation:
     invalid: str | None = None  # a user-facing message naming the field
     built: bool = False  # the artifact of engine_version is in the store
     untrusted: str | None = None  # it is, but this operator did not build it (why; kiln.operator.trust)
+    missing_api: str | None = None  # the spec needs an API (LeaderWorkerSet) this cluster does not serve
     job: JobState | None = None  # the build Job, when not built
     job_name: str | None = None
     failure_detail: str = ""  # tail of the builder's termination message
@@ -165,6 +181,11 @@ def compose_status(obs: Observation, now: str | None = None) -> dict[str, Any]:
     if obs.history is not None:
         status["history"] = obs.history
     status["endpoint"] = obs.endpoint if obs.serving else None  # None: a merge patch removes it
+    if obs.missing_api is not None:  # nothing is built or rolled out until the API is there
+        status.update(phase="Failed", conditions=[
+            cond(BUILT, False, "LeaderWorkerSetMissing", obs.missing_api),
+            cond(READY, False, "LeaderWorkerSetMissing", obs.missing_api + still)])
+        return status
     if obs.untrusted is not None:
         store = (obs.artifact_uri or "").rpartition("/engines/")[0] or "<store>"
         msg = (f"{obs.artifact_uri} is in the store but {obs.untrusted}, so this operator will not serve it, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.operator.jobs import pod_gpus
 from kiln.operator.naming import engine_name_problem
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import spec_image_problem
@@ -64,11 +65,12 @@ def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
             f"spec.gpu: {spec.gpu} has no node label in this operator's SKU map ({known}); "
             "add it to the chart value gpuNodeLabels (KILN_SKU_NODE_LABELS) or pick a listed SKU")
     resources = spec.serving.resources or {}
+    want = 0 if spec.gpu_spec.is_cpu else pod_gpus(spec)
     for key in ("limits", "requests"):
         gpus = (resources.get(key) or {}).get("nvidia.com/gpu")
-        if gpus is not None and str(gpus) != str(0 if spec.gpu_spec.is_cpu else spec.tensor_parallel):
-            want = 0 if spec.gpu_spec.is_cpu else spec.tensor_parallel
+        if gpus is not None and str(gpus) != str(want):
             raise InvalidSpec(
-                f"spec.serving.resources.{key}: nvidia.com/gpu is {gpus} but the engine is built for "
-                f"{want} GPU(s) (spec.tensorParallel on spec.gpu {spec.gpu}); remove it, the operator sets it")
+                f"spec.serving.resources.{key}: nvidia.com/gpu is {gpus} but each serving pod of this engine "
+                f"holds {want} GPU(s) (spec.tensorParallel x spec.pipelineParallel, at most spec.gpusPerNode, on "
+                f"spec.gpu {spec.gpu}); remove it, the operator sets it")
     return spec

@@ -1,4 +1,8 @@
-"""Serving objects: pure functions of (engine, version, config) -> Deployment, Service, PDB dicts.
+"""Serving objects: pure functions of (engine, version, config) -> Deployment or LeaderWorkerSet, Service, PDB.
+
+A replica that fits one pod (:func:`kiln.api.replica_shape`) is a Deployment; one that spans
+pods is a ``leaderworkerset.x-k8s.io/v1`` LeaderWorkerSet group of ``pods`` pods (see
+:func:`build_leader_worker_set` for its readiness and restart design).
 
 The engine version appears in the pod template (a label and an annotation) and
 nowhere else that changes with it, so a version change rolls the pods and a
@@ -11,12 +15,14 @@ SIGTERM arrives; the server then drains in-flight requests for
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 from kiln.operator.jobs import (
     container_security_context,
     gpu_placement,
+    pod_gpus,
     pod_security_context,
     secret_env_from,
     shm_volume,
@@ -26,9 +32,12 @@ from kiln.operator.naming import (
     ANNOTATION_ARTIFACT,
     ANNOTATION_VERSION,
     LABEL_VERSION,
+    engine_pod_labels,
+    lws_name,
     selector_labels,
     service_name,
     serving_labels,
+    worker_labels,
 )
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import serving_image
@@ -42,6 +51,11 @@ API_KEY_FILE = f"{API_KEY_DIR}/api-key"
 API_KEY_SECRET_KEY = "KILN_API_KEY"  # the key inside spec.serving.apiKeySecret
 GRACE_MARGIN_SECONDS = 15
 PROBE_PERIOD_SECONDS = 10
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_PLURAL = "leaderworkersets"
+# Where rank 0 (the leader pod's process) meets the other ranks (kiln serve --leader-port / KILN_LEADER_PORT).
+RENDEZVOUS_PORT = 29500
 
 
 def grace_period(spec: LLMEngineSpec, config: OperatorConfig) -> int:
@@ -72,7 +86,7 @@ def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str, config:
     if spec.serving.api_key_secret:  # a read-only file, not an env var (env leaks into /proc, dumps, logs)
         mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
         args += ["--api-key-file", API_KEY_FILE]
-    if spec.tensor_parallel > 1:
+    if pod_gpus(spec) > 1:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     container: dict[str, Any] = {
         "name": "serve",
@@ -113,18 +127,8 @@ def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: st
     """``expect``: the build the operator verified (reconcile passes it; ``None`` renders no check)."""
     labels = serving_labels(name)
     pod_labels = {**labels, LABEL_VERSION: version}
-    pod_spec: dict[str, Any] = {
-        "terminationGracePeriodSeconds": grace_period(spec, config),
-        "securityContext": pod_security_context(),
-        # The server never talks to the Kubernetes API: no token in the pod to steal.
-        "automountServiceAccountToken": False,
-        "containers": [serving_container(spec, name, artifact_uri, config, expect)],
-        "volumes": [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}, *shm_volume(spec),
-                    *api_key_volume(spec)],
-        **gpu_placement(spec, config),
-    }
-    if config.serving_service_account:
-        pod_spec["serviceAccountName"] = config.serving_service_account
+    # The server never talks to the Kubernetes API: no token in the pod to steal (_pod_spec).
+    pod_spec = _pod_spec(spec, config, serving_container(spec, name, artifact_uri, config, expect))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -147,6 +151,108 @@ def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: st
     }
 
 
+def _pod_spec(spec: LLMEngineSpec, config: OperatorConfig, container: dict[str, Any]) -> dict[str, Any]:
+    pod_spec: dict[str, Any] = {
+        "terminationGracePeriodSeconds": grace_period(spec, config),
+        "securityContext": pod_security_context(),
+        "automountServiceAccountToken": False,
+        "containers": [container],
+        "volumes": [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}, *shm_volume(spec),
+                    *api_key_volume(spec)],
+        **gpu_placement(spec, config),
+    }
+    if config.serving_service_account:
+        pod_spec["serviceAccountName"] = config.serving_service_account
+    return pod_spec
+
+
+def worker_container(leader: dict[str, Any]) -> dict[str, Any]:
+    """A worker pod's container: the leader's command and artifact, no HTTP.
+
+    ``kiln serve`` reads ``LWS_WORKER_INDEX`` (set by the LWS controller): a non-zero index hosts its
+    ranks and only computes. Workers have no probes, on purpose: they open no port to probe, every
+    failure makes them exit (every wait on another rank is bounded; docs/multi-node.md), and an exited
+    container restarts, which with ``RecreateGroupOnPodRestart`` recreates the whole group. A worker
+    that hangs instead is found by the leader within the distributed timeout: the leader's ``/health``
+    turns 503 and it exits, which recreates the group the same way.
+    """
+    worker = {k: json.loads(json.dumps(v)) for k, v in leader.items()
+              if k not in ("ports", "readinessProbe", "livenessProbe", "startupProbe", "lifecycle")}
+    worker["name"] = "worker"
+    args = list(leader["args"])
+    if "--api-key-file" in args:  # workers serve no requests
+        i = args.index("--api-key-file")
+        del args[i:i + 2]
+    for flag in ("--host", "--port"):
+        i = args.index(flag)
+        del args[i:i + 2]
+    worker["args"] = args
+    worker["volumeMounts"] = [m for m in leader["volumeMounts"] if m["name"] != "api-key"]
+    return worker
+
+
+def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, version: str, artifact_uri: str,
+                            config: OperatorConfig, owner: dict[str, Any] | None = None,
+                            expect: ArtifactExpectation | None = None) -> dict[str, Any]:
+    """A ``leaderworkerset.x-k8s.io/v1`` LeaderWorkerSet: ``spec.serving.replicas`` groups of
+    ``replica_shape.pods`` pods, pod ``i`` holding ranks ``i*k .. i*k+k-1`` on its ``k`` GPUs.
+
+    - Readiness: the leader (worker index 0, rank 0) serves HTTP and its ``/ready`` is 503 until every
+      rank has joined, loaded its shard and run a warm-up step through every stage; a group is Ready,
+      and the Service routes to it, only when all of it is. Workers: see :func:`worker_container`.
+    - ``startupPolicy: LeaderCreated``: workers start with the leader. ``LeaderReady`` would deadlock:
+      the leader is not Ready until the workers have joined.
+    - ``restartPolicy: RecreateGroupOnPodRestart``: any pod or container restart recreates the group;
+      a broken collective group heals no other way.
+    - ``rolloutStrategy``: RollingUpdate, maxUnavailable 0, maxSurge 1: as the Deployment, a new group
+      must be Ready before an old one goes, so the old version serves until the new one can.
+    """
+    shape = spec.replica_shape
+    leader = serving_container(spec, name, artifact_uri, config, expect)
+    leader["ports"] = [*leader["ports"],
+                       {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}]
+    leader["env"] = [*leader["env"], {"name": "KILN_LEADER_PORT", "value": str(RENDEZVOUS_PORT)}]
+    worker = worker_container(leader)
+    annotations = {ANNOTATION_VERSION: version, "prometheus.io/scrape": "true",
+                   "prometheus.io/port": str(spec.serving.port), "prometheus.io/path": "/metrics"}
+    worker_pod = _pod_spec(spec, config, worker)
+    worker_pod["volumes"] = [v for v in worker_pod["volumes"] if v["name"] != "api-key"]
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": LWS_KIND,
+        "metadata": _meta(lws_name(name), namespace, serving_labels(name), owner,
+                          {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri}),
+        "spec": {
+            "replicas": spec.serving.replicas,
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {"type": "RollingUpdate",
+                                "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}},
+            "leaderWorkerTemplate": {
+                "size": shape.pods,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": {
+                    "metadata": {"labels": {**serving_labels(name), LABEL_VERSION: version},
+                                 "annotations": annotations},
+                    "spec": _pod_spec(spec, config, leader),
+                },
+                "workerTemplate": {
+                    "metadata": {"labels": {**worker_labels(name), LABEL_VERSION: version},
+                                 "annotations": {ANNOTATION_VERSION: version}},
+                    "spec": worker_pod,
+                },
+            },
+        },
+    }
+
+
+def build_workload(spec: LLMEngineSpec, name: str, namespace: str, version: str, artifact_uri: str,
+                   config: OperatorConfig, owner: dict[str, Any] | None = None,
+                   expect: ArtifactExpectation | None = None) -> dict[str, Any]:
+    """The serving workload of a spec: a LeaderWorkerSet when a replica spans pods, else a Deployment."""
+    build = build_leader_worker_set if spec.replica_shape.multi_node else build_deployment
+    return build(spec, name, namespace, version, artifact_uri, config, owner, expect)
+
+
 def build_service(spec: LLMEngineSpec, name: str, namespace: str,
                   owner: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
@@ -164,9 +270,20 @@ def build_service(spec: LLMEngineSpec, name: str, namespace: str,
 def build_pdb(spec: LLMEngineSpec, name: str, namespace: str,
               owner: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """maxUnavailable 1 from 2 replicas up; none for 0 or 1 replica, which could never be evicted
-    (a node drain would hang) and cannot stay available through one anyway."""
+    (a node drain would hang) and cannot stay available through one anyway.
+
+    A multi-node engine's budget covers every pod of every group: evicting one pod recreates its whole
+    group, whose pods are then all unavailable, so the budget admits the next eviction only once that
+    group is back: one group at a time."""
     if spec.serving.replicas < 2:
         return None
+    if spec.replica_shape.multi_node:
+        return {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _meta(name, namespace, serving_labels(name), owner),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": engine_pod_labels(name)}},
+        }
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",

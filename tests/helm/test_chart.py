@@ -123,6 +123,7 @@ NEEDED = {
     ("batch", "jobs"): {"get", "create", "patch"},
     ("", "pods"): {"get", "list"},
     ("apps", "deployments"): {"get", "create", "patch"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create"},

@@ -28,6 +28,8 @@ RESOURCES = {
     "serving.kiln.dev/v1alpha1/llmengines": ("LLMEngine", True, {"status"}, {"llme"}),
     "batch/v1/jobs": ("Job", True, {"status"}, set()),
     "apps/v1/deployments": ("Deployment", True, {"status", "scale"}, {"deploy"}),
+    # A CRD in a real cluster (kubernetes-sigs/lws); @pytest.mark.without_resources(...) leaves it out.
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": ("LeaderWorkerSet", True, {"status", "scale"}, {"lws"}),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, {"status"}, {"pdb"}),
     "v1/services": ("Service", True, {"status"}, {"svc"}),
     "v1/pods": ("Pod", True, {"status"}, {"po"}),
@@ -37,8 +39,21 @@ RESOURCES = {
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "without_resources(*names): the emulated cluster does not serve these "
+                                       "RESOURCES keys (e.g. a CRD that is not installed)")
+
+
+def declare(handler: StrictKubernetesEmulator, name: str) -> None:
+    """Serve RESOURCES[name] (at start, or later: installing a CRD on a running cluster)."""
+    kind, namespaced, subresources, short = RESOURCES[name]
+    handler.resources[name] = kmock.ResourceInfo(
+        kind=kind, namespaced=namespaced, subresources=subresources, shortnames=short, verbs=VERBS)
+
+
 class EmulatorThread:
-    def __init__(self) -> None:
+    def __init__(self, without: frozenset[str] = frozenset()) -> None:
+        self.without = without
         self.url = ""
         self.handler: StrictKubernetesEmulator | None = None
         self._ready = threading.Event()
@@ -53,9 +68,9 @@ class EmulatorThread:
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
         async with StrictKubernetesEmulator() as handler, kmock.Server(handler) as server:
-            for name, (kind, namespaced, subresources, short) in RESOURCES.items():
-                handler.resources[name] = kmock.ResourceInfo(
-                    kind=kind, namespaced=namespaced, subresources=subresources, shortnames=short, verbs=VERBS)
+            for name in RESOURCES:
+                if name not in self.without:
+                    declare(handler, name)
             self.handler, self.url = handler, str(server.url).rstrip("/")
             self._ready.set()
             await self._stop.wait()
@@ -115,8 +130,9 @@ def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "condi
 
 
 @pytest.fixture
-def emulator() -> Iterator[EmulatorThread]:
-    with EmulatorThread() as emu:
+def emulator(request: pytest.FixtureRequest) -> Iterator[EmulatorThread]:
+    marker = request.node.get_closest_marker("without_resources")
+    with EmulatorThread(frozenset(marker.args) if marker else frozenset()) as emu:
         yield emu
 
 

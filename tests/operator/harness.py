@@ -2,7 +2,9 @@
 
 Tests play the cluster's other actors: the builder (publish an artifact with
 ArtifactStore.publish, as `kiln build` would, then mark the Job complete or
-failed) and the Deployment controller (mark replicas updated and available).
+failed), the Deployment controller (mark replicas updated and available) and the
+LeaderWorkerSet controller (groups updated and ready, or a group recreated after a
+pod failure, as kubernetes-sigs/lws v0.10 reports it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ NS = "ml"
 ENGINES = f"/apis/serving.kiln.dev/v1alpha1/namespaces/{NS}/llmengines"
 JOBS = f"/apis/batch/v1/namespaces/{NS}/jobs"
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
+LWSS = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NS}/leaderworkersets"
 SERVICES = f"/api/v1/namespaces/{NS}/services"
 PDBS = f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets"
 PODS = f"/api/v1/namespaces/{NS}/pods"
@@ -158,3 +161,33 @@ class Cluster:
     def event_reasons(self, name: str) -> list[str]:
         return [e.get("reason") for e in self.kube.list(EVENTS)
                 if (e.get("involvedObject") or {}).get("name") == name]
+
+    def lws(self, name: str) -> dict[str, Any] | None:
+        """The LeaderWorkerSet of engine ``name``."""
+        from kiln.operator.naming import lws_name
+
+        return self.kube.get(f"{LWSS}/{lws_name(name)}")
+
+    def lws_version(self, name: str) -> str | None:
+        obj = self.lws(name)
+        if obj is None:
+            return None
+        return obj["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"][VERSION_LABEL]
+
+    def lws_status(self, name: str, ready: int | None = None, **extra: Any) -> None:
+        """Be the LWS controller: every group of the current template is updated; ``ready`` of them are ready
+        (default: all) with the conditions kubernetes-sigs/lws sets."""
+        obj = self.lws(name)
+        assert obj is not None
+        n = obj["spec"]["replicas"]
+        ready = n if ready is None else ready
+        available = ready == n
+        self.kube.patch(f"{LWSS}/{obj['metadata']['name']}/status", {"status": {
+            "observedGeneration": obj["metadata"]["generation"], "replicas": n, "updatedReplicas": n,
+            "readyReplicas": ready, "conditions": [
+                {"type": "Available", "status": "True" if available else "False",
+                 "reason": "AllGroupsReady" if available else "GroupsNotReady", "message": "",
+                 "lastTransitionTime": "2026-01-01T00:00:00Z"},
+                {"type": "Progressing", "status": "False" if available else "True",
+                 "reason": "GroupsProgressing", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+            **extra}})

@@ -14,6 +14,8 @@ correctness depends on API-server behaviour it lacks, so this subclass adds:
   ``status`` is dropped on create;
 - ``labelSelector`` (=, ==, !=, exists, !exists, in, notin) and ``fieldSelector``
   (metadata.name, metadata.namespace) on list and watch; watches end after ``timeoutSeconds``;
+- 404 ``NotFound`` for any request on a resource the emulator does not serve (a CRD that is not
+  installed), where stock KMock would store the object anyway;
 - ``/api/v1/namespaces`` (kmock 0.8's path parser fails on it): lists the namespaces that
   hold objects plus ``extra_namespaces``; a watch on it stays open until ``timeoutSeconds``;
 - finalizers (deletionTimestamp until the last one is removed) and the garbage collector:
@@ -147,6 +149,9 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         res = request.resource
         if res is None or res.plural is None:
             return await super()._handle(request)
+        if res not in self.resources:
+            raise kmock.KubernetesError(status=404, reason="NotFound",
+                                        message="the server could not find the requested resource", details={})
         method = request.method.value if request.method else ""
         if method == "POST" and request.name is None:
             return await self._create(request)

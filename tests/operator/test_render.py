@@ -16,9 +16,11 @@ from kiln.operator.workloads import (
     build_deployment,
     build_pdb,
     build_service,
+    build_workload,
     endpoint,
     grace_period,
 )
+from test_render_lws import validate_lws
 
 from kiln.api import GPU_SKUS, LLMEngineSpec
 from kiln.artifact_manifest import BUILT_BY_ENV, EXPECT_ENV
@@ -254,8 +256,15 @@ def test_cluster_examples_pass_the_operator_and_render_valid_objects(path: Path)
     version = engine_version(spec)
     name, ns = engine.metadata.name, engine.metadata.namespace or "default"
     validate(build_job(spec, name, ns, version, CONFIG))
-    dep = validate(build_deployment(spec, name, ns, version, f"s3://b/engines/{version}", CONFIG, OWNER))
-    assert container(dep)["resources"]["limits"]["nvidia.com/gpu"] == spec.tensor_parallel
+    workload = build_workload(spec, name, ns, version, f"s3://b/engines/{version}", CONFIG, OWNER)
+    if spec.replica_shape.multi_node:  # tests/operator/test_render_lws.py: the LWS CRD's schema
+        validate_lws(workload)
+        containers = [t["spec"]["containers"][0] for t in workload["spec"]["leaderWorkerTemplate"].values()
+                      if isinstance(t, dict)]
+    else:
+        containers = [container(validate(workload))]
+    for c in containers:
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == spec.replica_shape.ranks_per_pod
     validate(build_service(spec, name, ns, OWNER))
     if (pdb := build_pdb(spec, name, ns, OWNER)) is not None:
         validate(pdb)

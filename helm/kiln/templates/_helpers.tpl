@@ -57,6 +57,11 @@ app.kubernetes.io/component: operator
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, create, patch]
+# Engines whose replica spans nodes (LeaderWorkerSet, installed separately: docs/multi-node-cluster.md).
+# delete: when an engine's replica fits one pod again, its Deployment takes over and the LWS goes.
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, create, patch, delete]
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create, patch]

@@ -1,0 +1,93 @@
+"""``kiln render -f MANIFEST``: the Kubernetes objects the operator would create for a manifest, as YAML.
+
+For GitOps users who review diffs, and for tests: the same validation
+(:func:`kiln.operator.validation.validate_spec`) and the same renderers the operator
+runs (build Job, Deployment or LeaderWorkerSet, Service, PodDisruptionBudget), so
+what is printed is what the operator applies, except for three things only a
+cluster knows: ownerReferences (the LLMEngine's uid), the ``rendered-hash``
+annotation, and the build the operator verified (``$KILN_EXPECT_ARTIFACT``, known
+once the artifact is published). The operator's settings come from the same
+``KILN_*`` variables the chart sets (:class:`kiln.operator.settings.OperatorConfig`);
+``--store`` overrides ``KILN_STORE_URI``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+from kiln.operator.jobs import build_job
+from kiln.operator.settings import ConfigError, OperatorConfig
+from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
+from kiln.operator.workloads import build_pdb, build_service, build_workload
+
+from kiln.api import LLMEngine
+from kiln.envelope import engine_version
+from kiln.manifest import ManifestError, load_manifest
+
+EXIT_INVALID_SPEC = 2
+PLACEHOLDER_STORE = "s3://kiln-engines"
+
+
+def artifact_uri(config: OperatorConfig, version: str) -> str:
+    return f"{config.store_uri.rstrip('/')}/engines/{version}"
+
+
+def render_objects(engine: LLMEngine, config: OperatorConfig, namespace: str | None = None) -> list[dict[str, Any]]:
+    """Build Job, serving workload, Service and (from 2 replicas) PDB; :class:`InvalidSpec` as the operator."""
+    name = engine.metadata.name
+    ns = namespace or engine.metadata.namespace or "default"
+    validate_name(name)
+    spec = validate_spec(engine.spec.to_k8s(), config)
+    version = engine_version(spec)
+    objects = [build_job(spec, name, ns, version, config),
+               build_workload(spec, name, ns, version, artifact_uri(config, version), config),
+               build_service(spec, name, ns)]
+    if (pdb := build_pdb(spec, name, ns)) is not None:
+        objects.append(pdb)
+    # Plain data (no shared sub-objects, so the YAML has no anchors).
+    return [json.loads(json.dumps(obj)) for obj in objects]
+
+
+def to_yaml(objects: list[dict[str, Any]]) -> str:
+    return "---\n".join(yaml.safe_dump(obj, sort_keys=False, width=120) for obj in objects)
+
+
+@click.command()
+@click.option("-f", "--file", "manifest", required=True, metavar="MANIFEST",
+              help="LLMEngine manifest (YAML or JSON); '-' reads stdin.")
+@click.option("--store", default=None, metavar="URI",
+              help=f"Artifact store the operator uses (default: $KILN_STORE_URI, else {PLACEHOLDER_STORE}).")
+@click.option("-n", "--namespace", default=None, help="Namespace (default: the manifest's, else 'default').")
+def render(manifest: str, store: str | None, namespace: str | None) -> None:
+    """Print the Kubernetes objects the operator would create for a manifest, as YAML.
+
+    Build Job, Deployment (or LeaderWorkerSet when a replica spans nodes), Service and
+    PodDisruptionBudget, from the operator's own renderers and settings ($KILN_*).
+    Exit status 2 (one line per problem on stderr) when the operator would refuse the manifest.
+    """
+    where = "stdin" if manifest == "-" else manifest
+    try:
+        engine = load_manifest(sys.stdin.read() if manifest == "-" else Path(manifest))
+    except ManifestError as exc:
+        click.echo(f"error: invalid LLMEngine manifest {where}:", err=True)
+        for line in exc.problems:
+            click.echo(f"  {line}", err=True)
+        sys.exit(EXIT_INVALID_SPEC)
+    try:
+        config = OperatorConfig.from_env()
+    except ConfigError as exc:
+        raise click.ClickException(f"operator settings: {exc}") from None
+    config = dataclasses.replace(config, store_uri=store or config.store_uri or PLACEHOLDER_STORE)
+    try:
+        objects = render_objects(engine, config, namespace)
+    except InvalidSpec as exc:
+        click.echo(f"error: the operator would refuse {where}:", err=True)
+        click.echo(f"  {exc}", err=True)
+        sys.exit(EXIT_INVALID_SPEC)
+    click.echo(to_yaml(objects), nl=False)
