@@ -5,6 +5,9 @@ so a spec that can never work fails in seconds with the field and the numbers:
 
 - the architecture is one the runtime implements;
 - ``tensorParallel`` divides the attention heads, the KV heads and the MLP width;
+- ``pipelineParallel`` is at most the number of layers (every stage gets at least one; stage
+  ``s`` runs ``L // P`` layers, the first ``L % P`` one more), and a rank's weights and KV
+  cover only the layers of its stage (the largest stage is what must fit);
 - ``maxSeqLen`` is within the model's positions (times the rope scaling factor for
   rope types that extend the context: linear, dynamic, yarn, longrope; llama3-type
   configs already state the extended ``max_position_embeddings``);
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 from dataclasses import asdict, dataclass
@@ -133,20 +137,30 @@ def model_facts(checkpoint_dir: Path) -> ModelFacts:
     )
 
 
+def pipeline_parallel(spec) -> int:
+    return int(getattr(spec, "pipeline_parallel", None) or 1)
+
+
+def layers_per_stage(facts: ModelFacts, spec) -> int:
+    """Layers of the largest pipeline stage (the runtime's split: the first ``L % P`` stages get one more)."""
+    return math.ceil(facts.num_layers / pipeline_parallel(spec))
+
+
 def kv_dtype_name(spec) -> str:
     return spec.dtype if spec.kv_cache_dtype in (None, "auto") else spec.kv_cache_dtype
 
 
 def kv_bytes_per_token(facts: ModelFacts, spec) -> int:
-    """K and V for every layer, for the KV heads one rank holds."""
+    """K and V for every layer of the rank's (largest) stage, for the KV heads one rank holds."""
     kv_heads_per_rank = facts.num_key_value_heads // spec.tensor_parallel
-    return 2 * facts.num_layers * kv_heads_per_rank * facts.head_dim * DTYPE_BYTES[kv_dtype_name(spec)]
+    return 2 * layers_per_stage(facts, spec) * kv_heads_per_rank * facts.head_dim * DTYPE_BYTES[kv_dtype_name(spec)]
 
 
 def weight_bytes_per_rank(facts: ModelFacts, spec) -> int:
-    """Estimated bytes of one rank's weights: quantizable linears split across ranks
-    (1 byte per weight + a float32 scale per output channel when quantized), the rest
-    (embeddings, lm_head, norms) counted whole on every rank, which over-estimates."""
+    """Estimated bytes of one rank's weights: quantizable linears split across TP ranks and, by layer,
+    across pipeline stages (the largest stage's share; 1 byte per weight + a float32 scale per output
+    channel when quantized), the rest (embeddings, lm_head, norms) counted whole on every rank, which
+    over-estimates."""
     tp = spec.tensor_parallel
     dtype_bytes = DTYPE_BYTES[spec.dtype]
     rest = (facts.num_params - facts.num_quantizable_params) * dtype_bytes
@@ -154,7 +168,8 @@ def weight_bytes_per_rank(facts: ModelFacts, spec) -> int:
         linear = facts.num_quantizable_params + 4 * facts.num_quantizable_rows
     else:
         linear = facts.num_quantizable_params * dtype_bytes
-    return linear // tp + rest
+    stage_share = layers_per_stage(facts, spec) / max(1, facts.num_layers)
+    return int(linear * stage_share) // tp + rest
 
 
 def device_memory_bytes(spec) -> int:
@@ -203,6 +218,10 @@ def check_envelope(spec, facts: ModelFacts) -> dict[str, Any]:
         if value % tp:
             raise InvalidSpec(f"spec.tensorParallel: {tp} does not divide the model's {name} ({value}); "
                               f"choose a tensorParallel that divides {value}")
+    pp = pipeline_parallel(spec)
+    if pp > facts.num_layers:
+        raise InvalidSpec(f"spec.pipelineParallel: {pp} stages exceed the model's {facts.num_layers} layers "
+                          f"(num_hidden_layers); set pipelineParallel <= {facts.num_layers}")
     if spec.max_seq_len > facts.max_positions:
         how = (f"max_position_embeddings {facts.max_position_embeddings} with {facts.rope_type} rope scaling"
                if facts.max_positions != facts.max_position_embeddings
@@ -228,9 +247,9 @@ def check_envelope(spec, facts: ModelFacts) -> dict[str, Any]:
         raise InvalidSpec(
             f"spec.gpu: {spec.gpu} ({total / gib:.1f} GiB x kv.memoryFraction {spec.kv.memory_fraction} = "
             f"{budget / gib:.2f} GiB) cannot hold this model's weights per rank ({weights / gib:.2f} GiB, "
-            f"{spec.dtype}, quantization {spec.quantization}, tensorParallel {tp}) + activations "
+            f"{spec.dtype}, quantization {spec.quantization}, tensorParallel {tp}, pipelineParallel {pp}) + activations "
             f"({activations / gib:.2f} GiB) + KV for maxBatchSize {spec.max_batch_size} requests of "
             f"{typical_request_len(spec)} tokens ({kv_needed / gib:.2f} GiB); use a larger GPU, more "
-            "tensorParallel, quantization, or a smaller maxBatchSize/maxSeqLen"
+            "tensorParallel or pipelineParallel, quantization, or a smaller maxBatchSize/maxSeqLen"
         )
     return estimate
