@@ -51,6 +51,9 @@ def _resolve_device(device: str) -> str:
               help="Run every system N times round-robin; the table shows medians.")
 @click.option("--systems", default=",".join(SYSTEMS), show_default=True, help="Comma-separated systems to run; also kiln-pp2 / kiln-pp2-nomb: two pipeline stages "
                    "in two processes with / without micro-batches in flight (--threads each).")
+@click.option("--baselines", default="", help="Comma-separated peer engines to add as systems, each in its own "
+              "environment under .kiln-work/baselines (created on first use): openvino (OpenVINO GenAI "
+              "ContinuousBatchingPipeline). Not part of make test.")
 @click.option("--max-batch-size", type=int, default=64, show_default=True,
               help="kiln max_batch_size and transformers' max_requests_per_batch.")
 @click.option("--max-num-tokens", type=int, default=2048, show_default=True,
@@ -61,7 +64,7 @@ def _resolve_device(device: str) -> str:
 @click.option("--quick", is_flag=True, help="A small run on a tiny model, for smoke tests (seconds, not minutes).")
 @click.option("--strict", is_flag=True, help="Exit 1 if the equality check fails.")
 def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
-          max_batch_size, max_num_tokens, check_requests, json_out, quick, strict) -> None:
+          baselines, max_batch_size, max_num_tokens, check_requests, json_out, quick, strict) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     from kiln.engine.bench import report
     from kiln.engine.bench.model import DEFAULT_PRESET, QUICK_PRESET, ensure_model, model_facts
@@ -74,6 +77,16 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     if unknown or not chosen:
         raise click.UsageError(f"--systems: unknown {', '.join(unknown) or '(none given)'}; "
                                f"choose from {', '.join(ALL_SYSTEMS)}")
+    from kiln.engine.bench import peers
+
+    peer_names = [b.strip() for b in baselines.split(",") if b.strip()]
+    bad = [b for b in peer_names if b not in peers.PEERS]
+    if bad:
+        raise click.UsageError(f"--baselines: unknown {', '.join(bad)}; choose from {', '.join(peers.PEERS)} "
+                               "(vLLM's CPU backend is not wired in yet)")
+    if peer_names and device != "cpu" and device != "auto":
+        raise click.UsageError("--baselines: the peer baselines run on CPU only; use --device cpu")
+    chosen += [b for b in peer_names if b not in chosen]
     preset = preset or (QUICK_PRESET if quick else DEFAULT_PRESET)
     if preset not in PRESETS:
         raise click.UsageError(f"--preset {preset!r} is unknown; choose from {', '.join(sorted(PRESETS))}")
@@ -106,11 +119,18 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     facts = model_facts(model_dir)
+    peer_models = {}
+    for name in peer_names:
+        try:
+            peer_models[name] = str(peers.ensure_model(name, model_dir, dtype, say=log))
+        except RuntimeError as exc:
+            click.echo(f"kiln bench: the {name} baseline: {exc}", err=True)
+            sys.exit(1)
     workload = make_workload(spec, facts["vocab_size"], set(facts["special_ids"]))
     cfg = SuiteConfig(model_dir=model_dir, dtype=dtype, threads=threads, device=device, systems=chosen, repeats=repeats,
                       max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, check_requests=check_requests,
                       check_max_tokens=16 if quick else 32, ceiling_buffer_mib=64 if quick else 512, log=log,
-                      partial_json=Path(json_out) if json_out and json_out != "-" else None)
+                      partial_json=Path(json_out) if json_out and json_out != "-" else None, peer_models=peer_models)
     machine = report.machine_info(threads)  # before the run: the commit benchmarked, not the one after
     try:
         results = run_suite(cfg, workload, facts)

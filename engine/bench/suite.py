@@ -20,6 +20,8 @@ from math import ceil
 from pathlib import Path
 
 from kiln.engine.bench import ceiling as ceiling_mod
+from kiln.engine.bench import peers
+from kiln.engine.bench.peers import PEERS
 from kiln.engine.bench.records import RunRecord, common_prefix_len, figures, median_figures
 from kiln.engine.bench.workload import Request, Workload
 
@@ -48,6 +50,7 @@ class SuiteConfig:
     child_timeout_s: float = 3600.0
     ceiling_buffer_mib: int = 512
     partial_json: Path | None = None  # rewritten after every system run, so a killed bench keeps its runs
+    peer_models: dict[str, str] = field(default_factory=dict)  # peer baseline -> its converted model (peers.py)
     log: object = field(default=None, repr=False)
 
     def say(self, msg: str) -> None:
@@ -66,6 +69,7 @@ def _job(cfg: SuiteConfig, system: str, workload_path: Path, workload: Workload,
         "threads": cfg.threads, "max_batch_size": cfg.max_batch_size, "max_num_tokens": cfg.max_num_tokens,
         "max_seq_len": None, "num_kv_blocks": kv_blocks_for(workload), "pad_id": 0, "device": cfg.device,
         "engine_extra": PIPELINE_SYSTEMS.get(system, {}),
+        "peer_model_dir": cfg.peer_models.get(system),
     }
 
 
@@ -96,11 +100,14 @@ def run_child(job: dict, workdir: Path, timeout: float) -> RunRecord:
     # continuous-batching loop) then get the same OpenMP pool size as the main thread.
     env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"]), "MKL_NUM_THREADS": str(job["threads"]),
            "TOKENIZERS_PARALLELISM": "false"}
-    if (workdir / "src").is_dir():
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workdir / "src"), env.get("PYTHONPATH")]))
+    if job["system"] in PEERS:  # its own environment and runner script, nothing of kiln
+        cmd = [str(peers.python_of(job["system"])), str(peers.script_of(job["system"])), str(job_path), str(out_path)]
+    else:
+        if (workdir / "src").is_dir():
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workdir / "src"), env.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", "kiln.engine.bench.child", str(job_path), str(out_path)]
     proc = subprocess.run(
-        [sys.executable, "-m", "kiln.engine.bench.child", str(job_path), str(out_path)],
-        capture_output=True, text=True, timeout=timeout, env=env,
+        cmd, capture_output=True, text=True, timeout=timeout, env=env,
         cwd=workdir,  # not the repo root: `-m` puts the cwd first on sys.path, ahead of the snapshot
     )
     if proc.returncode != 0 or not out_path.is_file():
