@@ -130,6 +130,10 @@ CEL_SAMPLES = [
     {"model": {"source": "pvc://claim/m", "credentialsSecret": "tok"}},
     {"model": {"source": "s3://bucket/m", "credentialsSecret": "tok"}},
     {"model": {"source": "hf://org/m", "credentialsSecret": "tok"}},
+    {"serving": {"autoscaling": {"maxReplicas": 3}}},
+    {"serving": {"autoscaling": {"minReplicas": 0, "maxReplicas": 1}}},
+    {"serving": {"autoscaling": {"minReplicas": 4, "maxReplicas": 3}}},
+    {"serving": {"autoscaling": {"minReplicas": 3, "maxReplicas": 3}, "rolloutStrategy": "RecreateOneAtATime"}},
 ]
 
 
