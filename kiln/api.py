@@ -47,7 +47,7 @@ __all__ = [
     "BuildOptions", "Condition", "GPUSpec", "HistoryEntry", "KVOptions", "LLMEngine", "LLMEngineSpec",
     "LLMEngineStatus", "Metadata", "ModelSource", "Phase", "QualityGate",
     "ServingOptions",
-    "AutoscalingOptions", "RoutingOptions",
+    "AutoscalingOptions", "ReplicaStatus", "RoutingOptions",
 ]
 
 
@@ -461,6 +461,20 @@ class HistoryEntry(_Model):
 HISTORY_LIMIT = 10
 
 
+class ReplicaStatus(_Model):
+    """``status.replicas`` (scale out): the autoscaler writes desired, the Deployment controller the rest."""
+
+    desired: int = Field(default=0, ge=0, description="Pods wanted now (the Deployment's spec.replicas).")
+    current: int = Field(default=0, ge=0, description="Pods that exist, of any version.")
+    ready: int = Field(default=0, ge=0, description="Pods that are Ready.")
+    updated: int = Field(default=0, ge=0, description="Pods of the current template (the wanted version).")
+    owner: str = Field(
+        default="operator",
+        description="Who sets desired: operator (spec.serving.replicas), ScaledObject/<name> (KEDA) or "
+        "HorizontalPodAutoscaler/<name>.",
+    )
+
+
 class LLMEngineStatus(_Model):
     # The operator writes status, not users; keys another writer left (e.g. kopf's own
     # `status.kopf` on a cluster that kept it) must not make the object unreadable.
@@ -483,6 +497,11 @@ class LLMEngineStatus(_Model):
     history: list[HistoryEntry] = Field(
         default_factory=list, max_length=HISTORY_LIMIT,
         description=f"Most recent built versions, newest first (at most {HISTORY_LIMIT}).",
+    )
+
+    # -- scale out (docs/scale-out.md) --
+    replicas: ReplicaStatus | None = Field(
+        default=None, description="Serving pods: what the replica count's owner wants against what runs.",
     )
 
     def with_history(self, entry: HistoryEntry) -> list[HistoryEntry]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kiln.operator.autoscaling import REPLICAS_OWNER, autoscaled, floor_replicas, initial_replicas
 from kiln.operator.jobs import (
     container_security_context,
     gpu_placement,
@@ -30,6 +31,7 @@ from kiln.operator.naming import (
     service_name,
     serving_labels,
 )
+from kiln.operator.scheduling import rollout_strategy
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import serving_image
 
@@ -125,17 +127,18 @@ def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: st
     }
     if config.serving_service_account:
         pod_spec["serviceAccountName"] = config.serving_service_account
+    owner_of_replicas = {REPLICAS_OWNER: "autoscaler"} if autoscaled(spec) else {}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(name, namespace, labels, owner,
-                          {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri}),
+                          {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri, **owner_of_replicas}),
         "spec": {
-            "replicas": spec.serving.replicas,
+            "replicas": initial_replicas(spec),  # autoscaled: create only (reconcile.apply), then the scaler's
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": config.startup_timeout_seconds + 120,
             "selector": {"matchLabels": selector_labels(name)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": rollout_strategy(spec),
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": {
                     ANNOTATION_VERSION: version,
@@ -165,7 +168,7 @@ def build_pdb(spec: LLMEngineSpec, name: str, namespace: str,
               owner: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """maxUnavailable 1 from 2 replicas up; none for 0 or 1 replica, which could never be evicted
     (a node drain would hang) and cannot stay available through one anyway."""
-    if spec.serving.replicas < 2:
+    if floor_replicas(spec) < 2:  # autoscaled: the scaler's minReplicas
         return None
     return {
         "apiVersion": "policy/v1",
