@@ -153,3 +153,5 @@ def test_a_resource_type_the_server_does_not_serve_is_404(kube: Kube, emulator):
     resp = kube.call("POST", missing, {"metadata": {"name": "w"}}, ok=(404,), content_type="application/json")
     assert resp.status_code == 404 and resp.json()["reason"] == "NotFound"
     assert kube.get(f"{missing}/w") is None and kube.delete(f"{missing}/w").status_code == 404
+    emulator.handler.uninstalled.add("inferencepools")  # the CRD removed: its type is gone too
+    assert kube.call("GET", f"{pools}/p", ok=(404,)).json()["message"] == "the server could not find the requested resource"
