@@ -53,6 +53,7 @@ __all__ = [
     "BuildOptions", "Condition", "GPUSpec", "HistoryEntry", "KVOptions", "LLMEngine", "LLMEngineSpec",
     "LLMEngineStatus", "Metadata", "ModelSource", "Phase", "QualityGate",
     "ReplicaShape", "ServingOptions", "gpus_per_node", "replica_shape", "shape_problem",
+    "AutoscalingOptions", "ReplicaStatus", "RoutingOptions",
 ]
 
 
@@ -197,6 +198,72 @@ class KVOptions(_Model):
     )
 
 
+# ---- Scale out (issue 14): autoscaling, routing, rollout strategy; see docs/scale-out.md ----------------------
+# Serving fields only: none of them is in the build envelope (kiln.envelope), so no engine version changes.
+
+RolloutStrategy = Literal["Surge", "RecreateOneAtATime"]
+EndpointPickerFailureMode = Literal["FailOpen", "FailClose"]
+
+
+class AutoscalingOptions(_Model):
+    min_replicas: int = Field(
+        default=1, ge=0, le=1000,
+        description="Fewest serving pods. 0 scales to zero when idle: needs KEDA and its HTTP add-on, whose "
+        "interceptor holds requests while a pod starts (docs/scale-out.md).",
+    )
+    max_replicas: int = Field(ge=1, le=1000, description="Most serving pods the autoscaler may run.")
+    target_waiting_requests: int = Field(
+        default=4, ge=1, le=100000,
+        description="Requests waiting in the engine's queue (kiln:num_requests_waiting) per pod that the "
+        "autoscaler aims for; more waiting adds pods.",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300, ge=0, le=3600,
+        description="How long load must stay low before pods are removed (the HPA's scaleDown stabilization "
+        "window; with KEDA also the idle time before scaling to zero).",
+    )
+
+
+class RoutingOptions(_Model):
+    inference_pool: bool = Field(
+        default=False,
+        description="Render a Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) over "
+        "this engine's pods, for an endpoint picker that scores queue depth, KV-cache use and prefix hits.",
+    )
+    endpoint_picker: str | None = Field(
+        default=None, max_length=63, pattern=DNS1123_LABEL,
+        description="Service of the endpoint picker (EPP) serving this pool; unset means <engine name>-epp.",
+    )
+    endpoint_picker_port: int = Field(
+        default=9002, ge=1, le=65535, description="gRPC (ext-proc) port of the endpoint picker's Service.",
+    )
+    endpoint_picker_failure_mode: EndpointPickerFailureMode = Field(
+        default="FailClose",
+        description="What the gateway does when the endpoint picker does not answer: FailClose rejects the "
+        "request, FailOpen forwards it to any pod of the pool.",
+    )
+
+
+# (python check name, CEL rule on spec, message, fieldPath), joined to CROSS_FIELD_RULES below.
+SCALE_OUT_RULES: tuple[tuple[str, str, str, str], ...] = (
+    ("autoscaling_bounds",
+     "!has(self.serving.autoscaling) || self.serving.autoscaling.minReplicas <= self.serving.autoscaling.maxReplicas",
+     "spec.serving.autoscaling.minReplicas must be at most maxReplicas; lower minReplicas or raise maxReplicas",
+     ".serving.autoscaling.minReplicas"),
+)
+
+
+def _scale_out_problems(spec: LLMEngineSpec) -> list[str]:
+    """The Python twins of SCALE_OUT_RULES."""
+    scaling = spec.serving.autoscaling
+    if scaling is not None and scaling.min_replicas > scaling.max_replicas:
+        return [f"serving.autoscaling.minReplicas: must be at most maxReplicas ({scaling.min_replicas} > "
+                f"{scaling.max_replicas}); lower minReplicas or raise maxReplicas"]
+    return []
+
+# ---- end of scale out types ---------------------------------------------------------------------------------
+
+
 class ServingOptions(_Model):
     replicas: int = Field(
         default=1, ge=0, le=1000,
@@ -223,6 +290,22 @@ class ServingOptions(_Model):
     drain_timeout_seconds: int = Field(
         default=30, ge=0, le=3600,
         description="On shutdown, how long in-flight requests may finish before being aborted.",
+    )
+    # -- scale out (docs/scale-out.md) --
+    autoscaling: AutoscalingOptions | None = Field(
+        default=None,
+        description="Scale pods with the queue (KEDA ScaledObject, or an HPA where the chart says so); when set, "
+        "the autoscaler owns the replica count and spec.serving.replicas is not used.",
+    )
+    routing: RoutingOptions = Field(
+        default_factory=RoutingOptions, json_schema_extra={"default": {}},
+        description="Routing across replicas (Gateway API Inference Extension).",
+    )
+    rollout_strategy: RolloutStrategy = Field(
+        default="Surge",
+        description="Surge: a new pod starts beside the old ones, which serve until it is Ready (needs one spare "
+        "pod's GPUs). RecreateOneAtATime: an old pod stops before its replacement starts (no spare GPU needed; "
+        "one pod less serves during each step, and a single replica means downtime).",
     )
 
     @field_validator("resources")
@@ -361,6 +444,8 @@ CROSS_FIELD_RULES: tuple[tuple[str, str, str, str], ...] = (
     SHAPE_RULE,
 )
 
+CROSS_FIELD_RULES += SCALE_OUT_RULES  # scale out (issue 14)
+
 
 class LLMEngineSpec(_Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
@@ -435,6 +520,7 @@ class LLMEngineSpec(_Model):
             problems.append("model.file: only used by hf:// sources; name the .gguf file in model.source instead")
         if shape := shape_problem(self.gpu, self.tensor_parallel, self.pipeline_parallel, self.gpus_per_node):
             problems.append(shape)
+        problems += _scale_out_problems(self)  # scale out (issue 14)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -483,6 +569,20 @@ class HistoryEntry(_Model):
 HISTORY_LIMIT = 10
 
 
+class ReplicaStatus(_Model):
+    """``status.replicas`` (scale out): the autoscaler writes desired, the Deployment controller the rest."""
+
+    desired: int = Field(default=0, ge=0, description="Pods wanted now (the Deployment's spec.replicas).")
+    current: int = Field(default=0, ge=0, description="Pods that exist, of any version.")
+    ready: int = Field(default=0, ge=0, description="Pods that are Ready.")
+    updated: int = Field(default=0, ge=0, description="Pods of the current template (the wanted version).")
+    owner: str = Field(
+        default="operator",
+        description="Who sets desired: operator (spec.serving.replicas), ScaledObject/<name> (KEDA) or "
+        "HorizontalPodAutoscaler/<name>.",
+    )
+
+
 class LLMEngineStatus(_Model):
     # The operator writes status, not users; keys another writer left (e.g. kopf's own
     # `status.kopf` on a cluster that kept it) must not make the object unreadable.
@@ -505,6 +605,11 @@ class LLMEngineStatus(_Model):
     history: list[HistoryEntry] = Field(
         default_factory=list, max_length=HISTORY_LIMIT,
         description=f"Most recent built versions, newest first (at most {HISTORY_LIMIT}).",
+    )
+
+    # -- scale out (docs/scale-out.md) --
+    replicas: ReplicaStatus | None = Field(
+        default=None, description="Serving pods: what the replica count's owner wants against what runs.",
     )
 
     def with_history(self, entry: HistoryEntry) -> list[HistoryEntry]:

@@ -66,6 +66,11 @@ def engine_name_problem(name: str) -> str | None:
 MAX_LWS_NAME = 40
 
 
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_PLURAL = "leaderworkersets"
+
+
 def lws_name(engine: str) -> str:
     """The LeaderWorkerSet of a multi-node engine. Not the engine's own name: the LWS controller creates a
     headless Service named after the LWS (the pods' DNS subdomain), and ``service_name(engine)`` is kiln's."""

@@ -29,10 +29,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.operator import metrics
+from kiln.operator import metrics, scale_out
+from kiln.operator.autoscaling import REPLICAS_OWNER
 from kiln.operator.jobs import build_job
 from kiln.operator.kube import ApiError, KubeClient, api_path
-from kiln.operator.naming import job_name, lws_name, owner_reference
+from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, lws_name, owner_reference
+from kiln.operator.scheduling import new_pods_selector, unschedulable
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import (
     JobState,
@@ -49,8 +51,6 @@ from kiln.operator.status import (
 from kiln.operator.trust import artifact_problem, expectation
 from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
 from kiln.operator.workloads import (
-    LWS_API_VERSION,
-    LWS_PLURAL,
     build_pdb,
     build_service,
     build_workload,
@@ -142,21 +142,28 @@ async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Log
         if is_new and old.get("phase") != "Building":
             metrics.CACHE_HITS.inc()
         owner = owner_reference(body)
-        await apply(ctx.kube, build_workload(spec, name, namespace, version, uri, ctx.config, owner,
-                                             expectation(manifest)))
-        await apply(ctx.kube, build_service(spec, name, namespace, owner))
-        pdb = build_pdb(spec, name, namespace, owner)
-        if pdb is not None:
-            await apply(ctx.kube, pdb)
-        else:
-            await ctx.kube.delete(api_path("policy/v1", "poddisruptionbudgets", namespace, name))
+        # Scale out first: a missing prerequisite (CRD) leaves the workload as it is (the old version serves).
+        _, missing = await scale_out.converge(ctx.kube, apply, spec, name, namespace, ctx.config, owner)
+        if missing is None:
+            await apply(ctx.kube, build_workload(spec, name, namespace, version, uri, ctx.config, owner,
+                                                 expectation(manifest)))
+            await apply(ctx.kube, build_service(spec, name, namespace, owner))
+            pdb = build_pdb(spec, name, namespace, owner)
+            if pdb is not None:
+                await apply(ctx.kube, pdb)
+            else:
+                await ctx.kube.delete(api_path("policy/v1", "poddisruptionbudgets", namespace, name))
         deployment, lws = await live_workloads(ctx, namespace, name)
-        await retire_other_workload(ctx, spec, name, namespace, deployment, lws, logger)
+        if missing is None:
+            await retire_other_workload(ctx, spec, name, namespace, deployment, lws, logger)
         history = [e for e in base["history"] if e.get("engineVersion") != version]
         entry = {"engineVersion": version, "artifactURI": uri,
                  "builtAt": manifest.created_at.isoformat().replace("+00:00", "Z")}
         base["history"] = ([entry, *history] if len(history) == len(base["history"]) else base["history"])[:10]
-        obs = Observation(**base, built=True, serving=serving_now(spec, deployment, lws, old.get("servingVersion")))
+        serving = serving_now(spec, deployment, lws, old.get("servingVersion"))
+        workload = lws if spec.replica_shape.pods > 1 else deployment  # what the scaler scales
+        obs = Observation(**base, built=True, serving=serving, prerequisite=missing,
+                          **await scale_out_observation(ctx, spec, name, namespace, version, workload, serving))
         _count_build_outcome(old, JobState("succeeded"), await ctx.kube.get(
             api_path("batch/v1", "jobs", namespace, job_name(version))) if old.get("phase") == "Building" else None)
     return await _finish(ctx, body, old, compose_status(obs))
@@ -283,7 +290,7 @@ async def apply(kube: KubeClient, desired: dict[str, Any]) -> dict[str, Any]:
     meta = desired["metadata"]
     meta.setdefault("annotations", {})[HASH_ANNOTATION] = rendered_hash(desired)
     plural = {"Deployment": "deployments", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets",
-              "LeaderWorkerSet": LWS_PLURAL}
+              "LeaderWorkerSet": LWS_PLURAL, **scale_out.PLURALS}
     collection = api_path(desired["apiVersion"], plural[desired["kind"]], meta["namespace"])
     path = f"{collection}/{meta['name']}"
     live = await kube.get(path)
@@ -308,7 +315,25 @@ async def apply(kube: KubeClient, desired: dict[str, Any]) -> dict[str, Any]:
     for pod in pods:
         for key in MANAGED_POD_FIELDS:
             pod.setdefault(key, None)
+        if meta["annotations"].get(REPLICAS_OWNER) == "autoscaler":
+            del patch["spec"]["replicas"]  # set on create only: the autoscaler owns it (never fight it)
     return await kube.patch(path, patch)
+
+
+async def scale_out_observation(ctx: Context, spec: Any, name: str, namespace: str, version: str,
+                                deployment: dict[str, Any] | None, serving: str | None) -> dict[str, Any]:
+    """The scale-out part of an Observation: replica counts and their owner, and new pods that cannot be placed."""
+    autoscaled = spec.serving.autoscaling is not None
+    scaler = "HorizontalPodAutoscaler" if ctx.config.autoscaler == "hpa" else "ScaledObject"
+    replicas = scale_out.replica_status(deployment, autoscaled, f"{scaler}/{name}")
+    stuck = None
+    if deployment is not None and serving != version and replicas["desired"] > 0:
+        try:
+            pods = await ctx.kube.list(api_path("v1", "pods", namespace), label_selector=new_pods_selector(name, version))
+        except ApiError:
+            pods = []  # not readable (RBAC): the condition stays RollingOut
+        stuck = unschedulable(pods, spec, version, ctx.config, serving)
+    return {"replica_status": replicas, "autoscaled": autoscaled, "unschedulable": stuck}
 
 
 def _count_build_outcome(old: dict[str, Any], state: JobState, job: dict[str, Any] | None) -> None:

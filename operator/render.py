@@ -22,6 +22,7 @@ from typing import Any
 import click
 import yaml
 from kiln.operator.jobs import build_job
+from kiln.operator.scale_out import extra_objects
 from kiln.operator.settings import ConfigError, OperatorConfig
 from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
 from kiln.operator.workloads import build_pdb, build_service, build_workload
@@ -39,7 +40,9 @@ def artifact_uri(config: OperatorConfig, version: str) -> str:
 
 
 def render_objects(engine: LLMEngine, config: OperatorConfig, namespace: str | None = None) -> list[dict[str, Any]]:
-    """Build Job, serving workload, Service and (from 2 replicas) PDB; :class:`InvalidSpec` as the operator."""
+    """Build Job, serving workload, Service, PDB (from 2 replicas) and the scale-out objects (KEDA
+    ScaledObject / HTTPScaledObject or HPA, InferencePool) when the spec asks; :class:`InvalidSpec` as the
+    operator."""
     name = engine.metadata.name
     ns = namespace or engine.metadata.namespace or "default"
     validate_name(name)
@@ -50,6 +53,7 @@ def render_objects(engine: LLMEngine, config: OperatorConfig, namespace: str | N
                build_service(spec, name, ns)]
     if (pdb := build_pdb(spec, name, ns)) is not None:
         objects.append(pdb)
+    objects += extra_objects(spec, name, ns, version, config)
     # Plain data (no shared sub-objects, so the YAML has no anchors).
     return [json.loads(json.dumps(obj)) for obj in objects]
 
@@ -67,8 +71,9 @@ def to_yaml(objects: list[dict[str, Any]]) -> str:
 def render(manifest: str, store: str | None, namespace: str | None) -> None:
     """Print the Kubernetes objects the operator would create for a manifest, as YAML.
 
-    Build Job, Deployment (or LeaderWorkerSet when a replica spans nodes), Service and
-    PodDisruptionBudget, from the operator's own renderers and settings ($KILN_*).
+    Build Job, Deployment (or LeaderWorkerSet when a replica spans nodes), Service,
+    PodDisruptionBudget, and with spec.serving.autoscaling / routing the KEDA ScaledObject (or HPA) and
+    InferencePool, from the operator's own renderers and settings ($KILN_*).
     Exit status 2 (one line per problem on stderr) when the operator would refuse the manifest.
     """
     where = "stdin" if manifest == "-" else manifest

@@ -7,6 +7,7 @@ or Deployment is a pure function of (spec, names, version, config).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -123,6 +124,11 @@ class OperatorConfig:
     reconcile_interval: float = 15.0
     metrics_port: int = 0  # 0 = no metrics server
     ha: bool = False
+    # -- scale out (docs/scale-out.md): what renders spec.serving.autoscaling, and where the scalers live --
+    autoscaler: str = "keda"  # "keda": KEDA ScaledObject (+ HTTP add-on for minReplicas 0); "hpa": HPA v2
+    prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"  # KEDA's prometheus trigger
+    keda_http_scaler_address: str = "keda-add-ons-http-external-scaler.keda:9090"  # HTTP add-on external scaler
+    hpa_metric_prefix: str = "kiln_"  # Pods metrics as a metrics adapter names kiln:* series (kiln_num_requests_waiting)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -135,7 +141,7 @@ class OperatorConfig:
             labels[sku] = dict(selector)
         base = cls()
         store_secret = env.get("KILN_STORE_SECRET", "").strip() or None
-        return cls(
+        return _with_scale_out(env, cls(
             store_uri=env.get("KILN_STORE_URI", "").strip(),
             builder_image=_image_env(env, "KILN_BUILDER_IMAGE", base.builder_image),
             serving_image=_image_env(env, "KILN_SERVING_IMAGE", base.serving_image),
@@ -158,7 +164,7 @@ class OperatorConfig:
             reconcile_interval=_float_env(env, "KILN_RECONCILE_INTERVAL", base.reconcile_interval),
             metrics_port=_int_env(env, "KILN_METRICS_PORT", 0),
             ha=env.get("KILN_HA", "").strip().lower() in ("1", "true", "yes"),
-        )
+        ))
 
     @property
     def serving_secret(self) -> str | None:
@@ -167,3 +173,22 @@ class OperatorConfig:
     def node_selector(self, sku: str) -> dict[str, str] | None:
         """The nodeSelector for a SKU; None when the map has no entry (a spec error, not a default)."""
         return self.sku_node_labels.get(sku)
+
+
+# ---- scale out (issue 14) -------------------------------------------------------------------------------------
+AUTOSCALERS = ("keda", "hpa")
+
+
+def _with_scale_out(env: Mapping[str, str], config: OperatorConfig) -> OperatorConfig:
+    """The KILN_* variables of docs/scale-out.md (chart values autoscaling.*)."""
+    autoscaler = env.get("KILN_AUTOSCALER", "").strip().lower() or config.autoscaler
+    if autoscaler not in AUTOSCALERS:
+        raise ConfigError(f"KILN_AUTOSCALER must be one of {', '.join(AUTOSCALERS)}, got {autoscaler!r} "
+                          "(chart value autoscaling.engine)")
+    return dataclasses.replace(
+        config, autoscaler=autoscaler,
+        prometheus_address=env.get("KILN_PROMETHEUS_ADDRESS", "").strip() or config.prometheus_address,
+        keda_http_scaler_address=env.get("KILN_KEDA_HTTP_SCALER_ADDRESS", "").strip()
+        or config.keda_http_scaler_address,
+        hpa_metric_prefix=env.get("KILN_HPA_METRIC_PREFIX", "").strip() or config.hpa_metric_prefix,
+    )

@@ -135,6 +135,7 @@ def transitions(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str
 
 
 FAILURE_REASONS = {"InvalidSpec", "BuildFailed", "ArtifactMissing", "ArtifactUntrusted", "LeaderWorkerSetMissing"}
+FAILURE_REASONS |= {"PrerequisiteMissing", "InsufficientGPU", "Unschedulable"}  # scale out
 
 
 def same_status(old: dict[str, Any], new: dict[str, Any]) -> bool:
@@ -161,6 +162,11 @@ class Observation:
     replicas: int = 1
     endpoint: str | None = None
     history: list[dict[str, Any]] | None = None
+    # -- scale out (docs/scale-out.md) --
+    replica_status: dict[str, Any] | None = None  # status.replicas (kiln.operator.scale_out.replica_status)
+    autoscaled: bool = False  # the autoscaler owns the replica count
+    unschedulable: tuple[str, str] | None = None  # (reason, message) of new pods the scheduler cannot place
+    prerequisite: str | None = None  # a missing CRD the spec needs (kiln.operator.scale_out)
 
 
 def compose_status(obs: Observation, now: str | None = None) -> dict[str, Any]:
@@ -214,12 +220,25 @@ def compose_status(obs: Observation, now: str | None = None) -> dict[str, Any]:
                 cond(READY, False, "Building", f"waiting for {obs.engine_version} to build{still}")])
         return status
     built = cond(BUILT, True, "ArtifactAvailable", f"{obs.artifact_uri} is published and verified")
-    if obs.serving == obs.engine_version:
-        ready = cond(READY, True, "Serving", f"all {obs.replicas} replica(s) serve {obs.engine_version}")
+    replicas = obs.replicas
+    if obs.replica_status is not None:  # scale out: current vs desired, and who decides
+        status["replicas"] = obs.replica_status
+        replicas = obs.replica_status["desired"] if obs.autoscaled else replicas
+    if obs.prerequisite is not None:
+        ready = cond(READY, False, "PrerequisiteMissing", obs.prerequisite + still)
+        status.update(phase="Failed", conditions=[built, ready])
+    elif obs.serving == obs.engine_version:
+        ready = cond(READY, True, "Serving", f"all {replicas} replica(s) serve {obs.engine_version}")
         status.update(phase="Ready", conditions=[built, ready])
-    elif obs.replicas == 0:
-        ready = cond(READY, False, "ScaledToZero", "spec.serving.replicas is 0; nothing serves")
+    elif replicas == 0:
+        owner = (obs.replica_status or {}).get("owner", "the autoscaler")
+        why = (f"scaled to zero by {owner}; a request through the KEDA HTTP add-on's interceptor starts a pod"
+               if obs.autoscaled else "spec.serving.replicas is 0; nothing serves")
+        ready = cond(READY, False, "ScaledToZero", why)
         status.update(phase="Ready", conditions=[built, ready])
+    elif obs.unschedulable is not None:
+        ready = cond(READY, False, *obs.unschedulable)
+        status.update(phase="Deploying", conditions=[built, ready])
     else:
         ready = cond(READY, False, "RollingOut", f"rolling out {obs.engine_version}{still}")
         status.update(phase="Deploying", conditions=[built, ready])

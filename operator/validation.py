@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.operator.autoscaling import autoscaling_problem
 from kiln.operator.jobs import pod_gpus
 from kiln.operator.naming import engine_name_problem
 from kiln.operator.settings import OperatorConfig
@@ -54,6 +55,8 @@ def validate_name(name: str) -> None:
 def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
     spec = parse_spec(raw)
     if problem := spec_image_problem(spec, config):
+        raise InvalidSpec(problem)
+    if problem := autoscaling_problem(spec, config):  # scale out: minReplicas 0 needs KEDA, not an HPA
         raise InvalidSpec(problem)
     if spec.model.scheme == "file":
         raise InvalidSpec(

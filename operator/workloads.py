@@ -19,6 +19,7 @@ import json
 import math
 from typing import Any
 
+from kiln.operator.autoscaling import REPLICAS_OWNER, autoscaled, floor_replicas, initial_replicas
 from kiln.operator.jobs import (
     container_security_context,
     gpu_placement,
@@ -32,6 +33,8 @@ from kiln.operator.naming import (
     ANNOTATION_ARTIFACT,
     ANNOTATION_VERSION,
     LABEL_VERSION,
+    LWS_API_VERSION,
+    LWS_KIND,
     engine_pod_labels,
     lws_name,
     selector_labels,
@@ -39,6 +42,7 @@ from kiln.operator.naming import (
     serving_labels,
     worker_labels,
 )
+from kiln.operator.scheduling import rollout_strategy
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import serving_image
 
@@ -51,9 +55,6 @@ API_KEY_FILE = f"{API_KEY_DIR}/api-key"
 API_KEY_SECRET_KEY = "KILN_API_KEY"  # the key inside spec.serving.apiKeySecret
 GRACE_MARGIN_SECONDS = 15
 PROBE_PERIOD_SECONDS = 10
-LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
-LWS_KIND = "LeaderWorkerSet"
-LWS_PLURAL = "leaderworkersets"
 # Where rank 0 (the leader pod's process) meets the other ranks (kiln serve --leader-port / KILN_LEADER_PORT).
 RENDEZVOUS_PORT = 29500
 
@@ -129,17 +130,18 @@ def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: st
     pod_labels = {**labels, LABEL_VERSION: version}
     # The server never talks to the Kubernetes API: no token in the pod to steal (_pod_spec).
     pod_spec = _pod_spec(spec, config, serving_container(spec, name, artifact_uri, config, expect))
+    owner_of_replicas = {REPLICAS_OWNER: "autoscaler"} if autoscaled(spec) else {}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(name, namespace, labels, owner,
-                          {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri}),
+                          {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri, **owner_of_replicas}),
         "spec": {
-            "replicas": spec.serving.replicas,
+            "replicas": initial_replicas(spec),  # autoscaled: create only (reconcile.apply), then the scaler's
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": config.startup_timeout_seconds + 120,
             "selector": {"matchLabels": selector_labels(name)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": rollout_strategy(spec),
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": {
                     ANNOTATION_VERSION: version,
@@ -221,9 +223,10 @@ def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, vers
         "apiVersion": LWS_API_VERSION,
         "kind": LWS_KIND,
         "metadata": _meta(lws_name(name), namespace, serving_labels(name), owner,
-                          {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri}),
+                          {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri,
+                           **({REPLICAS_OWNER: "autoscaler"} if autoscaled(spec) else {})}),
         "spec": {
-            "replicas": spec.serving.replicas,
+            "replicas": initial_replicas(spec),  # autoscaled: create only (reconcile.apply), then the scaler's
             "startupPolicy": "LeaderCreated",
             "rolloutStrategy": {"type": "RollingUpdate",
                                 "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}},
@@ -275,7 +278,7 @@ def build_pdb(spec: LLMEngineSpec, name: str, namespace: str,
     A multi-node engine's budget covers every pod of every group: evicting one pod recreates its whole
     group, whose pods are then all unavailable, so the budget admits the next eviction only once that
     group is back: one group at a time."""
-    if spec.serving.replicas < 2:
+    if floor_replicas(spec) < 2:  # autoscaled: the scaler's minReplicas
         return None
     if spec.replica_shape.multi_node:
         return {

@@ -141,6 +141,10 @@ CEL_SAMPLES = [
     {"gpu": "cpu", "tensorParallel": 8, "pipelineParallel": 8},
     {"gpu": "cpu", "tensorParallel": 4, "pipelineParallel": 2, "gpusPerNode": 2},
     {"gpu": "cpu", "tensorParallel": 2, "pipelineParallel": 2, "gpusPerNode": 2},
+    {"serving": {"autoscaling": {"maxReplicas": 3}}},
+    {"serving": {"autoscaling": {"minReplicas": 0, "maxReplicas": 1}}},
+    {"serving": {"autoscaling": {"minReplicas": 4, "maxReplicas": 3}}},
+    {"serving": {"autoscaling": {"minReplicas": 3, "maxReplicas": 3}, "rolloutStrategy": "RecreateOneAtATime"}},
 ]
 
 

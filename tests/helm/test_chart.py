@@ -129,6 +129,10 @@ NEEDED = {
     ("", "events"): {"create"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
+    # scale out: the autoscaler's objects (KEDA by default) and InferencePools
+    ("keda.sh", "scaledobjects"): {"get", "create", "patch", "delete"},
+    ("http.keda.sh", "httpscaledobjects"): {"get", "create", "patch", "delete"},
+    ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},
 }
 
 
@@ -138,6 +142,9 @@ def test_rbac_is_exactly_what_the_operator_uses(helm: Path):
     for role in by_kind(docs, "ClusterRole"):
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+    hpa = rules(render(helm, "autoscaling.engine=hpa"))  # HPA instead of KEDA: exactly swapped
+    assert hpa == {**{k: v for k, v in NEEDED.items() if "keda.sh" not in k[0]},
+                   ("autoscaling", "horizontalpodautoscalers"): {"get", "create", "patch", "delete"}}
     ha = rules(render(helm, "ha.enabled=true"))
     assert ha[("kopf.dev", "clusterkopfpeerings")] == {"get", "list", "watch", "patch"}
     assert ha[("kopf.dev", "kopfpeerings")] == {"get", "list", "watch", "patch"}
@@ -179,6 +186,10 @@ def test_operator_deployment_carries_the_configuration(helm: Path, tmp_path: Pat
     # Tenancy defaults: only the chart's images, and the operator's identity is its namespace/service account.
     assert config.allowed_images == () and config.operator_id == "kiln-system/kiln"
     assert config.serving_secret is None
+    assert (config.autoscaler, config.prometheus_address) == ("keda", "http://prometheus-operated.monitoring.svc:9090")
+    hpa = OperatorConfig.from_env({k: v for k, v in env_of(operator_container(render(
+        helm, "autoscaling.engine=hpa", "autoscaling.hpa.metricPrefix=custom_"))).items() if v is not None})
+    assert (hpa.autoscaler, hpa.hpa_metric_prefix) == ("hpa", "custom_")
     (deployment,) = by_kind(docs, "Deployment")
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
 
@@ -208,7 +219,8 @@ def test_ha_runs_replicas_with_peering(helm: Path):
 
 @pytest.mark.parametrize("bad", ["store.uri=gs://bucket", "operator.replicas=2", "ha.replicas=1",
                                  "gpuNodeLabels.B200.x=y", "unknownKey=1", "metrics.port=8080",
-                                 "allowedImages[0]=reg.io/*/x", "allowedImages[0]=a b"])
+                                 "allowedImages[0]=reg.io/*/x", "allowedImages[0]=a b",
+                                 "autoscaling.engine=knative", "autoscaling.prometheus.address=prometheus:9090"])
 def test_values_schema_rejects_bad_values(helm: Path, bad: str):
     proc = run_helm(helm, "template", "kiln", str(CHART), "--set", bad)
     assert proc.returncode != 0 and "schema" in proc.stderr.lower(), proc.stderr

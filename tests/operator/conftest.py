@@ -35,6 +35,12 @@ RESOURCES = {
     "v1/pods": ("Pod", True, {"status"}, {"po"}),
     "v1/events": ("Event", True, set(), {"ev"}),
     "v1/namespaces": ("Namespace", False, {"status"}, {"ns"}),
+    # scale out: the CRDs of KEDA, its HTTP add-on and the Inference Extension, and the HPA (a test can remove
+    # one from the emulator to play a cluster without it: kmock_ext answers 404 for undeclared resources)
+    "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True, {"status"}, {"so"}),
+    "http.keda.sh/v1alpha1/httpscaledobjects": ("HTTPScaledObject", True, {"status"}, {"httpso"}),
+    "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True, {"status"}, {"hpa"}),
+    "inference.networking.k8s.io/v1/inferencepools": ("InferencePool", True, {"status"}, set()),
 }
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 

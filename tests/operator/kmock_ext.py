@@ -18,6 +18,8 @@ correctness depends on API-server behaviour it lacks, so this subclass adds:
   installed), where stock KMock would store the object anyway;
 - ``/api/v1/namespaces`` (kmock 0.8's path parser fails on it): lists the namespaces that
   hold objects plus ``extra_namespaces``; a watch on it stays open until ``timeoutSeconds``;
+- 404 ``NotFound`` for any resource type not declared in ``resources`` or listed in ``uninstalled`` (a CRD
+  that is not installed);
 - finalizers (deletionTimestamp until the last one is removed) and the garbage collector:
   when an object is gone, dependents lose that ownerReference and are deleted once no owner
   is left (``propagationPolicy: Orphan`` only strips the reference).
@@ -50,6 +52,11 @@ def _conflict(reason: str, message: str) -> kmock.KubernetesError:
 
 def _not_found(kind: str, name: str) -> kmock.KubernetesError:
     return kmock.KubernetesError(status=404, reason="NotFound", message=f'{kind} "{name}" not found', details={})
+
+
+def _not_found_resource() -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=404, reason="NotFound",
+                                 message="the server could not find the requested resource", details={})
 
 
 _SET_REQ = re.compile(r"^(\S+)\s+(in|notin)\s+\((.*)\)$")
@@ -109,6 +116,8 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
     _last_revision: int = attrs.field(default=0, init=False)
 
     extra_namespaces: set[str] = attrs.field(factory=set)
+    unknown_resources_404: bool = True  # like an API server: only declared resources exist
+    uninstalled: set[str] = attrs.field(factory=set)  # plurals a test removed (a CRD deleted from the cluster)
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         if raw_request.path.rstrip("/") == "/api/v1/namespaces":
@@ -149,9 +158,9 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         res = request.resource
         if res is None or res.plural is None:
             return await super()._handle(request)
-        if res not in self.resources:
-            raise kmock.KubernetesError(status=404, reason="NotFound",
-                                        message="the server could not find the requested resource", details={})
+        if self.unknown_resources_404 and (res not in self._get_resources() or res.plural in self.uninstalled):
+            # An API server answers 404 for a resource type it does not serve (a CRD that is not installed).
+            raise _not_found_resource()
         method = request.method.value if request.method else ""
         if method == "POST" and request.name is None:
             return await self._create(request)

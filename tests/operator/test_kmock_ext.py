@@ -143,3 +143,15 @@ def test_orphan_propagation_keeps_dependents(kube: Kube):
 @pytest.mark.parametrize("path", [f"{JOBS}/missing", f"{JOBS}/missing/status"])
 def test_writes_to_missing_objects_are_404(kube: Kube, path: str):
     assert kube.call("PATCH", path, {"spec": {}}, ok=(404,)).status_code == 404
+
+
+def test_a_resource_type_the_server_does_not_serve_is_404(kube: Kube, emulator):
+    """Like an API server without the CRD: the operator tells "not installed" from "not created yet" by this."""
+    pools = "/apis/inference.networking.k8s.io/v1/namespaces/ns/inferencepools"
+    assert kube.create(pools, {"metadata": {"name": "p"}, "spec": {}})["metadata"]["name"] == "p"
+    missing = "/apis/example.com/v1/namespaces/ns/widgets"
+    resp = kube.call("POST", missing, {"metadata": {"name": "w"}}, ok=(404,), content_type="application/json")
+    assert resp.status_code == 404 and resp.json()["reason"] == "NotFound"
+    assert kube.get(f"{missing}/w") is None and kube.delete(f"{missing}/w").status_code == 404
+    emulator.handler.uninstalled.add("inferencepools")  # the CRD removed: its type is gone too
+    assert kube.call("GET", f"{pools}/p", ok=(404,)).json()["message"] == "the server could not find the requested resource"

@@ -71,6 +71,23 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# Scale out (docs/scale-out.md): the autoscaler objects of the chosen engine, and InferencePools; delete
+# because an engine that drops autoscaling or routing loses them.
+{{- if eq .Values.autoscaling.engine "hpa" }}
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, create, patch, delete]
+{{- else }}
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [get, create, patch, delete]
+- apiGroups: [http.keda.sh]
+  resources: [httpscaledobjects]
+  verbs: [get, create, patch, delete]
+{{- end }}
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch, delete]
 {{- if .Values.ha.enabled }}
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]

@@ -1,0 +1,48 @@
+"""Routing objects: a pure function of (spec, names) -> a Gateway API Inference Extension ``InferencePool``.
+
+The pool selects this engine's serving pods (the Deployment's own immutable selector, so pods of every
+version in a rollout are candidates, and only Ready ones receive traffic) on the engine's API port, and
+names the endpoint picker (EPP) that scores them. kiln pods export what the picker reads under the names it
+reads by default (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:lora_requests_info``,
+see docs/prefix-routing.md), so the picker needs no metric flags. The picker itself is deployed with the
+upstream chart or manifests (``--pool-name <engine> --pool-namespace <namespace>``); docs/scale-out.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.operator.naming import selector_labels, serving_labels
+
+from kiln.api import LLMEngineSpec
+
+INFERENCE_API = "inference.networking.k8s.io/v1"
+
+
+def endpoint_picker_name(spec: LLMEngineSpec, name: str) -> str:
+    return spec.serving.routing.endpoint_picker or f"{name}-epp"
+
+
+def inference_pool(spec: LLMEngineSpec, name: str, namespace: str,
+                   owner: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The InferencePool of ``spec.serving.routing.inferencePool: true``; None when routing is off."""
+    routing = spec.serving.routing
+    if not routing.inference_pool:
+        return None
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": serving_labels(name)}
+    if owner:
+        meta["ownerReferences"] = [owner]
+    return {
+        "apiVersion": INFERENCE_API,
+        "kind": "InferencePool",
+        "metadata": meta,
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name)},
+            "targetPorts": [{"number": spec.serving.port}],
+            "endpointPickerRef": {
+                "group": "", "kind": "Service", "name": endpoint_picker_name(spec, name),
+                "port": {"number": routing.endpoint_picker_port},
+                "failureMode": routing.endpoint_picker_failure_mode,
+            },
+        },
+    }
