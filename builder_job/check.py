@@ -9,7 +9,7 @@ so a spec that can never work fails in seconds with the field and the numbers:
   ``s`` runs ``L // P`` layers, the first ``L % P`` one more), and a rank's weights and KV
   cover only the layers of its stage (the largest stage is what must fit);
 - ``maxSeqLen`` is within the model's positions (times the rope scaling factor for
-  rope types that extend the context: linear, dynamic, yarn, longrope; llama3-type
+  rope types that extend the context, ``kiln.engine.rope_config``; llama3-type
   configs already state the extended ``max_position_embeddings``);
 - the GPU SKU's memory (× ``kv.memoryFraction``) holds the weights of one rank plus
   a KV pool for ``maxBatchSize`` requests of a typical length (a quarter of
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.builder.errors import InvalidSpec
+from kiln.engine.rope_config import SUPPORTED_ROPE_TYPES, max_positions, rope_parameters
 
 log = logging.getLogger("kiln.build.check")
 
@@ -42,8 +43,6 @@ FALLBACK_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
                   "I32": 4, "I64": 8, "BOOL": 1}
-# Rope types whose factor multiplies the usable context beyond max_position_embeddings.
-EXTENDING_ROPE_TYPES = {"linear", "dynamic", "yarn", "longrope"}
 CPU_MEMORY_ENV = "KILN_CPU_MEMORY_GIB"
 CPU_MEMORY_BUDGET_GIB = 8.0
 # Headroom for activations, logits and allocator slack, per token of the step budget.
@@ -94,29 +93,13 @@ class ModelFacts:
         return asdict(self)
 
 
-def rope_params(config: dict) -> dict:
-    """Rope settings from either transformers form: ``rope_parameters`` (5.x) or ``rope_scaling`` (4.x)."""
-    params = dict(config.get("rope_parameters") or {})
-    legacy = config.get("rope_scaling") or {}
-    for k, v in legacy.items():
-        params.setdefault(k, v)
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params["type"]
-    return params
-
-
 def model_facts(checkpoint_dir: Path) -> ModelFacts:
     config = json.loads((checkpoint_dir / "config.json").read_text())
     archs = config.get("architectures") or [config.get("model_type", "?")]
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
-    rope = rope_params(config)
-    rope_type = rope.get("rope_type", "default")
+    rope_type = rope_parameters(config)["rope_type"]
     mpe = int(config.get("max_position_embeddings", 2048))
-    max_positions = mpe
-    if rope_type in EXTENDING_ROPE_TYPES and rope.get("factor"):
-        base = int(rope.get("original_max_position_embeddings") or mpe)
-        max_positions = max(mpe, int(base * float(rope["factor"])))
     num_params = num_q = num_rows = 0
     for f in sorted(checkpoint_dir.glob("*.safetensors")):
         for name, t in read_safetensors_header(f).items():
@@ -132,7 +115,7 @@ def model_facts(checkpoint_dir: Path) -> ModelFacts:
         intermediate_size=int(config.get("intermediate_size", 4 * hidden)), num_attention_heads=heads,
         num_key_value_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=int(config.get("head_dim") or hidden // heads), vocab_size=int(config["vocab_size"]),
-        max_position_embeddings=mpe, max_positions=max_positions, rope_type=rope_type, num_params=num_params,
+        max_position_embeddings=mpe, max_positions=max_positions(config), rope_type=rope_type, num_params=num_params,
         num_quantizable_params=num_q, num_quantizable_rows=num_rows,
     )
 
@@ -211,6 +194,9 @@ def check_envelope(spec, facts: ModelFacts) -> dict[str, Any]:
     if facts.architecture not in archs:
         raise InvalidSpec(f"spec.model.source: architecture {facts.architecture} is not supported by the kiln "
                           f"runtime (supported: {', '.join(archs)})")
+    if facts.rope_type not in SUPPORTED_ROPE_TYPES:
+        raise InvalidSpec(f"spec.model.source: rope type {facts.rope_type!r} is not supported by the kiln runtime "
+                          f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}); choose a checkpoint without it")
     tp = spec.tensor_parallel
     for name, value in (("num_attention_heads", facts.num_attention_heads),
                         ("num_key_value_heads", facts.num_key_value_heads),

@@ -25,16 +25,10 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
 
 
 def max_model_len(hf_config: dict[str, Any]) -> int:
-    """Positions the model supports: max_position_embeddings, or the original length times the rope
-    factor for the scaling types that extend the context (same rule as the builder's check)."""
-    from kiln.engine.layers.rotary import rope_parameters
+    """Positions the model supports (``rope_config.max_positions``: the builder's check uses it too)."""
+    from kiln.engine.rope_config import max_positions
 
-    mpe = int(hf_config.get("max_position_embeddings") or 2048)
-    rope = rope_parameters(hf_config)
-    if rope["rope_type"] in ("linear", "dynamic", "yarn") and rope.get("factor"):
-        base = int(rope.get("original_max_position_embeddings") or mpe)
-        return max(mpe, int(base * float(rope["factor"])))
-    return mpe
+    return max_positions(hf_config)
 
 
 @dataclass

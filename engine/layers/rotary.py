@@ -13,19 +13,8 @@ import math
 from typing import Any
 
 import torch
+from kiln.engine.rope_config import SUPPORTED_ROPE_TYPES
 from torch import nn
-
-
-def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """Both config forms: transformers 5 ``rope_parameters`` and older ``rope_theta`` + ``rope_scaling``."""
-    params = dict(hf_config.get("rope_parameters") or {})
-    if not params:
-        params = dict(hf_config.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    params["rope_type"] = rope_type
-    return params
 
 
 def _yarn(inv_freq_base: torch.Tensor, dim: int, base: float, p: dict[str, Any], max_pos: int):
@@ -88,7 +77,7 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any], max_position: int) -
         return torch.where(is_medium, smoothed, scaled), 1.0
     if rope_type == "yarn":
         return _yarn(inv_freq, dim, base, params, max_position)
-    raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, dynamic, llama3, yarn)")
+    raise ValueError(f"rope_type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
 
 
 class RotaryEmbedding(nn.Module):

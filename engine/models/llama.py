@@ -18,7 +18,8 @@ from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.engine.layers.norm import RMSNorm
-from kiln.engine.layers.rotary import RotaryEmbedding, apply_rotary_qk, rope_parameters
+from kiln.engine.layers.rotary import RotaryEmbedding, apply_rotary_qk
+from kiln.engine.rope_config import rope_parameters
 from torch import nn
 
 
