@@ -569,6 +569,15 @@ class HistoryEntry(_Model):
 HISTORY_LIMIT = 10
 
 
+def add_to_history(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """``status.history`` (as stored: camelCase dicts) after ``entry`` was built or served: a new version
+    goes first; a version already listed keeps its place (the list is ordered by build, and a GitOps
+    revert rebuilds nothing); at most ``HISTORY_LIMIT`` entries."""
+    if any(e.get("engineVersion") == entry.get("engineVersion") for e in history):
+        return list(history)[:HISTORY_LIMIT]
+    return [entry, *history][:HISTORY_LIMIT]
+
+
 class ReplicaStatus(_Model):
     """``status.replicas`` (scale out): the autoscaler writes desired, the Deployment controller the rest."""
 
@@ -612,13 +621,6 @@ class LLMEngineStatus(_Model):
         default=None, description="Serving pods: what the replica count's owner wants against what runs.",
     )
 
-    def with_history(self, entry: HistoryEntry) -> list[HistoryEntry]:
-        """History with ``entry`` first, an older entry of the same version dropped, bounded."""
-        rest = [e for e in self.history if e.engine_version != entry.engine_version]
-        return [entry, *rest][:HISTORY_LIMIT]
-
-    def condition(self, type_: str) -> Condition | None:
-        return next((c for c in self.conditions if c.type == type_), None)
 
 
 class Metadata(BaseModel):

@@ -20,12 +20,15 @@ import kopf
 from kiln.operator import metrics
 from kiln.operator.kube import ApiError, KubeClient
 from kiln.operator.reconcile import Context, Result, reconcile
-from kiln.operator.settings import ConfigError, OperatorConfig
+from kiln.operator.settings import ConfigError, OperatorConfig, reconcile_interval_from_env
 
 from kiln.api import GROUP, PLURAL, VERSION
 from kiln.artifacts import ArtifactStore, StoreError
 
-INTERVAL = float(os.environ.get("KILN_RECONCILE_INTERVAL") or 15)
+try:
+    INTERVAL = reconcile_interval_from_env(os.environ)
+except ConfigError:  # configure() reports the bad value at startup, as a PermanentError naming it
+    INTERVAL = OperatorConfig.reconcile_interval
 WATCH_TIMEOUT = int(os.environ.get("KILN_WATCH_TIMEOUT") or 300)
 
 
@@ -65,7 +68,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     memo.ctx = Context(kube=KubeClient(), store=store, config=config)
     if config.metrics_port:
         metrics.serve(config.metrics_port)
-    logger.info(f"kiln operator: store {store.uri}, reconcile every {INTERVAL}s, ha={config.ha}")
+    logger.info(f"kiln operator: store {store.uri}, reconcile every {config.reconcile_interval}s, ha={config.ha}")
 
 
 @kopf.on.login()

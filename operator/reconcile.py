@@ -57,7 +57,7 @@ from kiln.operator.workloads import (
     endpoint,
 )
 
-from kiln.api import API_VERSION, PLURAL
+from kiln.api import API_VERSION, PLURAL, add_to_history
 from kiln.artifacts import ArtifactStore
 from kiln.envelope import engine_version
 
@@ -156,10 +156,9 @@ async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Log
         deployment, lws = await live_workloads(ctx, namespace, name)
         if missing is None:
             await retire_other_workload(ctx, spec, name, namespace, deployment, lws, logger)
-        history = [e for e in base["history"] if e.get("engineVersion") != version]
         entry = {"engineVersion": version, "artifactURI": uri,
                  "builtAt": manifest.created_at.isoformat().replace("+00:00", "Z")}
-        base["history"] = ([entry, *history] if len(history) == len(base["history"]) else base["history"])[:10]
+        base["history"] = add_to_history(base["history"], entry)
         serving = serving_now(spec, deployment, lws, old.get("servingVersion"))
         workload = lws if spec.replica_shape.pods > 1 else deployment  # what the scaler scales
         obs = Observation(**base, built=True, serving=serving, prerequisite=missing,

@@ -161,7 +161,7 @@ class OperatorConfig:
             prestop_sleep_seconds=_int_env(env, "KILN_PRESTOP_SLEEP_SECONDS", 5),
             builder_service_account=env.get("KILN_BUILDER_SERVICE_ACCOUNT", "").strip() or None,
             serving_service_account=env.get("KILN_SERVING_SERVICE_ACCOUNT", "").strip() or None,
-            reconcile_interval=_float_env(env, "KILN_RECONCILE_INTERVAL", base.reconcile_interval),
+            reconcile_interval=reconcile_interval_from_env(env),
             metrics_port=_int_env(env, "KILN_METRICS_PORT", 0),
             ha=env.get("KILN_HA", "").strip().lower() in ("1", "true", "yes"),
         ))
@@ -192,3 +192,12 @@ def _with_scale_out(env: Mapping[str, str], config: OperatorConfig) -> OperatorC
         or config.keda_http_scaler_address,
         hpa_metric_prefix=env.get("KILN_HPA_METRIC_PREFIX", "").strip() or config.hpa_metric_prefix,
     )
+
+
+def reconcile_interval_from_env(env: Mapping[str, str]) -> float:
+    """``KILN_RECONCILE_INTERVAL`` seconds (default 15): the one reading of it. kopf needs the value
+    when the handlers module is imported (its timer decorator), before ``from_env`` runs."""
+    value = _float_env(env, "KILN_RECONCILE_INTERVAL", OperatorConfig.reconcile_interval)
+    if value <= 0:
+        raise ConfigError(f"KILN_RECONCILE_INTERVAL must be > 0 seconds, got {value:g}")
+    return value

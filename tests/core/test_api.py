@@ -193,12 +193,13 @@ def test_status_round_trip_and_bounded_history():
         "history": [{"engineVersion": "v1", "artifactURI": "s3://b/engines/v1", "builtAt": "2026-01-01T00:00:00Z"}],
     }
     status = LLMEngineStatus.model_validate(raw)
-    assert status.phase == api.Phase.READY == "Ready" and status.condition("Ready").status == "True"
+    assert status.phase == api.Phase.READY == "Ready" and status.conditions[0].status == "True"
     assert status.to_k8s() == raw
-    entries = [api.HistoryEntry(engine_version=f"v{i}", artifact_uri=f"u{i}") for i in range(15)]
-    for entry in entries:
-        status = status.model_copy(update={"history": status.with_history(entry)})
-    assert [e.engine_version for e in status.history] == [f"v{i}" for i in range(14, 4, -1)]
+    history = raw["history"]
+    for i in range(2, 16):
+        history = api.add_to_history(history, {"engineVersion": f"v{i}", "artifactURI": f"u{i}"})
+    assert [e.engine_version for e in LLMEngineStatus.model_validate({**raw, "history": history}).history] == [
+        f"v{i}" for i in range(15, 5, -1)]
     with pytest.raises(ValueError):
         LLMEngineStatus.model_validate({**raw, "history": raw["history"] * 11})
     with pytest.raises(ValueError):

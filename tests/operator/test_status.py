@@ -140,3 +140,25 @@ def test_a_sku_missing_from_the_node_label_map_is_a_spec_error():
     with pytest.raises(InvalidSpec, match="spec.gpu: L4 has no node label"):
         validate_spec({"model": {"source": "hf://o/m"}, "gpu": "L4"}, cfg)
     assert validate_spec({"model": {"source": "hf://o/m"}, "gpu": "cpu"}, cfg).gpu == "cpu"
+
+
+def test_history_has_one_rule():
+    """kiln.api.add_to_history is the one rule the operator uses: new versions first, a revert keeps order."""
+    from kiln.api import HISTORY_LIMIT, add_to_history
+
+    history: list[dict] = []
+    for i in range(HISTORY_LIMIT + 3):
+        history = add_to_history(history, {"engineVersion": f"v{i}"})
+    assert len(history) == HISTORY_LIMIT and history[0]["engineVersion"] == f"v{HISTORY_LIMIT + 2}"
+    reverted = add_to_history(history, {"engineVersion": history[4]["engineVersion"]})
+    assert reverted == history  # a GitOps revert rebuilds nothing: the list stays in build order
+
+
+def test_reconcile_interval_is_read_in_one_place():
+    import pytest
+    from kiln.operator.settings import ConfigError, OperatorConfig, reconcile_interval_from_env
+
+    assert reconcile_interval_from_env({}) == OperatorConfig.reconcile_interval
+    assert OperatorConfig.from_env({"KILN_RECONCILE_INTERVAL": "7.5"}).reconcile_interval == 7.5
+    with pytest.raises(ConfigError, match="KILN_RECONCILE_INTERVAL"):
+        reconcile_interval_from_env({"KILN_RECONCILE_INTERVAL": "0"})
