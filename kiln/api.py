@@ -1,6 +1,7 @@
 """The ``LLMEngine`` API: pydantic types for ``serving.kiln.dev/v1alpha1``.
 
-These types are the single source of truth: the CRD (``kiln crd``) is generated
+These types are the single source of truth (the GPU table and the replica layout rule are in
+``kiln/skus.py``, the status types in ``kiln/engine_status.py``, re-exported here): the CRD (``kiln crd``) is generated
 from them, the build envelope (:mod:`kiln.envelope`) reads them, and the
 operator validates what the API server hands it with them. YAML uses camelCase
 (``maxSeqLen``); Python uses snake_case (``spec.max_seq_len``); both are accepted.
@@ -23,7 +24,7 @@ so ``kubectl apply`` and ``kiln plan`` reject the same specs. Decisions:
 - ``tensorParallel > 1`` on ``cpu`` is allowed (torch.distributed over gloo).
 - ``pipelineParallel`` splits the layers into stages; one replica is ``tensorParallel x
   pipelineParallel`` ranks, packed onto pods of ``gpusPerNode`` GPUs (default: the SKU's
-  ``gpus_per_node`` in :data:`GPU_SKUS`). :func:`replica_shape` is the one rule: a replica
+  ``gpus_per_node`` in :data:`GPU_SKUS`, ``kiln/skus.py``). :func:`replica_shape` is the one rule: a replica
   that fits one node is one pod; a larger one is ``ranks / gpusPerNode`` pods, which needs
   ``tensorParallel <= gpusPerNode`` so that no tensor-parallel group (one stage) is split
   across nodes. :data:`SHAPE_RULE` is its CEL twin, generated from the same table.
@@ -31,14 +32,32 @@ so ``kubectl apply`` and ``kiln plan`` reject the same specs. Decisions:
 
 from __future__ import annotations
 
-import enum
 import re
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+
+from kiln.api_base import APIModel as _Model
+from kiln.engine_status import (
+    HISTORY_LIMIT,
+    Condition,
+    HistoryEntry,
+    LLMEngineStatus,
+    Phase,
+    ReplicaStatus,
+    add_to_history,
+)
+from kiln.skus import (
+    FP8_GPUS,
+    GPU_SKUS,
+    SHAPE_RULE,
+    GPUName,
+    GPUSpec,
+    ReplicaShape,
+    gpus_per_node,
+    replica_shape,
+    shape_problem,
+)
 
 GROUP = "serving.kiln.dev"
 VERSION = "v1alpha1"
@@ -53,46 +72,11 @@ __all__ = [
     "BuildOptions", "Condition", "GPUSpec", "HistoryEntry", "KVOptions", "LLMEngine", "LLMEngineSpec",
     "LLMEngineStatus", "Metadata", "ModelSource", "Phase", "QualityGate",
     "ReplicaShape", "ServingOptions", "gpus_per_node", "replica_shape", "shape_problem",
-    "AutoscalingOptions", "ReplicaStatus", "RoutingOptions",
+    "AutoscalingOptions", "ReplicaStatus", "RoutingOptions", "FP8_GPUS", "GPUName", "HISTORY_LIMIT",
+    "SHAPE_RULE", "add_to_history",
 ]
 
 
-@dataclass(frozen=True)
-class GPUSpec:
-    """One supported accelerator. ``memory_gib``/``compute_capability`` are None for ``cpu``."""
-
-    memory_gib: int | None
-    compute_capability: str | None  # "9.0"
-    arch: str  # "sm90" | "cpu": what compiled artifacts are specific to
-    product_label: str | None  # value of the node label nvidia.com/gpu.product (GPU feature discovery)
-    # GPUs on one node of the usual machine type (8 for HGX/DGX H100 and H200, A100, L40S and L4 servers);
-    # spec.gpusPerNode overrides it. None (cpu): a replica is one pod unless spec.gpusPerNode says otherwise.
-    gpus_per_node: int | None = 8
-
-    @property
-    def is_cpu(self) -> bool:
-        return self.arch == "cpu"
-
-    @property
-    def supports_fp8(self) -> bool:
-        """FP8 weights are native at compute capability >= 8.9; cpu runs the dequantized reference path."""
-        if self.compute_capability is None:
-            return True
-        major, minor = (int(x) for x in self.compute_capability.split("."))
-        return (major, minor) >= (8, 9)
-
-
-GPU_SKUS: dict[str, GPUSpec] = {
-    "cpu": GPUSpec(None, None, "cpu", None, gpus_per_node=None),
-    "L4": GPUSpec(24, "8.9", "sm89", "NVIDIA-L4"),
-    "L40S": GPUSpec(48, "8.9", "sm89", "NVIDIA-L40S"),
-    "A100-40GB": GPUSpec(40, "8.0", "sm80", "NVIDIA-A100-SXM4-40GB"),
-    "A100-80GB": GPUSpec(80, "8.0", "sm80", "NVIDIA-A100-SXM4-80GB"),
-    "H100-80GB": GPUSpec(80, "9.0", "sm90", "NVIDIA-H100-80GB-HBM3"),
-    "H200-141GB": GPUSpec(141, "9.0", "sm90", "NVIDIA-H200"),
-}
-
-GPUName = Literal["cpu", "L4", "L40S", "A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB"]
 Dtype = Literal["bfloat16", "float16", "float32"]
 Quantization = Literal["none", "int8", "fp8"]
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32"]
@@ -100,8 +84,6 @@ TensorParallel = Literal[1, 2, 4, 8]
 PipelineParallel = Literal[1, 2, 4, 8]
 GPUsPerNode = Literal[1, 2, 4, 8, 16]
 BlockSize = Literal[1, 2, 4, 8, 16, 32, 64, 128, 256]
-FP8_GPUS = tuple(name for name, gpu in GPU_SKUS.items() if gpu.supports_fp8)
-
 DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # One pattern for the CRD; Python checks each scheme separately for a precise message.
@@ -119,18 +101,6 @@ _SOURCE_RULES = {
     "file": (r"^file://(/|\./|\.\./)[^\s]*$", "file:///absolute/path or file://./relative/path"),
     "pvc": (r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?$", "pvc://claim-name/sub/path"),
 }
-
-
-class _Model(BaseModel):
-    """camelCase in YAML, snake_case in Python, unknown fields rejected."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel, validate_by_name=True, validate_by_alias=True, extra="forbid",
-    )
-
-    def to_k8s(self) -> dict[str, Any]:
-        """The camelCase dict the API server stores (None fields left out)."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 class ModelSource(_Model):
@@ -349,79 +319,6 @@ class BuildOptions(_Model):
     )
 
 
-@dataclass(frozen=True)
-class ReplicaShape:
-    """One serving replica: ``pods`` pods of ``ranks_per_pod`` ranks each (one GPU per rank; processes on cpu).
-
-    Ranks are numbered ``stage * tensor_parallel + tp_rank`` (docs/multi-node.md) and pod ``i`` holds
-    ranks ``i * ranks_per_pod ..``, so a pod holds whole pipeline stages.
-    """
-
-    tensor_parallel: int
-    pipeline_parallel: int
-    pods: int
-    ranks_per_pod: int
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel
-
-    @property
-    def multi_node(self) -> bool:
-        return self.pods > 1
-
-
-def gpus_per_node(gpu: str, override: int | None = None) -> int | None:
-    """``spec.gpusPerNode`` if set, else the SKU's; None (cpu): no limit, the replica is one pod."""
-    return override if override is not None else GPU_SKUS[gpu].gpus_per_node
-
-
-def shape_problem(gpu: str, tensor_parallel: int, pipeline_parallel: int, override: int | None = None) -> str | None:
-    """Why this shape cannot be laid out on nodes (a ``tensorParallel: ...`` line); None when it can.
-
-    The one rule (CEL twin: :data:`SHAPE_RULE`): a replica larger than a node needs each
-    tensor-parallel group on one node, i.e. ``tensorParallel <= gpusPerNode``. With the enums
-    (powers of two) that also makes ``gpusPerNode`` divide ``tensorParallel x pipelineParallel``.
-    """
-    node = gpus_per_node(gpu, override)
-    world = tensor_parallel * pipeline_parallel
-    if node is None or world <= node:
-        return None
-    whose = f"spec.gpusPerNode {node}" if override is not None else f"{node} on a {gpu} node (spec.gpu)"
-    if tensor_parallel > node or node % tensor_parallel or world % node:
-        return (f"tensorParallel: {tensor_parallel} GPUs per pipeline stage do not fit the GPUs per node ({whose}): "
-                "a tensor-parallel group must stay inside one node; lower tensorParallel to at most "
-                f"{node} and raise pipelineParallel, or set gpusPerNode to the GPUs your nodes have")
-    return None
-
-
-def replica_shape(gpu: str, tensor_parallel: int, pipeline_parallel: int, override: int | None = None) -> ReplicaShape:
-    """Pods per replica = tensorParallel x pipelineParallel / gpusPerNode (one pod when it fits a node)."""
-    if (problem := shape_problem(gpu, tensor_parallel, pipeline_parallel, override)) is not None:
-        raise ValueError(problem)
-    node = gpus_per_node(gpu, override)
-    world = tensor_parallel * pipeline_parallel
-    if node is None or world <= node:
-        return ReplicaShape(tensor_parallel, pipeline_parallel, 1, world)
-    return ReplicaShape(tensor_parallel, pipeline_parallel, world // node, node)
-
-
-def _shape_cel() -> str:
-    nodeless = [sku for sku, g in GPU_SKUS.items() if g.gpus_per_node is None]
-    table = ", ".join(f"'{sku}': {g.gpus_per_node}" for sku, g in GPU_SKUS.items() if g.gpus_per_node is not None)
-    return ("has(self.gpusPerNode) ? self.tensorParallel <= self.gpusPerNode : ("
-            + "".join(f"self.gpu == '{sku}' || " for sku in nodeless)
-            + f"self.tensorParallel <= {{{table}}}[self.gpu])")
-
-
-SHAPE_RULE = (
-    "replica_shape", _shape_cel(),
-    "spec.tensorParallel must be at most spec.gpusPerNode (default: the GPU SKU's GPUs per node, 8): a "
-    "tensor-parallel group must stay inside one node; lower tensorParallel and raise pipelineParallel, or set "
-    "gpusPerNode to the GPUs your nodes have",
-    ".tensorParallel",
-)
-
 # (python check name, CEL rule on spec, message, fieldPath). Python twins are in _check_cross_field.
 CROSS_FIELD_RULES: tuple[tuple[str, str, str, str], ...] = (
     ("input_lt_seq", "self.maxInputLen < self.maxSeqLen",
@@ -537,90 +434,6 @@ class LLMEngineSpec(_Model):
     @property
     def resolved_kv_cache_dtype(self) -> str:
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-
-
-class Phase(enum.StrEnum):
-    PENDING = "Pending"
-    BUILDING = "Building"
-    DEPLOYING = "Deploying"
-    READY = "Ready"
-    FAILED = "Failed"
-
-
-class Condition(_Model):
-    type: str = Field(max_length=316, description="CamelCase condition type, e.g. Ready, Built.")
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
-    reason: str | None = Field(default=None, max_length=1024, description="CamelCase machine-readable reason.")
-    message: str | None = Field(default=None, max_length=32768, description="Human-readable detail.")
-    last_transition_time: datetime | None = Field(
-        default=None, description="When status last changed (RFC 3339)."
-    )
-    observed_generation: int | None = Field(
-        default=None, ge=0, description="metadata.generation the condition was computed for."
-    )
-
-
-class HistoryEntry(_Model):
-    engine_version: str = Field(description="A built engine version.")
-    artifact_uri: str = Field(alias="artifactURI", description="Where that version's artifact lives.")
-    built_at: datetime | None = Field(default=None, description="When it was published (RFC 3339).")
-
-
-HISTORY_LIMIT = 10
-
-
-def add_to_history(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
-    """``status.history`` (as stored: camelCase dicts) after ``entry`` was built or served: a new version
-    goes first; a version already listed keeps its place (the list is ordered by build, and a GitOps
-    revert rebuilds nothing); at most ``HISTORY_LIMIT`` entries."""
-    if any(e.get("engineVersion") == entry.get("engineVersion") for e in history):
-        return list(history)[:HISTORY_LIMIT]
-    return [entry, *history][:HISTORY_LIMIT]
-
-
-class ReplicaStatus(_Model):
-    """``status.replicas`` (scale out): the autoscaler writes desired, the Deployment controller the rest."""
-
-    desired: int = Field(default=0, ge=0, description="Pods wanted now (the Deployment's spec.replicas).")
-    current: int = Field(default=0, ge=0, description="Pods that exist, of any version.")
-    ready: int = Field(default=0, ge=0, description="Pods that are Ready.")
-    updated: int = Field(default=0, ge=0, description="Pods of the current template (the wanted version).")
-    owner: str = Field(
-        default="operator",
-        description="Who sets desired: operator (spec.serving.replicas), ScaledObject/<name> (KEDA) or "
-        "HorizontalPodAutoscaler/<name>.",
-    )
-
-
-class LLMEngineStatus(_Model):
-    # The operator writes status, not users; keys another writer left (e.g. kopf's own
-    # `status.kopf` on a cluster that kept it) must not make the object unreadable.
-    model_config = ConfigDict(extra="ignore")
-
-    phase: Phase | None = Field(default=None, description="Pending, Building, Deploying, Ready or Failed.")
-    conditions: list[Condition] = Field(
-        default_factory=list, description="Kubernetes-style conditions; Ready means the engine serves.",
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    )
-    engine_version: str | None = Field(default=None, description="Version the current spec builds to.")
-    serving_version: str | None = Field(default=None, description="Version the ready pods serve.")
-    artifact_uri: str | None = Field(
-        default=None, alias="artifactURI", description="Artifact of engineVersion in the store."
-    )
-    endpoint: str | None = Field(default=None, description="In-cluster URL of the OpenAI-compatible API.")
-    observed_generation: int | None = Field(
-        default=None, ge=0, description="metadata.generation the status was computed for."
-    )
-    history: list[HistoryEntry] = Field(
-        default_factory=list, max_length=HISTORY_LIMIT,
-        description=f"Most recent built versions, newest first (at most {HISTORY_LIMIT}).",
-    )
-
-    # -- scale out (docs/scale-out.md) --
-    replicas: ReplicaStatus | None = Field(
-        default=None, description="Serving pods: what the replica count's owner wants against what runs.",
-    )
-
 
 
 class Metadata(BaseModel):

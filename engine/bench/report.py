@@ -46,13 +46,6 @@ def table(systems: dict[str, dict], ratios: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def markdown_table(systems: dict[str, dict], ratios: dict[str, float]) -> str:
-    head = "| " + " | ".join(title or "system" for _, title, _ in COLUMNS) + " |"
-    sep = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|"
-    lines = [head, sep] + ["| " + " | ".join(cells) + " |" for cells in _cells(systems, ratios)]
-    return "\n".join(lines)
-
-
 def ceiling_lines(ceiling: dict) -> list[str]:
     hw = ceiling["hardware"]
     bw = hw["bandwidth"]

@@ -1,0 +1,20 @@
+"""The base of every ``LLMEngine`` API type: camelCase in YAML, snake_case in Python."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+
+class APIModel(BaseModel):
+    """camelCase in YAML, snake_case in Python, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, validate_by_name=True, validate_by_alias=True, extra="forbid",
+    )
+
+    def to_k8s(self) -> dict[str, Any]:
+        """The camelCase dict the API server stores (None fields left out)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -1,0 +1,94 @@
+"""``LLMEngine.status``: what the operator reports (phase, conditions, versions, history, replicas)."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from kiln.api_base import APIModel as _Model
+
+
+class Phase(enum.StrEnum):
+    PENDING = "Pending"
+    BUILDING = "Building"
+    DEPLOYING = "Deploying"
+    READY = "Ready"
+    FAILED = "Failed"
+
+
+class Condition(_Model):
+    type: str = Field(max_length=316, description="CamelCase condition type, e.g. Ready, Built.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str | None = Field(default=None, max_length=1024, description="CamelCase machine-readable reason.")
+    message: str | None = Field(default=None, max_length=32768, description="Human-readable detail.")
+    last_transition_time: datetime | None = Field(
+        default=None, description="When status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation the condition was computed for."
+    )
+
+
+class HistoryEntry(_Model):
+    engine_version: str = Field(description="A built engine version.")
+    artifact_uri: str = Field(alias="artifactURI", description="Where that version's artifact lives.")
+    built_at: datetime | None = Field(default=None, description="When it was published (RFC 3339).")
+
+
+HISTORY_LIMIT = 10
+
+
+def add_to_history(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """``status.history`` (as stored: camelCase dicts) after ``entry`` was built or served: a new version
+    goes first; a version already listed keeps its place (the list is ordered by build, and a GitOps
+    revert rebuilds nothing); at most ``HISTORY_LIMIT`` entries."""
+    if any(e.get("engineVersion") == entry.get("engineVersion") for e in history):
+        return list(history)[:HISTORY_LIMIT]
+    return [entry, *history][:HISTORY_LIMIT]
+
+
+class ReplicaStatus(_Model):
+    """``status.replicas`` (scale out): the autoscaler writes desired, the Deployment controller the rest."""
+
+    desired: int = Field(default=0, ge=0, description="Pods wanted now (the Deployment's spec.replicas).")
+    current: int = Field(default=0, ge=0, description="Pods that exist, of any version.")
+    ready: int = Field(default=0, ge=0, description="Pods that are Ready.")
+    updated: int = Field(default=0, ge=0, description="Pods of the current template (the wanted version).")
+    owner: str = Field(
+        default="operator",
+        description="Who sets desired: operator (spec.serving.replicas), ScaledObject/<name> (KEDA) or "
+        "HorizontalPodAutoscaler/<name>.",
+    )
+
+
+class LLMEngineStatus(_Model):
+    # The operator writes status, not users; keys another writer left (e.g. kopf's own
+    # `status.kopf` on a cluster that kept it) must not make the object unreadable.
+    model_config = ConfigDict(extra="ignore")
+
+    phase: Phase | None = Field(default=None, description="Pending, Building, Deploying, Ready or Failed.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Kubernetes-style conditions; Ready means the engine serves.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    engine_version: str | None = Field(default=None, description="Version the current spec builds to.")
+    serving_version: str | None = Field(default=None, description="Version the ready pods serve.")
+    artifact_uri: str | None = Field(
+        default=None, alias="artifactURI", description="Artifact of engineVersion in the store."
+    )
+    endpoint: str | None = Field(default=None, description="In-cluster URL of the OpenAI-compatible API.")
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation the status was computed for."
+    )
+    history: list[HistoryEntry] = Field(
+        default_factory=list, max_length=HISTORY_LIMIT,
+        description=f"Most recent built versions, newest first (at most {HISTORY_LIMIT}).",
+    )
+
+    # -- scale out (docs/scale-out.md) --
+    replicas: ReplicaStatus | None = Field(
+        default=None, description="Serving pods: what the replica count's owner wants against what runs.",
+    )
