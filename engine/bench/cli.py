@@ -115,7 +115,8 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
 
     log(f"model: {model_dir if model_dir and (model_dir / 'config.json').is_file() else preset} ({dtype}) ...")
     try:
-        model_dir = ensure_model(preset, dtype, seed=0, model_dir=model_dir)
+        # Absolute: every system runs in its own process from a scratch directory.
+        model_dir = ensure_model(preset, dtype, seed=0, model_dir=model_dir.resolve() if model_dir else None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     facts = model_facts(model_dir)

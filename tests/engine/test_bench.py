@@ -98,9 +98,10 @@ def test_unknown_system_is_a_usage_error():
 def _quick(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kiln", "bench", "--quick", "--model-dir", str(tmp_path / "model"),
+        # A relative --model-dir, as users type it: the systems run from scratch directories.
+        [sys.executable, "-m", "kiln", "bench", "--quick", "--model-dir", "model",
          "--json", str(out), "--strict", *extra],
-        capture_output=True, text=True, timeout=280,
+        capture_output=True, text=True, timeout=280, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
