@@ -51,7 +51,7 @@ demo: install
 	$(BIN)/python examples/demo.py
 
 # The quoted figures use one torch thread for every system: on a shared 2-core
-# machine a second OpenMP thread mostly measures the neighbours (README, Performance).
+# machine a second OpenMP thread mostly measures the neighbours (docs/performance.md).
 BENCH_ARGS ?= --repeats 3 --threads 1
 bench: install
 	$(BIN)/kiln bench $(BENCH_ARGS)

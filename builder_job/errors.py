@@ -5,7 +5,7 @@ subclass whose ``str`` is one user-facing line naming the field or input and the
 fix. ``kiln build`` turns it into that line on stderr, the termination message
 the operator shows in ``status``, and the class's exit code — never a traceback.
 
-Exit codes (also in ``kiln build --help`` and the README):
+Exit codes (also in ``kiln build --help`` and docs/build.md):
 
 ====  =====================================================================
 0     built and published, or the store already had this engine version

@@ -1,6 +1,6 @@
 """Assemble the engine directory that is published: ``engine.json``, config, tokenizer, weights.
 
-Layout (the runtime's ``LLM.from_artifact`` reads it; see the README)::
+Layout (the runtime's ``LLM.from_artifact`` reads it; see docs/artifacts.md)::
 
     engine.json                          format_version, versions, envelope, gpu, engine_config,
                                          kv_plan, tuning, build_report
