@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from kiln.engine.layers.norm import RMSNorm
-from kiln.engine.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_qk, rope_parameters
+from kiln.engine.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_qk
+from kiln.engine.rope_config import rope_parameters
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
