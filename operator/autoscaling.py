@@ -25,7 +25,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.operator.naming import LWS_API_VERSION, LWS_KIND, lws_name, service_name, serving_labels
+from kiln.operator.naming import (
+    LWS_API_VERSION,
+    LWS_KIND,
+    lws_name,
+    object_meta,
+    service_name,
+    serving_labels,
+)
 from kiln.operator.settings import OperatorConfig
 
 from kiln.api import LLMEngineSpec
@@ -73,16 +80,6 @@ def queue_queries(name: str, namespace: str) -> dict[str, str]:
     return {metric: f"sum({metric}{{{match}}})" for metric in ("kiln:num_requests_waiting", "kiln:num_requests_running")}
 
 
-def _meta(name: str, namespace: str, owner: dict[str, Any] | None,
-          annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": serving_labels(name)}
-    if annotations:
-        meta["annotations"] = annotations
-    if owner:
-        meta["ownerReferences"] = [owner]
-    return meta
-
-
 def _target(spec: LLMEngineSpec, name: str) -> dict[str, Any]:
     """What the scaler scales: the Deployment, or the LeaderWorkerSet of a multi-node engine (one replica
     is one group; LWS has the scale subresource)."""
@@ -111,7 +108,7 @@ def scaled_object(spec: LLMEngineSpec, name: str, namespace: str, config: Operat
     return {
         "apiVersion": KEDA_API,
         "kind": "ScaledObject",
-        "metadata": _meta(name, namespace, owner),
+        "metadata": object_meta(name, namespace, serving_labels(name), owner),
         "spec": {
             "scaleTargetRef": _target(spec, name),
             "minReplicaCount": scaling.min_replicas,
@@ -134,7 +131,7 @@ def http_scaled_object(spec: LLMEngineSpec, name: str, namespace: str, config: O
     return {
         "apiVersion": KEDA_HTTP_API,
         "kind": "HTTPScaledObject",
-        "metadata": _meta(name, namespace, owner, {SKIP_SCALEDOBJECT: "true"}),
+        "metadata": object_meta(name, namespace, serving_labels(name), owner, {SKIP_SCALEDOBJECT: "true"}),
         "spec": {
             "hosts": [f"{svc}.{namespace}.svc.cluster.local", f"{svc}.{namespace}.svc", f"{svc}.{namespace}"],
             "scaleTargetRef": {**_target(spec, name), "service": svc, "port": spec.serving.port},
@@ -159,7 +156,7 @@ def horizontal_pod_autoscaler(spec: LLMEngineSpec, name: str, namespace: str, co
     return {
         "apiVersion": HPA_API,
         "kind": "HorizontalPodAutoscaler",
-        "metadata": _meta(name, namespace, owner),
+        "metadata": object_meta(name, namespace, serving_labels(name), owner),
         "spec": {
             "scaleTargetRef": _target(spec, name),
             "minReplicas": max(scaling.min_replicas, 1),

@@ -107,3 +107,14 @@ def owner_reference(body: dict[str, Any], controller: bool = True) -> dict[str, 
     meta = body["metadata"]
     return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
             "controller": controller, "blockOwnerDeletion": controller}
+
+
+def object_meta(name: str, namespace: str, labels: dict[str, str], owner: dict[str, Any] | None,
+                annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """``metadata`` of an object the operator creates: its labels, annotations and owner."""
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    if annotations:
+        meta["annotations"] = annotations
+    if owner:
+        meta["ownerReferences"] = [owner]
+    return meta

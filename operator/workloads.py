@@ -37,6 +37,7 @@ from kiln.operator.naming import (
     LWS_KIND,
     engine_pod_labels,
     lws_name,
+    object_meta,
     selector_labels,
     service_name,
     serving_labels,
@@ -134,7 +135,7 @@ def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: st
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(name, namespace, labels, owner,
+        "metadata": object_meta(name, namespace, labels, owner,
                           {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri, **owner_of_replicas}),
         "spec": {
             "replicas": initial_replicas(spec),  # autoscaled: create only (reconcile.apply), then the scaler's
@@ -222,7 +223,7 @@ def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, vers
     return {
         "apiVersion": LWS_API_VERSION,
         "kind": LWS_KIND,
-        "metadata": _meta(lws_name(name), namespace, serving_labels(name), owner,
+        "metadata": object_meta(lws_name(name), namespace, serving_labels(name), owner,
                           {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri,
                            **({REPLICAS_OWNER: "autoscaler"} if autoscaled(spec) else {})}),
         "spec": {
@@ -261,7 +262,7 @@ def build_service(spec: LLMEngineSpec, name: str, namespace: str,
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(service_name(name), namespace, serving_labels(name), owner),
+        "metadata": object_meta(service_name(name), namespace, serving_labels(name), owner),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(name),
@@ -284,22 +285,12 @@ def build_pdb(spec: LLMEngineSpec, name: str, namespace: str,
         return {
             "apiVersion": "policy/v1",
             "kind": "PodDisruptionBudget",
-            "metadata": _meta(name, namespace, serving_labels(name), owner),
+            "metadata": object_meta(name, namespace, serving_labels(name), owner),
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": engine_pod_labels(name)}},
         }
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _meta(name, namespace, serving_labels(name), owner),
+        "metadata": object_meta(name, namespace, serving_labels(name), owner),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
     }
-
-
-def _meta(name: str, namespace: str, labels: dict[str, str], owner: dict[str, Any] | None,
-          annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
-    if annotations:
-        meta["annotations"] = annotations
-    if owner:
-        meta["ownerReferences"] = [owner]
-    return meta
