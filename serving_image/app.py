@@ -171,11 +171,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     their size and nesting first), so FastAPI cannot see them; the pydantic models are the truth."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
+        from kiln.serving.prefix import KeysRequest
         from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
+                            ("/v1/prefix_cache/keys", KeysRequest)):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
             components[model.__name__] = body

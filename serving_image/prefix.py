@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from kiln.engine.prefix_hash import PREFIX_HASH_SCHEME, block_keys
 from kiln.serving.errors import APIError, from_validation_error, parse_json_body
 from kiln.serving.inputs import render_chat
-from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, _Body
+from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, _Body, check_messages
 from kiln.serving.routes import read_body
 from pydantic import Field, StrictBool, StrictInt, ValidationError
 
@@ -62,6 +62,7 @@ async def prefix_cache_keys(request: Request) -> dict[str, Any]:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt (text or token ids) and messages", param="prompt")
     if req.messages is not None:
+        check_messages(req.messages)
         ids = render_chat(req, engine.tokenizer)  # type: ignore[arg-type]
     elif isinstance(req.prompt, str):
         ids = engine.tokenizer.encode(req.prompt) if req.prompt else []

@@ -183,7 +183,12 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.chat_template_kwargs:
         raise APIError(400, "chat_template_kwargs is not supported by kiln; remove it",
                        param="chat_template_kwargs")
-    for i, message in enumerate(req.messages):
+    check_messages(req.messages)
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """Refuse message content kiln cannot render: only text parts ({'type': 'text', 'text': ...})."""
+    for i, message in enumerate(messages):
         if isinstance(message.content, list):
             for part in message.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):

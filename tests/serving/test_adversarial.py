@@ -76,6 +76,9 @@ CORPUS = [
     ("repetition_penalty 1e308", "completions", body(repetition_penalty=1e308), 400, "repetition_penalty"),
     ("text part not text", "chat", chat(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
      400, None),
+    ("prefix keys: image part", "prefix_cache/keys",
+     json.dumps({"model": M, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400,
+     "messages[0].content"),
     ("body over the size limit", "completions", b'{"model":"tiny","prompt":"' + b"a" * (MAX_BODY_BYTES + 10)
      + b'"}', 413, None),
 ]

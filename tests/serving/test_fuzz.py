@@ -43,7 +43,7 @@ def test_fuzz_openapi_schema(fuzz_server, scrape):
     schema = schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     paths = {op.path for op in operations}
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= paths
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/prefix_cache/keys", "/v1/models", "/health"} <= paths
     seen: dict[str, list[int]] = {}
     failures: list[str] = []
 
