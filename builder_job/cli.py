@@ -82,7 +82,8 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
 
     ``prefetched``: build from the checkpoint ``fetch_engine`` left in ``work_dir`` instead of fetching.
     """
-    from kiln.artifacts import ArtifactStore, StoreError, built_by_from_env
+    from kiln.artifact_manifest import StoreError, built_by_from_env
+    from kiln.artifacts import ArtifactStore
     from kiln.envelope import build_envelope, engine_version
 
     version = None

@@ -182,7 +182,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
         doc = write(tuning, config)
 
     with report.stage("publish"):
-        from kiln.artifacts import ArtifactConflict, StoreError
+        from kiln.artifact_manifest import ArtifactConflict, StoreError
 
         try:
             store.publish(version, out, envelope, progress=_publish_progress(), built_by=built_by)

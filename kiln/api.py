@@ -1,9 +1,10 @@
 """The ``LLMEngine`` API: pydantic types for ``serving.kiln.dev/v1alpha1``.
 
-These types are the single source of truth (the GPU table and the replica layout rule are in
-``kiln/skus.py``, the status types in ``kiln/engine_status.py``, re-exported here): the CRD (``kiln crd``) is generated
-from them, the build envelope (:mod:`kiln.envelope`) reads them, and the
-operator validates what the API server hands it with them. YAML uses camelCase
+These types are the single source of truth: the CRD (``kiln crd``) is generated from them, the
+build envelope (:mod:`kiln.envelope`) reads them, and the operator validates what the API server
+hands it with them. The spec's parts have modules of their own: ``spec.model`` in
+:mod:`kiln.model_source`, ``spec.serving`` in :mod:`kiln.serving_options`, the GPU table and the
+replica layout rule in :mod:`kiln.skus`, ``status`` in :mod:`kiln.engine_status`. YAML uses camelCase
 (``maxSeqLen``); Python uses snake_case (``spec.max_seq_len``); both are accepted.
 
 Cross-field rules live in :data:`CROSS_FIELD_RULES` twice over: as a Python check
@@ -32,21 +33,15 @@ so ``kubectl apply`` and ``kiln plan`` reject the same specs. Decisions:
 
 from __future__ import annotations
 
-import re
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kiln.api_base import DNS1123_LABEL
 from kiln.api_base import APIModel as _Model
-from kiln.engine_status import (
-    HISTORY_LIMIT,
-    Condition,
-    HistoryEntry,
-    LLMEngineStatus,
-    Phase,
-    ReplicaStatus,
-    add_to_history,
-)
+from kiln.engine_status import LLMEngineStatus
+from kiln.model_source import ModelSource
+from kiln.serving_options import SCALE_OUT_RULES, ServingOptions, scale_out_problems
 from kiln.skus import (
     FP8_GPUS,
     GPU_SKUS,
@@ -54,7 +49,6 @@ from kiln.skus import (
     GPUName,
     GPUSpec,
     ReplicaShape,
-    gpus_per_node,
     replica_shape,
     shape_problem,
 )
@@ -68,12 +62,8 @@ SINGULAR = "llmengine"
 SHORT_NAME = "llme"
 
 __all__ = [
-    "API_VERSION", "GROUP", "KIND", "PLURAL", "SHORT_NAME", "SINGULAR", "VERSION", "GPU_SKUS",
-    "BuildOptions", "Condition", "GPUSpec", "HistoryEntry", "KVOptions", "LLMEngine", "LLMEngineSpec",
-    "LLMEngineStatus", "Metadata", "ModelSource", "Phase", "QualityGate",
-    "ReplicaShape", "ServingOptions", "gpus_per_node", "replica_shape", "shape_problem",
-    "AutoscalingOptions", "ReplicaStatus", "RoutingOptions", "FP8_GPUS", "GPUName", "HISTORY_LIMIT",
-    "SHAPE_RULE", "add_to_history",
+    "API_VERSION", "GROUP", "KIND", "PLURAL", "SHORT_NAME", "SINGULAR", "VERSION", "CROSS_FIELD_RULES",
+    "BuildOptions", "KVOptions", "LLMEngine", "LLMEngineSpec", "Metadata", "QualityGate",
 ]
 
 
@@ -84,74 +74,6 @@ TensorParallel = Literal[1, 2, 4, 8]
 PipelineParallel = Literal[1, 2, 4, 8]
 GPUsPerNode = Literal[1, 2, 4, 8, 16]
 BlockSize = Literal[1, 2, 4, 8, 16, 32, 64, 128, 256]
-DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-# One pattern for the CRD; Python checks each scheme separately for a precise message.
-SOURCE_PATTERN = (
-    r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
-    r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?"
-    r"|file://(/|\./|\.\./)[^\s]*"
-    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?)$"
-)
-# A GGUF file inside an hf:// repo: a relative path ending in .gguf (no '..' segment: ModelSource checks).
-GGUF_FILE_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._/-]*\.[gG][gG][uU][fF]$"
-_SOURCE_RULES = {
-    "hf": (r"^hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", "hf://org/name"),
-    "s3": (r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?$", "s3://bucket/prefix"),
-    "file": (r"^file://(/|\./|\.\./)[^\s]*$", "file:///absolute/path or file://./relative/path"),
-    "pvc": (r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?$", "pvc://claim-name/sub/path"),
-}
-
-
-class ModelSource(_Model):
-    source: str = Field(
-        max_length=1024, json_schema_extra={"pattern": SOURCE_PATTERN},
-        description="Where the checkpoint lives: hf://org/name (Hugging Face hub), s3://bucket/prefix, "
-        "file:///absolute/path or file://./relative/path (relative to the working directory), or "
-        "pvc://claim-name/sub/path (a PersistentVolumeClaim in the engine's namespace). A checkpoint "
-        "directory (config.json, tokenizer, *.safetensors) or, except for hf://, one .gguf file.",
-    )
-    revision: str | None = Field(
-        default=None, max_length=255, pattern=r"^[A-Za-z0-9._/-]+$",
-        description="hf://: branch, tag or commit sha (pin a 40-hex commit sha; unset means main). "
-        "Other sources: a label you bump when the files change, since the engine version cannot see them; "
-        "for a .gguf file, 64 hex digits are its sha256, checked when the build fetches it.",
-    )
-    file: str | None = Field(
-        default=None, max_length=512, pattern=GGUF_FILE_PATTERN,
-        description="hf:// only: the .gguf file in the repo to build from (e.g. model.Q4_K_M.gguf); unset means "
-        "the repo's safetensors checkpoint.",
-    )
-    credentials_secret: str | None = Field(
-        default=None, max_length=253, pattern=DNS1123_SUBDOMAIN,
-        description="Secret in the engine's namespace with HF_TOKEN (hf://) or AWS_ACCESS_KEY_ID/"
-        "AWS_SECRET_ACCESS_KEY (s3://) keys; only valid for hf:// and s3:// sources.",
-    )
-
-    @field_validator("source")
-    @classmethod
-    def _check_source(cls, value: str) -> str:
-        scheme = value.split("://", 1)[0] if "://" in value else ""
-        if scheme not in _SOURCE_RULES:
-            raise ValueError(
-                f"unsupported model source {value!r}; use hf://org/name, s3://bucket/prefix, "
-                "file:///path or pvc://claim/path"
-            )
-        pattern, example = _SOURCE_RULES[scheme]
-        if not re.match(pattern, value):
-            raise ValueError(f"malformed {scheme}:// source {value!r}; expected {example}")
-        return value
-
-    @field_validator("file")
-    @classmethod
-    def _check_file(cls, value: str | None) -> str | None:
-        if value is not None and ".." in value.split("/"):
-            raise ValueError(f"{value!r} has a '..' segment; name the .gguf file by its path inside the repo")
-        return value
-
-    @property
-    def scheme(self) -> str:
-        return self.source.split("://", 1)[0]
 
 
 class KVOptions(_Model):
@@ -166,130 +88,6 @@ class KVOptions(_Model):
         description="Fraction of accelerator memory the engine may use for weights, activations and the "
         "KV pool together; the builder sizes the KV pool to what is left (vLLM's gpu_memory_utilization).",
     )
-
-
-# ---- Scale out (issue 14): autoscaling, routing, rollout strategy; see docs/scale-out.md ----------------------
-# Serving fields only: none of them is in the build envelope (kiln.envelope), so no engine version changes.
-
-RolloutStrategy = Literal["Surge", "RecreateOneAtATime"]
-EndpointPickerFailureMode = Literal["FailOpen", "FailClose"]
-
-
-class AutoscalingOptions(_Model):
-    min_replicas: int = Field(
-        default=1, ge=0, le=1000,
-        description="Fewest serving pods. 0 scales to zero when idle: needs KEDA and its HTTP add-on, whose "
-        "interceptor holds requests while a pod starts (docs/scale-out.md).",
-    )
-    max_replicas: int = Field(ge=1, le=1000, description="Most serving pods the autoscaler may run.")
-    target_waiting_requests: int = Field(
-        default=4, ge=1, le=100000,
-        description="Requests waiting in the engine's queue (kiln:num_requests_waiting) per pod that the "
-        "autoscaler aims for; more waiting adds pods.",
-    )
-    scale_down_stabilization_seconds: int = Field(
-        default=300, ge=0, le=3600,
-        description="How long load must stay low before pods are removed (the HPA's scaleDown stabilization "
-        "window; with KEDA also the idle time before scaling to zero).",
-    )
-
-
-class RoutingOptions(_Model):
-    inference_pool: bool = Field(
-        default=False,
-        description="Render a Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) over "
-        "this engine's pods, for an endpoint picker that scores queue depth, KV-cache use and prefix hits.",
-    )
-    endpoint_picker: str | None = Field(
-        default=None, max_length=63, pattern=DNS1123_LABEL,
-        description="Service of the endpoint picker (EPP) serving this pool; unset means <engine name>-epp.",
-    )
-    endpoint_picker_port: int = Field(
-        default=9002, ge=1, le=65535, description="gRPC (ext-proc) port of the endpoint picker's Service.",
-    )
-    endpoint_picker_failure_mode: EndpointPickerFailureMode = Field(
-        default="FailClose",
-        description="What the gateway does when the endpoint picker does not answer: FailClose rejects the "
-        "request, FailOpen forwards it to any pod of the pool.",
-    )
-
-
-# (python check name, CEL rule on spec, message, fieldPath), joined to CROSS_FIELD_RULES below.
-SCALE_OUT_RULES: tuple[tuple[str, str, str, str], ...] = (
-    ("autoscaling_bounds",
-     "!has(self.serving.autoscaling) || self.serving.autoscaling.minReplicas <= self.serving.autoscaling.maxReplicas",
-     "spec.serving.autoscaling.minReplicas must be at most maxReplicas; lower minReplicas or raise maxReplicas",
-     ".serving.autoscaling.minReplicas"),
-)
-
-
-def _scale_out_problems(spec: LLMEngineSpec) -> list[str]:
-    """The Python twins of SCALE_OUT_RULES."""
-    scaling = spec.serving.autoscaling
-    if scaling is not None and scaling.min_replicas > scaling.max_replicas:
-        return [f"serving.autoscaling.minReplicas: must be at most maxReplicas ({scaling.min_replicas} > "
-                f"{scaling.max_replicas}); lower minReplicas or raise maxReplicas"]
-    return []
-
-# ---- end of scale out types ---------------------------------------------------------------------------------
-
-
-class ServingOptions(_Model):
-    replicas: int = Field(
-        default=1, ge=0, le=1000,
-        description="Serving replicas: each is one pod, or one LeaderWorkerSet group of pods when the engine "
-        "spans nodes (tensorParallel x pipelineParallel > gpusPerNode).",
-    )
-    port: int = Field(default=8000, ge=1024, le=65535, description="Container and Service port of the API.")
-    resources: dict[str, Any] | None = Field(
-        default=None,
-        json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-        description="Kubernetes ResourceRequirements for the serving container (limits/requests); "
-        "unset means the pod's GPUs (tensorParallel x pipelineParallel, at most gpusPerNode) as nvidia.com/gpu and "
-        "the operator's CPU/memory defaults.",
-    )
-    api_key_secret: str | None = Field(
-        default=None, max_length=253, pattern=DNS1123_SUBDOMAIN,
-        description="Secret with key KILN_API_KEY; when set, requests need 'Authorization: Bearer <key>'.",
-    )
-    image: str | None = Field(default=None, max_length=512, description="Override of the serving image.")
-    max_queue_len: int = Field(
-        default=256, ge=1, le=100000,
-        description="Requests waiting beyond this get HTTP 429 instead of queueing.",
-    )
-    drain_timeout_seconds: int = Field(
-        default=30, ge=0, le=3600,
-        description="On shutdown, how long in-flight requests may finish before being aborted.",
-    )
-    # -- scale out (docs/scale-out.md) --
-    autoscaling: AutoscalingOptions | None = Field(
-        default=None,
-        description="Scale pods with the queue (KEDA ScaledObject, or an HPA where the chart says so); when set, "
-        "the autoscaler owns the replica count and spec.serving.replicas is not used.",
-    )
-    routing: RoutingOptions = Field(
-        default_factory=RoutingOptions, json_schema_extra={"default": {}},
-        description="Routing across replicas (Gateway API Inference Extension).",
-    )
-    rollout_strategy: RolloutStrategy = Field(
-        default="Surge",
-        description="Surge: a new pod starts beside the old ones, which serve until it is Ready (needs one spare "
-        "pod's GPUs). RecreateOneAtATime: an old pod stops before its replacement starts (no spare GPU needed; "
-        "one pod less serves during each step, and a single replica means downtime).",
-    )
-
-    @field_validator("resources")
-    @classmethod
-    def _check_resources(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is None:
-            return value
-        unknown = sorted(set(value) - {"limits", "requests", "claims"})
-        if unknown:
-            raise ValueError(f"unknown key(s) {', '.join(unknown)}; use limits, requests (and claims)")
-        for key in ("limits", "requests"):
-            if key in value and not isinstance(value[key], dict):
-                raise ValueError(f"{key} must be a map of resource name to quantity, e.g. {{cpu: '4'}}")
-        return value
 
 
 class QualityGate(_Model):
@@ -339,9 +137,8 @@ CROSS_FIELD_RULES: tuple[tuple[str, str, str, str], ...] = (
      "spec.model.file is only used by hf:// sources; name the .gguf file in spec.model.source instead",
      ".model.file"),
     SHAPE_RULE,
+    *SCALE_OUT_RULES,
 )
-
-CROSS_FIELD_RULES += SCALE_OUT_RULES  # scale out (issue 14)
 
 
 class LLMEngineSpec(_Model):
@@ -417,7 +214,7 @@ class LLMEngineSpec(_Model):
             problems.append("model.file: only used by hf:// sources; name the .gguf file in model.source instead")
         if shape := shape_problem(self.gpu, self.tensor_parallel, self.pipeline_parallel, self.gpus_per_node):
             problems.append(shape)
-        problems += _scale_out_problems(self)  # scale out (issue 14)
+        problems += scale_out_problems(self.serving)
         if problems:
             raise ValueError("\n".join(problems))
         return self

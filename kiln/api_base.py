@@ -1,4 +1,5 @@
-"""The base of every ``LLMEngine`` API type: camelCase in YAML, snake_case in Python."""
+"""The base of every ``LLMEngine`` API type: camelCase in YAML, snake_case in Python, and the
+Kubernetes name patterns its fields share (:mod:`kiln.manifest` words its messages by them)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
+
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
 class APIModel(BaseModel):

@@ -11,16 +11,9 @@ A version is visible only through a manifest that parses and lists files, so a
 publish killed at any point leaves nothing a reader can see. Files land in a
 private staging prefix and are verified there (sha256 and size of what the
 store holds), moved under ``engines/<version>/`` and then the manifest is
-created with an exclusive create (``O_EXCL``-style link on disk, a conditional
-``If-None-Match: *`` put on S3), so two publishers cannot clobber each other's
-manifest.
-
-Two publishers of one version could still overwrite each other's *files* while
-moving them in. The short-lived claim object prevents that: only the claim
-holder, or a publisher with byte-identical content (same content digest), moves
-files into ``engines/<version>/``; a publisher with different content waits for
-the holder's manifest and then raises :class:`ArtifactConflict`. A claim older
-than ``claim_ttl`` belongs to a dead publisher and is taken over.
+created last, exclusively; :mod:`kiln.artifact_claim` says how concurrent
+publishers of one version are kept apart. The manifest format, the errors and
+the provenance checks are in :mod:`kiln.artifact_manifest`.
 
 Errors a user can cause (missing bucket, credentials, unreachable endpoint,
 corrupt object) are :class:`StoreError` subclasses whose ``str`` is one line
@@ -29,35 +22,28 @@ naming the store and the fix; CLIs print it and exit 3.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from kiln.artifact_claim import best_effort, move_in
 from kiln.artifact_manifest import (
-    CLAIM_NAME,
-    HASH_CHUNK,
     MANIFEST_NAME,
-    MANIFEST_SCHEMA_VERSION,
     VERSION_RE,
-    ArtifactConflict,
     ArtifactCorrupt,
     ArtifactExpectation,
     ArtifactNotFound,
     ArtifactUntrusted,
     BuiltBy,
     Manifest,
-    ManifestFile,
     StoreError,
-    built_by_from_env,
     check_version,
     dir_matches,
     file_sha256,
@@ -66,15 +52,9 @@ from kiln.artifact_manifest import (
 )
 from kiln.storage import Backend, ObjectInfo
 
-__all__ = [
-    "ArtifactConflict", "ArtifactCorrupt", "ArtifactExpectation", "ArtifactNotFound", "ArtifactStore",
-    "ArtifactUntrusted", "BuiltBy", "HASH_CHUNK", "MANIFEST_NAME", "built_by_from_env",
-    "MANIFEST_SCHEMA_VERSION", "Manifest", "ManifestFile", "Progress", "StoreError", "check_version",
-    "default_store_uri", "file_sha256", "parse_artifact_uri",
-]
-
 # progress(relative_path, bytes_done, bytes_total), called repeatedly per file.
 Progress = Callable[[str, int, int], None]
+
 
 class ArtifactStore:
     """One interface over a :class:`kiln.storage.Backend` (file:// or s3://)."""
@@ -204,67 +184,9 @@ class ArtifactStore:
             manifest = Manifest(engine_version=version, created_at=now_utc(), upload_id=upload_id,
                                 envelope=dict(envelope), files=files, total_size=sum(f.size for f in files),
                                 content_digest=Manifest.digest_of(files), built_by=built_by)
-            return self._move_in(version, staging, manifest)
+            return move_in(self, version, staging, manifest)
         finally:
-            self._best_effort(lambda: self.backend.delete([o.key for o in self.backend.list(staging + "/")]))
-
-    @staticmethod
-    def _best_effort(cleanup: Callable[[], None]) -> None:
-        """Clean up without masking the real outcome; whatever is left, `gc` removes later."""
-        try:
-            cleanup()
-        except StoreError:
-            pass
-
-    def _settle(self, winner: Manifest, mine: Manifest) -> Manifest:
-        if winner.content_digest == mine.content_digest:
-            return winner
-        raise ArtifactConflict(
-            f"{self.artifact_uri(winner.engine_version)}: already published with different content "
-            f"(content digest {winner.content_digest[:12]}, this upload {mine.content_digest[:12]}); "
-            f"remove it with `kiln cache rm {winner.engine_version}` to publish again")
-
-    def _move_in(self, version: str, staging: str, manifest: Manifest) -> Manifest:
-        base = f"engines/{version}"
-        claim_key = f"{base}/{CLAIM_NAME}"
-        claim = {"upload_id": manifest.upload_id, "content_digest": manifest.content_digest,
-                 "created_at": now_utc().isoformat()}
-        owns_claim = False
-        while True:
-            if (winner := self.read_manifest(version)) is not None:
-                return self._settle(winner, manifest)
-            if self.backend.create_exclusive(claim_key, _json_bytes(claim)):
-                owns_claim = True
-                break
-            other = _read_json(self.backend.read(claim_key))
-            if other is None:
-                continue  # the holder just finished or gave up: look again
-            if other.get("content_digest") == manifest.content_digest:
-                break  # byte-identical content: moving it in alongside the holder is harmless
-            if _claim_age(other) > self.claim_ttl:
-                self.backend.delete([claim_key])  # its publisher died mid-move: take over
-                continue
-            time.sleep(0.2)  # a different upload is moving in: wait for its manifest
-        try:
-            for f in manifest.files:
-                self.backend.promote(f"{staging}/{f.path}", f"{base}/{f.path}")
-            if owns_claim:
-                other = _read_json(self.backend.read(claim_key))
-                if other is not None and other.get("upload_id") != manifest.upload_id:
-                    raise StoreError(f"{self.artifact_uri(version)}: another publisher took over this "
-                                     f"version while it was being moved in (claim older than "
-                                     f"{self.claim_ttl}); publish again")
-            if self.backend.create_exclusive(f"{base}/{MANIFEST_NAME}", _json_bytes(manifest)):
-                return manifest
-            for _ in range(50):  # lost the race: the winner's manifest may still be landing (non-atomic fs)
-                if (winner := self.read_manifest(version)) is not None:
-                    return self._settle(winner, manifest)
-                time.sleep(0.1)
-            raise StoreError(f"{self.artifact_uri(version)}/{MANIFEST_NAME} exists but is not a valid "
-                             f"manifest; remove it with `kiln cache rm {version}`")
-        finally:
-            if owns_claim:
-                self._best_effort(lambda: self.backend.delete([claim_key]))
+            best_effort(lambda: self.backend.delete([o.key for o in self.backend.list(staging + "/")]))
 
     def delete(self, version: str) -> list[str]:
         """Remove a version: manifest first (it vanishes atomically for readers), then its files."""
@@ -345,26 +267,3 @@ def _replace_dir(tmp: Path, dest: Path) -> None:
     tmp.rename(dest)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _json_bytes(obj: Any) -> bytes:
-    if isinstance(obj, BaseModel):
-        return obj.model_dump_json(indent=2).encode()
-    return json.dumps(obj, indent=2).encode()
-
-
-def _read_json(data: bytes | None) -> dict | None:
-    if data is None:
-        return None
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def _claim_age(claim: dict) -> timedelta:
-    try:
-        return now_utc() - datetime.fromisoformat(claim["created_at"])
-    except (KeyError, TypeError, ValueError):
-        return timedelta.max

@@ -17,7 +17,8 @@ from datetime import timedelta
 
 import click
 
-from kiln.artifacts import ArtifactNotFound, ArtifactStore, Manifest, StoreError, default_store_uri
+from kiln.artifact_manifest import ArtifactNotFound, Manifest, StoreError
+from kiln.artifacts import ArtifactStore, default_store_uri
 
 EXIT_NOT_FOUND = 1
 EXIT_STORAGE = 3

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from kiln import api
+from kiln.engine_status import LLMEngineStatus
 
 CRD_NAME = f"{api.PLURAL}.{api.GROUP}"
 HEADER = (
@@ -84,7 +85,7 @@ def _ordered(node: dict[str, Any]) -> dict[str, Any]:
 
 def openapi_schema() -> dict[str, Any]:
     spec = structural(api.LLMEngineSpec.model_json_schema(by_alias=True, mode="validation"))
-    status = structural(api.LLMEngineStatus.model_json_schema(by_alias=True, mode="validation"))
+    status = structural(LLMEngineStatus.model_json_schema(by_alias=True, mode="validation"))
     spec = _ordered({**spec, "description": "What to build and how to serve it; `kiln plan` shows which "
                      "fields change the engine version."})
     status = _ordered({**status, "description": "Observed state, written by the operator."})

@@ -19,7 +19,8 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from kiln.api import DNS1123_LABEL, DNS1123_SUBDOMAIN, KIND, LLMEngine, LLMEngineSpec
+from kiln.api import KIND, LLMEngine, LLMEngineSpec
+from kiln.api_base import DNS1123_LABEL, DNS1123_SUBDOMAIN
 
 
 class ManifestError(ValueError):

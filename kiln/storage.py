@@ -3,7 +3,7 @@
 Keys are '/'-separated and relative to the store root. Policy (staging, claims,
 manifests, verification against the manifest) lives in :mod:`kiln.artifacts`;
 a backend only moves bytes and reports what it holds, translating its own
-failures into one-line :class:`kiln.artifacts.StoreError` messages.
+failures into one-line :class:`kiln.artifact_manifest.StoreError` messages.
 """
 
 from __future__ import annotations

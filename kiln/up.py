@@ -32,7 +32,8 @@ def serve_command(artifact_uri: str, engine, host: str, port: int) -> list[str]:
 
 def read_engine_json(store_uri: str, version: str) -> dict:
     """The published artifact's ``engine.json`` ({} when it cannot be read; the server will say why)."""
-    from kiln.artifacts import ArtifactStore, StoreError
+    from kiln.artifact_manifest import StoreError
+    from kiln.artifacts import ArtifactStore
 
     try:
         data = ArtifactStore.from_uri(store_uri).backend.read(f"engines/{version}/engine.json")

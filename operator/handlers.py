@@ -23,7 +23,8 @@ from kiln.operator.reconcile import Context, Result, reconcile
 from kiln.operator.settings import ConfigError, OperatorConfig, reconcile_interval_from_env
 
 from kiln.api import GROUP, PLURAL, VERSION
-from kiln.artifacts import ArtifactStore, StoreError
+from kiln.artifact_manifest import StoreError
+from kiln.artifacts import ArtifactStore
 
 try:
     INTERVAL = reconcile_interval_from_env(os.environ)

@@ -58,7 +58,7 @@ def gpu_placement(spec: LLMEngineSpec, config: OperatorConfig) -> dict[str, Any]
 
 def pod_gpus(spec: LLMEngineSpec) -> int:
     """GPUs of one serving pod, and of the build Job: the ranks one pod holds
-    (``tensorParallel x pipelineParallel``, at most ``gpusPerNode``: :func:`kiln.api.replica_shape`).
+    (``tensorParallel x pipelineParallel``, at most ``gpusPerNode``: :func:`kiln.skus.replica_shape`).
 
     A multi-node engine is built on one node with that node's GPUs: the builder converts and shards
     every (stage, TP rank) file in host memory, so the node must hold the checkpoint in RAM and on its

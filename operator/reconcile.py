@@ -57,8 +57,9 @@ from kiln.operator.workloads import (
     endpoint,
 )
 
-from kiln.api import API_VERSION, PLURAL, add_to_history
+from kiln.api import API_VERSION, PLURAL
 from kiln.artifacts import ArtifactStore
+from kiln.engine_status import add_to_history
 from kiln.envelope import engine_version
 
 HASH_ANNOTATION = "serving.kiln.dev/rendered-hash"

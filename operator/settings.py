@@ -16,7 +16,7 @@ from typing import Any
 
 from kiln.operator.images import parse_allow_entry, parse_image
 
-from kiln.api import GPU_SKUS
+from kiln.skus import GPU_SKUS
 
 DEFAULT_GPU_LABEL = "nvidia.com/gpu.product"
 DEFAULT_IMAGE = "ghcr.io/kiln-dev/kiln:0.1.0"

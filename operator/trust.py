@@ -4,7 +4,7 @@ Build pods hold the artifact store's write credentials and serving pods its read
 credentials, so an LLMEngine may name only images the operator's admin allowed
 (the chart's images, or an ``allowedImages`` entry; forms in
 :mod:`kiln.operator.images`). Every artifact records who built it
-(:class:`kiln.artifacts.BuiltBy`: the builder image and this operator's
+(:class:`kiln.artifact_manifest.BuiltBy`: the builder image and this operator's
 identity); the operator serves only artifacts it built with a trusted image, and
 tells the serving pods exactly which build it verified (``$KILN_EXPECT_ARTIFACT``)
 so they refuse anything else. docs/operator-trust.md explains the whole model.
@@ -16,7 +16,7 @@ from kiln.operator.images import AllowEntry, image_allowed, parse_allow_entry, p
 from kiln.operator.settings import OperatorConfig
 
 from kiln.api import LLMEngineSpec
-from kiln.artifacts import ArtifactExpectation, BuiltBy, Manifest
+from kiln.artifact_manifest import ArtifactExpectation, BuiltBy, Manifest
 
 ALLOWLIST_HINT = "the chart value allowedImages (KILN_ALLOWED_IMAGES)"
 

@@ -1,6 +1,6 @@
 """Serving objects: pure functions of (engine, version, config) -> Deployment or LeaderWorkerSet, Service, PDB.
 
-A replica that fits one pod (:func:`kiln.api.replica_shape`) is a Deployment; one that spans
+A replica that fits one pod (:func:`kiln.skus.replica_shape`) is a Deployment; one that spans
 pods is a ``leaderworkerset.x-k8s.io/v1`` LeaderWorkerSet group of ``pods`` pods (see
 :func:`build_leader_worker_set` for its readiness and restart design).
 

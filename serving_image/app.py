@@ -98,7 +98,7 @@ class ServingContext:
 
 def _is_user_error(exc: BaseException) -> bool:
     """A failure the message explains (bad setting, missing or corrupt artifact): no traceback."""
-    from kiln.artifacts import StoreError
+    from kiln.artifact_manifest import StoreError
 
     return isinstance(exc, ValueError | OSError | StoreError)
 

@@ -65,10 +65,11 @@ def fetch_artifact(uri: str, cache_dir: Path | None) -> Path:
 
     In a pod the operator started, ``$KILN_EXPECT_ARTIFACT`` says which build it verified
     (builder image, operator, content digest); an artifact whose manifest differs is refused
-    (:class:`kiln.artifacts.ArtifactUntrusted`, one line naming what differs). Unset (``kiln up``,
+    (:class:`kiln.artifact_manifest.ArtifactUntrusted`, one line naming what differs). Unset (``kiln up``,
     ``kiln serve`` by hand): no such check, only the checksums.
     """
-    from kiln.artifacts import ArtifactExpectation, parse_artifact_uri
+    from kiln.artifact_manifest import ArtifactExpectation
+    from kiln.artifacts import parse_artifact_uri
 
     store, version = parse_artifact_uri(uri)
     expect = ArtifactExpectation.from_env(os.environ)

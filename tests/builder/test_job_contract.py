@@ -19,8 +19,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from kiln.artifact_manifest import BUILT_BY_ENV
-from kiln.artifacts import ArtifactStore, BuiltBy
+from kiln.artifact_manifest import BUILT_BY_ENV, BuiltBy
+from kiln.artifacts import ArtifactStore
 from kiln.envelope import engine_version
 from kiln.manifest import load_manifest
 

@@ -8,16 +8,10 @@ import pytest
 import yaml
 
 from kiln import api
-from kiln.api import (
-    GPU_SKUS,
-    LLMEngine,
-    LLMEngineSpec,
-    LLMEngineStatus,
-    gpus_per_node,
-    replica_shape,
-    shape_problem,
-)
+from kiln.api import LLMEngine, LLMEngineSpec
+from kiln.engine_status import LLMEngineStatus, Phase, add_to_history
 from kiln.manifest import ManifestError, _model_in, load_manifest, load_spec
+from kiln.skus import GPU_SKUS, gpus_per_node, replica_shape, shape_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -193,11 +187,11 @@ def test_status_round_trip_and_bounded_history():
         "history": [{"engineVersion": "v1", "artifactURI": "s3://b/engines/v1", "builtAt": "2026-01-01T00:00:00Z"}],
     }
     status = LLMEngineStatus.model_validate(raw)
-    assert status.phase == api.Phase.READY == "Ready" and status.conditions[0].status == "True"
+    assert status.phase == Phase.READY == "Ready" and status.conditions[0].status == "True"
     assert status.to_k8s() == raw
     history = raw["history"]
     for i in range(2, 16):
-        history = api.add_to_history(history, {"engineVersion": f"v{i}", "artifactURI": f"u{i}"})
+        history = add_to_history(history, {"engineVersion": f"v{i}", "artifactURI": f"u{i}"})
     assert [e.engine_version for e in LLMEngineStatus.model_validate({**raw, "history": history}).history] == [
         f"v{i}" for i in range(15, 5, -1)]
     with pytest.raises(ValueError):

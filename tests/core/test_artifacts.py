@@ -15,15 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.artifacts import (
-    ArtifactConflict,
-    ArtifactCorrupt,
-    ArtifactNotFound,
-    ArtifactStore,
-    Manifest,
-    StoreError,
-    parse_artifact_uri,
-)
+from kiln.artifact_manifest import ArtifactConflict, ArtifactCorrupt, ArtifactNotFound, Manifest, StoreError
+from kiln.artifacts import ArtifactStore, parse_artifact_uri
 
 MiB = 1024 * 1024
 VERSION = "llama-tiny-0123456789ab"

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from kiln.artifact_manifest import MANIFEST_NAME
-from kiln.artifacts import (
+from kiln.artifact_manifest import (
+    MANIFEST_NAME,
     ArtifactExpectation,
-    ArtifactStore,
     ArtifactUntrusted,
     BuiltBy,
     StoreError,
     built_by_from_env,
 )
+from kiln.artifacts import ArtifactStore
 
 VERSION = "tiny-0123456789ab"
 DIGEST = "sha256:" + "e" * 64

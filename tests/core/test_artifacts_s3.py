@@ -16,7 +16,8 @@ import pytest
 from botocore.exceptions import ClientError
 from netutil import free_port, wait_for_port
 
-from kiln.artifacts import ArtifactCorrupt, ArtifactStore, StoreError, parse_artifact_uri
+from kiln.artifact_manifest import ArtifactCorrupt, StoreError
+from kiln.artifacts import ArtifactStore, parse_artifact_uri
 from kiln.storage_s3 import _local_checksums
 
 MiB = 1024 * 1024

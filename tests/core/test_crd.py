@@ -131,7 +131,7 @@ CEL_SAMPLES = [
     {"model": {"source": "pvc://claim/m", "credentialsSecret": "tok"}},
     {"model": {"source": "s3://bucket/m", "credentialsSecret": "tok"}},
     {"model": {"source": "hf://org/m", "credentialsSecret": "tok"}},
-    # The replica shape: a tensor-parallel group must fit one node (kiln.api.shape_problem / SHAPE_RULE).
+    # The replica shape: a tensor-parallel group must fit one node (kiln.skus.shape_problem / SHAPE_RULE).
     {"gpu": "H100-80GB", "tensorParallel": 8, "pipelineParallel": 2},
     {"gpu": "H100-80GB", "tensorParallel": 8, "pipelineParallel": 2, "gpusPerNode": 4},
     {"gpu": "H100-80GB", "tensorParallel": 8, "pipelineParallel": 1, "gpusPerNode": 4},

@@ -21,8 +21,8 @@ from conftest import Kube, wait_for
 from kopf.testing import KopfRunner
 
 from kiln.api import LLMEngineSpec
-from kiln.artifact_manifest import BUILT_BY_ENV
-from kiln.artifacts import ArtifactStore, BuiltBy
+from kiln.artifact_manifest import BUILT_BY_ENV, BuiltBy
+from kiln.artifacts import ArtifactStore
 from kiln.envelope import build_envelope
 
 NS = "ml"

@@ -22,11 +22,12 @@ from kiln.operator.workloads import (
 )
 from test_render_lws import validate_lws
 
-from kiln.api import GPU_SKUS, LLMEngineSpec
-from kiln.artifact_manifest import BUILT_BY_ENV, EXPECT_ENV
-from kiln.artifacts import ArtifactExpectation, ArtifactStore, BuiltBy
+from kiln.api import LLMEngineSpec
+from kiln.artifact_manifest import BUILT_BY_ENV, EXPECT_ENV, ArtifactExpectation, BuiltBy
+from kiln.artifacts import ArtifactStore
 from kiln.envelope import engine_version
 from kiln.manifest import load_manifest
+from kiln.skus import GPU_SKUS
 
 K8S_VERSION = "1.31"
 CONFIG = OperatorConfig(store_uri="s3://kiln-engines/prod", store_secret="kiln-store",

@@ -23,8 +23,7 @@ from harness import (
 from kiln.operator.metrics import REGISTRY
 
 from kiln.api import LLMEngineSpec
-from kiln.artifact_manifest import EXPECT_ENV
-from kiln.artifacts import ArtifactExpectation, BuiltBy
+from kiln.artifact_manifest import EXPECT_ENV, ArtifactExpectation, BuiltBy
 from kiln.envelope import engine_version
 
 pytestmark = pytest.mark.timeout(120)

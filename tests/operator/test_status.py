@@ -143,8 +143,8 @@ def test_a_sku_missing_from_the_node_label_map_is_a_spec_error():
 
 
 def test_history_has_one_rule():
-    """kiln.api.add_to_history is the one rule the operator uses: new versions first, a revert keeps order."""
-    from kiln.api import HISTORY_LIMIT, add_to_history
+    """kiln.engine_status.add_to_history is the one rule the operator uses: new versions first, a revert keeps order."""
+    from kiln.engine_status import HISTORY_LIMIT, add_to_history
 
     history: list[dict] = []
     for i in range(HISTORY_LIMIT + 3):

@@ -11,7 +11,7 @@ from kiln.operator.settings import ConfigError, OperatorConfig
 from kiln.operator.trust import artifact_problem, built_by, expectation
 from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
 
-from kiln.artifacts import ArtifactExpectation, BuiltBy, Manifest, ManifestFile
+from kiln.artifact_manifest import ArtifactExpectation, BuiltBy, Manifest, ManifestFile
 
 CHART = "ghcr.io/kiln-dev/kiln:0.1.0"
 DIGEST = "sha256:" + "a" * 64

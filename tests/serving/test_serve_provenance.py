@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from kiln.serving.loader import fetch_artifact
 
-from kiln.artifact_manifest import EXPECT_ENV
-from kiln.artifacts import ArtifactExpectation, ArtifactStore, ArtifactUntrusted, BuiltBy
+from kiln.artifact_manifest import EXPECT_ENV, ArtifactExpectation, ArtifactUntrusted, BuiltBy
+from kiln.artifacts import ArtifactStore
 
 VERSION = "tiny-0123456789ab"
 

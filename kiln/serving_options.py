@@ -1,0 +1,134 @@
+"""``spec.serving``: how a built engine is served (replicas, port, queue, autoscaling, routing, rollout).
+
+Serving fields only: none of them is in the build envelope (:mod:`kiln.envelope`), so changing
+them never changes the engine version. Autoscaling, routing and the rollout strategy are
+described in docs/scale-out.md. :data:`SCALE_OUT_RULES` are the cross-field rules of this part of
+the spec (CEL, joined into ``kiln.api.CROSS_FIELD_RULES``); :func:`scale_out_problems` is their
+Python twin.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from kiln.api_base import DNS1123_LABEL, DNS1123_SUBDOMAIN
+from kiln.api_base import APIModel as _Model
+
+RolloutStrategy = Literal["Surge", "RecreateOneAtATime"]
+EndpointPickerFailureMode = Literal["FailOpen", "FailClose"]
+
+
+class AutoscalingOptions(_Model):
+    min_replicas: int = Field(
+        default=1, ge=0, le=1000,
+        description="Fewest serving pods. 0 scales to zero when idle: needs KEDA and its HTTP add-on, whose "
+        "interceptor holds requests while a pod starts (docs/scale-out.md).",
+    )
+    max_replicas: int = Field(ge=1, le=1000, description="Most serving pods the autoscaler may run.")
+    target_waiting_requests: int = Field(
+        default=4, ge=1, le=100000,
+        description="Requests waiting in the engine's queue (kiln:num_requests_waiting) per pod that the "
+        "autoscaler aims for; more waiting adds pods.",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300, ge=0, le=3600,
+        description="How long load must stay low before pods are removed (the HPA's scaleDown stabilization "
+        "window; with KEDA also the idle time before scaling to zero).",
+    )
+
+
+class RoutingOptions(_Model):
+    inference_pool: bool = Field(
+        default=False,
+        description="Render a Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) over "
+        "this engine's pods, for an endpoint picker that scores queue depth, KV-cache use and prefix hits.",
+    )
+    endpoint_picker: str | None = Field(
+        default=None, max_length=63, pattern=DNS1123_LABEL,
+        description="Service of the endpoint picker (EPP) serving this pool; unset means <engine name>-epp.",
+    )
+    endpoint_picker_port: int = Field(
+        default=9002, ge=1, le=65535, description="gRPC (ext-proc) port of the endpoint picker's Service.",
+    )
+    endpoint_picker_failure_mode: EndpointPickerFailureMode = Field(
+        default="FailClose",
+        description="What the gateway does when the endpoint picker does not answer: FailClose rejects the "
+        "request, FailOpen forwards it to any pod of the pool.",
+    )
+
+
+class ServingOptions(_Model):
+    replicas: int = Field(
+        default=1, ge=0, le=1000,
+        description="Serving replicas: each is one pod, or one LeaderWorkerSet group of pods when the engine "
+        "spans nodes (tensorParallel x pipelineParallel > gpusPerNode).",
+    )
+    port: int = Field(default=8000, ge=1024, le=65535, description="Container and Service port of the API.")
+    resources: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        description="Kubernetes ResourceRequirements for the serving container (limits/requests); "
+        "unset means the pod's GPUs (tensorParallel x pipelineParallel, at most gpusPerNode) as nvidia.com/gpu and "
+        "the operator's CPU/memory defaults.",
+    )
+    api_key_secret: str | None = Field(
+        default=None, max_length=253, pattern=DNS1123_SUBDOMAIN,
+        description="Secret with key KILN_API_KEY; when set, requests need 'Authorization: Bearer <key>'.",
+    )
+    image: str | None = Field(default=None, max_length=512, description="Override of the serving image.")
+    max_queue_len: int = Field(
+        default=256, ge=1, le=100000,
+        description="Requests waiting beyond this get HTTP 429 instead of queueing.",
+    )
+    drain_timeout_seconds: int = Field(
+        default=30, ge=0, le=3600,
+        description="On shutdown, how long in-flight requests may finish before being aborted.",
+    )
+    autoscaling: AutoscalingOptions | None = Field(
+        default=None,
+        description="Scale pods with the queue (KEDA ScaledObject, or an HPA where the chart says so); when set, "
+        "the autoscaler owns the replica count and spec.serving.replicas is not used.",
+    )
+    routing: RoutingOptions = Field(
+        default_factory=RoutingOptions, json_schema_extra={"default": {}},
+        description="Routing across replicas (Gateway API Inference Extension).",
+    )
+    rollout_strategy: RolloutStrategy = Field(
+        default="Surge",
+        description="Surge: a new pod starts beside the old ones, which serve until it is Ready (needs one spare "
+        "pod's GPUs). RecreateOneAtATime: an old pod stops before its replacement starts (no spare GPU needed; "
+        "one pod less serves during each step, and a single replica means downtime).",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _check_resources(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return value
+        unknown = sorted(set(value) - {"limits", "requests", "claims"})
+        if unknown:
+            raise ValueError(f"unknown key(s) {', '.join(unknown)}; use limits, requests (and claims)")
+        for key in ("limits", "requests"):
+            if key in value and not isinstance(value[key], dict):
+                raise ValueError(f"{key} must be a map of resource name to quantity, e.g. {{cpu: '4'}}")
+        return value
+
+
+# (python check name, CEL rule on spec, message, fieldPath), joined to kiln.api.CROSS_FIELD_RULES.
+SCALE_OUT_RULES: tuple[tuple[str, str, str, str], ...] = (
+    ("autoscaling_bounds",
+     "!has(self.serving.autoscaling) || self.serving.autoscaling.minReplicas <= self.serving.autoscaling.maxReplicas",
+     "spec.serving.autoscaling.minReplicas must be at most maxReplicas; lower minReplicas or raise maxReplicas",
+     ".serving.autoscaling.minReplicas"),
+)
+
+
+def scale_out_problems(serving: ServingOptions) -> list[str]:
+    """The Python twins of :data:`SCALE_OUT_RULES`, one ``<field path>: <what + fix>`` line each."""
+    scaling = serving.autoscaling
+    if scaling is not None and scaling.min_replicas > scaling.max_replicas:
+        return [f"serving.autoscaling.minReplicas: must be at most maxReplicas ({scaling.min_replicas} > "
+                f"{scaling.max_replicas}); lower minReplicas or raise maxReplicas"]
+    return []
