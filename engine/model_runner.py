@@ -27,7 +27,7 @@ from kiln.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_bl
 from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 from kiln.engine.layers.linear import LinearBase, can_prepack, pack_model
 from kiln.engine.models.llama import Intermediate, head_dim_of
-from kiln.engine.models.registry import model_class
+from kiln.engine.models.registry import create_model
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.sequence import Request
 from kiln.engine.weights import load_checkpoint, load_engine_state
@@ -99,19 +99,9 @@ def merge_rows(outs: dict[int, SamplerOutput], errors: dict[int, str], num_rows:
 
 def build_model(config: EngineConfig) -> torch.nn.Module:
     """This rank's shard of the model, with weights loaded (and quantized if asked)."""
-    cls = model_class(config.hf_config)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(config.torch_dtype)
-    try:
-        with torch.device(config.device):
-            model = cls(config.hf_config, config.max_seq_len)
-    finally:
-        torch.set_default_dtype(old)
+    artifact_quant = config.quantization if config.weights_dir is not None else None
+    model = create_model(config.hf_config, config.max_seq_len, config.torch_dtype, config.device, artifact_quant)
     if config.weights_dir is not None:
-        if config.quantization:
-            for m in model.modules():
-                if isinstance(m, LinearBase):
-                    m.make_quantized_(config.quantization)
         name = f"rank-{parallel.rank()}-of-{parallel.world_size()}.safetensors"
         load_engine_state(model, Path(config.weights_dir) / name)
     else:

@@ -7,11 +7,11 @@ row-parallel layers split the input dimension and all-reduce their output,
 and the fused ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` place each
 checkpoint tensor (``shard_id`` q/k/v or 0/1) at its offset in the fused weight.
 
-Weight-only quantization (``int8`` / ``fp8``): ``weight`` holds int8 or
-float8_e4m3fn values and ``weight_scale`` one float32 scale per output channel;
-the forward pass dequantizes on the fly into the activation dtype (no fp8
-matmul kernels are assumed), except int8 with bf16 activations on CPU, which
-uses torch's int8-weight matmul (same math, scale applied to the output).
+Weight-only quantization (``int8`` / ``fp8``, ``quant.py``): ``weight`` holds int8 or
+float8_e4m3fn values and ``weight_scale`` one float32 scale per output channel, and
+``quant.quantized_linear`` picks the GEMM (int8/fp8 kernels on a GPU, torch's int8-weight
+matmul or a per-call dequantization on CPU). Every parameter is created on the device of
+the model being built, including the quantized ones that replace the float weight.
 On CPU in bf16, unquantized weights are prepacked for oneDNN (``pack_model``).
 """
 
@@ -20,25 +20,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from kiln.engine import parallel
+from kiln.engine.layers.quant import QUANT_DTYPES, quantize_weight, quantized_linear
 from torch import nn
 
-_HAS_INT8_MM = hasattr(torch, "_weight_int8pack_mm")
-QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-_QMAX = {"int8": 127.0, "fp8": 448.0}
-
-
-def quantize_weight(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel symmetric quantization of a [out, in] weight -> (q, float32 scale[out])."""
-    if method not in QUANT_DTYPES:
-        raise ValueError(f"quantization must be one of {', '.join(QUANT_DTYPES)}, got {method!r}")
-    w32 = w.to(torch.float32)
-    scale = (w32.abs().amax(dim=1) / _QMAX[method]).clamp(min=1e-12)
-    scaled = w32 / scale[:, None]
-    if method == "int8":
-        q = scaled.round().clamp(-127, 127).to(torch.int8)
-    else:
-        q = scaled.clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, scale
+__all__ = ["ColumnParallelLinear", "LinearBase", "MergedColumnParallelLinear", "QKVParallelLinear",
+           "QUANT_DTYPES", "RowParallelLinear", "can_prepack", "pack_model", "packed_linear", "prepack",
+           "quantize_weight"]
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -80,31 +67,23 @@ class LinearBase(nn.Module):
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def make_quantized_(self, method: str) -> None:
-        """Empty quantized parameters to receive a pre-quantized (artifact) state dict."""
-        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=QUANT_DTYPES[method]), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(self.weight.shape[0], dtype=torch.float32, device=self.weight.device),
-                                         requires_grad=False)
+        """Empty quantized parameters to receive a pre-quantized (artifact) state dict, on the device of
+        the float weight they replace (a model built on CUDA keeps its quantized weights there)."""
+        shape, device = self.weight.shape, self.weight.device
+        self.weight = nn.Parameter(torch.empty(shape, dtype=QUANT_DTYPES[method], device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(shape[0], dtype=torch.float32, device=device), requires_grad=False)
 
     def pack_for_cpu_(self, batch_hint: int) -> None:
         """Serve from a oneDNN-prepacked copy of the (bf16) weight and drop the plain one (see pack_model)."""
         self.packed_weight = prepack(self.weight.detach(), batch_hint)
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
-        if self.weight.dtype == torch.int8 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and _HAS_INT8_MM \
-                and x.shape[-1] % 32 == 0:
-            # int8 x bf16 kernel: reads the int8 weight once instead of materializing a bf16 copy. It
-            # crashes (segfault, torch 2.13) for input sizes that are not a multiple of 8; 32 keeps clear.
-            x2 = x.reshape(-1, x.shape[-1]).contiguous()
-            y = torch._weight_int8pack_mm(x2, self.weight, self.weight_scale.to(x.dtype))
-            y = y.view(*x.shape[:-1], -1)
-            return y if bias is None else y + bias
-        w = self.weight.to(x.dtype) * self.weight_scale.to(x.dtype)[:, None]
-        return F.linear(x, w, bias)
+        return quantized_linear(x, self.weight, self.weight_scale, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)

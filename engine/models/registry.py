@@ -1,10 +1,12 @@
-"""Which model class serves which Hugging Face ``architectures`` entry."""
+"""Which model class serves which Hugging Face ``architectures`` entry, and building one on a device."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from kiln.engine.errors import UnsupportedModelError
+from kiln.engine.layers.linear import LinearBase
 from kiln.engine.models import SUPPORTED_ARCHITECTURES
 from kiln.engine.models.llama import LlamaForCausalLM
 from torch import nn
@@ -23,3 +25,26 @@ def model_class(hf_config: dict[str, Any]) -> type[nn.Module]:
         f"model architecture {', '.join(archs) or '(none in config.json)'} is not supported; "
         f"supported architectures: {', '.join(sorted(MODEL_REGISTRY))}"
     )
+
+
+def create_model(hf_config: dict[str, Any], max_position: int, dtype: torch.dtype, device: str | torch.device,
+                 quantization: str | None = None) -> nn.Module:
+    """This rank's shard of the model with unloaded parameters, every parameter and buffer on ``device``.
+
+    With ``quantization``, the linears hold empty int8/fp8 weights and scales to receive an
+    artifact's state dict (``weights.load_engine_state``). Built on ``meta`` by the placement
+    tests: nothing may land on another device.
+    """
+    cls = model_class(hf_config)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(hf_config, max_position)
+            if quantization:
+                for m in model.modules():
+                    if isinstance(m, LinearBase):
+                        m.make_quantized_(quantization)
+    finally:
+        torch.set_default_dtype(old)
+    return model
