@@ -53,7 +53,7 @@ def _resolve_device(device: str) -> str:
                    "in two processes with / without micro-batches in flight (--threads each).")
 @click.option("--baselines", default="", help="Comma-separated peer engines to add as systems, each in its own "
               "environment under .kiln-work/baselines (created on first use): openvino (OpenVINO GenAI "
-              "ContinuousBatchingPipeline). Not part of make test.")
+              "ContinuousBatchingPipeline), vllm (vLLM's CPU backend). Not part of make test.")
 @click.option("--max-batch-size", type=int, default=64, show_default=True,
               help="kiln max_batch_size and transformers' max_requests_per_batch.")
 @click.option("--max-num-tokens", type=int, default=2048, show_default=True,
@@ -82,8 +82,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     peer_names = [b.strip() for b in baselines.split(",") if b.strip()]
     bad = [b for b in peer_names if b not in peers.PEERS]
     if bad:
-        raise click.UsageError(f"--baselines: unknown {', '.join(bad)}; choose from {', '.join(peers.PEERS)} "
-                               "(vLLM's CPU backend is not wired in yet)")
+        raise click.UsageError(f"--baselines: unknown {', '.join(bad)}; choose from {', '.join(peers.PEERS)}")
     if peer_names and device != "cpu" and device != "auto":
         raise click.UsageError("--baselines: the peer baselines run on CPU only; use --device cpu")
     chosen += [b for b in peer_names if b not in chosen]
