@@ -147,3 +147,18 @@ def kube(emulator: EmulatorThread) -> Iterator[Kube]:
     client = Kube(emulator.url)
     yield client
     client.http.close()
+
+
+@pytest.fixture
+def cluster(emulator: EmulatorThread, kube: Kube, s3_bucket: str, tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """The scenario suites' cluster: kopf's kubeconfig and the store pointing at the emulator and moto."""
+    from harness import Cluster, write_kubeconfig  # harness imports this module: import it when used
+
+    store_uri = f"s3://{s3_bucket}/kiln"
+    kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", emulator.url))
+    monkeypatch.setenv("KUBECONFIG", kubeconfig)
+    # The client library reads KUBECONFIG once, at import; an operator process starts with it set.
+    monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
+    monkeypatch.setenv("KILN_STORE_URI", store_uri)
+    monkeypatch.setenv("KILN_STORE_SECRET", "kiln-store")
+    return Cluster(kube, store_uri, tmp_path)

@@ -8,7 +8,6 @@ import copy
 import time
 
 import pytest
-import test_scenarios
 from conftest import wait_for
 from harness import DEPLOYMENTS, ENGINES, PODS, SPEC, VERSION_LABEL, Cluster, manifest, running_operator
 from test_scenarios import ready
@@ -19,12 +18,6 @@ HTTPSCALEDOBJECTS = NS_APIS.format("http.keda.sh/v1alpha1", "httpscaledobjects")
 POOLS = NS_APIS.format("inference.networking.k8s.io/v1", "inferencepools")
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def cluster(emulator, kube, s3_bucket, tmp_path, monkeypatch) -> Cluster:
-    """The scenario suite's cluster: kopf's kubeconfig and store pointing at the emulator and moto."""
-    return test_scenarios.cluster.__wrapped__(emulator, kube, s3_bucket, tmp_path, monkeypatch)
 
 
 def scale(c: Cluster, name: str, replicas: int) -> None:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
-from conftest import Kube, wait_for
+from conftest import wait_for
 from harness import (
     DEPLOYMENTS,
     ENGINES,
@@ -18,7 +17,6 @@ from harness import (
     Cluster,
     manifest,
     running_operator,
-    write_kubeconfig,
 )
 from kiln.operator.metrics import REGISTRY
 
@@ -31,18 +29,6 @@ pytestmark = pytest.mark.timeout(120)
 
 def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-@pytest.fixture
-def cluster(emulator, kube: Kube, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cluster:
-    store_uri = f"s3://{s3_bucket}/kiln"
-    kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", emulator.url))
-    monkeypatch.setenv("KUBECONFIG", kubeconfig)
-    # The client library reads KUBECONFIG once, at import; an operator process starts with it set.
-    monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
-    monkeypatch.setenv("KILN_STORE_URI", store_uri)
-    monkeypatch.setenv("KILN_STORE_SECRET", "kiln-store")
-    return Cluster(kube, store_uri, tmp_path)
 
 
 def ready(c: Cluster, name: str, spec: dict) -> str:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import copy
 import time
-from pathlib import Path
 
 import pytest
-from conftest import Kube, declare, wait_for
+from conftest import declare, wait_for
 from harness import (
     DEPLOYMENTS,
     ENGINES,
@@ -21,7 +20,6 @@ from harness import (
     Cluster,
     manifest,
     running_operator,
-    write_kubeconfig,
 )
 from kiln.operator.naming import lws_name
 
@@ -29,17 +27,6 @@ LWS_RESOURCE = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 MULTI = {**copy.deepcopy(SPEC), "tensorParallel": 2, "pipelineParallel": 2, "gpusPerNode": 2}
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def cluster(emulator, kube: Kube, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cluster:
-    store_uri = f"s3://{s3_bucket}/kiln"
-    kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", emulator.url))
-    monkeypatch.setenv("KUBECONFIG", kubeconfig)
-    monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
-    monkeypatch.setenv("KILN_STORE_URI", store_uri)
-    monkeypatch.setenv("KILN_STORE_SECRET", "kiln-store")
-    return Cluster(kube, store_uri, tmp_path)
 
 
 def ready_lws(c: Cluster, name: str, spec: dict) -> str:
