@@ -16,9 +16,7 @@ Pickle checkpoints (``*.bin``, ``*.pt``) are refused: loading them runs arbitrar
 code, and so would ``trust_remote_code``, which kiln never sets.
 
 Local sources (``file://``, ``pvc://``) are read in place, so they must be what they
-say: a symlink (the named path, a folder on the way inside a claim, or a file in the
-checkpoint) or a ``..`` that leaves the given root is refused, naming
-``spec.model.source`` and the path.
+say: :mod:`kiln.builder.local_source` refuses symlinks and ``..`` escapes.
 
 GGUF: a source naming a ``.gguf`` file (``file://``, ``s3://``, ``pvc://``, or ``hf://``
 with ``spec.model.file``) is checked and dequantized into a checkpoint directory under
@@ -36,6 +34,7 @@ from pathlib import Path
 
 from kiln.builder import gguf
 from kiln.builder.errors import FetchError
+from kiln.builder.local_source import check_local_path, local_hint, refuse_linked_files
 
 log = logging.getLogger("kiln.build.fetch")
 
@@ -47,7 +46,6 @@ MODEL_FILES = (
 )
 ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", *MODEL_FILES]
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt"]
-PVC_ROOT_ENV = "KILN_PVC_ROOT"
 
 
 @dataclass
@@ -94,85 +92,20 @@ def _refuse_pickle_only(names: list[str], where: str) -> None:
                          "directory (config.json + *.safetensors + tokenizer files)")
 
 
-def local_path(source: str) -> Path:
-    """The path a ``file://`` or ``pvc://`` source names (not checked)."""
-    if source.startswith("file://"):
-        rest = source[len("file://"):]
-        path = Path(rest).expanduser()
-        return path if path.is_absolute() else Path.cwd() / path
-    if source.startswith("pvc://"):
-        claim, _, sub = source[len("pvc://"):].partition("/")
-        return pvc_root(claim) / sub
-    raise ValueError(source)
-
-
-def pvc_root(claim: str) -> Path:
-    return Path(os.environ.get(PVC_ROOT_ENV, "/models")) / claim
-
-
-def _refuse(source: str, why: str, fix: str) -> FetchError:
-    return FetchError(f"spec.model.source: {source} {why}; {fix}")
-
-
-def check_local_path(source: str) -> Path:
-    """The path a local source names, refusing ``..`` escapes and symlinks (returns the unresolved path)."""
-    path = local_path(source)
-    if source.startswith("pvc://"):
-        claim = source[len("pvc://"):].partition("/")[0]
-        root = pvc_root(claim)
-        sub = source[len("pvc://") + len(claim):].strip("/")
-        if ".." in sub.split("/"):
-            raise _refuse(source, "has a '..' segment", f"name a path inside the claim {claim}")
-        here = root
-        for part in [p for p in sub.split("/") if p not in ("", ".")]:
-            here = here / part
-            if here.is_symlink():
-                raise _refuse(source, f"goes through the symlink {here}", "point at the real path inside the claim")
-        if root.exists() and path.exists() and not path.resolve().is_relative_to(root.resolve()):
-            raise _refuse(source, f"resolves to {path.resolve()}, outside the claim's root {root}",
-                          "name a path inside the claim")
-        return path
-    rest = source[len("file://"):]
-    parts = rest.split("/")
-    leading = 0
-    while leading < len(parts) and parts[leading] in ("", ".", ".."):
-        leading += 1
-    if ".." in parts[leading:]:
-        raise _refuse(source, "has a '..' segment inside the path", "write the path without '..' after its start")
-    if path.is_symlink():
-        raise _refuse(source, f"-> {path} is a symlink (to {path.resolve()})",
-                      "point at the real checkpoint directory or file, not a link to it")
-    return path
-
-
-def _refuse_linked_files(source: str, root: Path, names: list[str]) -> None:
-    for n in sorted(names):
-        p = root / n
-        if p.is_symlink() or not p.resolve().is_relative_to(root.resolve()):
-            raise _refuse(source, f"contains {n}, a symlink to {p.resolve()}",
-                          "copy the real file into the checkpoint directory (kiln reads no links)")
-
-
 def _fetch_local(source: str, revision: str | None, work_dir: Path) -> Checkpoint:
     path = check_local_path(source)
     if gguf.is_gguf(path.name):
         if not path.is_file():
-            raise FetchError(f"spec.model.source: {source} -> {path} is not a file{_local_hint(source, path)}")
+            raise FetchError(f"spec.model.source: {source} -> {path} is not a file{local_hint(source, path)}")
         return _from_gguf(path, source, revision, None, work_dir)
     if not path.is_dir():
-        raise FetchError(f"spec.model.source: {source} -> {path} is not a directory{_local_hint(source, path)}")
+        raise FetchError(f"spec.model.source: {source} -> {path} is not a directory{local_hint(source, path)}")
     names = [p.name for p in path.iterdir() if p.is_file()]
     _refuse_pickle_only(names, str(path))
-    _refuse_linked_files(source, path, [n for n in names if _allowed(n)])
+    refuse_linked_files(source, path, [n for n in names if _allowed(n)])
     files = {n: (path / n).stat().st_size for n in names if _allowed(n)}
     log.info("using local checkpoint %s (%d files, %.1f MiB)", path, len(files), sum(files.values()) / 2**20)
     return Checkpoint(path=path.resolve(), source=source, revision=revision, resolved_revision=None, files=files)
-
-
-def _local_hint(source: str, path: Path) -> str:
-    if source.startswith("pvc://"):
-        return f" (pvc:// sources are read from ${PVC_ROOT_ENV}/<claim>, here {path.parent})"
-    return f" (relative file:// paths are resolved against the working directory {Path.cwd()})"
 
 
 def _from_gguf(path: Path, source: str, revision: str | None, resolved: str | None, work_dir: Path
