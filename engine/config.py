@@ -15,6 +15,8 @@ from kiln.engine.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8", "fp8")
+# "auto": the Triton paged kernels on CUDA when triton is installed, else the torch path (docs/gpu.md).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -31,6 +33,21 @@ def max_model_len(hf_config: dict[str, Any]) -> int:
     return max_positions(hf_config)
 
 
+def resolve_attention_backend(backend: str, device: str) -> str | None:
+    """What ``attention_backend=backend`` runs on ``device``, or None if it cannot run there: "auto" is
+    Triton on CUDA when triton is installed, else torch; Triton on CPU only under its interpreter."""
+    import importlib.util
+    import os
+
+    has_triton = importlib.util.find_spec("triton") is not None
+    if backend == "auto":
+        return "triton" if device == "cuda" and has_triton else "torch"
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if backend == "triton" and (not has_triton or (device != "cuda" and not interpreted)):
+        return None
+    return backend
+
+
 @dataclass
 class EngineConfig:
     """``LLM(...)`` keyword arguments, resolved and checked.
@@ -42,7 +59,9 @@ class EngineConfig:
     CUDA graphs; ``pipeline_parallel_size`` splits the layers into stages (rank layout in
     ``parallel.py``) and ``num_micro_batches`` splits each step's batch so the stages overlap;
     ``distributed_address``/``rank_offset``/``local_ranks`` place ranks started separately
-    (docs/multi-node.md); ``weights_dir`` is set by ``from_artifact`` (per-rank engine weights).
+    (docs/multi-node.md); ``weights_dir`` is set by ``from_artifact`` (per-rank engine weights);
+    ``attention_backend`` picks the attention implementation and is resolved here ("auto" becomes
+    "triton" or "torch"; ``resolve_attention_backend``).
     """
 
     model: str
@@ -73,6 +92,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graph_batch_sizes: list[int] | None = None
     enforce_eager: bool = False
+    attention_backend: str = "auto"
     weights_dir: str | None = None  # per-rank engine weights (artifact); None = load the HF checkpoint
     # How an artifact was adapted to this CPU at load (kiln.engine.cpu_target.plan_cpu_load); None otherwise.
     cpu_target: dict[str, Any] | None = field(default=None, repr=False)
@@ -104,6 +124,8 @@ class EngineConfig:
             ("kv_cache_dtype", self.kv_cache_dtype in ("auto", *DTYPES), f"must be 'auto' or one of {', '.join(DTYPES)}"),
             ("device", self.device in ("cpu", "cuda"), "must be 'cpu' or 'cuda'"),
             ("device", self.device != "cuda" or torch.cuda.is_available(), "is 'cuda' but no CUDA device is visible"),
+            ("attention_backend", self.attention_backend in ATTENTION_BACKENDS,
+             f"must be one of {', '.join(ATTENTION_BACKENDS)}"),
             ("max_batch_size", self.max_batch_size >= 1, "must be >= 1"),
             ("max_num_tokens", self.max_num_tokens >= self.max_batch_size,
              f"must be >= max_batch_size ({self.max_batch_size}) so every running request can decode each step"),
@@ -129,6 +151,12 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(f"{name} {rule}, got {getattr(self, name)!r}")
         self._check_placement()
+        backend = resolve_attention_backend(self.attention_backend, self.device)
+        if backend is None:
+            raise ConfigError("attention_backend 'triton' needs the triton package (pip install 'kiln[gpu]') and a "
+                              "CUDA device, or on CPU Triton's interpreter (TRITON_INTERPRET=1, for tests): "
+                              "use 'auto' or 'torch'")
+        self.attention_backend = backend
         if self.device == "cuda" and torch.cuda.device_count() < self.local_ranks:
             raise ConfigError(f"this process hosts {self.local_ranks} rank(s) (tensor_parallel_size "
                               f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size}"

@@ -26,6 +26,7 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
 from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 from kiln.engine.layers.linear import LinearBase, can_prepack, pack_model
+from kiln.engine.layers.paged_metadata import build_paged_metadata
 from kiln.engine.models.llama import Intermediate, head_dim_of
 from kiln.engine.models.registry import create_model
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -123,6 +124,8 @@ class ModelRunner:
             pack_model(self.model, config.max_batch_size)
         cfg = config.hf_config
         kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
+        self.num_kv_heads = kv_heads  # this rank's
+        self.attention_backend = config.attention_backend  # resolved: "torch" or "triton"
         # This stage's layers only: each stage's pool holds its own layers' K/V for every block.
         start, end = parallel.stage_layers(cfg["num_hidden_layers"], parallel.pp_rank(), parallel.pp_size())
         block_bytes = bytes_per_block(config, end - start, kv_heads, head_dim_of(cfg))
@@ -136,8 +139,9 @@ class ModelRunner:
             from kiln.engine.cuda_graphs import CUDAGraphRunner, default_batch_sizes
 
             sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_batch_size)
+            paged = kv_heads if self.attention_backend == "triton" else None
             self.graphs = CUDAGraphRunner(self.model, self.block_size, -(-config.max_seq_len // self.block_size),
-                                          self.num_blocks, sizes, self.device)
+                                          self.num_blocks, sizes, self.device, paged_kv_heads=paged)
 
     # -- rank 0 ---------------------------------------------------------------------------
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
@@ -266,6 +270,23 @@ class ModelRunner:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
                                    inputs.decode_block_tables, inputs.decode_ctx_lens)
         dev = self.device
+        set_attention_metadata(self.attention_metadata(inputs))
+        try:
+            out = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), intermediate)
+            if not parallel.is_last_stage():
+                return out
+            return self.model.compute_logits(out[inputs.logits_indices.to(dev)])
+        finally:
+            set_attention_metadata(None)
+
+    def attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        """The step's attention metadata on this rank's device, built once for every layer."""
+        dev = self.device
+        slot_mapping = inputs.slot_mapping.to(dev)
+        if self.attention_backend == "triton":
+            paged = build_paged_metadata(inputs.decode_block_tables, inputs.decode_ctx_lens, inputs.prefills,
+                                         self.num_kv_heads, dev)
+            return AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=inputs.num_decodes, paged=paged)
         ctx = inputs.decode_ctx_lens.to(dev)
         decode_mask = decode_pad_mask = None
         if inputs.num_decodes:
@@ -280,15 +301,8 @@ class ModelRunner:
                 mask = (torch.arange(ctx_len, device=dev)[None, :]
                         <= torch.arange(q_len, device=dev)[:, None] + offset)
             prefills.append(PrefillChunk(q_start, q_len, ctx_len, block_ids.to(dev), mask))
-        set_attention_metadata(AttentionMetadata(
-            slot_mapping=inputs.slot_mapping.to(dev), num_decode_tokens=inputs.num_decodes,
+        return AttentionMetadata(
+            slot_mapping=slot_mapping, num_decode_tokens=inputs.num_decodes,
             decode_block_tables=inputs.decode_block_tables.to(dev).contiguous(), decode_mask=decode_mask,
             prefills=prefills, decode_pad_mask=decode_pad_mask, workspace=self.workspace,
-        ))
-        try:
-            out = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), intermediate)
-            if not parallel.is_last_stage():
-                return out
-            return self.model.compute_logits(out[inputs.logits_indices.to(dev)])
-        finally:
-            set_attention_metadata(None)
+        )

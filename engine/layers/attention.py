@@ -13,6 +13,10 @@ reads each sequence's whole context back from its blocks:
 - each prefill chunk runs its own SDPA over its gathered blocks, with the
   causal mask offset by the tokens already in the cache (prefix hits and
   earlier chunks), or plain ``is_causal`` when the chunk is the whole context.
+
+With ``attention_backend="triton"`` the metadata carries ``paged`` instead, and each layer is one
+Triton decode launch (+ its split combine) and one prefill launch over the pool, no gather
+(``kernels/paged_attention_*.py``, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from kiln.engine.layers.paged_metadata import PagedMetadata
 from torch import nn
 
 
@@ -46,6 +51,7 @@ class AttentionMetadata:
     # layer gathers the same amount, so one buffer serves all layers and every step after the first.
     workspace: dict[str, torch.Tensor] | None = None
     decode_groups: list[DecodeGroup] | None = None  # CPU decode rows grouped by context; built by the first layer
+    paged: PagedMetadata | None = None  # set: the Triton kernels run this step (decode/prefill fields unused)
 
 
 @dataclass
@@ -127,6 +133,8 @@ class Attention(nn.Module):
         v_slots = self.v_cache.view(kvh, num_blocks * block_size, d)
         k_slots.index_copy_(1, md.slot_mapping, k.transpose(0, 1).to(k_slots.dtype))
         v_slots.index_copy_(1, md.slot_mapping, v.transpose(0, 1).to(v_slots.dtype))
+        if md.paged is not None:
+            return self._forward_paged(q, md.num_decode_tokens, md.paged)
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decode_tokens
@@ -155,6 +163,20 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=p.mask, is_causal=p.mask is None,
                                                scale=self.scale, enable_gqa=gqa)
             out[p.q_start:end] = o[0].transpose(0, 1)
+        return out.flatten(1)
+
+    def _forward_paged(self, q: torch.Tensor, num_decodes: int, paged: PagedMetadata) -> torch.Tensor:
+        """The Triton kernels: decodes (rows ``:num_decodes``), then the prefill chunks."""
+        from kiln.engine.kernels.paged_attention_decode import paged_decode
+        from kiln.engine.kernels.paged_attention_prefill import paged_prefill
+
+        out = torch.empty_like(q)
+        if num_decodes:
+            paged_decode(q[:num_decodes], self.k_cache, self.v_cache, paged.decode_block_tables,
+                         paged.decode_seq_lens, self.scale, paged.num_splits, out[:num_decodes])
+        if paged.max_prefill_len:
+            paged_prefill(q, self.k_cache, self.v_cache, paged.prefill_block_tables, paged.prefill_query_start,
+                          paged.prefill_seq_lens, paged.max_prefill_len, self.scale, out)
         return out.flatten(1)
 
     def _decode_cpu(self, q: torch.Tensor, block_tables: torch.Tensor, pad: torch.Tensor,
