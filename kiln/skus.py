@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)  # the engine's FP8_MIN_CAPABILITY (kiln/engine/kernels/fp8.py)
+
 
 @dataclass(frozen=True)
 class GPUSpec:
@@ -29,11 +31,15 @@ class GPUSpec:
 
     @property
     def supports_fp8(self) -> bool:
-        """FP8 weights are native at compute capability >= 8.9; cpu runs the dequantized reference path."""
+        """FP8 GEMMs are native at compute capability >= 8.9; cpu runs the dequantized reference path.
+
+        The engine's rule (``kiln.engine.kernels.fp8.fp8_gemm_supported``) decides what really
+        runs; the core imports no engine, so tests/engine/test_quant_kernels.py pins that they agree.
+        """
         if self.compute_capability is None:
             return True
         major, minor = (int(x) for x in self.compute_capability.split("."))
-        return (major, minor) >= (8, 9)
+        return (major, minor) >= FP8_MIN_COMPUTE_CAPABILITY
 
 
 GPU_SKUS: dict[str, GPUSpec] = {

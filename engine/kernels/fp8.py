@@ -55,7 +55,7 @@ def device_runs_fp8(device: torch.device) -> bool:
 
 def can_use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The fp8 GEMM runs this call: an fp8-capable device, bf16/fp16 activations, K and N multiples of 16."""
-    return (weight.dtype == FP8_DTYPE and x.dtype in FP8_OUT_DTYPES and x.shape[-1] % 16 == 0
+    return (x.is_cuda and weight.dtype == FP8_DTYPE and x.dtype in FP8_OUT_DTYPES and x.shape[-1] % 16 == 0
             and weight.shape[0] % 16 == 0 and device_runs_fp8(x.device))
 
 

@@ -61,13 +61,13 @@ def _has_triton() -> bool:
 def quant_path(x: torch.Tensor, weight: torch.Tensor) -> str:
     """Which GEMM runs ``x`` against this quantized ``weight``: int8pack, triton_int8, scaled_mm or dequantize."""
     if weight.dtype == torch.int8:
-        if x.device.type == "cpu":
+        if x.is_cpu:
             # torch's int8 x bf16 kernel reads the int8 weight once instead of materializing a bf16
             # copy. It crashes (segfault, torch 2.13) for input sizes that are not a multiple of 8;
             # 32 keeps clear.
             if x.dtype == torch.bfloat16 and _HAS_INT8_MM and x.shape[-1] % 32 == 0:
                 return "int8pack"
-        elif x.device.type == "cuda" and _has_triton():
+        elif x.is_cuda and _has_triton():
             return "triton_int8"
     elif can_use_scaled_mm(x, weight):
         return "scaled_mm"

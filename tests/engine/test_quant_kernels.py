@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
 
 from kiln.engine.kernels.fp8 import (  # noqa: E402
     FP8_DTYPE,
+    FP8_MIN_CAPABILITY,
     can_use_scaled_mm,
     device_runs_fp8,
     emulate_fp8_linear,
@@ -32,7 +33,7 @@ from kiln.engine.kernels.fp8 import (  # noqa: E402
 from kiln.engine.layers.linear import LinearBase  # noqa: E402
 from kiln.engine.layers.quant import dequantize, quant_path, quantize_weight  # noqa: E402
 
-from kiln.skus import GPU_SKUS  # noqa: E402
+from kiln.skus import FP8_MIN_COMPUTE_CAPABILITY, GPU_SKUS  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -176,6 +177,7 @@ def test_fp8_rule_is_compute_capability_8_9():
 
 def test_sku_table_agrees_with_the_engine_fp8_rule():
     """kiln/skus.py may not import the engine: this pins that its supports_fp8 is the engine's rule."""
+    assert FP8_MIN_COMPUTE_CAPABILITY == FP8_MIN_CAPABILITY
     for name, sku in GPU_SKUS.items():
         if sku.is_cpu:
             # cpu is allowed as the reference path: the engine dequantizes fp8 there (quant_path below).
