@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kiln.builder.errors import FetchError
 
-PVC_ROOT_ENV = "KILN_PVC_ROOT"
+from kiln.model_source import PVC_ROOT_ENV
 
 
 def local_path(source: str) -> Path:

@@ -14,6 +14,8 @@ from pydantic import Field, field_validator
 from kiln.api_base import DNS1123_SUBDOMAIN
 from kiln.api_base import APIModel as _Model
 
+# Where the builder finds a pvc:// source's claim mounted: $KILN_PVC_ROOT/<claim> (the operator's build Job sets it).
+PVC_ROOT_ENV = "KILN_PVC_ROOT"
 # One pattern for the CRD; Python checks each scheme separately for a precise message.
 SOURCE_PATTERN = (
     r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"

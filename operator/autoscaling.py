@@ -18,7 +18,7 @@ Why these shapes (docs/scale-out.md has the whole story):
   ``autoscaling.hpa.metricPrefix``). The HPA cannot scale to zero without an alpha feature gate, so
   ``minReplicas: 0`` is refused on such an operator (:func:`autoscaling_problem`).
 - The operator writes the Deployment's ``replicas`` only on create (:func:`initial_replicas`); afterwards the
-  scaler owns it (:data:`REPLICAS_OWNER`, honoured by ``reconcile.apply``).
+  scaler owns it (:data:`REPLICAS_OWNER`, honoured by :func:`kiln.operator.apply.apply`).
 """
 
 from __future__ import annotations

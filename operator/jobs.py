@@ -29,6 +29,7 @@ from kiln.operator.trust import builder_image, built_by
 
 from kiln.api import API_VERSION, KIND, LLMEngineSpec
 from kiln.artifact_manifest import BUILT_BY_ENV
+from kiln.model_source import PVC_ROOT_ENV
 
 WORK_DIR = "/var/lib/kiln"
 PVC_MOUNT_ROOT = f"{WORK_DIR}/pvc"
@@ -106,7 +107,7 @@ def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
         {"name": "KILN_ENGINE_VERSION", "value": version},
         {"name": "KILN_SPEC", "value": manifest_json(spec, name, namespace)},
         {"name": "KILN_WORK_DIR", "value": WORK_DIR},
-        {"name": "KILN_PVC_ROOT", "value": PVC_MOUNT_ROOT},
+        {"name": PVC_ROOT_ENV, "value": PVC_MOUNT_ROOT},
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": f"{WORK_DIR}/hf"},
     ]

@@ -23,14 +23,12 @@ Order, and why:
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from kiln.operator import metrics, scale_out
-from kiln.operator.autoscaling import REPLICAS_OWNER
+from kiln.operator.apply import HASH_ANNOTATION, apply
 from kiln.operator.jobs import build_job
 from kiln.operator.kube import ApiError, KubeClient, api_path
 from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, lws_name, owner_reference
@@ -61,9 +59,6 @@ from kiln.api import API_VERSION, PLURAL
 from kiln.artifacts import ArtifactStore
 from kiln.engine_status import add_to_history
 from kiln.envelope import engine_version
-
-HASH_ANNOTATION = "serving.kiln.dev/rendered-hash"
-MANAGED_POD_FIELDS = ("nodeSelector", "tolerations", "serviceAccountName")
 
 
 @dataclass
@@ -278,46 +273,6 @@ async def builder_message(ctx: Context, namespace: str, job: dict[str, Any]) -> 
     except ApiError:
         return ""
     return termination_message(pods)
-
-
-def rendered_hash(obj: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-async def apply(kube: KubeClient, desired: dict[str, Any]) -> dict[str, Any]:
-    """Create, or merge-patch when the rendering changed (a hash annotation, not a diff against
-    server-defaulted fields, decides); returns the live object."""
-    meta = desired["metadata"]
-    meta.setdefault("annotations", {})[HASH_ANNOTATION] = rendered_hash(desired)
-    plural = {"Deployment": "deployments", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets",
-              "LeaderWorkerSet": LWS_PLURAL, **scale_out.PLURALS}
-    collection = api_path(desired["apiVersion"], plural[desired["kind"]], meta["namespace"])
-    path = f"{collection}/{meta['name']}"
-    live = await kube.get(path)
-    if live is None:
-        try:
-            return await kube.create(collection, desired)
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
-            live = await kube.get(path) or {}
-    if (live.get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][
-            HASH_ANNOTATION]:
-        return live
-    patch = json.loads(json.dumps(desired))
-    if desired["kind"] == "Deployment":  # merge patches keep absent keys: clear the ones we own
-        pods = [patch["spec"]["template"]["spec"]]
-    elif desired["kind"] == "LeaderWorkerSet":
-        lwt = patch["spec"]["leaderWorkerTemplate"]
-        pods = [lwt["leaderTemplate"]["spec"], lwt["workerTemplate"]["spec"]]
-    else:
-        pods = []
-    for pod in pods:
-        for key in MANAGED_POD_FIELDS:
-            pod.setdefault(key, None)
-        if meta["annotations"].get(REPLICAS_OWNER) == "autoscaler":
-            del patch["spec"]["replicas"]  # set on create only: the autoscaler owns it (never fight it)
-    return await kube.patch(path, patch)
 
 
 async def scale_out_observation(ctx: Context, spec: Any, name: str, namespace: str, version: str,

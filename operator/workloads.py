@@ -138,7 +138,7 @@ def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: st
         "metadata": object_meta(name, namespace, labels, owner,
                           {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri, **owner_of_replicas}),
         "spec": {
-            "replicas": initial_replicas(spec),  # autoscaled: create only (reconcile.apply), then the scaler's
+            "replicas": initial_replicas(spec),  # autoscaled: create only (apply.py), then the scaler's
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": config.startup_timeout_seconds + 120,
             "selector": {"matchLabels": selector_labels(name)},
@@ -227,7 +227,7 @@ def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, vers
                           {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: artifact_uri,
                            **({REPLICAS_OWNER: "autoscaler"} if autoscaled(spec) else {})}),
         "spec": {
-            "replicas": initial_replicas(spec),  # autoscaled: create only (reconcile.apply), then the scaler's
+            "replicas": initial_replicas(spec),  # autoscaled: create only (apply.py), then the scaler's
             "startupPolicy": "LeaderCreated",
             "rolloutStrategy": {"type": "RollingUpdate",
                                 "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}},
