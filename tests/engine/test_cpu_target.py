@@ -57,6 +57,7 @@ def test_native_detection_can_be_forced_and_is_measured_otherwise(monkeypatch):
 
 
 def test_plan_falls_back_to_float32_and_picks_the_int8_path(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # it would win over $KILN_CPU_THREADS (documented order)
     monkeypatch.setenv("KILN_CPU_THREADS", "1")
     monkeypatch.setenv("KILN_CPU_NATIVE_BF16", "0")
     plan = ct.plan_cpu_load("bfloat16", "int8", apply_threads=False)
@@ -84,6 +85,7 @@ def _bf16_artifact(model_dir: Path, out: Path) -> Path:
 @pytest.mark.parametrize("native", ["0", "1"])
 def test_bf16_artifact_without_native_bf16_runs_in_float32(toy_model, tmp_path, monkeypatch, native):
     monkeypatch.setenv("KILN_CPU_NATIVE_BF16", native)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # it would win over $KILN_CPU_THREADS (documented order)
     monkeypatch.setenv("KILN_CPU_THREADS", "1")
     art = _bf16_artifact(toy_model("llama-tiny"), tmp_path / "art")
     before = torch.get_num_threads()
