@@ -1,12 +1,15 @@
-"""The build pipeline: fetch -> check -> convert -> gate (reference) -> shard -> plan -> gate (runtime)
--> tune -> package -> publish.
+"""The build pipeline: fetch -> check -> gate (reference, converting as it streams) -> shard -> plan
+-> gate (runtime) -> tune (and the KV plan again, less the CUDA graphs' memory) -> package -> publish.
 
 Every stage runs inside ``report.stage(name)`` (progress log + timing). Nothing
 reaches the store until the last stage, and the store's publish is atomic, so a
 build that fails or is killed at any point leaves no visible version. The
 quality gate runs twice: first on the converted weights in a reference model
 (cheap, fails before sharding), then on the packaged artifact loaded by the
-runtime itself, so what is published is exactly what was measured.
+runtime itself, so what is published is exactly what was measured. Neither gate holds
+a whole full-precision model: the reference models stream one unit of weights at a
+time from the checkpoint (:mod:`kiln.builder.reference`), converting as they go, so
+no stage before ``shard`` loads the checkpoint whole.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from typing import Any
 
 from kiln.builder import quality
 from kiln.builder.check import check_envelope, model_facts
-from kiln.builder.convert import convert_state_dict, dequantized_state_dict, load_checkpoint
 from kiln.builder.errors import InvalidSpec, QualityGateFailed, StorageFailure
 from kiln.builder.fetch import Checkpoint, fetch_checkpoint
 from kiln.builder.package import (
@@ -31,9 +33,10 @@ from kiln.builder.package import (
     engine_document,
     write_engine_json,
 )
+from kiln.builder.reference import StreamedCausalLM, choose_cpu_threads
 from kiln.builder.report import BuildReport, human_bytes
 from kiln.builder.shard import shard_weights
-from kiln.builder.tune import kv_plan_summary, plan_kv, tune
+from kiln.builder.tune import kv_plan_summary, plan_kv, plan_with_cuda_graphs, tune
 
 log = logging.getLogger("kiln.build")
 # Tokens of KV the build-time runtime loads need: the calibration prompts and the tuning batches.
@@ -104,24 +107,22 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
         report.record("memory_estimate", check_envelope(spec, facts))
 
     device = _device(spec)
-    with report.stage("convert"):
-        tensors = load_checkpoint(ckpt.path)
-        converted, summary = convert_state_dict(tensors, spec.dtype, spec.quantization)
-        del tensors
-        report.record("convert", summary)
-
     with report.stage("quality_reference"):
         tokenizer = AutoTokenizer.from_pretrained(str(ckpt.path), trust_remote_code=False)
         prompts = spec.build.calibration_prompts or quality.CALIBRATION_PROMPTS
         token_lists = quality.tokenize_prompts(tokenizer, prompts, spec)
-        source = quality.load_source_model(ckpt.path, device)
-        reference = quality.load_converted_model(source, dequantized_state_dict(converted, spec.dtype), spec.dtype)
-        del converted
-        metrics = quality.teacher_forced_metrics(source, reference, token_lists)
+        if device == "cpu":
+            choose_cpu_threads()
+        source = StreamedCausalLM(ckpt.path, device)
+        converted = StreamedCausalLM(ckpt.path, device, spec.dtype, spec.quantization)
+        metrics = quality.teacher_forced_metrics(source, converted, token_lists)
         metrics["num_prompts"] = len(token_lists)
         metrics["calibration_prompts"] = "spec" if spec.build.calibration_prompts else "builtin"
-        del reference
-        gc.collect()
+        summary = converted.convert_summary
+        report.record("convert", summary)
+        log.info("converted %d tensors to %s (%d quantized, %s) as the gate streamed them", summary["num_tensors"],
+                 spec.dtype, summary["num_quantized_tensors"], spec.quantization)
+        del converted
         _gate(spec, metrics, report)
 
     with report.stage("shard"):
@@ -166,16 +167,21 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
     with report.stage("quality_runtime"):
         llm = load_llm()
         try:
-            metrics.update(quality.runtime_agreement(llm, source, token_lists))
+            continuations = quality.runtime_continuations(llm, token_lists)
         finally:
             llm.shutdown()  # frees the KV pool and, with TP, the worker ranks and process group
-        del llm, source
+        del llm
         gc.collect()
+        metrics.update(quality.runtime_agreement(source, token_lists, continuations))
+        del source
         _gate(spec, metrics, report)
 
     with report.stage("tune"):
         tuning, overrides = tune(load_llm, spec, facts.vocab_size)
-        config = {**config, **overrides}
+        # The pool of serving is what is left after the CUDA graphs measured here (plan_with_cuda_graphs).
+        kv_plan, overrides = plan_with_cuda_graphs(spec, facts, weights_per_rank, tuning, overrides)
+        report.record("kv_plan_summary", kv_plan_summary(kv_plan))
+        config = {**config, **overrides, "num_kv_blocks": kv_plan["num_kv_blocks"]}
 
     with report.stage("package"):
         report.record("sizes", {**report.findings["sizes"], "artifact_bytes": dir_bytes(out)})

@@ -12,6 +12,9 @@ transformers in float32, the definition of correct:
    continuations of each prompt by ``LLM.from_artifact``; the source model, fed
    the same sequence, must pick the same next token at every generated position.
 
+Both reference models are :class:`kiln.builder.reference.StreamedCausalLM`: one unit of
+weights resident at a time, never a whole model (let alone two) on one device.
+
 The gate fails when the mean KL exceeds ``qualityGate.maxKLDivergence`` or the
 greedy agreement (the runtime's when measured, else the teacher-forced one) is
 below ``qualityGate.minTokenAgreement``.
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,40 +46,6 @@ MAX_TOKENS_PER_PROMPT = 128
 RUNTIME_NEW_TOKENS = 12
 
 
-def load_source_model(checkpoint_dir: Path, device: str = "cpu"):
-    """The checkpoint in float32 through transformers; remote code is never trusted."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # the build log has its own stage lines
-    if device == "cpu":
-        # Same rule as serving (cgroup quota, else measured): on a shared 2-core host two threads can be
-        # 5x slower than one (SmolLM2-135M teacher-forced gate: 20 s vs 4 s).
-        from kiln.engine.cpu_target import choose_threads
-
-        threads, why = choose_threads()
-        if threads:
-            torch.set_num_threads(threads)
-        log.info("reference model on CPU: %d torch thread(s) (%s)", torch.get_num_threads(), why)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(checkpoint_dir), dtype=torch.float32, trust_remote_code=False, use_safetensors=True
-    )
-    return model.to(device).eval()
-
-
-def load_converted_model(source, weights: dict[str, torch.Tensor], dtype: str):
-    """A copy of the source model's architecture holding the converted (dequantized) weights in ``dtype``."""
-    import copy
-
-    model = copy.deepcopy(source).to(getattr(torch, dtype))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
-        raise RuntimeError(f"converted weights do not match the architecture: missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]}")
-    return model.eval()
-
-
 def tokenize_prompts(tokenizer, prompts: list[str], spec) -> list[list[int]]:
     """Token ids per prompt, cut so the runtime can take them and still generate within the envelope."""
     limit = min(MAX_TOKENS_PER_PROMPT, spec.max_input_len, spec.max_seq_len - RUNTIME_NEW_TOKENS)
@@ -91,20 +59,18 @@ def tokenize_prompts(tokenizer, prompts: list[str], spec) -> list[list[int]]:
     return out
 
 
-@torch.inference_mode()
-def _log_probs(model, ids: list[int]) -> torch.Tensor:
-    device = next(model.parameters()).device
-    logits = model(torch.tensor([ids], device=device)).logits[0].float()
-    return torch.log_softmax(logits, dim=-1).cpu()
-
-
 def teacher_forced_metrics(source, converted, token_lists: list[list[int]]) -> dict[str, Any]:
-    """Mean per-position KL(source || converted), argmax agreement and both perplexities."""
+    """Mean per-position KL(source || converted), argmax agreement and both perplexities.
+
+    ``source`` and ``converted``: :class:`~kiln.builder.reference.StreamedCausalLM` (anything with
+    ``log_probs(token_lists)``); each is one pass over its weights.
+    """
     kl_sum = agree = positions = 0.0
     nll_src = nll_conv = 0.0
     targets = 0
-    for ids in token_lists:
-        lp_src, lp_conv = _log_probs(source, ids), _log_probs(converted, ids)
+    lps_src = source.log_probs(token_lists)
+    lps_conv = converted.log_probs(token_lists)
+    for ids, lp_src, lp_conv in zip(token_lists, lps_src, lps_conv, strict=True):
         kl = (lp_src.exp() * (lp_src - lp_conv)).sum(-1).clamp(min=0)
         kl_sum += kl.sum().item()
         agree += (lp_src.argmax(-1) == lp_conv.argmax(-1)).sum().item()
@@ -120,19 +86,21 @@ def teacher_forced_metrics(source, converted, token_lists: list[list[int]]) -> d
     }
 
 
-@torch.inference_mode()
-def runtime_agreement(llm, source, token_lists: list[list[int]], max_new_tokens: int = RUNTIME_NEW_TOKENS
-                      ) -> dict[str, Any]:
-    """Greedy continuations by the runtime, checked token by token against the source's argmax."""
+def runtime_continuations(llm, token_lists: list[list[int]], max_new_tokens: int = RUNTIME_NEW_TOKENS
+                          ) -> list[list[int]]:
+    """Greedy continuations of each prompt by the runtime (``ignore_eos``: always ``max_new_tokens``)."""
     from kiln.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-    outs = llm.generate(token_lists, params)
+    return [list(out.token_ids) for out in llm.generate(token_lists, params)]
+
+
+def runtime_agreement(source, token_lists: list[list[int]], continuations: list[list[int]]) -> dict[str, Any]:
+    """The runtime's continuations checked token by token against the source's argmax (one pass)."""
+    predicted_all = source.argmax([ids + gen for ids, gen in zip(token_lists, continuations, strict=True)])
     agree = total = exact = 0
-    for ids, out in zip(token_lists, outs, strict=True):
-        gen = list(out.token_ids)
-        lp = _log_probs(source, ids + gen)
-        predicted = lp[len(ids) - 1: len(ids) - 1 + len(gen)].argmax(-1).tolist()
+    for ids, gen, argmax in zip(token_lists, continuations, predicted_all, strict=True):
+        predicted = argmax[len(ids) - 1: len(ids) - 1 + len(gen)]
         agree += sum(int(a == b) for a, b in zip(predicted, gen, strict=True))
         total += len(gen)
         exact += int(predicted == gen)

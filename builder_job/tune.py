@@ -4,11 +4,19 @@ KV plan. A serving pod preallocates one pool of ``num_kv_blocks`` blocks. The
 builder sizes it once, for the target:
 
     budget      = device memory x kv.memoryFraction
-    num_kv_blocks = (budget - weights of the largest rank - activation reserve) // bytes per block
+    num_kv_blocks = (budget - weights of the largest rank - activation reserve
+                     - CUDA-graph reserve) // bytes per block
+    CUDA-graph reserve = measured graph memory x (1 + CUDA_GRAPH_MEMORY_MARGIN), 0 without graphs
 
 where a block holds ``blockSize`` tokens of K and V for every layer and the KV
 heads of one rank. On a GPU the pool takes all of that (spare blocks keep
-prefixes cached). For ``gpu: cpu`` the device memory is a documented budget —
+prefixes cached). The graphs' memory is what loading the artifact with the
+chosen CUDA graphs takes on the build GPU beyond loading it eagerly (device
+memory in use, ``mem_get_info``, right after each load; :func:`tune`), so the
+plan is made twice: before tuning without it (the build's own loads use a small
+pool), and after, with it, for serving. Where no graphs run (CPU engines, or the
+tuner chose eager) the measurement is ``None`` and the reserve 0; a pool that
+cannot hold one ``maxSeqLen`` request next to the graphs falls back to eager. For ``gpu: cpu`` the device memory is a documented budget —
 :data:`kiln.builder.check.CPU_MEMORY_BUDGET_GIB` GiB, or ``$KILN_CPU_MEMORY_GIB`` — and the pool is
 capped at what ``maxBatchSize`` requests of ``maxSeqLen`` can ever hold, because
 host RAM is shared with everything else on the machine.
@@ -44,18 +52,31 @@ from kiln.builder.errors import InvalidSpec
 log = logging.getLogger("kiln.build.tune")
 
 PREFILL_TOKENS = 128
+# Graphs captured on a serving GPU of the same SKU may take a little more than on the build GPU
+# (allocator segment rounding, driver versions): the plan keeps this fraction above the measurement.
+CUDA_GRAPH_MEMORY_MARGIN = 0.2
 DECODE_TOKENS = 8
 PROMPT_TOKENS_PER_SEQ = 16
 
 
-def plan_kv(spec, facts: ModelFacts, weight_bytes_per_rank: int) -> dict[str, Any]:
-    """The KV pool for the target; :class:`InvalidSpec` if not even one ``maxSeqLen`` request fits."""
+def cuda_graph_reserve_bytes(cuda_graph_bytes: int | None) -> int:
+    """What the plan sets aside for measured CUDA graphs (0 where none run)."""
+    return 0 if cuda_graph_bytes is None else math.ceil(cuda_graph_bytes * (1 + CUDA_GRAPH_MEMORY_MARGIN))
+
+
+def plan_kv(spec, facts: ModelFacts, weight_bytes_per_rank: int, cuda_graph_bytes: int | None = None
+            ) -> dict[str, Any]:
+    """The KV pool for the target; :class:`InvalidSpec` if not even one ``maxSeqLen`` request fits.
+
+    ``cuda_graph_bytes``: the graphs' memory measured by :func:`tune`; ``None`` where no graphs run.
+    """
     total = device_memory_bytes(spec)
     budget = int(total * spec.kv.memory_fraction)
     activations = activation_reserve_bytes(facts, spec)
+    graphs = cuda_graph_reserve_bytes(cuda_graph_bytes)
     per_token = kv_bytes_per_token(facts, spec)
     block_bytes = per_token * spec.kv.block_size
-    free = budget - weight_bytes_per_rank - activations
+    free = budget - weight_bytes_per_rank - activations - graphs
     num_blocks = max(0, free // block_bytes)
     blocks_per_seq = math.ceil(spec.max_seq_len / spec.kv.block_size)
     useful = spec.max_batch_size * blocks_per_seq
@@ -64,7 +85,8 @@ def plan_kv(spec, facts: ModelFacts, weight_bytes_per_rank: int) -> dict[str, An
         num_blocks, capped = useful, True
     if num_blocks < blocks_per_seq:
         raise InvalidSpec(
-            f"spec.gpu: after {weight_bytes_per_rank / 2**30:.2f} GiB of weights per rank the KV pool on {spec.gpu} "
+            f"spec.gpu: after {weight_bytes_per_rank / 2**30:.2f} GiB of weights per rank"
+            + (f" and {graphs / 2**30:.2f} GiB for CUDA graphs" if graphs else "") + f" the KV pool on {spec.gpu} "
             f"has {num_blocks} blocks, fewer than one maxSeqLen ({spec.max_seq_len}) request needs "
             f"({blocks_per_seq}); lower maxSeqLen, raise kv.memoryFraction or use a larger GPU"
         )
@@ -74,6 +96,8 @@ def plan_kv(spec, facts: ModelFacts, weight_bytes_per_rank: int) -> dict[str, An
         "budget_bytes": budget,
         "weight_bytes_per_rank": weight_bytes_per_rank,
         "activation_reserve_bytes": activations,
+        "cuda_graph_memory_bytes": cuda_graph_bytes,
+        "cuda_graph_reserve_bytes": graphs,
         "kv_dtype": kv_dtype_name(spec),
         "kv_bytes_per_token": per_token,
         "block_size": spec.kv.block_size,
@@ -87,8 +111,29 @@ def plan_kv(spec, facts: ModelFacts, weight_bytes_per_rank: int) -> dict[str, An
 
 
 def kv_plan_summary(plan: dict[str, Any]) -> str:
+    graphs = plan.get("cuda_graph_reserve_bytes")
     return (f"{plan['num_kv_blocks']} blocks x {plan['block_size']} tokens ({plan['kv_pool_bytes'] / 2**20:.1f} MiB "
-            f"{plan['kv_dtype']}), {plan['full_length_requests']} full-length requests")
+            f"{plan['kv_dtype']}), {plan['full_length_requests']} full-length requests"
+            + (f", {graphs / 2**20:.1f} MiB kept for CUDA graphs" if graphs else ""))
+
+
+def plan_with_cuda_graphs(spec, facts: ModelFacts, weight_bytes_per_rank: int, tuning: dict[str, Any],
+                          overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The serving KV plan after :func:`tune`: less the graphs' measured memory when graphs were chosen.
+
+    Returns (plan, overrides). A pool too small for one ``maxSeqLen`` request next to the graphs
+    drops the graphs (``enforce_eager``; ``tuning["cuda_graphs_dropped"]`` says why) rather than fail.
+    """
+    graph_bytes = tuning.get("cuda_graph_memory_bytes") if tuning.get("use_cuda_graphs") else None
+    if graph_bytes is None:
+        return plan_kv(spec, facts, weight_bytes_per_rank), overrides
+    try:
+        return plan_kv(spec, facts, weight_bytes_per_rank, cuda_graph_bytes=graph_bytes), overrides
+    except InvalidSpec as exc:
+        log.warning("CUDA graphs dropped: %s", exc)
+        tuning.update(use_cuda_graphs=False, cuda_graphs_dropped=str(exc))
+        rest = {k: v for k, v in overrides.items() if k != "cuda_graph_batch_sizes"}
+        return plan_kv(spec, facts, weight_bytes_per_rank), {**rest, "enforce_eager": True}
 
 
 
@@ -127,18 +172,39 @@ def measure(llm, spec, vocab_size: int) -> dict[str, Any]:
             "prefill_tokens_per_s": round(prefill_len / prefill, 1), "decode": rows}
 
 
-def _measure_loaded(load_llm, spec, vocab_size: int, **overrides) -> dict[str, Any]:
+def cuda_memory_in_use() -> int:
+    """Bytes in use on this process's CUDA device, by anyone: what is left for the pool is the rest.
+
+    Freed tensors go back first (``gc`` + ``empty_cache``); a CUDA graph's private pool stays."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def _measure_loaded(load_llm, spec, vocab_size: int, memory_in_use, **overrides) -> dict[str, Any]:
+    """Timings of one load, and ``load_device_bytes``: the device memory the load itself took."""
+    before = memory_in_use()
     llm = load_llm(**overrides)
     try:
-        return measure(llm, spec, vocab_size)
+        loaded = memory_in_use() - before
+        return {**measure(llm, spec, vocab_size), "load_device_bytes": loaded}
     finally:
         llm.shutdown()
 
 
-def tune(load_llm, spec, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def tune(load_llm, spec, vocab_size: int, memory_in_use=cuda_memory_in_use) -> tuple[dict[str, Any], dict[str, Any]]:
     """Measure on this machine; returns (tuning record, engine_config overrides).
 
-    ``load_llm(**overrides)`` loads the staged artifact through the runtime.
+    ``load_llm(**overrides)`` loads the staged artifact through the runtime; ``memory_in_use()``
+    (CUDA only) the device's bytes in use. On CUDA the record has ``cuda_graph_memory_bytes``: what
+    the load with graphs took beyond the eager load (same artifact, same build-time pool), for
+    :func:`plan_with_cuda_graphs`; on CPU it is ``None``: CPU engines capture no graphs.
     """
     import torch
 
@@ -150,13 +216,16 @@ def tune(load_llm, spec, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any
         from kiln.engine.cuda_graphs import default_batch_sizes  # torch: only when tuning a GPU build
 
         buckets = default_batch_sizes(spec.max_batch_size)
-        eager = _measure_loaded(load_llm, spec, vocab_size, enforce_eager=True)
-        graphs = _measure_loaded(load_llm, spec, vocab_size, cuda_graph_batch_sizes=buckets)
+        eager = _measure_loaded(load_llm, spec, vocab_size, memory_in_use, enforce_eager=True)
+        graphs = _measure_loaded(load_llm, spec, vocab_size, memory_in_use, cuda_graph_batch_sizes=buckets)
+        graph_bytes = max(0, graphs["load_device_bytes"] - eager["load_device_bytes"])
+        log.info("CUDA graphs for batch sizes %s: %.1f MiB of device memory", buckets, graph_bytes / 2**20)
         def step_ms(m: dict) -> float:  # summed over the measured batch sizes
             return sum(row["decode_step_ms"] for row in m["decode"])
 
         use_graphs = step_ms(graphs) < step_ms(eager)
-        tuning.update(eager=eager, cuda_graphs=graphs, cuda_graph_batch_sizes=buckets, use_cuda_graphs=use_graphs)
+        tuning.update(eager=eager, cuda_graphs=graphs, cuda_graph_batch_sizes=buckets, use_cuda_graphs=use_graphs,
+                      cuda_graph_memory_bytes=graph_bytes)
         # An empty bucket list means "the runtime's defaults" to LLM(); eager is its own switch.
         overrides.update({"cuda_graph_batch_sizes": buckets} if use_graphs else {"enforce_eager": True})
         return tuning, overrides
@@ -166,6 +235,7 @@ def tune(load_llm, spec, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any
     # another type treats torch_num_threads as a hint and measures its own (kiln.engine.cpu_target).
     tuning["cpu"] = describe_host()
     tuning["measured_on"] = f"{tuning['cpu']['model']} x{tuning['cpu']['cpus']}"
+    tuning["cuda_graph_memory_bytes"] = None  # CPU engines run eagerly: no graphs, nothing to reserve
     original = torch.get_num_threads()
     cpus = available_cpus()
     # With TP the worker ranks pick their own share of the cores; only rank 0 would see a change here.

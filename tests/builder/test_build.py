@@ -45,8 +45,10 @@ def test_file_source_into_s3_store_matches_transformers_then_cache_hit(
     assert doc["format_version"] == 1 and doc["engine_version"] == version
     assert doc["gpu"]["arch"] == "cpu" and doc["engine_config"]["num_kv_blocks"] == doc["kv_plan"]["num_kv_blocks"]
     report = doc["build_report"]
-    assert {"fetch", "check", "convert", "quality_reference", "shard", "plan", "quality_runtime", "tune"} <= set(
-        report["stage_seconds"])
+    assert {"fetch", "check", "quality_reference", "shard", "plan", "quality_runtime", "tune"} <= set(
+        report["stage_seconds"]) == set(report["memory"]["stages"])
+    assert report["convert"]["num_tensors"] > 0  # converted as the gate streamed the weights
+    assert doc["kv_plan"]["cuda_graph_memory_bytes"] is None is doc["tuning"]["cuda_graph_memory_bytes"]  # CPU
     q = report["quality"]
     assert q["passed"] and q["kl_divergence"] == 0.0 and q["runtime_token_agreement"] == 1.0
     assert doc["tuning"]["measurement"]["decode"][0]["decode_tokens_per_s"] > 0

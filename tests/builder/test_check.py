@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 from kiln.builder.check import check_envelope, model_facts, weight_bytes_per_rank
 from kiln.builder.errors import InvalidSpec
-from kiln.builder.tune import plan_kv
+from kiln.builder.tune import CUDA_GRAPH_MEMORY_MARGIN, kv_plan_summary, plan_kv, plan_with_cuda_graphs
 from kiln.engine.cuda_graphs import default_batch_sizes as cuda_graph_buckets
 from safetensors.numpy import save_file
 
@@ -66,12 +67,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 
 def test_gpu_too_small_names_the_numbers(tmp_path):
-    facts = model_facts(write_checkpoint(tmp_path / "m"))
-    # An 8B-class model on an L4: scale the header-derived counts up.
-    facts.num_layers, facts.num_key_value_heads, facts.head_dim = 32, 8, 128
-    facts.hidden_size, facts.intermediate_size, facts.vocab_size = 4096, 14336, 128256
-    facts.num_params, facts.num_quantizable_params, facts.num_quantizable_rows = 8_030_000_000, 6_980_000_000, 1
-    facts.max_positions = 131072
+    facts = eight_b_facts(tmp_path)  # on an L4
     with pytest.raises(InvalidSpec) as exc:
         check_envelope(spec(gpu="L4", dtype="bfloat16", maxSeqLen=8192, maxInputLen=4096), facts)
     msg = str(exc.value)
@@ -89,6 +85,52 @@ def test_cpu_pool_is_capped_at_what_max_batch_can_use(tmp_path):
     s = spec(gpu="cpu", dtype="float32", maxBatchSize=4, maxSeqLen=256, maxInputLen=128, maxNumTokens=128)
     plan = plan_kv(s, facts, 10_000)
     assert plan["capped_at_max_batch"] and plan["num_kv_blocks"] == 4 * 256 // 16
+
+
+def eight_b_facts(tmp_path):
+    """An 8B-class Llama's numbers on the header-derived facts of a small checkpoint."""
+    facts = model_facts(write_checkpoint(tmp_path / "m"))
+    facts.num_layers, facts.num_key_value_heads, facts.head_dim = 32, 8, 128
+    facts.hidden_size, facts.intermediate_size, facts.vocab_size = 4096, 14336, 128256
+    facts.num_params, facts.num_quantizable_params, facts.num_quantizable_rows = 8_030_000_000, 6_980_000_000, 1
+    facts.max_positions = 131072
+    return facts
+
+
+def test_kv_plan_leaves_the_measured_cuda_graph_memory_out_of_the_pool(tmp_path):
+    facts, s = eight_b_facts(tmp_path), spec(dtype="bfloat16", maxSeqLen=8192, maxInputLen=4096, maxBatchSize=128)
+    weights = weight_bytes_per_rank(facts, s)
+    graphs = 4 * 2**30  # e.g. the decode gather buffers of 128 x 8192 (issue 11)
+    eager = plan_kv(s, facts, weights)
+    plan = plan_kv(s, facts, weights, cuda_graph_bytes=graphs)
+    reserve = plan["cuda_graph_reserve_bytes"]
+    assert reserve == math.ceil(graphs * (1 + CUDA_GRAPH_MEMORY_MARGIN)) and plan["cuda_graph_memory_bytes"] == graphs
+    free = plan["budget_bytes"] - weights - plan["activation_reserve_bytes"]
+    assert plan["num_kv_blocks"] == (free - reserve) // plan["block_bytes"]
+    assert weights + plan["activation_reserve_bytes"] + reserve + plan["kv_pool_bytes"] <= plan["budget_bytes"]
+    # 4.8 GiB of 2 MiB blocks (32 layers x 8 heads x 128 x bf16 x K,V x 16 tokens) fewer than without graphs.
+    assert eager["num_kv_blocks"] - plan["num_kv_blocks"] in (reserve // plan["block_bytes"],
+                                                              reserve // plan["block_bytes"] + 1)
+    assert eager["cuda_graph_memory_bytes"] is None and eager["cuda_graph_reserve_bytes"] == 0
+    assert "MiB kept for CUDA graphs" in kv_plan_summary(plan) and "CUDA graphs" not in kv_plan_summary(eager)
+
+
+def test_plan_after_tuning_uses_graph_memory_only_when_graphs_run(tmp_path):
+    facts, s = eight_b_facts(tmp_path), spec(dtype="bfloat16", maxSeqLen=8192, maxInputLen=4096)
+    weights = weight_bytes_per_rank(facts, s)
+    buckets = {"cuda_graph_batch_sizes": [1, 2, 4, 8]}
+    chosen = plan_with_cuda_graphs(s, facts, weights, {"use_cuda_graphs": True, "cuda_graph_memory_bytes": 2**30},
+                                   dict(buckets))
+    assert chosen[0]["cuda_graph_reserve_bytes"] > 2**30 and chosen[1] == buckets
+    for tuning in ({"use_cuda_graphs": False, "cuda_graph_memory_bytes": 2**30},  # eager was faster
+                   {"cuda_graph_memory_bytes": None}):  # CPU
+        plan, overrides = plan_with_cuda_graphs(s, facts, weights, tuning, {})
+        assert plan["cuda_graph_reserve_bytes"] == 0 and plan == plan_kv(s, facts, weights)
+    # Graphs that leave no room for one maxSeqLen request are dropped, not the build.
+    tuning = {"use_cuda_graphs": True, "cuda_graph_memory_bytes": 60 * 2**30}
+    plan, overrides = plan_with_cuda_graphs(s, facts, weights, tuning, dict(buckets))
+    assert overrides == {"enforce_eager": True} and plan["cuda_graph_reserve_bytes"] == 0
+    assert not tuning["use_cuda_graphs"] and "CUDA graphs" in tuning["cuda_graphs_dropped"]
 
 
 def test_cuda_graph_buckets():
