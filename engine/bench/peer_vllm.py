@@ -86,7 +86,16 @@ def reexec_if_needed(env: dict[str, str], argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], {**os.environ, **env})
 
 
+def describe(config, kv_gib: str) -> str:
+    """What vLLM actually configured (not what was asked): dtypes, KV cache, compilation."""
+    cache, comp = config.cache_config, config.compilation_config
+    mode = getattr(comp.mode, "name", comp.mode)
+    return (f"{config.model_config.dtype} weights, KV cache {cache.cache_dtype} (= weights when auto) {kv_gib} GiB "
+            f"in blocks of {cache.block_size}, compilation {mode} {comp.backend}".replace("torch.", ""))
+
+
 def run(job: dict, requests: list[dict]) -> dict:
+    import torch
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -134,9 +143,8 @@ def run(job: dict, requests: list[dict]) -> dict:
     return {"system": "vllm", "duration_s": max(r["finished"] for r in records.values()), "num_steps": steps,
             "requests": [records[i] for i in sorted(records)],
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "load_s": load_s,
-            "notes": [f"vllm {vllm.__version__} CPU, {job['dtype']} weights and KV cache, "
-                      f"{os.environ.get('VLLM_CPU_KVCACHE_SPACE')} GiB KV cache"],
-            "extra": {"threads": job["threads"]}}
+            "notes": [f"vllm {vllm.__version__} CPU: {describe(engine.vllm_config, os.environ['VLLM_CPU_KVCACHE_SPACE'])}"],
+            "extra": {"threads": torch.get_num_threads()}}
 
 
 def main(argv: list[str]) -> int:

@@ -201,6 +201,10 @@ class SamplingParams:
 class _Engine:
     def __init__(self):
         self.running = {}
+        self.vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(dtype="torch.float32"),
+            cache_config=SimpleNamespace(cache_dtype="auto", block_size=128),
+            compilation_config=SimpleNamespace(mode=SimpleNamespace(name="DYNAMO_TRACE_ONCE"), backend="inductor"))
 
     def add_request(self, request_id, prompt, params):
         assert params.ignore_eos and params.temperature == 0.0 and not params.detokenize
@@ -261,5 +265,8 @@ def test_vllm_driver_runs_in_its_interpreter_and_its_outputs_become_a_checked_ru
     assert seen["env"] == {"OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert seen["kwargs"]["max_model_len"] == 45 and seen["kwargs"]["dtype"] == "float32"
+    assert run.notes == ["vllm 0.0-fake CPU: float32 weights, KV cache auto (= weights when auto) 1 GiB in blocks of "
+                         "128, compilation DYNAMO_TRACE_ONCE inductor"]
+    assert run.extra["threads"] == 2  # what torch in the driver runs with, from OMP_NUM_THREADS
     with pytest.raises(RuntimeError, match="request 1 produced 3 tokens, expected exactly 4"):
         figures(run, {0: 1, 1: 1, 2: 1}, {0: 5, 1: 4, 2: 9})
