@@ -3,6 +3,12 @@
 Its size is ``num_kv_blocks`` when given; otherwise what ``kv_memory_fraction``
 of the free device memory holds (RAM on CPU), capped at what
 ``max_batch_size`` requests of ``max_seq_len`` tokens could ever use.
+
+CUDA graphs are captured after the pool is allocated. An artifact's ``num_kv_blocks``
+was planned by ``kiln build`` with the graphs' memory, measured on the build GPU,
+left out; without ``num_kv_blocks`` the graphs get only what ``1 - kv_memory_fraction``
+of the free memory leaves, so on a GPU pass ``num_kv_blocks`` or ``enforce_eager``
+where that is not enough.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-from kiln.builder.check import check_envelope, model_facts, weight_bytes_per_rank
+from kiln.builder.check import ModelFacts, check_envelope, model_facts, weight_bytes_per_rank
 from kiln.builder.errors import InvalidSpec
 from kiln.builder.tune import CUDA_GRAPH_MEMORY_MARGIN, kv_plan_summary, plan_kv, plan_with_cuda_graphs
 from kiln.engine.cuda_graphs import default_batch_sizes as cuda_graph_buckets
@@ -137,3 +137,30 @@ def test_cuda_graph_buckets():
     assert cuda_graph_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert cuda_graph_buckets(6) == [1, 2, 4, 6]
     assert cuda_graph_buckets(1) == [1]
+
+
+def llama_70b_facts() -> ModelFacts:
+    """Llama 3.1 70B's config.json (80 layers, hidden 8192, MLP 28672, GQA 64/8, vocab 128256, untied head)."""
+    hidden, inter, layers, vocab, heads, kv, hd = 8192, 28672, 80, 128256, 64, 8, 128
+    linear = 2 * hidden * heads * hd + 2 * hidden * kv * hd + 3 * hidden * inter
+    return ModelFacts(
+        architecture="LlamaForCausalLM", num_layers=layers, hidden_size=hidden, intermediate_size=inter,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, vocab_size=vocab,
+        max_position_embeddings=131072, max_positions=131072, rope_type="llama3",
+        num_params=layers * (linear + 2 * hidden) + 2 * vocab * hidden + hidden, num_quantizable_params=layers * linear,
+        num_quantizable_rows=layers * (heads * hd + 2 * kv * hd + hidden + 2 * inter))
+
+
+def test_the_70b_example_builds_on_paper():
+    """docs/build.md's memory table: the envelope check passes and the pool holds full-length requests."""
+    from kiln.manifest import load_manifest
+
+    s = load_manifest(Path(__file__).resolve().parents[2] / "examples" / "llama-3.1-70b-4xh100.yaml").spec
+    facts = llama_70b_facts()
+    assert 70.5e9 < facts.num_params < 70.6e9
+    estimate = check_envelope(s, facts)
+    assert 35 * 2**30 < estimate["weight_bytes_per_rank"] < 36 * 2**30
+    plan = plan_kv(s, facts, estimate["weight_bytes_per_rank"], cuda_graph_bytes=2**30)
+    assert plan["full_length_requests"] >= 10 and plan["block_bytes"] == 2 * 80 * 2 * 128 * 2 * 16
+    with pytest.raises(InvalidSpec, match="maxBatchSize 64"):  # what the example asked before
+        check_envelope(s.model_copy(update={"max_batch_size": 64}), facts)
