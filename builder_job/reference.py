@@ -136,7 +136,8 @@ class StreamedCausalLM:
                     if p is None:
                         continue
                     if id(p) not in source_of:
-                        raise RuntimeError(f"the checkpoint has no tensor for a parameter of {type(owner).__name__}")
+                        raise RuntimeError(f"the checkpoint has no tensor for a parameter of "
+                                           f"{type(owner).__name__}")
                     slots.append((owner, leaf, p, source_of[id(p)]))
             unit.register_forward_pre_hook(self._loader(slots))
             unit.register_forward_hook(self._unloader(slots))

@@ -124,9 +124,10 @@ class BuildReport:
             raise
         self.stages[name] = round(time.perf_counter() - t0, 3)
         self.memory[name] = mem = memory.finish()
-        log.info("[%s] done in %.2fs, peak RSS %s (+%s)%s", name, self.stages[name], human_bytes(mem["host_peak_rss_bytes"]),
-                 human_bytes(mem["host_extra_bytes"]), f", CUDA peak {human_bytes(mem['cuda_peak_allocated_bytes'])}"
-                 if "cuda_peak_allocated_bytes" in mem else "")
+        cuda = mem.get("cuda_peak_allocated_bytes")
+        log.info("[%s] done in %.2fs, peak RSS %s (+%s)%s", name, self.stages[name],
+                 human_bytes(mem["host_peak_rss_bytes"]), human_bytes(mem["host_extra_bytes"]),
+                 "" if cuda is None else f", CUDA peak {human_bytes(cuda)}")
         self.current_stage = None
 
     def record(self, key: str, value: Any) -> None:
@@ -138,7 +139,8 @@ class BuildReport:
         if self.memory:
             top = max(self.memory, key=lambda k: self.memory[k]["host_peak_rss_bytes"])
             out.update(peak_host_rss_bytes=self.memory[top]["host_peak_rss_bytes"], peak_host_rss_stage=top)
-            cuda = {k: v["cuda_peak_allocated_bytes"] for k, v in self.memory.items() if "cuda_peak_allocated_bytes" in v}
+            cuda = {k: v["cuda_peak_allocated_bytes"] for k, v in self.memory.items()
+                    if "cuda_peak_allocated_bytes" in v}
             if cuda:
                 top = max(cuda, key=cuda.__getitem__)
                 out.update(peak_cuda_allocated_bytes=cuda[top], peak_cuda_allocated_stage=top)
@@ -202,7 +204,8 @@ def summary_lines(build_report: dict[str, Any]) -> list[str]:
                      f"{human_bytes(sizes['artifact_weight_bytes'])} artifact")
     memory = build_report.get("memory") or {}
     if "peak_host_rss_bytes" in memory:
-        line = f"  peak memory: host RSS {human_bytes(memory['peak_host_rss_bytes'])} ({memory['peak_host_rss_stage']})"
+        line = (f"  peak memory: host RSS {human_bytes(memory['peak_host_rss_bytes'])} "
+                f"({memory['peak_host_rss_stage']})")
         if "peak_cuda_allocated_bytes" in memory:
             line += (f", CUDA allocated {human_bytes(memory['peak_cuda_allocated_bytes'])} "
                      f"({memory['peak_cuda_allocated_stage']})")

@@ -16,7 +16,8 @@ memory in use, ``mem_get_info``, right after each load; :func:`tune`), so the
 plan is made twice: before tuning without it (the build's own loads use a small
 pool), and after, with it, for serving. Where no graphs run (CPU engines, or the
 tuner chose eager) the measurement is ``None`` and the reserve 0; a pool that
-cannot hold one ``maxSeqLen`` request next to the graphs falls back to eager. For ``gpu: cpu`` the device memory is a documented budget —
+cannot hold one ``maxSeqLen`` request next to the graphs falls back to eager.
+For ``gpu: cpu`` the device memory is a documented budget —
 :data:`kiln.builder.check.CPU_MEMORY_BUDGET_GIB` GiB, or ``$KILN_CPU_MEMORY_GIB`` — and the pool is
 capped at what ``maxBatchSize`` requests of ``maxSeqLen`` can ever hold, because
 host RAM is shared with everything else on the machine.
@@ -198,7 +199,8 @@ def _measure_loaded(load_llm, spec, vocab_size: int, memory_in_use, **overrides)
         llm.shutdown()
 
 
-def tune(load_llm, spec, vocab_size: int, memory_in_use=cuda_memory_in_use) -> tuple[dict[str, Any], dict[str, Any]]:
+def tune(load_llm, spec, vocab_size: int, memory_in_use=cuda_memory_in_use
+         ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Measure on this machine; returns (tuning record, engine_config overrides).
 
     ``load_llm(**overrides)`` loads the staged artifact through the runtime; ``memory_in_use()``

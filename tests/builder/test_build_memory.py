@@ -51,8 +51,8 @@ model = sys.argv[1]
 report = BuildReport("gate")
 with report.stage("quality_reference"):
     ids = [AutoTokenizer.from_pretrained(model)(p)["input_ids"] for p in quality.CALIBRATION_PROMPTS]
-    metrics = quality.teacher_forced_metrics(StreamedCausalLM(model), StreamedCausalLM(model, "cpu", "float32", "int8"),
-                                             ids)
+    source, converted = StreamedCausalLM(model), StreamedCausalLM(model, "cpu", "float32", "int8")
+    metrics = quality.teacher_forced_metrics(source, converted, ids)
 print(json.dumps({"memory": report.memory, "metrics": metrics}))
 """
 
