@@ -89,6 +89,10 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
         kwargs["quantization"] = None
     if kwargs["device"] == "cpu" and adapt:
         _adapt_to_cpu(kwargs, doc, dtype_forced="dtype" in overrides)
+    if kwargs["device"] == "cpu":
+        from kiln.engine.compile import shipped_compile
+
+        shipped_compile(root, doc, kwargs)
     weights = root / "weights"
     tp = int(kwargs.get("tensor_parallel_size", 1))
     pp = int(kwargs.get("pipeline_parallel_size", 1))

@@ -94,6 +94,8 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     weights_dir: str | None = None  # per-rank engine weights (artifact); None = load the HF checkpoint
+    compile: str = "off"  # "inductor": the CPU forward pass as one compiled graph (engine/compile.py)
+    compile_cache: str | None = None  # the artifact's shipped Inductor cache dir, used for compiling
     # How an artifact was adapted to this CPU at load (kiln.engine.cpu_target.plan_cpu_load); None otherwise.
     cpu_target: dict[str, Any] | None = field(default=None, repr=False)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -151,6 +153,11 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(f"{name} {rule}, got {getattr(self, name)!r}")
         self._check_placement()
+        from kiln.engine.compile import check_compile
+
+        why = check_compile(self.compile, self.device, self.world_size)
+        if why:
+            raise ConfigError(why)
         backend = resolve_attention_backend(self.attention_backend, self.device)
         if backend is None:
             raise ConfigError("attention_backend 'triton' needs the triton package (pip install 'kiln[gpu]') and a "

@@ -120,7 +120,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         self.model = build_model(config)
-        if can_prepack(config.device, config.torch_dtype):
+        if can_prepack(config.device, config.torch_dtype) and config.compile == "off":  # else freezing packs
             pack_model(self.model, config.max_batch_size)
         cfg = config.hf_config
         kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
@@ -134,7 +134,14 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(self.model, config, self.num_blocks + 1)
         self.sampler = Sampler()
         self.workspace: dict[str, torch.Tensor] = {}  # attention's gather buffers, reused every step
-        self.graphs = None
+        self.graphs = self.compiled = None
+        if config.compile != "off":
+            from kiln.engine.compile import CompiledModel, use_shipped_cache, warm_up
+
+            if config.compile_cache:
+                use_shipped_cache(config.compile_cache)
+            self.compiled = CompiledModel(self.model)
+            log.info("compiled the model (%s) in %.1fs", config.compile, warm_up(self))
         if config.device == "cuda" and not config.enforce_eager:
             from kiln.engine.cuda_graphs import CUDAGraphRunner, default_batch_sizes
 
@@ -272,6 +279,8 @@ class ModelRunner:
         dev = self.device
         set_attention_metadata(self.attention_metadata(inputs))
         try:
+            if self.compiled is not None:
+                return self.compiled(inputs.input_ids, inputs.positions, inputs.logits_indices)
             out = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), intermediate)
             if not parallel.is_last_stage():
                 return out

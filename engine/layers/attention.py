@@ -124,9 +124,15 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = torch.empty(0)  # [kv_heads, num_blocks, block_size, head_dim], bound by the runner
         self.v_cache = torch.empty(0)
+        self.layer_index = -1  # this layer's place in a compiled model's layer table (bind_layers)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, d]; k, v: [T, kv_heads, d] -> [T, heads * d]."""
+        if torch.compiler.is_compiling():  # an opaque op to the compiler (engine/compile.py)
+            return torch.ops.kiln.paged_attention(q, k, v, self.layer_index)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = get_attention_metadata()
         kvh, num_blocks, block_size, d = self.k_cache.shape
         k_slots = self.k_cache.view(kvh, num_blocks * block_size, d)
@@ -229,6 +235,30 @@ class Attention(nn.Module):
             vals = torch.index_select(v_cache, 1, flat, out=_buffer(workspace, "v", v_cache, gathered))
             keys, vals = keys.view(shape), vals.view(shape)
         return keys.to(dtype), vals.to(dtype)
+
+
+_layers: list[Attention] = []  # the compiled model's attention layers, by layer_index
+
+
+def bind_layers(layers: list[Attention]) -> None:
+    """Number ``layers`` and make them the ones ``kiln::paged_attention`` runs (set before each call
+    of a compiled model: compiled graphs hold the index, never the module or its KV cache)."""
+    global _layers
+    for i, layer in enumerate(layers):
+        layer.layer_index = i
+    _layers = layers
+
+
+@torch.library.custom_op("kiln::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s paged attention (it writes k/v into that layer's cache), kept whole and
+    opaque inside compiled graphs, as vLLM's piecewise compile keeps its attention."""
+    return _layers[layer].attend(q, k, v)
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
 def heads_per_chunk(num_kv_heads: int, kv_bytes: int) -> int:
