@@ -3,9 +3,10 @@
 Layout (the runtime's ``LLM.from_artifact`` reads it; see docs/artifacts.md)::
 
     engine.json                          format_version, versions, envelope, gpu, engine_config,
-                                         kv_plan, tuning, build_report
+                                         kv_plan, tuning, build_report, kernels (what kernels/ holds)
     config.json, tokenizer files, chat template, generation_config.json (copied)
     weights/rank-{r}-of-{n}.safetensors  one per (pipeline stage, tensor-parallel rank), engine parameter names
+    kernels/triton-cache/                CUDA builds: Triton's compiled-kernel cache (kiln.engine.kernels.cache)
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def engine_config(spec, num_kv_blocks: int, overrides: dict[str, Any] | None = N
 
 
 def engine_document(*, spec, envelope: dict, version: str, config: dict, kv_plan: dict, tuning: dict,
-                    build_report: dict) -> dict[str, Any]:
+                    build_report: dict, kernels: dict | None = None) -> dict[str, Any]:
+    """``kernels``: the record of :func:`kiln.builder.kernel_cache.build_kernel_cache` (None before it ran)."""
     import torch
 
     from kiln.envelope import ARTIFACT_FORMAT_VERSION
@@ -76,6 +78,7 @@ def engine_document(*, spec, envelope: dict, version: str, config: dict, kv_plan
         "kv_plan": kv_plan,
         "tuning": tuning,
         "build_report": build_report,
+        "kernels": kernels,
     }
 
 

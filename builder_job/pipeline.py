@@ -1,5 +1,6 @@
 """The build pipeline: fetch -> check -> gate (reference, converting as it streams) -> shard -> plan
--> gate (runtime) -> tune (and the KV plan again, less the CUDA graphs' memory) -> package -> publish.
+-> gate (runtime) -> tune (and the KV plan again, less the CUDA graphs' memory) -> kernels (CUDA: compiled,
+autotuned, packed) -> package -> publish.
 
 Every stage runs inside ``report.stage(name)`` (progress log + timing). Nothing
 reaches the store until the last stage, and the store's publish is atomic, so a
@@ -26,6 +27,7 @@ from kiln.builder import quality
 from kiln.builder.check import check_envelope, model_facts
 from kiln.builder.errors import InvalidSpec, QualityGateFailed, StorageFailure
 from kiln.builder.fetch import Checkpoint, fetch_checkpoint
+from kiln.builder.kernel_cache import build_kernel_cache
 from kiln.builder.package import (
     copy_model_files,
     dir_bytes,
@@ -142,9 +144,9 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
         log.info("kv pool: %s", kv_plan_summary(kv_plan))
         config = engine_config(spec, kv_plan["num_kv_blocks"])
 
-    def write(tuning: dict, cfg: dict) -> dict:
+    def write(tuning: dict, cfg: dict, kernels: dict | None = None) -> dict:
         doc = engine_document(spec=spec, envelope=envelope, version=version, config=cfg, kv_plan=kv_plan,
-                              tuning=tuning, build_report=report.to_dict())
+                              tuning=tuning, build_report=report.to_dict(), kernels=kernels)
         write_engine_json(out, doc)
         return doc
 
@@ -183,9 +185,13 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
         report.record("kv_plan_summary", kv_plan_summary(kv_plan))
         config = {**config, **overrides, "num_kv_blocks": kv_plan["num_kv_blocks"]}
 
+    with report.stage("kernels"):  # compiled and autotuned on this GPU, shipped (kiln.builder.kernel_cache)
+        write(tuning, config)  # the warm-up loads the artifact as a serving pod will
+        kernels = build_kernel_cache(out, device, work_dir, {"num_kv_blocks": build_pool})
+
     with report.stage("package"):
         report.record("sizes", {**report.findings["sizes"], "artifact_bytes": dir_bytes(out)})
-        doc = write(tuning, config)
+        doc = write(tuning, config, kernels)
 
     with report.stage("publish"):
         from kiln.artifact_manifest import ArtifactConflict, StoreError

@@ -11,15 +11,18 @@ for weight-only quantization, int8 / float8_e4m3fn ``<name>.weight`` plus a
 float32 ``<name>.weight_scale`` per output channel. The runtime copies these
 tensors as they are; no conversion happens at serving time.
 
-``shard_checkpoint`` produces those per-rank state dicts with the runtime's
+``iter_rank_states`` produces those per-rank state dicts with the runtime's
 own layers (each parameter slicing its shard), so what the builder writes is
-by construction what the runtime expects.
+by construction what the runtime expects; ``write_rank_weights`` writes each rank's
+file as it is built and drops it, holding one rank at a time.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -30,8 +33,8 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.errors import ConfigError
 from kiln.engine.layers.linear import quantize_weight
 
-__all__ = ["FORMAT_VERSION", "artifact_engine_config", "current_arch", "quantize_weight", "read_engine_json",
-           "save_rank_weights", "shard_checkpoint", "weights_file_name"]
+__all__ = ["FORMAT_VERSION", "artifact_engine_config", "current_arch", "iter_rank_states", "quantize_weight",
+           "read_engine_json", "save_rank_weights", "shard_checkpoint", "weights_file_name", "write_rank_weights"]
 
 log = logging.getLogger("kiln.engine.artifact")
 
@@ -93,6 +96,10 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
         from kiln.engine.compile import shipped_compile
 
         shipped_compile(root, doc, kwargs)
+    if kwargs["device"] == "cuda":  # before the first kernel compiles: the build's kernel cache, if it fits
+        from kiln.engine.kernels.cache import install_shipped
+
+        install_shipped(root, doc)
     weights = root / "weights"
     tp = int(kwargs.get("tensor_parallel_size", 1))
     pp = int(kwargs.get("pipeline_parallel_size", 1))
@@ -128,18 +135,18 @@ def _adapt_to_cpu(kwargs: dict[str, Any], doc: dict[str, Any], dtype_forced: boo
     kwargs["cpu_target"] = plan
 
 
-def shard_checkpoint(model_dir: str | Path, tp_size: int, dtype: str = "float32",
-                     quantization: str | None = None, pp_size: int = 1) -> list[dict[str, torch.Tensor]]:
-    """Per-rank engine state dicts of a Hugging Face checkpoint, cast and optionally quantized,
-    in global rank order (``rank = pp_stage * tp_size + tp_rank``).
+def iter_rank_states(model_dir: str | Path, tp_size: int, dtype: str = "float32", quantization: str | None = None,
+                     pp_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
+    """Each rank's engine state dict of a Hugging Face checkpoint, cast and optionally quantized, built
+    when asked for, in global rank order (``rank = pp_stage * tp_size + tp_rank``).
 
-    Built with the runtime's own layers, one rank at a time, with no process group.
+    Built with the runtime's own layers, one rank at a time, with no process group; a consumer that
+    drops each state before asking for the next holds one rank at a time (:func:`write_rank_weights`).
     Tied LM heads are left out where the embedding is in the same file (the runtime ties
     them again at load); a last pipeline stage without the embedding stores its own head.
     """
     from kiln.engine.model_runner import build_model
 
-    states = []
     for rank in range(tp_size * pp_size):
         with parallel.shard_context(rank, tp_size, pp_size):
             config = EngineConfig(model=str(model_dir), dtype=dtype, quantization=quantization,
@@ -147,22 +154,50 @@ def shard_checkpoint(model_dir: str | Path, tp_size: int, dtype: str = "float32"
                                   num_kv_blocks=1)
             model = build_model(config)
         names = {n for n, _ in model.named_parameters()}
-        states.append({n: t.detach().contiguous() for n, t in model.state_dict().items() if n in names})
-    return states
+        state = {n: t.detach().contiguous() for n, t in model.state_dict().items() if n in names}
+        del model
+        yield state
+        del state  # before the next rank is built: the consumer may have dropped it
+
+
+def shard_checkpoint(model_dir: str | Path, tp_size: int, dtype: str = "float32",
+                     quantization: str | None = None, pp_size: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Every rank's state dict of :func:`iter_rank_states` at once (tests, small models)."""
+    return list(iter_rank_states(model_dir, tp_size, dtype, quantization, pp_size))
+
+
+def _save_rank(state: dict[str, torch.Tensor], out: Path, rank: int, size: int, pp_size: int) -> Path:
+    from safetensors.torch import save_file
+
+    path = out / weights_file_name(rank, size)
+    tp = size // pp_size
+    save_file(state, str(path), metadata={"format": "pt", "kiln_rank": str(rank), "kiln_tp": str(tp),
+                                          "kiln_pp": str(pp_size), "kiln_pp_stage": str(rank // tp)})
+    return path
 
 
 def save_rank_weights(states: list[dict[str, torch.Tensor]], weights_dir: str | Path,
                       pp_size: int = 1) -> list[Path]:
     """Write ``weights/rank-{r}-of-{n}.safetensors`` for each state dict of ``shard_checkpoint``."""
-    from safetensors.torch import save_file
-
     out = Path(weights_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    tp = len(states) // pp_size
-    for rank, state in enumerate(states):
-        path = out / weights_file_name(rank, len(states))
-        save_file(state, str(path), metadata={"format": "pt", "kiln_rank": str(rank), "kiln_tp": str(tp),
-                                              "kiln_pp": str(pp_size), "kiln_pp_stage": str(rank // tp)})
-        paths.append(path)
-    return paths
+    return [_save_rank(state, out, rank, len(states), pp_size) for rank, state in enumerate(states)]
+
+
+def write_rank_weights(model_dir: str | Path, weights_dir: str | Path, tp_size: int, dtype: str = "float32",
+                       quantization: str | None = None, pp_size: int = 1) -> list[tuple[Path, int]]:
+    """Shard and write each rank's file as soon as it is built, then drop it: one rank in memory at a time.
+
+    The files are those of ``save_rank_weights(shard_checkpoint(...))``: same header and data bytes
+    (safetensors orders the ``__metadata__`` keys by a randomly seeded hash map, in either). Returns
+    (path, number of tensors) per rank.
+    """
+    out = Path(weights_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    # No enumerate(): it keeps its last (index, item) tuple, so the last rank, until the next is built.
+    for state in iter_rank_states(model_dir, tp_size, dtype, quantization, pp_size):
+        written.append((_save_rank(state, out, len(written), tp_size * pp_size, pp_size), len(state)))
+        del state
+        gc.collect()
+    return written

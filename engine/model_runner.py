@@ -120,6 +120,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         self.model = build_model(config)
+        if config.device == "cuda":  # the build's autotuned configs (kernels/cache.py), before graphs run kernels
+            from kiln.engine.kernels.cache import seed_from_environment
+
+            seed_from_environment()
         if can_prepack(config.device, config.torch_dtype) and config.compile == "off":  # else freezing packs
             pack_model(self.model, config.max_batch_size)
         cfg = config.hf_config

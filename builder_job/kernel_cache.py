@@ -1,0 +1,133 @@
+"""Compile and autotune the engine's Triton kernels on the build GPU, and pack the cache into the artifact.
+
+On CUDA, after tuning fixed the serving config, a fresh process (so nothing compiled earlier in the
+build is served from memory instead of being written) loads the staged artifact as a serving pod
+would, with ``TRITON_CACHE_DIR`` pointed at an empty build-local directory, and runs every shape the
+engine meets: loading captures the CUDA graphs (every decode batch bucket), then single prompts of
+1 token and of each int8-GEMM M bucket and one token below it (Triton specializes integer arguments
+on ``== 1`` and divisibility by 16) up to ``max_num_tokens``, each twice (the second a prefix-cache
+hit: the prefill kernel over cached blocks), and with eager decode a batch at each bucket. It
+reports the Autotuners' choices and the host target (:mod:`kiln.engine.kernels.cache`); the builder
+copies the cache's files into the artifact under ``CACHE_DIR`` (group index files made relative) and
+returns the ``engine.json["kernels"]`` record. A CPU build packs nothing and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kiln.builder.errors import InvalidSpec
+from kiln.engine.kernels.cache import CACHE_DIR, NOT_PACKED_CPU, copy_cache, relocate_groups
+
+log = logging.getLogger("kiln.build.kernels")
+
+WARM_UP_TIMEOUT_S = 3600
+
+
+def m_buckets() -> list[int]:
+    """Every value of the int8 GEMM's M bucket (its autotuning key); imports triton."""
+    from kiln.engine.kernels.int8_gemm import m_bucket
+
+    return sorted({m_bucket(2**i) for i in range(16)})
+
+
+def prompt_lengths(max_prompt: int) -> list[int]:
+    """Prefill lengths that meet every int8-GEMM M bucket, specialized and not, up to ``max_prompt``."""
+    lengths = {1}
+    for b in m_buckets():
+        lengths |= {n for n in (b - 1, b) if 1 <= n <= max_prompt}
+    lengths.add(max_prompt)
+    return sorted(lengths)
+
+
+def decode_batches(config) -> list[int]:
+    """Eager decode batch sizes to run (graphs capture their buckets at load): one per M bucket."""
+    if not config.enforce_eager:
+        return []
+    return sorted({min(b, config.max_batch_size) for b in (1, *m_buckets())})
+
+
+def warm_up(llm) -> dict[str, Any]:
+    """Run the shapes above through ``llm``; returns what ran."""
+    from kiln.engine import SamplingParams
+
+    config = llm.engine_config
+    max_prompt = max(1, min(config.max_num_tokens, config.max_input_len, config.max_seq_len - 2))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    lengths = prompt_lengths(max_prompt)
+    for n in lengths:
+        prompt = [3 + (i % 97) for i in range(n)]
+        llm.generate([prompt], params)
+        llm.generate([prompt], params)  # a prefix hit where caching is on
+    batches = decode_batches(config)
+    for b in batches:
+        llm.generate([[5 + i, 7, 11] for i in range(b)], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                          ignore_eos=True))
+    return {"prompt_lengths": lengths, "eager_decode_batches": batches}
+
+
+def pack(cache_dir: Path, artifact_dir: Path) -> dict[str, int]:
+    """Copy a Triton cache into ``artifact_dir/CACHE_DIR`` (regular files only, groups made relative)."""
+    dest = artifact_dir / CACHE_DIR
+    if dest.exists():
+        shutil.rmtree(dest)
+    files, size = copy_cache(cache_dir, dest)
+    groups = relocate_groups(dest, to_absolute=False)
+    return {"num_files": files, "bytes": size, "num_kernels": groups}
+
+
+def build_kernel_cache(artifact_dir: Path, device: str, work_dir: Path, load_kwargs: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """The ``engine.json["kernels"]`` record; on CUDA compiles, autotunes and packs (see module doc)."""
+    if device != "cuda":
+        return {"packed": False, "reason": NOT_PACKED_CPU}
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return {"packed": False, "reason": "triton is not installed in the build image: kernels compile at "
+                                           "first use on the serving GPU"}
+    cache_dir = work_dir / "triton-cache"
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    cache_dir.mkdir(parents=True)
+    result_path = work_dir / "kernel-warm-up.json"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir)}
+    cmd = [sys.executable, "-P", "-m", "kiln.builder.kernel_cache", str(artifact_dir), str(result_path),
+           json.dumps(load_kwargs)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WARM_UP_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise InvalidSpec(f"compiling the engine's kernels on this GPU failed (exit {proc.returncode}): "
+                          f"{proc.stderr.strip()[-1500:]}")
+    result = json.loads(result_path.read_text())
+    packed = pack(cache_dir, artifact_dir)
+    log.info("kernels: %d compiled (%d files, %.1f MiB) in %.0fs, %d autotuned keys", packed["num_kernels"],
+             packed["num_files"], packed["bytes"] / 2**20, time.perf_counter() - t0,
+             sum(len(v) for v in result["autotuned"].values()))
+    return {"packed": True, "path": CACHE_DIR, "target": result["target"], "autotuned": result["autotuned"],
+            **packed, "warm_up": result["warm_up"], "warm_up_seconds": result["seconds"]}
+
+
+def _main(artifact_dir: str, result_path: str, load_kwargs: str) -> None:
+    from kiln.engine import LLM
+    from kiln.engine.kernels.cache import host_target, record_autotuned
+
+    t0 = time.perf_counter()
+    llm = LLM.from_artifact(artifact_dir, device="cuda", **json.loads(load_kwargs))
+    try:
+        ran = warm_up(llm)
+    finally:
+        llm.shutdown()
+    Path(result_path).write_text(json.dumps({"autotuned": record_autotuned(), "target": host_target(),
+                                             "warm_up": ran, "seconds": round(time.perf_counter() - t0, 2)}))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:4])

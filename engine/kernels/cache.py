@@ -1,0 +1,188 @@
+"""Kernels compiled at build time: the record in ``engine.json``, the shipped cache, the seeded autotuner.
+
+A CUDA build runs every kernel shape the engine meets with ``TRITON_CACHE_DIR`` pointed at a fresh
+directory (``kiln.builder.kernel_cache``), then ships that directory in the artifact under
+:data:`CACHE_DIR` and records under ``engine.json["kernels"]``:
+
+- ``target``: what the compiled code is valid for (:func:`host_target`: Triton and torch versions,
+  GPU name and compute capability);
+- ``autotuned``: each autotuned kernel's choices, ``{kernel: [{"key": [...], "config": {...}}]}``:
+  the Autotuner's own cache (``Autotuner.cache``: tuning key -> ``triton.Config``), per tuning key.
+
+At load on a GPU (:func:`install_shipped`, called by ``artifact_engine_config`` before any kernel
+compiles) the shipped cache is copied into a writable per-process directory and
+``TRITON_CACHE_DIR`` points at it, so Triton's JIT finds every kernel compiled; each process that
+runs kernels (every rank, :func:`seed_from_environment` in the model runner) puts the recorded
+configs into the Autotuners' caches, so no key is benchmarked again. A host whose Triton version or
+compute capability differs from ``target`` gets one warning naming what differs and compiles and
+autotunes at first use, as without a shipped cache. CPU builds pack nothing (``packed: false`` with
+the reason).
+
+Triton's cache index files (``__grp__*.json``) name their members by absolute path; the artifact
+stores them relative to the cache root (:func:`relocate_groups`) and the install makes them
+absolute again under the new directory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kiln.engine.kernels.cache")
+
+RECORD_KEY = "kernels"  # engine.json
+CACHE_DIR = "kernels/triton-cache"  # in the artifact
+SEED_ENV = "KILN_KERNEL_CONFIGS"  # a JSON file of recorded configs, read by every rank's model runner
+NOT_PACKED_CPU = "no CUDA at build"
+_SEED_FILE = "kiln-autotuned.json"
+_GROUP_PREFIX = "__grp__"
+
+
+def autotuned_kernels() -> dict[str, Any]:
+    """The engine's autotuned kernels by record name (each a ``triton.runtime.Autotuner``)."""
+    from kiln.engine.kernels import int8_gemm
+
+    return {"int8_weight_only": int8_gemm._tuned_kernel}
+
+
+def config_to_dict(config) -> dict[str, Any]:
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "num_ctas": config.num_ctas, "maxnreg": config.maxnreg}
+
+
+def config_from_dict(doc: dict[str, Any]):
+    import triton
+
+    return triton.Config(**doc)
+
+
+def record_autotuned(kernels: dict[str, Any] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Every tuning key each Autotuner has settled in this process, with the config it chose."""
+    kernels = autotuned_kernels() if kernels is None else kernels
+    return {name: [{"key": list(key), "config": config_to_dict(cfg)} for key, cfg in tuner.cache.items()]
+            for name, tuner in kernels.items()}
+
+
+def seed_autotuned(record: dict[str, list[dict[str, Any]]], kernels: dict[str, Any] | None = None) -> int:
+    """Put recorded configs into the Autotuners' caches (keys already tuned here are kept); returns how many."""
+    kernels = autotuned_kernels() if kernels is None else kernels
+    seeded = 0
+    for name, entries in record.items():
+        tuner = kernels.get(name)
+        if tuner is None:
+            log.warning("engine.json kernels.autotuned names %r, which this runtime does not have; ignored", name)
+            continue
+        for entry in entries:
+            key = tuple(entry["key"])
+            if key not in tuner.cache:
+                tuner.cache[key] = config_from_dict(entry["config"])
+                seeded += 1
+    return seeded
+
+
+def host_target() -> dict[str, Any]:
+    """What compiled Triton code depends on here (versions, GPU); ``None`` fields where absent."""
+    import torch
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    major, minor = torch.cuda.get_device_capability() if cuda else (None, None)
+    return {"triton_version": triton_version, "torch_version": torch.__version__,
+            "gpu_name": torch.cuda.get_device_name() if cuda else None,
+            "compute_capability": f"{major}.{minor}" if cuda else None}
+
+
+def target_differences(recorded: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """What makes a shipped cache unusable here: Triton version or compute capability (GPU name is
+    informative only: same-capability parts run the same code)."""
+    return [f"{field} {recorded.get(field)} at build, {here.get(field)} here"
+            for field in ("triton_version", "compute_capability") if recorded.get(field) != here.get(field)]
+
+
+def relocate_groups(cache_root: Path, to_absolute: bool) -> int:
+    """Rewrite every ``__grp__*.json`` under ``cache_root`` to name its members relative to the root
+    (``to_absolute=False``, for the artifact) or absolutely under it (for Triton); returns files rewritten.
+
+    Triton writes a group and its members through one cache manager, so they share one ``<key>/``
+    directory: a member's place is that directory and its file name, wherever the cache was written.
+    """
+    root = cache_root.resolve()
+    count = 0
+    for group in root.glob(f"*/{_GROUP_PREFIX}*.json"):
+        doc = json.loads(group.read_text())
+        paths = {}
+        for child, path in (doc.get("child_paths") or {}).items():
+            rel = Path(group.parent.name) / Path(path).name
+            if not (root / rel).is_file():
+                raise ValueError(f"{group}: member {path} is not in the cache's {group.parent.name}/")
+            paths[child] = str(root / rel) if to_absolute else rel.as_posix()
+        group.write_text(json.dumps({**doc, "child_paths": paths}))
+        count += 1
+    return count
+
+
+def copy_cache(src: Path, dest: Path) -> tuple[int, int]:
+    """Copy the regular files of a Triton cache (no locks, temp dirs or links); returns (files, bytes)."""
+    files = size = 0
+    for p in sorted(src.rglob("*")):
+        rel = p.relative_to(src)
+        if p.is_symlink() or not p.is_file() or p.name == "lock" or any(s.startswith("tmp.") for s in rel.parts):
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(p, dest / rel)
+        files, size = files + 1, size + p.stat().st_size
+    return files, size
+
+
+def install_shipped(artifact_dir: str | Path, doc: dict[str, Any], here: dict[str, Any] | None = None
+                    ) -> Path | None:
+    """Point ``TRITON_CACHE_DIR`` at a private copy of the artifact's kernel cache when it fits this host.
+
+    Returns that directory, or ``None`` (nothing shipped, or built for another target: warned).
+    """
+    record = doc.get(RECORD_KEY) or {}
+    if not record.get("packed"):
+        log.debug("no kernels shipped in %s: %s", artifact_dir, record.get("reason", "not recorded"))
+        return None
+    differs = target_differences(record.get("target") or {}, here or host_target())
+    if differs:
+        log.warning("shipped kernel cache not used (%s): Triton compiles and autotunes at first use",
+                    "; ".join(differs))
+        return None
+    src = Path(artifact_dir) / record.get("path", CACHE_DIR)
+    if not src.is_dir():
+        log.warning("engine.json records a kernel cache at %s but the artifact lacks it: Triton compiles at "
+                    "first use", src)
+        return None
+    dest = Path(tempfile.mkdtemp(prefix="kiln-triton-cache-"))
+    atexit.register(shutil.rmtree, dest, True)
+    copy_cache(src, dest)
+    relocate_groups(dest, to_absolute=True)
+    (dest / _SEED_FILE).write_text(json.dumps(record.get("autotuned") or {}))
+    os.environ["TRITON_CACHE_DIR"] = str(dest)
+    os.environ[SEED_ENV] = str(dest / _SEED_FILE)
+    log.info("kernel cache from the build installed at %s (%s)", dest, record["target"].get("gpu_name"))
+    return dest
+
+
+def seed_from_environment() -> int:
+    """Seed this process's Autotuners from :data:`SEED_ENV` (set by :func:`install_shipped`); 0 without it."""
+    path = os.environ.get(SEED_ENV)
+    if not path or not Path(path).is_file():
+        return 0
+    try:
+        seeded = seed_autotuned(json.loads(Path(path).read_text()))
+    except ImportError:  # no triton here: nothing autotunes either
+        return 0
+    log.info("autotuner seeded with %d recorded configs", seeded)
+    return seeded
