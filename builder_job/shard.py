@@ -27,16 +27,15 @@ def pipeline_parallel(spec) -> int:
 
 def shard_weights(checkpoint_dir: Path, out_dir: Path, spec) -> list[Path]:
     """Write one safetensors file per rank into ``out_dir``; returns their paths in rank order."""
-    from kiln.engine.artifact import save_rank_weights, shard_checkpoint
+    from kiln.engine.artifact import write_rank_weights
     from kiln.engine.errors import ConfigError
 
-    try:
-        states = shard_checkpoint(checkpoint_dir, spec.tensor_parallel, dtype=spec.dtype,
-                                  quantization=None if spec.quantization == "none" else spec.quantization,
-                                  pp_size=pipeline_parallel(spec))
+    try:  # each rank's file is written as it is built: one rank in memory at a time
+        written = write_rank_weights(checkpoint_dir, out_dir, spec.tensor_parallel, dtype=spec.dtype,
+                                     quantization=None if spec.quantization == "none" else spec.quantization,
+                                     pp_size=pipeline_parallel(spec))
     except ConfigError as exc:
         raise InvalidSpec(f"the kiln runtime cannot shard this checkpoint: {exc}") from None
-    paths = save_rank_weights(states, out_dir, pp_size=pipeline_parallel(spec))
-    for path, state in zip(paths, states, strict=True):
-        log.info("wrote %s (%d tensors, %.1f MiB)", path.name, len(state), path.stat().st_size / 2**20)
-    return paths
+    for path, num_tensors in written:
+        log.info("wrote %s (%d tensors, %.1f MiB)", path.name, num_tensors, path.stat().st_size / 2**20)
+    return [path for path, _ in written]
