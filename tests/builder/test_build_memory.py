@@ -18,6 +18,7 @@ the model whole (as the gate did before) adds two float32 copies or more.
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 
 import pytest
@@ -118,9 +119,12 @@ def test_report_summary_names_the_peak_stage():
     with report.stage("small"):
         pass
     with report.stage("big"):
-        block = bytearray(64 * 2**20)
-        block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page so it is resident
-        del block
+        # A fresh anonymous mapping, touched page by page: malloc could hand back pages an earlier test
+        # freed but the allocator kept resident, which would add nothing to RSS.
+        block = mmap.mmap(-1, 64 * 2**20)
+        for offset in range(0, len(block), mmap.PAGESIZE):
+            block[offset] = 1
+        block.close()
     doc = report.to_dict()
     big, small = doc["memory"]["stages"]["big"], doc["memory"]["stages"]["small"]
     assert big["host_extra_bytes"] >= 60 * 2**20 > small["host_extra_bytes"]
