@@ -185,6 +185,11 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
         report.record("kv_plan_summary", kv_plan_summary(kv_plan))
         config = {**config, **overrides, "num_kv_blocks": kv_plan["num_kv_blocks"]}
 
+    with report.stage("compile"):  # CPU: Inductor for this host's ISA, shipped when it measures faster
+        from kiln.builder.compile_stage import compile_for_target
+
+        config = {**config, **compile_for_target(load_llm, spec, facts.vocab_size, out, tuning, config)}
+
     with report.stage("kernels"):  # compiled and autotuned on this GPU, shipped (kiln.builder.kernel_cache)
         write(tuning, config)  # the warm-up loads the artifact as a serving pod will
         kernels = build_kernel_cache(out, device, work_dir, {"num_kv_blocks": build_pool})
