@@ -68,6 +68,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=12, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False,
         **{**_COMMON, "max_position_embeddings": 2048, "initializer_range": 0.02},
     ),
+    # The default `kiln bench --device cuda` model: ~1.2B parameters in Llama-3.2-1B's shape (GQA 32/8,
+    # head_dim 64), a size whose decode is bound by HBM bandwidth as real serving is.
+    "llama-1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
+        **{**_COMMON, "max_position_embeddings": 4096, "initializer_range": 0.02},
+    ),
 }
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}

@@ -38,7 +38,7 @@ def _resolve_device(device: str) -> str:
               help="Poisson arrivals at this many requests/s [default: all arrive at t=0].")
 @click.option("--shared-prefix", "shared_prefix", type=int, default=0, show_default=True,
               help="Tokens of one shared prefix in front of every prompt (prefix-cache variant).")
-@click.option("--preset", default=None, help="toy model preset [default: llama-bench; --quick: llama-tiny].")
+@click.option("--preset", default=None, help="toy model preset [default: llama-bench; on CUDA llama-1b; --quick: llama-tiny].")
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="A checkpoint directory to benchmark (any: config.json + *.safetensors), or where the --preset "
                    "toy model is written [default: ~/.cache/kiln/bench-models/<preset>-...].")
@@ -67,7 +67,13 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
           baselines, max_batch_size, max_num_tokens, check_requests, json_out, quick, strict) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     from kiln.engine.bench import report
-    from kiln.engine.bench.model import DEFAULT_PRESET, QUICK_PRESET, ensure_model, model_facts
+    from kiln.engine.bench.model import (
+        DEFAULT_GPU_PRESET,
+        DEFAULT_PRESET,
+        QUICK_PRESET,
+        ensure_model,
+        model_facts,
+    )
     from kiln.engine.bench.suite import SuiteConfig, run_suite
     from kiln.engine.bench.workload import WorkloadSpec, make_workload
     from kiln.engine.toy import PRESETS
@@ -86,7 +92,8 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     if peer_names and device != "cpu" and device != "auto":
         raise click.UsageError("--baselines: the peer baselines run on CPU only; use --device cpu")
     chosen += [b for b in peer_names if b not in chosen]
-    preset = preset or (QUICK_PRESET if quick else DEFAULT_PRESET)
+    device = _resolve_device(device)
+    preset = preset or (QUICK_PRESET if quick else DEFAULT_GPU_PRESET if device == "cuda" else DEFAULT_PRESET)
     if preset not in PRESETS:
         raise click.UsageError(f"--preset {preset!r} is unknown; choose from {', '.join(sorted(PRESETS))}")
     for name, value, low in (("--repeats", repeats, 1), ("--max-batch-size", max_batch_size, 1),
@@ -96,7 +103,6 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     if threads is not None and threads < 1:
         raise click.UsageError(f"--threads must be >= 1, got {threads}")
     threads = threads or _default_threads()
-    device = _resolve_device(device)
     spec_kw = {}
     if quick:
         spec_kw = dict(prompt_len_min=8, prompt_len_max=48, short_output=(4, 12), long_output=(24, 40))

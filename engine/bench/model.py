@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 DEFAULT_PRESET = "llama-bench"
+DEFAULT_GPU_PRESET = "llama-1b"  # --device cuda (resolved) without --preset
 QUICK_PRESET = "llama-tiny"
 
 

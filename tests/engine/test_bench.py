@@ -136,3 +136,19 @@ def test_quick_bench_kiln_vs_static_passes_equality(tmp_path):
 def test_quick_bench_runs_every_system(tmp_path):
     _, doc = _quick(tmp_path)
     _check_doc(doc, {"kiln", "hf-static-b8", "hf-static-b32", "hf-generate-batch"})
+
+
+def test_the_gpu_preset_is_a_billion_parameter_llama():
+    """`kiln bench --device cuda` defaults to llama-1b: a GPU figure on a 100M model would measure launch
+    overhead, not the HBM-bound decode a GPU user serves."""
+    import torch
+    from kiln.engine.bench.model import DEFAULT_GPU_PRESET
+    from kiln.engine.toy import PRESETS
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(PRESETS[DEFAULT_GPU_PRESET])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    params = sum(p.numel() for p in model.parameters())
+    assert 1.0e9 <= params <= 2.0e9, params
+    assert cfg["num_attention_heads"] > cfg["num_key_value_heads"]  # GQA, as the decode kernel is built for
