@@ -17,6 +17,9 @@ On CPU in bf16, unquantized weights are prepacked for oneDNN (``pack_model``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from kiln.engine import parallel
@@ -34,6 +37,25 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+_born_quantized: str | None = None  # set by born_quantized()
+
+
+@contextlib.contextmanager
+def born_quantized(method: str | None) -> Iterator[None]:
+    """Linears constructed inside hold empty ``method`` (int8/fp8) weights and scales from the start.
+
+    A quantized artifact's model is thus never allocated in full precision first: building the float
+    linears and then swapping them (``make_quantized_``) peaks at the unquantized size, which is what
+    quantizing was meant to avoid (70B fp8 on one 80 GB GPU would not fit its own bf16 copy).
+    """
+    global _born_quantized
+    before, _born_quantized = _born_quantized, method
+    try:
+        yield
+    finally:
+        _born_quantized = before
+
+
 class LinearBase(nn.Module):
     """y = x W^T + b over this rank's shard of W."""
 
@@ -41,7 +63,9 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = parallel.tp_rank(), parallel.tp_size()
         self.input_size, self.output_size = input_size, output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        method = _born_quantized
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=QUANT_DTYPES[method] if method else None),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -49,6 +73,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.weight_scale: nn.Parameter | None = None
+        if method:
+            self.weight_scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32), requires_grad=False)
         self.packed_weight: torch.Tensor | None = None  # see pack_for_cpu_
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

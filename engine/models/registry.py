@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 from kiln.engine.errors import UnsupportedModelError
-from kiln.engine.layers.linear import LinearBase
+from kiln.engine.layers.linear import born_quantized
 from kiln.engine.models import SUPPORTED_ARCHITECTURES
 from kiln.engine.models.llama import LlamaForCausalLM
 from torch import nn
@@ -31,20 +31,16 @@ def create_model(hf_config: dict[str, Any], max_position: int, dtype: torch.dtyp
                  quantization: str | None = None) -> nn.Module:
     """This rank's shard of the model with unloaded parameters, every parameter and buffer on ``device``.
 
-    With ``quantization``, the linears hold empty int8/fp8 weights and scales to receive an
-    artifact's state dict (``weights.load_engine_state``). Built on ``meta`` by the placement
+    With ``quantization``, the linears are built holding empty int8/fp8 weights and scales to receive
+    an artifact's state dict (``weights.load_engine_state``); no float copy is ever allocated. Built on ``meta`` by the placement
     tests: nothing may land on another device.
     """
     cls = model_class(hf_config)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), born_quantized(quantization):  # never a full-precision copy first
             model = cls(hf_config, max_position)
-            if quantization:
-                for m in model.modules():
-                    if isinstance(m, LinearBase):
-                        m.make_quantized_(quantization)
     finally:
         torch.set_default_dtype(old)
     return model

@@ -98,3 +98,28 @@ def test_artifact_state_dict_loads_into_a_meta_model(toy_model, tmp_path):
     int8_model = create_model(hf_config, 64, torch.float32, "meta", "int8")
     with pytest.raises(Exception, match="model expects"):
         load_engine_state(int8_model, tmp_path / weights_file_name(0, 1))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_a_quantized_model_is_never_allocated_in_full_precision(toy_model, quantization):
+    """Linears are born quantized: building float weights first and swapping them would peak at the
+    unquantized size on the device (70B fp8 on one 80 GB GPU would not fit its own bf16 copy)."""
+    from torch.overrides import TorchFunctionMode
+
+    created: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    class RecordEmpty(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.empty:
+                created.append((tuple(out.shape), out.dtype))
+            return out
+
+    hf_config = EngineConfig(model=str(toy_model()), device="cpu", num_kv_blocks=1).hf_config
+    with RecordEmpty():
+        model = create_model(hf_config, 64, torch.bfloat16, "meta", quantization)
+    linear_shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, LinearBase)}
+    float_linears = [(shape, dtype) for shape, dtype in created if shape in linear_shapes and dtype.is_floating_point
+                     and dtype.itemsize > 1]
+    assert linear_shapes and float_linears == []
+    assert all(m.quantization == quantization for m in model.modules() if isinstance(m, LinearBase))
