@@ -167,7 +167,12 @@ def install_shipped(artifact_dir: str | Path, doc: dict[str, Any], here: dict[st
     dest = Path(tempfile.mkdtemp(prefix="kiln-triton-cache-"))
     atexit.register(shutil.rmtree, dest, True)
     copy_cache(src, dest)
-    relocate_groups(dest, to_absolute=True)
+    try:
+        relocate_groups(dest, to_absolute=True)
+    except ValueError as exc:  # a group names a file the artifact lacks: compile as if nothing shipped
+        log.warning("shipped kernel cache not used (%s): Triton compiles and autotunes at first use", exc)
+        shutil.rmtree(dest, ignore_errors=True)
+        return None
     (dest / _SEED_FILE).write_text(json.dumps(record.get("autotuned") or {}))
     os.environ["TRITON_CACHE_DIR"] = str(dest)
     os.environ[SEED_ENV] = str(dest / _SEED_FILE)

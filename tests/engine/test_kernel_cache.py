@@ -167,6 +167,17 @@ def test_mismatched_host_warns_and_leaves_triton_alone(tmp_path, monkeypatch, ca
         f"triton_version {triton.__version__} at build, 3.8.0 here"]
 
 
+def test_a_cache_missing_a_group_member_warns_and_is_not_used(tmp_path, monkeypatch, caplog):
+    art, doc = _artifact_with_cache(tmp_path)
+    (art / cache.CACHE_DIR / KEY_DIR / "_double.cubin").unlink()
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/users/own/cache")
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.cache"):
+        assert cache.install_shipped(art, doc, here=HERE) is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("shipped kernel cache not used") and "_double.cubin" in line
+    assert os.environ["TRITON_CACHE_DIR"] == "/users/own/cache"
+
+
 def test_cpu_build_packs_nothing_and_says_why(tmp_path):
     record = build_kernel_cache(tmp_path / "engine", "cpu", tmp_path, {})
     assert record == {"packed": False, "reason": cache.NOT_PACKED_CPU}
