@@ -23,8 +23,11 @@ of 16 (every Llama-family projection is).
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+log = logging.getLogger("kiln.engine.fp8")
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
@@ -53,10 +56,34 @@ def device_runs_fp8(device: torch.device) -> bool:
     return fp8_gemm_supported(_cuda_capability(index))
 
 
+@functools.cache
+def rowwise_scaled_mm_works(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether this torch build's ``_scaled_mm`` takes row-wise scales with ``out_dtype`` output here.
+
+    Which (arch, output dtype) pairs the row-wise kernels accept changed between torch releases
+    (older ones: bf16 only; builds without the row-wise kernels: none), so it is asked once per
+    device and dtype, with a 16 x 16 call, rather than assumed; a refusal warns once and the
+    weight is dequantized per call instead. Runs on the first fp8 call, i.e. in the eager warm-up
+    before any CUDA graph is captured.
+    """
+    a = torch.zeros(16, 16, device=device, dtype=FP8_DTYPE)
+    ones = torch.ones(16, 1, device=device, dtype=torch.float32)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.view(1, 16), out_dtype=out_dtype)
+    except (RuntimeError, NotImplementedError) as exc:
+        log.warning("fp8: torch %s's _scaled_mm refuses row-wise scales with %s output on %s (%s); fp8 weights "
+                    "are dequantized per call instead", torch.__version__, out_dtype, device,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return False
+    return True
+
+
 def can_use_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The fp8 GEMM runs this call: an fp8-capable device, bf16/fp16 activations, K and N multiples of 16."""
+    """The fp8 GEMM runs this call: an fp8-capable device whose torch takes row-wise scales in ``x``'s
+    dtype, bf16/fp16 activations, K and N multiples of 16."""
     return (x.is_cuda and weight.dtype == FP8_DTYPE and x.dtype in FP8_OUT_DTYPES and x.shape[-1] % 16 == 0
-            and weight.shape[0] % 16 == 0 and device_runs_fp8(x.device))
+            and weight.shape[0] % 16 == 0 and device_runs_fp8(x.device)
+            and rowwise_scaled_mm_works(x.device, x.dtype))
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

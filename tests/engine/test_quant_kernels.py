@@ -174,6 +174,34 @@ def test_scaled_mm_arguments_pass_the_cuda_layout_checks():
 
 # -- the rules: which devices run what ----------------------------------------------------------
 
+def test_scaled_mm_support_is_asked_of_torch_once_and_a_refusal_falls_back(monkeypatch, caplog):
+    """Which output dtypes the row-wise kernels take changed between torch releases: a refusal warns
+    once and the layer dequantizes instead of raising on its first forward."""
+    import logging
+
+    from kiln.engine.kernels import fp8
+
+    fp8.rowwise_scaled_mm_works.cache_clear()
+    assert fp8.rowwise_scaled_mm_works(torch.device("cpu"), torch.bfloat16)  # torch 2.13's CPU kernel takes it
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(kwargs["out_dtype"])
+        raise RuntimeError("Only bf16 high precision output types are supported for row-wise scaling.")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    fp8.rowwise_scaled_mm_works.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kiln.engine.fp8"):
+            assert not fp8.rowwise_scaled_mm_works(torch.device("cpu"), torch.float16)
+            assert not fp8.rowwise_scaled_mm_works(torch.device("cpu"), torch.float16)
+    finally:
+        fp8.rowwise_scaled_mm_works.cache_clear()
+    assert calls == [torch.float16]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "row-wise scales with torch.float16" in line and "dequantized per call" in line
+
+
 def test_fp8_rule_is_compute_capability_8_9():
     assert [fp8_gemm_supported(c) for c in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]] == \
         [False, False, False, True, True, True, True]
