@@ -117,7 +117,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
             choose_cpu_threads()
         source = StreamedCausalLM(ckpt.path, device)
         converted = StreamedCausalLM(ckpt.path, device, spec.dtype, spec.quantization)
-        metrics = quality.teacher_forced_metrics(source, converted, token_lists)
+        metrics = quality.teacher_forced_metrics(source, converted, token_lists, facts.vocab_size)
         metrics["num_prompts"] = len(token_lists)
         metrics["calibration_prompts"] = "spec" if spec.build.calibration_prompts else "builtin"
         summary = converted.convert_summary

@@ -59,26 +59,49 @@ def tokenize_prompts(tokenizer, prompts: list[str], spec) -> list[list[int]]:
     return out
 
 
-def teacher_forced_metrics(source, converted, token_lists: list[list[int]]) -> dict[str, Any]:
+# Both models' log-probabilities of one chunk of prompts are held at once ([positions, vocab] float32
+# each): chunks keep that under this, whatever the calibration set (256 prompts x 128 tokens at a
+# 128k vocabulary would otherwise be ~31 GiB of host memory).
+LOGPROB_BUDGET_BYTES = 1 << 30
+
+
+def prompt_chunks(token_lists: list[list[int]], vocab_size: int | None) -> list[list[list[int]]]:
+    """Consecutive prompts whose log-probabilities of both models fit :data:`LOGPROB_BUDGET_BYTES`."""
+    if not vocab_size:
+        return [token_lists]
+    max_positions = max(1, LOGPROB_BUDGET_BYTES // (2 * 4 * vocab_size))
+    chunks: list[list[list[int]]] = [[]]
+    used = 0
+    for ids in token_lists:
+        if chunks[-1] and used + len(ids) > max_positions:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(ids)
+        used += len(ids)
+    return chunks
+
+
+def teacher_forced_metrics(source, converted, token_lists: list[list[int]], vocab_size: int | None = None
+                           ) -> dict[str, Any]:
     """Mean per-position KL(source || converted), argmax agreement and both perplexities.
 
     ``source`` and ``converted``: :class:`~kiln.builder.reference.StreamedCausalLM` (anything with
-    ``log_probs(token_lists)``); each is one pass over its weights.
+    ``log_probs(token_lists)``); each chunk of prompts (:func:`prompt_chunks`, one for the built-in
+    set at a small vocabulary) is one pass over each model's weights.
     """
     kl_sum = agree = positions = 0.0
     nll_src = nll_conv = 0.0
     targets = 0
-    lps_src = source.log_probs(token_lists)
-    lps_conv = converted.log_probs(token_lists)
-    for ids, lp_src, lp_conv in zip(token_lists, lps_src, lps_conv, strict=True):
-        kl = (lp_src.exp() * (lp_src - lp_conv)).sum(-1).clamp(min=0)
-        kl_sum += kl.sum().item()
-        agree += (lp_src.argmax(-1) == lp_conv.argmax(-1)).sum().item()
-        positions += len(ids)
-        nxt = torch.tensor(ids[1:])
-        nll_src -= lp_src[:-1].gather(1, nxt[:, None]).sum().item()
-        nll_conv -= lp_conv[:-1].gather(1, nxt[:, None]).sum().item()
-        targets += len(ids) - 1
+    for chunk in prompt_chunks(token_lists, vocab_size):
+        for ids, lp_src, lp_conv in zip(chunk, source.log_probs(chunk), converted.log_probs(chunk), strict=True):
+            kl = (lp_src.exp() * (lp_src - lp_conv)).sum(-1).clamp(min=0)
+            kl_sum += kl.sum().item()
+            agree += (lp_src.argmax(-1) == lp_conv.argmax(-1)).sum().item()
+            positions += len(ids)
+            nxt = torch.tensor(ids[1:])
+            nll_src -= lp_src[:-1].gather(1, nxt[:, None]).sum().item()
+            nll_conv -= lp_conv[:-1].gather(1, nxt[:, None]).sum().item()
+            targets += len(ids) - 1
     return {
         "kl_divergence": kl_sum / positions, "teacher_forced_agreement": agree / positions,
         "num_positions": int(positions), "perplexity_source": math.exp(nll_src / targets),

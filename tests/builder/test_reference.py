@@ -98,3 +98,20 @@ def test_batches_keep_padded_tokens_within_the_budget():
     assert [x for b in out for x in b] == lists
     assert all(len(b) * max(map(len, b)) <= 120 or len(b) == 1 for b in out)
     assert [len(b) for b in out] == [3, 1, 1]
+
+
+def test_metrics_in_chunks_equal_one_pass_and_bound_memory(toy_model, monkeypatch):
+    """A calibration set too big for the log-probability budget runs in chunks of prompts (one more pass
+    over the weights per chunk) with the same metrics as one pass."""
+    model_dir = toy_model("llama-tiny")
+    token_lists = prompts(1024)
+    source, converted = StreamedCausalLM(model_dir, "cpu"), StreamedCausalLM(model_dir, "cpu", "float32", "int8")
+    whole = quality.teacher_forced_metrics(source, converted, token_lists)
+    budget = 2 * 4 * 1024 * 32  # room for 32 positions of both models at vocab 1024
+    monkeypatch.setattr(quality, "LOGPROB_BUDGET_BYTES", budget)
+    chunks = quality.prompt_chunks(token_lists, 1024)
+    assert [len(c) for c in chunks] == [3, 1]  # lengths 5+17+9 | 30: each chunk within 32 positions
+    assert sum(chunks, []) == token_lists
+    chunked = quality.teacher_forced_metrics(source, converted, token_lists, vocab_size=1024)
+    for key, value in whole.items():
+        assert math.isclose(chunked[key], value, rel_tol=1e-6, abs_tol=1e-9), (key, chunked[key], value)
