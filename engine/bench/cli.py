@@ -89,10 +89,10 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     bad = [b for b in peer_names if b not in peers.PEERS]
     if bad:
         raise click.UsageError(f"--baselines: unknown {', '.join(bad)}; choose from {', '.join(peers.PEERS)}")
-    if peer_names and device != "cpu" and device != "auto":
+    device = _resolve_device(device)  # auto -> cuda on a GPU host: the peers would not share kiln's device
+    if peer_names and device != "cpu":
         raise click.UsageError("--baselines: the peer baselines run on CPU only; use --device cpu")
     chosen += [b for b in peer_names if b not in chosen]
-    device = _resolve_device(device)
     preset = preset or (QUICK_PRESET if quick else DEFAULT_GPU_PRESET if device == "cuda" else DEFAULT_PRESET)
     if preset not in PRESETS:
         raise click.UsageError(f"--preset {preset!r} is unknown; choose from {', '.join(sorted(PRESETS))}")

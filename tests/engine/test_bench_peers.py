@@ -45,6 +45,16 @@ def test_unknown_baseline_is_a_usage_error():
     assert result.exit_code == 2 and "--baselines: unknown tgi" in result.output
 
 
+def test_baselines_are_refused_once_auto_resolves_to_a_gpu(monkeypatch):
+    """On a CUDA host --device auto means cuda: peers on CPU beside kiln on the GPU would be no comparison."""
+    import torch
+    from kiln.engine.bench.cli import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    result = CliRunner().invoke(bench, ["--baselines", "vllm", "--quick"])
+    assert result.exit_code == 2 and "the peer baselines run on CPU only; use --device cpu" in result.output
+
+
 # --- environments: what gets installed, and the errors when it cannot be ------------------------------
 
 
