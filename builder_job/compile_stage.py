@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kiln.builder.errors import InvalidSpec
+
 log = logging.getLogger("kiln.builder")
 
 COMPILE_MIN_GAIN = 1.05  # compiled must be this much faster than eager to ship (shared build hosts are noisy)
@@ -43,7 +45,7 @@ def compile_for_target(load_llm, spec, vocab_size: int, out: Path, tuning: dict[
     ranks = int(config.get("tensor_parallel_size", 1)) * int(config.get("pipeline_parallel_size", 1))
     wanted = os.environ.get(COMPILE_ENV, "off").strip().lower() or "off"
     if wanted not in ("off", "inductor"):
-        raise ValueError(f"${COMPILE_ENV} must be 'inductor' or 'off', got {wanted!r}")
+        raise InvalidSpec(f"${COMPILE_ENV} must be 'inductor' or 'off', got {wanted!r}: unset it or set one of those")
     if wanted == "off" or not spec.gpu_spec.is_cpu or ranks != 1:
         return {}
     cache = out / CACHE_DIR

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.builder.errors import InvalidSpec
+from kiln.builder.errors import BuildError
 from kiln.engine.kernels.cache import CACHE_DIR, NOT_PACKED_CPU, copy_cache, relocate_groups
 
 log = logging.getLogger("kiln.build.kernels")
@@ -102,10 +102,14 @@ def build_kernel_cache(artifact_dir: Path, device: str, work_dir: Path, load_kwa
     cmd = [sys.executable, "-P", "-m", "kiln.builder.kernel_cache", str(artifact_dir), str(result_path),
            json.dumps(load_kwargs)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WARM_UP_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise InvalidSpec(f"compiling the engine's kernels on this GPU failed (exit {proc.returncode}): "
-                          f"{proc.stderr.strip()[-1500:]}")
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WARM_UP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"compiling the engine's kernels on this GPU took over {WARM_UP_TIMEOUT_S}s "
+                         f"(the kernels stage's warm-up): a bug or a stuck GPU, not the spec") from None
+    if proc.returncode != 0:  # the serving pod would fail the same way: not a spec problem
+        raise BuildError(f"compiling the engine's kernels on this GPU failed (exit {proc.returncode}): "
+                         f"{proc.stderr.strip()[-1500:]}")
     result = json.loads(result_path.read_text())
     packed = pack(cache_dir, artifact_dir)
     log.info("kernels: %d compiled (%d files, %.1f MiB) in %.0fs, %d autotuned keys", packed["num_kernels"],

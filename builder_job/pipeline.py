@@ -188,6 +188,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
     with report.stage("compile"):  # CPU: Inductor for this host's ISA, shipped when it measures faster
         from kiln.builder.compile_stage import compile_for_target
 
+        write(tuning, config)  # its loads must see the tuned threads, as a serving pod will (not re-measure)
         config = {**config, **compile_for_target(load_llm, spec, facts.vocab_size, out, tuning, config)}
 
     with report.stage("kernels"):  # compiled and autotuned on this GPU, shipped (kiln.builder.kernel_cache)

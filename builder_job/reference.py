@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from kiln.builder.check import read_safetensors_header
 from kiln.builder.convert import SCALE_SUFFIX, convert_state_dict, dequantized_state_dict
+from kiln.builder.errors import InvalidSpec
 from safetensors import safe_open
 from torch import nn
 
@@ -118,13 +119,17 @@ class StreamedCausalLM:
     def _attach(self, num_layers: int) -> None:
         """Hooks on each unit; the first checkpoint name of a (tied) parameter is the one it loads."""
         source_of: dict[int, str] = {}
+        model_name: dict[int, str] = {}
         for name, p in self.model.named_parameters(remove_duplicate=False):
+            model_name.setdefault(id(p), name)
             if name in self.index:
                 source_of.setdefault(id(p), name)
         layers = next((m for m in self.model.modules() if isinstance(m, nn.ModuleList) and len(m) == num_layers),
                       None)
         if layers is None:
-            raise RuntimeError(f"no list of {num_layers} decoder layers in {type(self.model).__name__}")
+            raise InvalidSpec(f"the quality gate cannot find the {num_layers} decoder layers config.json declares "
+                              f"(num_hidden_layers) in {type(self.model).__name__}: check config.json against "
+                              f"the checkpoint")
         in_layers = {id(m) for m in layers.modules()}
         # A decoder layer loads everything under it; any other module (embedding, norm, head) its own.
         units = [(layer, list(layer.modules())) for layer in layers]
@@ -136,8 +141,9 @@ class StreamedCausalLM:
                     if p is None:
                         continue
                     if id(p) not in source_of:
-                        raise RuntimeError(f"the checkpoint has no tensor for a parameter of "
-                                           f"{type(owner).__name__}")
+                        raise InvalidSpec(f"the checkpoint has no tensor {model_name[id(p)]!r} that config.json "
+                                          f"implies: check that every safetensors file is there and that "
+                                          f"config.json matches them (e.g. tie_word_embeddings)")
                     slots.append((owner, leaf, p, source_of[id(p)]))
             unit.register_forward_pre_hook(self._loader(slots))
             unit.register_forward_hook(self._unloader(slots))

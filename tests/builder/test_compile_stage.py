@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from kiln.builder.compile_stage import COMPILE_ENV, compile_for_target
+from kiln.builder.errors import InvalidSpec
 from kiln.engine import compile as kcompile
 from kiln.engine.compile import CACHE_DIR, CACHE_ENV
 
@@ -85,5 +86,5 @@ def test_gpu_multi_rank_and_default_builds_are_not_compiled(tmp_path, monkeypatc
 
 def test_compile_env_is_checked(tmp_path, monkeypatch):
     monkeypatch.setenv(COMPILE_ENV, "tvm")
-    with pytest.raises(ValueError, match=r"\$KILN_BUILD_COMPILE must be 'inductor' or 'off', got 'tvm'"):
+    with pytest.raises(InvalidSpec, match=r"\$KILN_BUILD_COMPILE must be 'inductor' or 'off', got 'tvm'"):
         compile_for_target(loader(0.0005, []), spec("cpu"), 1000, tmp_path, {}, {})

@@ -115,3 +115,22 @@ def test_metrics_in_chunks_equal_one_pass_and_bound_memory(toy_model, monkeypatc
     chunked = quality.teacher_forced_metrics(source, converted, token_lists, vocab_size=1024)
     for key, value in whole.items():
         assert math.isclose(chunked[key], value, rel_tol=1e-6, abs_tol=1e-9), (key, chunked[key], value)
+
+
+def test_a_checkpoint_missing_a_tensor_is_named_in_one_line(toy_model, tmp_path):
+    """An untied config whose checkpoint lacks lm_head.weight: an invalid-spec error naming the tensor
+    (exit 2), not a traceback from inside the gate."""
+    import shutil
+
+    from kiln.builder.errors import InvalidSpec
+    from safetensors.torch import load_file, save_file
+
+    src = toy_model("llama-tiny")
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    (weights,) = broken.glob("*.safetensors")
+    tensors = load_file(weights)
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights)
+    with pytest.raises(InvalidSpec, match=r"the checkpoint has no tensor 'lm_head.weight' that config.json implies"):
+        StreamedCausalLM(broken, "cpu")
