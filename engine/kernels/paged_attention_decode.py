@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kiln.engine.kernels.paged_tile import attend_kv_tile
 
 _BLOCK_N = 64  # context tokens per inner-loop tile (spans several KV blocks)
 _MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
@@ -60,22 +61,9 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        block = tl.load(BlockTables + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-        block = block.to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_kv_tile(q, m_i, l_i, acc, k_base, v_base, BlockTables + seq * stride_bt, offs_n,
+                                       n_mask, n_mask[None, :], offs_d, d_mask, stride_kb, stride_kt, stride_vb,
+                                       stride_vt, scale_log2, BLOCK_SIZE, DOT_PRECISION)
 
     has = l_i > 0  # an empty split (past the sequence's end) stores 0 and a log-sum-exp of -inf
     out = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kiln.engine.kernels.paged_tile import attend_kv_tile
 
 
 def tile_sizes(max_query_len: int) -> tuple[int, int]:
@@ -65,22 +66,10 @@ def _prefill_kernel(
     for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        block = tl.load(BlockTables + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-        block = block.to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every query
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])  # key 0 is visible to every query
+        m_i, l_i, acc = attend_kv_tile(q, m_i, l_i, acc, k_base, v_base, BlockTables + seq * stride_bt, offs_n,
+                                       n_mask, visible, offs_d, d_mask, stride_kb, stride_kt, stride_vb,
+                                       stride_vt, scale_log2, BLOCK_SIZE, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(Out + (q_start + offs_m)[:, None] * stride_yt + head * stride_yh + offs_d[None, :],
