@@ -74,10 +74,21 @@ def autoscaling_problem(spec: LLMEngineSpec, config: OperatorConfig) -> str | No
     return None
 
 
+def per_pod_targets(spec: LLMEngineSpec) -> dict[str, int]:
+    """What one pod is meant to carry, per queue metric (kiln's name without ``kiln:``): the one rule
+    the KEDA triggers and the HPA's metrics both scale on."""
+    assert spec.serving.autoscaling is not None
+    return {"num_requests_waiting": spec.serving.autoscaling.target_waiting_requests,
+            "num_requests_running": spec.max_batch_size}
+
+
+QUEUE_METRICS = ("num_requests_waiting", "num_requests_running")  # the keys of per_pod_targets
+
+
 def queue_queries(name: str, namespace: str) -> dict[str, str]:
     """PromQL of the two per-engine sums (``model_name`` is the served model name, which is the engine's name)."""
     match = f'namespace="{namespace}",model_name="{name}"'
-    return {metric: f"sum({metric}{{{match}}})" for metric in ("kiln:num_requests_waiting", "kiln:num_requests_running")}
+    return {f"kiln:{metric}": f"sum(kiln:{metric}{{{match}}})" for metric in QUEUE_METRICS}
 
 
 def _target(spec: LLMEngineSpec, name: str) -> dict[str, Any]:
@@ -93,12 +104,11 @@ def scaled_object(spec: LLMEngineSpec, name: str, namespace: str, config: Operat
     scaling = spec.serving.autoscaling
     assert scaling is not None
     queries = queue_queries(name, namespace)
-    thresholds = {"kiln:num_requests_waiting": scaling.target_waiting_requests,
-                  "kiln:num_requests_running": spec.max_batch_size}
+    thresholds = per_pod_targets(spec)
     triggers: list[dict[str, Any]] = [
         {"type": "prometheus", "name": metric.split(":", 1)[1].replace("_", "-"), "metricType": "AverageValue",
          "metadata": {"serverAddress": config.prometheus_address, "query": query,
-                      "threshold": str(thresholds[metric]), "activationThreshold": "0",
+                      "threshold": str(thresholds[metric.removeprefix("kiln:")]), "activationThreshold": "0",
                       "ignoreNullValues": "true"}}
         for metric, query in queries.items()]
     if scaling.min_replicas == 0:  # the interceptor's held requests wake the engine from zero
@@ -161,8 +171,7 @@ def horizontal_pod_autoscaler(spec: LLMEngineSpec, name: str, namespace: str, co
             "scaleTargetRef": _target(spec, name),
             "minReplicas": max(scaling.min_replicas, 1),
             "maxReplicas": scaling.max_replicas,
-            "metrics": [pods_metric("num_requests_waiting", scaling.target_waiting_requests),
-                        pods_metric("num_requests_running", spec.max_batch_size)],
+            "metrics": [pods_metric(metric, per_pod) for metric, per_pod in per_pod_targets(spec).items()],
             "behavior": _behavior(scaling.scale_down_stabilization_seconds),
         },
     }
