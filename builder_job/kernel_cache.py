@@ -9,7 +9,8 @@ on ``== 1`` and divisibility by 16) up to ``max_num_tokens``, each twice (the se
 hit: the prefill kernel over cached blocks), and with eager decode a batch at each bucket. It
 reports the Autotuners' choices and the host target (:mod:`kiln.engine.kernels.cache`); the builder
 copies the cache's files into the artifact under ``CACHE_DIR`` (group index files made relative) and
-returns the ``engine.json["kernels"]`` record. A CPU build packs nothing and says why.
+returns the ``engine.json["kernels"]`` record. A CPU build compiles kiln's C kernels instead
+(:func:`kiln.engine.kernels.native.build_for_artifact`): one library per ISA level, under ``kernels/cpu/``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.builder.errors import BuildError
-from kiln.engine.kernels.cache import CACHE_DIR, NOT_PACKED_CPU, copy_cache, relocate_groups
+from kiln.engine.kernels.cache import CACHE_DIR, copy_cache, relocate_groups
 
 log = logging.getLogger("kiln.build.kernels")
 
@@ -87,8 +88,13 @@ def pack(cache_dir: Path, artifact_dir: Path) -> dict[str, int]:
 def build_kernel_cache(artifact_dir: Path, device: str, work_dir: Path, load_kwargs: dict[str, Any]
                        ) -> dict[str, Any]:
     """The ``engine.json["kernels"]`` record; on CUDA compiles, autotunes and packs (see module doc)."""
-    if device != "cuda":
-        return {"packed": False, "reason": NOT_PACKED_CPU}
+    if device != "cuda":  # kiln's C kernels, compiled for every ISA level of this architecture
+        from kiln.engine.kernels.native import build_for_artifact
+
+        record = build_for_artifact(artifact_dir)
+        log.info("kernels: %s", f"CPU kernels for {', '.join(record['libraries'])}" if record["packed"]
+                 else record["reason"])
+        return record
     try:
         import triton  # noqa: F401
     except ImportError:

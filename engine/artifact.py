@@ -96,6 +96,9 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
         from kiln.engine.compile import shipped_compile
 
         shipped_compile(root, doc, kwargs)
+        from kiln.engine.kernels.native import install_from_artifact
+
+        install_from_artifact(root, doc)
     if kwargs["device"] == "cuda":  # before the first kernel compiles: the build's kernel cache, if it fits
         from kiln.engine.kernels.cache import install_shipped
 

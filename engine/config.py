@@ -16,7 +16,7 @@ from kiln.engine.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8", "fp8")
 # "auto": the Triton paged kernels on CUDA when triton is installed, else the torch path (docs/gpu.md).
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -33,12 +33,21 @@ def max_model_len(hf_config: dict[str, Any]) -> int:
     return max_positions(hf_config)
 
 
-def resolve_attention_backend(backend: str, device: str) -> str | None:
+def resolve_attention_backend(backend: str, device: str, dtype: Any = None, kv_dtype: Any = None) -> str | None:
     """What ``attention_backend=backend`` runs on ``device``, or None if it cannot run there: "auto" is
-    Triton on CUDA when triton is installed, else torch; Triton on CPU only under its interpreter."""
+    Triton on CUDA when triton is installed; on CPU kiln's compiled kernels ("native",
+    ``kernels/native.py``) when they load on this host for these dtypes, else torch. Triton on CPU
+    only under its interpreter."""
     import importlib.util
     import os
 
+    if backend in ("auto", "native") and device == "cpu":
+        from kiln.engine.kernels import native
+
+        ok = native.supports(dtype, kv_dtype) and native.kernels() is not None
+        return "native" if ok else ("torch" if backend == "auto" else None)
+    if backend == "native":
+        return None
     has_triton = importlib.util.find_spec("triton") is not None
     if backend == "auto":
         return "triton" if device == "cuda" and has_triton else "torch"
@@ -61,7 +70,7 @@ class EngineConfig:
     ``distributed_address``/``rank_offset``/``local_ranks`` place ranks started separately
     (docs/multi-node.md); ``weights_dir`` is set by ``from_artifact`` (per-rank engine weights);
     ``attention_backend`` picks the attention implementation and is resolved here ("auto" becomes
-    "triton" or "torch"; ``resolve_attention_backend``).
+    "triton", "native" or "torch"; ``resolve_attention_backend``).
     """
 
     model: str
@@ -158,7 +167,12 @@ class EngineConfig:
         why = check_compile(self.compile, self.device, self.world_size)
         if why:
             raise ConfigError(why)
-        backend = resolve_attention_backend(self.attention_backend, self.device)
+        backend = resolve_attention_backend(self.attention_backend, self.device, self.torch_dtype, self.kv_torch_dtype)
+        if backend is None and self.attention_backend == "native":
+            raise ConfigError("attention_backend 'native' (kiln's CPU kernels) needs the CPU device, float32 or "
+                              "bfloat16 weights and KV cache of the same dtype, and a C compiler or an artifact "
+                              "that ships the kernels for this CPU (the log says which is missing): use 'auto' "
+                              "or 'torch'")
         if backend is None:
             raise ConfigError("attention_backend 'triton' needs the triton package (pip install 'kiln[gpu]') and a "
                               "CUDA device, or on CPU Triton's interpreter (TRITON_INTERPRET=1, for tests): "

@@ -129,7 +129,7 @@ class ModelRunner:
         cfg = config.hf_config
         kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
         self.num_kv_heads = kv_heads  # this rank's
-        self.attention_backend = config.attention_backend  # resolved: "torch" or "triton"
+        self.attention_backend = config.attention_backend  # resolved: "torch", "native" or "triton"
         # This stage's layers only: each stage's pool holds its own layers' K/V for every block.
         start, end = parallel.stage_layers(cfg["num_hidden_layers"], parallel.pp_rank(), parallel.pp_size())
         block_bytes = bytes_per_block(config, end - start, kv_heads, head_dim_of(cfg))
@@ -301,8 +301,16 @@ class ModelRunner:
                                          self.num_kv_heads, dev)
             return AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=inputs.num_decodes, paged=paged)
         ctx = inputs.decode_ctx_lens.to(dev)
-        decode_mask = decode_pad_mask = None
-        if inputs.num_decodes:
+        decode_mask = decode_pad_mask = native = None
+        if self.attention_backend == "native":  # kernels/cpu_kernels.c reads the blocks itself: no masks
+            from kiln.engine.kernels.native import kernels
+
+            native = kernels()
+            tables = inputs.decode_block_tables.to(torch.int32).contiguous()
+            ctx = ctx.to(torch.int32)
+        else:
+            tables = inputs.decode_block_tables.to(dev).contiguous()
+        if inputs.num_decodes and native is None:
             width = inputs.decode_block_tables.shape[1] * self.block_size
             decode_mask = (torch.arange(width, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
             decode_pad_mask = ~decode_mask.view(1, inputs.num_decodes, 1, width)
@@ -316,6 +324,6 @@ class ModelRunner:
             prefills.append(PrefillChunk(q_start, q_len, ctx_len, block_ids.to(dev), mask))
         return AttentionMetadata(
             slot_mapping=slot_mapping, num_decode_tokens=inputs.num_decodes,
-            decode_block_tables=inputs.decode_block_tables.to(dev).contiguous(), decode_mask=decode_mask,
-            prefills=prefills, decode_pad_mask=decode_pad_mask, workspace=self.workspace,
+            decode_block_tables=tables, decode_mask=decode_mask, prefills=prefills, decode_pad_mask=decode_pad_mask,
+            workspace=self.workspace, native=native, decode_ctx_lens=ctx,
         )

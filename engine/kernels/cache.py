@@ -39,7 +39,6 @@ log = logging.getLogger("kiln.engine.kernels.cache")
 RECORD_KEY = "kernels"  # engine.json
 CACHE_DIR = "kernels/triton-cache"  # in the artifact
 SEED_ENV = "KILN_KERNEL_CONFIGS"  # a JSON file of recorded configs, read by every rank's model runner
-NOT_PACKED_CPU = "no CUDA at build"
 _SEED_FILE = "kiln-autotuned.json"
 _GROUP_PREFIX = "__grp__"
 
@@ -151,7 +150,7 @@ def install_shipped(artifact_dir: str | Path, doc: dict[str, Any], here: dict[st
     Returns that directory, or ``None`` (nothing shipped, or built for another target: warned).
     """
     record = doc.get(RECORD_KEY) or {}
-    if not record.get("packed"):
+    if not record.get("packed") or record.get("device") == "cpu":  # a CPU build's C kernels: native.py
         log.debug("no kernels shipped in %s: %s", artifact_dir, record.get("reason", "not recorded"))
         return None
     differs = target_differences(record.get("target") or {}, here or host_target())

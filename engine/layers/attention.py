@@ -6,7 +6,9 @@ prefill chunks, and publishes an ``AttentionMetadata`` for the step. Every
 layer first writes its new K/V into the cache slots of ``slot_mapping``, then
 reads each sequence's whole context back from its blocks:
 
-- single-token rows run as batched matmuls over ``k_cache[block_tables]``
+- single-token rows run kiln's C kernel on CPU (``attention_backend="native"``, the CPU default
+  where it compiles or an artifact ships it: ``kernels/cpu_kernels.c``), which reads K/V straight
+  from the blocks; otherwise batched matmuls over ``k_cache[block_tables]``
   (CPU: in groups of rows of similar context length, each gathering only the
   blocks its longest row holds; GPU: one SDPA), with padding masks built once
   per step;
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +55,8 @@ class AttentionMetadata:
     workspace: dict[str, torch.Tensor] | None = None
     decode_groups: list[DecodeGroup] | None = None  # CPU decode rows grouped by context; built by the first layer
     paged: PagedMetadata | None = None  # set: the Triton kernels run this step (decode/prefill fields unused)
+    native: Any = None  # kernels.native.Kernels: CPU decode rows run kiln's C kernel (int32 tables and lengths)
+    decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] tokens in each decode row's context
 
 
 @dataclass
@@ -144,7 +149,10 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decode_tokens
-        if nd and not q.is_cuda:
+        if nd and md.native is not None:
+            md.native.paged_decode(q[:nd], self.k_cache, self.v_cache, md.decode_block_tables, md.decode_ctx_lens,
+                                   self.scale, out[:nd])
+        elif nd and not q.is_cuda:
             if md.decode_groups is None:  # once per step: every layer has the same rows
                 pad = md.decode_pad_mask
                 if pad is None:

@@ -92,7 +92,7 @@ def test_decode_attention_in_kv_head_chunks(preset, step, toy_model, make_llm, h
     calls = []
     monkeypatch.setattr(attention, "heads_per_chunk", lambda kvh, kv_bytes: calls.append(kvh) or step)
     model_dir = toy_model(preset)
-    llm = make_llm(model_dir, num_kv_blocks=64, enable_prefix_caching=False)
+    llm = make_llm(model_dir, num_kv_blocks=64, enable_prefix_caching=False, attention_backend="torch")
     check(llm, model_dir, hf_greedy, random_prompts(LENGTHS, seed=1), MAX_TOKENS)
     assert calls  # the chunked path really ran
 

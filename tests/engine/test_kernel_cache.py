@@ -178,11 +178,12 @@ def test_a_cache_missing_a_group_member_warns_and_is_not_used(tmp_path, monkeypa
     assert os.environ["TRITON_CACHE_DIR"] == "/users/own/cache"
 
 
-def test_cpu_build_packs_nothing_and_says_why(tmp_path):
+def test_cpu_build_ships_c_kernels_not_a_triton_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/users/own/cache")
     record = build_kernel_cache(tmp_path / "engine", "cpu", tmp_path, {})
-    assert record == {"packed": False, "reason": cache.NOT_PACKED_CPU}
-    assert cache.install_shipped(tmp_path, {"kernels": record}) is None
-    assert not (tmp_path / "engine").exists()
+    assert record["device"] == "cpu" and record["packed"]  # kernels/native.py's record (tests/engine/test_cpu_kernels.py)
+    assert cache.install_shipped(tmp_path / "engine", {"kernels": record}) is None
+    assert os.environ["TRITON_CACHE_DIR"] == "/users/own/cache"
 
 
 def test_warm_up_prompts_meet_every_gemm_bucket():

@@ -1,0 +1,224 @@
+/* kiln's CPU kernels: paged decode attention read straight from the KV cache blocks.
+ *
+ * Plain C99 + OpenMP, compiled for the serving host's ISA level by engine/kernels/native.py
+ * (x86-64-v3 / x86-64-v4 / native) and called through ctypes with raw tensor pointers; no torch
+ * headers, so a build takes about a second. The loops are written for the compiler's vectorizer
+ * (`omp simd`): head_dim-long dot products and axpys, and a polynomial exp.
+ *
+ * Threads: the OpenMP runtime is the one torch loaded (same soname, libgomp.so.1), so a parallel
+ * region here uses torch's thread count (torch.set_num_threads) and its warm thread pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KILN_ABI_VERSION 1
+
+int kiln_abi_version(void) { return KILN_ABI_VERSION; }
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* e^x for x <= 0 (scores minus their max), Cephes' expf: about 1 ulp, vectorizable. */
+#pragma omp declare simd notinbranch
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+typedef float vf16 __attribute__((vector_size(64), aligned(4)));  /* 16 floats, unaligned access */
+
+static inline vf16 load16(const float *p) { return *(const vf16 *)p; }
+static inline void store16(float *p, vf16 v) { *(vf16 *)p = v; }
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+static inline float hsum16(vf16 v) { /* a tree, not 16 dependent adds */
+    vf8 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
+    vf8 s8 = lo + hi;
+    vf4 a, b;
+    memcpy(&a, &s8, sizeof a);
+    memcpy(&b, (char *)&s8 + sizeof a, sizeof b);
+    vf4 s4 = a + b;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* One block's rows as float: the cache itself (float32) or a converted copy in `tmp` (bf16). */
+static inline const float *block_rows(const void *cache, int bf16, int64_t offset, int64_t n, float *tmp) {
+    if (!bf16) return (const float *)cache + offset;
+    const uint16_t *src = (const uint16_t *)cache + offset;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) tmp[i] = bf16_to_f32(src[i]);
+    return tmp;
+}
+
+static inline void prefetch_block(const void *cache, int bf16, int64_t offset, int64_t n) {
+    const char *p = (const char *)cache + offset * (bf16 ? 2 : 4);
+    for (int64_t b = 0; b < n * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+/* Scores of `group` (pre-scaled) queries against n keys, written at s[g * stride + t]. D = head size,
+ * a multiple of 16: each key is loaded once for the whole group. */
+#define SCORE_BODY(D)                                                                      \
+    for (int64_t t = 0; t < n; t++) {                                                      \
+        vf16 kv[(D) / 16];                                                                 \
+        for (int c = 0; c < (D) / 16; c++) kv[c] = load16(kb + t * (D) + 16 * c);          \
+        for (int64_t g = 0; g < group; g++) {                                              \
+            vf16 a = qv[g * ((D) / 16)] * kv[0];                                          \
+            for (int c = 1; c < (D) / 16; c++) a += qv[g * ((D) / 16) + c] * kv[c];        \
+            s[g * stride + t] = hsum16(a);                                                 \
+        }                                                                                  \
+    }
+
+/* acc[g] += sum_t p[g * stride + t] * v[t] */
+#define VALUE_BODY(D)                                                                      \
+    for (int64_t t = 0; t < n; t++) {                                                      \
+        vf16 vv[(D) / 16];                                                                 \
+        for (int c = 0; c < (D) / 16; c++) vv[c] = load16(vb + t * (D) + 16 * c);          \
+        for (int64_t g = 0; g < group; g++) {                                              \
+            const float w = p[g * stride + t];                                             \
+            for (int c = 0; c < (D) / 16; c++) acc[g * ((D) / 16) + c] += w * vv[c];       \
+        }                                                                                  \
+    }
+
+static void scores_d64(const vf16 *qv, const float *kb, float *s, int64_t n, int64_t group, int64_t stride) { SCORE_BODY(64) }
+static void scores_d128(const vf16 *qv, const float *kb, float *s, int64_t n, int64_t group, int64_t stride) { SCORE_BODY(128) }
+static void values_d64(vf16 *acc, const float *vb, const float *p, int64_t n, int64_t group, int64_t stride) { VALUE_BODY(64) }
+static void values_d128(vf16 *acc, const float *vb, const float *p, int64_t n, int64_t group, int64_t stride) { VALUE_BODY(128) }
+
+/* Any head size: plain loops the vectorizer handles. */
+static void scores_any(const float *q, const float *kb, float *s, int64_t n, int64_t group, int64_t stride, int64_t d) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < group; g++) {
+            float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+            for (int64_t i = 0; i < d; i++) a += q[g * d + i] * kb[t * d + i];
+            s[g * stride + t] = a;
+        }
+}
+
+static void values_any(float *acc, const float *vb, const float *p, int64_t n, int64_t group, int64_t stride, int64_t d) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < group; g++) {
+            const float w = p[g * stride + t];
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) acc[g * d + i] += w * vb[t * d + i];
+        }
+}
+
+/* Decode attention: one query token per row, over the row's whole context in the paged cache.
+ *
+ * q, out:         [rows, heads, d] with row strides q_stride / out_stride (elements)
+ * k_cache/v_cache:[kv_heads, num_blocks, block_size, d], contiguous
+ * block_tables:   [rows, bt_stride] int32; ctx_lens: [rows] int32 (>= 1, <= bt_stride * block_size)
+ * bf16:           0 = every tensor float32, 1 = every tensor bfloat16 (math in float32)
+ *
+ * Each (row, KV head) is one task: the query heads of its group are scored against every key of
+ * the context (scores kept, then an exact softmax), then V is summed with those weights.
+ * Returns 0, or -1 when scratch memory could not be allocated.
+ */
+int kiln_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                       const int32_t *ctx_lens, void *out, int64_t rows, int64_t heads, int64_t kv_heads,
+                       int64_t num_blocks, int64_t block_size, int64_t d, int64_t bt_stride, int64_t q_stride,
+                       int64_t out_stride, float scale, int bf16) {
+    const int64_t group = heads / kv_heads;
+    int64_t max_ctx = 0;
+    for (int64_t r = 0; r < rows; r++) max_ctx = ctx_lens[r] > max_ctx ? ctx_lens[r] : max_ctx;
+    const int64_t tasks = rows * kv_heads, stride = max_ctx, bsd = block_size * d;
+    int failed = 0;
+#pragma omp parallel if (tasks > 1)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * max_ctx));
+        float *qf = malloc(sizeof(float) * (size_t)(group * d));
+        float *acc = malloc(sizeof(float) * (size_t)(group * d));
+        float *tmp = malloc(sizeof(float) * (size_t)bsd);
+        if (!scores || !qf || !acc || !tmp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (failed) continue;
+            const int64_t r = task / kv_heads, h = task % kv_heads;
+            const int64_t len = ctx_lens[r], nblocks = (len + block_size - 1) / block_size;
+            const int32_t *table = block_tables + r * bt_stride;
+            const int64_t base = h * num_blocks;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t src = r * q_stride + (h * group + g) * d;
+                for (int64_t i = 0; i < d; i++)
+                    qf[g * d + i] = scale * (bf16 ? bf16_to_f32(((const uint16_t *)q)[src + i]) : ((const float *)q)[src + i]);
+            }
+            prefetch_block(k_cache, bf16, (base + table[0]) * bsd, bsd);
+            for (int64_t j = 0; j < nblocks; j++) {
+                const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
+                if (j + 1 < nblocks) prefetch_block(k_cache, bf16, (base + table[j + 1]) * bsd, bsd);
+                else prefetch_block(v_cache, bf16, (base + table[0]) * bsd, bsd);
+                const float *kb = block_rows(k_cache, bf16, (base + table[j]) * bsd, n * d, tmp);
+                float *s = scores + j * block_size;
+                if (d == 64) scores_d64((const vf16 *)qf, kb, s, n, group, stride);
+                else if (d == 128) scores_d128((const vf16 *)qf, kb, s, n, group, stride);
+                else scores_any(qf, kb, s, n, group, stride, d);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float *s = scores + g * stride, m = s[0], sum = 0.0f;
+                for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t t = 0; t < len; t++) {
+                    s[t] = exp_nonpos(s[t] - m);
+                    sum += s[t];
+                }
+                const float inv = 1.0f / sum;
+#pragma omp simd
+                for (int64_t t = 0; t < len; t++) s[t] *= inv;
+            }
+            memset(acc, 0, sizeof(float) * (size_t)(group * d));
+            for (int64_t j = 0; j < nblocks; j++) {
+                const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
+                if (j + 1 < nblocks) prefetch_block(v_cache, bf16, (base + table[j + 1]) * bsd, bsd);
+                const float *vb = block_rows(v_cache, bf16, (base + table[j]) * bsd, n * d, tmp);
+                const float *p = scores + j * block_size;
+                if (d == 64) values_d64((vf16 *)acc, vb, p, n, group, stride);
+                else if (d == 128) values_d128((vf16 *)acc, vb, p, n, group, stride);
+                else values_any(acc, vb, p, n, group, stride, d);
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t dst = r * out_stride + (h * group + g) * d;
+                if (bf16)
+                    for (int64_t i = 0; i < d; i++) ((uint16_t *)out)[dst + i] = f32_to_bf16(acc[g * d + i]);
+                else
+                    memcpy((float *)out + dst, acc + g * d, sizeof(float) * (size_t)d);
+            }
+        }
+        free(scores);
+        free(qf);
+        free(acc);
+        free(tmp);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,205 @@
+"""kiln's CPU kernels (``cpu_kernels.c``): compiled for the host's ISA level, loaded with ctypes.
+
+The C source has no torch headers, so compiling it takes about a second with the system C compiler
+(``$CC``, else ``cc``). Where the compiled library comes from, first match wins:
+
+1. an artifact's shipped copy (``kernels/cpu/<level>.so``, made by the build's ``compile`` stage),
+   for the best ISA level this host's CPU flags allow (``install_shipped``);
+2. ``$KILN_CPU_KERNELS_DIR`` (default ``~/.cache/kiln/cpu-kernels``), keyed by a hash of the source
+   and the compile command, compiled there on first use (atomic rename: concurrent processes are safe);
+3. none: no compiler, no ISA level the host supports, or ``KILN_CPU_KERNELS=0`` -- the engine runs its
+   torch path (same results), and the reason is logged once.
+
+ISA levels are the x86-64 micro-architecture levels (``x86-64-v4`` = AVX-512 F/BW/CD/DQ/VL,
+``x86-64-v3`` = AVX2 + FMA + ...) and ``armv8-a`` on aarch64; a host runs a library only if its
+``/proc/cpuinfo`` flags include every flag of the level (``LEVEL_FLAGS``), so a kernel built for
+AVX-512 never dies on an illegal instruction on an AVX2-only host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kiln.engine.kernels.native")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ABI_VERSION = 1  # = KILN_ABI_VERSION in cpu_kernels.c
+_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm", "xsave")
+# level -> the /proc/cpuinfo flags a host needs to run code compiled with -march=<level>, best first
+LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
+    "x86-64-v4": (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+    "x86-64-v3": _V3,
+    "armv8-a": ("asimd",),
+}
+_ARCH_LEVELS = {"x86_64": ("x86-64-v4", "x86-64-v3"), "aarch64": ("armv8-a",)}
+_EXTRA = {"x86-64-v4": ("-mprefer-vector-width=512",)}
+CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
+
+
+def host_levels(flags: frozenset[str] | None = None) -> list[str]:
+    """The ISA levels this host can run, best first."""
+    from kiln.engine import cpu_target
+
+    flags = cpu_target.cpu_flags() if flags is None else flags
+    return [lvl for lvl in _ARCH_LEVELS.get(platform.machine(), ()) if set(LEVEL_FLAGS[lvl]) <= flags]
+
+
+def compile_command(level: str, out: Path) -> list[str]:
+    return [os.environ.get("CC", "cc"), f"-march={level}", *_EXTRA.get(level, ()), *CFLAGS, "-o", str(out), str(SOURCE)]
+
+
+def library_name(level: str) -> str:
+    """A file name that changes whenever the source or the compile flags do."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_command(level, Path("x"))[1:]).encode())
+    return f"kiln-cpu-kernels-{level}-{digest.hexdigest()[:12]}.so"
+
+
+def compile_library(level: str, dest_dir: Path) -> Path:
+    """Compile for ``level`` into ``dest_dir`` (atomically); raises RuntimeError naming the compiler's error."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / library_name(level)
+    if dest.exists():
+        return dest
+    cmd = compile_command(level, dest)
+    if shutil.which(cmd[0]) is None:
+        raise RuntimeError(f"no C compiler: {cmd[0]!r} is not on PATH (set $CC)")
+    fd, tmp = tempfile.mkstemp(dir=dest_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        cmd[cmd.index("-o") + 1] = tmp
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, dest)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return dest
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get("KILN_CPU_KERNELS_DIR") or Path.home() / ".cache" / "kiln" / "cpu-kernels")
+
+
+_shipped: dict[str, Path] = {}  # level -> an artifact's library, set by install_shipped
+CPU_DIR = "kernels/cpu"  # where an artifact holds its compiled libraries, one <level>.so per ISA level
+
+
+def source_digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
+def build_for_artifact(artifact_dir: Path) -> dict:
+    """Compile for every ISA level of this machine's architecture (not only the ones this CPU runs: the
+    serving hosts pick theirs) into ``artifact_dir/CPU_DIR``; returns the ``engine.json["kernels"]`` record."""
+    levels = _ARCH_LEVELS.get(platform.machine(), ())
+    if not levels:
+        return {"packed": False, "reason": f"kiln's CPU kernels are not built for {platform.machine()}"}
+    dest = Path(artifact_dir) / CPU_DIR
+    libraries = {}
+    try:
+        for level in levels:
+            os.replace(compile_library(level, dest), dest / f"{level}.so")
+            libraries[level] = {"file": f"{level}.so", "cpu_flags": list(LEVEL_FLAGS[level])}
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        shutil.rmtree(dest, ignore_errors=True)
+        return {"packed": False, "reason": f"kiln's CPU kernels did not compile in the build image ({exc}): "
+                                           f"serving hosts with a C compiler compile them at load"}
+    return {"packed": True, "device": "cpu", "path": CPU_DIR, "abi": ABI_VERSION, "source_sha256": source_digest(),
+            "libraries": libraries}
+
+
+def install_from_artifact(artifact_dir: str | Path, doc: dict) -> list[str]:
+    """Use an artifact's shipped libraries (``build_for_artifact``) when they are this kiln's kernels;
+    returns the levels installed."""
+    from kiln.engine.kernels.cache import RECORD_KEY
+
+    record = doc.get(RECORD_KEY) or {}
+    if record.get("device") != "cpu" or not record.get("packed"):
+        return []
+    if record.get("source_sha256") != source_digest() or record.get("abi") != ABI_VERSION:
+        log.warning("the artifact's CPU kernels were built from another kiln's source: compiling this kiln's here")
+        return []
+    root = Path(artifact_dir) / record.get("path", CPU_DIR)
+    libraries = {level: root / info["file"] for level, info in (record.get("libraries") or {}).items()
+                 if level in LEVEL_FLAGS and (root / info["file"]).is_file()}
+    install_shipped(libraries)
+    return sorted(libraries)
+
+
+def install_shipped(libraries: dict[str, Path]) -> None:
+    """Prefer an artifact's compiled libraries (level -> path) to compiling here; call before first use."""
+    _shipped.update(libraries)
+    _library.cache_clear()
+
+
+class Kernels:
+    """The loaded library, with argument types declared once."""
+
+    def __init__(self, path: Path, level: str) -> None:
+        self.path, self.level = path, level
+        lib = ctypes.CDLL(str(path))
+        if lib.kiln_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{path} has ABI {lib.kiln_abi_version()}, this kiln needs {ABI_VERSION}")
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._decode = lib.kiln_paged_decode
+        self._decode.restype = ctypes.c_int
+        self._decode.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float, ctypes.c_int]
+
+    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     ctx_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """Decode attention into ``out`` [rows, heads, d] (see ``kiln_paged_decode``); the caller guarantees
+        dtypes (``supports``), int32 tables/lengths and unit strides in the last two dims."""
+        kvh, num_blocks, block_size, d = k_cache.shape
+        rows, heads, _ = q.shape
+        rc = self._decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                          ctx_lens.data_ptr(), out.data_ptr(), rows, heads, kvh, num_blocks, block_size, d,
+                          block_tables.stride(0), q.stride(0), out.stride(0), scale, int(q.dtype == torch.bfloat16))
+        if rc:
+            raise MemoryError("kiln CPU decode attention could not allocate its scratch memory")
+
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def supports(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    return dtype == cache_dtype and dtype in SUPPORTED_DTYPES
+
+
+@functools.cache
+def _library() -> Kernels | None:
+    if os.environ.get("KILN_CPU_KERNELS", "1") == "0":
+        log.info("kiln CPU kernels off (KILN_CPU_KERNELS=0): attention runs on torch")
+        return None
+    levels = host_levels()
+    if not levels:
+        log.warning("kiln CPU kernels: this CPU (%s) has none of the ISA levels they are built for (%s); "
+                    "attention runs on torch", platform.machine(), ", ".join(LEVEL_FLAGS))
+        return None
+    for level in levels:
+        if level in _shipped:
+            try:
+                return Kernels(_shipped[level], level)
+            except (OSError, RuntimeError) as exc:
+                log.warning("kiln CPU kernels: the artifact's %s library does not load (%s); compiling here", level, exc)
+            break
+    try:
+        return Kernels(compile_library(levels[0], default_dir()), levels[0])
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("kiln CPU kernels unavailable (%s); attention runs on torch", exc)
+        return None
+
+
+def kernels() -> Kernels | None:
+    """The CPU kernels for this host, or None (the engine then runs its torch path)."""
+    return _library()

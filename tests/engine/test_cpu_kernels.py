@@ -1,0 +1,165 @@
+"""kiln's CPU kernels (engine/kernels/cpu_kernels.c via native.py): numerics against a PyTorch reference,
+the engine's tokens against the torch backend, ISA levels, shipping in an artifact, and every fallback."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+
+import pytest
+import torch
+from engine_testlib import random_prompts
+from kiln.engine import ConfigError, SamplingParams
+from kiln.engine import cpu_target
+from kiln.engine.config import EngineConfig
+from kiln.engine.kernels import native
+
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64") or shutil.which("cc") is None,
+                                reason="kiln's CPU kernels need x86-64 or aarch64 and a C compiler")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A process state with no library loaded or shipped, compiling into a private directory."""
+    monkeypatch.setenv("KILN_CPU_KERNELS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_shipped", {})
+    native._library.cache_clear()
+    yield tmp_path
+    native._library.cache_clear()
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    """Per row: gather the context's K/V, repeat for GQA, softmax(q K^T) V in float64."""
+    rows, heads, d = q.shape
+    kvh, _, bs, _ = k_cache.shape
+    out = []
+    for r in range(rows):
+        n = int(lens[r])
+        blocks = tables[r, : -(-n // bs)].long()
+        keys = k_cache[:, blocks].reshape(kvh, -1, d)[:, :n].double().repeat_interleave(heads // kvh, 0)
+        vals = v_cache[:, blocks].reshape(kvh, -1, d)[:, :n].double().repeat_interleave(heads // kvh, 0)
+        scores = torch.einsum("hd,hnd->hn", q[r].double(), keys) * scale
+        out.append(torch.einsum("hn,hnd->hd", scores.softmax(-1), vals))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d,block_size", [
+    (12, 4, 64, 16),   # GQA, the vectorized head size 64
+    (8, 8, 128, 16),   # MHA, head size 128
+    (8, 1, 24, 32),    # MQA, a head size on the generic path
+    (4, 2, 80, 16),    # another generic head size
+])
+def test_decode_matches_reference(fresh, dtype, heads, kv_heads, d, block_size):
+    kernels = native.kernels()
+    g = torch.Generator().manual_seed(heads * d + block_size)
+    num_blocks = 64
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, d, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, d, generator=g).to(dtype)
+    lens = torch.tensor([1, block_size, block_size + 1, 7, 3 * block_size - 1, 20 * block_size - 5], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:24] for _ in lens]).to(torch.int32)
+    # q as the model hands it over: a strided view of the packed q|k projection output
+    packed = torch.randn(len(lens), heads + kv_heads, d, generator=g).to(dtype)
+    q = packed[:, :heads]
+    out = torch.full((len(lens), heads, d), float("nan"), dtype=dtype)
+    kernels.paged_decode(q, k_cache, v_cache, tables, lens, d ** -0.5, out)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens, d ** -0.5), rtol=tol, atol=tol)
+
+
+def test_engine_native_equals_torch(fresh, toy_model, make_llm):
+    """Greedy tokens of mixed steps, chunked prefill and a prefix hit are the same on both CPU backends,
+    and the native run really called the kernel."""
+    calls = []
+    model_dir = toy_model("llama-tiny")
+    shared = random_prompts([40], seed=7)[0][1:]
+    prompts = random_prompts([45, 52], seed=2, prefix=shared) + random_prompts([9, 23, 70], seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 4, 30, 5, 12)]
+    kwargs = dict(num_kv_blocks=40, block_size=16, max_num_tokens=24, max_batch_size=4, device="cpu")
+    outs = {}
+    for backend in ("torch", "native"):
+        llm = make_llm(model_dir, attention_backend=backend, **kwargs)
+        assert llm.engine.runner.attention_backend == backend
+        if backend == "native":
+            llm.engine.runner.attention_metadata = _spy(llm.engine.runner.attention_metadata, calls)
+        first = llm.generate(prompts[:1], params[:1])  # fills the prefix cache
+        rest = llm.generate(prompts[1:], params[1:])
+        assert rest[0].num_cached_tokens == 32
+        outs[backend] = [o.token_ids for o in first + rest]
+    assert outs["native"] == outs["torch"]
+    assert any(md.native is not None and md.num_decode_tokens and md.prefills for md in calls)  # mixed steps
+
+
+def _spy(build, calls):
+    def wrapped(inputs):
+        md = build(inputs)
+        calls.append(md)
+        return md
+    return wrapped
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 ISA levels")
+def test_levels_follow_the_cpu_flags():
+    v3 = set(native.LEVEL_FLAGS["x86-64-v3"])
+    assert native.host_levels(frozenset(native.LEVEL_FLAGS["x86-64-v4"])) == ["x86-64-v4", "x86-64-v3"]
+    assert native.host_levels(frozenset(v3)) == ["x86-64-v3"]  # an AVX2-only EPYC
+    assert native.host_levels(frozenset(v3 - {"avx2"})) == []
+    assert native.host_levels(cpu_target.cpu_flags())  # this machine runs one
+
+
+def test_artifact_ships_every_level_and_the_host_picks_its_own(fresh, monkeypatch):
+    art = fresh / "engine"
+    record = native.build_for_artifact(art)
+    assert record["packed"] and record["source_sha256"] == native.source_digest()
+    assert set(record["libraries"]) == set(native._ARCH_LEVELS[platform.machine()])
+    assert native.install_from_artifact(art, {"kernels": record}) == sorted(record["libraries"])
+    best = native.host_levels()[0]
+    loaded = native.kernels()
+    assert loaded.level == best and loaded.path == art / native.CPU_DIR / f"{best}.so"
+    assert not list((fresh / "cache").glob("*.so"))  # nothing compiled here
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 ISA levels")
+def test_avx2_only_host_never_loads_the_avx512_library(fresh, monkeypatch):
+    art = fresh / "engine"
+    record = native.build_for_artifact(art)
+    monkeypatch.setattr(cpu_target, "cpu_flags", lambda: frozenset(native.LEVEL_FLAGS["x86-64-v3"]))
+    native.install_from_artifact(art, {"kernels": record})
+    assert native.kernels().path.name == "x86-64-v3.so"
+
+
+def test_another_kilns_kernels_are_not_used(fresh, caplog):
+    art = fresh / "engine"
+    record = {**native.build_for_artifact(art), "source_sha256": "0" * 64}
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.native"):
+        assert native.install_from_artifact(art, {"kernels": record}) == []
+    assert "another kiln's source" in caplog.text
+    assert native.kernels().path.parent == fresh / "cache"  # compiled here instead
+
+
+def test_without_a_compiler_cpu_runs_torch_and_says_why(fresh, monkeypatch, caplog, toy_model):
+    monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
+    model_dir = str(toy_model("llama-tiny"))
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.native"):
+        assert EngineConfig(model=model_dir, device="cpu").attention_backend == "torch"
+    assert "no C compiler" in caplog.text and "attention runs on torch" in caplog.text
+    with pytest.raises(ConfigError, match=r"^attention_backend 'native' .*C compiler.*use 'auto' or 'torch'$"):
+        EngineConfig(model=model_dir, device="cpu", attention_backend="native")
+
+
+def test_a_failing_compiler_is_reported(fresh, monkeypatch, caplog):
+    fake = fresh / "cc"
+    fake.write_text("#!/bin/sh\necho 'cc1: error: bad -march' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.native"):
+        assert native.kernels() is None
+    assert "bad -march" in caplog.text
+    assert not list((fresh / "cache").iterdir())  # no half-written library left behind
+
+
+def test_switched_off(fresh, monkeypatch, toy_model):
+    monkeypatch.setenv("KILN_CPU_KERNELS", "0")
+    assert native.kernels() is None
+    assert EngineConfig(model=str(toy_model("llama-tiny")), device="cpu").attention_backend == "torch"
