@@ -10,8 +10,7 @@ import shutil
 import pytest
 import torch
 from engine_testlib import random_prompts
-from kiln.engine import ConfigError, SamplingParams
-from kiln.engine import cpu_target
+from kiln.engine import ConfigError, SamplingParams, cpu_target
 from kiln.engine.config import EngineConfig
 from kiln.engine.kernels import native
 
