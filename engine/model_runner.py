@@ -126,6 +126,12 @@ class ModelRunner:
             seed_from_environment()
         if can_prepack(config.device, config.torch_dtype) and config.compile == "off":  # else freezing packs
             pack_model(self.model, config.max_batch_size)
+        if config.attention_backend == "native" and config.compile == "off":  # the fused pointwise kernels too
+            from kiln.engine.kernels.native import kernels
+
+            for m in self.model.modules():
+                if hasattr(m, "native_ops"):
+                    m.native_ops = kernels()
         cfg = config.hf_config
         kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
         self.num_kv_heads = kv_heads  # this rank's

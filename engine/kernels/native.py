@@ -155,6 +155,18 @@ class Kernels:
         self._decode = lib.kiln_paged_decode
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float, ctypes.c_int]
+        self._silu_mul = lib.kiln_silu_mul
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [ptr] * 2 + [i64] * 4 + [ctypes.c_int]
+        self._rms_norm = lib.kiln_add_rms_norm
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]
+        self._rotary = lib.kiln_rotary
+        self._rotary.restype = None
+        self._rotary.argtypes = [ptr] * 3 + [i64] * 5 + [ctypes.c_int]
+        self._cache_write = lib.kiln_cache_write
+        self._cache_write.restype = None
+        self._cache_write.argtypes = [ptr] * 5 + [i64] * 6 + [ctypes.c_int]
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      ctx_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
@@ -164,9 +176,44 @@ class Kernels:
         rows, heads, _ = q.shape
         rc = self._decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                           ctx_lens.data_ptr(), out.data_ptr(), rows, heads, kvh, num_blocks, block_size, d,
-                          block_tables.stride(0), q.stride(0), out.stride(0), scale, int(q.dtype == torch.bfloat16))
+                          block_tables.stride(0), q.stride(0), out.stride(0), scale, _bf16(q))
         if rc:
             raise MemoryError("kiln CPU decode attention could not allocate its scratch memory")
+
+
+    # The pointwise kernels take float32 or bfloat16 tensors whose last dimension is contiguous (the
+    # callers' layers guarantee it: they run only when the runner picked "native" for these dtypes).
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x[:, :n]) * x[:, n:] for the fused gate|up output x [rows, 2n]."""
+        rows, n = x.shape[0], x.shape[1] // 2
+        out = x.new_empty((rows, n))
+        self._silu_mul(x.data_ptr(), out.data_ptr(), rows, n, x.stride(0), n, _bf16(x))
+        return out
+
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+        """RMSNorm(x) or (RMSNorm(x + residual), x + residual), as layers/norm.RMSNorm; x, residual contiguous 2-D."""
+        out = torch.empty_like(x)
+        res_out = None if residual is None else torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                       0 if res_out is None else res_out.data_ptr(), x.shape[0], x.shape[1], eps, _bf16(x))
+        return out if residual is None else (out, res_out)
+
+    def rotary_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE in place over x [tokens, heads, d] (rows strided, heads packed), cos/sin [tokens, 1, d]."""
+        tokens, heads, d = x.shape
+        self._rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, d, x.stride(0), cos.stride(0), _bf16(x))
+        return x
+
+    def cache_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slots: torch.Tensor) -> None:
+        """k_cache[h, slot[t]] = k[t, h] (and v) for caches [kv_heads, blocks, block_size, d], int64 slots."""
+        kvh, num_blocks, block_size, d = k_cache.shape
+        self._cache_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                          k.shape[0], kvh, d, k.stride(0), v.stride(0), num_blocks * block_size, _bf16(k))
+
+
+def _bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
 
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)

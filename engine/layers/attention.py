@@ -140,10 +140,13 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = get_attention_metadata()
         kvh, num_blocks, block_size, d = self.k_cache.shape
-        k_slots = self.k_cache.view(kvh, num_blocks * block_size, d)
-        v_slots = self.v_cache.view(kvh, num_blocks * block_size, d)
-        k_slots.index_copy_(1, md.slot_mapping, k.transpose(0, 1).to(k_slots.dtype))
-        v_slots.index_copy_(1, md.slot_mapping, v.transpose(0, 1).to(v_slots.dtype))
+        if md.native is not None and k.stride()[1:] == (d, 1) and v.stride()[1:] == (d, 1):
+            md.native.cache_write(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        else:
+            k_slots = self.k_cache.view(kvh, num_blocks * block_size, d)
+            v_slots = self.v_cache.view(kvh, num_blocks * block_size, d)
+            k_slots.index_copy_(1, md.slot_mapping, k.transpose(0, 1).to(k_slots.dtype))
+            v_slots.index_copy_(1, md.slot_mapping, v.transpose(0, 1).to(v_slots.dtype))
         if md.paged is not None:
             return self._forward_paged(q, md.num_decode_tokens, md.paged)
         out = torch.empty_like(q)

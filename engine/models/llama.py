@@ -41,10 +41,16 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
+    native_ops = None  # kernels.native.Kernels: rotary in place, in one pass (set by the runner)
+
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k are adjacent in the fused output: one rotary pass over both.
-        qk = apply_rotary_qk(cos_sin, qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.native_ops is not None and cos_sin[0].shape[-1] == self.head_dim:
+            qk = self.native_ops.rotary_(qk, *cos_sin)
+        else:
+            qk = apply_rotary_qk(cos_sin, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
 
@@ -59,8 +65,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg["hidden_size"], [inter, inter], bias=bias)
         self.down_proj = RowParallelLinear(inter, cfg["hidden_size"], bias=bias)
 
+    native_ops = None  # kernels.native.Kernels: SiLU(gate) * up in one pass (set by the runner)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native_ops is not None and gate_up.dim() == 2:
+            return self.down_proj(self.native_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
