@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from engine_testlib import random_prompts
 from kiln.engine import ConfigError, SamplingParams, cpu_target
 from kiln.engine.config import EngineConfig
@@ -67,6 +68,47 @@ def test_decode_matches_reference(fresh, dtype, heads, kv_heads, d, block_size):
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens, d ** -0.5), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_kernels_match_the_torch_ops(fresh, dtype):
+    """Rotary, the residual add, the cache write and every bf16 op are bit-identical to torch's ops; in
+    float32 SiLU's exp and RMSNorm's sum of squares differ in the last bits only."""
+    from kiln.engine.layers.norm import RMSNorm
+    from kiln.engine.layers.rotary import RotaryEmbedding, apply_rotary_qk
+
+    kernels = native.kernels()
+    g = torch.Generator().manual_seed(5)
+    exact = dtype == torch.bfloat16
+    close = dict(rtol=0, atol=0) if exact else dict(rtol=2e-6, atol=2e-6)
+
+    gate_up = (4 * torch.randn(37, 2 * 300, generator=g)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), F.silu(gate) * up, **close)
+
+    norm = RMSNorm(96, eps=1e-5).to(dtype)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(96, generator=g))
+    x, residual = (3 * torch.randn(9, 96, generator=g)).to(dtype), torch.randn(9, 96, generator=g).to(dtype)
+    want, want_residual = norm(x, residual)
+    got, got_residual = kernels.rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(got_residual, want_residual)
+    torch.testing.assert_close(got, want, **close)
+    torch.testing.assert_close(kernels.rms_norm(x, None, norm.weight, norm.eps), norm(x), **close)
+
+    rope = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
+    cos_sin = rope.cos_sin(torch.randint(0, 512, (11,), generator=g), dtype)
+    qkv = torch.randn(11, 12 + 2 * 4, 64, generator=g).to(dtype)  # rotate the q|k heads of a packed q|k|v
+    want = apply_rotary_qk(cos_sin, qkv[:, :16].clone())
+    v_before = qkv[:, 16:].clone()
+    assert torch.equal(kernels.rotary_(qkv[:, :16], *cos_sin), want)
+    assert torch.equal(qkv[:, :16], want) and torch.equal(qkv[:, 16:], v_before)  # in place, v untouched
+
+    k_cache, v_cache = torch.zeros(4, 6, 16, 64, dtype=dtype), torch.zeros(4, 6, 16, 64, dtype=dtype)
+    slots = torch.tensor([5, 17, 95, 40, 0, 63, 64, 81, 2, 33, 90])
+    kernels.cache_write(qkv[:, 12:16], qkv[:, 16:], k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(4, 96, 64)[:, slots], qkv[:, 12:16].transpose(0, 1))
+    assert torch.equal(v_cache.view(4, 96, 64)[:, slots], qkv[:, 16:].transpose(0, 1))
+    assert k_cache.view(4, 96, 64)[:, 1].abs().max() == 0  # nothing else written
+
+
 def test_engine_native_equals_torch(fresh, toy_model, make_llm):
     """Greedy tokens of mixed steps, chunked prefill and a prefix hit are the same on both CPU backends,
     and the native run really called the kernel."""
@@ -80,6 +122,8 @@ def test_engine_native_equals_torch(fresh, toy_model, make_llm):
     for backend in ("torch", "native"):
         llm = make_llm(model_dir, attention_backend=backend, **kwargs)
         assert llm.engine.runner.attention_backend == backend
+        fused = [m for m in llm.engine.runner.model.modules() if getattr(m, "native_ops", None) is not None]
+        assert bool(fused) == (backend == "native")  # norms, MLPs and attention blocks use the fused kernels
         if backend == "native":
             llm.engine.runner.attention_metadata = _spy(llm.engine.runner.attention_metadata, calls)
         first = llm.generate(prompts[:1], params[:1])  # fills the prefix cache
