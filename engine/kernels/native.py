@@ -34,7 +34,7 @@ import torch
 log = logging.getLogger("kiln.engine.kernels.native")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 1  # = KILN_ABI_VERSION in cpu_kernels.c
+ABI_VERSION = 2  # = KILN_ABI_VERSION in cpu_kernels.c
 _V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm", "xsave")
 # level -> the /proc/cpuinfo flags a host needs to run code compiled with -march=<level>, best first
 LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
@@ -166,7 +166,7 @@ class Kernels:
         self._rotary.argtypes = [ptr] * 3 + [i64] * 5 + [ctypes.c_int]
         self._cache_write = lib.kiln_cache_write
         self._cache_write.restype = None
-        self._cache_write.argtypes = [ptr] * 5 + [i64] * 6 + [ctypes.c_int]
+        self._cache_write.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_int]
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      ctx_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
@@ -206,10 +206,19 @@ class Kernels:
 
     def cache_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slots: torch.Tensor) -> None:
-        """k_cache[h, slot[t]] = k[t, h] (and v) for caches [kv_heads, blocks, block_size, d], int64 slots."""
+        """Write the step's k/v [tokens, kv_heads, d] into their int64 ``slots`` of caches shaped
+        [kv_heads, blocks, block_size, d]: V as torch lays it out, K blocks transposed (``keys_view``)."""
         kvh, num_blocks, block_size, d = k_cache.shape
         self._cache_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                          k.shape[0], kvh, d, k.stride(0), v.stride(0), num_blocks * block_size, _bf16(k))
+                          k.shape[0], kvh, d, k.stride(0), v.stride(0), num_blocks, block_size, _bf16(k))
+
+
+def keys_view(k_cache: torch.Tensor) -> torch.Tensor:
+    """The keys of a cache the kernels wrote, indexed as torch's layout [kv_heads, blocks, block_size, d]
+    (a strided view): ``cache_write`` stores each K block transposed, [d, block_size], so decode scores a
+    block with block_size-wide multiply-adds."""
+    kvh, num_blocks, block_size, d = k_cache.shape
+    return k_cache.view(kvh, num_blocks, d, block_size).transpose(-1, -2)
 
 
 def _bf16(t: torch.Tensor) -> int:

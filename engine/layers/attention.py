@@ -175,7 +175,7 @@ class Attention(nn.Module):
             if p.mask is None:  # the chunk is the whole context: its own k/v, no gather
                 keys, vals = k[None, p.q_start:end].transpose(1, 2), v[None, p.q_start:end].transpose(1, 2)
             else:
-                keys, vals = self._gather(p.block_ids[None], q.dtype, md.workspace)
+                keys, vals = self._gather(p.block_ids[None], q.dtype, md.workspace, native_keys=md.native is not None)
                 keys, vals = keys[:, 0, : p.ctx_len][None], vals[:, 0, : p.ctx_len][None]
             o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=p.mask, is_causal=p.mask is None,
                                                scale=self.scale, enable_gqa=gqa)
@@ -224,9 +224,10 @@ class Attention(nn.Module):
         return o.transpose(0, 1).reshape(rows, self.num_heads, d)
 
     def _gather(self, block_tables: torch.Tensor, dtype: torch.dtype, workspace: dict[str, torch.Tensor] | None = None,
-                heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+                heads: slice = slice(None), native_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole blocks, [kv_heads, rows, blocks * block_size, d], one index_select each
-        (only the KV heads in ``heads``).
+        (only the KV heads in ``heads``). ``native_keys``: the K cache was written by the CPU kernels, which
+        store K blocks transposed (``kernels.native.keys_view``).
 
         With a ``workspace`` the result is a view of a reused buffer (valid until the next
         gather): no fresh multi-megabyte tensor per layer, whose pages the allocator would
@@ -234,7 +235,13 @@ class Attention(nn.Module):
         """
         rows, nblocks = block_tables.shape
         flat = block_tables.reshape(-1)
-        k_cache, v_cache = self.k_cache[heads], self.v_cache[heads]
+        if native_keys:
+            from kiln.engine.kernels.native import keys_view
+
+            k_cache = keys_view(self.k_cache)[heads]
+        else:
+            k_cache = self.k_cache[heads]
+        v_cache = self.v_cache[heads]
         kvh, _, block_size, d = k_cache.shape
         shape = (kvh, rows, nblocks * block_size, d)
         if workspace is None:
