@@ -138,6 +138,19 @@ def test_engine_native_equals_torch(fresh, toy_model, make_llm):
     assert any(md.native is not None and md.num_decode_tokens and md.prefills for md in calls)  # mixed steps
 
 
+def test_long_prefill_in_mlp_slices_equals_torch(fresh, toy_model, make_llm):
+    """A step over CPU_MLP_ROWS tokens runs its MLP in slices; the tokens stay the torch backend's."""
+    from kiln.engine.models.llama import CPU_MLP_ROWS
+
+    model_dir = toy_model("llama-tiny")
+    prompts = random_prompts([2 * CPU_MLP_ROWS + 37, 40], seed=11)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    kwargs = dict(num_kv_blocks=64, block_size=16, max_num_tokens=1024, max_batch_size=2, device="cpu")
+    outs = {b: [o.token_ids for o in make_llm(model_dir, attention_backend=b, **kwargs).generate(prompts, params)]
+            for b in ("torch", "native")}
+    assert outs["native"] == outs["torch"]
+
+
 def _spy(build, calls):
     def wrapped(inputs):
         md = build(inputs)
