@@ -26,7 +26,7 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
 from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 from kiln.engine.layers.linear import LinearBase, can_prepack, pack_model
-from kiln.engine.layers.paged_metadata import build_paged_metadata
+from kiln.engine.layers.paged_metadata import build_paged_metadata, token_rows
 from kiln.engine.models.llama import Intermediate, head_dim_of
 from kiln.engine.models.registry import create_model
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -306,17 +306,16 @@ class ModelRunner:
             paged = build_paged_metadata(inputs.decode_block_tables, inputs.decode_ctx_lens, inputs.prefills,
                                          self.num_kv_heads, dev)
             return AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=inputs.num_decodes, paged=paged)
-        ctx = inputs.decode_ctx_lens.to(dev)
-        decode_mask = decode_pad_mask = native = None
-        if self.attention_backend == "native":  # kernels/cpu_kernels.c reads the blocks itself: no masks
+        if self.attention_backend == "native":  # kernels/cpu_kernels.c: every token one row, read from the blocks
             from kiln.engine.kernels.native import kernels
 
-            native = kernels()
-            tables = inputs.decode_block_tables.to(torch.int32).contiguous()
-            ctx = ctx.to(torch.int32)
-        else:
-            tables = inputs.decode_block_tables.to(dev).contiguous()
-        if inputs.num_decodes and native is None:
+            tables, lens = token_rows(inputs.decode_block_tables, inputs.decode_ctx_lens, inputs.prefills)
+            return AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=lens.shape[0], native=kernels(),
+                                     decode_block_tables=tables, decode_ctx_lens=lens)
+        ctx = inputs.decode_ctx_lens.to(dev)
+        tables = inputs.decode_block_tables.to(dev).contiguous()
+        decode_mask = decode_pad_mask = None
+        if inputs.num_decodes:
             width = inputs.decode_block_tables.shape[1] * self.block_size
             decode_mask = (torch.arange(width, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
             decode_pad_mask = ~decode_mask.view(1, inputs.num_decodes, 1, width)
@@ -331,5 +330,5 @@ class ModelRunner:
         return AttentionMetadata(
             slot_mapping=slot_mapping, num_decode_tokens=inputs.num_decodes,
             decode_block_tables=tables, decode_mask=decode_mask, prefills=prefills, decode_pad_mask=decode_pad_mask,
-            workspace=self.workspace, native=native, decode_ctx_lens=ctx,
+            workspace=self.workspace,
         )

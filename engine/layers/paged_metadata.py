@@ -69,3 +69,22 @@ def build_paged_metadata(decode_block_tables: torch.Tensor, decode_ctx_lens: tor
         prefill_query_start=views[3], prefill_seq_lens=views[4],
         max_prefill_len=max((q_len for _, q_len, _, _ in prefills), default=0),
     )
+
+
+def token_rows(decode_block_tables: torch.Tensor, decode_ctx_lens: torch.Tensor,
+               prefills: list[tuple[int, int, int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of the step as one decode-style row, for the CPU kernel (``kernels/native.py``):
+    int32 block tables [num_tokens, width] and context lengths [num_tokens]. A decode row keeps its own;
+    the i-th token of a prefill chunk (q_start, q_len, ctx_len, block_ids) attends its chunk's blocks over
+    ``ctx_len - q_len + i + 1`` tokens (causal, after the cached prefix)."""
+    nd = decode_block_tables.shape[0]
+    num_tokens = nd + sum(q_len for _, q_len, _, _ in prefills)
+    width = max([decode_block_tables.shape[1], *(ids.shape[0] for *_, ids in prefills)])
+    tables = torch.zeros(num_tokens, width, dtype=torch.int32)
+    tables[:nd, : decode_block_tables.shape[1]] = decode_block_tables
+    lens = torch.empty(num_tokens, dtype=torch.int32)
+    lens[:nd] = decode_ctx_lens
+    for q_start, q_len, ctx_len, ids in prefills:
+        tables[q_start:q_start + q_len, : ids.shape[0]] = ids
+        torch.arange(ctx_len - q_len + 1, ctx_len + 1, out=lens[q_start:q_start + q_len])
+    return tables, lens

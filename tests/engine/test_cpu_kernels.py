@@ -135,7 +135,9 @@ def test_engine_native_equals_torch(fresh, toy_model, make_llm):
         assert rest[0].num_cached_tokens == 32
         outs[backend] = [o.token_ids for o in first + rest]
     assert outs["native"] == outs["torch"]
-    assert any(md.native is not None and md.num_decode_tokens and md.prefills for md in calls)  # mixed steps
+    # mixed steps (decodes + a prefill chunk after a cached prefix), every token through the kernel
+    assert any(inputs.num_decodes and any(q_len < ctx for _, q_len, ctx, _ in inputs.prefills)
+               and md.native is not None and md.num_decode_tokens == inputs.input_ids.shape[0] for inputs, md in calls)
 
 
 def test_long_prefill_in_mlp_slices_equals_torch(fresh, toy_model, make_llm):
@@ -154,7 +156,7 @@ def test_long_prefill_in_mlp_slices_equals_torch(fresh, toy_model, make_llm):
 def _spy(build, calls):
     def wrapped(inputs):
         md = build(inputs)
-        calls.append(md)
+        calls.append((inputs, md))
         return md
     return wrapped
 
