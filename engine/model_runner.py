@@ -309,9 +309,9 @@ class ModelRunner:
         if self.attention_backend == "native":  # kernels/cpu_kernels.c: every token one row, read from the blocks
             from kiln.engine.kernels.native import kernels
 
-            tables, lens = token_rows(inputs.decode_block_tables, inputs.decode_ctx_lens, inputs.prefills)
+            tables, lens, groups = token_rows(inputs.decode_block_tables, inputs.decode_ctx_lens, inputs.prefills)
             return AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=lens.shape[0], native=kernels(),
-                                     decode_block_tables=tables, decode_ctx_lens=lens)
+                                     decode_block_tables=tables, decode_ctx_lens=lens, native_row_starts=groups)
         ctx = inputs.decode_ctx_lens.to(dev)
         tables = inputs.decode_block_tables.to(dev).contiguous()
         decode_mask = decode_pad_mask = None

@@ -1,4 +1,4 @@
-/* kiln's CPU kernels: paged decode attention read straight from the KV cache blocks.
+/* kiln's CPU kernels: paged attention read straight from the KV cache blocks, and fused pointwise ops.
  *
  * Plain C99 + OpenMP, compiled for the serving host's ISA level by engine/kernels/native.py
  * (x86-64-v3 / x86-64-v4 / native) and called through ctypes with raw tensor pointers; no torch
@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KILN_ABI_VERSION 2
+#define KILN_ABI_VERSION 3
 
 int kiln_abi_version(void) { return KILN_ABI_VERSION; }
 
@@ -146,33 +146,41 @@ static void values_any(float *acc, const float *vb, const float *p, int64_t n, i
         }
 }
 
-/* Decode attention: one query token per row, over the row's whole context in the paged cache.
+/* Paged attention, one query token per row, each over its own context in the cache blocks.
  *
  * q, out:         [rows, heads, d] with row strides q_stride / out_stride (elements)
- * k_cache/v_cache:[kv_heads, num_blocks, block_size, d], contiguous
+ * k_cache/v_cache:[kv_heads, num_blocks, block_size, d]; K blocks stored transposed ([d][block_size],
+ *                 kiln_cache_write), V blocks as rows
  * block_tables:   [rows, bt_stride] int32; ctx_lens: [rows] int32 (>= 1, <= bt_stride * block_size)
+ * row_starts:     [num_groups + 1] int32: rows row_starts[i] .. row_starts[i+1]-1 form a group that shares
+ *                 the first row's block table (a decode row alone; consecutive tokens of one prefill chunk,
+ *                 whose causal contexts differ only in length). Each group's K/V blocks are read once.
  * bf16:           0 = every tensor float32, 1 = every tensor bfloat16 (math in float32)
  *
- * Each (row, KV head) is one task: the query heads of its group are scored against every key of
- * the context (scores kept, then an exact softmax), then V is summed with those weights.
- * Returns 0, or -1 when scratch memory could not be allocated.
+ * Each (group, KV head) is one task: the query heads of the KV head's GQA group, for every row of the
+ * group, are scored against the keys (scores kept, then an exact softmax per query over its own context
+ * length), then V is summed with those weights. Returns 0, or -1 when scratch memory could not be allocated.
  */
-int kiln_paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
-                       const int32_t *ctx_lens, void *out, int64_t rows, int64_t heads, int64_t kv_heads,
-                       int64_t num_blocks, int64_t block_size, int64_t d, int64_t bt_stride, int64_t q_stride,
-                       int64_t out_stride, float scale, int bf16) {
+int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                         const int32_t *ctx_lens, const int32_t *row_starts, void *out, int64_t num_groups,
+                         int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t d,
+                         int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int bf16) {
     const int64_t group = heads / kv_heads;
-    int64_t max_ctx = 0;
-    for (int64_t r = 0; r < rows; r++) max_ctx = ctx_lens[r] > max_ctx ? ctx_lens[r] : max_ctx;
+    int64_t max_ctx = 0, max_rows = 0;
+    for (int64_t i = 0; i < num_groups; i++) {
+        const int64_t n = row_starts[i + 1] - row_starts[i];
+        max_rows = n > max_rows ? n : max_rows;
+        for (int64_t r = row_starts[i]; r < row_starts[i + 1]; r++) max_ctx = ctx_lens[r] > max_ctx ? ctx_lens[r] : max_ctx;
+    }
     /* a score row holds whole blocks: the transposed-K score loop writes block_size scores per block */
     const int64_t stride = (max_ctx + block_size - 1) / block_size * block_size;
-    const int64_t tasks = rows * kv_heads, bsd = block_size * d;
+    const int64_t tasks = num_groups * kv_heads, bsd = block_size * d, max_q = max_rows * group;
     int failed = 0;
 #pragma omp parallel if (tasks > 1)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * stride));
-        float *qf = malloc(sizeof(float) * (size_t)(group * d));
-        float *acc = malloc(sizeof(float) * (size_t)(group * d));
+        float *scores = malloc(sizeof(float) * (size_t)(max_q * stride));
+        float *qf = malloc(sizeof(float) * (size_t)(max_q * d));
+        float *acc = malloc(sizeof(float) * (size_t)(max_q * d));
         float *tmp = malloc(sizeof(float) * (size_t)bsd);
         if (!scores || !qf || !acc || !tmp) {
 #pragma omp atomic write
@@ -181,52 +189,59 @@ int kiln_paged_decode(const void *q, const void *k_cache, const void *v_cache, c
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (failed) continue;
-            const int64_t r = task / kv_heads, h = task % kv_heads;
-            const int64_t len = ctx_lens[r], nblocks = (len + block_size - 1) / block_size;
-            const int32_t *table = block_tables + r * bt_stride;
+            const int64_t grp = task / kv_heads, h = task % kv_heads;
+            const int64_t r0 = row_starts[grp], nrows = row_starts[grp + 1] - r0, nq = nrows * group;
+            int64_t len = 0; /* the group's longest context */
+            for (int64_t i = 0; i < nrows; i++) len = ctx_lens[r0 + i] > len ? ctx_lens[r0 + i] : len;
+            const int64_t nblocks = (len + block_size - 1) / block_size;
+            const int32_t *table = block_tables + r0 * bt_stride;
             const int64_t base = h * num_blocks;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t src = r * q_stride + (h * group + g) * d;
-                for (int64_t i = 0; i < d; i++)
-                    qf[g * d + i] = scale * (bf16 ? bf16_to_f32(((const uint16_t *)q)[src + i]) : ((const float *)q)[src + i]);
-            }
+            for (int64_t i = 0; i < nrows; i++)
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t src = (r0 + i) * q_stride + (h * group + g) * d;
+                    float *dst = qf + (i * group + g) * d;
+                    for (int64_t e = 0; e < d; e++)
+                        dst[e] = scale * (bf16 ? bf16_to_f32(((const uint16_t *)q)[src + e]) : ((const float *)q)[src + e]);
+                }
             for (int64_t j = 0; j < PREFETCH_BLOCKS && j < nblocks; j++) prefetch_block(k_cache, bf16, (base + table[j]) * bsd, bsd);
             for (int64_t j = 0; j < nblocks; j++) {
                 const int64_t ahead = j + PREFETCH_BLOCKS;
                 if (ahead < nblocks) prefetch_block(k_cache, bf16, (base + table[ahead]) * bsd, bsd);
                 else if (ahead - nblocks < nblocks) prefetch_block(v_cache, bf16, (base + table[ahead - nblocks]) * bsd, bsd);
                 const float *kb = block_rows(k_cache, bf16, (base + table[j]) * bsd, bsd, tmp);
-                if (block_size == 16) scores_t16(qf, kb, scores + j * 16, group, stride, d);
-                else scores_t(qf, kb, scores + j * block_size, group, stride, d, block_size);
+                if (block_size == 16) scores_t16(qf, kb, scores + j * 16, nq, stride, d);
+                else scores_t(qf, kb, scores + j * block_size, nq, stride, d, block_size);
             }
-            for (int64_t g = 0; g < group; g++) {
-                float *s = scores + g * stride, m = s[0], sum = 0.0f;
-                for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+            for (int64_t qi = 0; qi < nq; qi++) {
+                const int64_t n = ctx_lens[r0 + qi / group];
+                float *s = scores + qi * stride, m = s[0], sum = 0.0f;
+                for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < len; t++) {
+                for (int64_t t = 0; t < n; t++) {
                     s[t] = exp_nonpos(s[t] - m);
                     sum += s[t];
                 }
                 const float inv = 1.0f / sum;
 #pragma omp simd
-                for (int64_t t = 0; t < len; t++) s[t] *= inv;
+                for (int64_t t = 0; t < n; t++) s[t] *= inv;
+                for (int64_t t = n; t < len; t++) s[t] = 0.0f; /* past this row's causal end */
             }
-            memset(acc, 0, sizeof(float) * (size_t)(group * d));
+            memset(acc, 0, sizeof(float) * (size_t)(nq * d));
             for (int64_t j = 0; j < nblocks; j++) {
                 const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
                 if (j + PREFETCH_BLOCKS < nblocks) prefetch_block(v_cache, bf16, (base + table[j + PREFETCH_BLOCKS]) * bsd, bsd);
                 const float *vb = block_rows(v_cache, bf16, (base + table[j]) * bsd, n * d, tmp);
                 const float *p = scores + j * block_size;
-                if (d == 64) values_d64((vf16 *)acc, vb, p, n, group, stride);
-                else if (d == 128) values_d128((vf16 *)acc, vb, p, n, group, stride);
-                else values_any(acc, vb, p, n, group, stride, d);
+                if (d == 64) values_d64((vf16 *)acc, vb, p, n, nq, stride);
+                else if (d == 128) values_d128((vf16 *)acc, vb, p, n, nq, stride);
+                else values_any(acc, vb, p, n, nq, stride, d);
             }
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t dst = r * out_stride + (h * group + g) * d;
+            for (int64_t qi = 0; qi < nq; qi++) {
+                const int64_t dst = (r0 + qi / group) * out_stride + (h * group + qi % group) * d;
                 if (bf16)
-                    for (int64_t i = 0; i < d; i++) ((uint16_t *)out)[dst + i] = f32_to_bf16(acc[g * d + i]);
+                    for (int64_t e = 0; e < d; e++) ((uint16_t *)out)[dst + e] = f32_to_bf16(acc[qi * d + e]);
                 else
-                    memcpy((float *)out + dst, acc + g * d, sizeof(float) * (size_t)d);
+                    memcpy((float *)out + dst, acc + qi * d, sizeof(float) * (size_t)d);
             }
         }
         free(scores);

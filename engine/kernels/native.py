@@ -34,7 +34,7 @@ import torch
 log = logging.getLogger("kiln.engine.kernels.native")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 2  # = KILN_ABI_VERSION in cpu_kernels.c
+ABI_VERSION = 3  # = KILN_ABI_VERSION in cpu_kernels.c
 _V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm", "xsave")
 # level -> the /proc/cpuinfo flags a host needs to run code compiled with -march=<level>, best first
 LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
@@ -152,9 +152,9 @@ class Kernels:
         if lib.kiln_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path} has ABI {lib.kiln_abi_version()}, this kiln needs {ABI_VERSION}")
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._decode = lib.kiln_paged_decode
-        self._decode.restype = ctypes.c_int
-        self._decode.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float, ctypes.c_int]
+        self._attention = lib.kiln_paged_attention
+        self._attention.restype = ctypes.c_int
+        self._attention.argtypes = [ptr] * 7 + [i64] * 9 + [ctypes.c_float, ctypes.c_int]
         self._silu_mul = lib.kiln_silu_mul
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [ptr] * 2 + [i64] * 4 + [ctypes.c_int]
@@ -168,18 +168,23 @@ class Kernels:
         self._cache_write.restype = None
         self._cache_write.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_int]
 
-    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     ctx_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-        """Decode attention into ``out`` [rows, heads, d] (see ``kiln_paged_decode``); the caller guarantees
-        dtypes (``supports``), int32 tables/lengths and unit strides in the last two dims."""
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                        row_starts: torch.Tensor | None = None) -> None:
+        """Attention of every row of q [rows, heads, d] over its ``ctx_lens`` tokens in the blocks of its
+        ``block_tables`` row, into ``out`` (see ``kiln_paged_attention``). ``row_starts`` groups rows that share
+        a table (``layers/paged_metadata.token_rows``); None = every row alone. int32 tables, lengths and
+        groups, unit strides in the last two dims; dtypes as ``supports``."""
         kvh, num_blocks, block_size, d = k_cache.shape
         rows, heads, _ = q.shape
-        rc = self._decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                          ctx_lens.data_ptr(), out.data_ptr(), rows, heads, kvh, num_blocks, block_size, d,
-                          block_tables.stride(0), q.stride(0), out.stride(0), scale, _bf16(q))
+        if row_starts is None:
+            row_starts = torch.arange(rows + 1, dtype=torch.int32)
+        rc = self._attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                             ctx_lens.data_ptr(), row_starts.data_ptr(), out.data_ptr(), row_starts.shape[0] - 1,
+                             heads, kvh, num_blocks, block_size, d, block_tables.stride(0), q.stride(0), out.stride(0),
+                             scale, _bf16(q))
         if rc:
-            raise MemoryError("kiln CPU decode attention could not allocate its scratch memory")
-
+            raise MemoryError("kiln CPU attention could not allocate its scratch memory")
 
     # The pointwise kernels take float32 or bfloat16 tensors whose last dimension is contiguous (the
     # callers' layers guarantee it: they run only when the runner picked "native" for these dtypes).

@@ -55,8 +55,9 @@ class AttentionMetadata:
     workspace: dict[str, torch.Tensor] | None = None
     decode_groups: list[DecodeGroup] | None = None  # CPU decode rows grouped by context; built by the first layer
     paged: PagedMetadata | None = None  # set: the Triton kernels run this step (decode/prefill fields unused)
-    native: Any = None  # kernels.native.Kernels: CPU decode rows run kiln's C kernel (int32 tables and lengths)
+    native: Any = None  # kernels.native.Kernels: every token is a row of kiln's C kernel (int32 tables and lengths)
     decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] tokens in each decode row's context
+    native_row_starts: torch.Tensor | None = None  # native: rows sharing a block table (paged_metadata.token_rows)
 
 
 @dataclass
@@ -153,8 +154,8 @@ class Attention(nn.Module):
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decode_tokens
         if nd and md.native is not None:
-            md.native.paged_decode(q[:nd], self.k_cache, self.v_cache, md.decode_block_tables, md.decode_ctx_lens,
-                                   self.scale, out[:nd])
+            md.native.paged_attention(q[:nd], self.k_cache, self.v_cache, md.decode_block_tables, md.decode_ctx_lens,
+                                      self.scale, out[:nd], md.native_row_starts)
         elif nd and not q.is_cuda:
             if md.decode_groups is None:  # once per step: every layer has the same rows
                 pad = md.decode_pad_mask

@@ -71,12 +71,18 @@ def build_paged_metadata(decode_block_tables: torch.Tensor, decode_ctx_lens: tor
     )
 
 
+# Consecutive tokens of a prefill chunk attended together by the CPU kernel: each K/V block is read once
+# for all of them (and their GQA heads) instead of once per token.
+PREFILL_ROWS_PER_GROUP = 8
+
+
 def token_rows(decode_block_tables: torch.Tensor, decode_ctx_lens: torch.Tensor,
-               prefills: list[tuple[int, int, int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every token of the step as one decode-style row, for the CPU kernel (``kernels/native.py``):
-    int32 block tables [num_tokens, width] and context lengths [num_tokens]. A decode row keeps its own;
-    the i-th token of a prefill chunk (q_start, q_len, ctx_len, block_ids) attends its chunk's blocks over
-    ``ctx_len - q_len + i + 1`` tokens (causal, after the cached prefix)."""
+               prefills: list[tuple[int, int, int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every token of the step as one row of the CPU kernel (``kernels/native.py``): int32 block tables
+    [num_tokens, width], context lengths [num_tokens] and row groups [num_groups + 1]. A decode row keeps
+    its own table and is a group alone; the i-th token of a prefill chunk (q_start, q_len, ctx_len,
+    block_ids) attends its chunk's blocks over ``ctx_len - q_len + i + 1`` tokens (causal, after the
+    cached prefix), in groups of ``PREFILL_ROWS_PER_GROUP`` consecutive tokens."""
     nd = decode_block_tables.shape[0]
     num_tokens = nd + sum(q_len for _, q_len, _, _ in prefills)
     width = max([decode_block_tables.shape[1], *(ids.shape[0] for *_, ids in prefills)])
@@ -84,7 +90,10 @@ def token_rows(decode_block_tables: torch.Tensor, decode_ctx_lens: torch.Tensor,
     tables[:nd, : decode_block_tables.shape[1]] = decode_block_tables
     lens = torch.empty(num_tokens, dtype=torch.int32)
     lens[:nd] = decode_ctx_lens
+    starts = [torch.arange(nd, dtype=torch.int32)]
     for q_start, q_len, ctx_len, ids in prefills:
         tables[q_start:q_start + q_len, : ids.shape[0]] = ids
         torch.arange(ctx_len - q_len + 1, ctx_len + 1, out=lens[q_start:q_start + q_len])
-    return tables, lens
+        starts.append(torch.arange(q_start, q_start + q_len, PREFILL_ROWS_PER_GROUP, dtype=torch.int32))
+    starts.append(torch.tensor([num_tokens], dtype=torch.int32))
+    return tables, lens, torch.cat(starts)

@@ -48,26 +48,46 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 @pytest.mark.parametrize("heads,kv_heads,d,block_size", [
     (12, 4, 64, 16),   # GQA, the vectorized head size 64
     (8, 8, 128, 16),   # MHA, head size 128
-    (8, 1, 24, 32),    # MQA, a head size on the generic path
+    (8, 1, 24, 32),    # MQA, a head size on the generic path, a block size on the generic path
     (4, 2, 80, 16),    # another generic head size
 ])
-def test_decode_matches_reference(fresh, dtype, heads, kv_heads, d, block_size):
+def test_attention_matches_reference(fresh, dtype, heads, kv_heads, d, block_size):
+    """Decode rows with their own tables, then the tokens of a prefill chunk (one table, causal lengths,
+    attended in groups of rows that share the table), against a float64 reference."""
     kernels = native.kernels()
     g = torch.Generator().manual_seed(heads * d + block_size)
     num_blocks = 64
     k_cache = torch.randn(kv_heads, num_blocks, block_size, d, generator=g).to(dtype)
     v_cache = torch.randn(kv_heads, num_blocks, block_size, d, generator=g).to(dtype)
-    lens = torch.tensor([1, block_size, block_size + 1, 7, 3 * block_size - 1, 20 * block_size - 5], dtype=torch.int32)
-    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:24] for _ in lens]).to(torch.int32)
+    decode_lens = [1, block_size, block_size + 1, 7, 3 * block_size - 1, 20 * block_size - 5]
+    chunk = list(range(2 * block_size - 3, 2 * block_size + 8))  # 11 tokens after a cached prefix
+    lens = torch.tensor(decode_lens + chunk, dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:24] for _ in decode_lens]
+                         + [torch.randperm(num_blocks, generator=g)[:24]] * len(chunk)).to(torch.int32)
+    nd = len(decode_lens)
+    row_starts = torch.tensor([*range(nd + 1), nd + 4, nd + 5, len(lens)], dtype=torch.int32)  # groups 4, 1, 6
     # q as the model hands it over: a strided view of the packed q|k projection output
     packed = torch.randn(len(lens), heads + kv_heads, d, generator=g).to(dtype)
     q = packed[:, :heads]
-    out = torch.full((len(lens), heads, d), float("nan"), dtype=dtype)
     stored = torch.empty_like(k_cache)  # K as cache_write stores it: each block transposed
     native.keys_view(stored).copy_(k_cache)
-    kernels.paged_decode(q, stored, v_cache, tables, lens, d ** -0.5, out)
+    want = reference(q, k_cache, v_cache, tables, lens, d ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens, d ** -0.5), rtol=tol, atol=tol)
+    for groups in (row_starts, None):  # grouped, and every row alone
+        out = torch.full((len(lens), heads, d), float("nan"), dtype=dtype)
+        kernels.paged_attention(q, stored, v_cache, tables, lens, d ** -0.5, out, groups)
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_token_rows_groups_prefill_tokens():
+    from kiln.engine.layers.paged_metadata import PREFILL_ROWS_PER_GROUP, token_rows
+
+    decode = torch.tensor([[3, 4, 0], [5, 6, 7]])
+    tables, lens, starts = token_rows(decode, torch.tensor([20, 40]), [(2, 20, 30, torch.tensor([9, 8]))])
+    assert tables.dtype == lens.dtype == starts.dtype == torch.int32
+    assert tables[:2].tolist() == decode.tolist() and all(row[:2].tolist() == [9, 8] for row in tables[2:])
+    assert lens.tolist() == [20, 40, *range(11, 31)]  # causal after a 10-token cached prefix
+    assert starts.tolist() == [0, 1, *range(2, 22, PREFILL_ROWS_PER_GROUP), 22]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
