@@ -66,6 +66,7 @@ def run(llm, workload: Workload, job: dict) -> RunRecord:
         "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
         "num_total_blocks": after.num_total_blocks,
         "engine_kwargs": {k: v for k, v in engine_kwargs(job).items()},
+        "attention_backend": llm.engine.runner.attention_backend,  # "native" = kiln's CPU kernels ran
     }
     return run
 

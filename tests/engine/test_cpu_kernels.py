@@ -208,7 +208,18 @@ def test_avx2_only_host_never_loads_the_avx512_library(fresh, monkeypatch):
     record = native.build_for_artifact(art)
     monkeypatch.setattr(cpu_target, "cpu_flags", lambda: frozenset(native.LEVEL_FLAGS["x86-64-v3"]))
     native.install_from_artifact(art, {"kernels": record})
-    assert native.kernels().path.name == "x86-64-v3.so"
+    kernels = native.kernels()
+    assert kernels.path.name == "x86-64-v3.so" and kernels.level == "x86-64-v3"
+    # the AVX2 build computes the same attention (this host runs it too)
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(2, 8, 16, 64, generator=g), torch.randn(2, 8, 16, 64, generator=g)
+    q, lens, tables = torch.randn(3, 6, 64, generator=g), torch.tensor([5, 16, 100], dtype=torch.int32), \
+        torch.randint(0, 8, (3, 7), generator=g, dtype=torch.int32)
+    stored = torch.empty_like(k_cache)
+    native.keys_view(stored).copy_(k_cache)
+    out = torch.empty_like(q)
+    kernels.paged_attention(q, stored, v_cache, tables, lens, 0.125, out)
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens, 0.125), rtol=1e-5, atol=1e-5)
 
 
 def test_another_kilns_kernels_are_not_used(fresh, caplog):

@@ -54,7 +54,8 @@ def test_graph_runner_matches_eager(toy_model, make_llm, fake_cuda_graphs):
     model_dir = toy_model("llama-tiny")
     prompts = random_prompts([5, 9, 30, 12, 7], seed=2)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 3, 9, 16, 5)]
-    kwargs = dict(num_kv_blocks=64, block_size=4, max_batch_size=8, max_seq_len=128)
+    # the graph runner's (CUDA) attention is the torch path's: so is the eager run it shares a cache layout with
+    kwargs = dict(num_kv_blocks=64, block_size=4, max_batch_size=8, max_seq_len=128, attention_backend="torch")
     eager = make_llm(model_dir, **kwargs).generate(prompts, params)
     llm = make_llm(model_dir, **kwargs)
     runner = llm.engine.runner
