@@ -3,7 +3,7 @@
 The C source has no torch headers, so compiling it takes about a second with the system C compiler
 (``$CC``, else ``cc``). Where the compiled library comes from, first match wins:
 
-1. an artifact's shipped copy (``kernels/cpu/<level>.so``, made by the build's ``compile`` stage),
+1. an artifact's shipped copy (``kernels/cpu/<level>.so``, made by the build's ``kernels`` stage),
    for the best ISA level this host's CPU flags allow (``install_shipped``);
 2. ``$KILN_CPU_KERNELS_DIR`` (default ``~/.cache/kiln/cpu-kernels``), keyed by a hash of the source
    and the compile command, compiled there on first use (atomic rename: concurrent processes are safe);
