@@ -5,8 +5,9 @@ achieves, not its average on a noisy day):
 
 - memory bandwidth: read (``sum`` over a buffer far larger than the caches)
   and copy (counted as read + write bytes);
-- matmul FLOP/s: ``F.linear`` in the bench dtype on the model's own weight
-  shapes, at decode-like M (rows = batch) and prefill-like M (many tokens).
+- matmul FLOP/s: the model's own weight shapes in the bench dtype, at decode-like M
+  (rows = batch) and prefill-like M (many tokens), the faster of ``F.linear`` and the
+  oneDNN-prepacked linear kiln serves with on CPU (``layers/linear.prepack``).
 
 Roofline for one decode step at batch B (every weight read once, each
 sequence's KV read once):
@@ -69,6 +70,8 @@ def _linear_shapes(facts: dict) -> list[tuple[int, int]]:
 def measure_matmul(facts: dict, dtype: torch.dtype, rows: list[int], trials: int = 3,
                    device: str = "cpu") -> dict[int, float]:
     """FLOP/s of the model's linears (one layer's worth + LM head) at each M in ``rows``."""
+    from kiln.engine.layers.linear import can_prepack, packed_linear, prepack
+
     weights = [torch.randn(o, i, dtype=dtype, device=device) * 0.02 for o, i in _linear_shapes(facts)]
     out = {}
     for m in rows:
@@ -79,8 +82,17 @@ def measure_matmul(facts: dict, dtype: torch.dtype, rows: list[int], trials: int
             for x, w in zip(xs, weights, strict=True):
                 F.linear(x, w)
 
+        runs = [run]
+        if can_prepack(device, dtype):
+            packed = [prepack(w, m) for w in weights]
+
+            def run_packed(xs=xs, packed=packed):
+                for x, p in zip(xs, packed, strict=True):
+                    packed_linear(x, p, None)
+
+            runs.append(run_packed)
         with torch.inference_mode():
-            out[m] = flops / _best_time(run, trials, device)
+            out[m] = max(flops / _best_time(fn, trials, device) for fn in runs)
     return out
 
 
