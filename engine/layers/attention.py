@@ -6,9 +6,11 @@ prefill chunks, and publishes an ``AttentionMetadata`` for the step. Every
 layer first writes its new K/V into the cache slots of ``slot_mapping``, then
 reads each sequence's whole context back from its blocks:
 
-- single-token rows run kiln's C kernel on CPU (``attention_backend="native"``, the CPU default
-  where it compiles or an artifact ships it: ``kernels/cpu_kernels.c``), which reads K/V straight
-  from the blocks; otherwise batched matmuls over ``k_cache[block_tables]``
+- on CPU with ``attention_backend="native"`` (the CPU default where kiln's C kernels compile or an
+  artifact ships them: ``kernels/cpu_kernels.c``), every token of the step, decode or prefill, is one
+  row of one kernel call that reads K/V straight from the blocks (``paged_metadata.token_rows``);
+  that backend writes K blocks transposed (``kernels.native.keys_view``), so nothing below runs;
+- otherwise single-token rows run as batched matmuls over ``k_cache[block_tables]``
   (CPU: in groups of rows of similar context length, each gathering only the
   blocks its longest row holds; GPU: one SDPA), with padding masks built once
   per step;
@@ -55,9 +57,11 @@ class AttentionMetadata:
     workspace: dict[str, torch.Tensor] | None = None
     decode_groups: list[DecodeGroup] | None = None  # CPU decode rows grouped by context; built by the first layer
     paged: PagedMetadata | None = None  # set: the Triton kernels run this step (decode/prefill fields unused)
-    native: Any = None  # kernels.native.Kernels: every token is a row of kiln's C kernel (int32 tables and lengths)
-    decode_ctx_lens: torch.Tensor | None = None  # [num_decodes] tokens in each decode row's context
-    native_row_starts: torch.Tensor | None = None  # native: rows sharing a block table (paged_metadata.token_rows)
+    # native (kernels.native.Kernels): every token is a row of kiln's C kernel; num_decode_tokens counts them all,
+    # decode_block_tables / decode_ctx_lens are int32 per token, native_row_starts groups rows sharing a table
+    native: Any = None
+    decode_ctx_lens: torch.Tensor | None = None
+    native_row_starts: torch.Tensor | None = None
 
 
 @dataclass
@@ -141,7 +145,9 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = get_attention_metadata()
         kvh, num_blocks, block_size, d = self.k_cache.shape
-        if md.native is not None and k.stride()[1:] == (d, 1) and v.stride()[1:] == (d, 1):
+        if md.native is not None:  # its own layout (K blocks transposed): always written by its kernel
+            k = k if k.stride()[1:] == (d, 1) else k.contiguous()
+            v = v if v.stride()[1:] == (d, 1) else v.contiguous()
             md.native.cache_write(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         else:
             k_slots = self.k_cache.view(kvh, num_blocks * block_size, d)
@@ -176,7 +182,7 @@ class Attention(nn.Module):
             if p.mask is None:  # the chunk is the whole context: its own k/v, no gather
                 keys, vals = k[None, p.q_start:end].transpose(1, 2), v[None, p.q_start:end].transpose(1, 2)
             else:
-                keys, vals = self._gather(p.block_ids[None], q.dtype, md.workspace, native_keys=md.native is not None)
+                keys, vals = self._gather(p.block_ids[None], q.dtype, md.workspace)
                 keys, vals = keys[:, 0, : p.ctx_len][None], vals[:, 0, : p.ctx_len][None]
             o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=p.mask, is_causal=p.mask is None,
                                                scale=self.scale, enable_gqa=gqa)
@@ -225,10 +231,9 @@ class Attention(nn.Module):
         return o.transpose(0, 1).reshape(rows, self.num_heads, d)
 
     def _gather(self, block_tables: torch.Tensor, dtype: torch.dtype, workspace: dict[str, torch.Tensor] | None = None,
-                heads: slice = slice(None), native_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                heads: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of whole blocks, [kv_heads, rows, blocks * block_size, d], one index_select each
-        (only the KV heads in ``heads``). ``native_keys``: the K cache was written by the CPU kernels, which
-        store K blocks transposed (``kernels.native.keys_view``).
+        (only the KV heads in ``heads``).
 
         With a ``workspace`` the result is a view of a reused buffer (valid until the next
         gather): no fresh multi-megabyte tensor per layer, whose pages the allocator would
@@ -236,13 +241,7 @@ class Attention(nn.Module):
         """
         rows, nblocks = block_tables.shape
         flat = block_tables.reshape(-1)
-        if native_keys:
-            from kiln.engine.kernels.native import keys_view
-
-            k_cache = keys_view(self.k_cache)[heads]
-        else:
-            k_cache = self.k_cache[heads]
-        v_cache = self.v_cache[heads]
+        k_cache, v_cache = self.k_cache[heads], self.v_cache[heads]
         kvh, _, block_size, d = k_cache.shape
         shape = (kvh, rows, nblocks * block_size, d)
         if workspace is None:
