@@ -1,9 +1,9 @@
 /* kiln's CPU kernels: paged attention read straight from the KV cache blocks, and fused pointwise ops.
  *
- * Plain C99 + OpenMP, compiled for the serving host's ISA level by engine/kernels/native.py
- * (x86-64-v3 / x86-64-v4 / native) and called through ctypes with raw tensor pointers; no torch
- * headers, so a build takes about a second. The loops are written for the compiler's vectorizer
- * (`omp simd`): head_dim-long dot products and axpys, and a polynomial exp.
+ * C99 with GCC vector extensions + OpenMP, compiled per ISA level (x86-64-v4, x86-64-v3, armv8-a) by
+ * engine/kernels/native.py and called through ctypes with raw tensor pointers; no torch headers, so a
+ * build takes about a second. The loops are written for the compiler's vectorizer: 16-wide FMAs over
+ * transposed key blocks, head_dim-long axpys over value rows, and a polynomial exp.
  *
  * Threads: the OpenMP runtime is the one torch loaded (same soname, libgomp.so.1), so a parallel
  * region here uses torch's thread count (torch.set_num_threads) and its warm thread pool.
@@ -89,7 +89,7 @@ static inline void prefetch_block(const void *cache, int bf16, int64_t offset, i
     for (int64_t b = 0; b < n * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(p + b, 0, PREFETCH_LOCALITY);
 }
 
-/* acc[g] += sum_t p[g * stride + t] * v[t] */
+/* acc[q] += sum_t p[q * stride + t] * v[t] for every query vector q of the task (head size D, a multiple of 16) */
 #define VALUE_BODY(D)                                                                      \
     for (int64_t t = 0; t < n; t++) {                                                      \
         vf16 vv[(D) / 16];                                                                 \
