@@ -126,12 +126,15 @@ class ModelRunner:
             seed_from_environment()
         if can_prepack(config.device, config.torch_dtype) and config.compile == "off":  # else freezing packs
             pack_model(self.model, config.max_batch_size)
-        if config.attention_backend == "native" and config.compile == "off":  # the fused pointwise kernels too
+        self.native = None  # kernels.native.Kernels when the attention backend is "native"
+        if config.attention_backend == "native":
             from kiln.engine.kernels.native import kernels
 
-            for m in self.model.modules():
-                if hasattr(m, "native_ops"):
-                    m.native_ops = kernels()
+            self.native = kernels()
+            if config.compile == "off":  # the fused pointwise kernels too (Inductor fuses its own)
+                for m in self.model.modules():
+                    if hasattr(m, "native_ops"):
+                        m.native_ops = self.native
         cfg = config.hf_config
         kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
         self.num_kv_heads = kv_heads  # this rank's
@@ -306,11 +309,9 @@ class ModelRunner:
             paged = build_paged_metadata(inputs.decode_block_tables, inputs.decode_ctx_lens, inputs.prefills,
                                          self.num_kv_heads, dev)
             return AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=inputs.num_decodes, paged=paged)
-        if self.attention_backend == "native":  # kernels/cpu_kernels.c: every token one row, read from the blocks
-            from kiln.engine.kernels.native import kernels
-
+        if self.native is not None:  # kernels/cpu_kernels.c: every token one row, read from the blocks
             tables, lens, groups = token_rows(inputs.decode_block_tables, inputs.decode_ctx_lens, inputs.prefills)
-            return AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=lens.shape[0], native=kernels(),
+            return AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=lens.shape[0], native=self.native,
                                      decode_block_tables=tables, decode_ctx_lens=lens, native_row_starts=groups)
         ctx = inputs.decode_ctx_lens.to(dev)
         tables = inputs.decode_block_tables.to(dev).contiguous()

@@ -32,6 +32,15 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
+/* element i of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array, as float */
+static inline float ld(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+static inline void st(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
 /* e^x for x <= 0 (scores minus their max), Cephes' expf: about 1 ulp, vectorizable. */
 #pragma omp declare simd notinbranch
 static inline float exp_nonpos(float x) {
@@ -201,7 +210,7 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
                     const int64_t src = (r0 + i) * q_stride + (h * group + g) * d;
                     float *dst = qf + (i * group + g) * d;
                     for (int64_t e = 0; e < d; e++)
-                        dst[e] = scale * (bf16 ? bf16_to_f32(((const uint16_t *)q)[src + e]) : ((const float *)q)[src + e]);
+                        dst[e] = scale * ld(q, src + e, bf16);
                 }
             for (int64_t j = 0; j < PREFETCH_BLOCKS && j < nblocks; j++) prefetch_block(k_cache, bf16, (base + table[j]) * bsd, bsd);
             for (int64_t j = 0; j < nblocks; j++) {
@@ -238,10 +247,7 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
             }
             for (int64_t qi = 0; qi < nq; qi++) {
                 const int64_t dst = (r0 + qi / group) * out_stride + (h * group + qi % group) * d;
-                if (bf16)
-                    for (int64_t e = 0; e < d; e++) ((uint16_t *)out)[dst + e] = f32_to_bf16(acc[qi * d + e]);
-                else
-                    memcpy((float *)out + dst, acc + qi * d, sizeof(float) * (size_t)d);
+                for (int64_t e = 0; e < d; e++) st(out, dst + e, acc[qi * d + e], bf16);
             }
         }
         free(scores);
@@ -259,13 +265,6 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
  */
 #define NOCONTRACT __attribute__((optimize("fp-contract=off")))
 
-static inline float ld(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-static inline void st(void *p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
 static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 /* out[r, i] = silu(x[r, i]) * x[r, n + i]  (the fused gate|up projection output) */

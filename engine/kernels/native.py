@@ -151,22 +151,18 @@ class Kernels:
         lib = ctypes.CDLL(str(path))
         if lib.kiln_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path} has ABI {lib.kiln_abi_version()}, this kiln needs {ABI_VERSION}")
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._attention = lib.kiln_paged_attention
-        self._attention.restype = ctypes.c_int
-        self._attention.argtypes = [ptr] * 7 + [i64] * 9 + [ctypes.c_float, ctypes.c_int]
-        self._silu_mul = lib.kiln_silu_mul
-        self._silu_mul.restype = None
-        self._silu_mul.argtypes = [ptr] * 2 + [i64] * 4 + [ctypes.c_int]
-        self._rms_norm = lib.kiln_add_rms_norm
-        self._rms_norm.restype = None
-        self._rms_norm.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]
-        self._rotary = lib.kiln_rotary
-        self._rotary.restype = None
-        self._rotary.argtypes = [ptr] * 3 + [i64] * 5 + [ctypes.c_int]
-        self._cache_write = lib.kiln_cache_write
-        self._cache_write.restype = None
-        self._cache_write.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_int]
+        i64, ptr, f32, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+
+        def declare(name: str, restype, *argtypes):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, list(argtypes)
+            return fn
+
+        self._attention = declare("kiln_paged_attention", ctypes.c_int, *[ptr] * 7, *[i64] * 9, f32, flag)
+        self._silu_mul = declare("kiln_silu_mul", None, *[ptr] * 2, *[i64] * 4, flag)
+        self._rms_norm = declare("kiln_add_rms_norm", None, *[ptr] * 5, *[i64] * 2, f32, flag)
+        self._rotary = declare("kiln_rotary", None, *[ptr] * 3, *[i64] * 5, flag)
+        self._cache_write = declare("kiln_cache_write", None, *[ptr] * 5, *[i64] * 7, flag)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
