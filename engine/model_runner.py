@@ -124,17 +124,17 @@ class ModelRunner:
             from kiln.engine.kernels.cache import seed_from_environment
 
             seed_from_environment()
-        if can_prepack(config.device, config.torch_dtype) and config.compile == "off":  # else freezing packs
-            pack_model(self.model, config.max_batch_size)
         self.native = None  # kernels.native.Kernels when the attention backend is "native"
         if config.attention_backend == "native":
             from kiln.engine.kernels.native import kernels
 
             self.native = kernels()
-            if config.compile == "off":  # the fused pointwise kernels too (Inductor fuses its own)
+            if config.compile == "off":  # the fused pointwise kernels and the float32 GEMM too (Inductor has its own)
                 for m in self.model.modules():
                     if hasattr(m, "native_ops"):
                         m.native_ops = self.native
+        if can_prepack(config.device, config.torch_dtype) and config.compile == "off":  # else freezing packs
+            pack_model(self.model, config.max_batch_size, self.native)
         cfg = config.hf_config
         kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
         self.num_kv_heads = kv_heads  # this rank's

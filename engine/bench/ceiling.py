@@ -6,8 +6,8 @@ achieves, not its average on a noisy day):
 - memory bandwidth: read (``sum`` over a buffer far larger than the caches)
   and copy (counted as read + write bytes);
 - matmul FLOP/s: the model's own weight shapes in the bench dtype, at decode-like M
-  (rows = batch) and prefill-like M (many tokens), the faster of ``F.linear`` and the
-  oneDNN-prepacked linear kiln serves with on CPU (``layers/linear.prepack``).
+  (rows = batch) and prefill-like M (many tokens), the fastest of ``F.linear``, the
+  oneDNN-prepacked linear and kiln's own packed GEMM (``layers/linear.pack_weight``) on CPU.
 
 Roofline for one decode step at batch B (every weight read once, each
 sequence's KV read once):
@@ -70,7 +70,13 @@ def _linear_shapes(facts: dict) -> list[tuple[int, int]]:
 def measure_matmul(facts: dict, dtype: torch.dtype, rows: list[int], trials: int = 3,
                    device: str = "cpu") -> dict[int, float]:
     """FLOP/s of the model's linears (one layer's worth + LM head) at each M in ``rows``."""
-    from kiln.engine.layers.linear import can_prepack, packed_linear, prepack
+    from kiln.engine.layers.linear import can_prepack, pack_weight, packed_linear
+
+    native = None
+    if device == "cpu" and dtype == torch.float32:
+        from kiln.engine.kernels.native import kernels
+
+        native = kernels()
 
     weights = [torch.randn(o, i, dtype=dtype, device=device) * 0.02 for o, i in _linear_shapes(facts)]
     out = {}
@@ -83,8 +89,9 @@ def measure_matmul(facts: dict, dtype: torch.dtype, rows: list[int], trials: int
                 F.linear(x, w)
 
         runs = [run]
-        if can_prepack(device, dtype):
-            packed = [prepack(w, m) for w in weights]
+        packers = [None, native] if native is not None else [None]
+        for packer in packers if can_prepack(device, dtype) else ():
+            packed = [pack_weight(w, m, packer) for w in weights]
 
             def run_packed(xs=xs, packed=packed):
                 for x, p in zip(xs, packed, strict=True):

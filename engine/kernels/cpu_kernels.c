@@ -1,9 +1,11 @@
-/* kiln's CPU kernels: paged attention read straight from the KV cache blocks, and fused pointwise ops.
+/* kiln's CPU kernels: paged attention read straight from the KV cache blocks, fused pointwise ops, and a
+ * float32 GEMM over weights packed for decode-sized row counts.
  *
  * C99 with GCC vector extensions + OpenMP, compiled per ISA level (x86-64-v4, x86-64-v3, armv8-a) by
  * engine/kernels/native.py and called through ctypes with raw tensor pointers; no torch headers, so a
  * build takes about a second. The loops are written for the compiler's vectorizer: 16-wide FMAs over
- * transposed key blocks, head_dim-long axpys over value rows, and a polynomial exp.
+ * transposed key blocks, head_dim-long axpys over value rows, a polynomial exp, and register-tiled
+ * broadcast FMAs over weight panels.
  *
  * Threads: the OpenMP runtime is the one torch loaded (same soname, libgomp.so.1), so a parallel
  * region here uses torch's thread count (torch.set_num_threads) and its warm thread pool.
@@ -13,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KILN_ABI_VERSION 3
+#define KILN_ABI_VERSION 4
 
 int kiln_abi_version(void) { return KILN_ABI_VERSION; }
 
@@ -380,4 +382,122 @@ void kiln_cache_write(const void *k, const void *v, void *k_cache, void *v_cache
             for (int64_t i = 0; i < d; i++) memcpy(dst + (size_t)(i * block_size) * esz, src + (size_t)i * esz, esz);
         }
     }
+}
+
+/* ---- float32 linear: y[M, N] = x[M, K] W^T (+ b), W packed once into 64-column panels ----
+ *
+ * oneDNN's and MKL's GEMMs are tuned for large M; a decode step multiplies a few rows by every weight of
+ * the model, which then streams from memory once per step. Here W is packed (kiln_pack_linear_f32) as
+ * panels [ceil(N / 64)][K][64] (the last one zero-padded), so a panel's K x 64 slice is one contiguous
+ * stream, and a register tile of LIN_MR rows x LIN_PANEL columns accumulates over K with broadcast FMAs:
+ * every weight loaded is used LIN_MR times from registers, and a row tile re-reads its panel from L2,
+ * not from memory; while they do, they prefetch the next panel's weights (a lone tile streams its own
+ * faster with the hardware prefetcher alone). Rows go in chunks of LIN_MC (their x slice stays in L2
+ * across panels), K in blocks of LIN_KC (a panel's slice stays in L2 across row tiles). Measured against
+ * oneDNN's prepacked sgemm (one thread, AVX-512 EPYC, a llama-bench layer stack streaming from memory):
+ * 1.7x at 1 row, 1.45x at 8, 1.2x at 16, equal from 256 to 2048 rows. */
+#if defined(__AVX512F__)
+typedef vf16 vlin; /* 6 rows x 4 zmm = 24 accumulators of 32 registers */
+#define LIN_VEC 16
+#define LIN_PANEL 64
+#else
+typedef float vlin __attribute__((vector_size(32), aligned(4))); /* AVX2 / NEON: 6 rows x 2 vectors of 8 = 12 of 16 ymm */
+#define LIN_VEC 8
+#define LIN_PANEL 16
+#endif
+#define LIN_NV (LIN_PANEL / LIN_VEC)
+#define LIN_MR 6
+#ifndef LIN_KC
+#define LIN_KC 1024
+#endif
+#ifndef LIN_PF_ROWS
+#define LIN_PF_ROWS (LIN_MR + 1) /* one tile alone streams its weights best with the hardware prefetcher alone */
+#endif
+#ifndef LIN_MC
+#define LIN_MC 192
+#endif
+
+/* tile[r][0:ncols] of rows r < mr: ys[r * ldy + j] = (prev ? prev[r * ldp + j] : 0) + acc */
+#define LIN_TILE(MR)                                                                                          \
+    static void lin_tile##MR(const float *x, int64_t ldx, const float *w, int64_t kn, float *y, int64_t ldy,  \
+                             const float *prev, int64_t ldp, int ncols, const float *pf, int64_t pf_rows) {   \
+        vlin acc[MR][LIN_NV];                                                                                 \
+        for (int r = 0; r < MR; r++)                                                                          \
+            for (int c = 0; c < LIN_NV; c++) acc[r][c] = (vlin){0};                                           \
+        int64_t pf_acc = 0;                                                                                   \
+        for (int64_t k = 0; k < kn; k++) {                                                                    \
+            for (pf_acc += pf_rows; pf && pf_acc >= kn; pf_acc -= kn, pf += LIN_PANEL)                        \
+                for (int b = 0; b < LIN_PANEL * 4; b += 64) __builtin_prefetch((const char *)pf + b, 0, 2);   \
+            vlin wv[LIN_NV];                                                                                  \
+            for (int c = 0; c < LIN_NV; c++) wv[c] = *(const vlin *)(w + k * LIN_PANEL + c * LIN_VEC);        \
+            for (int r = 0; r < MR; r++) {                                                                    \
+                const float xv = x[r * ldx + k];                                                              \
+                for (int c = 0; c < LIN_NV; c++) acc[r][c] += xv * wv[c];                                     \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int r = 0; r < MR; r++) {                                                                        \
+            float *o = y + r * ldy;                                                                           \
+            const float *pr = prev ? prev + r * ldp : 0;                                                      \
+            if (ncols == LIN_PANEL) {                                                                          \
+                for (int c = 0; c < LIN_NV; c++)                                                              \
+                    *(vlin *)(o + c * LIN_VEC) = pr ? *(const vlin *)(pr + c * LIN_VEC) + acc[r][c] : acc[r][c]; \
+            } else {                                                                                          \
+                float t[LIN_PANEL];                                                                            \
+                memcpy(t, acc[r], sizeof t);                                                                  \
+                for (int j = 0; j < ncols; j++) o[j] = pr ? pr[j] + t[j] : t[j];                              \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+LIN_TILE(1) LIN_TILE(2) LIN_TILE(3) LIN_TILE(4) LIN_TILE(5) LIN_TILE(6)
+typedef void (*lin_tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int64_t, int,
+                            const float *, int64_t);
+static const lin_tile_fn lin_tiles[LIN_MR + 1] = {0, lin_tile1, lin_tile2, lin_tile3, lin_tile4, lin_tile5, lin_tile6};
+
+int64_t kiln_linear_panel(void) { return LIN_PANEL; }
+
+/* w [N, K] (row stride ldw) -> packed [ceil(N / 64)][K][64], columns past N zero */
+void kiln_pack_linear_f32(const float *w, float *packed, int64_t n, int64_t k, int64_t ldw) {
+    const int64_t panels = (n + LIN_PANEL - 1) / LIN_PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t i = 0; i < k; i++) {
+            float *dst = packed + (p * k + i) * LIN_PANEL;
+            for (int64_t j = 0; j < LIN_PANEL; j++) {
+                const int64_t col = p * LIN_PANEL + j;
+                dst[j] = col < n ? w[col * ldw + i] : 0.0f;
+            }
+        }
+}
+
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) W^T + bias (bias may be NULL) */
+void kiln_linear_f32(const float *x, const float *packed, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+                     int64_t ldx, int64_t ldy) {
+    const int64_t units = (n + LIN_PANEL - 1) / LIN_PANEL;
+    const int64_t chunks = (m + LIN_MC - 1) / LIN_MC;
+    const int64_t mc = (m + chunks - 1) / chunks; /* chunks of (near) equal height: no thread gets a short one */
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t ch = 0; ch < chunks; ch++)
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t col = u * LIN_PANEL, m1 = ch * mc + mc < m ? ch * mc + mc : m;
+            const int ncols = (int)(n - col < LIN_PANEL ? n - col : LIN_PANEL);
+            const float *wp = packed + u * LIN_PANEL * k;
+            /* the next panel's weights, prefetched while this one's are used from L2 by more than one tile,
+             * when the rows come in one chunk (a decode step's) */
+            const float *next = chunks == 1 && u + 1 < units ? wp + LIN_PANEL * k : 0;
+            const int64_t rows = m1 - ch * mc;
+            for (int64_t k0 = 0; k0 < k; k0 += LIN_KC) {
+                const int64_t kn = k - k0 < LIN_KC ? k - k0 : LIN_KC;
+                /* tiles of near-equal height (13 rows = 5 + 4 + 4, not 6 + 6 + 1: a 1-row tile waits on loads) */
+                const int64_t tiles = (rows + LIN_MR - 1) / LIN_MR;
+                for (int64_t t = 0, m0 = ch * mc, mr; t < tiles; t++, m0 += mr) {
+                    mr = rows / tiles + (t < rows % tiles);
+                    float *out = y + m0 * ldy + col;
+                    const float *prev = k0 ? out : (bias ? bias + col : 0);
+                    /* each tile prefetches its share (by rows) of the next panel's block: [lo, hi) of its kn rows */
+                    const int64_t lo = (m0 - ch * mc) * kn / rows, hi = (m0 - ch * mc + mr) * kn / rows;
+                    lin_tiles[mr](x + m0 * ldx + k0, ldx, wp + k0 * LIN_PANEL, kn, out, ldy, prev, k0 ? ldy : 0, ncols,
+                                  next && rows >= LIN_PF_ROWS ? next + (k0 + lo) * LIN_PANEL : 0, hi - lo);
+                }
+            }
+        }
 }

@@ -133,6 +133,59 @@ def test_pointwise_kernels_match_the_torch_ops(fresh, dtype):
     assert v_cache.view(4, 96, 64)[:, 1].abs().max() == 0  # nothing else written
 
 
+@pytest.mark.parametrize("m,k,n,bias", [
+    (1, 64, 64, False),     # one decode row, one panel
+    (5, 100, 1000, True),   # one tile; n not a multiple of the panel (zero-padded last panel)
+    (13, 2048, 768, True),  # tiles of 5 + 4 + 4 rows, next panels prefetched
+    (7, 1500, 70, False),   # k over one K block (1024): partial sums accumulated into y
+    (450, 96, 200, True),   # several row chunks (LIN_MC) shared between threads
+    (3, 5, 3, True),        # smaller than a vector everywhere
+    (0, 64, 64, True),      # no rows
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_matches_float64(fresh, m, k, n, bias, threads):
+    """kiln's float32 GEMM over its packed weight is F.linear to float32 rounding, at every tiling."""
+    g = torch.Generator().manual_seed(m * 7 + n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        packed = native.kernels().pack_linear(w)
+        y = packed(x, b)
+    finally:
+        torch.set_num_threads(before)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-5 * k ** 0.5)
+
+
+def test_linear_takes_any_leading_shape_and_strided_rows(fresh):
+    kernels = native.kernels()
+    w = torch.randn(96, 40)
+    packed = kernels.pack_linear(w[:, :40].clone())
+    x = torch.randn(2, 3, 80)[..., ::2]  # last dim strided: copied once, not misread
+    torch.testing.assert_close(packed(x), F.linear(x, w))
+    rows = torch.randn(10, 64)[:, 8:48]  # rows strided, last dim contiguous: used in place
+    torch.testing.assert_close(packed(rows), F.linear(rows, w))
+    with pytest.raises(ValueError, match="float32"):
+        kernels.pack_linear(w.bfloat16())
+
+
+def test_float32_linears_run_kilns_gemm(fresh, toy_model, make_llm):
+    """With the native backend every float32 linear and the LM head serve from kiln's packed weights (the
+    plain ones dropped: no second copy in memory); on the torch backend they stay oneDNN's."""
+    from kiln.engine.layers.embedding import ParallelLMHead
+    from kiln.engine.layers.linear import LinearBase
+
+    model_dir = toy_model("llama-tiny")
+    for backend, kind in (("native", native.PackedLinear), ("torch", torch.Tensor)):
+        model = make_llm(model_dir, attention_backend=backend, num_kv_blocks=16, device="cpu").engine.runner.model
+        packed = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+        assert packed and all(isinstance(m.packed_weight, kind) for m in packed)
+        assert all(m.weight.numel() == 0 for m in packed if isinstance(m, LinearBase))
+
+
 def test_engine_native_equals_torch(fresh, toy_model, make_llm):
     """Greedy tokens of mixed steps, chunked prefill and a prefix hit are the same on both CPU backends,
     and the native run really called the kernel."""
@@ -220,6 +273,10 @@ def test_avx2_only_host_never_loads_the_avx512_library(fresh, monkeypatch):
     out = torch.empty_like(q)
     kernels.paged_attention(q, stored, v_cache, tables, lens, 0.125, out)
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens, 0.125), rtol=1e-5, atol=1e-5)
+    # and the same GEMM, over its own (16-column) panels
+    w, x, b = torch.randn(70, 300, generator=g), torch.randn(13, 300, generator=g), torch.randn(70, generator=g)
+    assert kernels.linear_panel == 16
+    torch.testing.assert_close(kernels.pack_linear(w)(x, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 def test_another_kilns_kernels_are_not_used(fresh, caplog):
