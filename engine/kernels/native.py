@@ -34,7 +34,7 @@ import torch
 log = logging.getLogger("kiln.engine.kernels.native")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 4  # = KILN_ABI_VERSION in cpu_kernels.c
+ABI_VERSION = 5  # = KILN_ABI_VERSION in cpu_kernels.c
 _V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm", "xsave")
 # level -> the /proc/cpuinfo flags a host needs to run code compiled with -march=<level>, best first
 LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
@@ -163,9 +163,17 @@ class Kernels:
         self._rms_norm = declare("kiln_add_rms_norm", None, *[ptr] * 5, *[i64] * 2, f32, flag)
         self._rotary = declare("kiln_rotary", None, *[ptr] * 3, *[i64] * 5, flag)
         self._cache_write = declare("kiln_cache_write", None, *[ptr] * 5, *[i64] * 7, flag)
-        self._pack_linear = declare("kiln_pack_linear_f32", None, *[ptr] * 2, *[i64] * 3)
-        self._linear = declare("kiln_linear_f32", None, *[ptr] * 4, *[i64] * 5)
+        self._pack_linear = {torch.float32: declare("kiln_pack_linear_f32", None, *[ptr] * 2, *[i64] * 3),
+                             torch.bfloat16: declare("kiln_pack_linear_bf16", None, *[ptr] * 2, *[i64] * 3)}
+        self._linear = {torch.float32: declare("kiln_linear_f32", None, *[ptr] * 4, *[i64] * 5),
+                        torch.bfloat16: declare("kiln_linear_bf16", None, *[ptr] * 4, *[i64] * 5)}
         self.linear_panel = declare("kiln_linear_panel", i64)()
+        from kiln.engine import cpu_target
+
+        # bf16 needs vdpbf16ps: compiled into the x86-64-v4 library, run where the CPU has AVX512-BF16
+        self.linear_dtypes = (torch.float32,) + (
+            (torch.bfloat16,) if declare("kiln_linear_bf16_available", ctypes.c_int)()
+            and "avx512_bf16" in cpu_target.cpu_flags() else ())
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
@@ -216,40 +224,47 @@ class Kernels:
         self._cache_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                           k.shape[0], kvh, d, k.stride(0), v.stride(0), num_blocks, block_size, _bf16(k))
 
-
     def pack_linear(self, weight: torch.Tensor) -> PackedLinear:
-        """A float32 weight [out, in] in ``kiln_linear_f32``'s panel layout (a copy; the caller drops the original)."""
+        """A weight [out, in] of one of ``linear_dtypes`` in the GEMM's panel layout (a copy; the caller
+        drops the original)."""
         return PackedLinear(self, weight)
 
     def linear(self, x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for float32 x [..., in] and the weight ``packed``."""
+        """``F.linear(x, weight, bias)`` for x [..., in] of the weight's dtype and the weight ``packed``
+        (float32: ``kiln_linear_f32``; bfloat16: ``kiln_linear_bf16``, float32 accumulation)."""
         n, k = packed.out_features, packed.in_features
+        if x.dtype != packed.dtype:
+            raise TypeError(f"kiln's CPU linear: input {x.dtype}, weight {packed.dtype}")
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         y = x2.new_empty((x2.shape[0], n))
         if x2.shape[0]:
-            b = None if bias is None else bias.contiguous()
-            self._linear(x2.data_ptr(), packed.panels.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(),
-                         x2.shape[0], n, k, x2.stride(0), n)
+            b = None if bias is None else bias.float().contiguous()
+            self._linear[packed.dtype](x2.data_ptr(), packed.panels.data_ptr(), 0 if b is None else b.data_ptr(),
+                                       y.data_ptr(), x2.shape[0], n, k, x2.stride(0), n)
         return y.view(*x.shape[:-1], n)
 
 
 class PackedLinear:
-    """A float32 weight [out, in] packed for ``kiln_linear_f32``: panels [ceil(out / P), in, P] of P output
-    columns (P = the library's ``kiln_linear_panel``, the last panel zero-padded), so a decode step streams
+    """A weight [out, in] packed for kiln's CPU GEMM: panels of P output columns (P = the library's
+    ``kiln_linear_panel``, the last panel zero-padded), [ceil(out / P), in, P] in float32 and
+    [ceil(out / P), ceil(in / 2), P, 2] (K in pairs, for vdpbf16ps) in bfloat16, so a decode step streams
     each panel once; calling it is ``F.linear(x, weight, bias)``."""
 
     def __init__(self, kernels: Kernels, weight: torch.Tensor) -> None:
-        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
-            raise ValueError(f"kiln's CPU linear packs 2-D float32 CPU weights, not {weight.dtype} {tuple(weight.shape)}")
+        if weight.dtype not in kernels.linear_dtypes or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(f"kiln's CPU linear packs 2-D CPU weights of {', '.join(map(str, kernels.linear_dtypes))} "
+                             f"on this host, not {weight.dtype} {tuple(weight.shape)}")
         if weight.stride(1) != 1:
             weight = weight.contiguous()
         self.out_features, self.in_features = weight.shape
-        panel = kernels.linear_panel
-        self.panels = weight.new_empty((-(-self.out_features // panel), self.in_features, panel))
-        kernels._pack_linear(weight.data_ptr(), self.panels.data_ptr(), self.out_features, self.in_features,
-                             weight.stride(0))
+        self.dtype = weight.dtype
+        panel, k = kernels.linear_panel, self.in_features
+        per_panel = (k, panel) if self.dtype == torch.float32 else (-(-k // 2), panel, 2)
+        self.panels = weight.new_empty((-(-self.out_features // panel), *per_panel))
+        kernels._pack_linear[self.dtype](weight.data_ptr(), self.panels.data_ptr(), self.out_features, k,
+                                         weight.stride(0))
         self._kernels = kernels
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -160,6 +160,26 @@ def test_linear_matches_float64(fresh, m, k, n, bias, threads):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-5 * k ** 0.5)
 
 
+@pytest.mark.parametrize("m,k,n,bias", [(13, 768, 1280, False), (5, 77, 70, True), (300, 2048, 768, True),
+                                         (1, 3, 5, True), (0, 8, 8, False)])
+def test_bf16_linear_matches_torch(fresh, m, k, n, bias):
+    """On AVX512-BF16 the bf16 GEMM (vdpbf16ps over K pairs, odd K padded) gives torch's bf16 linear
+    (oneDNN's, the same instruction): bit for bit up to K = 1024, within one bf16 ulp past it."""
+    kernels = native.kernels()
+    if torch.bfloat16 not in kernels.linear_dtypes:
+        pytest.skip("this CPU has no AVX512-BF16: bf16 linears stay oneDNN's")
+    g = torch.Generator().manual_seed(m + k)
+    w, x = (torch.randn(n, k, generator=g) * 0.05).bfloat16(), torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    y, ref = kernels.pack_linear(w)(x, b), F.linear(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    if k <= 1024:
+        assert torch.equal(y, ref)
+    else:  # one bf16 ulp apart at most, or the float32 sums' own rounding where the bias cancels them
+        y, ref = y.double(), ref.double()
+        assert ((y - ref).abs() <= torch.maximum(y.abs(), ref.abs()) * 2 ** -7 + 1e-5).all()
+
+
 def test_linear_takes_any_leading_shape_and_strided_rows(fresh):
     kernels = native.kernels()
     w = torch.randn(96, 40)
@@ -169,18 +189,25 @@ def test_linear_takes_any_leading_shape_and_strided_rows(fresh):
     rows = torch.randn(10, 64)[:, 8:48]  # rows strided, last dim contiguous: used in place
     torch.testing.assert_close(packed(rows), F.linear(rows, w))
     with pytest.raises(ValueError, match="float32"):
-        kernels.pack_linear(w.bfloat16())
+        kernels.pack_linear(w.half())
+    with pytest.raises(TypeError, match="input torch.float64"):
+        packed(x.double())
 
 
-def test_float32_linears_run_kilns_gemm(fresh, toy_model, make_llm):
-    """With the native backend every float32 linear and the LM head serve from kiln's packed weights (the
-    plain ones dropped: no second copy in memory); on the torch backend they stay oneDNN's."""
+def test_linears_run_kilns_gemm(fresh, toy_model, make_llm):
+    """With the native backend every float32 (and on AVX512-BF16, bf16) linear and the LM head serve from
+    kiln's packed weights (the plain ones dropped: no second copy in memory); on the torch backend they
+    stay oneDNN's."""
     from kiln.engine.layers.embedding import ParallelLMHead
     from kiln.engine.layers.linear import LinearBase
 
     model_dir = toy_model("llama-tiny")
-    for backend, kind in (("native", native.PackedLinear), ("torch", torch.Tensor)):
-        model = make_llm(model_dir, attention_backend=backend, num_kv_blocks=16, device="cpu").engine.runner.model
+    runs = [("native", "float32", native.PackedLinear), ("torch", "float32", torch.Tensor)]
+    if torch.bfloat16 in native.kernels().linear_dtypes:  # AVX512-BF16: bf16 too
+        runs.append(("native", "bfloat16", native.PackedLinear))
+    for backend, dtype, kind in runs:
+        model = make_llm(model_dir, attention_backend=backend, dtype=dtype, num_kv_blocks=16,
+                         device="cpu").engine.runner.model
         packed = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
         assert packed and all(isinstance(m.packed_weight, kind) for m in packed)
         assert all(m.weight.numel() == 0 for m in packed if isinstance(m, LinearBase))
