@@ -226,6 +226,10 @@ def pack_model(model: nn.Module, batch_hint: int, native=None) -> int:
             m.pack_for_cpu_(batch_hint, native)
             count += 1
         elif isinstance(m, ParallelLMHead):
-            m.packed_weight = pack_weight(m.weight.detach(), batch_hint, native)  # tied: the embedding keeps the weight
+            m.packed_weight = pack_weight(m.weight.detach(), batch_hint, native)
+            tied = any(p is m.weight for other in model.modules() if other is not m
+                       for p in other.parameters(recurse=False))
+            if not tied:  # a tied head's weight is the embedding's, which keeps it for lookups
+                m.weight.data = torch.empty(0, dtype=m.weight.dtype, device=m.weight.device)
             count += 1
     return count

@@ -196,21 +196,24 @@ def test_linear_takes_any_leading_shape_and_strided_rows(fresh):
 
 def test_linears_run_kilns_gemm(fresh, toy_model, make_llm):
     """With the native backend every float32 (and on AVX512-BF16, bf16) linear and the LM head serve from
-    kiln's packed weights (the plain ones dropped: no second copy in memory); on the torch backend they
-    stay oneDNN's."""
+    kiln's packed weights, the plain ones dropped (no second copy in memory) except a tied LM head's,
+    which is the embedding's; on the torch backend they stay oneDNN's."""
     from kiln.engine.layers.embedding import ParallelLMHead
     from kiln.engine.layers.linear import LinearBase
 
-    model_dir = toy_model("llama-tiny")
-    runs = [("native", "float32", native.PackedLinear), ("torch", "float32", torch.Tensor)]
+    runs = [("native", "float32", native.PackedLinear, False), ("torch", "float32", torch.Tensor, False),
+            ("native", "float32", native.PackedLinear, True)]
     if torch.bfloat16 in native.kernels().linear_dtypes:  # AVX512-BF16: bf16 too
-        runs.append(("native", "bfloat16", native.PackedLinear))
-    for backend, dtype, kind in runs:
+        runs.append(("native", "bfloat16", native.PackedLinear, False))
+    for backend, dtype, kind, tied in runs:
+        model_dir = toy_model("llama-tiny", tie_word_embeddings=tied)
         model = make_llm(model_dir, attention_backend=backend, dtype=dtype, num_kv_blocks=16,
                          device="cpu").engine.runner.model
         packed = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
         assert packed and all(isinstance(m.packed_weight, kind) for m in packed)
         assert all(m.weight.numel() == 0 for m in packed if isinstance(m, LinearBase))
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        assert (model.lm_head.weight.numel() > 0) == tied and model.model.embed_tokens.weight.numel() > 0
 
 
 def test_engine_native_equals_torch(fresh, toy_model, make_llm):
