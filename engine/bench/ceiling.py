@@ -73,10 +73,11 @@ def measure_matmul(facts: dict, dtype: torch.dtype, rows: list[int], trials: int
     from kiln.engine.layers.linear import can_prepack, pack_weight, packed_linear
 
     native = None
-    if device == "cpu" and dtype == torch.float32:
+    if device == "cpu":
         from kiln.engine.kernels.native import kernels
 
         native = kernels()
+        native = native if native is not None and dtype in native.linear_dtypes else None
 
     weights = [torch.randn(o, i, dtype=dtype, device=device) * 0.02 for o, i in _linear_shapes(facts)]
     out = {}

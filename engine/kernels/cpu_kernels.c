@@ -384,7 +384,7 @@ void kiln_cache_write(const void *k, const void *v, void *k_cache, void *v_cache
     }
 }
 
-/* ---- float32 linear: y[M, N] = x[M, K] W^T (+ b), W packed once into 64-column panels ----
+/* ---- float32 linear: y[M, N] = x[M, K] W^T (+ b), W packed once into 64-column panels (16 on AVX2/NEON) ----
  *
  * oneDNN's and MKL's GEMMs are tuned for large M; a decode step multiplies a few rows by every weight of
  * the model, which then streams from memory once per step. Here W is packed (kiln_pack_linear_f32) as
@@ -455,7 +455,7 @@ static const lin_tile_fn lin_tiles[LIN_MR + 1] = {0, lin_tile1, lin_tile2, lin_t
 
 int64_t kiln_linear_panel(void) { return LIN_PANEL; }
 
-/* w [N, K] (row stride ldw) -> packed [ceil(N / 64)][K][64], columns past N zero */
+/* w [N, K] (row stride ldw) -> packed [ceil(N / LIN_PANEL)][K][LIN_PANEL], columns past N zero */
 void kiln_pack_linear_f32(const float *w, float *packed, int64_t n, int64_t k, int64_t ldw) {
     const int64_t panels = (n + LIN_PANEL - 1) / LIN_PANEL;
 #pragma omp parallel for schedule(static)
