@@ -129,7 +129,7 @@ class ModelRunner:
             from kiln.engine.kernels.native import kernels
 
             self.native = kernels()
-            if config.compile == "off":  # the fused pointwise kernels and the float32 GEMM too (Inductor has its own)
+            if config.compile == "off":  # the fused pointwise kernels too (Inductor fuses its own); their GEMM: pack_model
                 for m in self.model.modules():
                     if hasattr(m, "native_ops"):
                         m.native_ops = self.native

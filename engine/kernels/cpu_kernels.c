@@ -469,37 +469,60 @@ void kiln_pack_linear_f32(const float *w, float *packed, int64_t n, int64_t k, i
         }
 }
 
-/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) W^T + bias (bias may be NULL) */
-void kiln_linear_f32(const float *x, const float *packed, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
-                     int64_t ldx, int64_t ldy) {
-    const int64_t units = (n + LIN_PANEL - 1) / LIN_PANEL;
+/* One tile of a linear: rows [m0, m0 + mr) x panel u over rows [k0, k0 + kn) of the panel's packed K;
+ * it also prefetches rows [k0 + pf_lo, + pf_rows) of the next panel (pf_rows 0: nothing). */
+typedef void (*lin_tile_call)(const void *args, int64_t u, int64_t m0, int64_t mr, int64_t k0, int64_t kn,
+                              int64_t pf_lo, int64_t pf_rows);
+
+/* The schedule both linears run: rows in chunks of LIN_MC of (near) equal height, so no thread gets a short
+ * one; (chunk, panel) pairs split between threads; packed K in blocks of kc; in each, tiles of near-equal
+ * height (13 rows = 5 + 4 + 4, not 6 + 6 + 1: a 1-row tile waits on loads). When the rows come in one chunk
+ * (a decode step's) with more than one tile, the tiles prefetch the next panel's block while they use
+ * this one's from L2, each its share by rows. */
+static void lin_schedule(int64_t m, int64_t units, int64_t k, int64_t kc, const void *args, lin_tile_call tile) {
     const int64_t chunks = (m + LIN_MC - 1) / LIN_MC;
-    const int64_t mc = (m + chunks - 1) / chunks; /* chunks of (near) equal height: no thread gets a short one */
+    const int64_t mc = (m + chunks - 1) / chunks;
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t ch = 0; ch < chunks; ch++)
         for (int64_t u = 0; u < units; u++) {
-            const int64_t col = u * LIN_PANEL, m1 = ch * mc + mc < m ? ch * mc + mc : m;
-            const int ncols = (int)(n - col < LIN_PANEL ? n - col : LIN_PANEL);
-            const float *wp = packed + u * LIN_PANEL * k;
-            /* the next panel's weights, prefetched while this one's are used from L2 by more than one tile,
-             * when the rows come in one chunk (a decode step's) */
-            const float *next = chunks == 1 && u + 1 < units ? wp + LIN_PANEL * k : 0;
-            const int64_t rows = m1 - ch * mc;
-            for (int64_t k0 = 0; k0 < k; k0 += LIN_KC) {
-                const int64_t kn = k - k0 < LIN_KC ? k - k0 : LIN_KC;
-                /* tiles of near-equal height (13 rows = 5 + 4 + 4, not 6 + 6 + 1: a 1-row tile waits on loads) */
-                const int64_t tiles = (rows + LIN_MR - 1) / LIN_MR;
+            const int64_t m1 = ch * mc + mc < m ? ch * mc + mc : m, rows = m1 - ch * mc;
+            const int prefetch = chunks == 1 && u + 1 < units && rows >= LIN_PF_ROWS;
+            const int64_t tiles = (rows + LIN_MR - 1) / LIN_MR;
+            for (int64_t k0 = 0; k0 < k; k0 += kc) {
+                const int64_t kn = k - k0 < kc ? k - k0 : kc;
                 for (int64_t t = 0, m0 = ch * mc, mr; t < tiles; t++, m0 += mr) {
                     mr = rows / tiles + (t < rows % tiles);
-                    float *out = y + m0 * ldy + col;
-                    const float *prev = k0 ? out : (bias ? bias + col : 0);
-                    /* each tile prefetches its share (by rows) of the next panel's block: [lo, hi) of its kn rows */
                     const int64_t lo = (m0 - ch * mc) * kn / rows, hi = (m0 - ch * mc + mr) * kn / rows;
-                    lin_tiles[mr](x + m0 * ldx + k0, ldx, wp + k0 * LIN_PANEL, kn, out, ldy, prev, k0 ? ldy : 0, ncols,
-                                  next && rows >= LIN_PF_ROWS ? next + (k0 + lo) * LIN_PANEL : 0, hi - lo);
+                    tile(args, u, m0, mr, k0, kn, lo, prefetch ? hi - lo : 0);
                 }
             }
         }
+}
+
+static int lin_cols(int64_t n, int64_t col) { return (int)(n - col < LIN_PANEL ? n - col : LIN_PANEL); }
+
+struct lin_f32_args {
+    const float *x, *packed, *bias;
+    float *y;
+    int64_t n, k, ldx, ldy;
+};
+
+static void lin_f32_tile(const void *args, int64_t u, int64_t m0, int64_t mr, int64_t k0, int64_t kn, int64_t pf_lo,
+                         int64_t pf_rows) {
+    const struct lin_f32_args *a = args;
+    const int64_t col = u * LIN_PANEL;
+    const float *wp = a->packed + u * LIN_PANEL * a->k, *next = wp + LIN_PANEL * a->k;
+    float *out = a->y + m0 * a->ldy + col;
+    const float *prev = k0 ? out : (a->bias ? a->bias + col : 0); /* later K blocks add to the partial sums */
+    lin_tiles[mr](a->x + m0 * a->ldx + k0, a->ldx, wp + k0 * LIN_PANEL, kn, out, a->ldy, prev, k0 ? a->ldy : 0,
+                  lin_cols(a->n, col), pf_rows ? next + (k0 + pf_lo) * LIN_PANEL : 0, pf_rows);
+}
+
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) W^T + bias (bias may be NULL) */
+void kiln_linear_f32(const float *x, const float *packed, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+                     int64_t ldx, int64_t ldy) {
+    const struct lin_f32_args args = {x, packed, bias, y, n, k, ldx, ldy};
+    lin_schedule(m, (n + LIN_PANEL - 1) / LIN_PANEL, k, LIN_KC, &args, lin_f32_tile);
 }
 
 /* ---- bfloat16 linear on AVX512-BF16: y = bf16(x W^T + b), fp32 accumulation ----
@@ -578,26 +601,30 @@ void kiln_pack_linear_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64
                 }
 }
 
+struct lin_bf16_args {
+    const uint16_t *x, *packed;
+    const float *bias;
+    uint16_t *y;
+    int64_t n, k, ldx, ldy;
+};
+
+/* k0 = 0, kn = every K pair: the outputs are rounded to bf16 once, so K is not blocked */
+BF16_TARGET static void lin_bf16_tile(const void *args, int64_t u, int64_t m0, int64_t mr, int64_t k0, int64_t kn,
+                                      int64_t pf_lo, int64_t pf_rows) {
+    const struct lin_bf16_args *a = args;
+    const int64_t col = u * LIN_PANEL;
+    const uint16_t *wp = a->packed + u * BF_PAIR * kn, *next = wp + BF_PAIR * kn;
+    (void)k0;
+    bf_tiles[mr](a->x + m0 * a->ldx, a->ldx, wp, a->k, a->y + m0 * a->ldy + col, a->ldy, a->bias ? a->bias + col : 0,
+                 lin_cols(a->n, col), pf_rows ? next + pf_lo * BF_PAIR : 0, pf_rows);
+}
+
 /* y [m, n] bf16 (row stride ldy) = x [m, k] bf16 (row stride ldx) W^T + bias (float32, may be NULL) */
-BF16_TARGET void kiln_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m,
-                                  int64_t n, int64_t k, int64_t ldx, int64_t ldy) {
-    const int64_t units = (n + LIN_PANEL - 1) / LIN_PANEL, kp = (k + 1) / 2;
-    const int64_t chunks = (m + LIN_MC - 1) / LIN_MC, mc = (m + chunks - 1) / chunks;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t ch = 0; ch < chunks; ch++)
-        for (int64_t u = 0; u < units; u++) {
-            const int64_t col = u * LIN_PANEL, m1 = ch * mc + mc < m ? ch * mc + mc : m;
-            const uint16_t *wp = packed + u * BF_PAIR * kp;
-            const uint16_t *next = chunks == 1 && u + 1 < units ? wp + BF_PAIR * kp : 0;
-            const int64_t rows = m1 - ch * mc, tiles = (rows + LIN_MR - 1) / LIN_MR;
-            for (int64_t t = 0, m0 = ch * mc, mr; t < tiles; t++, m0 += mr) {
-                mr = rows / tiles + (t < rows % tiles);
-                const int64_t lo = (m0 - ch * mc) * kp / rows, hi = (m0 - ch * mc + mr) * kp / rows;
-                bf_tiles[mr](x + m0 * ldx, ldx, wp, k, y + m0 * ldy + col, ldy, bias ? bias + col : 0,
-                             (int)(n - col < LIN_PANEL ? n - col : LIN_PANEL),
-                             next && rows >= LIN_PF_ROWS ? next + lo * BF_PAIR : 0, hi - lo);
-            }
-        }
+void kiln_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m, int64_t n,
+                      int64_t k, int64_t ldx, int64_t ldy) {
+    const struct lin_bf16_args args = {x, packed, bias, y, n, k, ldx, ldy};
+    const int64_t kp = (k + 1) / 2;
+    lin_schedule(m, (n + LIN_PANEL - 1) / LIN_PANEL, kp, kp, &args, lin_bf16_tile);
 }
 #else
 int kiln_linear_bf16_available(void) { return 0; }
