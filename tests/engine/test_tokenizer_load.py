@@ -1,0 +1,85 @@
+"""The engine's tokenizer load: the same tokenizer AutoTokenizer gives, without importing the modeling stack."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kiln.engine.llm_engine import load_tokenizer, tokenizer_config_hint
+
+TEXTS = ["Hello world, this is kiln.", "  leading spaces\tand\ttabs\n", "ünïcödé — 東京 🙂", "</s><s> specials"]
+
+
+def _copy_with(src: Path, dest: Path, model_type: str | None = None, tokenizer_class: str | None = None,
+               drop_class: bool = False, auto_map: bool = False) -> Path:
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    if model_type:
+        cfg["model_type"] = model_type
+    (dest / "config.json").write_text(json.dumps(cfg))
+    tok = json.loads((dest / "tokenizer_config.json").read_text())
+    if tokenizer_class:
+        tok["tokenizer_class"] = tokenizer_class
+    if drop_class:
+        tok.pop("tokenizer_class", None)
+    if auto_map:
+        tok["auto_map"] = {"AutoTokenizer": [None, "tokenization_x.XTokenizerFast"]}
+    (dest / "tokenizer_config.json").write_text(json.dumps(tok))
+    return dest
+
+
+def _same(a, b) -> None:
+    assert type(a) is type(b)
+    for text in TEXTS:
+        assert a.encode(text) == b.encode(text)
+        assert a.decode(a.encode(text)) == b.decode(b.encode(text))
+    assert (a.bos_token_id, a.eos_token_id, a.pad_token_id, a.unk_token_id) == \
+           (b.bos_token_id, b.eos_token_id, b.pad_token_id, b.unk_token_id)
+    assert a.all_special_ids == b.all_special_ids
+    if a.chat_template:
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        assert a.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+               b.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+# (model_type, tokenizer_class): the class the toy tokenizer saves, a Llama class over a ByteLevel tokenizer
+# (AutoTokenizer's own override), a class another model type registers, and a Qwen2 model type.
+CASES = [(None, None), ("llama", "LlamaTokenizerFast"), ("llama", "GPT2TokenizerFast"), ("qwen2", "Qwen2TokenizerFast")]
+
+
+@pytest.mark.parametrize(("model_type", "tokenizer_class"), CASES)
+def test_same_tokenizer_as_autotokenizer(toy_model, tmp_path, model_type, tokenizer_class):
+    from transformers import AutoTokenizer
+
+    src = toy_model("llama-tiny") if model_type != "qwen2" else toy_model("qwen2-tiny")
+    model = _copy_with(src, tmp_path / "m", model_type, tokenizer_class)
+    assert tokenizer_config_hint(str(model)) is not None
+    _same(load_tokenizer(str(model)), AutoTokenizer.from_pretrained(str(model), trust_remote_code=False))
+
+
+def test_falls_back_to_autotokenizer_when_the_class_is_not_named(toy_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    no_class = _copy_with(toy_model("llama-tiny"), tmp_path / "a", drop_class=True)
+    assert tokenizer_config_hint(str(no_class)) is None
+    _same(load_tokenizer(str(no_class)), AutoTokenizer.from_pretrained(str(no_class)))
+    assert tokenizer_config_hint(str(_copy_with(toy_model("llama-tiny"), tmp_path / "b", auto_map=True))) is None
+    broken = _copy_with(toy_model("llama-tiny"), tmp_path / "c")
+    (broken / "config.json").write_text("{not json")
+    assert tokenizer_config_hint(str(broken)) is None
+    assert tokenizer_config_hint(str(tmp_path / "missing")) is None
+    assert tokenizer_config_hint("org/some-hub-id") is None
+
+
+def test_load_does_not_import_the_modeling_stack(toy_model):
+    """The reason for the hint: the modeling imports are ~170 MiB of a serving process's memory."""
+    probe = ("import sys; from kiln.engine.llm_engine import load_tokenizer; load_tokenizer(sys.argv[1]); "
+             "print(sorted(m for m in ('transformers.core_model_loading', 'transformers.models.llama.configuration_llama',"
+             " 'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-P", "-c", probe, str(toy_model("llama-tiny"))], capture_output=True,
+                         text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
