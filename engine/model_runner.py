@@ -145,6 +145,10 @@ class ModelRunner:
         self.num_blocks = parallel.min_over_ranks(plan_num_blocks(config, block_bytes))
         # One block more than the block manager hands out: CUDA-graph padding rows write there.
         self.kv_cache = allocate_kv_cache(self.model, config, self.num_blocks + 1)
+        if self.native is not None and config.compile == "off":  # the layers in one C call per step
+            why = self.model.bind_native_stack(self.native)
+            if why:
+                log.info("kiln CPU kernels: decoder layers run module by module (%s)", why)
         self.sampler = Sampler()
         self.workspace: dict[str, torch.Tensor] = {}  # attention's gather buffers, reused every step
         self.graphs = self.compiled = None

@@ -34,7 +34,7 @@ import torch
 log = logging.getLogger("kiln.engine.kernels.native")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 5  # = KILN_ABI_VERSION in cpu_kernels.c
+ABI_VERSION = 6  # = KILN_ABI_VERSION in cpu_kernels.c
 _V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm", "xsave")
 # level -> the /proc/cpuinfo flags a host needs to run code compiled with -march=<level>, best first
 LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
@@ -168,6 +168,9 @@ class Kernels:
         self._linear = {torch.float32: declare("kiln_linear_f32", None, *[ptr] * 4, *[i64] * 5),
                         torch.bfloat16: declare("kiln_linear_bf16", None, *[ptr] * 4, *[i64] * 5)}
         self.linear_panel = declare("kiln_linear_panel", i64)()
+        self._stack = declare("kiln_decoder_stack", ctypes.c_int, ptr, ptr, i64, ptr, ptr, flag, i64, ptr, ptr, i64,
+                              ptr, ptr, i64, ptr, ptr, i64, ptr)
+        self._stack_workspace = declare("kiln_stack_workspace", i64, ptr, i64)
         from kiln.engine import cpu_target
 
         # bf16 needs vdpbf16ps: compiled into the x86-64-v4 library, run where the CPU has AVX512-BF16
@@ -269,6 +272,69 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._kernels.linear(x, self, bias)
+
+
+class StackLayer(ctypes.Structure):
+    """``struct kiln_layer``: one decoder layer's weights and KV cache, as addresses."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "gate_up_bias", "o_bias", "down_bias",
+        "k_cache", "v_cache")]
+
+
+class StackShape(ctypes.Structure):
+    """``struct kiln_stack``: the layers' sizes, shared by every layer of the stack."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "hidden", "heads", "kv_heads", "head_dim", "inter", "num_blocks", "block_size", "mlp_rows")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("bf16", ctypes.c_int32)]
+
+
+class DecoderStack:
+    """A pipeline stage's decoder layers run by one C call per forward pass (``kiln_decoder_stack``): the
+    kernels the per-module path calls, in its order, with its results; none of its Python in between.
+
+    ``layers`` holds one dict per layer with the ``StackLayer`` fields: tensors (norm weights, biases, the
+    KV caches) or ``PackedLinear`` (the four weights). The biases must already be in the dtype the C side
+    reads (float32 for qkv / gate_up, the model dtype for o / down). Every tensor is kept referenced here,
+    so the addresses stay valid for the stack's life."""
+
+    def __init__(self, kernels: Kernels, shape: dict, layers: list[dict], dtype: torch.dtype) -> None:
+        self._kernels, self.dtype = kernels, dtype
+        self._keep: list = []
+
+        def address(value) -> int | None:
+            if value is None:
+                return None
+            self._keep.append(value)
+            return (value.panels if isinstance(value, PackedLinear) else value).data_ptr()
+
+        self.shape = StackShape(**shape, bf16=_bf16(torch.empty(0, dtype=dtype)))
+        self.layers = (StackLayer * len(layers))(*[StackLayer(**{k: address(v) for k, v in layer.items()})
+                                                   for layer in layers])
+        self.num_layers = len(layers)
+        self._workspace = torch.empty(0, dtype=torch.uint8)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, block_tables: torch.Tensor, ctx_lens: torch.Tensor,
+                 row_starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) after every layer, for x [tokens, hidden] and the running residual (None before
+        the first layer). x and residual are the step's own activations: they are overwritten in place.
+        cos/sin [tokens, 1, head_dim]; the rest as ``Kernels.cache_write`` / ``paged_attention`` take them."""
+        tokens = x.shape[0]
+        x = x.contiguous()
+        first = residual is None
+        residual = torch.empty_like(x) if first else residual.contiguous()
+        need = self._kernels._stack_workspace(ctypes.byref(self.shape), tokens)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.uint8)
+        rc = self._kernels._stack(ctypes.byref(self.shape), self.layers, self.num_layers, x.data_ptr(),
+                                  residual.data_ptr(), int(first), tokens, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                                  slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), ctx_lens.data_ptr(),
+                                  row_starts.data_ptr(), row_starts.shape[0] - 1, self._workspace.data_ptr())
+        if rc:
+            raise MemoryError("kiln CPU attention could not allocate its scratch memory")
+        return x, residual
 
 
 def keys_view(k_cache: torch.Tensor) -> torch.Tensor:

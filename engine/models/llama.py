@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from kiln.engine import parallel
-from kiln.engine.layers.attention import Attention
+from kiln.engine.layers.attention import Attention, get_attention_metadata
 from kiln.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.engine.layers.norm import RMSNorm
@@ -131,6 +131,62 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)) if self.last else None
         # One table for every layer: cos/sin are looked up once per forward pass.
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), max_position, rope_parameters(cfg))
+        self.native_stack = None  # kernels.native.DecoderStack: the layers in one C call (bind_native_stack)
+
+    def bind_native_stack(self, kernels) -> str | None:
+        """Run this stage's layers as one ``kernels.native.DecoderStack`` call per step; returns None, or why
+        the per-module path stays (it then runs as before). Call after the weights are packed for kiln's GEMM
+        (``layers.linear.pack_model``) and the KV caches are bound."""
+        from kiln.engine.kernels.native import DecoderStack, PackedLinear, supports
+
+        self.native_stack = None
+        layers = list(self.layers[self.start:self.end])
+        if kernels is None or not layers:
+            return "no CPU kernels" if kernels is None else "no layers in this stage"
+        if parallel.tp_size() > 1:
+            return "tensor parallel (the row-parallel linears all-reduce between kernels)"
+        first = layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        dtype = first.input_layernorm.weight.dtype
+        if self.rotary_emb.cos_cache.shape[-1] != attn.head_dim:
+            return "partial rotary embedding"
+        records = []
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if not all(isinstance(lin.packed_weight, PackedLinear) and lin.packed_weight.dtype == dtype
+                       for lin in linears):
+                return f"linears not packed for kiln's {dtype} GEMM (quantized, or a dtype it does not run here)"
+            cache = a.attn.k_cache
+            if cache.dim() != 4 or not supports(dtype, cache.dtype):
+                return f"KV cache {cache.dtype} with a {dtype} model"
+            records.append({
+                "input_norm": layer.input_layernorm.weight.detach().contiguous(),
+                "post_norm": layer.post_attention_layernorm.weight.detach().contiguous(),
+                "qkv": a.qkv_proj.packed_weight, "o": a.o_proj.packed_weight,
+                "gate_up": m.gate_up_proj.packed_weight, "down": m.down_proj.packed_weight,
+                "qkv_bias": None if a.qkv_proj.bias is None else a.qkv_proj.bias.detach().float().contiguous(),
+                "gate_up_bias": None if m.gate_up_proj.bias is None else m.gate_up_proj.bias.detach().float().contiguous(),
+                "o_bias": None if a.o_proj.bias is None else a.o_proj.bias.detach().contiguous(),
+                "down_bias": None if m.down_proj.bias is None else m.down_proj.bias.detach().contiguous(),
+                "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache,
+            })
+        eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
+        if len(eps) != 1:
+            return "RMSNorm eps differs between norms"
+        kvh, num_blocks, block_size, _ = first.self_attn.attn.k_cache.shape
+        shape = dict(hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+                     head_dim=attn.head_dim, inter=mlp.down_proj.input_size, num_blocks=num_blocks,
+                     block_size=block_size, mlp_rows=CPU_MLP_ROWS, eps=eps.pop(), scale=attn.attn.scale)
+        self.native_stack = DecoderStack(kernels, shape, records, dtype)
+        return None
+
+    def _native_step(self, hidden: torch.Tensor):
+        """This step's attention metadata when the native stack runs it (its kernels serve the step), else None."""
+        if self.native_stack is None or hidden.dim() != 2 or hidden.dtype != self.native_stack.dtype:
+            return None
+        md = get_attention_metadata()
+        return md if md.native is not None and md.native_row_starts is not None else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
@@ -139,8 +195,13 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = intermediate
         cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        for layer in self.layers[self.start:self.end]:
-            hidden, residual = layer(cos_sin, hidden, residual)
+        md = self._native_step(hidden)
+        if md is not None:
+            hidden, residual = self.native_stack(hidden, residual, *cos_sin, md.slot_mapping, md.decode_block_tables,
+                                                 md.decode_ctx_lens, md.native_row_starts)
+        else:
+            for layer in self.layers[self.start:self.end]:
+                hidden, residual = layer(cos_sin, hidden, residual)
         if not self.last:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
@@ -187,6 +248,9 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("lm_head."):
             return self.lm_head is None
         return False
+
+    def bind_native_stack(self, kernels) -> str | None:
+        return self.model.bind_native_stack(kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:

@@ -256,6 +256,69 @@ def test_long_prefill_in_mlp_slices_equals_torch(fresh, toy_model, make_llm):
     assert outs["native"] == outs["torch"]
 
 
+STACK_MODELS = [("llama-tiny", {}, "float32"), ("qwen2-tiny", {}, "float32"),  # qwen2: q/k/v biases
+                 ("llama-tiny", {"attention_bias": True, "mlp_bias": True}, "float32"),  # o / gate_up / down biases
+                 ("llama-tiny", {}, "bfloat16"), ("qwen2-tiny", {}, "bfloat16")]
+
+
+def _with_random_biases(src, dest):
+    """A copy of a toy checkpoint whose biases are random (transformers initializes them to zero, which
+    would hide a bias added twice, or not at all)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    state = load_file(dest / "model.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    for name, t in state.items():
+        if name.endswith(".bias"):
+            state[name] = (torch.randn(t.shape, generator=gen) * 0.5).to(t.dtype)
+    save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.mark.parametrize(("preset", "overrides", "dtype"), STACK_MODELS)
+def test_decoder_stack_equals_the_module_path(fresh, toy_model, make_llm, monkeypatch, preset, overrides, dtype):
+    """The layers as one C call (models/llama.LlamaModel.bind_native_stack) give the per-module path's tokens
+    and logprobs bit for bit: decodes, chunked prefill after a cached prefix, and a step over CPU_MLP_ROWS
+    tokens (the MLP in slices); and the stack really ran."""
+    from kiln.engine.models.llama import CPU_MLP_ROWS
+
+    if dtype == "bfloat16" and torch.bfloat16 not in native.kernels().linear_dtypes:
+        pytest.skip("bf16 GEMM needs AVX512-BF16")
+    model_dir = _with_random_biases(toy_model(preset, dtype=dtype, **overrides), fresh / "model")
+    shared = random_prompts([40], seed=7)[0][1:]
+    prompts = random_prompts([45, 52], seed=2, prefix=shared) + random_prompts([9, CPU_MLP_ROWS + 70], seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (6, 4, 30, 5)]
+    calls = []
+    run = native.DecoderStack.__call__
+    monkeypatch.setattr(native.DecoderStack, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or run(self, *a))
+    outs = {}
+    for name in ("stack", "modules"):
+        llm = make_llm(model_dir, attention_backend="native", dtype=dtype, num_kv_blocks=80, block_size=16,
+                       max_num_tokens=512, max_batch_size=4, device="cpu")
+        model = llm.engine.runner.model.model
+        assert model.native_stack is not None
+        if name == "modules":
+            model.native_stack = None
+        first = llm.generate(prompts[:1], params[:1])  # fills the prefix cache
+        rest = llm.generate(prompts[1:], params[1:])
+        assert rest[0].num_cached_tokens == 32
+        outs[name] = [(o.token_ids, o.logprobs) for o in first + rest]
+    assert outs["stack"] == outs["modules"]
+    assert calls and max(calls) > CPU_MLP_ROWS
+
+
+def test_decoder_stack_stays_off_where_it_cannot_run(fresh, toy_model, make_llm):
+    """Quantized linears (not kiln's GEMM) and the torch backend keep the per-module path, and say why."""
+    model_dir = toy_model("llama-tiny")
+    kwargs = dict(num_kv_blocks=16, device="cpu")
+    int8 = make_llm(model_dir, attention_backend="native", quantization="int8", **kwargs).engine.runner.model
+    assert int8.model.native_stack is None
+    assert "not packed" in int8.bind_native_stack(native.kernels())
+    assert make_llm(model_dir, attention_backend="torch", **kwargs).engine.runner.model.model.native_stack is None
+    assert make_llm(model_dir, attention_backend="native", **kwargs).engine.runner.model.model.native_stack is not None
+
+
 def _spy(build, calls):
     def wrapped(inputs):
         md = build(inputs)
