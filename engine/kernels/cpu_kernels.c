@@ -285,6 +285,7 @@ NOCONTRACT void kiln_silu_mul(const void *x, void *out, int64_t rows, int64_t n,
                 o[i] = (g[i] * sig) * u[i];
             }
         } else {
+#pragma omp simd
             for (int64_t i = 0; i < n; i++) {
                 const float g = ld(x, xo + i, 1), e = exp_nonpos(g < 0.0f ? g : -g);
                 const float silu = rnd(g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e)), 1);
@@ -319,17 +320,22 @@ NOCONTRACT void kiln_add_rms_norm(const void *x, const void *residual, const voi
             float *y = (float *)out + o;
 #pragma omp simd
             for (int64_t i = 0; i < dim; i++) y[i] = w[i] * (s[i] * inv);
-        } else {
-            for (int64_t i = 0; i < dim; i++) {
-                const float s = residual ? rnd(ld(x, o + i, 1) + ld(residual, o + i, 1), 1) : ld(x, o + i, 1);
-                if (residual) st(res_out, o + i, s, 1);
-                ss += s * s;
+        } else { /* the sum first (rounded as torch's bf16 add), then the scaled values, vectorized */
+            const void *s = residual ? res_out : x;
+            if (residual) {
+#pragma omp simd reduction(+ : ss)
+                for (int64_t i = 0; i < dim; i++) {
+                    const float v = rnd(ld(x, o + i, 1) + ld(residual, o + i, 1), 1);
+                    st(res_out, o + i, v, 1);
+                    ss += v * v;
+                }
+            } else {
+#pragma omp simd reduction(+ : ss)
+                for (int64_t i = 0; i < dim; i++) ss += ld(x, o + i, 1) * ld(x, o + i, 1);
             }
             const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-            for (int64_t i = 0; i < dim; i++) {
-                const float s = residual ? ld(res_out, o + i, 1) : ld(x, o + i, 1);
-                st(out, o + i, ld(weight, i, 1) * rnd(s * inv, 1), 1);
-            }
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) st(out, o + i, ld(weight, i, 1) * rnd(ld(s, o + i, 1) * inv, 1), 1);
         }
     }
 }
@@ -354,6 +360,7 @@ NOCONTRACT void kiln_rotary(void *x, const void *cos, const void *sin, int64_t t
                     v[i + half] = x2 * cs[i + half] + x1 * sn[i + half];
                 }
             } else {
+#pragma omp simd
                 for (int64_t i = 0; i < half; i++) {
                     const float x1 = ld(x, b + i, 1), x2 = ld(x, b + i + half, 1);
                     st(x, b + i, rnd(x1 * ld(cos, c + i, 1), 1) + rnd(-x2 * ld(sin, c + i, 1), 1), 1);
