@@ -686,14 +686,23 @@ NOCONTRACT static void add_row_bias(void *y, const void *b, int64_t rows, int64_
 
 static int64_t stack_align(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
-/* Bytes of scratch kiln_decoder_stack needs for `tokens` rows. */
-int64_t kiln_stack_workspace(const struct kiln_stack *s, int64_t tokens) {
-    const int64_t esz = s->bf16 ? 2 : 4, mlp = tokens < s->mlp_rows ? tokens : s->mlp_rows;
-    const int64_t qkv = (s->heads + 2 * s->kv_heads) * s->head_dim;
-    return stack_align(tokens * s->hidden * esz) + stack_align(tokens * qkv * esz) +
-           stack_align(tokens * s->heads * s->head_dim * esz) + stack_align(mlp * 2 * s->inter * esz) +
-           stack_align(mlp * s->inter * esz);
+/* kiln_decoder_stack's scratch for `tokens` rows, in order: the normed rows, q|k|v, the attention output,
+ * one MLP slice's gate|up and its SiLU x up. Sets parts[i] to each one's start in `base` (when parts is
+ * given); returns the bytes in all. */
+static int64_t stack_layout(const struct kiln_stack *s, int64_t tokens, char *base, char **parts) {
+    const int64_t mlp = tokens < s->mlp_rows ? tokens : s->mlp_rows;
+    const int64_t sizes[5] = {tokens * s->hidden, tokens * (s->heads + 2 * s->kv_heads) * s->head_dim,
+                              tokens * s->heads * s->head_dim, mlp * 2 * s->inter, mlp * s->inter};
+    int64_t bytes = 0;
+    for (int i = 0; i < 5; i++) {
+        if (parts) parts[i] = base + bytes;
+        bytes += stack_align(sizes[i] * (s->bf16 ? 2 : 4));
+    }
+    return bytes;
 }
+
+/* Bytes of scratch kiln_decoder_stack needs for `tokens` rows. */
+int64_t kiln_stack_workspace(const struct kiln_stack *s, int64_t tokens) { return stack_layout(s, tokens, 0, 0); }
 
 /* x [tokens, hidden] (in: the layers' input; out: the last layer's MLP output) and residual [tokens, hidden]
  * (in: the running residual, or nothing when residual_empty; out: the residual after the last layer), both
@@ -708,16 +717,9 @@ int kiln_decoder_stack(const struct kiln_stack *s, const struct kiln_layer *laye
     const int64_t esz = bf16 ? 2 : 4, hid = s->hidden, d = s->head_dim, inter = s->inter;
     const int64_t q_n = s->heads * d, kv_n = s->kv_heads * d, qkv_n = q_n + 2 * kv_n;
     const int64_t mlp = tokens < s->mlp_rows ? tokens : s->mlp_rows;
-    char *w = workspace;
-    void *h = w;
-    w += stack_align(tokens * hid * esz);
-    char *qkv = w;
-    w += stack_align(tokens * qkv_n * esz);
-    void *attn = w;
-    w += stack_align(tokens * q_n * esz);
-    void *gate_up = w;
-    w += stack_align(mlp * 2 * inter * esz);
-    void *act = w;
+    char *part[5];
+    stack_layout(s, tokens, workspace, part);
+    char *h = part[0], *qkv = part[1], *attn = part[2], *gate_up = part[3], *act = part[4];
     for (int64_t l = 0; l < num_layers; l++) {
         const struct kiln_layer *L = layers + l;
         if (l == 0 && residual_empty) {
@@ -740,7 +742,7 @@ int kiln_decoder_stack(const struct kiln_stack *s, const struct kiln_layer *laye
         for (int64_t r0 = 0; r0 < tokens; r0 += mlp) {
             const int64_t rows = tokens - r0 < mlp ? tokens - r0 : mlp;
             void *xr = (char *)x + r0 * hid * esz;
-            stack_linear(s, (char *)h + r0 * hid * esz, L->gate_up, L->gate_up_bias, gate_up, rows, 2 * inter, hid);
+            stack_linear(s, h + r0 * hid * esz, L->gate_up, L->gate_up_bias, gate_up, rows, 2 * inter, hid);
             kiln_silu_mul(gate_up, act, rows, inter, 2 * inter, inter, bf16);
             stack_linear(s, act, L->down, 0, xr, rows, hid, inter);
             if (L->down_bias) add_row_bias(xr, L->down_bias, rows, hid, bf16);

@@ -171,13 +171,10 @@ class LlamaModel(nn.Module):
                 "down_bias": None if m.down_proj.bias is None else m.down_proj.bias.detach().contiguous(),
                 "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache,
             })
-        eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
-        if len(eps) != 1:
-            return "RMSNorm eps differs between norms"
         kvh, num_blocks, block_size, _ = first.self_attn.attn.k_cache.shape
         shape = dict(hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads, kv_heads=attn.num_kv_heads,
                      head_dim=attn.head_dim, inter=mlp.down_proj.input_size, num_blocks=num_blocks,
-                     block_size=block_size, mlp_rows=CPU_MLP_ROWS, eps=eps.pop(), scale=attn.attn.scale)
+                     block_size=block_size, mlp_rows=CPU_MLP_ROWS, eps=first.input_layernorm.eps, scale=attn.attn.scale)
         self.native_stack = DecoderStack(kernels, shape, records, dtype)
         return None
 
