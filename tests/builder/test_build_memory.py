@@ -12,7 +12,11 @@ returned on free), so RSS here measures what is live, as it would for a real che
 
 The quality gate streams one decoder layer at a time (kiln.builder.reference), so the reference stage
 adds about two layers (one in float32, one converted) plus activations, far below one checkpoint; holding
-the model whole (as the gate did before) adds two float32 copies or more.
+the model whole (as the gate did before) adds two float32 copies or more. What a stage adds beyond the
+weights (activations, transformers' first-forward setup, the allocator's arenas) depends on the host:
+59 MiB on one CI host, 77 on another, for the same model. So the test that bounds the weights' share
+compares the 8-layer model with a 2-layer one of the same width: streamed, the six extra layers add
+almost nothing; held whole, they add three times their size.
 """
 
 from __future__ import annotations
@@ -25,11 +29,15 @@ import pytest
 import yaml
 from builder_helpers import manifest_dict, run_cli
 
-LAYERS = 8
+LAYERS, FEW_LAYERS = 8, 2
 # What the streaming gate may add beyond its start, as a fraction of the checkpoint: about three layers
 # (a unit in its checkpoint dtype, quantized, dequantized: 3/8 of this model) plus the tokenizer,
-# activations and transformers' first-forward setup. Holding the model whole measured 3.1x (see below).
-STREAMING_STAGE_LIMIT = 0.75
+# activations and transformers' first-forward setup (the host-dependent part: 0.59-0.77 measured).
+# Holding the model whole measured 3.1x (see below).
+STREAMING_STAGE_LIMIT = 1.0
+# What the layers beyond FEW_LAYERS may add to the stage, as a fraction of their own bytes: streamed,
+# none of them is resident at the peak (~0 measured); held whole, 3x.
+STREAMING_PER_LAYER_LIMIT = 0.25
 ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 PRELOAD = """
@@ -58,29 +66,44 @@ print(json.dumps({"memory": report.memory, "metrics": metrics}))
 """
 
 
-@pytest.fixture(scope="module")
-def big_model(tmp_path_factory) -> tuple[Path, int]:
+def random_llama(tmp_path_factory, layers: int) -> tuple[Path, int]:
     from kiln.engine.toy import make_random_model
 
-    model = make_random_model(tmp_path_factory.mktemp("big"), "llama-tiny", hidden_size=512,
-                              intermediate_size=1536, num_hidden_layers=LAYERS, num_attention_heads=8,
+    model = make_random_model(tmp_path_factory.mktemp(f"layers{layers}"), "llama-tiny", hidden_size=512,
+                              intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=8,
                               num_key_value_heads=4)
-    checkpoint_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    return model, sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory) -> tuple[Path, int]:
+    model, checkpoint_bytes = random_llama(tmp_path_factory, LAYERS)
     assert checkpoint_bytes > 90 * 2**20  # weights dominate: the bound means something
     return model, checkpoint_bytes
 
 
-def test_streamed_gate_adds_a_fraction_of_the_checkpoint(big_model):
-    model, checkpoint_bytes = big_model
+def gate_stage(model: Path) -> tuple[dict, dict]:
+    """The reference stage's memory report and the gate's metrics, from a fresh process."""
     result = run_cli(str(model), prefix=["-P", "-c", PRELOAD_AND_GATE], env=ENV, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.splitlines()[-1])
     stage = out["memory"]["quality_reference"]
-    print(f"\ncheckpoint {checkpoint_bytes / 2**20:.1f} MiB; quality_reference peak RSS "
-          f"{stage['host_peak_rss_bytes'] / 2**20:.1f} MiB (+{stage['host_extra_bytes'] / 2**20:.1f})")
     assert stage["host_peak_scope"] == "stage"  # Linux: the stage's own window
-    assert 0 < stage["host_extra_bytes"] < STREAMING_STAGE_LIMIT * checkpoint_bytes, (stage, checkpoint_bytes)
-    assert out["metrics"]["num_positions"] > 100 and out["metrics"]["kl_divergence"] > 0  # int8 was measured
+    return stage, out["metrics"]
+
+
+def test_streamed_gate_adds_a_fraction_of_the_checkpoint(big_model, tmp_path_factory):
+    model, checkpoint_bytes = big_model
+    few, few_bytes = random_llama(tmp_path_factory, FEW_LAYERS)
+    stage, metrics = gate_stage(model)
+    few_stage, _ = gate_stage(few)
+    extra, few_extra = stage["host_extra_bytes"], few_stage["host_extra_bytes"]
+    print(f"\ncheckpoint {checkpoint_bytes / 2**20:.1f} MiB; quality_reference peak RSS "
+          f"{stage['host_peak_rss_bytes'] / 2**20:.1f} MiB (+{extra / 2**20:.1f}); with {FEW_LAYERS} layers "
+          f"({few_bytes / 2**20:.1f} MiB) +{few_extra / 2**20:.1f}")
+    assert 0 < extra < STREAMING_STAGE_LIMIT * checkpoint_bytes, (stage, checkpoint_bytes)
+    assert extra - few_extra < STREAMING_PER_LAYER_LIMIT * (checkpoint_bytes - few_bytes), (stage, few_stage)
+    assert metrics["num_positions"] > 100 and metrics["kl_divergence"] > 0  # int8 was measured
 
 
 @pytest.mark.slow  # ~50 s on a 2-core host, most of it the CPU tuning
