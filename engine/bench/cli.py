@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import click
-from kiln.engine.bench.suite import ALL_SYSTEMS, SYSTEMS
+from kiln.engine.bench.suite import ALL_SYSTEMS, ISA_CAPS, SYSTEMS
 
 
 def _default_threads() -> int:
@@ -60,12 +60,25 @@ def _resolve_device(device: str) -> str:
               help="Tokens per forward step, kiln and transformers' continuous batching alike.")
 @click.option("--check-requests", type=int, default=None,
               help="Requests in the float32 greedy equality check (0 skips it) [default: 8; --quick: 4].")
+@click.option("--max-isa", type=click.Choice(sorted(ISA_CAPS)), default=None,
+              help="Keep every system (and the ceiling) at or below this x86 ISA, as a host without AVX-512 "
+                   "would run them: oneDNN, ATen, MKL and kiln's kernels are capped; OpenVINO's own kernels "
+                   "are not (its release wheels ignore OV_CPU_MAX_ISA). An emulation, not that host.")
 @click.option("--json", "json_out", default=None, help="Write the full results as JSON to this file ('-': stdout).")
 @click.option("--quick", is_flag=True, help="A small run on a tiny model, for smoke tests (seconds, not minutes).")
 @click.option("--strict", is_flag=True, help="Exit 1 if the equality check fails.")
 def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
-          baselines, max_batch_size, max_num_tokens, check_requests, json_out, quick, strict) -> None:
+          baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
+    import os
+    import platform
+
+    if max_isa:
+        if platform.machine() != "x86_64":
+            raise click.UsageError(f"--max-isa {max_isa}: an x86-64 cap, and this host is {platform.machine()}")
+        # Before any torch op: ATen, oneDNN and MKL read these once, at their first kernel dispatch. The
+        # systems' processes inherit them.
+        os.environ.update(ISA_CAPS[max_isa])
     from kiln.engine.bench import report
     from kiln.engine.bench.model import (
         DEFAULT_GPU_PRESET,
@@ -146,7 +159,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     doc = {
         "config": {"preset": preset, "model_dir": str(model_dir), "dtype": dtype, "threads": threads, "device": device,
                    "repeats": repeats, "systems": chosen, "max_batch_size": max_batch_size,
-                   "max_num_tokens": max_num_tokens, "quick": quick, "workload_spec": workload.to_json()["spec"]},
+                   "max_num_tokens": max_num_tokens, "max_isa": max_isa, "quick": quick, "workload_spec": workload.to_json()["spec"]},
         "machine": machine,
         "model": facts,
         "workload": workload.summary(),
@@ -170,7 +183,9 @@ def _text(doc: dict) -> str:
     m, w, c = doc["machine"], doc["workload"], doc["config"]
     lines = [
         f"kiln bench — {m['cpu']} ({m['cpu_count']} cores), torch {m['torch']} with {c['threads']} threads, "
-        f"transformers {m['transformers']}" + (f", device {m['cuda']}" if c.get("device") == "cuda" else ""),
+        f"transformers {m['transformers']}" + (f", device {m['cuda']}" if c.get("device") == "cuda" else "")
+        + (f", ISA capped at {c['max_isa']} (emulated on this host; see --max-isa in kiln bench --help)"
+           if c.get("max_isa") else ""),
         f"model: {c['preset']}, {doc['model']['total_params'] / 1e6:.3g}M params, {c['dtype']}",
         f"workload: {w['num_requests']} requests ({w['arrival']}), prompts {w['prompt_len_min']}..{w['prompt_len_max']}"
         f" ({w['num_prompt_tokens']} tokens), outputs {w['output_len_min']}..{w['output_len_max']}"

@@ -43,16 +43,27 @@ LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
     "armv8-a": ("asimd",),
 }
 _ARCH_LEVELS = {"x86_64": ("x86-64-v4", "x86-64-v3"), "aarch64": ("armv8-a",)}
+# The best level the kernels may use (e.g. x86-64-v3 on an AVX-512 host, to run what an AVX2-only host runs).
+ISA_ENV = "KILN_CPU_ISA"
 _EXTRA = {"x86-64-v4": ("-mprefer-vector-width=512",)}
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
 
 
 def host_levels(flags: frozenset[str] | None = None) -> list[str]:
-    """The ISA levels this host can run, best first."""
+    """The ISA levels this host can run, best first, none above ``$KILN_CPU_ISA`` where it is set."""
     from kiln.engine import cpu_target
 
     flags = cpu_target.cpu_flags() if flags is None else flags
-    return [lvl for lvl in _ARCH_LEVELS.get(platform.machine(), ()) if set(LEVEL_FLAGS[lvl]) <= flags]
+    levels = [lvl for lvl in _ARCH_LEVELS.get(platform.machine(), ()) if set(LEVEL_FLAGS[lvl]) <= flags]
+    cap = os.environ.get(ISA_ENV, "").strip()
+    if not cap:
+        return levels
+    known = _ARCH_LEVELS.get(platform.machine(), ())
+    if cap not in known:
+        log.warning("$%s=%s is not an ISA level of %s (%s); ignored", ISA_ENV, cap, platform.machine(),
+                    ", ".join(known) or "none")
+        return levels
+    return [lvl for lvl in levels if known.index(lvl) >= known.index(cap)]
 
 
 def compile_command(level: str, out: Path) -> list[str]:

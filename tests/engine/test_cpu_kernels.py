@@ -336,6 +336,21 @@ def test_levels_follow_the_cpu_flags():
     assert native.host_levels(cpu_target.cpu_flags())  # this machine runs one
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 ISA levels")
+def test_isa_cap_keeps_the_kernels_at_or_below_it(fresh, monkeypatch, caplog):
+    v4 = frozenset(native.LEVEL_FLAGS["x86-64-v4"])
+    monkeypatch.setenv(native.ISA_ENV, "x86-64-v3")
+    assert native.host_levels(v4) == ["x86-64-v3"]
+    assert native.host_levels(frozenset(native.LEVEL_FLAGS["x86-64-v3"])) == ["x86-64-v3"]
+    assert native.kernels().level == "x86-64-v3"  # what an AVX2-only host loads, on this one
+    monkeypatch.setenv(native.ISA_ENV, "x86-64-v4")  # a cap above the host's best changes nothing
+    assert native.host_levels(frozenset(native.LEVEL_FLAGS["x86-64-v3"])) == ["x86-64-v3"]
+    monkeypatch.setenv(native.ISA_ENV, "avx2")
+    with caplog.at_level("WARNING", logger=native.log.name):
+        assert native.host_levels(v4) == ["x86-64-v4", "x86-64-v3"]
+    assert "$KILN_CPU_ISA=avx2 is not an ISA level of x86_64 (x86-64-v4, x86-64-v3)" in caplog.text
+
+
 def test_artifact_ships_every_level_and_the_host_picks_its_own(fresh, monkeypatch):
     art = fresh / "engine"
     record = native.build_for_artifact(art)
