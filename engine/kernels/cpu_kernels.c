@@ -62,24 +62,16 @@ static inline float exp_nonpos(float x) {
     return p * scale;
 }
 
-typedef float vf16 __attribute__((vector_size(64), aligned(4)));  /* 16 floats, unaligned access */
-
-static inline vf16 load16(const float *p) { return *(const vf16 *)p; }
-static inline void store16(float *p, vf16 v) { *(vf16 *)p = v; }
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-static inline float hsum16(vf16 v) { /* a tree, not 16 dependent adds */
-    vf8 lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (char *)&v + sizeof lo, sizeof hi);
-    vf8 s8 = lo + hi;
-    vf4 a, b;
-    memcpy(&a, &s8, sizeof a);
-    memcpy(&b, (char *)&s8 + sizeof a, sizeof b);
-    vf4 s4 = a + b;
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
-}
-
+/* The attention loops' vector: the ISA's own width (16 floats on AVX-512, 8 on AVX2 / NEON). GCC lowers a
+ * 64-byte vector on AVX2 through the stack, which made the x86-64-v3 attention 5-8x slower than this. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vnat __attribute__((vector_size(VW * 4), aligned(4)));
+static inline vnat loadv(const float *p) { return *(const vnat *)p; }
+static inline void storev(float *p, vnat v) { *(vnat *)p = v; }
 /* One block's rows as float: the cache itself (float32) or a converted copy in `tmp` (bf16). */
 static inline const float *block_rows(const void *cache, int bf16, int64_t offset, int64_t n, float *tmp) {
     if (!bf16) return (const float *)cache + offset;
@@ -103,36 +95,41 @@ static inline void prefetch_block(const void *cache, int bf16, int64_t offset, i
 /* acc[q] += sum_t p[q * stride + t] * v[t] for every query vector q of the task (head size D, a multiple of 16) */
 #define VALUE_BODY(D)                                                                      \
     for (int64_t t = 0; t < n; t++) {                                                      \
-        vf16 vv[(D) / 16];                                                                 \
-        for (int c = 0; c < (D) / 16; c++) vv[c] = load16(vb + t * (D) + 16 * c);          \
+        vnat vv[(D) / VW];                                                                 \
+        for (int c = 0; c < (D) / VW; c++) vv[c] = loadv(vb + t * (D) + VW * c);           \
         for (int64_t g = 0; g < group; g++) {                                              \
             const float w = p[g * stride + t];                                             \
-            for (int c = 0; c < (D) / 16; c++) acc[g * ((D) / 16) + c] += w * vv[c];       \
+            for (int c = 0; c < (D) / VW; c++) acc[g * ((D) / VW) + c] += w * vv[c];       \
         }                                                                                  \
     }
 
-static void values_d64(vf16 *acc, const float *vb, const float *p, int64_t n, int64_t group, int64_t stride) { VALUE_BODY(64) }
-static void values_d128(vf16 *acc, const float *vb, const float *p, int64_t n, int64_t group, int64_t stride) { VALUE_BODY(128) }
+static void values_d64(vnat *acc, const float *vb, const float *p, int64_t n, int64_t group, int64_t stride) { VALUE_BODY(64) }
+static void values_d128(vnat *acc, const float *vb, const float *p, int64_t n, int64_t group, int64_t stride) { VALUE_BODY(128) }
 
 /* Scores of `group` (pre-scaled) queries against one block of keys stored transposed, kt[i * bs + t]
  * (kiln_cache_write lays K out so): for every head dimension i, one broadcast FMA over the block's bs
  * tokens per query head -- no horizontal sums. Writes bs scores per head at s[g * stride + t]. */
+#define BLK_NV (16 / VW) /* vectors per 16-token block */
 static void scores_t16(const float *q, const float *kt, float *s, int64_t group, int64_t stride, int64_t d) {
     for (int64_t g0 = 0; g0 < group; g0 += 4) {
         const int64_t ng = group - g0 < 4 ? group - g0 : 4;
         const float *q0 = q + g0 * d;
-        vf16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        vnat a[4][BLK_NV];
+        for (int g = 0; g < 4; g++)
+            for (int c = 0; c < BLK_NV; c++) a[g][c] = (vnat){0};
         for (int64_t i = 0; i < d; i++) {
-            const vf16 k = load16(kt + i * 16);
-            a0 += q0[i] * k;
-            if (ng > 1) a1 += q0[d + i] * k;
-            if (ng > 2) a2 += q0[2 * d + i] * k;
-            if (ng > 3) a3 += q0[3 * d + i] * k;
+            vnat k[BLK_NV];
+            for (int c = 0; c < BLK_NV; c++) k[c] = loadv(kt + i * 16 + c * VW);
+            for (int c = 0; c < BLK_NV; c++) a[0][c] += q0[i] * k[c];
+            if (ng > 1)
+                for (int c = 0; c < BLK_NV; c++) a[1][c] += q0[d + i] * k[c];
+            if (ng > 2)
+                for (int c = 0; c < BLK_NV; c++) a[2][c] += q0[2 * d + i] * k[c];
+            if (ng > 3)
+                for (int c = 0; c < BLK_NV; c++) a[3][c] += q0[3 * d + i] * k[c];
         }
-        store16(s + g0 * stride, a0);
-        if (ng > 1) store16(s + (g0 + 1) * stride, a1);
-        if (ng > 2) store16(s + (g0 + 2) * stride, a2);
-        if (ng > 3) store16(s + (g0 + 3) * stride, a3);
+        for (int64_t g = 0; g < ng; g++)
+            for (int c = 0; c < BLK_NV; c++) storev(s + (g0 + g) * stride + c * VW, a[g][c]);
     }
 }
 
@@ -243,8 +240,8 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
                 if (j + PREFETCH_BLOCKS < nblocks) prefetch_block(v_cache, bf16, (base + table[j + PREFETCH_BLOCKS]) * bsd, bsd);
                 const float *vb = block_rows(v_cache, bf16, (base + table[j]) * bsd, n * d, tmp);
                 const float *p = scores + j * block_size;
-                if (d == 64) values_d64((vf16 *)acc, vb, p, n, nq, stride);
-                else if (d == 128) values_d128((vf16 *)acc, vb, p, n, nq, stride);
+                if (d == 64) values_d64((vnat *)acc, vb, p, n, nq, stride);
+                else if (d == 128) values_d128((vnat *)acc, vb, p, n, nq, stride);
                 else values_any(acc, vb, p, n, nq, stride, d);
             }
             for (int64_t qi = 0; qi < nq; qi++) {
@@ -281,14 +278,14 @@ NOCONTRACT void kiln_silu_mul(const void *x, void *out, int64_t rows, int64_t n,
 #pragma omp simd
             for (int64_t i = 0; i < n; i++) {
                 const float e = exp_nonpos(g[i] < 0.0f ? g[i] : -g[i]); /* exp(-|g|) */
-                const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+                const float sig = (g[i] >= 0.0f ? 1.0f : e) / (1.0f + e); /* one division, either branch's value */
                 o[i] = (g[i] * sig) * u[i];
             }
         } else {
 #pragma omp simd
             for (int64_t i = 0; i < n; i++) {
                 const float g = ld(x, xo + i, 1), e = exp_nonpos(g < 0.0f ? g : -g);
-                const float silu = rnd(g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e)), 1);
+                const float silu = rnd(g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e)), 1);
                 st(out, oo + i, silu * ld(x, xo + n + i, 1), 1);
             }
         }
@@ -404,7 +401,7 @@ void kiln_cache_write(const void *k, const void *v, void *k_cache, void *v_cache
  * oneDNN's prepacked sgemm (one thread, AVX-512 EPYC, a llama-bench layer stack streaming from memory):
  * 1.7x at 1 row, 1.45x at 8, 1.2x at 16, equal from 256 to 2048 rows. */
 #if defined(__AVX512F__)
-typedef vf16 vlin; /* 6 rows x 4 zmm = 24 accumulators of 32 registers */
+typedef float vlin __attribute__((vector_size(64), aligned(4))); /* 6 rows x 4 zmm = 24 accumulators of 32 registers */
 #define LIN_VEC 16
 #define LIN_PANEL 64
 #else
@@ -418,7 +415,13 @@ typedef float vlin __attribute__((vector_size(32), aligned(4))); /* AVX2 / NEON:
 #define LIN_KC 1024
 #endif
 #ifndef LIN_PF_ROWS
+#if defined(__AVX512F__)
 #define LIN_PF_ROWS (LIN_MR + 1) /* one tile alone streams its weights best with the hardware prefetcher alone */
+#else
+/* 16-column panels are 4x the streams of 64-column ones: left to the hardware prefetcher, 4-6 rows ran at
+ * 55-60 % of the prefetched rate (one thread, Zen 4 at x86-64-v3); one row still streams best alone */
+#define LIN_PF_ROWS 2
+#endif
 #endif
 #ifndef LIN_MC
 #define LIN_MC 192

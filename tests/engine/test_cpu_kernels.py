@@ -387,6 +387,24 @@ def test_avx2_only_host_never_loads_the_avx512_library(fresh, monkeypatch):
     torch.testing.assert_close(kernels.pack_linear(w)(x, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 ISA levels")
+def test_engine_on_the_avx2_library_gives_transformers_tokens(fresh, monkeypatch, toy_model, make_llm, hf_greedy):
+    """The whole float32 engine on the x86-64-v3 library (an AVX2-only host's): GEMM panels of 16, the
+    attention's 8-wide vectors and the layer stack, through chunked prefill and a prefix hit."""
+    monkeypatch.setenv(native.ISA_ENV, "x86-64-v3")
+    model_dir = toy_model("llama-tiny")
+    shared = random_prompts([33], seed=7)[0][1:]
+    prompts = random_prompts([45, 50], seed=2, prefix=shared) + random_prompts([3, 71], seed=1)
+    llm = make_llm(model_dir, attention_backend="native", num_kv_blocks=64, block_size=8, max_num_tokens=24,
+                   max_batch_size=4, device="cpu")
+    assert native.kernels().level == "x86-64-v3" and llm.engine.runner.model.model.native_stack is not None
+    max_tokens = [5, 7, 9, 6]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens])
+    for prompt, n, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out.token_ids == hf_greedy(model_dir, prompt, n), f"prompt of {len(prompt)} tokens"
+    assert outs[1].num_cached_tokens > 0
+
+
 def test_another_kilns_kernels_are_not_used(fresh, caplog):
     art = fresh / "engine"
     record = {**native.build_for_artifact(art), "source_sha256": "0" * 64}
