@@ -72,6 +72,7 @@ static inline float exp_nonpos(float x) {
 typedef float vnat __attribute__((vector_size(VW * 4), aligned(4)));
 static inline vnat loadv(const float *p) { return *(const vnat *)p; }
 static inline void storev(float *p, vnat v) { *(vnat *)p = v; }
+
 /* One block's rows as float: the cache itself (float32) or a converted copy in `tmp` (bf16). */
 static inline const float *block_rows(const void *cache, int bf16, int64_t offset, int64_t n, float *tmp) {
     if (!bf16) return (const float *)cache + offset;

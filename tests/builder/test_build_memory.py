@@ -14,7 +14,7 @@ The quality gate streams one decoder layer at a time (kiln.builder.reference), s
 adds about two layers (one in float32, one converted) plus activations, far below one checkpoint; holding
 the model whole (as the gate did before) adds two float32 copies or more. What a stage adds beyond the
 weights (activations, transformers' first-forward setup, the allocator's arenas) depends on the host:
-59 MiB on one CI host, 77 on another, for the same model. So the test that bounds the weights' share
+59 MiB on the development host, 77 on a CI host, for the same model. So the test that bounds the weights' share
 compares the 8-layer model with a 2-layer one of the same width: streamed, the six extra layers add
 almost nothing; held whole, they add three times their size.
 """
