@@ -67,19 +67,10 @@ def run(llm, workload: Workload, job: dict) -> RunRecord:
         "num_total_blocks": after.num_total_blocks,
         "engine_kwargs": {k: v for k, v in engine_kwargs(job).items()},
         "attention_backend": llm.engine.runner.attention_backend,  # "native" = kiln's CPU kernels ran
-        "cpu_kernels_level": _kernels_level(job),
+        # the ISA level of kiln's CPU kernels (x86-64-v4, x86-64-v3, ...) when they run, else None
+        "cpu_kernels_level": llm.engine.runner.native.level if llm.engine.runner.native is not None else None,
     }
     return run
-
-
-def _kernels_level(job: dict) -> str | None:
-    """The ISA level of kiln's CPU kernels in this process (x86-64-v4, x86-64-v3, ...), None off CPU or without them."""
-    if job.get("device", "cpu") != "cpu":
-        return None
-    from kiln.engine.kernels import native
-
-    kernels = native.kernels()
-    return kernels.level if kernels else None
 
 
 def _run_offline(llm, workload: Workload) -> list[RequestRecord]:
