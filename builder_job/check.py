@@ -41,8 +41,6 @@ log = logging.getLogger("kiln.build.check")
 # Used only when the engine's own registry cannot be imported.
 FALLBACK_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I8": 1, "U8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-                  "I32": 4, "I64": 8, "BOOL": 1}
 CPU_MEMORY_ENV = "KILN_CPU_MEMORY_GIB"
 CPU_MEMORY_BUDGET_GIB = 8.0
 # Headroom for activations, logits and allocator slack, per token of the step budget.
