@@ -213,7 +213,8 @@ class ModelRunner:
         if not sampled_reqs:
             return [], None
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.eos_token_ids)
+        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.eos_token_ids,
+                            r.grammar)
                 for r in sampled_reqs]
         return sampled_reqs, self.sample(logits.float(), rows)
 
