@@ -9,6 +9,7 @@ request that could never run fails its caller and never blocks the queue.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -151,7 +152,16 @@ class LLMEngine:
             raise RequestError("request_id", f"request_id {request_id!r} is already in use")
         req = Request(request_id, text, ids, params, max_tokens, eos_token_ids=self.eos_token_ids)
         req.detokenizer = make_detokenizer(self.tokenizer, ids, params)
+        if params.structured_outputs is not None:  # compiled already when the server did it off this thread
+            req.grammar = self.grammar_compiler.compile(params.structured_outputs).new_state()
         return req
+
+    @functools.cached_property
+    def grammar_compiler(self) -> Any:
+        """Compiles structured-output constraints for this model's tokenizer (kiln.engine.structured)."""
+        from kiln.engine.structured.compiler import GrammarCompiler
+
+        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids, torch.get_num_threads())
 
     def _check_token_ids(self, param: str, ids: list[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -241,6 +251,8 @@ class LLMEngine:
         """Append one sampled token to ``req``: logprobs, text, stop rules."""
         req.token_ids.append(tok)
         self.num_generated_tokens += 1
+        if req.grammar is not None and not req.grammar.accept([tok]):
+            raise RuntimeError(f"the grammar refused token {tok}: {req.grammar.error}")
         step_lp = None
         if req.logprobs is not None and lp is not None:
             k = req.params.logprobs or 0
@@ -250,7 +262,9 @@ class LLMEngine:
             step_lp = [entry]
         det = req.detokenizer.append([tok])
         text_delta = det.text_delta
-        reason = stop_reason(req, tok, det.stop_string_hit)
+        # A complete grammar allows nothing more: the output is done whatever the other rules say.
+        grammar_done = req.grammar is not None and req.grammar.is_terminated
+        reason = "stop" if grammar_done else stop_reason(req, tok, det.stop_string_hit)
         if reason is not None:
             text_delta += req.detokenizer.finish()  # held-back text: a partial character or stop prefix
             self.scheduler.finish(req, reason)

@@ -1,9 +1,9 @@
 """Turn one step's logits into next tokens, each row under its own ``SamplingParams``.
 
-Order, as in vLLM: allowed_token_ids mask -> min_tokens masking of EOS/stop ids ->
-logit_bias -> repetition penalty (HF style, over prompt and output) -> presence/frequency
-penalties (OpenAI style, over output) -> greedy rows take the argmax here -> temperature
--> top-k -> top-p -> min-p -> draw. A batch that is all plain greedy is one argmax and
+Order, as in vLLM: the grammar's mask (structured outputs) -> allowed_token_ids mask ->
+min_tokens masking of EOS/stop ids -> logit_bias -> repetition penalty (HF style, over prompt
+and output) -> presence/frequency penalties (OpenAI style, over output) -> greedy rows take
+the argmax here -> temperature -> top-k -> top-p -> min-p -> draw. A batch that is all plain greedy is one argmax and
 nothing else.
 
 Rows are grouped by the features they use and each feature is one vectorized op over its
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from kiln.engine.penalties import apply_penalties, needs_min_tokens_mask
@@ -50,6 +51,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None  # the request's own, when params.seed is set
     eos_token_ids: Sequence[int] = ()  # masked (unless ignore_eos), with stop_token_ids, below min_tokens
+    grammar: Any = None  # structured.state.GrammarState: its mask applies before everything else
 
 
 @dataclass
@@ -88,6 +90,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {len(rows)} sampling rows")
+        if any(r.grammar is not None for r in rows):
+            _apply_grammars(logits, rows)
         if all(_is_plain_greedy(r) for r in rows):
             return SamplerOutput(token_ids=_argmax(logits))
         processed = apply_penalties(logits, rows)
@@ -103,6 +107,16 @@ class Sampler:
             token_ids[greedy_idx] = _argmax(processed.index_select(0, greedy_idx))
             token_ids[random_idx] = _sample(processed.index_select(0, random_idx), [rows[i] for i in random])
         return _with_logprobs(logits, rows, token_ids)
+
+
+def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Set the logits of the tokens each constrained row's grammar refuses to -inf, in place. Logprobs
+    are then those of the constrained distribution (vLLM's too). A row left with no token at all (its
+    grammar and allowed_token_ids disagree) samples one its grammar refuses, and fails alone there."""
+    from kiln.engine.structured.state import apply_bitmask, fill_bitmasks
+
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    apply_bitmask(logits, constrained, fill_bitmasks([rows[i].grammar for i in constrained], logits.shape[1]))
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.engine.structured.params import StructuredOutputsParams
+
 # Temperatures below this are greedy, as in vLLM: dividing by them overflows float32.
 SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
@@ -44,6 +46,8 @@ class SamplingParams:
     alternatives (k may be 0). ``seed`` makes a request's sampling reproducible whatever
     else is in the batch. ``logit_bias`` adds a value in [-100, 100] to a token's logit
     (OpenAI's rule); ``allowed_token_ids`` restricts sampling to those ids (vLLM's).
+    ``structured_outputs`` constrains the output to a JSON Schema, any JSON object, a regex,
+    one of some strings or a grammar (``kiln.engine.structured``; the engine compiles it).
     """
 
     temperature: float = 1.0
@@ -64,6 +68,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -118,6 +123,9 @@ class SamplingParams:
             ("logit_bias", all(_is_int(t) and t >= 0 for t in bias), "keys must be non-negative integer token ids"),
             ("logit_bias", all(ranged(v, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE) for v in bias.values()),
              f"values must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"),
+            ("structured_outputs", self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "must be a kiln.engine.structured.StructuredOutputsParams"),
             ("allowed_token_ids", self.allowed_token_ids is None or (
                 len(self.allowed_token_ids) > 0 and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
              "must be a non-empty list of non-negative integer token ids"),

@@ -50,6 +50,7 @@ class Request:
     abort_text: str = ""                 # text the detokenizer still held when the request was aborted
     error: str | None = None             # why it finished with reason "error" (it failed alone)
     stop_token_set: frozenset[int] = frozenset()  # params.stop_token_ids, for a per-token lookup
+    grammar: Any = None                  # structured.state.GrammarState when params.structured_outputs is set
 
     def __post_init__(self) -> None:
         if not self.token_ids:
