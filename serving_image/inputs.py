@@ -6,7 +6,8 @@ request and answer a 400 naming the parameter (``prompt[1]``, ``messages``,
 ``max_completion_tokens``): an empty prompt, a prompt over ``max_input_len``,
 or a prompt plus ``max_tokens`` over ``max_seq_len``. Each prompt times ``n`` becomes one
 engine request; with a ``seed`` and ``n > 1`` choice ``j`` uses ``seed + j``
-so the choices differ but stay reproducible.
+so the choices differ but stay reproducible. Every choice shares the request's output
+constraint (compiled once; each engine request gets its own grammar state).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from kiln.engine import SamplingParams
 from kiln.engine.errors import RequestError
 from kiln.engine.limits import check_prompt, resolve_max_tokens
 from kiln.engine.sampling_params import SEED_MAX
+from kiln.engine.structured.params import StructuredOutputsParams
+from kiln.serving.chat import render_chat
+from kiln.serving.constraints import ToolPlan
 from kiln.serving.errors import APIError
-from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, message_text
+from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -53,7 +57,7 @@ def _max_tokens(requested: int | None, param: str, num_prompt: int, engine: Any,
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
-                     choice: int) -> SamplingParams:
+                     choice: int, constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     seed = req.seed
     if seed is not None and req.n > 1:
         seed += choice
@@ -71,7 +75,7 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
-        allowed_token_ids=req.allowed_token_ids,
+        allowed_token_ids=req.allowed_token_ids, structured_outputs=constraint,
     )
     try:
         return SamplingParams(**kwargs)
@@ -81,7 +85,8 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
         raise APIError(400, str(exc), param=word if word in kwargs else None) from None
 
 
-def completion_inputs(req: CompletionRequest, engine: Any) -> list[EngineInput]:
+def completion_inputs(req: CompletionRequest, engine: Any, constraint: StructuredOutputsParams | None = None,
+                      plan: None = None) -> list[EngineInput]:
     tokenizer = engine.tokenizer
     prompt = req.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) or not prompt:
@@ -104,30 +109,14 @@ def completion_inputs(req: CompletionRequest, engine: Any) -> list[EngineInput]:
             req.max_tokens, "max_tokens", len(ids), engine, DEFAULT_COMPLETION_MAX_TOKENS
         )
         for j in range(req.n):
-            params = _sampling_params(req, max_tokens, req.logprobs, j)
+            params = _sampling_params(req, max_tokens, req.logprobs, j, constraint)
             inputs.append(EngineInput(p_index * req.n + j, p_index, ids, text if req.echo else None, params))
     return inputs
 
 
-def render_chat(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    """The conversation through the tokenizer's chat template, as token ids."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "This model's tokenizer has no chat template, so /v1/chat/completions cannot "
-                       "format messages; use /v1/completions with a plain prompt", param="messages",
-                       code="no_chat_template")
-    messages = [{"role": m.role, "content": message_text(m), **({"name": m.name} if m.name else {})}
-                for m in req.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                             tokenize=False)
-    except Exception as exc:  # jinja's raise_exception() in templates ("roles must alternate" ...)
-        raise APIError(400, f"The chat template rejected these messages: {exc}", param="messages") from None
-    # The template writes any BOS itself; encoding must not add a second one.
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def chat_inputs(req: ChatCompletionRequest, engine: Any) -> list[EngineInput]:
-    ids = render_chat(req, engine.tokenizer)
+def chat_inputs(req: ChatCompletionRequest, engine: Any, constraint: StructuredOutputsParams | None = None,
+                plan: ToolPlan | None = None) -> list[EngineInput]:
+    ids = render_chat(req, engine.tokenizer, plan)
     _check_prompt(ids, "messages", engine)
     requested, param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
@@ -135,5 +124,6 @@ def chat_inputs(req: ChatCompletionRequest, engine: Any) -> list[EngineInput]:
     max_tokens = _max_tokens(requested, param, len(ids), engine, None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return [
-        EngineInput(j, 0, ids, None, _sampling_params(req, max_tokens, logprobs, j)) for j in range(req.n)
+        EngineInput(j, 0, ids, None, _sampling_params(req, max_tokens, logprobs, j, constraint))
+        for j in range(req.n)
     ]

@@ -121,6 +121,11 @@ def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
         engine = AsyncLLM(str(config.model), **placed_engine_kwargs(config, None))
         info.update(model_dir=str(config.model), engine_version=None)
     info["torch_num_threads"] = torch.get_num_threads()
+    # How `auto` tool calls are read back: the build's record, else the template's own markers.
+    from kiln.engine.structured.tool_format import detect_tool_call_format
+
+    recorded = (meta.get("chat") or {}).get("tool_call_format") if path is not None else None
+    info["tool_call_format"] = recorded or detect_tool_call_format(getattr(engine.tokenizer, "chat_template", None))
     cfg = engine.engine_config
     info["engine_config"] = {k: getattr(cfg, k, None) for k in (
         "dtype", "device", "quantization", "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size",
@@ -139,3 +144,10 @@ async def warm_up(engine: Any) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     async for _ in engine.generate(ids, params, request_id="kiln-warmup"):
         pass
+    # The grammar engine's view of the vocabulary, so the first structured request does not build it.
+    from kiln.engine.errors import RequestError
+
+    try:
+        await asyncio.to_thread(engine.engine.grammar_compiler.warm_up)
+    except RequestError as exc:  # the model serves; constrained requests get this as a 400
+        log.warning("structured outputs are unavailable for this model: %s", exc)

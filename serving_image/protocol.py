@@ -10,9 +10,10 @@ controls is bounded here (the limits below and the engine's in
 prompts x n is checked as the body is parsed, before anything is tokenized.
 Token ids are checked against the model's vocabulary by the engine when the
 request is submitted, still before anything runs. Fields OpenAI accepts but
-kiln cannot honour (``tools``, JSON ``response_format``, ``suffix``,
-``best_of > n``) are refused by :func:`check_supported` with a 400 naming the
-field. Responses are built as plain dicts by the handlers; only their shape is
+kiln cannot honour (``suffix``, ``best_of > n``, the deprecated ``functions``)
+are refused by :func:`check_supported` with a 400 naming the field. Constrained
+output (``response_format``, ``structured_outputs``, ``tools``) is
+:mod:`kiln.serving.constraints`. Responses are built as plain dicts by the handlers; only their shape is
 documented here.
 """
 
@@ -31,6 +32,7 @@ from kiln.engine.sampling_params import (
     SEED_MIN,
 )
 from kiln.serving.errors import APIError
+from kiln.serving.formats import MAX_TOOLS, GuidedFields, Tool, ToolCall, ToolChoice
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 # Server limits on one request (the engine's own per-request limits come from
@@ -52,15 +54,11 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage on every chunk (with include_usage)
 
 
-class ResponseFormat(_Body):
-    type: str
-    json_schema: dict[str, Any] | None = None
-
-
-class _SamplingFields(_Body):
-    """Fields both endpoints share."""
+class _SamplingFields(GuidedFields):
+    """Fields both endpoints share (constrained output: :class:`GuidedFields`)."""
 
     model: str
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -134,6 +132,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -143,18 +143,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse valid OpenAI fields kiln does not implement, naming each one."""
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise APIError(
@@ -166,15 +167,10 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported by kiln",
                            param="echo")
         return
-    if req.tools or req.functions:
-        param = "tools" if req.tools else "functions"
-        raise APIError(400, f"{param} (tool calling) is not supported by kiln; remove it", param=param)
-    if req.tool_choice not in (None, "none") or req.function_call not in (None, "none"):
-        param = "tool_choice" if req.tool_choice not in (None, "none") else "function_call"
-        raise APIError(400, f"{param} is not supported by kiln (no tool calling); remove it", param=param)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format type {req.response_format.type!r} is not supported by kiln; "
-                       "only 'text' is", param="response_format")
+    if req.functions or req.function_call is not None:
+        param = "functions" if req.functions else "function_call"
+        raise APIError(400, f"{param} is OpenAI's deprecated form of tool calling; send tools and "
+                       "tool_choice instead", param=param)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None \

@@ -6,7 +6,10 @@ Shapes follow the OpenAI API exactly: ``text_completion`` objects for
 streamed delta of each choice carries ``role`` and the last one an empty
 delta with ``finish_reason``. With ``stream_options.include_usage`` every
 chunk carries ``"usage": null`` and one extra chunk with no choices carries
-the totals, just before ``data: [DONE]``.
+the totals, just before ``data: [DONE]``; with ``continuous_usage_stats`` too
+(vLLM's), every chunk carries its choice's usage so far instead of null.
+Tool calls are ``message.tool_calls`` / ``delta.tool_calls`` (OpenAI's shapes:
+a delta per call with its ``index``, ``id``, ``type`` and ``function``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,21 @@ class ChoiceText:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # chat: the calls read from `text` (then content is `text`)
+
+
+def _finite(logprob: float | None) -> float:
+    """A logprob JSON can carry: -inf (a token the grammar refused) and a missing one are -9999.0,
+    as vLLM sends them."""
+    return -9999.0 if logprob is None or logprob == float("-inf") else logprob
+
+
+def _message(c: ChoiceText) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+    if c.tool_calls:
+        message["content"] = c.text or None
+        message["tool_calls"] = c.tool_calls
+    return message
 
 
 class Builder:
@@ -70,16 +88,16 @@ class Builder:
                 s = self._token(tid)
                 return {"token": s, "logprob": value, "bytes": list(s.encode())}
 
-            return {"content": [{**entry(tid, lp.get(tid, -9999.0)),
-                                 "top_logprobs": [entry(t, v) for t, v in top]} for tid, lp, top in rows],
+            return {"content": [{**entry(tid, _finite(lp.get(tid))),
+                                 "top_logprobs": [entry(t, _finite(v)) for t, v in top]} for tid, lp, top in rows],
                     "refusal": None}
         offset = self._offsets.get(index, text_prefix_len)
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for tid, lp, top in rows:
             s = self._token(tid)
             tokens.append(s)
-            token_logprobs.append(lp.get(tid, -9999.0))
-            tops.append({self._token(t): v for t, v in top})
+            token_logprobs.append(_finite(lp.get(tid)))
+            tops.append({self._token(t): _finite(v) for t, v in top})
             offsets.append(offset)
             offset += len(s)
         self._offsets[index] = offset
@@ -106,7 +124,7 @@ class Builder:
             body["choices"] = [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text, "refusal": None},
+                    "message": _message(c),
                     "logprobs": self.logprobs(i, c.token_ids, c.logprobs),
                     "finish_reason": c.finish_reason,
                 }
@@ -138,7 +156,11 @@ class Builder:
         finish_reason: str | None = None,
         logprobs: dict[str, Any] | None = None,
         include_usage: bool = False,
+        usage: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        """One chunk; with ``include_usage`` it carries ``usage`` (None but on the last chunk, unless
+        ``continuous_usage_stats`` asked for it on every one)."""
         if self.kind == "chat":
             body = self._head("chat.completion.chunk")
             delta: dict[str, Any] = {}
@@ -146,6 +168,8 @@ class Builder:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             body = self._head("text_completion")
@@ -158,7 +182,7 @@ class Builder:
         body["choices"] = [choice]
         body["system_fingerprint"] = None
         if include_usage:
-            body["usage"] = None
+            body["usage"] = usage
         return body
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:

@@ -26,11 +26,13 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from kiln.engine.errors import RequestError, RequestFailedError
+from kiln.serving.constraints import compile_constraint, output_constraint
 from kiln.serving.errors import APIError, from_validation_error, parse_json_body
 from kiln.serving.generation import Generation
 from kiln.serving.inputs import chat_inputs, completion_inputs
+from kiln.serving.outputs import collect, events
 from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, check_supported
-from kiln.serving.responses import SSE_DONE, Builder, ChoiceText, sse
+from kiln.serving.responses import Builder
 from pydantic import ValidationError
 
 log = logging.getLogger("kiln.serving")
@@ -119,11 +121,15 @@ async def _serve(request: Request, kind: str) -> Response:
         )
     check_supported(req)
     engine = state.engine
+    constraint, plan = output_constraint(req, (state.engine_info or {}).get("tool_call_format", "json"))
     make_inputs = chat_inputs if kind == "chat" else completion_inputs
     # Slots are taken before tokenizing, so a flood of big bodies is refused before it costs anything.
     admission = _counting_rejections(ctx, state.admit, req.num_prompts() * req.n)
     try:
-        inputs = make_inputs(req, engine) if inline else await asyncio.to_thread(make_inputs, req, engine)
+        if constraint is not None:  # off the event loop and the engine thread; a 400 if it cannot compile
+            await compile_constraint(engine, constraint)
+        inputs = (make_inputs(req, engine, constraint, plan) if inline
+                  else await asyncio.to_thread(make_inputs, req, engine, constraint, plan))
     except BaseException:
         admission.release()
         raise
@@ -145,11 +151,12 @@ async def _serve(request: Request, kind: str) -> Response:
     try:
         gen.start()
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = _events(builder, gen, include_usage)
+            options = req.stream_options
+            stream = events(builder, gen, bool(options and options.include_usage),
+                            bool(options and options.continuous_usage_stats), plan)
             handed_off = True
-            return SSEResponse(events, on_close=cleanup, request_id=request_id)
-        body = await _unless_disconnected(request, _collect(builder, gen))
+            return SSEResponse(stream, on_close=cleanup, request_id=request_id)
+        body = await _unless_disconnected(request, collect(builder, gen, plan))
         return JSONResponse(body, headers={"X-Request-Id": request_id})
     except RequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
@@ -196,59 +203,3 @@ def _counting_rejections(ctx: Any, check: Callable[..., Any], *args: Any) -> Any
         if exc.code in ("queue_full", "draining", "not_ready"):
             ctx.metrics.rejected(exc.code)
         raise
-
-
-def _usage(gen: Generation, num_output_tokens: list[int]) -> dict[str, Any]:
-    # A prompt is counted once however many choices (n) it has, as OpenAI does.
-    seen: dict[int, int] = {}
-    cached = 0
-    for slot, item in enumerate(gen.inputs):
-        if item.prompt_index not in seen:
-            seen[item.prompt_index] = gen.num_prompt_tokens[slot]
-            cached += gen.num_cached_tokens[slot]
-    return Builder.usage(sum(seen.values()), sum(num_output_tokens), cached)
-
-
-async def _collect(builder: Builder, gen: Generation) -> dict[str, Any]:
-    choices = [ChoiceText(text=item.prompt_text or "") for item in gen.inputs]
-    async for slot, delta in gen.deltas():
-        choice = choices[slot]
-        choice.text += delta.text
-        choice.token_ids += delta.new_token_ids
-        if delta.logprobs:
-            choice.logprobs += delta.logprobs
-        if delta.finish_reason is not None:
-            choice.finish_reason = delta.finish_reason
-    return builder.response(choices, _usage(gen, [len(c.token_ids) for c in choices]))
-
-
-async def _events(builder: Builder, gen: Generation, include_usage: bool) -> AsyncIterator[str]:
-    started: set[int] = set()
-    num_output = [0 for _ in gen.inputs]
-    try:
-        async for slot, delta in gen.deltas():
-            text = delta.text
-            if slot not in started:
-                started.add(slot)
-                if builder.kind == "chat":
-                    yield sse(builder.chunk(slot, text="", role=True, include_usage=include_usage))
-                elif gen.inputs[slot].prompt_text:
-                    text = gen.inputs[slot].prompt_text + text
-            num_output[slot] += len(delta.new_token_ids)
-            prefix = len(gen.inputs[slot].prompt_text or "")
-            logprobs = builder.logprobs(slot, delta.new_token_ids, delta.logprobs, prefix)
-            if text or logprobs:
-                yield sse(builder.chunk(slot, text=text, logprobs=logprobs, include_usage=include_usage))
-            if delta.finish_reason is not None:
-                yield sse(builder.chunk(slot, text=None if builder.kind == "chat" else "",
-                                        finish_reason=delta.finish_reason, include_usage=include_usage))
-    except RequestError as exc:
-        yield sse(APIError(400, str(exc), param=exc.param).body())
-    except Exception:
-        log.exception("generation %s failed mid-stream", gen.request_id)
-        yield sse(APIError(500, "Internal server error during generation; the server log has the details",
-                           type="server_error").body())
-    else:
-        if include_usage:
-            yield sse(builder.usage_chunk(_usage(gen, num_output)))
-    yield SSE_DONE

@@ -56,12 +56,21 @@ CHAT_CASES = [
     ),
     ({"model": M, "messages": USER, "max_completion_tokens": 1000}, 400, "max_completion_tokens"),
     ({"model": M, "messages": USER, "temperature": -1}, 400, "temperature"),
-    ({"model": M, "messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    (
-        {"model": M, "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
-        400,
-        "tools",
-    ),
+    # Constrained output: each refusal names the field the client sent (tests/serving/test_structured.py
+    # has the ones that need the grammar engine's verdict).
+    ({"model": M, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     400, "response_format.json_schema"),
+    ({"model": M, "messages": USER, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ({"model": M, "messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
+    ({"model": M, "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice.function.name"),
+    ({"model": M, "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, 400, "tools"),
+    ({"model": M, "messages": USER, "tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                                              for i in range(129)]}, 400, "tools"),
+    ({"model": M, "messages": USER, "functions": [{"name": "f"}]}, 400, "functions"),
+    ({"model": M, "messages": USER, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"model": M, "messages": USER, "response_format": {"type": "json_object"},
+      "structured_outputs": {"regex": "a+"}}, 400, "structured_outputs"),
     ({"model": M, "messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     ({"model": M, "messages": USER, "logprobs": 3}, 400, "logprobs"),
 ]

@@ -1,0 +1,84 @@
+"""A chat request's messages (and tools) through the tokenizer's chat template, as token ids.
+
+A template that renders tools (it uses the ``tools`` variable: Llama 3.1+, Qwen, Hermes,
+Mistral) gets them as its ``tools`` argument, and assistant messages keep their ``tool_calls``
+with the arguments as objects (what those templates index), ``tool`` messages their
+``tool_call_id``. A template that does not (SmolLM2, ChatML) gets kiln's ``json`` tool format:
+the tools described in the system message, and earlier calls written into the assistant's
+content as the JSON the model is asked to answer with (:mod:`tool_calls`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kiln.serving.constraints import ToolPlan
+from kiln.serving.errors import APIError
+from kiln.serving.protocol import ChatCompletionRequest, ChatMessage, message_text
+
+TOOLS_PROMPT = (
+    "You can call these functions. Each one's arguments follow its JSON Schema:\n{tools}\n"
+    'To call functions, answer with only a JSON array: [{{"name": "<function name>", '
+    '"arguments": {{<the arguments>}}}}]. Otherwise answer normally.'
+)
+
+
+def _arguments(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise APIError(400, f"{param} must be a JSON object in a string (as the tool call was returned)",
+                       param=param) from None
+
+
+def _message(i: int, m: ChatMessage, native: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": message_text(m)}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = [{"name": c.function.name,
+                  "arguments": _arguments(c.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments")}
+                 for j, c in enumerate(m.tool_calls)]
+        if native:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": call}
+                                 for c, call in zip(m.tool_calls, calls, strict=True)]
+        else:
+            written = json.dumps(calls, ensure_ascii=False)
+            out["content"] = f"{out['content']}\n{written}" if out["content"] else written
+    return out
+
+
+def _with_tools_prompt(messages: list[dict[str, Any]], plan: ToolPlan) -> list[dict[str, Any]]:
+    described = json.dumps([{"name": t.function.name, "description": t.function.description or "",
+                             "parameters": t.function.parameters or {}} for t in plan.tools], ensure_ascii=False)
+    prompt = TOOLS_PROMPT.format(tools=described)
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{prompt}")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def render_chat(req: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan | None = None) -> list[int]:
+    """The conversation through the tokenizer's chat template, as token ids."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise APIError(400, "This model's tokenizer has no chat template, so /v1/chat/completions cannot "
+                       "format messages; use /v1/completions with a plain prompt", param="messages",
+                       code="no_chat_template")
+    native = isinstance(template, str) and "tools" in template
+    messages = [_message(i, m, native) for i, m in enumerate(req.messages)]
+    kwargs: dict[str, Any] = {}
+    if plan is not None and native:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in plan.tools]
+    elif plan is not None:
+        messages = _with_tools_prompt(messages, plan)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                             tokenize=False, **kwargs)
+    except Exception as exc:  # jinja's raise_exception() in templates ("roles must alternate" ...)
+        raise APIError(400, f"The chat template rejected these messages: {exc}", param="messages") from None
+    # The template writes any BOS itself; encoding must not add a second one.
+    return tokenizer.encode(text, add_special_tokens=False)
