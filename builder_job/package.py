@@ -3,7 +3,8 @@
 Layout (the runtime's ``LLM.from_artifact`` reads it; see docs/artifacts.md)::
 
     engine.json                          format_version, versions, envelope, gpu, engine_config,
-                                         kv_plan, tuning, build_report, kernels (what kernels/ holds)
+                                         kv_plan, tuning, build_report, kernels (what kernels/ holds),
+                                         chat (the tool-call format of the model's family)
     config.json, tokenizer files, chat template, generation_config.json (copied)
     weights/rank-{r}-of-{n}.safetensors  one per (pipeline stage, tensor-parallel rank), engine parameter names
     kernels/triton-cache/                CUDA builds: Triton's compiled-kernel cache (kiln.engine.kernels.cache)
@@ -82,8 +83,24 @@ def engine_document(*, spec, envelope: dict, version: str, config: dict, kv_plan
     }
 
 
+def chat_document(model_dir: Path) -> dict[str, Any]:
+    """What serving needs to know of the chat template: the tool-call format of the model's family
+    (``kiln.engine.structured.tool_format``), from chat_template.jinja or tokenizer_config.json."""
+    from kiln.engine.structured.tool_format import detect_tool_call_format
+
+    template = None
+    if (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    elif (model_dir / "tokenizer_config.json").is_file():
+        template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return {"tool_call_format": detect_tool_call_format(template if isinstance(template, str) else None)}
+
+
 def write_engine_json(out_dir: Path, document: dict[str, Any]) -> Path:
     path = out_dir / ENGINE_JSON
+    document.setdefault("chat", chat_document(out_dir))  # the copied template is beside engine.json
     path.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
     return path
 
