@@ -10,7 +10,7 @@ hit: the prefill kernel over cached blocks), and with eager decode a batch at ea
 reports the Autotuners' choices and the host target (:mod:`kiln.engine.kernels.cache`); the builder
 copies the cache's files into the artifact under ``CACHE_DIR`` (group index files made relative) and
 returns the ``engine.json["kernels"]`` record. A CPU build compiles kiln's C kernels instead
-(:func:`kiln.engine.kernels.native.build_for_artifact`): one library per ISA level, under ``kernels/cpu/``.
+(:func:`kiln.engine.kernels.cpu_library.build_for_artifact`): one library per ISA level, under ``kernels/cpu/``.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def build_kernel_cache(artifact_dir: Path, device: str, work_dir: Path, load_kwa
                        ) -> dict[str, Any]:
     """The ``engine.json["kernels"]`` record; on CUDA compiles, autotunes and packs (see module doc)."""
     if device != "cuda":  # kiln's C kernels, compiled for every ISA level of this architecture
-        from kiln.engine.kernels.native import build_for_artifact
+        from kiln.engine.kernels.cpu_library import build_for_artifact
 
         record = build_for_artifact(artifact_dir)
         log.info("kernels: %s", f"CPU kernels for {', '.join(record['libraries'])}" if record["packed"]

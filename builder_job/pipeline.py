@@ -1,6 +1,7 @@
 """The build pipeline: fetch -> check -> gate (reference, converting as it streams) -> shard -> plan
--> gate (runtime) -> tune (and the KV plan again, less the CUDA graphs' memory) -> kernels (CUDA: compiled,
-autotuned, packed) -> package -> publish.
+-> gate (runtime) -> tune (and the KV plan again, less the CUDA graphs' memory) -> tactics (each op's
+implementations timed, the winners shipped) -> compile -> kernels (CUDA: compiled, autotuned, packed) ->
+package -> publish.
 
 Every stage runs inside ``report.stage(name)`` (progress log + timing). Nothing
 reaches the store until the last stage, and the store's publish is atomic, so a
@@ -184,6 +185,14 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
         kv_plan, overrides = plan_with_cuda_graphs(spec, facts, weights_per_rank, tuning, overrides)
         report.record("kv_plan_summary", kv_plan_summary(kv_plan))
         config = {**config, **overrides, "num_kv_blocks": kv_plan["num_kv_blocks"]}
+
+    with report.stage("tactics"):  # each op's implementations timed here, the winners shipped (tactics_stage)
+        from kiln.builder.tactics_stage import tune_tactics
+
+        write(tuning, config)  # its loads must see the tuned threads, as a serving pod will
+        tactics, tactic_overrides = tune_tactics(load_llm, spec, facts.vocab_size, out, tuning)
+        report.record("tactics", tactics)
+        config = {**config, **tactic_overrides}
 
     with report.stage("compile"):  # CPU: Inductor for this host's ISA, shipped when it measures faster
         from kiln.builder.compile_stage import compile_for_target

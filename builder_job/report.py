@@ -213,4 +213,10 @@ def summary_lines(build_report: dict[str, Any]) -> list[str]:
     kv = build_report.get("kv_plan_summary")
     if kv:
         lines.append(f"  kv pool: {kv}")
+    tactics = build_report.get("tactics") or {}
+    if tactics.get("timed"):
+        lines.append(f"  tactics ({tactics['seconds']:.1f}s of linear timings; tactics.json has every time):")
+        lines += [f"    {line}" for line in tactics.get("summary", [])]
+    elif tactics:
+        lines.append(f"  tactics: {tactics.get('why')}")
     return lines

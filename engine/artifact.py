@@ -40,6 +40,7 @@ log = logging.getLogger("kiln.engine.artifact")
 
 # Mirrors kiln.envelope.ARTIFACT_FORMAT_VERSION (the engine imports nothing of kiln core).
 FORMAT_VERSION = 1
+TACTICS_FILE = "tactics.json"  # the build's tactic table (kiln.engine.tactics), beside engine.json
 
 
 def weights_file_name(rank: int, size: int) -> str:
@@ -96,9 +97,13 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
         from kiln.engine.compile import shipped_compile
 
         shipped_compile(root, doc, kwargs)
-        from kiln.engine.kernels.native import install_from_artifact
+        from kiln.engine.kernels.cpu_library import install_from_artifact
 
         install_from_artifact(root, doc)
+        table = root / TACTICS_FILE
+        if table.is_file():  # the build's measured kernels; another kind of host re-times, cached beside the copy
+            kwargs.setdefault("tactics", str(table))
+            kwargs.setdefault("tactics_cache", str(root.parent / f"{root.name}.tactics"))
     if kwargs["device"] == "cuda":  # before the first kernel compiles: the build's kernel cache, if it fits
         from kiln.engine.kernels.cache import install_shipped
 

@@ -107,6 +107,11 @@ class EngineConfig:
     compile_cache: str | None = None  # the artifact's shipped Inductor cache dir, used for compiling
     # How an artifact was adapted to this CPU at load (kiln.engine.cpu_target.plan_cpu_load); None otherwise.
     cpu_target: dict[str, Any] | None = field(default=None, repr=False)
+    # Where a CPU engine's tactic table comes from (kiln.engine.tactics.resolve): "auto", a tactics.json, or a
+    # candidate name; a table re-timed on another kind of host is cached in tactics_cache.
+    tactics: str = "auto"
+    tactics_cache: str | None = None
+    tactics_info: dict[str, Any] | None = field(default=None, repr=False)  # set at load: where the table came from
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +163,10 @@ class EngineConfig:
             ("heartbeat_interval_s", 0 < self.heartbeat_interval_s < self.distributed_timeout_s,
              f"must be > 0 and below distributed_timeout_s ({self.distributed_timeout_s})"),
         ]
+        from kiln.engine.tactics.candidates import LINEAR
+
+        checks.append(("tactics", self.tactics in ("auto", *LINEAR) or Path(self.tactics).is_file(),
+                       f"must be 'auto', a candidate ({', '.join(LINEAR)}) or a tactics.json file"))
         for name, ok, rule in checks:
             if not ok:
                 raise ConfigError(f"{name} {rule}, got {getattr(self, name)!r}")

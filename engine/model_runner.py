@@ -25,7 +25,7 @@ from kiln.engine import parallel
 from kiln.engine.config import EngineConfig
 from kiln.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
 from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
-from kiln.engine.layers.linear import LinearBase, can_prepack, pack_model
+from kiln.engine.layers.linear import LinearBase
 from kiln.engine.layers.paged_metadata import build_paged_metadata, token_rows
 from kiln.engine.models.llama import Intermediate, head_dim_of
 from kiln.engine.models.registry import create_model
@@ -129,12 +129,19 @@ class ModelRunner:
             from kiln.engine.kernels.native import kernels
 
             self.native = kernels()
-            if config.compile == "off":  # the fused pointwise kernels too (Inductor fuses its own); their GEMM: pack_model
+            if config.compile == "off":  # the fused pointwise kernels too (Inductor fuses its own)
                 for m in self.model.modules():
                     if hasattr(m, "native_ops"):
                         m.native_ops = self.native
-        if can_prepack(config.device, config.torch_dtype) and config.compile == "off":  # else freezing packs
-            pack_model(self.model, config.max_batch_size, self.native)
+        self.tactics = None  # kiln.engine.tactics.TacticTable: which implementation runs each linear (CPU)
+        self.tactic_sites: list = []  # the linear shapes it covers (tactics.timing.LinearSite), for a build to time
+        if config.device == "cpu" and config.compile == "off":  # with Inductor, freezing packs the weights
+            from kiln.engine.kernels.native import kernels
+            from kiln.engine.tactics.bind import apply
+
+            gemm = self.native or kernels()  # kiln's GEMMs are candidates whatever runs attention
+            self.tactics, config.tactics_info, self.tactic_sites = apply(self.model, config, gemm,
+                                                                         stack=self.native is not None)
         cfg = config.hf_config
         kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
         self.num_kv_heads = kv_heads  # this rank's
@@ -146,7 +153,9 @@ class ModelRunner:
         # One block more than the block manager hands out: CUDA-graph padding rows write there.
         self.kv_cache = allocate_kv_cache(self.model, config, self.num_blocks + 1)
         if self.native is not None and config.compile == "off":  # the layers in one C call per step
-            why = self.model.bind_native_stack(self.native)
+            stack = (self.tactics.model.get("decoder_stack") or {}).get("winner") if self.tactics else None
+            why = "the tactic table timed the modules faster" if stack == "modules" else \
+                self.model.bind_native_stack(self.native)
             if why:
                 log.info("kiln CPU kernels: decoder layers run module by module (%s)", why)
         self.sampler = Sampler()

@@ -6,8 +6,8 @@ achieves, not its average on a noisy day):
 - memory bandwidth: read (``sum`` over a buffer far larger than the caches)
   and copy (counted as read + write bytes);
 - matmul FLOP/s: the model's own weight shapes in the bench dtype, at decode-like M
-  (rows = batch) and prefill-like M (many tokens), the fastest of ``F.linear``, the
-  oneDNN-prepacked linear and kiln's own packed GEMM (``layers/linear.pack_weight``) on CPU.
+  (rows = batch) and prefill-like M (many tokens), the fastest of ``F.linear`` and, on CPU, every
+  tactic candidate this host runs (``kiln.engine.tactics.candidates``: kiln's GEMMs, oneDNN prepacked).
 
 Roofline for one decode step at batch B (every weight read once, each
 sequence's KV read once):
@@ -70,14 +70,17 @@ def _linear_shapes(facts: dict) -> list[tuple[int, int]]:
 def measure_matmul(facts: dict, dtype: torch.dtype, rows: list[int], trials: int = 3,
                    device: str = "cpu") -> dict[int, float]:
     """FLOP/s of the model's linears (one layer's worth + LM head) at each M in ``rows``."""
-    from kiln.engine.layers.linear import can_prepack, pack_weight, packed_linear
+    from kiln.engine.kernels.native import ROW_BUCKETS
+    from kiln.engine.tactics import candidates
 
     native = None
+    names: list[str] = []
     if device == "cpu":
         from kiln.engine.kernels.native import kernels
 
         native = kernels()
-        native = native if native is not None and dtype in native.linear_dtypes else None
+        names = [n for n in candidates.LINEAR if candidates.LINEAR[n].layout != "plain"
+                 and candidates.why_not(n, dtype, native) is None]
 
     weights = [torch.randn(o, i, dtype=dtype, device=device) * 0.02 for o, i in _linear_shapes(facts)]
     out = {}
@@ -90,13 +93,14 @@ def measure_matmul(facts: dict, dtype: torch.dtype, rows: list[int], trials: int
                 F.linear(x, w)
 
         runs = [run]
-        packers = [None, native] if native is not None else [None]
-        for packer in packers if can_prepack(device, dtype) else ():
-            packed = [pack_weight(w, m, packer) for w in weights]
+        for name in names:
+            cand = candidates.LINEAR[name]
+            tactics = [cand.gemm_kernel] * ROW_BUCKETS if cand.gemm_kernel else None
+            packed = [candidates.pack(cand.layout, w, native, m, tactics) for w in weights]
 
             def run_packed(xs=xs, packed=packed):
                 for x, p in zip(xs, packed, strict=True):
-                    packed_linear(x, p, None)
+                    candidates.run(p, x, None)
 
             runs.append(run_packed)
         with torch.inference_mode():

@@ -24,7 +24,7 @@ from kiln.engine.bench import peers
 from kiln.engine.bench.peers import PEERS
 from kiln.engine.bench.records import RunRecord, common_prefix_len, figures, median_figures
 from kiln.engine.bench.workload import Request, Workload
-from kiln.engine.kernels.native import ISA_ENV
+from kiln.engine.kernels.isa import ISA_CAPS as ENGINE_ISA_CAPS
 
 SYSTEMS = ("kiln", "hf-static-b8", "hf-static-b32", "hf-generate-batch")
 # kiln with two pipeline stages (two rank processes over gloo/NCCL, --threads each), with two
@@ -34,14 +34,14 @@ PIPELINE_SYSTEMS: dict[str, dict] = {
     "kiln-pp2-nomb": {"pipeline_parallel_size": 2, "num_micro_batches": 1},
 }
 ALL_SYSTEMS = SYSTEMS + tuple(PIPELINE_SYSTEMS)
-# --max-isa: the environment that keeps each system's libraries at or below an ISA, so that an AVX-512 host
-# runs what an AVX2-only host would: oneDNN (torch's, vLLM's, OpenVINO's CPU plugin's), ATen's vectorized
-# kernels, MKL and kiln's own kernels. OpenVINO's release wheels read OV_CPU_MAX_ISA (its own kernels: paged
-# attention, RMSNorm, rotary) only in debug builds, so there the cap reaches its oneDNN matmuls alone.
-ISA_CAPS: dict[str, dict[str, str]] = {
-    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2", "OV_CPU_MAX_ISA": "AVX2",
-             "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", ISA_ENV: "x86-64-v3"},
-}
+# --max-isa: the environment that keeps each system's libraries at or below an ISA, so that one host runs
+# what another kind would: oneDNN (torch's, vLLM's, OpenVINO's CPU plugin's), ATen's vectorized kernels,
+# MKL and kiln's own kernels (kiln.engine.kernels.isa.ISA_CAPS). OpenVINO's release wheels read
+# OV_CPU_MAX_ISA (its own kernels: paged attention, RMSNorm, rotary) only in debug builds, so there the
+# cap reaches its oneDNN matmuls alone.
+_OV_ISA = {"avx2": "AVX2", "avx512": "AVX512_CORE_VNNI", "avx512_bf16": "AVX512_CORE_BF16"}
+ISA_CAPS: dict[str, dict[str, str]] = {name: {**env, "OV_CPU_MAX_ISA": _OV_ISA[name]}
+                                       for name, env in ENGINE_ISA_CAPS.items()}
 
 
 @dataclass

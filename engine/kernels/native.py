@@ -1,157 +1,37 @@
-"""kiln's CPU kernels (``cpu_kernels.c``): compiled for the host's ISA level, loaded with ctypes.
+"""kiln's CPU kernels (``csrc/*.c``) through ctypes: attention, the fused pointwise ops, the GEMMs, the layer stack.
 
-The C source has no torch headers, so compiling it takes about a second with the system C compiler
-(``$CC``, else ``cc``). Where the compiled library comes from, first match wins:
-
-1. an artifact's shipped copy (``kernels/cpu/<level>.so``, made by the build's ``kernels`` stage),
-   for the best ISA level this host's CPU flags allow (``install_shipped``);
-2. ``$KILN_CPU_KERNELS_DIR`` (default ``~/.cache/kiln/cpu-kernels``), keyed by a hash of the source
-   and the compile command, compiled there on first use (atomic rename: concurrent processes are safe);
-3. none: no compiler, no ISA level the host supports, or ``KILN_CPU_KERNELS=0`` -- the engine runs its
-   torch path (same results), and the reason is logged once.
-
-ISA levels are the x86-64 micro-architecture levels (``x86-64-v4`` = AVX-512 F/BW/CD/DQ/VL,
-``x86-64-v3`` = AVX2 + FMA + ...) and ``armv8-a`` on aarch64; a host runs a library only if its
-``/proc/cpuinfo`` flags include every flag of the level (``LEVEL_FLAGS``), so a kernel built for
-AVX-512 never dies on an illegal instruction on an AVX2-only host.
+Where the library comes from (an artifact's shipped copy, or compiled here for the host's ISA level) is
+``cpu_library.py``'s; which kernels of it may run on this host (``isa.py``) is reported per GEMM kernel in
+``Kernels.gemm_kernels``, and which one *does* run for a weight is its tactic table's choice per row bucket
+(``PackedLinear.set_tactics``; ``kiln.engine.tactics``), applied in C by ``kiln_gemm`` for the module path
+and the decoder stack alike.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from kiln.engine.kernels import cpu_library
+from kiln.engine.kernels.isa import feature_missing, log
 
-log = logging.getLogger("kiln.engine.kernels.native")
-
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI_VERSION = 6  # = KILN_ABI_VERSION in cpu_kernels.c
-_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm", "xsave")
-# level -> the /proc/cpuinfo flags a host needs to run code compiled with -march=<level>, best first
-LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
-    "x86-64-v4": (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
-    "x86-64-v3": _V3,
-    "armv8-a": ("asimd",),
-}
-_ARCH_LEVELS = {"x86_64": ("x86-64-v4", "x86-64-v3"), "aarch64": ("armv8-a",)}
-# The best level the kernels may use (e.g. x86-64-v3 on an AVX-512 host, to run what an AVX2-only host runs).
-ISA_ENV = "KILN_CPU_ISA"
-_EXTRA = {"x86-64-v4": ("-mprefer-vector-width=512",)}
-CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
+ROW_BUCKETS = 16  # = KILN_ROW_BUCKETS: bucket b holds calls of (2^(b-1), 2^b] rows
+GEMM_KERNELS = {"fma": 0, "amx": 1}  # = enum kiln_gemm_kernel
 
 
-def host_levels(flags: frozenset[str] | None = None) -> list[str]:
-    """The ISA levels this host can run, best first, none above ``$KILN_CPU_ISA`` where it is set."""
-    from kiln.engine import cpu_target
-
-    flags = cpu_target.cpu_flags() if flags is None else flags
-    levels = [lvl for lvl in _ARCH_LEVELS.get(platform.machine(), ()) if set(LEVEL_FLAGS[lvl]) <= flags]
-    cap = os.environ.get(ISA_ENV, "").strip()
-    if not cap:
-        return levels
-    known = _ARCH_LEVELS.get(platform.machine(), ())
-    if cap not in known:
-        log.warning("$%s=%s is not an ISA level of %s (%s); ignored", ISA_ENV, cap, platform.machine(),
-                    ", ".join(known) or "none")
-        return levels
-    return [lvl for lvl in levels if known.index(lvl) >= known.index(cap)]
+def row_bucket(rows: int) -> int:
+    """The tactic bucket of a call with ``rows`` rows (as ``row_bucket`` in csrc/gemm.c)."""
+    return min(ROW_BUCKETS - 1, max(0, (int(rows) - 1).bit_length()))
 
 
-def compile_command(level: str, out: Path) -> list[str]:
-    return [os.environ.get("CC", "cc"), f"-march={level}", *_EXTRA.get(level, ()), *CFLAGS, "-o", str(out), str(SOURCE)]
+class KilnWeight(ctypes.Structure):
+    """``struct kiln_weight``: a packed weight and, per row bucket, the GEMM kernel that multiplies it."""
 
-
-def library_name(level: str) -> str:
-    """A file name that changes whenever the source or the compile flags do."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(compile_command(level, Path("x"))[1:]).encode())
-    return f"kiln-cpu-kernels-{level}-{digest.hexdigest()[:12]}.so"
-
-
-def compile_library(level: str, dest_dir: Path) -> Path:
-    """Compile for ``level`` into ``dest_dir`` (atomically); raises RuntimeError naming the compiler's error."""
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    dest = dest_dir / library_name(level)
-    if dest.exists():
-        return dest
-    cmd = compile_command(level, dest)
-    if shutil.which(cmd[0]) is None:
-        raise RuntimeError(f"no C compiler: {cmd[0]!r} is not on PATH (set $CC)")
-    fd, tmp = tempfile.mkstemp(dir=dest_dir, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        cmd[cmd.index("-o") + 1] = tmp
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if proc.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, dest)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return dest
-
-
-def default_dir() -> Path:
-    return Path(os.environ.get("KILN_CPU_KERNELS_DIR") or Path.home() / ".cache" / "kiln" / "cpu-kernels")
-
-
-_shipped: dict[str, Path] = {}  # level -> an artifact's library, set by install_shipped
-CPU_DIR = "kernels/cpu"  # where an artifact holds its compiled libraries, one <level>.so per ISA level
-
-
-def source_digest() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
-
-
-def build_for_artifact(artifact_dir: Path) -> dict:
-    """Compile for every ISA level of this machine's architecture (not only the ones this CPU runs: the
-    serving hosts pick theirs) into ``artifact_dir/CPU_DIR``; returns the ``engine.json["kernels"]`` record."""
-    levels = _ARCH_LEVELS.get(platform.machine(), ())
-    if not levels:
-        return {"packed": False, "reason": f"kiln's CPU kernels are not built for {platform.machine()}"}
-    dest = Path(artifact_dir) / CPU_DIR
-    libraries = {}
-    try:
-        for level in levels:
-            os.replace(compile_library(level, dest), dest / f"{level}.so")
-            libraries[level] = {"file": f"{level}.so", "cpu_flags": list(LEVEL_FLAGS[level])}
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        shutil.rmtree(dest, ignore_errors=True)
-        return {"packed": False, "reason": f"kiln's CPU kernels did not compile in the build image ({exc}): "
-                                           f"serving hosts with a C compiler compile them at load"}
-    return {"packed": True, "device": "cpu", "path": CPU_DIR, "abi": ABI_VERSION, "source_sha256": source_digest(),
-            "libraries": libraries}
-
-
-def install_from_artifact(artifact_dir: str | Path, doc: dict) -> list[str]:
-    """Use an artifact's shipped libraries (``build_for_artifact``) when they are this kiln's kernels;
-    returns the levels installed."""
-    from kiln.engine.kernels.cache import RECORD_KEY
-
-    record = doc.get(RECORD_KEY) or {}
-    if record.get("device") != "cpu" or not record.get("packed"):
-        return []
-    if record.get("source_sha256") != source_digest() or record.get("abi") != ABI_VERSION:
-        log.warning("the artifact's CPU kernels were built from another kiln's source: compiling this kiln's here")
-        return []
-    root = Path(artifact_dir) / record.get("path", CPU_DIR)
-    libraries = {level: root / info["file"] for level, info in (record.get("libraries") or {}).items()
-                 if level in LEVEL_FLAGS and (root / info["file"]).is_file()}
-    install_shipped(libraries)
-    return sorted(libraries)
-
-
-def install_shipped(libraries: dict[str, Path]) -> None:
-    """Prefer an artifact's compiled libraries (level -> path) to compiling here; call before first use."""
-    _shipped.update(libraries)
-    _library.cache_clear()
+    _fields_ = [("panels", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bf16", ctypes.c_int32),
+                ("kernel", ctypes.c_uint8 * ROW_BUCKETS)]
 
 
 class Kernels:
@@ -160,8 +40,8 @@ class Kernels:
     def __init__(self, path: Path, level: str) -> None:
         self.path, self.level = path, level
         lib = ctypes.CDLL(str(path))
-        if lib.kiln_abi_version() != ABI_VERSION:
-            raise RuntimeError(f"{path} has ABI {lib.kiln_abi_version()}, this kiln needs {ABI_VERSION}")
+        if lib.kiln_abi_version() != cpu_library.ABI_VERSION:
+            raise RuntimeError(f"{path} has ABI {lib.kiln_abi_version()}, this kiln needs {cpu_library.ABI_VERSION}")
         i64, ptr, f32, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
         def declare(name: str, restype, *argtypes):
@@ -176,18 +56,23 @@ class Kernels:
         self._cache_write = declare("kiln_cache_write", None, *[ptr] * 5, *[i64] * 7, flag)
         self._pack_linear = {torch.float32: declare("kiln_pack_linear_f32", None, *[ptr] * 2, *[i64] * 3),
                              torch.bfloat16: declare("kiln_pack_linear_bf16", None, *[ptr] * 2, *[i64] * 3)}
-        self._linear = {torch.float32: declare("kiln_linear_f32", None, *[ptr] * 4, *[i64] * 5),
-                        torch.bfloat16: declare("kiln_linear_bf16", None, *[ptr] * 4, *[i64] * 5)}
+        self._gemm = declare("kiln_gemm", None, ctypes.POINTER(KilnWeight), *[ptr] * 3, *[i64] * 3)
         self.linear_panel = declare("kiln_linear_panel", i64)()
+        self.bf16_panel_pairs = declare("kiln_bf16_panel_pairs", i64, i64)
         self._stack = declare("kiln_decoder_stack", ctypes.c_int, ptr, ptr, i64, ptr, ptr, flag, i64, ptr, ptr, i64,
                               ptr, ptr, i64, ptr, ptr, i64, ptr)
         self._stack_workspace = declare("kiln_stack_workspace", i64, ptr, i64)
-        from kiln.engine import cpu_target
-
-        # bf16 needs vdpbf16ps: compiled into the x86-64-v4 library, run where the CPU has AVX512-BF16
-        self.linear_dtypes = (torch.float32,) + (
-            (torch.bfloat16,) if declare("kiln_linear_bf16_available", ctypes.c_int)()
-            and "avx512_bf16" in cpu_target.cpu_flags() else ())
+        # dtype -> GEMM kernel -> None (runs here) or why not. bf16 needs vdpbf16ps (the x86-64-v4 library on a
+        # CPU with AVX512-BF16) to pack and to run at all; AMX tiles also need the kernel's leave to use them.
+        bf16_fma = None if declare("kiln_linear_bf16_available", ctypes.c_int)() else f"not in the {level} library"
+        bf16_fma = bf16_fma or feature_missing("avx512_bf16", level)
+        amx = feature_missing("amx", level) or bf16_fma
+        if amx is None and not declare("kiln_amx_ready", ctypes.c_int)():
+            amx = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        self.gemm_kernels: dict[torch.dtype, dict[str, str | None]] = {
+            torch.float32: {"fma": None, "amx": "AMX multiplies bf16, not float32"},
+            torch.bfloat16: {"fma": bf16_fma, "amx": amx}}
+        self.linear_dtypes = tuple(dt for dt, ks in self.gemm_kernels.items() if ks["fma"] is None)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         ctx_lens: torch.Tensor, scale: float, out: torch.Tensor,
@@ -238,14 +123,14 @@ class Kernels:
         self._cache_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                           k.shape[0], kvh, d, k.stride(0), v.stride(0), num_blocks, block_size, _bf16(k))
 
-    def pack_linear(self, weight: torch.Tensor) -> PackedLinear:
+    def pack_linear(self, weight: torch.Tensor, tactics: Sequence[str] | None = None) -> PackedLinear:
         """A weight [out, in] of one of ``linear_dtypes`` in the GEMM's panel layout (a copy; the caller
-        drops the original)."""
-        return PackedLinear(self, weight)
+        drops the original), run by ``tactics`` (one GEMM kernel name per row bucket; default FMA)."""
+        return PackedLinear(self, weight, tactics)
 
     def linear(self, x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for x [..., in] of the weight's dtype and the weight ``packed``
-        (float32: ``kiln_linear_f32``; bfloat16: ``kiln_linear_bf16``, float32 accumulation)."""
+        """``F.linear(x, weight, bias)`` for x [..., in] of the weight's dtype and the weight ``packed``, by the
+        kernel its tactics name for this many rows (``kiln_gemm``; float32 accumulation, bf16 rounded once)."""
         n, k = packed.out_features, packed.in_features
         if x.dtype != packed.dtype:
             raise TypeError(f"kiln's CPU linear: input {x.dtype}, weight {packed.dtype}")
@@ -255,18 +140,20 @@ class Kernels:
         y = x2.new_empty((x2.shape[0], n))
         if x2.shape[0]:
             b = None if bias is None else bias.float().contiguous()
-            self._linear[packed.dtype](x2.data_ptr(), packed.panels.data_ptr(), 0 if b is None else b.data_ptr(),
-                                       y.data_ptr(), x2.shape[0], n, k, x2.stride(0), n)
+            self._gemm(ctypes.byref(packed.weight), x2.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(),
+                       x2.shape[0], x2.stride(0), n)
         return y.view(*x.shape[:-1], n)
 
 
 class PackedLinear:
     """A weight [out, in] packed for kiln's CPU GEMM: panels of P output columns (P = the library's
     ``kiln_linear_panel``, the last panel zero-padded), [ceil(out / P), in, P] in float32 and
-    [ceil(out / P), ceil(in / 2), P, 2] (K in pairs, for vdpbf16ps) in bfloat16, so a decode step streams
-    each panel once; calling it is ``F.linear(x, weight, bias)``."""
+    [ceil(out / P), pairs, P, 2] in bfloat16 (K in pairs, padded to whole AMX tiles: ``kiln_bf16_panel_pairs``;
+    one copy serves the vdpbf16ps and AMX kernels), so a
+    decode step streams each panel once; calling it is ``F.linear(x, weight, bias)``. ``weight`` is the C
+    side's record of it, with the GEMM kernel per row bucket (``set_tactics``)."""
 
-    def __init__(self, kernels: Kernels, weight: torch.Tensor) -> None:
+    def __init__(self, kernels: Kernels, weight: torch.Tensor, tactics: Sequence[str] | None = None) -> None:
         if weight.dtype not in kernels.linear_dtypes or weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError(f"kiln's CPU linear packs 2-D CPU weights of {', '.join(map(str, kernels.linear_dtypes))} "
                              f"on this host, not {weight.dtype} {tuple(weight.shape)}")
@@ -275,11 +162,24 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         panel, k = kernels.linear_panel, self.in_features
-        per_panel = (k, panel) if self.dtype == torch.float32 else (-(-k // 2), panel, 2)
+        per_panel = (k, panel) if self.dtype == torch.float32 else (kernels.bf16_panel_pairs(k), panel, 2)
         self.panels = weight.new_empty((-(-self.out_features // panel), *per_panel))
         kernels._pack_linear[self.dtype](weight.data_ptr(), self.panels.data_ptr(), self.out_features, k,
                                          weight.stride(0))
         self._kernels = kernels
+        self.weight = KilnWeight(self.panels.data_ptr(), self.out_features, k, int(self.dtype == torch.bfloat16))
+        self.set_tactics(tactics or ["fma"] * ROW_BUCKETS)
+
+    def set_tactics(self, tactics: Sequence[str]) -> None:
+        """The GEMM kernel (a ``GEMM_KERNELS`` name) for each row bucket; one that cannot run here is refused."""
+        if len(tactics) != ROW_BUCKETS:
+            raise ValueError(f"tactics name a kernel for each of the {ROW_BUCKETS} row buckets, got {len(tactics)}")
+        for name in set(tactics):
+            why = self._kernels.gemm_kernels[self.dtype].get(name, f"not one of {', '.join(GEMM_KERNELS)}")
+            if why:
+                raise ValueError(f"GEMM kernel {name!r} cannot run {self.dtype} here: {why}")
+        self.tactics = tuple(tactics)
+        self.weight.kernel[:] = [GEMM_KERNELS[t] for t in tactics]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._kernels.linear(x, self, bias)
@@ -318,7 +218,7 @@ class DecoderStack:
             if value is None:
                 return None
             self._keep.append(value)
-            return (value.panels if isinstance(value, PackedLinear) else value).data_ptr()
+            return ctypes.addressof(value.weight) if isinstance(value, PackedLinear) else value.data_ptr()
 
         self.shape = StackShape(**shape, bf16=_bf16(torch.empty(0, dtype=dtype)))
         self.layers = (StackLayer * len(layers))(*[StackLayer(**{k: address(v) for k, v in layer.items()})
@@ -367,26 +267,28 @@ def supports(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     return dtype == cache_dtype and dtype in SUPPORTED_DTYPES
 
 
+
+_failed: list[str] = []  # why the library did not load, once logged
+
+
 @functools.cache
 def _library() -> Kernels | None:
-    if os.environ.get("KILN_CPU_KERNELS", "1") == "0":
-        log.info("kiln CPU kernels off (KILN_CPU_KERNELS=0): attention runs on torch")
+    where = cpu_library.locate()
+    if isinstance(where, tuple) and where[0] == cpu_library._shipped.get(where[1]):
+        try:
+            return Kernels(*where)
+        except (OSError, RuntimeError) as exc:
+            log.warning("kiln CPU kernels: the artifact's %s library does not load (%s); compiling here", where[1], exc)
+            where = cpu_library.locate(shipped=False)
+    if isinstance(where, str):
+        if where == "KILN_CPU_KERNELS=0":
+            log.info("kiln CPU kernels off (KILN_CPU_KERNELS=0): attention runs on torch")
+        else:
+            log.warning("kiln CPU kernels unavailable (%s); attention runs on torch", where)
         return None
-    levels = host_levels()
-    if not levels:
-        log.warning("kiln CPU kernels: this CPU (%s) has none of the ISA levels they are built for (%s); "
-                    "attention runs on torch", platform.machine(), ", ".join(LEVEL_FLAGS))
-        return None
-    for level in levels:
-        if level in _shipped:
-            try:
-                return Kernels(_shipped[level], level)
-            except (OSError, RuntimeError) as exc:
-                log.warning("kiln CPU kernels: the artifact's %s library does not load (%s); compiling here", level, exc)
-            break
     try:
-        return Kernels(compile_library(levels[0], default_dir()), levels[0])
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return Kernels(*where)
+    except (OSError, RuntimeError) as exc:
         log.warning("kiln CPU kernels unavailable (%s); attention runs on torch", exc)
         return None
 
@@ -394,3 +296,8 @@ def _library() -> Kernels | None:
 def kernels() -> Kernels | None:
     """The CPU kernels for this host, or None (the engine then runs its torch path)."""
     return _library()
+
+
+def reset() -> None:
+    """Forget the loaded library (after ``cpu_library.install_shipped``, or a test's change of environment)."""
+    _library.cache_clear()

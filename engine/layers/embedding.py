@@ -39,7 +39,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary (all-gathered from each rank's slice)."""
 
-    packed_weight = None  # a packed copy on CPU (layers/linear.pack_model)
+    packed_weight = None  # a packed copy on CPU (kiln.engine.tactics.bind)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.packed_weight is not None:

@@ -12,9 +12,9 @@ float8_e4m3fn values and ``weight_scale`` one float32 scale per output channel, 
 ``quant.quantized_linear`` picks the GEMM (int8/fp8 kernels on a GPU, torch's int8-weight
 matmul or a per-call dequantization on CPU). Every parameter is created on the device of
 the model being built, including the quantized ones that replace the float weight.
-On CPU, unquantized weights are packed once at load (``pack_model``): into the panel layout of
-kiln's own GEMM when its CPU kernels are loaded (``kernels/native.PackedLinear``: float32, and bf16 on
-a CPU with AVX512-BF16), else into oneDNN's blocked layout.
+On CPU, unquantized weights are packed once at load, each in the layout its tactic table entry chose
+(``kiln.engine.tactics``: kiln's GEMM panels, oneDNN's blocked layout, or left plain), and ``packed_weight``
+then serves the linear (``packed_linear``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from kiln.engine.layers.quant import QUANT_DTYPES, quantize_weight, quantized_li
 from torch import nn
 
 __all__ = ["ColumnParallelLinear", "LinearBase", "MergedColumnParallelLinear", "QKVParallelLinear",
-           "QUANT_DTYPES", "RowParallelLinear", "can_prepack", "pack_model", "pack_weight", "packed_linear",
-           "prepack", "quantize_weight"]
+           "QUANT_DTYPES", "RowParallelLinear", "packed_linear", "quantize_weight"]
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -77,7 +76,7 @@ class LinearBase(nn.Module):
         self.weight_scale: nn.Parameter | None = None
         if method:
             self.weight_scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32), requires_grad=False)
-        self.packed_weight = None  # see pack_for_cpu_
+        self.packed_weight = None  # a packed copy on CPU, set by kiln.engine.tactics.bind (the plain one is dropped)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
@@ -100,11 +99,6 @@ class LinearBase(nn.Module):
         shape, device = self.weight.shape, self.weight.device
         self.weight = nn.Parameter(torch.empty(shape, dtype=QUANT_DTYPES[method], device=device), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(shape[0], dtype=torch.float32, device=device), requires_grad=False)
-
-    def pack_for_cpu_(self, batch_hint: int, native=None) -> None:
-        """Serve from a packed copy of the weight and drop the plain one (see pack_model)."""
-        self.packed_weight = pack_weight(self.weight.detach(), batch_hint, native)
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
@@ -176,60 +170,8 @@ class RowParallelLinear(LinearBase):
         return y if self.bias is None else y + self.bias
 
 
-def can_prepack(device: str, dtype: torch.dtype) -> bool:
-    """float32 on any CPU oneDNN runs; bf16 on a CPU whose oneDNN has bf16 kernels (AVX512-BF16 / AMX).
-
-    For float32, aten's linear is MKL's sgemm on the plain weight; oneDNN's prepacked
-    kernel is 1.5-4x faster at decode-size row counts (16-64) and no slower on prefill
-    chunks (measured with torch 2.13, one thread, on an AVX-512 EPYC), and kiln's own
-    (``pack_weight`` with the CPU kernels) faster again.
-    """
-    mkldnn = torch.ops.mkldnn
-    if device != "cpu" or not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_reorder_linear_weight"):
-        return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and mkldnn._is_mkldnn_bf16_supported())
-
-
-def prepack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-
-
-def pack_weight(weight: torch.Tensor, batch_hint: int, native=None):
-    """With kiln's CPU kernels (``native``) and a dtype their GEMM runs here (float32; bf16 on AVX512-BF16):
-    their panel layout (``kernels/native.PackedLinear``); otherwise oneDNN's (an opaque tensor).
-    ``packed_linear`` takes either."""
-    if native is not None and weight.dtype in native.linear_dtypes:
-        return native.pack_linear(weight)
-    return prepack(weight, batch_hint)
-
-
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
-    if isinstance(packed, torch.Tensor):
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return packed(x, bias)
+    """``F.linear`` through a packed weight (a ``kernels.native.PackedLinear`` or oneDNN's opaque tensor)."""
+    from kiln.engine.tactics.candidates import run
 
-
-def pack_model(model: nn.Module, batch_hint: int, native=None) -> int:
-    """Pack every unquantized linear and the LM head once (``pack_weight``); returns how many were packed.
-
-    aten's linear on CPU reorders a bf16 weight into oneDNN's blocked layout on every call and
-    runs MKL's sgemm on a float32 one; packing once makes small-batch (decode) matmuls 1.5-4x
-    faster. kiln's own GEMM (``native``, the CPU kernels) is faster still at decode sizes
-    (float32 1.2-1.5x oneDNN's at 8-16 rows, bf16 1.6x; no slower on prefill chunks). The
-    packed copies live outside the state dict.
-    """
-    from kiln.engine.layers.embedding import ParallelLMHead
-
-    count = 0
-    for m in model.modules():
-        if isinstance(m, LinearBase) and m.weight_scale is None:
-            m.pack_for_cpu_(batch_hint, native)
-            count += 1
-        elif isinstance(m, ParallelLMHead):
-            m.packed_weight = pack_weight(m.weight.detach(), batch_hint, native)
-            tied = any(p is m.weight for other in model.modules() if other is not m
-                       for p in other.parameters(recurse=False))
-            if not tied:  # a tied head's weight is the embedding's, which keeps it for lookups
-                m.weight.data = torch.empty(0, dtype=m.weight.dtype, device=m.weight.device)
-            count += 1
-    return count
+    return run(packed, x, bias)

@@ -74,6 +74,11 @@ class LlamaMLP(nn.Module):
 
     native_ops = None  # kernels.native.Kernels: SiLU(gate) * up in one pass (set by the runner)
 
+    @property
+    def rows_per_call(self) -> int | None:
+        """The most rows one call of these linears sees: a prefill step's MLP runs in slices on the native path."""
+        return CPU_MLP_ROWS if self.native_ops is not None else None
+
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.native_ops.silu_mul(self.gate_up_proj(x)))
 
@@ -88,6 +93,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    stack_member = True  # its linears run inside kernels.native.DecoderStack when one is bound (tactics.bind)
+
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg)
@@ -136,7 +143,7 @@ class LlamaModel(nn.Module):
     def bind_native_stack(self, kernels) -> str | None:
         """Run this stage's layers as one ``kernels.native.DecoderStack`` call per step; returns None, or why
         the per-module path stays (it then runs as before). Call after the weights are packed for kiln's GEMM
-        (``layers.linear.pack_model``) and the KV caches are bound."""
+        (``kiln.engine.tactics.bind``) and the KV caches are bound."""
         from kiln.engine.kernels.native import DecoderStack, PackedLinear, supports
 
         self.native_stack = None

@@ -1,0 +1,99 @@
+"""The build's ``tactics`` stage: every op with more than one implementation, timed on the target at the
+envelope's shapes, the winners shipped in the artifact (``tactics.json``, kiln.engine.tactics).
+
+On CPU, at the thread count the tune stage chose:
+
+1. linears: each linear shape of the model (this rank's shards, the row caps the runtime applies) at
+   every row bucket up to ``maxNumTokens`` (the LM head up to ``maxBatchSize``), every candidate this
+   host runs (kiln's FMA and AMX kernels, oneDNN, ATen), interleaved, within ``BUDGET_S`` (or
+   ``$KILN_TACTICS_BUDGET_S``);
+2. model-level, end to end through the runtime on the artifact itself (prefill + decode steps, two
+   interleaved rounds, the better of each): the decoder stack as one C call vs module by module, and
+   kiln's C attention vs torch's.
+
+A serving host of the same signature uses the table as is; another kind re-times the linears at load
+(``kiln.engine.tactics.resolve``). On a GPU nothing is timed yet: linears run cuBLAS through torch and
+attention the Triton kernels, and the record says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kiln.build.tactics")
+
+BUDGET_S = 120.0
+
+
+def _end_to_end_ms(llm, spec, vocab_size: int) -> float:
+    """Prefill plus the measured decode steps, in ms (kiln.builder.tune.measure)."""
+    from kiln.builder.tune import measure
+
+    m = measure(llm, spec, vocab_size)
+    return m["prefill_ms"] + sum(row["decode_step_ms"] for row in m["decode"])
+
+
+def _best_of(runs: dict[str, list[float]]) -> dict[str, float]:
+    return {name: round(min(times) * 1e3, 1) for name, times in runs.items()}  # ms -> us
+
+
+def tune_tactics(load_llm, spec, vocab_size: int, out: Path, tuning: dict[str, Any]
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Measure and write ``out/tactics.json``; returns (the build report's record, engine_config overrides)."""
+    import torch
+    from kiln.engine.artifact import TACTICS_FILE
+    from kiln.engine.tactics import report
+    from kiln.engine.tactics.resolve import budget, measure
+
+    if tuning.get("device") == "cuda":
+        return {"device": "cuda", "timed": False,
+                "why": "GPU tactics are not timed yet: linears run cuBLAS through torch, attention kiln's Triton "
+                       "kernels (docs/gpu.md)"}, {}
+    if tuning.get("torch_num_threads"):
+        torch.set_num_threads(int(tuning["torch_num_threads"]))
+    llm = load_llm(tactics="aten")  # untimed: only to learn the linear shapes the runtime will run
+    try:
+        sites, native = llm.engine.runner.tactic_sites, llm.engine.runner.native
+        table = measure(sites, native, budget(BUDGET_S))
+    finally:
+        llm.shutdown()
+    log.info("linears: %d shapes timed in %.1fs", len(table.linear), table.seconds)
+    path = table.save(out / TACTICS_FILE)
+    overrides: dict[str, Any] = {}
+
+    stack: dict[str, list[float]] = {"fused": [], "modules": []}
+    attention: dict[str, list[float]] = {"native": [], "torch": []}
+    llm = load_llm()  # the table just written: this host matches it, nothing is re-timed
+    try:
+        model = llm.engine.runner.model.model
+        fused = getattr(model, "native_stack", None)
+        for _ in range(2):
+            attention["native"].append(_end_to_end_ms(llm, spec, vocab_size))
+            if fused is not None:
+                stack["fused"].append(attention["native"][-1])
+                model.native_stack = None
+                stack["modules"].append(_end_to_end_ms(llm, spec, vocab_size))
+                model.native_stack = fused
+    finally:
+        llm.shutdown()
+    if llm.engine.runner.native is not None:
+        torch_llm = load_llm(attention_backend="torch")
+        try:
+            attention["torch"] += [_end_to_end_ms(torch_llm, spec, vocab_size) for _ in range(2)]
+        finally:
+            torch_llm.shutdown()
+        us = _best_of(attention)
+        table.model["attention"] = {"winner": min(us, key=us.get), "us": us}
+        if table.model["attention"]["winner"] == "torch":
+            overrides["attention_backend"] = "torch"
+    if stack["modules"]:
+        us = _best_of(stack)
+        table.model["decoder_stack"] = {"winner": min(us, key=us.get), "us": us}
+    table.save(path)
+    for line in report.format_table(table).splitlines():
+        log.info("%s", line)
+    record = {"device": "cpu", "timed": True, "file": TACTICS_FILE, "host": table.host, "seconds": round(table.seconds, 2),
+              "summary": report.summary(table), "rows": report.rows(table)}
+    return record, overrides

@@ -1,0 +1,120 @@
+/* kiln's CPU kernels: the helpers every file shares and the entry points they call in each other.
+ *
+ * C99 with GCC vector extensions + OpenMP, compiled per ISA level (x86-64-v4, x86-64-v3, armv8-a) into one
+ * shared library by engine/kernels/cpu_library.py and called through ctypes (engine/kernels/native.py) with
+ * raw tensor pointers; no torch headers, so a build takes a few seconds. One file per concern:
+ *
+ *   attention.c  paged attention read straight from the KV cache blocks
+ *   pointwise.c  SiLU x up, residual add + RMSNorm, rotary, the KV cache write
+ *   gemm.c       linears over weights packed once into panels: float32 and bf16 (vdpbf16ps) FMA tiles, and
+ *                kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count
+ *   gemm_amx.c   the bf16 linear on AMX tiles, over the same panels
+ *   stack.c      a pipeline stage's decoder layers in one call
+ *
+ * Threads: the OpenMP runtime is the one torch loaded (same soname, libgomp.so.1), so a parallel
+ * region here uses torch's thread count (torch.set_num_threads) and its warm thread pool.
+ */
+#ifndef KILN_CPU_H
+#define KILN_CPU_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KILN_ABI_VERSION 7
+#define KILN_HIDDEN __attribute__((visibility("hidden")))
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* element i of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) array, as float */
+static inline float ld(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+static inline void st(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* e^x for x <= 0 (scores minus their max), Cephes' expf: about 1 ulp, vectorizable. */
+#pragma omp declare simd notinbranch
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* The pointwise kernels compute what the eager torch ops compute, rounding where those round: no fused
+ * multiply-add where torch has none (see pointwise.c). */
+#define NOCONTRACT __attribute__((optimize("fp-contract=off")))
+static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+/* ---- linears: weights packed once into panels of KILN_PANEL output columns (gemm.c) ---- */
+#if defined(__AVX512F__)
+#define KILN_PANEL 64
+#else
+#define KILN_PANEL 16
+#endif
+/* K pairs per bf16 panel: ceil(K / 2) rounded up to 16 (one AMX tile's depth), the pairs past K zero, so
+ * the FMA and AMX kernels share one packed copy and a tile never reads past its panel. */
+static inline int64_t bf16_panel_pairs(int64_t k) { return ((k + 1) / 2 + 15) / 16 * 16; }
+
+/* Row buckets of a tactic table: bucket b holds calls of (2^(b-1), 2^b] rows (b = 0: one row). */
+#define KILN_ROW_BUCKETS 16
+enum kiln_gemm_kernel { KILN_GEMM_FMA = 0, KILN_GEMM_AMX = 1 };
+
+/* A packed weight and, per row bucket, the kernel that multiplies it (its tactic table's winners). */
+struct kiln_weight {
+    const void *panels; /* kiln_pack_linear_f32 / _bf16 */
+    int64_t n, k;       /* output and input features */
+    int32_t bf16;
+    uint8_t kernel[KILN_ROW_BUCKETS]; /* enum kiln_gemm_kernel */
+};
+
+void kiln_gemm(const struct kiln_weight *w, const void *x, const float *bias, void *y, int64_t m, int64_t ldx,
+               int64_t ldy);
+void kiln_linear_f32(const float *x, const float *packed, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+                     int64_t ldx, int64_t ldy);
+void kiln_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m, int64_t n,
+                      int64_t k, int64_t ldx, int64_t ldy);
+int kiln_linear_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m, int64_t n,
+                    int64_t k, int64_t ldx, int64_t ldy);
+int kiln_amx_ready(void);
+
+/* ---- the other entry points the decoder stack calls ---- */
+int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                         const int32_t *ctx_lens, const int32_t *row_starts, void *out, int64_t num_groups,
+                         int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t d,
+                         int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int bf16);
+void kiln_silu_mul(const void *x, void *out, int64_t rows, int64_t n, int64_t x_stride, int64_t out_stride, int bf16);
+void kiln_add_rms_norm(const void *x, const void *residual, const void *weight, void *out, void *res_out,
+                       int64_t rows, int64_t dim, float eps, int bf16);
+void kiln_rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t heads, int64_t d,
+                 int64_t x_stride, int64_t cs_stride, int bf16);
+void kiln_cache_write(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots,
+                      int64_t tokens, int64_t kv_heads, int64_t d, int64_t k_stride, int64_t v_stride,
+                      int64_t num_blocks, int64_t block_size, int bf16);
+#endif

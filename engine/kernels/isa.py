@@ -1,0 +1,99 @@
+"""What kiln's CPU kernels may use on this host: ISA levels, the features past them, and the caps that hold
+every library below an ISA so that one host can run what another kind runs.
+
+A library is compiled per ISA level (the x86-64 micro-architecture levels: ``x86-64-v4`` = AVX-512
+F/BW/CD/DQ/VL, ``x86-64-v3`` = AVX2 + FMA + ...; ``armv8-a`` on aarch64), and a host runs a level only if
+its ``/proc/cpuinfo`` flags include every flag of it (``LEVEL_FLAGS``), so a kernel built for AVX-512 never
+dies on an illegal instruction on an AVX2-only host. Past the level, two GEMM kernels need features of
+their own (``FEATURE_FLAGS``): the vdpbf16ps tiles (AVX512-BF16) and the AMX tiles. Which one *runs* is
+not read from these flags: the tactic table (``kiln.engine.tactics``) times the ones the host can run.
+
+``$KILN_CPU_ISA`` caps what kiln's kernels use, in ``CAP_ORDER`` (e.g. ``x86-64-v3`` on an AVX-512 host
+runs what an AVX2-only host runs; ``avx512_bf16`` keeps AMX off). ``ISA_CAPS`` is the environment that
+holds torch's libraries at the same point (oneDNN, ATen, MKL): ``kiln bench --max-isa`` and the tests'
+capped runs set it before torch starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+
+log = logging.getLogger("kiln.engine.kernels.native")
+
+_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm", "xsave")
+# level -> the /proc/cpuinfo flags a host needs to run code compiled with -march=<level>, best first
+LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
+    "x86-64-v4": (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+    "x86-64-v3": _V3,
+    "armv8-a": ("asimd",),
+}
+ARCH_LEVELS = {"x86_64": ("x86-64-v4", "x86-64-v3"), "aarch64": ("armv8-a",)}
+# feature -> (the library level it is compiled into, the flags a host needs to run it)
+FEATURE_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "avx512_bf16": ("x86-64-v4", ("avx512_bf16",)),
+    "amx": ("x86-64-v4", ("amx_tile", "amx_bf16")),
+}
+ISA_ENV = "KILN_CPU_ISA"
+# What $KILN_CPU_ISA may name, lowest first: a cap allows everything at or below it.
+CAP_ORDER = {"x86_64": ("x86-64-v3", "x86-64-v4", "avx512_bf16", "amx"), "aarch64": ("armv8-a",)}
+# --max-isa name -> the environment that holds every library at or below it (set before torch starts).
+ISA_CAPS: dict[str, dict[str, str]] = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2", ISA_ENV: "x86-64-v3"},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "DNNL_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+               "ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512", ISA_ENV: "x86-64-v4"},
+    "avx512_bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                    "ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512", ISA_ENV: "avx512_bf16"},
+}
+CAP_ENV_VARS = tuple(sorted({k for env in ISA_CAPS.values() for k in env}))
+
+
+def _cap_index() -> int | None:
+    """Position of ``$KILN_CPU_ISA`` in this architecture's CAP_ORDER; None when unset or not one of them."""
+    cap = os.environ.get(ISA_ENV, "").strip()
+    if not cap:
+        return None
+    known = CAP_ORDER.get(platform.machine(), ())
+    if cap not in known:
+        log.warning("$%s=%s is not an ISA level of %s (%s); ignored", ISA_ENV, cap, platform.machine(),
+                    ", ".join(known) or "none")
+        return None
+    return known.index(cap)
+
+
+def _allowed(name: str) -> bool:
+    cap = _cap_index()
+    order = CAP_ORDER.get(platform.machine(), ())
+    return cap is None or (name in order and order.index(name) <= cap)
+
+
+def host_levels(flags: frozenset[str] | None = None) -> list[str]:
+    """The ISA levels this host can run, best first, none above ``$KILN_CPU_ISA`` where it is set."""
+    from kiln.engine import cpu_target
+
+    flags = cpu_target.cpu_flags() if flags is None else flags
+    return [lvl for lvl in ARCH_LEVELS.get(platform.machine(), ())
+            if set(LEVEL_FLAGS[lvl]) <= flags and _allowed(lvl)]
+
+
+def feature_missing(feature: str, level: str, flags: frozenset[str] | None = None) -> str | None:
+    """Why a library of ``level`` may not run ``feature`` here (None: it may)."""
+    from kiln.engine import cpu_target
+
+    flags = cpu_target.cpu_flags() if flags is None else flags
+    needs_level, needs_flags = FEATURE_FLAGS[feature]
+    if level != needs_level:
+        return f"needs the {needs_level} library (this host loaded {level})"
+    missing = [f for f in needs_flags if f not in flags]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    if not _allowed(feature):
+        return f"${ISA_ENV}={os.environ.get(ISA_ENV)} caps it off"
+    return None
+
+
+def caps_in_effect() -> dict[str, str]:
+    """The ISA caps set in this process's environment (they change what runs, so tactic tables record them)."""
+    return {k: os.environ[k] for k in CAP_ENV_VARS if os.environ.get(k)}

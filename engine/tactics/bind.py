@@ -1,0 +1,113 @@
+"""Apply a tactic table to a loaded CPU model: each linear's weight packed once, in the layout its table
+entry chose, with the kernel per row bucket (``kernels.native.PackedLinear.set_tactics``).
+
+One choice spans linears: the decoder stack (``kernels.native.DecoderStack``, a stage's layers in one C
+call) runs only when every linear of the layers is in kiln's layout. The table's model-level
+``decoder_stack`` entry, timed end to end by a build, decides: ``fused`` packs the layers' linears in
+kiln's layout (each bucket by the fastest kiln kernel timed), ``modules`` leaves each shape its own
+best. A table without it (measured at load) fuses when kiln's layout costs at most ``STACK_MARGIN``
+times the best layout's per-token time for every layer shape: the stack saves what the Python between
+the kernels costs (3-11 % of a step measured on the bench model), more than a few percent of GEMM time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from kiln.engine.layers.embedding import ParallelLMHead
+from kiln.engine.layers.linear import LinearBase
+from kiln.engine.tactics import candidates
+from kiln.engine.tactics.resolve import packing, resolve
+from kiln.engine.tactics.table import TacticTable
+from kiln.engine.tactics.timing import LinearSite
+from torch import nn
+
+log = logging.getLogger("kiln.engine.tactics")
+
+STACK_MARGIN = 1.10
+
+
+def linear_modules(model: nn.Module, max_num_tokens: int, max_batch_size: int) -> list[tuple[nn.Module, LinearSite]]:
+    """Every linear a CPU engine may pack (unquantized linears and the LM head) with its site. A module with
+    ``rows_per_call`` (the MLP when prefill steps run in slices) caps the rows of the linears inside it; the
+    LM head sees at most ``max_batch_size`` rows (the step's sampled rows)."""
+    caps: dict[int, int] = {}
+    for m in model.modules():
+        cap = getattr(m, "rows_per_call", None)
+        if cap:
+            for child in m.modules():
+                caps[id(child)] = min(cap, caps.get(id(child), cap))
+    stacked = {id(child) for m in model.modules() if getattr(m, "stack_member", False) for child in m.modules()}
+    out = []
+    for m in model.modules():
+        if isinstance(m, LinearBase) and m.weight_scale is None and m.weight.dim() == 2:
+            rows = min(max_num_tokens, caps.get(id(m), max_num_tokens))
+        elif isinstance(m, ParallelLMHead) and m.weight.dim() == 2:
+            rows = max_batch_size
+        else:
+            continue
+        n, k = m.weight.shape
+        out.append((m, LinearSite(m.weight.dtype, n, k, max(1, rows), stacked=id(m) in stacked)))
+    return out
+
+
+def linear_sites(modules: list[tuple[nn.Module, LinearSite]]) -> list[LinearSite]:
+    """One site per distinct shape, with the most rows any of its linears sees."""
+    by_key: dict[str, LinearSite] = {}
+    for _, site in modules:
+        seen = by_key.get(site.key)
+        if seen is None or site.max_rows > seen.max_rows:
+            by_key[site.key] = site
+    return list(by_key.values())
+
+
+def stack_layout(table: TacticTable, modules: list[tuple[nn.Module, LinearSite]], native) -> tuple[bool, str]:
+    """(pack the layers' linears in kiln's layout, why) by the table's ``decoder_stack`` entry or the margin."""
+    layer_sites = {site.key: site for _, site in modules if site.stacked}
+    if native is None or not layer_sites:
+        return False, "no decoder stack: kiln's attention kernels do not run here"
+    kiln_ok = all(candidates.why_not("kiln-fma", s.dtype, native) is None for s in layer_sites.values())
+    entry = (table.model.get("decoder_stack") or {}).get("winner")
+    if entry is not None:
+        return entry == "fused" and kiln_ok, f"the table's decoder_stack: {entry}"
+    for key in layer_sites:
+        scores = table.linear[key].scores
+        if not kiln_ok or "kiln" not in scores or scores["kiln"] > STACK_MARGIN * min(scores.values()):
+            return False, f"{key}: kiln's layout is not within {STACK_MARGIN:g}x of the best"
+    return True, f"kiln's layout within {STACK_MARGIN:g}x of the best for every layer shape"
+
+
+def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: TacticTable, native,
+         batch_hint: int, stack: bool = True) -> dict[str, int]:
+    """Pack every module of ``model`` by its table entry; returns how many linears went to each layout.
+    ``stack``: the decoder stack can run here (kiln's attention kernels serve the model)."""
+    fuse, why = stack_layout(table, modules, native if stack else None)
+    log.info("tactics: decoder layers %s (%s)", "in kiln's layout for the stack" if fuse else "per shape", why)
+    counts: dict[str, int] = {}
+    for m, site in modules:
+        layout, kernels = packing(table.linear[site.key], site.dtype, native, "kiln" if fuse and site.stacked else None)
+        counts[layout] = counts.get(layout, 0) + 1
+        if layout == "plain":
+            continue
+        packed = candidates.pack(layout, m.weight, native, batch_hint, kernels)
+        m.packed_weight = packed
+        tied = isinstance(m, ParallelLMHead) and any(
+            p is m.weight for other in model.modules() if other is not m for p in other.parameters(recurse=False))
+        if not tied:  # a tied head's weight is the embedding's, which keeps it for lookups
+            m.weight.data = torch.empty(0, dtype=m.weight.dtype, device=m.weight.device)
+    return counts
+
+
+def apply(model: nn.Module, config, native, stack: bool = True
+          ) -> tuple[TacticTable, dict[str, Any], list[LinearSite]]:
+    """Resolve the table for this model and host (``resolve.resolve``) and pack the model by it; returns the
+    table, what ``/version`` says of it, and the model's linear sites (what a build times)."""
+    modules = linear_modules(model, config.max_num_tokens, config.max_batch_size)
+    sites = linear_sites(modules)
+    table, info = resolve(config.tactics, sites, native, config.tactics_cache)
+    counts = bind(model, modules, table, native, config.max_batch_size, stack)
+    info["layouts"] = counts
+    log.info("tactics (%s): %s", info["source"], ", ".join(f"{n} linear(s) {k}" for k, n in sorted(counts.items())))
+    return table, info, sites

@@ -1,0 +1,49 @@
+"""The signature of the machine a tactic table was measured on: a table is used as is only where it matches.
+
+Everything that changes which kernel is fastest is in it: the CPU model and the flags that decide the
+matmul kernels (``cpu_target.RELEVANT_FLAGS``), the thread count the timings ran at, the ISA caps in the
+environment, the kiln kernel library (level and source) and torch's version (oneDNN comes with it). The
+CPU count is not: a pod with the same CPU type and the same threads times the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from typing import Any
+
+import torch
+
+
+def cpu_signature(threads: int | None = None) -> dict[str, Any]:
+    from kiln.engine import cpu_target
+    from kiln.engine.kernels import native
+    from kiln.engine.kernels.cpu_library import source_digest
+    from kiln.engine.kernels.isa import caps_in_effect
+
+    kernels = native.kernels()
+    flags = cpu_target.cpu_flags()
+    return {"device": "cpu", "machine": platform.machine(), "model": cpu_target.cpu_model(),
+            "flags": sorted(f for f in cpu_target.RELEVANT_FLAGS if f in flags),
+            "threads": int(threads or torch.get_num_threads()), "caps": caps_in_effect(),
+            "torch": torch.__version__,
+            "kernels": None if kernels is None else {"level": kernels.level, "source": source_digest()[:16]}}
+
+
+def signature_key(signature: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def describe(signature: dict[str, Any]) -> str:
+    """One line for logs and reports: CPU model, flags, threads, kernel level, caps."""
+    kernels = signature.get("kernels") or {}
+    caps = signature.get("caps") or {}
+    return (f"{signature.get('model')} [{' '.join(signature.get('flags') or [])}], {signature.get('threads')} "
+            f"thread(s), kiln kernels {kernels.get('level', 'none')}"
+            + (f", capped {' '.join(f'{k}={v}' for k, v in sorted(caps.items()))}" if caps else ""))
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """What differs between two signatures, one 'field: a -> b' each."""
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]

@@ -1,0 +1,129 @@
+"""Time every candidate a linear can run, at each row bucket its calls can reach, on this machine.
+
+Candidates are timed interleaved (one sample of each in turn, the order rotating every round), so a
+neighbour's burst on a shared host slows them all alike; each sample is enough calls to last
+``MIN_SAMPLE_S``; the figure is the median of the samples. A candidate more than ``PRUNE_RATIO`` times
+slower than the best on its first call after a warm-up, or after ``MIN_ROUNDS`` rounds, cannot win and is not timed
+further (its time so far is kept, marked pruned). The whole measurement keeps to a time budget: buckets
+are measured smallest first (decode-sized calls are the common ones), and a bucket the budget did not
+reach takes the choice of the largest one measured (``inferred_from``).
+
+Wide weights are timed on their first ``TIMED_COLUMNS`` output columns: every candidate's time grows
+linearly in the columns past a few hundred, and a full LM head packed three ways would cost gigabytes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from kiln.engine.kernels.native import ROW_BUCKETS
+from kiln.engine.tactics import candidates
+
+MIN_SAMPLE_S = 2e-3
+MIN_ROUNDS, MAX_ROUNDS = 3, 7
+PRUNE_RATIO = 2.0
+TIMED_COLUMNS = 8192
+
+
+@dataclass(frozen=True)
+class LinearSite:
+    """A linear shape the model runs and the most rows one call of it sees."""
+
+    dtype: torch.dtype
+    n: int
+    k: int
+    max_rows: int
+    stacked: bool = False  # a decoder layer's linear (the stack runs it in kiln's layout, bind.stack_layout)
+
+    @property
+    def key(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}:{self.n}x{self.k}"
+
+
+@dataclass
+class BucketTiming:
+    rows: int  # the rows timed: the bucket's top, or the site's max_rows where that is lower
+    seconds: dict[str, float] = field(default_factory=dict)  # candidate -> median seconds per call
+    pruned: list[str] = field(default_factory=list)
+    inferred_from: int | None = None  # not measured (budget): the rows whose timings stand in
+
+
+def bucket_rows(max_rows: int) -> list[int]:
+    """The rows timed for each row bucket a call of up to ``max_rows`` rows falls in (bucket b: 2^b)."""
+    out = []
+    for b in range(ROW_BUCKETS):
+        out.append(min(1 << b, max_rows))
+        if 1 << b >= max_rows:
+            break
+    return out
+
+
+def _sample(fn, inner: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner
+
+
+def time_bucket(fns: dict[str, callable]) -> tuple[dict[str, float], list[str]]:
+    """Median seconds per call of each function, interleaved; and which were pruned."""
+    for fn in fns.values():  # warm-up: first-call costs (oneDNN creates its primitive for the shape)
+        fn()
+    first = {name: _sample(fn, 1) for name, fn in fns.items()}
+    best = min(first.values())
+    alive = [n for n in fns if first[n] <= PRUNE_RATIO * 2 * best]
+    pruned = [n for n in fns if n not in alive]
+    samples: dict[str, list[float]] = {n: [] for n in fns}
+    for n in pruned:
+        samples[n].append(first[n])
+    inner = {n: max(1, math.ceil(MIN_SAMPLE_S / max(first[n], 1e-7))) for n in alive}
+    for r in range(MAX_ROUNDS):
+        order = alive[r % len(alive):] + alive[:r % len(alive)]
+        for n in order:
+            samples[n].append(_sample(fns[n], inner[n]))
+        if r + 1 == MIN_ROUNDS and len(alive) > 1:
+            med = {n: sorted(samples[n])[len(samples[n]) // 2] for n in alive}
+            top = min(med.values())
+            pruned += [n for n in alive if med[n] > PRUNE_RATIO * top]
+            alive = [n for n in alive if med[n] <= PRUNE_RATIO * top]
+        if r + 1 >= MIN_ROUNDS and len(alive) == 1:
+            break
+    return {n: sorted(s)[len(s) // 2] for n, s in samples.items()}, pruned
+
+
+def time_site(site: LinearSite, names: list[str], native, deadline: float,
+              generator: torch.Generator) -> list[BucketTiming]:
+    """Every bucket of ``site`` for the candidates ``names`` (each runnable here), until ``deadline``."""
+    n = min(site.n, TIMED_COLUMNS)
+    weight = (torch.randn(n, site.k, generator=generator) * 0.02).to(site.dtype)
+    packed = {}
+    for name in names:
+        layout = candidates.LINEAR[name].layout
+        if layout not in packed:
+            packed[layout] = candidates.pack(layout, weight, native)
+    out: list[BucketTiming] = []
+    for rows in bucket_rows(site.max_rows):
+        if out and time.monotonic() > deadline:
+            out.append(BucketTiming(rows, dict(out[-1].seconds), list(out[-1].pruned),
+                                    inferred_from=out[-1].inferred_from or out[-1].rows))
+            continue
+        x = torch.randn(rows, site.k, generator=generator).to(site.dtype)
+        fns = {}
+        for name in names:
+            cand = candidates.LINEAR[name]
+            p = packed[cand.layout]
+            if cand.gemm_kernel is not None:  # kiln's kernels share one packed copy: each call sets its own
+                def fn(p=p, kernel=cand.gemm_kernel, x=x):
+                    if p.tactics[0] != kernel:
+                        p.set_tactics([kernel] * ROW_BUCKETS)
+                    return p(x)
+            else:
+                def fn(p=p, x=x, plain=cand.layout == "plain"):
+                    return candidates.run(p, x, None, plain)
+            fns[name] = fn
+        seconds, pruned = time_bucket(fns)
+        out.append(BucketTiming(rows, seconds, pruned))
+    return out
