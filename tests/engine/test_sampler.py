@@ -340,3 +340,39 @@ def test_top_k_in_a_large_vocabulary_matches_transformers(params):
     for i in range(4):
         assert torch.equal(probs[i] > 0, hf_probs(logits[i], params) > 0)
         assert torch.allclose(probs[i] / probs[i].sum(), hf_probs(logits[i], params), atol=1e-6)
+
+
+def test_grammar_masks_only_constrained_rows_and_comes_first(toy_model):
+    """A regex grammar allows a few ids; its rows pick among them (greedy: the best of them, sampled:
+    only them, logprobs: the others -inf) while the free row in the same batch is untouched."""
+    from kiln.engine.llm_engine import load_tokenizer
+    from kiln.engine.structured.compiler import GrammarCompiler
+    from kiln.engine.structured.params import StructuredOutputsParams
+
+    model_dir = toy_model("llama-tiny")
+    tokenizer = load_tokenizer(str(model_dir))
+    vocab = 1024
+    compiled = GrammarCompiler(tokenizer, vocab, [2]).compile(StructuredOutputsParams(regex="[0-9]+"))
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    for token in range(vocab):
+        allowed[token] = compiled.new_state().validate([token]) == 1
+    assert 1 < int(allowed.sum()) < vocab
+    logits = random_logits(3, vocab, seed=11)
+    logits[:, ~allowed] += 50.0  # the global argmax is a refused token in every row
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, seed=3)]
+    rows = [make_row(p) for p in params]
+    rows[0].grammar, rows[2].grammar = compiled.new_state(), compiled.new_state()
+    expected_free = int(logits[1].argmax())
+    best_allowed = int(torch.where(allowed, logits[0], float("-inf")).argmax())
+    out = Sampler()(logits.clone(), rows)
+    assert out.token_ids.tolist()[:2] == [best_allowed, expected_free]
+    assert bool(allowed[out.token_ids[2]])
+    # Logprobs are the constrained distribution's: the refused tokens, 50 logits higher, are not in the top 5.
+    assert bool(allowed[out.top_ids[0]].all())
+    masked = torch.where(allowed, logits[0], float("-inf")).log_softmax(-1)
+    assert torch.allclose(out.top_logprobs[0], masked.topk(5).values)
+    # Even +100 of logit_bias on a refused token cannot bring it back: the mask comes first.
+    biased = make_row(SamplingParams(temperature=0, logit_bias={int((~allowed).nonzero()[0]): 100.0}))
+    biased.grammar = compiled.new_state()
+    assert bool(allowed[Sampler()(logits[:1].clone(), [biased]).token_ids[0]])
