@@ -16,6 +16,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
@@ -87,3 +88,55 @@ def test_fuzz_openapi_schema(fuzz_server, scrape):
             break
         time.sleep(0.2)
     assert idle, metrics
+
+
+# Constrained output: schemas, regexes, grammars and tools made of arbitrary (mostly schema-like) JSON and
+# text. The OpenAPI schema types them as free-form objects and strings, so the fuzz above rarely builds a
+# meaningful one; here every body carries one, and the grammar engine's verdict must be a 200 or a 400.
+_KEYS = st.sampled_from(["type", "properties", "items", "required", "enum", "const", "anyOf", "oneOf", "allOf",
+                         "$ref", "$defs", "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
+                         "additionalProperties", "prefixItems", "not", "a", "b"])
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.sampled_from(
+    ["object", "array", "string", "integer", "number", "boolean", "null", "#/$defs/a", "[a-z]+", "date-time"])
+    | st.text(max_size=6), lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=4),
+    max_leaves=16)
+_CONSTRAINT = st.one_of(
+    st.builds(lambda s, strict: {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "f", "schema": s, "strict": strict}}}, st.dictionaries(_KEYS, _JSON, max_size=4), st.booleans()),
+    st.just({"response_format": {"type": "json_object"}}),
+    st.builds(lambda r: {"structured_outputs": {"regex": r}}, st.text(max_size=12)),
+    st.builds(lambda g: {"structured_outputs": {"grammar": g}}, st.text(max_size=30) | st.just('start: "a" | b')),
+    st.builds(lambda c: {"guided_choice": c}, st.lists(st.text(max_size=5), max_size=3)),
+    st.builds(lambda j: {"guided_json": j}, _JSON),
+)
+_TOOLS = st.builds(lambda params, choice: {"tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
+                                           "tool_choice": choice},
+                   st.dictionaries(_KEYS, _JSON, max_size=4),
+                   st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]))
+
+
+@pytest.mark.timeout(600)
+def test_fuzz_constrained_output(fuzz_server, scrape):
+    codes: list[int] = []
+    failures: list[str] = []
+
+    @given(extra=st.one_of(_CONSTRAINT, _TOOLS), chat=st.booleans(), stream=st.booleans())
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    def run(extra: dict, chat: bool, stream: bool) -> None:
+        chat = chat or "tools" in extra
+        body = {"model": M, "max_tokens": 4, "stream": stream, **extra,
+                **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        response = httpx.post(f"{fuzz_server.url}{path}", json=body, timeout=60)
+        codes.append(response.status_code)
+        if response.status_code not in (200, 400) or "Traceback" in response.text or (
+                stream and response.status_code == 200 and "server_error" in response.text):
+            failures.append(f"{response.status_code} {body!r:.300} -> {response.text[:300]}")
+
+    run()
+    print(f"\nconstrained fuzz: {len(codes)} cases, " + ", ".join(f"{c}x{codes.count(c)}" for c in sorted(set(codes))))
+    assert not failures, "\n".join(failures[:10])
+    assert 200 in codes and 400 in codes
+    assert "Traceback" not in fuzz_server.log()
+    assert httpx.get(f"{fuzz_server.url}/ready", timeout=10).status_code == 200
