@@ -16,9 +16,9 @@ $(BIN)/python:
 
 # torch goes in first and alone: 2.13.0 is the local CPU build, and the package
 # only asks for torch>=2.4, which it satisfies, so pip never pulls CUDA wheels.
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml bench/pyproject.toml | $(BIN)/python
 	$(BIN)/python -P -m pip install -q torch==2.13.0
-	$(BIN)/python -P -m pip install -q -e ".[all,test]"
+	$(BIN)/python -P -m pip install -q -e ".[all,test]" -e ./bench
 	$(BIN)/python -P -m pip check
 	touch $@
 
@@ -35,6 +35,7 @@ lint: install
 	cp -r engine $(LINT_TREE)/kiln/engine
 	cp -r builder_job $(LINT_TREE)/kiln/builder
 	cp -r serving_image $(LINT_TREE)/kiln/serving
+	cp -r bench $(LINT_TREE)/kiln_bench
 	cd $(LINT_TREE) && PYTHONPATH=. $(CURDIR)/$(BIN)/lint-imports --config $(CURDIR)/.importlinter
 
 test: install lint

@@ -24,7 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kiln.up:up", "Build (if missing) and serve a manifest on this machine, no Kubernetes."),
     "serve": ("kiln.serving.cli:serve", "Serve a model directory or engine artifact over an OpenAI-compatible API."),
     "operator": ("kiln.operator.cli:operator", "Run the Kubernetes operator."),
-    "bench": ("kiln.engine.bench.cli:bench", "Benchmark kiln against transformers baselines on one workload."),
+    "bench": ("kiln_bench.cli:bench", "Benchmark kiln against transformers baselines on one workload."),
     "make-model": ("kiln.engine.toy:make_model_command", "Write a small random-weight model (no hub needed)."),
 }
 
@@ -42,9 +42,10 @@ class LazyGroup(click.Group):
             module = importlib.import_module(module_name)
         except ImportError as exc:
             missing = getattr(exc, "name", None) or str(exc)
+            how = ("`pip install ./bench` (kiln-bench, from a kiln checkout; `make install` does it)"
+                   if module_name.startswith("kiln_bench") else "`pip install 'kiln[all]'`")
             raise click.ClickException(
-                f"`kiln {name}` needs a component that is not installed ({missing}); "
-                f"install it with `pip install 'kiln[all]'`"
+                f"`kiln {name}` needs a component that is not installed ({missing}); install it with {how}"
             ) from None
         return getattr(module, attr)
 

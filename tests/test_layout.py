@@ -24,6 +24,17 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert found == set(cfg["packages"]), "add new subpackages to [tool.setuptools] packages"
 
 
+def test_the_bench_is_a_distribution_of_its_own():
+    """kiln bench is not runtime: the images install `kiln` (pyproject.toml) and never carry it."""
+    cfg = tomllib.loads((ROOT / "bench" / "pyproject.toml").read_text())
+    assert cfg["project"]["name"] == "kiln-bench"
+    assert cfg["tool"]["setuptools"]["package-dir"] == {"kiln_bench": "."}
+    assert cfg["tool"]["setuptools"]["packages"] == ["kiln_bench"]
+    assert not list((ROOT / "bench").glob("*/__init__.py")), "kiln-bench has one package: list new ones"
+    for dockerfile in ("serving_image/Dockerfile", "builder_job/Dockerfile"):
+        assert "COPY bench" not in (ROOT / dockerfile).read_text()
+
+
 def test_core_and_operator_import_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"

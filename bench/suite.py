@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from math import ceil
 from pathlib import Path
 
-from kiln.engine.bench import ceiling as ceiling_mod
-from kiln.engine.bench import peers
-from kiln.engine.bench.peers import PEERS
-from kiln.engine.bench.records import RunRecord, common_prefix_len, figures, median_figures
-from kiln.engine.bench.workload import Request, Workload
 from kiln.engine.kernels.isa import ISA_CAPS as ENGINE_ISA_CAPS
+from kiln_bench import ceiling as ceiling_mod
+from kiln_bench import peers
+from kiln_bench.peers import PEERS
+from kiln_bench.records import RunRecord, common_prefix_len, figures, median_figures
+from kiln_bench.workload import Request, Workload
 
 SYSTEMS = ("kiln", "hf-static-b8", "hf-static-b32", "hf-generate-batch")
 # kiln with two pipeline stages (two rank processes over gloo/NCCL, --threads each), with two
@@ -114,7 +114,7 @@ def run_child(job: dict, workdir: Path, timeout: float) -> RunRecord:
     else:
         if (workdir / "src").is_dir():
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workdir / "src"), env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "kiln.engine.bench.child", str(job_path), str(out_path)]
+        cmd = [sys.executable, "-m", "kiln_bench.child", str(job_path), str(out_path)]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=env,
         cwd=workdir,  # not the repo root: `-m` puts the cwd first on sys.path, ahead of the snapshot

@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from kiln.engine.bench.ceiling import workload_ceiling
-from kiln.engine.bench.records import RequestRecord, RunRecord, figures, percentile
-from kiln.engine.bench.workload import Workload, WorkloadSpec, make_workload
+from kiln_bench.ceiling import workload_ceiling
+from kiln_bench.records import RequestRecord, RunRecord, figures, percentile
+from kiln_bench.workload import Workload, WorkloadSpec, make_workload
 
 SPECIAL = {0, 1, 2, 3, 4}
 
@@ -149,8 +149,8 @@ def test_the_gpu_preset_is_a_billion_parameter_llama():
     """`kiln bench --device cuda` defaults to llama-1b: a GPU figure on a 100M model would measure launch
     overhead, not the HBM-bound decode a GPU user serves."""
     import torch
-    from kiln.engine.bench.model import DEFAULT_GPU_PRESET
     from kiln.engine.toy import PRESETS
+    from kiln_bench.model import DEFAULT_GPU_PRESET
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(PRESETS[DEFAULT_GPU_PRESET])

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import click
-from kiln.engine.bench.suite import ALL_SYSTEMS, ISA_CAPS, SYSTEMS
+from kiln_bench.suite import ALL_SYSTEMS, ISA_CAPS, SYSTEMS
 
 
 def _default_threads() -> int:
@@ -79,24 +79,24 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
         # Before any torch op: ATen, oneDNN and MKL read these once, at their first kernel dispatch. The
         # systems' processes inherit them.
         os.environ.update(ISA_CAPS[max_isa])
-    from kiln.engine.bench import report
-    from kiln.engine.bench.model import (
+    from kiln.engine.toy import PRESETS
+    from kiln_bench import report
+    from kiln_bench.model import (
         DEFAULT_GPU_PRESET,
         DEFAULT_PRESET,
         QUICK_PRESET,
         ensure_model,
         model_facts,
     )
-    from kiln.engine.bench.suite import SuiteConfig, run_suite
-    from kiln.engine.bench.workload import WorkloadSpec, make_workload
-    from kiln.engine.toy import PRESETS
+    from kiln_bench.suite import SuiteConfig, run_suite
+    from kiln_bench.workload import WorkloadSpec, make_workload
 
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in ALL_SYSTEMS]
     if unknown or not chosen:
         raise click.UsageError(f"--systems: unknown {', '.join(unknown) or '(none given)'}; "
                                f"choose from {', '.join(ALL_SYSTEMS)}")
-    from kiln.engine.bench import peers
+    from kiln_bench import peers
 
     peer_names = [b.strip() for b in baselines.split(",") if b.strip()]
     bad = [b for b in peer_names if b not in peers.PEERS]
@@ -178,7 +178,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
 
 
 def _text(doc: dict) -> str:
-    from kiln.engine.bench import report
+    from kiln_bench import report
 
     m, w, c = doc["machine"], doc["workload"], doc["config"]
     lines = [

@@ -1,4 +1,4 @@
-"""One system run in its own process: ``python -m kiln.engine.bench.child JOB.json OUT.json``.
+"""One system run in its own process: ``python -m kiln_bench.child JOB.json OUT.json``.
 
 Each run gets a fresh interpreter so that its peak RSS is its own (model,
 KV cache, activations, runtime) and no system inherits another's warm
@@ -25,14 +25,14 @@ def run_job(job: dict) -> dict:
 
     torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
-    from kiln.engine.bench.workload import Workload
+    from kiln_bench.workload import Workload
 
     workload = Workload.load(Path(job["workload"]))
     model_dir = Path(job["model_dir"])
     system = job["system"]
     t_load = time.perf_counter()
     if system.startswith("hf-static-b") or system == "hf-generate-batch" or system == "hf-reference":
-        from kiln.engine.bench import baselines
+        from kiln_bench import baselines
 
         model = baselines.load_hf_model(model_dir, job["dtype"], job.get("device", "cpu"))
         load_s = time.perf_counter() - t_load
@@ -44,7 +44,7 @@ def run_job(job: dict) -> dict:
             run = baselines.run_hf_static(model, workload, batch, pad_id=job["pad_id"])
             run.system = system
     elif system in ("kiln", "kiln-reference") or system.startswith("kiln-pp"):
-        from kiln.engine.bench import run_kiln
+        from kiln_bench import run_kiln
 
         llm = run_kiln.load(model_dir, job)
         load_s = time.perf_counter() - t_load
@@ -61,7 +61,7 @@ def run_job(job: dict) -> dict:
 
 
 def _warm_static(baselines, model, workload) -> None:
-    from kiln.engine.bench.workload import Request, Workload
+    from kiln_bench.workload import Request, Workload
 
     warm = Workload(workload.spec, [Request(0, workload.requests[0].prompt_token_ids[:16], 4, 0.0)])
     baselines.run_hf_static(model, warm, 1, pad_id=0)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from kiln.engine.bench import peer_vllm, peers, suite
-from kiln.engine.bench.records import RunRecord, figures
+from kiln_bench import peer_vllm, peers, suite
+from kiln_bench.records import RunRecord, figures
 
 
 def test_peer_runners_import_nothing_of_kiln():
@@ -39,7 +39,7 @@ def test_a_peer_system_runs_its_own_interpreter_and_script(tmp_path, monkeypatch
 
 
 def test_unknown_baseline_is_a_usage_error():
-    from kiln.engine.bench.cli import bench
+    from kiln_bench.cli import bench
 
     result = CliRunner().invoke(bench, ["--baselines", "tgi", "--quick"])
     assert result.exit_code == 2 and "--baselines: unknown tgi" in result.output
@@ -48,7 +48,7 @@ def test_unknown_baseline_is_a_usage_error():
 def test_baselines_are_refused_once_auto_resolves_to_a_gpu(monkeypatch):
     """On a CUDA host --device auto means cuda: peers on CPU beside kiln on the GPU would be no comparison."""
     import torch
-    from kiln.engine.bench.cli import bench
+    from kiln_bench.cli import bench
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     result = CliRunner().invoke(bench, ["--baselines", "vllm", "--quick"])
@@ -130,7 +130,7 @@ def test_vllm_reads_the_bench_checkpoint_itself_and_refuses_head_sizes_its_kerne
 
 
 def test_baselines_flag_sets_up_each_named_peer_and_reports_a_setup_failure_in_one_line(tmp_path, monkeypatch):
-    from kiln.engine.bench.cli import bench
+    from kiln_bench.cli import bench
 
     calls = []
 

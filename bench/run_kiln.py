@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kiln.engine.bench.records import RequestRecord, RunRecord
-from kiln.engine.bench.workload import Workload
+from kiln_bench.records import RequestRecord, RunRecord
+from kiln_bench.workload import Workload
 
 
 def engine_kwargs(job: dict) -> dict:

@@ -21,8 +21,8 @@ from math import ceil
 from pathlib import Path
 
 import torch
-from kiln.engine.bench.records import RequestRecord, RunRecord
-from kiln.engine.bench.workload import Workload
+from kiln_bench.records import RequestRecord, RunRecord
+from kiln_bench.workload import Workload
 
 
 def load_hf_model(model_dir: Path, dtype: str, device: str = "cpu"):
