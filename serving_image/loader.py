@@ -133,6 +133,8 @@ def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
         "max_num_tokens", "max_seq_len", "max_input_len", "block_size", "enable_prefix_caching")}
     # Artifact vs compute dtype, the native-dtype probe, the int8 path, the host and the thread choice.
     info["cpu_target"] = getattr(cfg, "cpu_target", None)
+    # Which tactic table runs the linears: the artifact's, one re-timed on this host (and what differed), ...
+    info["tactics"] = getattr(cfg, "tactics_info", None)
     return engine, info
 
 
