@@ -1,0 +1,100 @@
+"""The build's tactics stage: the table is measured on the build host, shipped in the artifact and in the
+report, used as is where the host matches, re-timed (and cached, and said) where it does not, refused
+where it is corrupt."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from kiln.builder.report import summary_lines
+from kiln.engine import LLM, ConfigError, SamplingParams
+from kiln.engine.tactics import host
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, toy_model) -> Path:
+    """One CPU build of the tiny model (bf16 where kiln's bf16 GEMM runs, else float32), unpacked."""
+    import torch
+    import yaml
+    from builder_helpers import manifest_dict
+    from click.testing import CliRunner
+    from kiln.builder.cli import build
+    from kiln.engine.kernels import native
+    from kiln.engine.tactics.candidates import why_not
+
+    tmp = tmp_path_factory.mktemp("tactics-build")
+    dtype = "bfloat16" if why_not("kiln-fma", torch.bfloat16, native.kernels()) is None else "float32"
+    manifest = tmp / "m.yaml"
+    manifest.write_text(yaml.safe_dump(manifest_dict(f"file://{toy_model('llama-tiny')}", dtype=dtype)))
+    store = tmp / "store"
+    result = CliRunner().invoke(build, ["-f", str(manifest), "--store", f"file://{store}", "--work-dir",
+                                        str(tmp / "work")], catch_exceptions=False,
+                                env={"KILN_TERMINATION_LOG": str(tmp / "term")})
+    assert result.exit_code == 0, result.output
+    (artifact,) = (store / "engines").iterdir()
+    return artifact
+
+
+def _copy(artifact: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(artifact, dest)
+    return dest
+
+
+def test_the_build_ships_the_table_and_reports_it(built):
+    doc = json.loads((built / "engine.json").read_text())
+    record = doc["build_report"]["tactics"]
+    table = json.loads((built / "tactics.json").read_text())
+    assert record["timed"] and record["host"] == table["host"] == host.cpu_signature()
+    assert {r["shape"] for r in record["rows"] if r["op"] == "linear"} == {e["key"] for e in table["linear"]}
+    assert set(table["model"]) >= {"decoder_stack"} and all("us" in v for v in table["model"].values())
+    assert "tactics" in doc["build_report"]["stage_seconds"]
+    lines = summary_lines(doc["build_report"])
+    start = next(i for i, line in enumerate(lines) if line.startswith("  tactics ("))
+    assert any("rows 1" in line for line in lines[start + 1:])  # one line per shape, which kernel runs what
+    manifest = json.loads((built / "manifest.json").read_text())
+    assert "tactics.json" in json.dumps(manifest)  # published with the checksums like every file
+
+
+def test_a_matching_host_uses_the_table_without_timing(built, tmp_path, monkeypatch):
+    from kiln.engine.tactics import resolve
+
+    monkeypatch.setattr(resolve, "measure", lambda *a, **k: pytest.fail("timed on a matching host"))
+    llm = LLM.from_artifact(_copy(built, tmp_path / "engine"), num_kv_blocks=32)
+    assert llm.engine.config.tactics_info["source"] == "artifact"
+    assert llm.generate([[3, 7, 9]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+
+
+def test_another_host_kind_retimes_caches_and_says_so(built, tmp_path, monkeypatch, caplog):
+    from kiln.engine.tactics import resolve
+
+    real = host.cpu_signature
+    monkeypatch.setattr(host, "cpu_signature", lambda threads=None: {**real(threads), "model": "Another CPU 9000"})
+    timed = []
+    measure = resolve.measure
+    monkeypatch.setattr(resolve, "measure", lambda *a, **k: timed.append(1) or measure(*a, **k))
+    copy = _copy(built, tmp_path / "engine")
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.tactics"):
+        llm = LLM.from_artifact(copy, num_kv_blocks=32)
+    info = llm.engine.config.tactics_info
+    assert info["source"] == "re-timed" and timed == [1]
+    assert any("model: " in d and "Another CPU 9000" in d for d in info["differs"])
+    assert "re-timing its linears here" in caplog.text and "re-timed" in caplog.text
+    cached = Path(info["table"])
+    assert cached.parent == tmp_path / "engine.tactics" and cached.is_file()
+    llm.shutdown()
+    again = LLM.from_artifact(copy, num_kv_blocks=32)
+    assert again.engine.config.tactics_info["source"] == "re-timed (cached)" and timed == [1]
+
+
+def test_a_corrupt_table_is_refused_naming_it(built, tmp_path):
+    copy = _copy(built, tmp_path / "engine")
+    doc = json.loads((copy / "tactics.json").read_text())
+    doc["linear"][0]["buckets"][0]["runs"] = "aten"  # edited without its checksum
+    (copy / "tactics.json").write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match=r"tactic table .*tactics.json is refused: its sha256 does not match"):
+        LLM.from_artifact(copy, num_kv_blocks=32)
