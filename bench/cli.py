@@ -67,8 +67,12 @@ def _resolve_device(device: str) -> str:
 @click.option("--json", "json_out", default=None, help="Write the full results as JSON to this file ('-': stdout).")
 @click.option("--quick", is_flag=True, help="A small run on a tiny model, for smoke tests (seconds, not minutes).")
 @click.option("--strict", is_flag=True, help="Exit 1 if the equality check fails.")
+@click.option("--structured", is_flag=True,
+              help="Instead of the suite: kiln's throughput on one batch (--num-requests, default 32) with half of "
+                   "it JSON-schema constrained against the same batch free, interleaved --repeats times.")
 def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
-          baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict) -> None:
+          baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict,
+          structured) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     import os
     import platform
@@ -137,6 +141,16 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
         model_dir = ensure_model(preset, dtype, seed=0, model_dir=model_dir.resolve() if model_dir else None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if structured:  # bench/structured.py: what constrained decoding costs
+        from kiln_bench.structured import run as run_structured
+        from kiln_bench.structured import text as structured_text
+
+        doc = run_structured(model_dir, dtype, threads, device, batch=num_requests or 32,
+                             max_tokens=16 if quick else 128, repeats=repeats, log=log)
+        click.echo(json.dumps(doc, indent=2) if json_out == "-" else structured_text(doc))
+        if json_out and json_out != "-":
+            Path(json_out).write_text(json.dumps(doc, indent=2))
+        return
     facts = model_facts(model_dir)
     peer_models = {}
     for name in peer_names:
