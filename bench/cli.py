@@ -187,7 +187,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
             Path(json_out).write_text(json.dumps(doc, indent=2))
             click.echo(f"\nJSON written to {json_out}")
     eq = results.get("equality")
-    if strict and eq is not None and not eq["passed"]:
+    if results.get("failed") or (strict and eq is not None and not eq["passed"]):
         sys.exit(1)
 
 
@@ -210,6 +210,8 @@ def _text(doc: dict) -> str:
         report.table(doc["systems"], doc["ratios"]),
         "",
     ]
+    for name, failures in (doc.get("failed") or {}).items():
+        lines += [f"{name}: failed in all {len(failures)} run(s); the last:", *[f"  {x}" for x in failures[-1].splitlines()], ""]
     eq = doc.get("equality")
     if eq is not None:
         verdict = "PASS" if eq["passed"] else "FAIL"

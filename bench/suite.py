@@ -134,7 +134,7 @@ def check_subset(workload: Workload, n: int, max_tokens: int) -> Workload:
 def run_suite(cfg: SuiteConfig, workload: Workload, facts: dict) -> dict:
     prompt_lens = {r.index: len(r.prompt_token_ids) for r in workload.requests}
     output_lens = {r.index: r.output_len for r in workload.requests}
-    per_system: dict[str, dict] = {s: {"runs": [], "notes": [], "extra": []} for s in cfg.systems}
+    per_system: dict[str, dict] = {s: {"runs": [], "notes": [], "extra": [], "failures": []} for s in cfg.systems}
     outputs: dict[str, dict[int, list[int]]] = {}
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
         workdir = Path(tmp)
@@ -146,7 +146,14 @@ def run_suite(cfg: SuiteConfig, workload: Workload, facts: dict) -> dict:
             for system in cfg.systems[shift:] + cfg.systems[:shift]:
                 cfg.say(f"[repeat {rep + 1}/{cfg.repeats}] {system} ...")
                 t = time.perf_counter()
-                run = run_child(_job(cfg, system, wl_path, workload, cfg.dtype), workdir, cfg.child_timeout_s)
+                try:
+                    run = run_child(_job(cfg, system, wl_path, workload, cfg.dtype), workdir, cfg.child_timeout_s)
+                except RuntimeError as exc:  # a peer that crashes here is a finding, not the end of the run
+                    if system not in PEERS:
+                        raise
+                    per_system[system]["failures"].append(str(exc))
+                    cfg.say(f"  {system}: {str(exc).splitlines()[0]}")
+                    continue
                 fig = figures(run, prompt_lens, output_lens)
                 entry = per_system[system]
                 entry["runs"].append(fig)
@@ -158,8 +165,10 @@ def run_suite(cfg: SuiteConfig, workload: Workload, facts: dict) -> dict:
                 if cfg.partial_json is not None:
                     cfg.partial_json.write_text(json.dumps({"partial": True, "systems": per_system}, indent=1))
         systems = {}
+        failed = {name: entry["failures"] for name, entry in per_system.items() if not entry["runs"]}
         for name, entry in per_system.items():
-            systems[name] = {"median": median_figures(entry["runs"]), **entry}
+            if entry["runs"]:
+                systems[name] = {"median": median_figures(entry["runs"]), **entry}
         equality = _equality(cfg, workload, workdir) if "kiln" in cfg.systems and cfg.check_requests else None
     kiln = systems.get("kiln")
     ratios = {}
@@ -171,7 +180,7 @@ def run_suite(cfg: SuiteConfig, workload: Workload, facts: dict) -> dict:
     ceiling = _ceiling(cfg, workload, facts, systems)
     return {
         "systems": systems, "ratios": ratios, "equality": equality, "ceiling": ceiling,
-        "agreement": _agreement(outputs),
+        "agreement": _agreement(outputs), "failed": failed,
     }
 
 

@@ -280,3 +280,26 @@ def test_vllm_driver_runs_in_its_interpreter_and_its_outputs_become_a_checked_ru
     assert run.extra["threads"] == 2  # what torch in the driver runs with, from OMP_NUM_THREADS
     with pytest.raises(RuntimeError, match="request 1 produced 3 tokens, expected exactly 4"):
         figures(run, {0: 1, 1: 1, 2: 1}, {0: 5, 1: 4, 2: 9})
+
+
+def test_a_peer_that_crashes_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    """OpenVINO GenAI dies of SIGFPE on an AMX host (exit -8): the run goes on with kiln and the other peers,
+    the crash is in the results (and the exit code), not a lost bench."""
+    from kiln_bench.workload import WorkloadSpec, make_workload
+
+    workload = make_workload(WorkloadSpec(num_requests=2, seed=1), 1000, set())
+
+    def fake_child(job, workdir, timeout):
+        if job["system"] == "openvino":
+            raise RuntimeError("system openvino failed (exit -8):\nFloating point exception")
+        requests = [{"index": r.index, "arrival": 0.0, "first_token": 0.1, "finished": 0.2,
+                     "output_token_ids": [5] * r.output_len} for r in workload.requests]
+        return RunRecord.from_json({"system": job["system"], "duration_s": 1.0, "num_steps": 3, "requests": requests})
+
+    monkeypatch.setattr(suite, "run_child", fake_child)
+    monkeypatch.setattr(suite, "_ceiling", lambda *a: None)
+    cfg = suite.SuiteConfig(model_dir=tmp_path, dtype="bfloat16", threads=1, systems=["kiln", "openvino", "vllm"],
+                            repeats=2, check_requests=0)
+    out = suite.run_suite(cfg, workload, {})
+    assert set(out["systems"]) == {"kiln", "vllm"} and set(out["ratios"]) == {"vllm"}
+    assert len(out["failed"]["openvino"]) == 2 and "exit -8" in out["failed"]["openvino"][0]
