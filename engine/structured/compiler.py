@@ -118,13 +118,46 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 
     kind = spec.kind
     if kind in ("json", "json_object"):
-        schema = spec.json if kind == "json" else {"type": "object"}
+        schema = closed_objects(spec.json) if kind == "json" else {"type": "object"}
         return LLMatcher.grammar_from_json_schema(schema, overrides={**JSON_FORMAT, "lenient": not spec.strict})
     if kind == "regex":
         return LLMatcher.grammar_from_regex(spec.regex)
     if kind == "choice":  # Lark string literals take JSON's escapes
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
     return LLMatcher.grammar_from_lark(spec.grammar)
+
+
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref")
+_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with every object schema that declares ``properties`` and says nothing of other keys
+    closed (``additionalProperties: false``), as vLLM's default grammar backend (xgrammar's strict mode)
+    reads it: a model is never invited to invent keys (small ones then never stop). ``allOf`` members,
+    schemas combined with ``anyOf``/``oneOf``/``$ref`` and the members combined with a node's own
+    ``properties`` are left as they are (closing them would change what their combination accepts). Iterative: the depth is bounded, but not by recursion."""
+    import copy
+
+    root = copy.deepcopy(schema)
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if "properties" in node and not any(k in node for k in _OPEN_KEYS):
+            node["additionalProperties"] = False
+        for key in _SUBSCHEMAS:
+            stack.append(node.get(key))
+        for key in _SCHEMA_LISTS:  # union members alone, not when they combine with the node's own properties
+            if isinstance(node.get(key), list) and (key == "prefixItems" or "properties" not in node):
+                stack.extend(node[key])
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
+    return root
 
 
 def _cannot_compile(spec: StructuredOutputsParams, why: str) -> str:

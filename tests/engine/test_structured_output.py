@@ -162,3 +162,18 @@ def test_grammar_state_accept_validate_rollback(make_llm, model_dir):
     with pytest.raises(ValueError):
         state.rollback(3)
     assert state.accept(ids[2:]) and state.is_terminated and state.error is None
+
+
+def test_objects_are_closed_unless_the_schema_opens_them(make_llm, model_dir):
+    """As vLLM's default backend reads a schema: declared properties and no others, unless it says so."""
+    llm = make_llm(model_dir, max_seq_len=256, num_kv_blocks=256)
+    engine = llm.engine
+    extra = engine.tokenizer.encode('{"a":true,"zz":1}', add_special_tokens=False)
+    declared = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    for schema, accepts_extra in [(declared, False), ({**declared, "additionalProperties": True}, True),
+                                  ({"type": "object"}, True)]:
+        state = engine.grammar_compiler.compile(Constraint(json=schema)).new_state()
+        assert (state.validate(extra) == len(extra)) is accepts_extra, schema
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, seed=0, max_tokens=40,
+                                                    structured_outputs=Constraint(json=declared)))[0]
+    assert list(json.loads(out.text)) == ["a"]
