@@ -164,3 +164,23 @@ def test_constraints_the_engine_cannot_compile_are_400s(srv, body, param):
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param and param.split("[")[0] in response.json()["error"]["message"]
     assert "Traceback" not in srv.log()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_guidellm_request_shape(srv, path):
+    """The bodies guidellm (0.8) streams: continuous usage, stop: null, ignore_eos, max_completion_tokens."""
+    body = {"model": M, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "stop": None, "ignore_eos": True}
+    if path.endswith("chat/completions"):
+        body.update(messages=ASK, max_completion_tokens=7)
+    else:
+        body.update(prompt="The lighthouse keeper", max_tokens=7)
+    events = []
+    with httpx.stream("POST", f"{srv.url}{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    assert all("error" not in e and e["usage"] is not None for e in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 7
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "length"
