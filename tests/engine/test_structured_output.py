@@ -177,3 +177,13 @@ def test_objects_are_closed_unless_the_schema_opens_them(make_llm, model_dir):
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, seed=0, max_tokens=40,
                                                     structured_outputs=Constraint(json=declared)))[0]
     assert list(json.loads(out.text)) == ["a"]
+
+
+def test_a_compile_over_the_time_limit_is_refused(make_llm, model_dir, monkeypatch):
+    from kiln.engine.structured import compiler
+
+    llm = make_llm(model_dir, max_seq_len=256, num_kv_blocks=256)
+    monkeypatch.setattr(compiler, "GRAMMAR_COMPILE_TIMEOUT_S", 0.0)  # every compile takes longer than this
+    with pytest.raises(RequestError, match="to compile") as info:
+        llm.engine.grammar_compiler.compile(Constraint(json=SCHEMA, param="tools"))
+    assert info.value.param == "tools"
