@@ -187,3 +187,22 @@ def test_a_compile_over_the_time_limit_is_refused(make_llm, model_dir, monkeypat
     with pytest.raises(RequestError, match="to compile") as info:
         llm.engine.grammar_compiler.compile(Constraint(json=SCHEMA, param="tools"))
     assert info.value.param == "tools"
+
+
+def test_bitmask_rows_alone_and_all_at_once_agree():
+    """The CPU path (row by row, in place) and the accelerator path (one op over the rows) set the same
+    logits to -inf; bits past the vocabulary (its last word) are ignored."""
+    import torch
+    from kiln.engine.structured.state import apply_bitmask
+
+    vocab = 70  # not a multiple of 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(4, vocab)
+    a, b = logits.clone(), logits.clone()
+    apply_bitmask(a, [3, 1], bitmask, per_row=True)
+    apply_bitmask(b, [3, 1], bitmask, per_row=False)
+    assert torch.equal(a, b) and torch.equal(a[[0, 2]], logits[[0, 2]])
+    for i, row in enumerate([3, 1]):
+        for t in range(vocab):
+            allowed = (int(bitmask[i, t // 32]) >> (t % 32)) & 1
+            assert (a[row, t] == float("-inf")) != bool(allowed)
