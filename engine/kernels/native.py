@@ -17,22 +17,10 @@ from pathlib import Path
 import torch
 from kiln.engine.kernels import cpu_library
 from kiln.engine.kernels.isa import feature_missing, log
+from kiln.engine.kernels.packed import GEMM_KERNELS, ROW_BUCKETS, KilnWeight, PackedLinear, row_bucket
 
-ROW_BUCKETS = 16  # = KILN_ROW_BUCKETS: bucket b holds calls of (2^(b-1), 2^b] rows
-GEMM_KERNELS = {"fma": 0, "amx": 1}  # = enum kiln_gemm_kernel
-
-
-def row_bucket(rows: int) -> int:
-    """The tactic bucket of a call with ``rows`` rows (as ``row_bucket`` in csrc/gemm.c)."""
-    return min(ROW_BUCKETS - 1, max(0, (int(rows) - 1).bit_length()))
-
-
-class KilnWeight(ctypes.Structure):
-    """``struct kiln_weight``: a packed weight and, per row bucket, the GEMM kernel that multiplies it."""
-
-    _fields_ = [("panels", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bf16", ctypes.c_int32),
-                ("kernel", ctypes.c_uint8 * ROW_BUCKETS)]
-
+__all__ = ["GEMM_KERNELS", "ROW_BUCKETS", "DecoderStack", "Kernels", "KilnWeight", "PackedLinear", "keys_view",
+           "kernels", "reset", "row_bucket", "supports"]
 
 class Kernels:
     """The loaded library, with argument types declared once."""
@@ -55,8 +43,9 @@ class Kernels:
         self._rotary = declare("kiln_rotary", None, *[ptr] * 3, *[i64] * 5, flag)
         self._cache_write = declare("kiln_cache_write", None, *[ptr] * 5, *[i64] * 7, flag)
         self._pack_linear = {torch.float32: declare("kiln_pack_linear_f32", None, *[ptr] * 2, *[i64] * 3),
-                             torch.bfloat16: declare("kiln_pack_linear_bf16", None, *[ptr] * 2, *[i64] * 3)}
-        self._gemm = declare("kiln_gemm", None, ctypes.POINTER(KilnWeight), *[ptr] * 3, *[i64] * 3)
+                             torch.bfloat16: declare("kiln_pack_linear_bf16", None, *[ptr] * 2, *[i64] * 3),
+                             torch.int8: declare("kiln_pack_linear_i8", None, *[ptr] * 2, *[i64] * 3)}
+        self._gemm = declare("kiln_gemm", ctypes.c_int, ctypes.POINTER(KilnWeight), *[ptr] * 3, *[i64] * 3)
         self.linear_panel = declare("kiln_linear_panel", i64)()
         self.bf16_panel_pairs = declare("kiln_bf16_panel_pairs", i64, i64)
         self._stack = declare("kiln_decoder_stack", ctypes.c_int, ptr, ptr, i64, ptr, ptr, flag, i64, ptr, ptr, i64,
@@ -69,9 +58,13 @@ class Kernels:
         amx = feature_missing("amx", level) or bf16_fma
         if amx is None and not declare("kiln_amx_ready", ctypes.c_int)():
             amx = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        mkldnn = torch.ops.mkldnn
+        onednn = None if torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_bf16_supported() else \
+            "torch's oneDNN has no bf16 kernels on this CPU"
         self.gemm_kernels: dict[torch.dtype, dict[str, str | None]] = {
-            torch.float32: {"fma": None, "amx": "AMX multiplies bf16, not float32"},
-            torch.bfloat16: {"fma": bf16_fma, "amx": amx}}
+            torch.float32: {"fma": None, "amx": "AMX multiplies bf16, not float32",
+                            "onednn": "oneDNN packs float32 weights in another layout than kiln's panels"},
+            torch.bfloat16: {"fma": bf16_fma, "amx": amx, "onednn": bf16_fma or onednn}}
         self.linear_dtypes = tuple(dt for dt, ks in self.gemm_kernels.items() if ks["fma"] is None)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -123,10 +116,13 @@ class Kernels:
         self._cache_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                           k.shape[0], kvh, d, k.stride(0), v.stride(0), num_blocks, block_size, _bf16(k))
 
-    def pack_linear(self, weight: torch.Tensor, tactics: Sequence[str] | None = None) -> PackedLinear:
-        """A weight [out, in] of one of ``linear_dtypes`` in the GEMM's panel layout (a copy; the caller
-        drops the original), run by ``tactics`` (one GEMM kernel name per row bucket; default FMA)."""
-        return PackedLinear(self, weight, tactics)
+    def pack_linear(self, weight: torch.Tensor, tactics: Sequence[str] | None = None, scales: torch.Tensor | None = None,
+                    dtype: torch.dtype | None = None, share_onednn: bool | None = None) -> PackedLinear:
+        """A weight [out, in] of one of ``linear_dtypes`` (or int8 with its float32 ``scales`` [out], multiplying
+        ``dtype`` activations) in the GEMM's panel layout (a copy; the caller drops the original), run by
+        ``tactics`` (one GEMM kernel name per row bucket; default FMA). ``share_onednn``: pack it by oneDNN
+        where that gives the same bytes (default: when a bucket runs ``"onednn"``)."""
+        return PackedLinear(self, weight, tactics, scales, dtype, share_onednn)
 
     def linear(self, x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` for x [..., in] of the weight's dtype and the weight ``packed``, by the
@@ -137,52 +133,16 @@ class Kernels:
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
+        if packed.tactics[row_bucket(x2.shape[0])] == "onednn":  # oneDNN's GEMM on the same panels
+            y = torch.ops.mkldnn._linear_pointwise(x2, packed.onednn, bias, "none", [], "")
+            return y.view(*x.shape[:-1], n)
         y = x2.new_empty((x2.shape[0], n))
         if x2.shape[0]:
             b = None if bias is None else bias.float().contiguous()
-            self._gemm(ctypes.byref(packed.weight), x2.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(),
-                       x2.shape[0], x2.stride(0), n)
+            if self._gemm(ctypes.byref(packed.weight), x2.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(),
+                          x2.shape[0], x2.stride(0), n):
+                raise MemoryError("kiln's int8 GEMM could not allocate its widened panel")
         return y.view(*x.shape[:-1], n)
-
-
-class PackedLinear:
-    """A weight [out, in] packed for kiln's CPU GEMM: panels of P output columns (P = the library's
-    ``kiln_linear_panel``, the last panel zero-padded), [ceil(out / P), in, P] in float32 and
-    [ceil(out / P), pairs, P, 2] in bfloat16 (K in pairs, padded to whole AMX tiles: ``kiln_bf16_panel_pairs``;
-    one copy serves the vdpbf16ps and AMX kernels), so a
-    decode step streams each panel once; calling it is ``F.linear(x, weight, bias)``. ``weight`` is the C
-    side's record of it, with the GEMM kernel per row bucket (``set_tactics``)."""
-
-    def __init__(self, kernels: Kernels, weight: torch.Tensor, tactics: Sequence[str] | None = None) -> None:
-        if weight.dtype not in kernels.linear_dtypes or weight.dim() != 2 or weight.device.type != "cpu":
-            raise ValueError(f"kiln's CPU linear packs 2-D CPU weights of {', '.join(map(str, kernels.linear_dtypes))} "
-                             f"on this host, not {weight.dtype} {tuple(weight.shape)}")
-        if weight.stride(1) != 1:
-            weight = weight.contiguous()
-        self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
-        panel, k = kernels.linear_panel, self.in_features
-        per_panel = (k, panel) if self.dtype == torch.float32 else (kernels.bf16_panel_pairs(k), panel, 2)
-        self.panels = weight.new_empty((-(-self.out_features // panel), *per_panel))
-        kernels._pack_linear[self.dtype](weight.data_ptr(), self.panels.data_ptr(), self.out_features, k,
-                                         weight.stride(0))
-        self._kernels = kernels
-        self.weight = KilnWeight(self.panels.data_ptr(), self.out_features, k, int(self.dtype == torch.bfloat16))
-        self.set_tactics(tactics or ["fma"] * ROW_BUCKETS)
-
-    def set_tactics(self, tactics: Sequence[str]) -> None:
-        """The GEMM kernel (a ``GEMM_KERNELS`` name) for each row bucket; one that cannot run here is refused."""
-        if len(tactics) != ROW_BUCKETS:
-            raise ValueError(f"tactics name a kernel for each of the {ROW_BUCKETS} row buckets, got {len(tactics)}")
-        for name in set(tactics):
-            why = self._kernels.gemm_kernels[self.dtype].get(name, f"not one of {', '.join(GEMM_KERNELS)}")
-            if why:
-                raise ValueError(f"GEMM kernel {name!r} cannot run {self.dtype} here: {why}")
-        self.tactics = tuple(tactics)
-        self.weight.kernel[:] = [GEMM_KERNELS[t] for t in tactics]
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._kernels.linear(x, self, bias)
 
 
 class StackLayer(ctypes.Structure):
@@ -225,6 +185,15 @@ class DecoderStack:
                                                    for layer in layers])
         self.num_layers = len(layers)
         self._workspace = torch.empty(0, dtype=torch.uint8)
+        # Row buckets some linear runs on oneDNN, which only Python can call: such a step takes the module path.
+        self._python = {role: {b for layer in layers for b, t in enumerate(layer[role].tactics) if t == "onednn"}
+                        for role in ("qkv", "o", "gate_up", "down")}
+
+    def can_run(self, tokens: int) -> bool:
+        """Whether every linear runs a step of ``tokens`` rows in C (the MLP sees them in slices of mlp_rows)."""
+        mlp = row_bucket(min(tokens, self.shape.mlp_rows))
+        return not ({row_bucket(tokens)} & (self._python["qkv"] | self._python["o"])
+                    or {mlp} & (self._python["gate_up"] | self._python["down"]))
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  slots: torch.Tensor, block_tables: torch.Tensor, ctx_lens: torch.Tensor,
@@ -244,7 +213,7 @@ class DecoderStack:
                                   slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), ctx_lens.data_ptr(),
                                   row_starts.data_ptr(), row_starts.shape[0] - 1, self._workspace.data_ptr())
         if rc:
-            raise MemoryError("kiln CPU attention could not allocate its scratch memory")
+            raise MemoryError("kiln's CPU kernels could not allocate their scratch memory")
         return x, residual
 
 

@@ -187,7 +187,8 @@ class LlamaModel(nn.Module):
 
     def _native_step(self, hidden: torch.Tensor):
         """This step's attention metadata when the native stack runs it (its kernels serve the step), else None."""
-        if self.native_stack is None or hidden.dim() != 2 or hidden.dtype != self.native_stack.dtype:
+        if (self.native_stack is None or hidden.dim() != 2 or hidden.dtype != self.native_stack.dtype
+                or not self.native_stack.can_run(hidden.shape[0])):
             return None
         md = get_attention_metadata()
         return md if md.native is not None and md.native_row_starts is not None else None

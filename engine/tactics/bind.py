@@ -8,6 +8,9 @@ kiln's layout (each bucket by the fastest kiln kernel timed), ``modules`` leaves
 best. A table without it (measured at load) fuses when kiln's layout costs at most ``STACK_MARGIN``
 times the best layout's per-token time for every layer shape: the stack saves what the Python between
 the kernels costs (3-11 % of a step measured on the bench model), more than a few percent of GEMM time.
+In the stack's layout a bucket runs oneDNN's GEMM on kiln's panels (``onednn-panels``, called from
+Python, so such a step runs module by module) only where it is ``STACK_MARGIN`` times faster than kiln's
+C kernels: prefill-sized steps, where the GEMMs dwarf the Python.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ log = logging.getLogger("kiln.engine.tactics")
 STACK_MARGIN = 1.10
 
 
-def linear_modules(model: nn.Module, max_num_tokens: int, max_batch_size: int) -> list[tuple[nn.Module, LinearSite]]:
-    """Every linear a CPU engine may pack (unquantized linears and the LM head) with its site. A module with
-    ``rows_per_call`` (the MLP when prefill steps run in slices) caps the rows of the linears inside it; the
-    LM head sees at most ``max_batch_size`` rows (the step's sampled rows)."""
+def linear_modules(model: nn.Module, max_num_tokens: int, max_batch_size: int,
+                   dtype: torch.dtype) -> list[tuple[nn.Module, LinearSite]]:
+    """Every linear a CPU engine may pack (linears, int8 ones included, and the LM head) with its site, for
+    ``dtype`` activations. A module with ``rows_per_call`` (the MLP when prefill steps run in slices) caps
+    the rows of the linears inside it; the LM head sees at most ``max_batch_size`` rows (the step's sampled
+    rows). fp8 linears keep torch's path (quant.py) and are not sites."""
     caps: dict[int, int] = {}
     for m in model.modules():
         cap = getattr(m, "rows_per_call", None)
@@ -42,14 +47,16 @@ def linear_modules(model: nn.Module, max_num_tokens: int, max_batch_size: int) -
     stacked = {id(child) for m in model.modules() if getattr(m, "stack_member", False) for child in m.modules()}
     out = []
     for m in model.modules():
-        if isinstance(m, LinearBase) and m.weight_scale is None and m.weight.dim() == 2:
-            rows = min(max_num_tokens, caps.get(id(m), max_num_tokens))
+        quant = None
+        if isinstance(m, LinearBase) and m.weight.dim() == 2 and m.quantization in (None, "int8"):
+            rows, quant = min(max_num_tokens, caps.get(id(m), max_num_tokens)), m.quantization
         elif isinstance(m, ParallelLMHead) and m.weight.dim() == 2:
             rows = max_batch_size
         else:
             continue
         n, k = m.weight.shape
-        out.append((m, LinearSite(m.weight.dtype, n, k, max(1, rows), stacked=id(m) in stacked)))
+        out.append((m, LinearSite(dtype if quant else m.weight.dtype, n, k, max(1, rows), stacked=id(m) in stacked,
+                                  quant=quant)))
     return out
 
 
@@ -68,7 +75,7 @@ def stack_layout(table: TacticTable, modules: list[tuple[nn.Module, LinearSite]]
     layer_sites = {site.key: site for _, site in modules if site.stacked}
     if native is None or not layer_sites:
         return False, "no decoder stack: kiln's attention kernels do not run here"
-    kiln_ok = all(candidates.why_not("kiln-fma", s.dtype, native) is None for s in layer_sites.values())
+    kiln_ok = all(candidates.why_not("kiln-fma", s.dtype, native, s.quant) is None for s in layer_sites.values())
     entry = (table.model.get("decoder_stack") or {}).get("winner")
     if entry is not None:
         return entry == "fused" and kiln_ok, f"the table's decoder_stack: {entry}"
@@ -87,11 +94,21 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
     log.info("tactics: decoder layers %s (%s)", "in kiln's layout for the stack" if fuse else "per shape", why)
     counts: dict[str, int] = {}
     for m, site in modules:
-        layout, kernels = packing(table.linear[site.key], site.dtype, native, "kiln" if fuse and site.stacked else None)
+        stacked = fuse and site.stacked  # kiln's layout; oneDNN (from Python) only where it beats the stack's saving
+        layout, kernels = packing(table.linear[site.key], site, native, "kiln" if stacked else None,
+                                  STACK_MARGIN if stacked else None)
         counts[layout] = counts.get(layout, 0) + 1
         if layout == "plain":
             continue
-        packed = candidates.pack(layout, m.weight, native, batch_hint, kernels)
+        scale = m.weight_scale if site.quant else None
+        try:
+            packed = candidates.pack(layout, m.weight, native, batch_hint, kernels, scale, site.dtype)
+        except ValueError as exc:  # oneDNN packed this weight otherwise than the timed one of its shape
+            if "onednn" not in (kernels or []):
+                raise
+            log.warning("tactics: %s (%s); its buckets run kiln's C kernels instead", exc, site.key)
+            _, kernels = packing(table.linear[site.key], site, native, "kiln", float("inf"))
+            packed = candidates.pack(layout, m.weight, native, batch_hint, kernels, scale, site.dtype)
         m.packed_weight = packed
         tied = isinstance(m, ParallelLMHead) and any(
             p is m.weight for other in model.modules() if other is not m for p in other.parameters(recurse=False))
@@ -104,7 +121,7 @@ def apply(model: nn.Module, config, native, stack: bool = True
           ) -> tuple[TacticTable, dict[str, Any], list[LinearSite]]:
     """Resolve the table for this model and host (``resolve.resolve``) and pack the model by it; returns the
     table, what ``/version`` says of it, and the model's linear sites (what a build times)."""
-    modules = linear_modules(model, config.max_num_tokens, config.max_batch_size)
+    modules = linear_modules(model, config.max_num_tokens, config.max_batch_size, config.torch_dtype)
     sites = linear_sites(modules)
     table, info = resolve(config.tactics, sites, native, config.tactics_cache)
     counts = bind(model, modules, table, native, config.max_batch_size, stack)

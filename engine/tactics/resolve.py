@@ -44,7 +44,7 @@ def measure(sites: list[LinearSite], native, budget_s: float, only: str | None =
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for site in sorted(sites, key=lambda s: s.n * s.k):
-            names = [n for n in candidates.LINEAR if candidates.why_not(n, site.dtype, native) is None]
+            names = [n for n in candidates.LINEAR if candidates.why_not(n, site.dtype, native, site.quant) is None]
             if only in names:  # forced: nothing to time
                 table.linear[site.key] = LinearChoice(site.key, candidates.LINEAR[only].layout, [
                     {"rows": rows, "runs": only, "winner": only, "runner_up": None, "us": {}, "pruned": [],
@@ -148,17 +148,17 @@ def resolve(source: str, sites: list[LinearSite], native, cache_dir: str | None 
                    "table": str(saved) if saved else None}
 
 
-def packing(choice: LinearChoice, dtype: torch.dtype, native, layout: str | None = None
-            ) -> tuple[str, list[str] | None]:
-    """(layout, kiln GEMM kernel per row bucket or None) for a linear the table chose ``choice`` for (in
-    ``layout`` when given: the decoder stack needs kiln's); ``TacticsError`` if a bucket names a candidate
-    this host cannot run."""
+def packing(choice: LinearChoice, site: LinearSite, native, layout: str | None = None,
+            python_margin: float | None = None) -> tuple[str, list[str] | None]:
+    """(layout, kiln GEMM kernel per row bucket or None) for ``site``, which the table chose ``choice`` for (in
+    ``layout`` when given: the decoder stack needs kiln's; ``python_margin``: see ``LinearChoice.kernels``);
+    ``TacticsError`` if a bucket names a candidate this host cannot run."""
     from kiln.engine.kernels.native import ROW_BUCKETS
 
     layout = layout or choice.layout
-    runs = choice.kernels(layout)
+    runs = choice.kernels(layout, python_margin)
     for name in set(runs):
-        why = candidates.why_not(name, dtype, native)
+        why = candidates.why_not(name, site.dtype, native, site.quant)
         if why:
             raise TacticsError(f"tactic table entry {choice.key} runs {name}, which cannot run here ({why}); "
                                f"delete the table so that this host measures its own")
@@ -172,7 +172,7 @@ def runnable(table: TacticTable, sites: list[LinearSite], native) -> str | None:
     """Why some entry of ``table`` cannot run here (None: every one can)."""
     for site in sites:
         try:
-            packing(table.linear[site.key], site.dtype, native)
+            packing(table.linear[site.key], site, native)
         except TacticsError as exc:
             return str(exc)
     return None

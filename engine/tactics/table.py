@@ -42,17 +42,28 @@ class LinearChoice:
     scores: dict[str, float] = field(default_factory=dict)  # layout -> summed seconds per row
     timed_columns: int | None = None
 
-    def kernels(self, layout: str | None = None) -> list[str]:
+    def kernels(self, layout: str | None = None, python_margin: float | None = None) -> list[str]:
         """The candidate that runs each row bucket (buckets 0..; the caller repeats the last past them): the
-        table's choice, or with ``layout`` the fastest timed candidate of that layout."""
-        if layout is None or layout == self.layout:
+        table's choice, or with ``layout`` the fastest timed candidate of that layout. ``python_margin``: a
+        candidate that runs from Python (``onednn-panels``: a step it runs leaves the decoder stack) must be
+        that many times faster than kiln's C kernels to run a bucket."""
+        if (layout is None or layout == self.layout) and python_margin is None:
             return [b["runs"] for b in self.buckets]
+        layout = layout or self.layout
         out = []
         for b in self.buckets:
             times = {n: t for n, t in (b.get("us") or {}).items() if LINEAR[n].layout == layout}
             if not times:
+                if layout == self.layout:  # untimed (a forced table): as chosen
+                    out.append(b["runs"])
+                    continue
                 raise TacticsError(f"tactic table entry {self.key} has no {layout} candidate timed at {b['rows']} rows")
-            out.append(min(times, key=times.get))
+            best = min(times, key=times.get)
+            in_c = {n: t for n, t in times.items() if LINEAR[n].gemm_kernel in ("fma", "amx")}
+            if python_margin and in_c and LINEAR[best].gemm_kernel == "onednn":
+                c_best = min(in_c, key=in_c.get)
+                best = best if times[best] * python_margin < in_c[c_best] else c_best
+            out.append(best)
         return out
 
 
@@ -129,8 +140,8 @@ class TacticTable:
         for entry in doc.get("linear") or []:
             key, layout, buckets = entry.get("key"), entry.get("layout"), entry.get("buckets")
             dtype, _, shape = str(key).partition(":")
-            if dtype not in DTYPES or not _is_shape(shape):
-                raise bad(f"linear key {key!r} is not <{'|'.join(DTYPES)}>:<n>x<k>")
+            if dtype.removesuffix("+int8") not in DTYPES or not _is_shape(shape):
+                raise bad(f"linear key {key!r} is not <{'|'.join(DTYPES)}>[+int8]:<n>x<k>")
             if layout not in LAYOUTS or not isinstance(buckets, list) or not buckets:
                 raise bad(f"linear {key}: layout {layout!r} or its buckets are not valid")
             for b in buckets:

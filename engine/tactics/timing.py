@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 from kiln.engine.kernels.native import ROW_BUCKETS
+from kiln.engine.layers.quant import quantize_weight
 from kiln.engine.tactics import candidates
 
 MIN_SAMPLE_S = 2e-3
@@ -32,15 +33,16 @@ TIMED_COLUMNS = 8192
 class LinearSite:
     """A linear shape the model runs and the most rows one call of it sees."""
 
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the activations (and, unquantized, the weight)
     n: int
     k: int
     max_rows: int
     stacked: bool = False  # a decoder layer's linear (the stack runs it in kiln's layout, bind.stack_layout)
+    quant: str | None = None  # "int8": the weight is int8 with one float32 scale per output channel
 
     @property
     def key(self) -> str:
-        return f"{str(self.dtype).removeprefix('torch.')}:{self.n}x{self.k}"
+        return f"{str(self.dtype).removeprefix('torch.')}{'+' + self.quant if self.quant else ''}:{self.n}x{self.k}"
 
 
 @dataclass
@@ -98,12 +100,17 @@ def time_site(site: LinearSite, names: list[str], native, deadline: float,
               generator: torch.Generator) -> list[BucketTiming]:
     """Every bucket of ``site`` for the candidates ``names`` (each runnable here), until ``deadline``."""
     n = min(site.n, TIMED_COLUMNS)
-    weight = (torch.randn(n, site.k, generator=generator) * 0.02).to(site.dtype)
+    weight, scale = (torch.randn(n, site.k, generator=generator) * 0.02).to(site.dtype), None
+    if site.quant:
+        weight, scale = quantize_weight(weight, site.quant)
     packed = {}
     for name in names:
         layout = candidates.LINEAR[name].layout
-        if layout not in packed:
-            packed[layout] = candidates.pack(layout, weight, native)
+        if layout not in packed:  # kiln's panels shared with oneDNN where its packing is the same bytes
+            share = layout == "kiln" and "onednn-panels" in names
+            packed[layout] = candidates.pack(layout, weight, native, scale=scale, dtype=site.dtype, share_onednn=share)
+    if "onednn-panels" in names and packed["kiln"].onednn is None:
+        names = [n for n in names if n != "onednn-panels"]  # oneDNN packs this shape otherwise: not a candidate
     out: list[BucketTiming] = []
     for rows in bucket_rows(site.max_rows):
         if out and time.monotonic() > deadline:
@@ -122,7 +129,7 @@ def time_site(site: LinearSite, names: list[str], native, deadline: float,
                     return p(x)
             else:
                 def fn(p=p, x=x, plain=cand.layout == "plain"):
-                    return candidates.run(p, x, None, plain)
+                    return candidates.run(p, x, None, plain, scale)
             fns[name] = fn
         seconds, pruned = time_bucket(fns)
         out.append(BucketTiming(rows, seconds, pruned))

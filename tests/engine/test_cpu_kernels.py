@@ -241,9 +241,10 @@ def test_long_prefill_in_mlp_slices_equals_torch(fresh, toy_model, make_llm):
     assert outs["native"] == outs["torch"]
 
 
-STACK_MODELS = [("llama-tiny", {}, "float32"), ("qwen2-tiny", {}, "float32"),  # qwen2: q/k/v biases
-                 ("llama-tiny", {"attention_bias": True, "mlp_bias": True}, "float32"),  # o / gate_up / down biases
-                 ("llama-tiny", {}, "bfloat16"), ("qwen2-tiny", {}, "bfloat16")]
+STACK_MODELS = [("llama-tiny", {}, "float32", None), ("qwen2-tiny", {}, "float32", None),  # qwen2: q/k/v biases
+                 ("llama-tiny", {"attention_bias": True, "mlp_bias": True}, "float32", None),  # o/gate_up/down biases
+                 ("llama-tiny", {}, "bfloat16", None), ("qwen2-tiny", {}, "bfloat16", None),
+                 ("llama-tiny", {}, "float32", "int8"), ("qwen2-tiny", {}, "bfloat16", "int8")]  # int8 GEMMs
 
 
 def _with_random_biases(src, dest):
@@ -261,9 +262,10 @@ def _with_random_biases(src, dest):
     return dest
 
 
-@pytest.mark.parametrize(("preset", "overrides", "dtype"), STACK_MODELS)
+@pytest.mark.parametrize(("preset", "overrides", "dtype", "quant"), STACK_MODELS)
 @pytest.mark.parametrize("gemm", ["kiln-fma", "kiln-amx"])
-def test_decoder_stack_equals_the_module_path(fresh, toy_model, make_llm, monkeypatch, preset, overrides, dtype, gemm):
+def test_decoder_stack_equals_the_module_path(fresh, toy_model, make_llm, monkeypatch, preset, overrides, dtype, quant,
+                                              gemm):
     """The layers as one C call (models/llama.LlamaModel.bind_native_stack) give the per-module path's tokens
     and logprobs bit for bit, on each GEMM kernel (the two paths call the same kernel for the same rows):
     decodes, chunked prefill after a cached prefix, and a step over CPU_MLP_ROWS tokens (the MLP in
@@ -271,7 +273,7 @@ def test_decoder_stack_equals_the_module_path(fresh, toy_model, make_llm, monkey
     from kiln.engine.models.llama import CPU_MLP_ROWS
     from kiln.engine.tactics.candidates import why_not
 
-    why = why_not(gemm, getattr(torch, dtype), native.kernels())
+    why = why_not(gemm, getattr(torch, dtype), native.kernels(), quant)
     if why:
         pytest.skip(f"{gemm} on {dtype}: {why}")
     model_dir = _with_random_biases(toy_model(preset, dtype=dtype, **overrides), fresh / "model")
@@ -284,7 +286,7 @@ def test_decoder_stack_equals_the_module_path(fresh, toy_model, make_llm, monkey
     outs = {}
     for name in ("stack", "modules"):
         llm = make_llm(model_dir, attention_backend="native", dtype=dtype, num_kv_blocks=80, block_size=16,
-                       max_num_tokens=512, max_batch_size=4, device="cpu", tactics=gemm)
+                       max_num_tokens=512, max_batch_size=4, device="cpu", tactics=gemm, quantization=quant)
         model = llm.engine.runner.model.model
         assert model.native_stack is not None
         if name == "modules":
@@ -298,12 +300,15 @@ def test_decoder_stack_equals_the_module_path(fresh, toy_model, make_llm, monkey
 
 
 def test_decoder_stack_stays_off_where_it_cannot_run(fresh, toy_model, make_llm):
-    """Quantized linears (not kiln's GEMM) and the torch backend keep the per-module path, and say why."""
+    """Linears on torch's kernels (fp8 weights; a table that chose them) and the torch backend keep the
+    per-module path, and say why."""
     model_dir = toy_model("llama-tiny")
     kwargs = dict(num_kv_blocks=16, device="cpu", tactics="kiln-fma")
-    int8 = make_llm(model_dir, attention_backend="native", quantization="int8", **kwargs).engine.runner.model
-    assert int8.model.native_stack is None
-    assert "not packed" in int8.bind_native_stack(native.kernels())
+    fp8 = make_llm(model_dir, attention_backend="native", quantization="fp8", **kwargs).engine.runner.model
+    assert fp8.model.native_stack is None
+    assert "not packed" in fp8.bind_native_stack(native.kernels())
+    plain = make_llm(model_dir, attention_backend="native", **{**kwargs, "tactics": "aten"}).engine.runner.model
+    assert plain.model.native_stack is None
     assert make_llm(model_dir, attention_backend="torch", **kwargs).engine.runner.model.model.native_stack is None
     assert make_llm(model_dir, attention_backend="native", **kwargs).engine.runner.model.model.native_stack is not None
 

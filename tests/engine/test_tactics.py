@@ -23,21 +23,30 @@ def _runnable(name, dtype):
     return candidates.why_not(name, dtype, native.kernels())
 
 
+@pytest.mark.parametrize("quant", [None, "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(candidates.LINEAR))
-def test_every_candidate_computes_the_linear(name, dtype):
-    why = _runnable(name, dtype)
+def test_every_candidate_computes_the_linear(name, dtype, quant):
+    """Float weights, and int8 weights with their per-channel scales (weight-only: x (q s)^T exactly, up to
+    the activation dtype's rounding), at decode and prefill row counts and a K that is no multiple of 32."""
+    from kiln.engine.layers.quant import quantize_weight
+
+    why = candidates.why_not(name, dtype, native.kernels(), quant)
     if why:
-        pytest.skip(f"{name} on {dtype}: {why}")
+        pytest.skip(f"{name} on {dtype} {quant or ''}: {why}")
     cand = candidates.LINEAR[name]
     g = torch.Generator().manual_seed(1)
-    w, b = (torch.randn(200, 96, generator=g) * 0.05).to(dtype), torch.randn(200, generator=g).to(dtype)
+    w, b = (torch.randn(200, 96 + 14, generator=g) * 0.05).to(dtype), torch.randn(200, generator=g).to(dtype)
+    scale = None
+    if quant:
+        w, scale = quantize_weight(w, quant)
     tactics = [cand.gemm_kernel] * native.ROW_BUCKETS if cand.gemm_kernel else None
-    packed = candidates.pack(cand.layout, w, native.kernels(), 16, tactics)
+    packed = candidates.pack(cand.layout, w, native.kernels(), 16, tactics, scale, dtype)
+    exact = w.double() if scale is None else w.double() * scale.double()[:, None]
     for rows in (1, 7, 16, 40):
-        x = torch.randn(rows, 96, generator=g).to(dtype)
-        y = candidates.run(packed, x, b, plain=cand.layout == "plain")
-        ref = F.linear(x.double(), w.double(), b.double())
+        x = torch.randn(rows, w.shape[1], generator=g).to(dtype)
+        y = candidates.run(packed, x, b, plain=cand.layout == "plain", scale=scale)
+        ref = F.linear(x.double(), exact, b.double())
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
 
@@ -141,7 +150,7 @@ def test_a_candidate_the_host_cannot_run_is_refused():
     assert why == "AMX multiplies bf16, not float32" or "not loaded" in why
     choice = choose("float32:64x64", _timings({1: {"kiln-amx": 1, "kiln-fma": 2}}))
     with pytest.raises(TacticsError, match="runs kiln-amx, which cannot run here"):
-        resolve.packing(choice, torch.float32, 64, native.kernels())
+        resolve.packing(choice, LinearSite(torch.float32, 64, 64, 1), native.kernels())
 
 
 @pytest.mark.parametrize("tactics,kind", [("kiln-fma", "kiln"), ("onednn", "onednn"), ("aten", "plain")])
@@ -240,5 +249,45 @@ def test_a_bad_tactics_setting_names_the_field(toy_model):
     from kiln.engine import ConfigError
     from kiln.engine.config import EngineConfig
 
-    with pytest.raises(ConfigError, match=r"^tactics must be 'auto', a candidate \(kiln-fma, kiln-amx, onednn, aten\)"):
+    with pytest.raises(ConfigError, match=r"^tactics must be 'auto', a candidate \(kiln-fma, kiln-amx, onednn-panels, "
+                                          r"onednn, aten\) or a tactics.json file, got 'fastest'$"):
         EngineConfig(model=str(toy_model("llama-tiny")), device="cpu", tactics="fastest")
+
+
+def test_steps_that_run_onednn_leave_the_stack_and_agree_with_the_module_path(toy_model, make_llm, monkeypatch,
+                                                                             tmp_path):
+    """A table whose small buckets run kiln's C kernels and large ones oneDNN on the same panels
+    (``onednn-panels``): prefill steps take the module path (only Python can call oneDNN), decode steps the
+    decoder stack, and the tokens and logprobs equal a run that is all module path."""
+    from engine_testlib import random_prompts
+    from kiln.engine import SamplingParams
+    from kiln.engine.tactics.table import LinearChoice
+
+    if _runnable("onednn-panels", torch.bfloat16) or _runnable("kiln-fma", torch.bfloat16):
+        pytest.skip("needs kiln's bf16 kernels and oneDNN's bf16 GEMM: " + str(
+            _runnable("onednn-panels", torch.bfloat16) or _runnable("kiln-fma", torch.bfloat16)))
+    model_dir = toy_model("llama-tiny", dtype="bfloat16", hidden_size=128, intermediate_size=256,
+                          tie_word_embeddings=False)
+    kwargs = dict(dtype="bfloat16", attention_backend="native", num_kv_blocks=64, max_num_tokens=256,
+                  max_batch_size=4, device="cpu")
+    sites = make_llm(model_dir, tactics="aten", **kwargs).engine.runner.tactic_sites
+    table = TacticTable(host=host.cpu_signature(), model={"decoder_stack": {"winner": "fused"}})
+    for s in sites:
+        table.linear[s.key] = LinearChoice(s.key, "kiln", [
+            {"rows": r, "runs": "kiln-fma" if r <= 16 else "onednn-panels", "winner": "kiln-fma", "runner_up": None,
+             "us": {}, "pruned": [], "inferred_from": None} for r in bucket_rows(s.max_rows)])
+    path = table.save(tmp_path / "tactics.json")
+    calls = []
+    run = native.DecoderStack.__call__
+    monkeypatch.setattr(native.DecoderStack, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or run(self, *a))
+    prompts = random_prompts([40, 70], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    outs = {}
+    for name in ("stack", "modules"):
+        llm = make_llm(model_dir, tactics=str(path), **kwargs)
+        assert llm.engine.config.tactics_info["source"] == "artifact"
+        if name == "modules":
+            llm.engine.runner.model.model.native_stack = None
+        outs[name] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+    assert outs["stack"] == outs["modules"]
+    assert calls and max(calls) <= 16  # decode steps in the stack, the 110-token prefill step not

@@ -40,10 +40,11 @@ typedef float vlin __attribute__((vector_size(32), aligned(4))); /* AVX2 / NEON:
 #define LIN_MC 192
 #endif
 
-/* tile[r][0:ncols] of rows r < mr: ys[r * ldy + j] = (prev ? prev[r * ldp + j] : 0) + acc */
+/* tile[r][0:ncols] of rows r < mr: ys[r * ldy + j] = (prev ? prev[r * ldp + j] : 0) + acc (* scale[j]: int8) */
 #define LIN_TILE(MR)                                                                                          \
     static void lin_tile##MR(const float *x, int64_t ldx, const float *w, int64_t kn, float *y, int64_t ldy,  \
-                             const float *prev, int64_t ldp, int ncols, const float *pf, int64_t pf_rows) {   \
+                             const float *prev, int64_t ldp, int ncols, const float *pf, int64_t pf_rows,     \
+                             const float *scale) {                                                            \
         vlin acc[MR][LIN_NV];                                                                                 \
         for (int r = 0; r < MR; r++)                                                                          \
             for (int c = 0; c < LIN_NV; c++) acc[r][c] = (vlin){0};                                           \
@@ -58,6 +59,9 @@ typedef float vlin __attribute__((vector_size(32), aligned(4))); /* AVX2 / NEON:
                 for (int c = 0; c < LIN_NV; c++) acc[r][c] += xv * wv[c];                                     \
             }                                                                                                 \
         }                                                                                                     \
+        if (scale)                                                                                            \
+            for (int r = 0; r < MR; r++)                                                                      \
+                for (int c = 0; c < LIN_NV; c++) acc[r][c] *= *(const vlin *)(scale + c * LIN_VEC);           \
         for (int r = 0; r < MR; r++) {                                                                        \
             float *o = y + r * ldy;                                                                           \
             const float *pr = prev ? prev + r * ldp : 0;                                                      \
@@ -73,7 +77,7 @@ typedef float vlin __attribute__((vector_size(32), aligned(4))); /* AVX2 / NEON:
     }
 LIN_TILE(1) LIN_TILE(2) LIN_TILE(3) LIN_TILE(4) LIN_TILE(5) LIN_TILE(6)
 typedef void (*lin_tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, const float *, int64_t, int,
-                            const float *, int64_t);
+                            const float *, int64_t, const float *);
 static const lin_tile_fn lin_tiles[LIN_MR + 1] = {0, lin_tile1, lin_tile2, lin_tile3, lin_tile4, lin_tile5, lin_tile6};
 
 int64_t kiln_linear_panel(void) { return LIN_PANEL; }
@@ -138,7 +142,7 @@ static void lin_f32_tile(const void *args, int64_t u, int64_t m0, int64_t mr, in
     float *out = a->y + m0 * a->ldy + col;
     const float *prev = k0 ? out : (a->bias ? a->bias + col : 0); /* later K blocks add to the partial sums */
     lin_tiles[mr](a->x + m0 * a->ldx + k0, a->ldx, wp + k0 * LIN_PANEL, kn, out, a->ldy, prev, k0 ? a->ldy : 0,
-                  lin_cols(a->n, col), pf_rows ? next + (k0 + pf_lo) * LIN_PANEL : 0, pf_rows);
+                  lin_cols(a->n, col), pf_rows ? next + (k0 + pf_lo) * LIN_PANEL : 0, pf_rows, 0);
 }
 
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) W^T + bias (bias may be NULL) */
@@ -183,7 +187,7 @@ static inline uint32_t bf_pair(const uint16_t *p) {
 #define BF_TILE(R)                                                                                           \
     BF16_TARGET static void bf_tile##R(const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t k,         \
                                        uint16_t *y, int64_t ldy, const float *bias, int ncols,               \
-                                       const uint16_t *pf, int64_t pf_rows) {                                \
+                                       const uint16_t *pf, int64_t pf_rows, const float *scale) {            \
         __m512 acc[R][4];                                                                                    \
         for (int r = 0; r < R; r++)                                                                          \
             for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();                                     \
@@ -200,17 +204,28 @@ static inline uint32_t bf_pair(const uint16_t *p) {
                 const int left = ncols - 16 * c;                                                             \
                 const __mmask16 mask = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);                  \
                 __m512 v = acc[r][c];                                                                        \
+                if (scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scale + 16 * c));                \
                 if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + 16 * c));                  \
                 _mm256_mask_storeu_epi16(y + r * ldy + 16 * c, mask, (__m256i)_mm512_cvtneps_pbh(v));        \
             }                                                                                                \
     }
 BF_TILE(1) BF_TILE(2) BF_TILE(3) BF_TILE(4) BF_TILE(5) BF_TILE(6)
 typedef void (*bf_tile_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, uint16_t *, int64_t, const float *, int,
-                           const uint16_t *, int64_t);
+                           const uint16_t *, int64_t, const float *);
 static const bf_tile_fn bf_tiles[LIN_MR + 1] = {0, bf_tile1, bf_tile2, bf_tile3, bf_tile4, bf_tile5, bf_tile6};
 
 int kiln_linear_bf16_available(void) { return 1; }
 int64_t kiln_bf16_panel_pairs(int64_t k) { return bf16_panel_pairs(k); }
+
+/* rows [0, m) of one bf16 panel wp (bf16_panel_pairs(k) pairs): y = bf16(acc * scale + bias), in FMA tiles */
+KILN_HIDDEN void kiln_panel_bf16(const uint16_t *x, int64_t ldx, const uint16_t *wp, int64_t k, uint16_t *y, int64_t ldy,
+                                 const float *scale, const float *bias, int ncols, int64_t m) {
+    const int64_t tiles = (m + LIN_MR - 1) / LIN_MR;
+    for (int64_t t = 0, m0 = 0, mr; t < tiles; t++, m0 += mr) {
+        mr = m / tiles + (t < m % tiles);
+        bf_tiles[mr](x + m0 * ldx, ldx, wp, k, y + m0 * ldy, ldy, bias, ncols, 0, 0, scale);
+    }
+}
 
 /* w [N, K] bf16 (row stride ldw) -> packed [ceil(N / 64)][bf16_panel_pairs(K)][64][2] */
 void kiln_pack_linear_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k, int64_t ldw) {
@@ -241,7 +256,7 @@ BF16_TARGET static void lin_bf16_tile(const void *args, int64_t u, int64_t m0, i
     const uint16_t *wp = a->packed + u * BF_PAIR * kpp, *next = wp + BF_PAIR * kpp;
     (void)k0, (void)kn;
     bf_tiles[mr](a->x + m0 * a->ldx, a->ldx, wp, a->k, a->y + m0 * a->ldy + col, a->ldy, a->bias ? a->bias + col : 0,
-                 lin_cols(a->n, col), pf_rows ? next + pf_lo * BF_PAIR : 0, pf_rows);
+                 lin_cols(a->n, col), pf_rows ? next + pf_lo * BF_PAIR : 0, pf_rows, 0);
 }
 
 /* y [m, n] bf16 (row stride ldy) = x [m, k] bf16 (row stride ldx) W^T + bias (float32, may be NULL) */
@@ -254,6 +269,10 @@ void kiln_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bi
 #else
 int kiln_linear_bf16_available(void) { return 0; }
 int64_t kiln_bf16_panel_pairs(int64_t k) { return bf16_panel_pairs(k); }
+KILN_HIDDEN void kiln_panel_bf16(const uint16_t *x, int64_t ldx, const uint16_t *wp, int64_t k, uint16_t *y, int64_t ldy,
+                                 const float *scale, const float *bias, int ncols, int64_t m) {
+    (void)x, (void)ldx, (void)wp, (void)k, (void)y, (void)ldy, (void)scale, (void)bias, (void)ncols, (void)m;
+}
 void kiln_pack_linear_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k, int64_t ldw) {
     (void)w, (void)packed, (void)n, (void)k, (void)ldw;
 }
@@ -264,26 +283,41 @@ void kiln_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bi
 #endif
 
 
+/* rows [0, m) of one float32 panel wp ([kn][LIN_PANEL], K rows [k0, k0 + kn)): y = prev + acc * scale, prev the bias
+ * for the first K block and y itself after it (the scale is linear, so each block's sums take it alone) */
+KILN_HIDDEN void kiln_panel_f32(const float *x, int64_t ldx, const float *wp, int64_t k0, int64_t kn, float *y,
+                                int64_t ldy, const float *scale, const float *bias, int ncols, int64_t m) {
+    const int64_t tiles = (m + LIN_MR - 1) / LIN_MR;
+    for (int64_t t = 0, m0 = 0, mr; t < tiles; t++, m0 += mr) {
+        mr = m / tiles + (t < m % tiles);
+        float *out = y + m0 * ldy;
+        lin_tiles[mr](x + m0 * ldx + k0, ldx, wp, kn, out, ldy, k0 ? out : bias, k0 ? ldy : 0, ncols, 0, 0, scale);
+    }
+}
+
 /* ---- the tactic dispatch: one weight, the kernel its table picked for this call's row count ----
  *
  * The module path (native.Kernels.linear) and the decoder stack (stack.c) both call this, so they run the
- * same kernel on the same rows and agree bit for bit. A kernel the library or the process cannot run (AMX
- * without the tile permission, a K the tiles do not divide) falls back to the FMA tiles, never a fault. */
+ * same kernel on the same rows and agree bit for bit. A kernel the process cannot run (AMX without the tile
+ * permission) falls back to the FMA tiles, never a fault. int8 weights (scales set) go to gemm_int8.c.
+ * Returns 0, or -1 when scratch memory could not be allocated. */
 static int row_bucket(int64_t m) {
     int b = 0;
     while (b < KILN_ROW_BUCKETS - 1 && ((int64_t)1 << b) < m) b++;
     return b;
 }
 
-void kiln_gemm(const struct kiln_weight *w, const void *x, const float *bias, void *y, int64_t m, int64_t ldx,
-               int64_t ldy) {
-    if (m <= 0) return;
+int kiln_gemm(const struct kiln_weight *w, const void *x, const float *bias, void *y, int64_t m, int64_t ldx,
+              int64_t ldy) {
+    if (m <= 0) return 0;
+    const int amx = w->kernel[row_bucket(m)] == KILN_GEMM_AMX;
+    if (w->scales) return kiln_linear_i8(x, w->panels, w->scales, bias, y, m, w->n, w->k, ldx, ldy, w->bf16, amx);
     if (w->bf16) {
-        if (w->kernel[row_bucket(m)] == KILN_GEMM_AMX && kiln_linear_amx(x, w->panels, bias, y, m, w->n, w->k, ldx, ldy))
-            return;
-        kiln_linear_bf16(x, w->panels, bias, y, m, w->n, w->k, ldx, ldy);
+        if (!(amx && kiln_linear_amx(x, w->panels, bias, y, m, w->n, w->k, ldx, ldy)))
+            kiln_linear_bf16(x, w->panels, bias, y, m, w->n, w->k, ldx, ldy);
     } else {
         kiln_linear_f32(x, w->panels, bias, y, m, w->n, w->k, ldx, ldy);
     }
+    return 0;
 }
 

@@ -67,14 +67,15 @@ AMX_TARGET static void amx_configure(int r0, int r1) {
     _tile_loadconfig(&c);
 }
 
-/* y[r, 0:ncols] = bf16(acc[r, 0:ncols] + bias) for r < rows */
+/* y[r, 0:ncols] = bf16(acc[r, 0:ncols] (* scale: int8 weights) + bias) for r < rows */
 AMX_TARGET static void amx_store(const float *acc, int64_t ld_acc, int rows, uint16_t *y, int64_t ldy,
-                                 const float *bias, int ncols) {
+                                 const float *scale, const float *bias, int ncols) {
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < ncols; c += 16) {
             const int left = ncols - c;
             const __mmask16 mask = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
             __m512 v = _mm512_maskz_loadu_ps(mask, acc + r * ld_acc + c);
+            if (scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, scale + c));
             if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + c));
             _mm256_mask_storeu_epi16(y + r * ldy + c, mask, (__m256i)_mm512_cvtneps_pbh(v));
         }
@@ -140,8 +141,8 @@ AMX_TARGET static void amx_2x2(const struct amx_rows *a, const uint16_t *w, floa
 
 /* rows [r0, r1) of one panel (wp: its first K pair); k: x's columns, kt: the pairs tiles take from x */
 AMX_TARGET static void amx_panel(const uint16_t *x, int64_t ldx, const uint16_t *wp, int64_t k, int64_t kt,
-                                 uint16_t *y, int64_t ldy, const float *bias, int ncols, int64_t r0, int64_t r1,
-                                 int *cfg, float *acc, uint16_t *tail) {
+                                 uint16_t *y, int64_t ldy, const float *scale, const float *bias, int ncols,
+                                 int64_t r0, int64_t r1, int *cfg, float *acc, uint16_t *tail) {
     while (r0 < r1) {
         const int64_t left = r1 - r0;
         const int rows = left <= 16 ? (int)left : left >= 32 ? 32 : (int)left;
@@ -153,13 +154,14 @@ AMX_TARGET static void amx_panel(const uint16_t *x, int64_t ldx, const uint16_t 
         if (left <= 16) {
             if (cfg[0] != rows || cfg[1] != 0) amx_configure(cfg[0] = rows, cfg[1] = 0);
             amx_1x4(&a, wp, acc);
-            amx_store(acc, 64, rows, y + r0 * ldy, ldy, bias, ncols);
+            amx_store(acc, 64, rows, y + r0 * ldy, ldy, scale, bias, ncols);
         } else {
             if (cfg[0] != 16 || cfg[1] != rows - 16) amx_configure(cfg[0] = 16, cfg[1] = rows - 16);
             for (int h = 0; h < 2 && 32 * h < ncols; h++) {
                 amx_2x2(&a, wp + 64 * h, acc);
                 const int nc = ncols - 32 * h < 32 ? ncols - 32 * h : 32;
-                amx_store(acc, 64, rows, y + r0 * ldy + 32 * h, ldy, bias ? bias + 32 * h : 0, nc);
+                amx_store(acc, 64, rows, y + r0 * ldy + 32 * h, ldy, scale ? scale + 32 * h : 0,
+                          bias ? bias + 32 * h : 0, nc);
             }
         }
         r0 += rows;
@@ -182,7 +184,7 @@ AMX_TARGET int kiln_linear_amx(const uint16_t *x, const uint16_t *packed, const 
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
                 const int ncols = n - p * KILN_PANEL < KILN_PANEL ? (int)(n - p * KILN_PANEL) : KILN_PANEL;
-                amx_panel(x, ldx, packed + p * kpp * AMX_PAIR, k, kt, y + p * KILN_PANEL, ldy,
+                amx_panel(x, ldx, packed + p * kpp * AMX_PAIR, k, kt, y + p * KILN_PANEL, ldy, 0,
                           bias ? bias + p * KILN_PANEL : 0, ncols, mc0, mc1, cfg, acc, tail);
             }
             if (cfg[0] >= 0) _tile_release();
@@ -190,8 +192,27 @@ AMX_TARGET int kiln_linear_amx(const uint16_t *x, const uint16_t *packed, const 
     }
     return 1;
 }
+/* rows [0, m) of one bf16 panel, for the int8 kernels (gemm_int8.c): the calling thread's tiles are configured
+ * as cfg says (-1: not yet) and stay so across calls; kiln_amx_release ends them. Returns 0 without AMX. */
+KILN_HIDDEN AMX_TARGET int kiln_panel_amx(const uint16_t *x, int64_t ldx, const uint16_t *wp, int64_t k, uint16_t *y,
+                                          int64_t ldy, const float *scale, const float *bias, int ncols, int64_t m,
+                                          int *cfg) {
+    if (!kiln_amx_ready()) return 0;
+    float acc[32 * 64] __attribute__((aligned(64)));
+    uint16_t tail[32 * 32] __attribute__((aligned(64)));
+    amx_panel(x, ldx, wp, k, k / 32 * 16, y, ldy, scale, bias, ncols, 0, m, cfg, acc, tail);
+    return 1;
+}
+
+KILN_HIDDEN AMX_TARGET void kiln_amx_release(void) { _tile_release(); }
 #else
 int kiln_amx_ready(void) { return 0; }
+KILN_HIDDEN int kiln_panel_amx(const uint16_t *x, int64_t ldx, const uint16_t *wp, int64_t k, uint16_t *y, int64_t ldy,
+                               const float *scale, const float *bias, int ncols, int64_t m, int *cfg) {
+    (void)x, (void)ldx, (void)wp, (void)k, (void)y, (void)ldy, (void)scale, (void)bias, (void)ncols, (void)m, (void)cfg;
+    return 0;
+}
+KILN_HIDDEN void kiln_amx_release(void) {}
 int kiln_linear_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m, int64_t n,
                     int64_t k, int64_t ldx, int64_t ldy) {
     (void)x, (void)packed, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)ldx, (void)ldy;

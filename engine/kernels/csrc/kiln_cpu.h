@@ -9,6 +9,7 @@
  *   gemm.c       linears over weights packed once into panels: float32 and bf16 (vdpbf16ps) FMA tiles, and
  *                kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count
  *   gemm_amx.c   the bf16 linear on AMX tiles, over the same panels
+ *   gemm_int8.c  int8 weights (weight-only quantization) through the kernels above, widened panel by panel
  *   stack.c      a pipeline stage's decoder layers in one call
  *
  * Threads: the OpenMP runtime is the one torch loaded (same soname, libgomp.so.1), so a parallel
@@ -21,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KILN_ABI_VERSION 7
+#define KILN_ABI_VERSION 8
 #define KILN_HIDDEN __attribute__((visibility("hidden")))
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -88,14 +89,15 @@ enum kiln_gemm_kernel { KILN_GEMM_FMA = 0, KILN_GEMM_AMX = 1 };
 
 /* A packed weight and, per row bucket, the kernel that multiplies it (its tactic table's winners). */
 struct kiln_weight {
-    const void *panels; /* kiln_pack_linear_f32 / _bf16 */
-    int64_t n, k;       /* output and input features */
-    int32_t bf16;
+    const void *panels;   /* kiln_pack_linear_f32 / _bf16 / _i8 */
+    const float *scales;  /* int8 weights: one float32 scale per output column (padded to whole panels); else NULL */
+    int64_t n, k;         /* output and input features */
+    int32_t bf16;         /* the activations (and outputs) are bf16, else float32 */
     uint8_t kernel[KILN_ROW_BUCKETS]; /* enum kiln_gemm_kernel */
 };
 
-void kiln_gemm(const struct kiln_weight *w, const void *x, const float *bias, void *y, int64_t m, int64_t ldx,
-               int64_t ldy);
+int kiln_gemm(const struct kiln_weight *w, const void *x, const float *bias, void *y, int64_t m, int64_t ldx,
+              int64_t ldy);
 void kiln_linear_f32(const float *x, const float *packed, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
                      int64_t ldx, int64_t ldy);
 void kiln_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m, int64_t n,
@@ -103,6 +105,16 @@ void kiln_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bi
 int kiln_linear_amx(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m, int64_t n,
                     int64_t k, int64_t ldx, int64_t ldy);
 int kiln_amx_ready(void);
+int kiln_linear_i8(const void *x, const int8_t *packed, const float *scales, const float *bias, void *y, int64_t m,
+                   int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16, int amx);
+/* one panel's rows through each kernel, for the int8 kernels (gemm_int8.c) over a widened copy of the panel */
+KILN_HIDDEN void kiln_panel_bf16(const uint16_t *x, int64_t ldx, const uint16_t *wp, int64_t k, uint16_t *y, int64_t ldy,
+                                 const float *scale, const float *bias, int ncols, int64_t m);
+KILN_HIDDEN void kiln_panel_f32(const float *x, int64_t ldx, const float *wp, int64_t k0, int64_t kn, float *y,
+                                int64_t ldy, const float *scale, const float *bias, int ncols, int64_t m);
+KILN_HIDDEN int kiln_panel_amx(const uint16_t *x, int64_t ldx, const uint16_t *wp, int64_t k, uint16_t *y, int64_t ldy,
+                               const float *scale, const float *bias, int ncols, int64_t m, int *cfg);
+KILN_HIDDEN void kiln_amx_release(void);
 
 /* ---- the other entry points the decoder stack calls ---- */
 int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,

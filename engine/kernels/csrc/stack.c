@@ -29,8 +29,8 @@ struct kiln_stack {
 };
 
 /* y [m, w->n] = x [m, w->k] W^T (+ bias), both contiguous: the kernel the weight's tactics pick for m rows */
-static void stack_linear(const struct kiln_weight *w, const void *x, const float *bias, void *y, int64_t m) {
-    kiln_gemm(w, x, bias, y, m, w->k, w->n);
+static int stack_linear(const struct kiln_weight *w, const void *x, const float *bias, void *y, int64_t m) {
+    return kiln_gemm(w, x, bias, y, m, w->k, w->n);
 }
 
 NOCONTRACT static void add_row_bias(void *y, const void *b, int64_t rows, int64_t n, int bf16) {
@@ -63,7 +63,7 @@ int64_t kiln_stack_workspace(const struct kiln_stack *s, int64_t tokens) { retur
  * (in: the running residual, or nothing when residual_empty; out: the residual after the last layer), both
  * contiguous, overwritten in place. cos/sin [tokens, head_dim] with row stride cs_stride; slots, block tables,
  * context lengths and row groups as kiln_cache_write and kiln_paged_attention take them. Returns 0, or -1 when
- * attention could not allocate its scratch memory. */
+ * attention or an int8 GEMM could not allocate its scratch memory. */
 int kiln_decoder_stack(const struct kiln_stack *s, const struct kiln_layer *layers, int64_t num_layers, void *x,
                        void *residual, int residual_empty, int64_t tokens, const void *cos, const void *sin,
                        int64_t cs_stride, const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
@@ -83,7 +83,7 @@ int kiln_decoder_stack(const struct kiln_stack *s, const struct kiln_layer *laye
         } else {
             kiln_add_rms_norm(x, residual, L->input_norm, h, residual, tokens, hid, s->eps, bf16);
         }
-        stack_linear(L->qkv, h, L->qkv_bias, qkv, tokens);
+        if (stack_linear(L->qkv, h, L->qkv_bias, qkv, tokens)) return -1;
         kiln_rotary(qkv, cos, sin, tokens, s->heads + s->kv_heads, d, qkv_n, cs_stride, bf16);
         kiln_cache_write(qkv + q_n * esz, qkv + (q_n + kv_n) * esz, L->k_cache, L->v_cache, slots, tokens, s->kv_heads,
                          d, qkv_n, qkv_n, s->num_blocks, s->block_size, bf16);
@@ -91,15 +91,15 @@ int kiln_decoder_stack(const struct kiln_stack *s, const struct kiln_layer *laye
                                  s->heads, s->kv_heads, s->num_blocks, s->block_size, d, bt_stride, qkv_n, q_n, s->scale,
                                  bf16))
             return -1;
-        stack_linear(L->o, attn, 0, x, tokens);
+        if (stack_linear(L->o, attn, 0, x, tokens)) return -1;
         if (L->o_bias) add_row_bias(x, L->o_bias, tokens, hid, bf16);
         kiln_add_rms_norm(x, residual, L->post_norm, h, residual, tokens, hid, s->eps, bf16);
         for (int64_t r0 = 0; r0 < tokens; r0 += mlp) {
             const int64_t rows = tokens - r0 < mlp ? tokens - r0 : mlp;
             void *xr = (char *)x + r0 * hid * esz;
-            stack_linear(L->gate_up, h + r0 * hid * esz, L->gate_up_bias, gate_up, rows);
+            if (stack_linear(L->gate_up, h + r0 * hid * esz, L->gate_up_bias, gate_up, rows)) return -1;
             kiln_silu_mul(gate_up, act, rows, inter, 2 * inter, inter, bf16);
-            stack_linear(L->down, act, 0, xr, rows);
+            if (stack_linear(L->down, act, 0, xr, rows)) return -1;
             if (L->down_bias) add_row_bias(xr, L->down_bias, rows, hid, bf16);
         }
     }
