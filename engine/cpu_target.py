@@ -12,8 +12,9 @@ torch 2.13 on an AVX2 EPYC: 0.5 GFLOP/s bf16 vs 55 GFLOP/s float32, one thread).
   override the measurement, for tests and for operators who know better.
 - :func:`plan_cpu_load` decides, for an artifact about to load on this CPU: the compute
   dtype (a bf16/fp16 artifact on a host without that native matmul computes in float32:
-  its weights are upcast once at load), the int8 path (torch's int8-weight x bf16 kernel
-  where bf16 is native, else dequantize into float32 per matmul), and the thread count:
+  its weights are upcast once at load), the int8 candidates (kiln's int8 GEMM, and torch's
+  int8-weight x bf16 kernel where bf16 is native, else dequantize into float32 per matmul; the
+  tactic table picks), and the thread count:
   ``$OMP_NUM_THREADS`` if set; else the cgroup CPU quota (what a container really has);
   else the build's measured best when this is the machine type it was tuned on; else a
   measurement here (a few threads counts timed on a decode-sized matmul).
@@ -221,10 +222,11 @@ def plan_cpu_load(dtype: str, quantization: str | None, kv_cache_dtype: str = "a
                         else f"{native['gflops']} vs {native['float32_gflops']} GFLOP/s float32, one thread")
     if kv_cache_dtype in OVERRIDE_ENV and kv_cache_dtype != dtype and not probe(kv_cache_dtype)["native"]:
         plan["kv_cache_dtype"] = "float32"
-    if quantization == "int8":
-        plan["int8_path"] = ("int8-weight x bf16 kernel (torch._weight_int8pack_mm)"
-                             if plan["dtype"] == "bfloat16" and hasattr(torch, "_weight_int8pack_mm")
-                             else f"dequantize to {plan['dtype']} per matmul")
+    if quantization == "int8":  # the candidates; the tactic table picks per linear and row bucket
+        torch_path = ("int8-weight x bf16 kernel (torch._weight_int8pack_mm)"
+                      if plan["dtype"] == "bfloat16" and hasattr(torch, "_weight_int8pack_mm")
+                      else f"dequantize to {plan['dtype']} per matmul")
+        plan["int8_path"] = f"kiln's int8 GEMM ({plan['dtype']} activations) or torch's {torch_path}, as timed"
     threads, why = choose_threads(threads_hint, built_on)
     if threads is not None and apply_threads:
         torch.set_num_threads(threads)
