@@ -8,7 +8,8 @@ float32 scales (weight-only quantization). A decode step streams each panel once
 bf16 panels are byte for byte the blocked layout oneDNN itself chooses for a bf16 weight on the hosts
 measured (``AB16b64a2b``, when it is asked to pack for one row): where that holds for a shape, the weight
 can be packed *by oneDNN* and its buffer read by kiln's kernels too, so a row bucket may run oneDNN's GEMM
-(``"onednn"``) on the same single copy. That is checked byte for byte for each weight, never assumed.
+(``"onednn"``) on the same single copy. That is checked for each weight (its first and last panel, byte
+for byte), never assumed.
 """
 
 from __future__ import annotations
@@ -38,21 +39,34 @@ class KilnWeight(ctypes.Structure):
                 ("bf16", ctypes.c_int32), ("kernel", ctypes.c_uint8 * ROW_BUCKETS)]
 
 
-def onednn_panels(weight: torch.Tensor, panels: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of a bf16 ``weight`` when its bytes are exactly kiln's ``panels``, else None."""
+def onednn_panels(kernels: Kernels, weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed copy of a bf16 ``weight`` when its bytes are exactly kiln's panels, else None.
+
+    Panels are independent of each other, so the first and the last one (the zero-padded one, where
+    layouts differ first) are packed by kiln alone and compared with oneDNN's bytes: no second copy of the
+    whole weight is ever held."""
     ops = torch.ops.mkldnn
     if weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return None
+    n, k = weight.shape
+    panel, pairs = kernels.linear_panel, kernels.bf16_panel_pairs(k)
+    panel_bytes, panels = pairs * panel * 2 * 2, -(-n // panel)
     try:
         packed = ops._reorder_linear_weight(weight, 1)
         ptr, nbytes = ops.data_ptr(packed), ops._nbytes(packed)
     except (RuntimeError, AttributeError):
         return None
-    if nbytes != panels.numel() * panels.element_size():
+    if nbytes != panels * panel_bytes:
         return None
-    view = torch.empty(panels.numel(), dtype=panels.dtype)
-    ctypes.memmove(view.data_ptr(), ptr, nbytes)
-    return packed if torch.equal(view, panels.flatten()) else None
+    for index in {0, panels - 1}:
+        mine = torch.empty(pairs, panel, 2, dtype=torch.bfloat16)
+        rows = weight[index * panel:(index + 1) * panel]
+        kernels._pack_linear[torch.bfloat16](rows.data_ptr(), mine.data_ptr(), rows.shape[0], k, rows.stride(0))
+        theirs = torch.empty_like(mine)
+        ctypes.memmove(theirs.data_ptr(), ptr + index * panel_bytes, panel_bytes)
+        if not torch.equal(mine, theirs):
+            return None
+    return packed
 
 
 class PackedLinear:
@@ -81,20 +95,21 @@ class PackedLinear:
         panel, k = kernels.linear_panel, self.in_features
         per_panel = (k, panel) if weight.dtype == torch.float32 else (kernels.bf16_panel_pairs(k), panel, 2)
         panels = -(-self.out_features // panel)
-        self.panels = weight.new_empty((panels, *per_panel))
-        kernels._pack_linear[weight.dtype](weight.data_ptr(), self.panels.data_ptr(), self.out_features, k,
-                                           weight.stride(0))
+        self.onednn = None  # oneDNN's copy, when it is these panels byte for byte and a bucket runs it
+        if (share_onednn or (share_onednn is None and tactics and "onednn" in tactics)) and not self.int8:
+            self.onednn = onednn_panels(kernels, weight)
+        if self.onednn is not None:  # one copy: kiln's kernels read oneDNN's buffer
+            self.panels, ptr = self.onednn, torch.ops.mkldnn.data_ptr(self.onednn)
+        else:
+            self.panels = weight.new_empty((panels, *per_panel))
+            kernels._pack_linear[weight.dtype](weight.data_ptr(), self.panels.data_ptr(), self.out_features, k,
+                                               weight.stride(0))
+            ptr = self.panels.data_ptr()
         self.scales = None
         if self.int8:  # padded to whole panels: the kernels read a panel's scales as vectors
             self.scales = torch.zeros(panels * panel, dtype=torch.float32)
             self.scales[:self.out_features] = scales.float()
         self._kernels = kernels
-        self.onednn = None  # oneDNN's copy, when it is these panels byte for byte and a bucket runs it
-        ptr = self.panels.data_ptr()
-        if (share_onednn or (share_onednn is None and tactics and "onednn" in tactics)) and not self.int8:
-            self.onednn = onednn_panels(weight, self.panels)
-            if self.onednn is not None:  # one copy: kiln's kernels read oneDNN's buffer
-                self.panels, ptr = self.onednn, torch.ops.mkldnn.data_ptr(self.onednn)
         self.weight = KilnWeight(ptr, 0 if self.scales is None else self.scales.data_ptr(), self.out_features, k,
                                  int(self.dtype == torch.bfloat16))
         self.set_tactics(tactics or ["fma"] * ROW_BUCKETS)
