@@ -19,8 +19,8 @@ from kiln.engine.kernels import cpu_library
 from kiln.engine.kernels.isa import feature_missing, log
 from kiln.engine.kernels.packed import GEMM_KERNELS, ROW_BUCKETS, KilnWeight, PackedLinear, row_bucket
 
-__all__ = ["GEMM_KERNELS", "ROW_BUCKETS", "DecoderStack", "Kernels", "KilnWeight", "PackedLinear", "keys_view",
-           "kernels", "reset", "row_bucket", "supports"]
+__all__ = ["GEMM_KERNELS", "ROW_BUCKETS", "DecoderStack", "Kernels", "KilnWeight", "PackedLinear", "kernels",
+           "reset", "row_bucket", "supports"]
 
 class Kernels:
     """The loaded library, with argument types declared once."""
@@ -81,7 +81,7 @@ class Kernels:
         rc = self._attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                              ctx_lens.data_ptr(), row_starts.data_ptr(), out.data_ptr(), row_starts.shape[0] - 1,
                              heads, kvh, num_blocks, block_size, d, block_tables.stride(0), q.stride(0), out.stride(0),
-                             scale, _bf16(q))
+                             scale, self.kv_mode(q.dtype))
         if rc:
             raise MemoryError("kiln CPU attention could not allocate its scratch memory")
 
@@ -111,10 +111,33 @@ class Kernels:
     def cache_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slots: torch.Tensor) -> None:
         """Write the step's k/v [tokens, kv_heads, d] into their int64 ``slots`` of caches shaped
-        [kv_heads, blocks, block_size, d]: V as torch lays it out, K blocks transposed (``keys_view``)."""
+        [kv_heads, blocks, block_size, d], in the kernels' own layout (``kv_mode``; ``read_cache`` gives
+        torch's back): K blocks transposed and V as rows, or both in bf16 pairs."""
         kvh, num_blocks, block_size, d = k_cache.shape
         self._cache_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                          k.shape[0], kvh, d, k.stride(0), v.stride(0), num_blocks, block_size, _bf16(k))
+                          k.shape[0], kvh, d, k.stride(0), v.stride(0), num_blocks, block_size, self.kv_mode(k.dtype))
+
+    def kv_mode(self, dtype: torch.dtype) -> int:
+        """The kernels' ``bf16`` argument for a cache of ``dtype``: 0 float32, 1 bfloat16, 2 bfloat16 where this
+        host runs vdpbf16ps (the pair layout, csrc/attention_bf16.c, for 16-token blocks and head sizes that
+        are multiples of 32)."""
+        if dtype != torch.bfloat16:
+            return 0
+        return 2 if self.gemm_kernels[torch.bfloat16]["fma"] is None else 1
+
+    def read_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of a cache the kernels wrote, as torch lays it out: [kv_heads, blocks, block_size, d] each."""
+        kvh, nb, bs, d = k_cache.shape
+        if self.kv_mode(k_cache.dtype) == 2 and bs == 16 and d % 32 == 0:
+            keys = k_cache.view(kvh, nb, d // 2, bs, 2).permute(0, 1, 3, 2, 4).reshape(kvh, nb, bs, d)
+            return keys, v_cache.view(kvh, nb, bs // 2, d, 2).permute(0, 1, 2, 4, 3).reshape(kvh, nb, bs, d)
+        return k_cache.view(kvh, nb, d, bs).transpose(-1, -2).clone(), v_cache.clone()
+
+    def store_cache(self, keys: torch.Tensor, values: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Write whole caches given in torch's layout ([kv_heads, blocks, block_size, d]) in the kernels' own."""
+        kvh, nb, bs, d = k_cache.shape
+        rows = lambda t: t.permute(1, 2, 0, 3).reshape(nb * bs, kvh, d).contiguous()  # noqa: E731
+        self.cache_write(rows(keys), rows(values), k_cache, v_cache, torch.arange(nb * bs))
 
     def pack_linear(self, weight: torch.Tensor, tactics: Sequence[str] | None = None, scales: torch.Tensor | None = None,
                     dtype: torch.dtype | None = None, share_onednn: bool | None = None) -> PackedLinear:
@@ -180,7 +203,7 @@ class DecoderStack:
             self._keep.append(value)
             return ctypes.addressof(value.weight) if isinstance(value, PackedLinear) else value.data_ptr()
 
-        self.shape = StackShape(**shape, bf16=_bf16(torch.empty(0, dtype=dtype)))
+        self.shape = StackShape(**shape, bf16=kernels.kv_mode(dtype))
         self.layers = (StackLayer * len(layers))(*[StackLayer(**{k: address(v) for k, v in layer.items()})
                                                    for layer in layers])
         self.num_layers = len(layers)
@@ -215,14 +238,6 @@ class DecoderStack:
         if rc:
             raise MemoryError("kiln's CPU kernels could not allocate their scratch memory")
         return x, residual
-
-
-def keys_view(k_cache: torch.Tensor) -> torch.Tensor:
-    """The keys of a cache the kernels wrote, indexed as torch's layout [kv_heads, blocks, block_size, d]
-    (a strided view): ``cache_write`` stores each K block transposed, [d, block_size], so decode scores a
-    block with block_size-wide multiply-adds."""
-    kvh, num_blocks, block_size, d = k_cache.shape
-    return k_cache.view(kvh, num_blocks, d, block_size).transpose(-1, -2)
 
 
 def _bf16(t: torch.Tensor) -> int:

@@ -7,9 +7,9 @@ layer first writes its new K/V into the cache slots of ``slot_mapping``, then
 reads each sequence's whole context back from its blocks:
 
 - on CPU with ``attention_backend="native"`` (the CPU default where kiln's C kernels compile or an
-  artifact ships them: ``kernels/cpu_kernels.c``), every token of the step, decode or prefill, is one
+  artifact ships them: ``kernels/csrc``), every token of the step, decode or prefill, is one
   row of one kernel call that reads K/V straight from the blocks (``paged_metadata.token_rows``);
-  that backend writes K blocks transposed (``kernels.native.keys_view``), so nothing below runs;
+  that backend writes the cache in its own layout (``kernels.native.Kernels.read_cache``), so nothing below runs;
 - otherwise single-token rows run as batched matmuls over ``k_cache[block_tables]``
   (CPU: in groups of rows of similar context length, each gathering only the
   blocks its longest row holds; GPU: one SDPA), with padding masks built once

@@ -55,7 +55,8 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 ])
 def test_attention_matches_reference(fresh, dtype, heads, kv_heads, d, block_size):
     """Decode rows with their own tables, then the tokens of a prefill chunk (one table, causal lengths,
-    attended in groups of rows that share the table), against a float64 reference."""
+    attended in groups of rows that share the table), against a float64 reference; bf16 with 16-token blocks
+    and head sizes 64/128 in the pair layout where the host runs vdpbf16ps (``kv_mode`` 2)."""
     kernels = native.kernels()
     g = torch.Generator().manual_seed(heads * d + block_size)
     num_blocks = 64
@@ -71,13 +72,15 @@ def test_attention_matches_reference(fresh, dtype, heads, kv_heads, d, block_siz
     # q as the model hands it over: a strided view of the packed q|k projection output
     packed = torch.randn(len(lens), heads + kv_heads, d, generator=g).to(dtype)
     q = packed[:, :heads]
-    stored = torch.empty_like(k_cache)  # K as cache_write stores it: each block transposed
-    native.keys_view(stored).copy_(k_cache)
+    stored_k, stored_v = torch.empty_like(k_cache), torch.empty_like(v_cache)  # in the kernels' own layout
+    kernels.store_cache(k_cache, v_cache, stored_k, stored_v)
+    read_k, read_v = kernels.read_cache(stored_k, stored_v)
+    assert torch.equal(read_k, k_cache) and torch.equal(read_v, v_cache)
     want = reference(q, k_cache, v_cache, tables, lens, d ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for groups in (row_starts, None):  # grouped, and every row alone
         out = torch.full((len(lens), heads, d), float("nan"), dtype=dtype)
-        kernels.paged_attention(q, stored, v_cache, tables, lens, d ** -0.5, out, groups)
+        kernels.paged_attention(q, stored_k, stored_v, tables, lens, d ** -0.5, out, groups)
         torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
@@ -128,11 +131,11 @@ def test_pointwise_kernels_match_the_torch_ops(fresh, dtype):
     k_cache, v_cache = torch.zeros(4, 6, 16, 64, dtype=dtype), torch.zeros(4, 6, 16, 64, dtype=dtype)
     slots = torch.tensor([5, 17, 95, 40, 0, 63, 64, 81, 2, 33, 90])
     kernels.cache_write(qkv[:, 12:16], qkv[:, 16:], k_cache, v_cache, slots)
-    keys = native.keys_view(k_cache).reshape(4, 96, 64)
+    keys, values = (t.reshape(4, 96, 64) for t in kernels.read_cache(k_cache, v_cache))
     assert torch.equal(keys[:, slots], qkv[:, 12:16].transpose(0, 1))
     assert keys[:, 1].abs().max() == 0  # slot 1 is no token's
-    assert torch.equal(v_cache.view(4, 96, 64)[:, slots], qkv[:, 16:].transpose(0, 1))
-    assert v_cache.view(4, 96, 64)[:, 1].abs().max() == 0  # nothing else written
+    assert torch.equal(values[:, slots], qkv[:, 16:].transpose(0, 1))
+    assert values[:, 1].abs().max() == 0  # nothing else written
 
 
 @pytest.mark.parametrize("m,k,n,bias", [
@@ -379,10 +382,10 @@ def test_avx2_only_host_never_loads_the_avx512_library(fresh, monkeypatch):
     k_cache, v_cache = torch.randn(2, 8, 16, 64, generator=g), torch.randn(2, 8, 16, 64, generator=g)
     q, lens, tables = torch.randn(3, 6, 64, generator=g), torch.tensor([5, 16, 100], dtype=torch.int32), \
         torch.randint(0, 8, (3, 7), generator=g, dtype=torch.int32)
-    stored = torch.empty_like(k_cache)
-    native.keys_view(stored).copy_(k_cache)
+    stored_k, stored_v = torch.empty_like(k_cache), torch.empty_like(v_cache)
+    kernels.store_cache(k_cache, v_cache, stored_k, stored_v)
     out = torch.empty_like(q)
-    kernels.paged_attention(q, stored, v_cache, tables, lens, 0.125, out)
+    kernels.paged_attention(q, stored_k, stored_v, tables, lens, 0.125, out)
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, tables, lens, 0.125), rtol=1e-5, atol=1e-5)
     # and the same GEMM, over its own (16-column) panels
     w, x, b = torch.randn(70, 300, generator=g), torch.randn(13, 300, generator=g), torch.randn(70, generator=g)

@@ -103,7 +103,8 @@ static void values_any(float *acc, const float *vb, const float *p, int64_t n, i
  * row_starts:     [num_groups + 1] int32: rows row_starts[i] .. row_starts[i+1]-1 form a group that shares
  *                 the first row's block table (a decode row alone; consecutive tokens of one prefill chunk,
  *                 whose causal contexts differ only in length). Each group's K/V blocks are read once.
- * bf16:           0 = every tensor float32, 1 = every tensor bfloat16 (math in float32)
+ * bf16:           0 = every tensor float32, 1 = every tensor bfloat16 (math in float32), 2 = bfloat16 with the
+ *                 cache in pair layout where kv_pairs holds (scores and weighted values on vdpbf16ps)
  *
  * Each (group, KV head) is one task: the query heads of the KV head's GQA group, for every row of the
  * group, are scored against the keys (scores kept, then an exact softmax per query over its own context
@@ -123,6 +124,7 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
     /* a score row holds whole blocks: the transposed-K score loop writes block_size scores per block */
     const int64_t stride = (max_ctx + block_size - 1) / block_size * block_size;
     const int64_t tasks = num_groups * kv_heads, bsd = block_size * d, max_q = max_rows * group;
+    const int pairs = kv_pairs(bf16, block_size, d); /* bf16 cache in pair layout: attention_bf16.c's loops */
     int failed = 0;
 #pragma omp parallel if (tasks > 1)
     {
@@ -147,6 +149,10 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
             for (int64_t i = 0; i < nrows; i++)
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t src = (r0 + i) * q_stride + (h * group + g) * d;
+                    if (pairs) { /* the bf16 rows as they are; the scale multiplies the scores */
+                        memcpy((uint16_t *)qf + (i * group + g) * d, (const uint16_t *)q + src, (size_t)d * 2);
+                        continue;
+                    }
                     float *dst = qf + (i * group + g) * d;
                     for (int64_t e = 0; e < d; e++)
                         dst[e] = scale * ld(q, src + e, bf16);
@@ -156,6 +162,11 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
                 const int64_t ahead = j + PREFETCH_BLOCKS;
                 if (ahead < nblocks) prefetch_block(k_cache, bf16, (base + table[ahead]) * bsd, bsd);
                 else if (ahead - nblocks < nblocks) prefetch_block(v_cache, bf16, (base + table[ahead - nblocks]) * bsd, bsd);
+                if (pairs) {
+                    kiln_scores_pairs((const uint16_t *)qf, (const uint16_t *)k_cache + (base + table[j]) * bsd,
+                                      scores + j * 16, nq, stride, d, scale);
+                    continue;
+                }
                 const float *kb = block_rows(k_cache, bf16, (base + table[j]) * bsd, bsd, tmp);
                 if (block_size == 16) scores_t16(qf, kb, scores + j * 16, nq, stride, d);
                 else scores_t(qf, kb, scores + j * block_size, nq, stride, d, block_size);
@@ -178,6 +189,11 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
             for (int64_t j = 0; j < nblocks; j++) {
                 const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
                 if (j + PREFETCH_BLOCKS < nblocks) prefetch_block(v_cache, bf16, (base + table[j + PREFETCH_BLOCKS]) * bsd, bsd);
+                if (pairs) {
+                    kiln_values_pairs(acc, (const uint16_t *)v_cache + (base + table[j]) * bsd, scores + j * 16, n, nq,
+                                      stride, d);
+                    continue;
+                }
                 const float *vb = block_rows(v_cache, bf16, (base + table[j]) * bsd, n * d, tmp);
                 const float *p = scores + j * block_size;
                 if (d == 64) values_d64((vnat *)acc, vb, p, n, nq, stride);

@@ -5,6 +5,7 @@
  * raw tensor pointers; no torch headers, so a build takes a few seconds. One file per concern:
  *
  *   attention.c  paged attention read straight from the KV cache blocks
+ *   attention_bf16.c  its inner loops on vdpbf16ps, for a bf16 cache in pair layout
  *   pointwise.c  SiLU x up, residual add + RMSNorm, rotary, the KV cache write
  *   gemm.c       linears over weights packed once into panels: float32 and bf16 (vdpbf16ps) FMA tiles, and
  *                kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count
@@ -22,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KILN_ABI_VERSION 8
+#define KILN_ABI_VERSION 9
 #define KILN_HIDDEN __attribute__((visibility("hidden")))
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -115,6 +116,24 @@ KILN_HIDDEN void kiln_panel_f32(const float *x, int64_t ldx, const float *wp, in
 KILN_HIDDEN int kiln_panel_amx(const uint16_t *x, int64_t ldx, const uint16_t *wp, int64_t k, uint16_t *y, int64_t ldy,
                                const float *scale, const float *bias, int ncols, int64_t m, int *cfg);
 KILN_HIDDEN void kiln_amx_release(void);
+
+/* ---- the KV cache's layout ----
+ * bf16: 0 = float32 cache, 1 = bf16, 2 = bf16 where the host runs vdpbf16ps (the caller says so). A float32
+ * cache, and a bf16 one otherwise, keeps K blocks transposed ([d][block_size]) and V blocks as rows; with 2,
+ * 16-token blocks and a head size that is a multiple of 32, K blocks are [d/2][16][2] and V blocks
+ * [8][d][2] (attention_bf16.c). kiln_cache_write and kiln_paged_attention decide it alike from these. */
+#if defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
+#define KILN_HAVE_KV_PAIRS 1
+#else
+#define KILN_HAVE_KV_PAIRS 0
+#endif
+static inline int kv_pairs(int bf16, int64_t block_size, int64_t d) {
+    return KILN_HAVE_KV_PAIRS && bf16 == 2 && block_size == 16 && d % 32 == 0;
+}
+KILN_HIDDEN void kiln_scores_pairs(const uint16_t *qb, const uint16_t *kb, float *s, int64_t nq, int64_t stride,
+                                   int64_t d, float scale);
+KILN_HIDDEN void kiln_values_pairs(float *acc, const uint16_t *vb, const float *p, int64_t n, int64_t nq,
+                                   int64_t stride, int64_t d);
 
 /* ---- the other entry points the decoder stack calls ---- */
 int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,

@@ -110,15 +110,26 @@ NOCONTRACT void kiln_rotary(void *x, const void *cos, const void *sin, int64_t t
 
 /* The step's new keys and values into their cache slots. v_cache[h, slot] = v[t, h, :] (rows of d, as torch
  * lays it out); K blocks are stored transposed, k_cache[h, block][i][offset] = k[t, h, i] with block = slot / bs,
- * offset = slot % bs, so decode scores a whole block with bs-wide FMAs (scores_t16). k/v rows strided. */
+ * offset = slot % bs, so decode scores a whole block with bs-wide FMAs (scores_t16). A bf16 cache in pair
+ * layout (kv_pairs) is written as attention_bf16.c reads it. k/v rows strided. */
 void kiln_cache_write(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots,
                       int64_t tokens, int64_t kv_heads, int64_t d, int64_t k_stride, int64_t v_stride,
                       int64_t num_blocks, int64_t block_size, int bf16) {
     const size_t esz = bf16 ? 2 : 4;
+    const int pairs = kv_pairs(bf16, block_size, d);
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
         for (int64_t h = 0; h < kv_heads; h++) {
             const int64_t first = ((h * num_blocks + block) * block_size) * d;
+            if (pairs) { /* K [d/2][16][2], V [8][d][2] (attention_bf16.c) */
+                const uint16_t *ks = (const uint16_t *)k + t * k_stride + h * d, *vs = (const uint16_t *)v + t * v_stride + h * d;
+                uint16_t *kd = (uint16_t *)k_cache + first, *vd = (uint16_t *)v_cache + first;
+                for (int64_t i = 0; i < d; i++) {
+                    kd[((i / 2) * block_size + offset) * 2 + i % 2] = ks[i];
+                    vd[((offset / 2) * d + i) * 2 + offset % 2] = vs[i];
+                }
+                continue;
+            }
             memcpy((char *)v_cache + (size_t)(first + offset * d) * esz, (const char *)v + (size_t)(t * v_stride + h * d) * esz,
                    (size_t)d * esz);
             const char *src = (const char *)k + (size_t)(t * k_stride + h * d) * esz;
