@@ -5,8 +5,9 @@ On CPU, at the thread count the tune stage chose:
 
 1. linears: each linear shape of the model (this rank's shards, the row caps the runtime applies) at
    every row bucket up to ``maxNumTokens`` (the LM head up to ``maxBatchSize``), every candidate this
-   host runs (kiln's FMA and AMX kernels, oneDNN, ATen), interleaved, within ``BUDGET_S`` (or
-   ``$KILN_TACTICS_BUDGET_S``);
+   host runs (kiln's FMA and AMX kernels, oneDNN on kiln's panels or its own, ATen), interleaved,
+   within ``BUDGET_S`` (or ``$KILN_TACTICS_BUDGET_S``); and, for a bf16 cache on an AMX host, a prefill
+   group's attention on AMX tiles against vdpbf16ps;
 2. model-level, end to end through the runtime on the artifact itself (prefill + decode steps, two
    interleaved rounds, the better of each): the decoder stack as one C call vs module by module, and
    kiln's C attention vs torch's.
@@ -45,6 +46,7 @@ def tune_tactics(load_llm, spec, vocab_size: int, out: Path, tuning: dict[str, A
     import torch
     from kiln.engine.artifact import TACTICS_FILE
     from kiln.engine.tactics import report
+    from kiln.engine.tactics.bind import attention_shape
     from kiln.engine.tactics.resolve import budget, measure
 
     if tuning.get("device") == "cuda":
@@ -55,8 +57,9 @@ def tune_tactics(load_llm, spec, vocab_size: int, out: Path, tuning: dict[str, A
         torch.set_num_threads(int(tuning["torch_num_threads"]))
     llm = load_llm(tactics="aten")  # untimed: only to learn the linear shapes the runtime will run
     try:
-        sites, native = llm.engine.runner.tactic_sites, llm.engine.runner.native
-        table = measure(sites, native, budget(BUDGET_S))
+        runner = llm.engine.runner
+        attention = attention_shape(runner.model, llm.engine.config) if runner.native is not None else None
+        table = measure(runner.tactic_sites, runner.native, budget(BUDGET_S), attention=attention)
     finally:
         llm.shutdown()
     log.info("linears: %d shapes timed in %.1fs", len(table.linear), table.seconds)

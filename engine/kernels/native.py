@@ -37,7 +37,10 @@ class Kernels:
             fn.restype, fn.argtypes = restype, list(argtypes)
             return fn
 
-        self._attention = declare("kiln_paged_attention", ctypes.c_int, *[ptr] * 7, *[i64] * 9, f32, flag)
+        self._attention = declare("kiln_paged_attention", ctypes.c_int, *[ptr] * 7, *[i64] * 9, f32, flag, i64)
+        # Prefill groups of at least this many query vectors attend on AMX tiles (0: never); the tactic table's
+        # choice (kiln.engine.tactics), for a bf16 cache in pair layout.
+        self.attention_amx_queries = 0
         self._silu_mul = declare("kiln_silu_mul", None, *[ptr] * 2, *[i64] * 4, flag)
         self._rms_norm = declare("kiln_add_rms_norm", None, *[ptr] * 5, *[i64] * 2, f32, flag)
         self._rotary = declare("kiln_rotary", None, *[ptr] * 3, *[i64] * 5, flag)
@@ -81,7 +84,7 @@ class Kernels:
         rc = self._attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                              ctx_lens.data_ptr(), row_starts.data_ptr(), out.data_ptr(), row_starts.shape[0] - 1,
                              heads, kvh, num_blocks, block_size, d, block_tables.stride(0), q.stride(0), out.stride(0),
-                             scale, self.kv_mode(q.dtype))
+                             scale, self.kv_mode(q.dtype), self.attention_amx_queries)
         if rc:
             raise MemoryError("kiln CPU attention could not allocate its scratch memory")
 
@@ -180,7 +183,8 @@ class StackShape(ctypes.Structure):
     """``struct kiln_stack``: the layers' sizes, shared by every layer of the stack."""
 
     _fields_ = [(name, ctypes.c_int64) for name in (
-        "hidden", "heads", "kv_heads", "head_dim", "inter", "num_blocks", "block_size", "mlp_rows")] + [
+        "hidden", "heads", "kv_heads", "head_dim", "inter", "num_blocks", "block_size", "mlp_rows",
+        "attn_amx_queries")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("bf16", ctypes.c_int32)]
 
 
@@ -203,7 +207,7 @@ class DecoderStack:
             self._keep.append(value)
             return ctypes.addressof(value.weight) if isinstance(value, PackedLinear) else value.data_ptr()
 
-        self.shape = StackShape(**shape, bf16=kernels.kv_mode(dtype))
+        self.shape = StackShape(**shape, attn_amx_queries=kernels.attention_amx_queries, bf16=kernels.kv_mode(dtype))
         self.layers = (StackLayer * len(layers))(*[StackLayer(**{k: address(v) for k, v in layer.items()})
                                                    for layer in layers])
         self.num_layers = len(layers)

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 import torch
+from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead
 from kiln.engine.layers.linear import LinearBase
 from kiln.engine.tactics import candidates
@@ -117,13 +118,24 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
     return counts
 
 
+def attention_shape(model: nn.Module, config) -> dict[str, Any] | None:
+    """What ``resolve.measure_attention`` times for this model: its heads and KV cache."""
+    attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
+    return None if attn is None else {"heads": attn.num_heads, "kv_heads": attn.num_kv_heads,
+                                      "head_dim": attn.head_dim, "block_size": config.block_size,
+                                      "dtype": config.kv_torch_dtype}
+
+
 def apply(model: nn.Module, config, native, stack: bool = True
           ) -> tuple[TacticTable, dict[str, Any], list[LinearSite]]:
     """Resolve the table for this model and host (``resolve.resolve``) and pack the model by it; returns the
     table, what ``/version`` says of it, and the model's linear sites (what a build times)."""
     modules = linear_modules(model, config.max_num_tokens, config.max_batch_size, config.torch_dtype)
     sites = linear_sites(modules)
-    table, info = resolve(config.tactics, sites, native, config.tactics_cache)
+    table, info = resolve(config.tactics, sites, native, config.tactics_cache,
+                          attention_shape(model, config) if stack else None)
+    if native is not None:  # prefill groups on AMX tiles where the table timed that faster
+        native.attention_amx_queries = (table.model.get("attention_tiles") or {}).get("min_queries", 0) if stack else 0
     counts = bind(model, modules, table, native, config.max_batch_size, stack)
     info["layouts"] = counts
     log.info("tactics (%s): %s", info["source"], ", ".join(f"{n} linear(s) {k}" for k, n in sorted(counts.items())))

@@ -9,10 +9,11 @@
   measured by the build (the decoder stack, the attention backend) are kept: they hold across CPU kinds
   far better than a kernel's crossover does, and timing them needs the whole model.
 - ``"auto"``: measured here on first use, then reused from memory and from ``~/.cache/kiln/tactics``.
-- a candidate name (``kiln-fma``, ``kiln-amx``, ``onednn``, ``aten``): every linear runs it wherever it
-  can run; the rest are measured as for ``"auto"``.
+- a candidate name (``candidates.LINEAR``: ``kiln-fma``, ``kiln-amx``, ``onednn-panels``, ``onednn``,
+  ``aten``): every linear runs it wherever it can run, untimed; the rest are timed.
 
-A table that does not cover the model's linears is another model's and is refused (``TacticsError``).
+A table that covers none of the model's linear shapes is another model's and is refused (``TacticsError``);
+one that lacks some (a later pipeline stage's, which the build did not load) has just those timed here.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from kiln.engine.tactics import candidates, host
 from kiln.engine.tactics.table import LinearChoice, TacticsError, TacticTable, choose
-from kiln.engine.tactics.timing import TIMED_COLUMNS, LinearSite, bucket_rows, time_site
+from kiln.engine.tactics.timing import TIMED_COLUMNS, LinearSite, bucket_rows, time_attention, time_site
 
 log = logging.getLogger("kiln.engine.tactics")
 
@@ -35,9 +36,28 @@ LOAD_BUDGET_S = 20.0  # most a load spends timing linears (a build's tune stage 
 _memo: dict[tuple[str, tuple], TacticTable] = {}
 
 
-def measure(sites: list[LinearSite], native, budget_s: float, only: str | None = None) -> TacticTable:
+ATTENTION_TILE_QUERIES = 16  # a group fills AMX tiles from this many query vectors (16 rows per tile)
+
+
+def measure_attention(native, attention: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Prefill attention on AMX tiles or on vdpbf16ps, timed for the model's heads, where both can run: a
+    bf16 cache in kiln's pair layout (16-token blocks, head size a multiple of 32) on an AMX host, and prefill
+    groups (8 rows x the GQA group) that fill a tile."""
+    if not attention or native is None or native.kv_mode(attention["dtype"]) != 2 or attention["block_size"] != 16:
+        return None
+    heads, kv_heads, d = attention["heads"], attention["kv_heads"], attention["head_dim"]
+    if native.gemm_kernels[torch.bfloat16]["amx"] or d % 32 or 8 * heads // kv_heads < ATTENTION_TILE_QUERIES:
+        return None
+    us = {k: round(v * 1e6, 2) for k, v in time_attention(native, heads, kv_heads, d).items()}
+    winner = min(us, key=us.get)
+    return {"winner": winner, "us": us, "min_queries": ATTENTION_TILE_QUERIES if winner == "amx" else 0}
+
+
+def measure(sites: list[LinearSite], native, budget_s: float, only: str | None = None,
+            attention: dict[str, Any] | None = None) -> TacticTable:
     """Time every runnable candidate for every site; the table of choices. ``only``: that candidate runs
-    every site it can run, untimed (the rest are timed)."""
+    every site it can run, untimed (the rest are timed). ``attention`` (heads, kv_heads, head_dim,
+    block_size, dtype of the KV cache): also how a prefill group attends (``measure_attention``)."""
     started = time.monotonic()
     deadline = started + budget_s
     table = TacticTable(host=host.cpu_signature())
@@ -52,6 +72,9 @@ def measure(sites: list[LinearSite], native, budget_s: float, only: str | None =
                 continue
             timings = time_site(site, names, native, deadline, gen)
             table.linear[site.key] = choose(site.key, timings, min(site.n, TIMED_COLUMNS))
+        tiles = measure_attention(native, attention)
+        if tiles:
+            table.model["attention_tiles"] = tiles
     table.seconds = time.monotonic() - started
     return table
 
@@ -71,6 +94,18 @@ def _cache_dir() -> Path:
 
 def _sites_key(sites: list[LinearSite]) -> tuple:
     return tuple(sorted((s.key, s.max_rows) for s in sites))
+
+
+HOST_MODEL_OPS = ("attention_tiles",)  # model-level choices a re-timing host measures anew (the rest are the build's)
+
+
+def _host_model(table: TacticTable) -> dict[str, Any]:
+    return {k: v for k, v in table.model.items() if k in HOST_MODEL_OPS}
+
+
+def _sites_hash(sites: list[LinearSite]) -> str:
+    """Names a cached table: one per host signature and model shapes."""
+    return host.signature_key({"sites": [list(k) for k in _sites_key(sites)]})
 
 
 def _check_covers(table: TacticTable, sites: list[LinearSite], what: str) -> None:
@@ -100,33 +135,43 @@ def _save(table: TacticTable, path: Path) -> Path | None:
         return None
 
 
-def resolve(source: str, sites: list[LinearSite], native, cache_dir: str | None = None
-            ) -> tuple[TacticTable, dict[str, Any]]:
-    """The table to run ``sites`` with, and what ``/version`` and the log say about where it came from."""
+def resolve(source: str, sites: list[LinearSite], native, cache_dir: str | None = None,
+            attention: dict[str, Any] | None = None) -> tuple[TacticTable, dict[str, Any]]:
+    """The table to run ``sites`` with, and what ``/version`` and the log say about where it came from
+    (``attention``: as ``measure`` takes it)."""
     here = host.cpu_signature()
     key = host.signature_key(here)
     info: dict[str, Any] = {"host": host.describe(here), "host_key": key}
     if source in candidates.LINEAR:
-        table = measure(sites, native, budget(), only=source)
+        table = measure(sites, native, budget(), only=source, attention=attention)
         return table, {**info, "source": f"forced {source}", "seconds": round(table.seconds, 2)}
     if source != "auto":
         built = TacticTable.load(Path(source))
-        _check_covers(built, sites, f"tactic table {source}")
-        cannot = runnable(built, sites, native)
+        missing = [s for s in sites if s.key not in built.linear]
+        if len(missing) == len(sites):
+            _check_covers(built, sites, f"tactic table {source}")
+        cannot = runnable(built, [s for s in sites if s not in missing], native)
         if host.signature_key(built.host) == key and cannot is None:
-            return built, {**info, "source": "artifact", "table": source}
+            if not missing:
+                return built, {**info, "source": "artifact", "table": source}
+            # a pipeline stage's own linears (the build timed the first stage's): timed here, the rest as built
+            extra = measure(missing, native, budget())
+            built.linear.update(extra.linear)
+            log.info("tactics: %s has no entry for %d linear shape(s) of this stage; timed them here in %.1fs",
+                     source, len(missing), extra.seconds)
+            return built, {**info, "source": f"artifact (+{len(missing)} shape(s) timed here)", "table": source}
         diffs = host.differences(built.host, here) + ([cannot] if cannot else [])
-        cached_path = Path(cache_dir or _cache_dir()) / f"{key}.json"
+        cached_path = Path(cache_dir or _cache_dir()) / f"{key}-{_sites_hash(sites)}.json"
         cached = _load_cached(cached_path, sites)
         if cached is not None and runnable(cached, sites, native) is None:
-            cached.model = built.model
+            cached.model = {**built.model, **_host_model(cached)}
             log.info("tactics: this host differs from the build's (%s): using the table re-timed here before, %s",
                      "; ".join(diffs), cached_path)
             return cached, {**info, "source": "re-timed (cached)", "table": str(cached_path), "differs": diffs}
         log.warning("tactics: %s was measured on %s; this host is %s (%s): re-timing its linears here",
                     source, host.describe(built.host), host.describe(here), "; ".join(diffs))
-        table = measure(sites, native, budget())
-        table.model = built.model
+        table = measure(sites, native, budget(), attention=attention)
+        table.model = {**{k: v for k, v in built.model.items() if k not in HOST_MODEL_OPS}, **table.model}
         saved = _save(table, cached_path)
         log.warning("tactics: re-timed %d linear shapes in %.1fs%s", len(table.linear), table.seconds,
                     f", cached in {saved}" if saved else "")
@@ -135,12 +180,12 @@ def resolve(source: str, sites: list[LinearSite], native, cache_dir: str | None 
     memo_key = (key, _sites_key(sites))
     if memo_key in _memo:
         return _memo[memo_key], {**info, "source": "measured (this process)"}
-    path = _cache_dir() / f"{key}-{host.signature_key({'sites': list(memo_key[1])})}.json"
+    path = _cache_dir() / f"{key}-{_sites_hash(sites)}.json"
     table = _load_cached(path, sites)
     if table is not None and runnable(table, sites, native) is None:
         _memo[memo_key] = table
         return table, {**info, "source": "measured (cached)", "table": str(path)}
-    table = measure(sites, native, budget())
+    table = measure(sites, native, budget(), attention=attention)
     _memo[memo_key] = table
     saved = _save(table, path)
     log.info("tactics: timed %d linear shapes in %.1fs on %s", len(table.linear), table.seconds, info["host"])

@@ -134,3 +134,31 @@ def time_site(site: LinearSite, names: list[str], native, deadline: float,
         seconds, pruned = time_bucket(fns)
         out.append(BucketTiming(rows, seconds, pruned))
     return out
+
+
+def time_attention(native, heads: int, kv_heads: int, head_dim: int, rows: int = 8, context: int = 256
+                   ) -> dict[str, float]:
+    """Median seconds of one prefill group's attention (``rows`` tokens sharing a 16-token-block table, causal up
+    to ``context``) on kiln's bf16 pair-layout cache, with its scores and values on vdpbf16ps or AMX tiles."""
+    gen = torch.Generator().manual_seed(1)
+    blocks = -(-context // 16)
+    keys, values = (torch.randn(kv_heads, blocks, 16, head_dim, generator=gen).bfloat16() for _ in range(2))
+    k_cache, v_cache = torch.empty_like(keys), torch.empty_like(values)
+    native.store_cache(keys, values, k_cache, v_cache)
+    q = torch.randn(rows, heads, head_dim, generator=gen).bfloat16()
+    tables = torch.arange(blocks, dtype=torch.int32).repeat(rows, 1)
+    lens = torch.arange(context - rows + 1, context + 1, dtype=torch.int32)
+    starts = torch.tensor([0, rows], dtype=torch.int32)
+    out = torch.empty_like(q)
+    before = native.attention_amx_queries
+    fns = {}
+    for name, queries in (("vdpbf16ps", 0), ("amx", 16)):
+        def fn(queries=queries):
+            native.attention_amx_queries = queries
+            native.paged_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out, starts)
+        fns[name] = fn
+    try:
+        seconds, _ = time_bucket(fns)
+    finally:
+        native.attention_amx_queries = before
+    return seconds

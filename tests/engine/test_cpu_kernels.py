@@ -53,11 +53,14 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
     (8, 1, 24, 32),    # MQA, a head size on the generic path, a block size on the generic path
     (4, 2, 80, 16),    # another generic head size
 ])
-def test_attention_matches_reference(fresh, dtype, heads, kv_heads, d, block_size):
+@pytest.mark.parametrize("amx_queries", [0, 16])
+def test_attention_matches_reference(fresh, dtype, heads, kv_heads, d, block_size, amx_queries, monkeypatch):
     """Decode rows with their own tables, then the tokens of a prefill chunk (one table, causal lengths,
     attended in groups of rows that share the table), against a float64 reference; bf16 with 16-token blocks
-    and head sizes 64/128 in the pair layout where the host runs vdpbf16ps (``kv_mode`` 2)."""
+    and head sizes 64/128 in the pair layout where the host runs vdpbf16ps (``kv_mode`` 2), whose groups of at
+    least ``amx_queries`` query vectors attend on AMX tiles where the host has them."""
     kernels = native.kernels()
+    monkeypatch.setattr(kernels, "attention_amx_queries", amx_queries)
     g = torch.Generator().manual_seed(heads * d + block_size)
     num_blocks = 64
     k_cache = torch.randn(kv_heads, num_blocks, block_size, d, generator=g).to(dtype)

@@ -118,6 +118,15 @@ def test_another_models_table_is_refused(tmp_path):
         resolve.resolve(str(path), [site], native.kernels(), str(tmp_path / "cache"))
 
 
+def test_a_stage_times_only_the_shapes_its_build_did_not_load(tmp_path):
+    """Pipeline stages past the first have linears (the LM head) the build's load never saw: those are
+    timed at load, the rest run as built."""
+    built, extra = LinearSite(torch.float32, 64, 64, 4), LinearSite(torch.float32, 96, 64, 4)
+    path = resolve.measure([built], native.kernels(), 5).save(tmp_path / "tactics.json")
+    table, info = resolve.resolve(str(path), [built, extra], native.kernels(), str(tmp_path / "cache"))
+    assert info["source"] == "artifact (+1 shape(s) timed here)" and set(table.linear) == {built.key, extra.key}
+
+
 def test_matching_host_uses_the_table_as_is_and_another_host_retimes_once(tmp_path, monkeypatch):
     sites = [LinearSite(torch.float32, 64, 64, 8)]
     table = resolve.measure(sites, native.kernels(), 10)
@@ -291,3 +300,17 @@ def test_steps_that_run_onednn_leave_the_stack_and_agree_with_the_module_path(to
         outs[name] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
     assert outs["stack"] == outs["modules"]
     assert calls and max(calls) <= 16  # decode steps in the stack, the 110-token prefill step not
+
+
+def test_prefill_attention_on_tiles_is_timed_and_applied(toy_model, make_llm):
+    """A bf16 engine on kiln's attention times a prefill group on AMX tiles against vdpbf16ps and runs the
+    winner (tiles from 16 query vectors on); the stack gets the same choice."""
+    if _runnable("kiln-amx", torch.bfloat16):
+        pytest.skip(f"AMX: {_runnable('kiln-amx', torch.bfloat16)}")
+    model_dir = toy_model("llama-tiny", dtype="bfloat16", hidden_size=128, intermediate_size=256)  # head_dim 32
+    llm = make_llm(model_dir, dtype="bfloat16", attention_backend="native", num_kv_blocks=32, device="cpu")
+    tiles = llm.engine.runner.tactics.model["attention_tiles"]
+    assert set(tiles["us"]) == {"amx", "vdpbf16ps"} and tiles["winner"] == min(tiles["us"], key=tiles["us"].get)
+    assert native.kernels().attention_amx_queries == (16 if tiles["winner"] == "amx" else 0)
+    stack = llm.engine.runner.model.model.native_stack
+    assert stack is not None and stack.shape.attn_amx_queries == native.kernels().attention_amx_queries

@@ -108,12 +108,15 @@ static void values_any(float *acc, const float *vb, const float *p, int64_t n, i
  *
  * Each (group, KV head) is one task: the query heads of the KV head's GQA group, for every row of the
  * group, are scored against the keys (scores kept, then an exact softmax per query over its own context
- * length), then V is summed with those weights. Returns 0, or -1 when scratch memory could not be allocated.
+ * length), then V is summed with those weights. amx_queries (0: never): a task of at least that many query
+ * vectors on a cache in pair layout runs its scores and values on AMX tiles (attention_amx.c; the caller's
+ * tactic table says where that pays). Returns 0, or -1 when scratch memory could not be allocated.
  */
 int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                          const int32_t *ctx_lens, const int32_t *row_starts, void *out, int64_t num_groups,
                          int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t d,
-                         int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int bf16) {
+                         int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int bf16,
+                         int64_t amx_queries) {
     const int64_t group = heads / kv_heads;
     int64_t max_ctx = 0, max_rows = 0;
     for (int64_t i = 0; i < num_groups; i++) {
@@ -132,7 +135,9 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
         float *qf = malloc(sizeof(float) * (size_t)(max_q * d));
         float *acc = malloc(sizeof(float) * (size_t)(max_q * d));
         float *tmp = malloc(sizeof(float) * (size_t)bsd);
-        if (!scores || !qf || !acc || !tmp) {
+        uint16_t *pb = pairs && amx_queries ? malloc(sizeof(uint16_t) * (size_t)(max_q * stride)) : 0;
+        int tiles_used = 0; /* this thread configured AMX tiles (attention_amx.c): release them at the end */
+        if (!scores || !qf || !acc || !tmp || (pairs && amx_queries && !pb)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -157,8 +162,13 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
                     for (int64_t e = 0; e < d; e++)
                         dst[e] = scale * ld(q, src + e, bf16);
                 }
-            for (int64_t j = 0; j < PREFETCH_BLOCKS && j < nblocks; j++) prefetch_block(k_cache, bf16, (base + table[j]) * bsd, bsd);
-            for (int64_t j = 0; j < nblocks; j++) {
+            /* enough queries to fill AMX tiles (a prefill group): scores and values on them, unscaled scores */
+            const int tiles = pairs && amx_queries && nq >= amx_queries &&
+                              kiln_scores_amx((const uint16_t *)qf, nq, d, k_cache, base, table, nblocks, scores, stride);
+            tiles_used |= tiles;
+            for (int64_t j = 0; j < PREFETCH_BLOCKS && j < nblocks && !tiles; j++)
+                prefetch_block(k_cache, bf16, (base + table[j]) * bsd, bsd);
+            for (int64_t j = 0; j < nblocks && !tiles; j++) {
                 const int64_t ahead = j + PREFETCH_BLOCKS;
                 if (ahead < nblocks) prefetch_block(k_cache, bf16, (base + table[ahead]) * bsd, bsd);
                 else if (ahead - nblocks < nblocks) prefetch_block(v_cache, bf16, (base + table[ahead - nblocks]) * bsd, bsd);
@@ -173,7 +183,11 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
             }
             for (int64_t qi = 0; qi < nq; qi++) {
                 const int64_t n = ctx_lens[r0 + qi / group];
-                float *s = scores + qi * stride, m = s[0], sum = 0.0f;
+                float *s = scores + qi * stride, m, sum = 0.0f;
+                if (tiles)
+#pragma omp simd
+                    for (int64_t t = 0; t < n; t++) s[t] *= scale;
+                m = s[0];
                 for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+ : sum)
                 for (int64_t t = 0; t < n; t++) {
@@ -186,7 +200,8 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
                 for (int64_t t = n; t < len; t++) s[t] = 0.0f; /* past this row's causal end */
             }
             memset(acc, 0, sizeof(float) * (size_t)(nq * d));
-            for (int64_t j = 0; j < nblocks; j++) {
+            if (tiles) kiln_values_amx(acc, scores, stride, nq, d, v_cache, base, table, nblocks, len, pb);
+            for (int64_t j = 0; j < nblocks && !tiles; j++) {
                 const int64_t n = len - j * block_size < block_size ? len - j * block_size : block_size;
                 if (j + PREFETCH_BLOCKS < nblocks) prefetch_block(v_cache, bf16, (base + table[j + PREFETCH_BLOCKS]) * bsd, bsd);
                 if (pairs) {
@@ -205,10 +220,12 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
                 for (int64_t e = 0; e < d; e++) st(out, dst + e, acc[qi * d + e], bf16);
             }
         }
+        if (tiles_used) kiln_amx_release();
         free(scores);
         free(qf);
         free(acc);
         free(tmp);
+        free(pb);
     }
     return failed ? -1 : 0;
 }

@@ -6,6 +6,7 @@
  *
  *   attention.c  paged attention read straight from the KV cache blocks
  *   attention_bf16.c  its inner loops on vdpbf16ps, for a bf16 cache in pair layout
+ *   attention_amx.c   a prefill group's scores and values on AMX tiles, same layout
  *   pointwise.c  SiLU x up, residual add + RMSNorm, rotary, the KV cache write
  *   gemm.c       linears over weights packed once into panels: float32 and bf16 (vdpbf16ps) FMA tiles, and
  *                kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count
@@ -23,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KILN_ABI_VERSION 9
+#define KILN_ABI_VERSION 10
 #define KILN_HIDDEN __attribute__((visibility("hidden")))
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -134,12 +135,18 @@ KILN_HIDDEN void kiln_scores_pairs(const uint16_t *qb, const uint16_t *kb, float
                                    int64_t d, float scale);
 KILN_HIDDEN void kiln_values_pairs(float *acc, const uint16_t *vb, const float *p, int64_t n, int64_t nq,
                                    int64_t stride, int64_t d);
+KILN_HIDDEN int kiln_scores_amx(const uint16_t *qb, int64_t nq, int64_t d, const uint16_t *k_cache, int64_t base,
+                                const int32_t *table, int64_t nblocks, float *scores, int64_t stride);
+KILN_HIDDEN int kiln_values_amx(float *acc, const float *p, int64_t stride, int64_t nq, int64_t d,
+                                const uint16_t *v_cache, int64_t base, const int32_t *table, int64_t nblocks,
+                                int64_t len, uint16_t *pb);
 
 /* ---- the other entry points the decoder stack calls ---- */
 int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                          const int32_t *ctx_lens, const int32_t *row_starts, void *out, int64_t num_groups,
                          int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t d,
-                         int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int bf16);
+                         int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int bf16,
+                         int64_t amx_queries);
 void kiln_silu_mul(const void *x, void *out, int64_t rows, int64_t n, int64_t x_stride, int64_t out_stride, int bf16);
 void kiln_add_rms_norm(const void *x, const void *residual, const void *weight, void *out, void *res_out,
                        int64_t rows, int64_t dim, float eps, int bf16);

@@ -23,7 +23,7 @@ struct kiln_layer {
 };
 
 struct kiln_stack {
-    int64_t hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, mlp_rows;
+    int64_t hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, mlp_rows, attn_amx_queries;
     float eps, scale;
     int32_t bf16;
 };
@@ -89,7 +89,7 @@ int kiln_decoder_stack(const struct kiln_stack *s, const struct kiln_layer *laye
                          d, qkv_n, qkv_n, s->num_blocks, s->block_size, bf16);
         if (kiln_paged_attention(qkv, L->k_cache, L->v_cache, block_tables, ctx_lens, row_starts, attn, num_groups,
                                  s->heads, s->kv_heads, s->num_blocks, s->block_size, d, bt_stride, qkv_n, q_n, s->scale,
-                                 bf16))
+                                 bf16, s->attn_amx_queries))
             return -1;
         if (stack_linear(L->o, attn, 0, x, tokens)) return -1;
         if (L->o_bias) add_row_bias(x, L->o_bias, tokens, hid, bf16);
