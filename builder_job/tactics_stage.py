@@ -9,8 +9,9 @@ On CPU, at the thread count the tune stage chose:
    within ``BUDGET_S`` (or ``$KILN_TACTICS_BUDGET_S``); and, for a bf16 cache on an AMX host, a prefill
    group's attention on AMX tiles against vdpbf16ps;
 2. model-level, end to end through the runtime on the artifact itself (prefill + decode steps, two
-   interleaved rounds, the better of each): the decoder stack as one C call vs module by module, and
-   kiln's C attention vs torch's.
+   interleaved rounds, the better of each): the decoder stack as one C call vs module by module,
+   kiln's C attention vs torch's, and the MLP's prefill slice (``models/llama.MLP_ROWS_CHOICES``, on a
+   ``maxNumTokens`` prefill).
 
 A serving host of the same signature uses the table as is; another kind re-times the linears at load
 (``kiln.engine.tactics.resolve``). On a GPU nothing is timed yet: linears run cuBLAS through torch and
@@ -38,6 +39,44 @@ def _end_to_end_ms(llm, spec, vocab_size: int) -> float:
 
 def _best_of(runs: dict[str, list[float]]) -> dict[str, float]:
     return {name: round(min(times) * 1e3, 1) for name, times in runs.items()}  # ms -> us
+
+
+def _prefill_ms(llm, tokens: int, vocab_size: int, seed: int) -> float:
+    """One prompt of ``tokens`` random tokens (never a prefix-cache hit) through prefill, in ms."""
+    import random
+    import time
+
+    from kiln.engine import SamplingParams
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, vocab_size) for _ in range(tokens)]
+    t0 = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _mlp_rows(llm, spec, vocab_size: int) -> dict[str, Any] | None:
+    """The MLP's prefill slice (models/llama.MLP_ROWS_CHOICES) timed on a prefill of maxNumTokens tokens,
+    two interleaved rounds; None where the MLP is not sliced (not kiln's kernels, short steps)."""
+    from kiln.engine.models.llama import MLP_ROWS_CHOICES
+
+    tokens = min(spec.max_num_tokens, spec.max_input_len)
+    mlps = [m for m in llm.engine.runner.model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
+    choices = [r for r in MLP_ROWS_CHOICES if r < tokens or r == MLP_ROWS_CHOICES[0]]
+    if not mlps or len(choices) < 2:
+        return None
+    stack = getattr(llm.engine.runner.model.model, "native_stack", None)
+    runs: dict[str, list[float]] = {str(r): [] for r in choices}
+    _prefill_ms(llm, tokens, vocab_size, 0)  # warm-up
+    for round_ in range(2):
+        for rows in choices:
+            for m in mlps:
+                m.mlp_rows = rows
+            if stack is not None:
+                stack.shape.mlp_rows = rows
+            runs[str(rows)].append(_prefill_ms(llm, tokens, vocab_size, 1 + round_ * 10 + rows))
+    us = _best_of(runs)
+    return {"winner": int(min(us, key=us.get)), "us": us, "prefill_tokens": tokens}
 
 
 def tune_tactics(load_llm, spec, vocab_size: int, out: Path, tuning: dict[str, Any]
@@ -94,6 +133,14 @@ def tune_tactics(load_llm, spec, vocab_size: int, out: Path, tuning: dict[str, A
     if stack["modules"]:
         us = _best_of(stack)
         table.model["decoder_stack"] = {"winner": min(us, key=us.get), "us": us}
+    table.save(path)
+    llm = load_llm()  # the stack and attention as chosen: the MLP's prefill slice
+    try:
+        rows = _mlp_rows(llm, spec, vocab_size)
+    finally:
+        llm.shutdown()
+    if rows:
+        table.model["mlp_rows"] = rows
     table.save(path)
     for line in report.format_table(table).splitlines():
         log.info("%s", line)

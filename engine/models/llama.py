@@ -55,11 +55,14 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
 
 
-# On CPU (native kernels) the MLP of a step with more tokens runs in slices of this many rows: a
+# On CPU (native kernels) the MLP of a step with more tokens runs in slices of ``mlp_rows`` rows: a
 # 2048-token prefill's gate|up output is 2048 x 2 x intermediate floats (64 MiB for an 8B model), far
-# past the caches, while a 256-row slice's stays in L2/L3 for the SiLU and the down projection.
-# Measured on the default bench workload (llama-bench fp32, 2-core Zen 4): 2 threads ~5-10 % faster.
+# past the caches, while a slice's stays in L2/L3 for the SiLU and the down projection. The best slice
+# depends on the host's GEMM (256 on a Zen 4's FMA tiles: 2 threads ~5-10 % faster than unsliced; larger
+# where AMX tiles run it), so a build times MLP_ROWS_CHOICES end to end (a tactic: kiln.builder.
+# tactics_stage); without a build's table the MLP runs CPU_MLP_ROWS.
 CPU_MLP_ROWS = 256
+MLP_ROWS_CHOICES = (256, 512, 1024)
 
 
 class LlamaMLP(nn.Module):
@@ -73,19 +76,21 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg["hidden_size"], bias=bias)
 
     native_ops = None  # kernels.native.Kernels: SiLU(gate) * up in one pass (set by the runner)
+    mlp_rows = CPU_MLP_ROWS  # the slice a prefill step's MLP runs in on the native path (a tactic's choice)
 
     @property
     def rows_per_call(self) -> int | None:
-        """The most rows one call of these linears sees: a prefill step's MLP runs in slices on the native path."""
-        return CPU_MLP_ROWS if self.native_ops is not None else None
+        """The most rows one call of these linears may see: a prefill step's MLP runs in slices on the native
+        path (up to the largest slice a tactic table may choose)."""
+        return max(MLP_ROWS_CHOICES) if self.native_ops is not None else None
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.native_ops.silu_mul(self.gate_up_proj(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_ops is not None and x.dim() == 2:
-            if x.shape[0] > CPU_MLP_ROWS:  # a prefill step: keep the [rows, 2 x intermediate] output in cache
-                return torch.cat([self._native(part) for part in x.split(CPU_MLP_ROWS)])
+            if x.shape[0] > self.mlp_rows:  # a prefill step: keep the [rows, 2 x intermediate] output in cache
+                return torch.cat([self._native(part) for part in x.split(self.mlp_rows)])
             return self._native(x)
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -181,7 +186,7 @@ class LlamaModel(nn.Module):
         kvh, num_blocks, block_size, _ = first.self_attn.attn.k_cache.shape
         shape = dict(hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads, kv_heads=attn.num_kv_heads,
                      head_dim=attn.head_dim, inter=mlp.down_proj.input_size, num_blocks=num_blocks,
-                     block_size=block_size, mlp_rows=CPU_MLP_ROWS, eps=first.input_layernorm.eps, scale=attn.attn.scale)
+                     block_size=block_size, mlp_rows=mlp.mlp_rows, eps=first.input_layernorm.eps, scale=attn.attn.scale)
         self.native_stack = DecoderStack(kernels, shape, records, dtype)
         return None
 

@@ -136,6 +136,11 @@ def apply(model: nn.Module, config, native, stack: bool = True
                           attention_shape(model, config) if stack else None)
     if native is not None:  # prefill groups on AMX tiles where the table timed that faster
         native.attention_amx_queries = (table.model.get("attention_tiles") or {}).get("min_queries", 0) if stack else 0
+    rows = (table.model.get("mlp_rows") or {}).get("winner")
+    if rows:  # the MLP's prefill slice the build timed fastest
+        for m in model.modules():
+            if hasattr(m, "mlp_rows"):
+                m.mlp_rows = int(rows)
     counts = bind(model, modules, table, native, config.max_batch_size, stack)
     info["layouts"] = counts
     log.info("tactics (%s): %s", info["source"], ", ".join(f"{n} linear(s) {k}" for k, n in sorted(counts.items())))

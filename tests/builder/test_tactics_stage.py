@@ -98,3 +98,27 @@ def test_a_corrupt_table_is_refused_naming_it(built, tmp_path):
     (copy / "tactics.json").write_text(json.dumps(doc))
     with pytest.raises(ConfigError, match=r"tactic table .*tactics.json is refused: its sha256 does not match"):
         LLM.from_artifact(copy, num_kv_blocks=32)
+
+
+def test_the_mlp_slice_is_timed_and_a_table_sets_it(toy_model, tmp_path):
+    """A build times the MLP's prefill slice (MLP_ROWS_CHOICES below maxNumTokens) end to end; an engine
+    run by a table with that choice slices its MLP (module path and decoder stack alike) by it."""
+    from types import SimpleNamespace
+
+    from kiln.builder.tactics_stage import _mlp_rows
+    from kiln.engine.models.llama import MLP_ROWS_CHOICES
+    from kiln.engine.tactics.table import TacticTable
+
+    model_dir = toy_model("llama-tiny")
+    kwargs = dict(device="cpu", attention_backend="native", num_kv_blocks=160, max_num_tokens=1000, max_seq_len=1024)
+    llm = LLM(str(model_dir), **kwargs)
+    spec = SimpleNamespace(max_num_tokens=1000, max_input_len=1000)
+    got = _mlp_rows(llm, spec, 1024)
+    assert set(got["us"]) == {str(r) for r in MLP_ROWS_CHOICES if r < 1000} and got["winner"] in MLP_ROWS_CHOICES
+    table = TacticTable.from_json(json.loads(json.dumps(llm.engine.runner.tactics.to_json())))
+    table.model.update(mlp_rows={"winner": 512, "us": {}}, decoder_stack={"winner": "fused"})
+    path = table.save(tmp_path / "tactics.json")
+    llm.shutdown()
+    run = LLM(str(model_dir), tactics=str(path), **kwargs)
+    model = run.engine.runner.model.model
+    assert {layer.mlp.mlp_rows for layer in model.layers} == {512} and model.native_stack.shape.mlp_rows == 512
