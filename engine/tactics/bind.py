@@ -22,10 +22,11 @@ import torch
 from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead
 from kiln.engine.layers.linear import LinearBase
+from kiln.engine.models.llama import MLP_ROWS_CHOICES
 from kiln.engine.tactics import candidates
 from kiln.engine.tactics.resolve import packing, resolve
 from kiln.engine.tactics.table import TacticTable
-from kiln.engine.tactics.timing import LinearSite
+from kiln.engine.tactics.timing import LinearSite, time_mlp_slices
 from torch import nn
 
 log = logging.getLogger("kiln.engine.tactics")
@@ -136,11 +137,17 @@ def apply(model: nn.Module, config, native, stack: bool = True
                           attention_shape(model, config) if stack else None)
     if native is not None:  # prefill groups on AMX tiles where the table timed that faster
         native.attention_amx_queries = (table.model.get("attention_tiles") or {}).get("min_queries", 0) if stack else 0
+    mlps = [m for m in model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
+    if mlps and "mlp_rows" not in table.model:  # not the build's (end to end): timed on one layer's MLP here
+        tokens = min(config.max_num_tokens, max(MLP_ROWS_CHOICES))
+        choices = tuple(r for r in MLP_ROWS_CHOICES if r < tokens)
+        if len(choices) > 1:
+            us = {k: round(v * 1e6, 1) for k, v in time_mlp_slices(
+                mlps[0], mlps[0].gate_up_proj.input_size, config.torch_dtype, tokens, choices).items()}
+            table.model["mlp_rows"] = {"winner": int(min(us, key=us.get)), "us": us, "how": f"one MLP, {tokens} rows"}
     rows = (table.model.get("mlp_rows") or {}).get("winner")
-    if rows:  # the MLP's prefill slice the build timed fastest
-        for m in model.modules():
-            if hasattr(m, "mlp_rows"):
-                m.mlp_rows = int(rows)
+    for m in mlps if rows else ():  # the MLP's prefill slice timed fastest
+        m.mlp_rows = int(rows)
     counts = bind(model, modules, table, native, config.max_batch_size, stack)
     info["layouts"] = counts
     log.info("tactics (%s): %s", info["source"], ", ".join(f"{n} linear(s) {k}" for k, n in sorted(counts.items())))

@@ -96,7 +96,8 @@ def _sites_key(sites: list[LinearSite]) -> tuple:
     return tuple(sorted((s.key, s.max_rows) for s in sites))
 
 
-HOST_MODEL_OPS = ("attention_tiles",)  # model-level choices a re-timing host measures anew (the rest are the build's)
+# model-level choices a re-timing host measures anew (attention_tiles here, mlp_rows at bind); the rest are the build's
+HOST_MODEL_OPS = ("attention_tiles", "mlp_rows")
 
 
 def _host_model(table: TacticTable) -> dict[str, Any]:

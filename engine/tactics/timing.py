@@ -162,3 +162,22 @@ def time_attention(native, heads: int, kv_heads: int, head_dim: int, rows: int =
     finally:
         native.attention_amx_queries = before
     return seconds
+
+
+def time_mlp_slices(mlp, hidden: int, dtype: torch.dtype, rows: int, choices: tuple[int, ...]) -> dict[str, float]:
+    """Median seconds of one ``rows``-row MLP pass (``mlp``: a model's own, weights as packed) sliced at each
+    of ``choices`` rows, interleaved."""
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
+    before = mlp.mlp_rows
+    fns = {}
+    for choice in choices:
+        def fn(choice=choice):
+            mlp.mlp_rows = choice
+            mlp(x)
+        fns[str(choice)] = fn
+    try:
+        with torch.inference_mode():
+            seconds, _ = time_bucket(fns)
+    finally:
+        mlp.mlp_rows = before
+    return seconds
