@@ -140,7 +140,7 @@ def apply(model: nn.Module, config, native, stack: bool = True
     mlps = [m for m in model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
     if mlps and "mlp_rows" not in table.model:  # not the build's (end to end): timed on one layer's MLP here
         tokens = min(config.max_num_tokens, max(MLP_ROWS_CHOICES))
-        choices = tuple(r for r in MLP_ROWS_CHOICES if r < tokens)
+        choices = tuple(r for r in MLP_ROWS_CHOICES if r <= tokens)
         if len(choices) > 1:
             us = {k: round(v * 1e6, 1) for k, v in time_mlp_slices(
                 mlps[0], mlps[0].gate_up_proj.input_size, config.torch_dtype, tokens, choices).items()}

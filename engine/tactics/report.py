@@ -20,10 +20,11 @@ def rows(table: TacticTable) -> list[dict[str, Any]]:
     for op, choice in table.model.items():
         us = choice.get("us") or {}
         ranked = sorted(us, key=us.get)
-        out.append({"op": op, "shape": "model", "layout": None, "rows": None, "runs": choice.get("winner"),
-                    "winner": choice.get("winner"), "runner_up": ranked[1] if len(ranked) > 1 else None,
-                    "runs_us": us.get(choice.get("winner")), "runner_up_us": us.get(ranked[1]) if len(ranked) > 1 else None,
-                    "us": us, "inferred_from": None})
+        winner = None if choice.get("winner") is None else str(choice["winner"])
+        out.append({"op": op, "shape": "model", "layout": None, "rows": None, "runs": winner, "winner": winner,
+                    "runner_up": next((r for r in ranked if r != winner), None), "runs_us": us.get(winner),
+                    "runner_up_us": us.get(next((r for r in ranked if r != winner), None)), "us": us,
+                    "inferred_from": None})
     return out
 
 
