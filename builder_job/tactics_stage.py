@@ -20,6 +20,7 @@ attention the Triton kernels, and the record says so.
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -94,53 +95,56 @@ def tune_tactics(load_llm, spec, vocab_size: int, out: Path, tuning: dict[str, A
                        "kernels (docs/gpu.md)"}, {}
     if tuning.get("torch_num_threads"):
         torch.set_num_threads(int(tuning["torch_num_threads"]))
+    # One engine loaded at a time, and freed before the next (each holds the weights and a KV pool).
     llm = load_llm(tactics="aten")  # untimed: only to learn the linear shapes the runtime will run
     try:
         runner = llm.engine.runner
-        attention = attention_shape(runner.model, llm.engine.config) if runner.native is not None else None
+        native = runner.native is not None
+        attention = attention_shape(runner.model, llm.engine.config) if native else None
         table = measure(runner.tactic_sites, runner.native, budget(BUDGET_S), attention=attention)
     finally:
         llm.shutdown()
+    del llm, runner
+    gc.collect()
     log.info("linears: %d shapes timed in %.1fs", len(table.linear), table.seconds)
     path = table.save(out / TACTICS_FILE)
     overrides: dict[str, Any] = {}
 
     stack: dict[str, list[float]] = {"fused": [], "modules": []}
-    attention: dict[str, list[float]] = {"native": [], "torch": []}
+    attention_ms: dict[str, list[float]] = {"native": [], "torch": []}
     llm = load_llm()  # the table just written: this host matches it, nothing is re-timed
     try:
         model = llm.engine.runner.model.model
         fused = getattr(model, "native_stack", None)
         for _ in range(2):
-            attention["native"].append(_end_to_end_ms(llm, spec, vocab_size))
+            attention_ms["native"].append(_end_to_end_ms(llm, spec, vocab_size))
             if fused is not None:
-                stack["fused"].append(attention["native"][-1])
+                stack["fused"].append(attention_ms["native"][-1])
                 model.native_stack = None
                 stack["modules"].append(_end_to_end_ms(llm, spec, vocab_size))
                 model.native_stack = fused
+        rows = _mlp_rows(llm, spec, vocab_size)  # the MLP's prefill slice, on the same engine
     finally:
         llm.shutdown()
-    if llm.engine.runner.native is not None:
-        torch_llm = load_llm(attention_backend="torch")
-        try:
-            attention["torch"] += [_end_to_end_ms(torch_llm, spec, vocab_size) for _ in range(2)]
-        finally:
-            torch_llm.shutdown()
-        us = _best_of(attention)
-        table.model["attention"] = {"winner": min(us, key=us.get), "us": us}
-        if table.model["attention"]["winner"] == "torch":
-            overrides["attention_backend"] = "torch"
+    del llm, model, fused
+    gc.collect()
+    if rows:
+        table.model["mlp_rows"] = rows
     if stack["modules"]:
         us = _best_of(stack)
         table.model["decoder_stack"] = {"winner": min(us, key=us.get), "us": us}
-    table.save(path)
-    llm = load_llm()  # the stack and attention as chosen: the MLP's prefill slice
-    try:
-        rows = _mlp_rows(llm, spec, vocab_size)
-    finally:
-        llm.shutdown()
-    if rows:
-        table.model["mlp_rows"] = rows
+    if native:
+        llm = load_llm(attention_backend="torch")
+        try:
+            attention_ms["torch"] += [_end_to_end_ms(llm, spec, vocab_size) for _ in range(2)]
+        finally:
+            llm.shutdown()
+        del llm
+        gc.collect()
+        us = _best_of(attention_ms)
+        table.model["attention"] = {"winner": min(us, key=us.get), "us": us}
+        if table.model["attention"]["winner"] == "torch":
+            overrides["attention_backend"] = "torch"
     table.save(path)
     for line in report.format_table(table).splitlines():
         log.info("%s", line)
