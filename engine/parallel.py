@@ -39,6 +39,7 @@ _pp_rank = 0
 _pp_size = 1
 _cpu_group: dist.ProcessGroup | None = None
 _tp_group: dist.ProcessGroup | None = None
+_timing = False    # inside ``no_collectives``: the TP collectives are skipped
 
 
 def tp_rank() -> int:
@@ -131,15 +132,27 @@ def destroy_distributed() -> None:
     _cpu_group = _tp_group = None
 
 
+@contextlib.contextmanager
+def no_collectives() -> Iterator[None]:
+    """Run a rank's layers on their own, skipping the TP all-reduces / all-gathers (partial sums come out):
+    for timing a slice of the model on one rank, where each rank repeats it a different number of times."""
+    global _timing
+    old, _timing = _timing, True
+    try:
+        yield
+    finally:
+        _timing = old
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _tp_size > 1:
+    if _tp_size > 1 and not _timing:
         dist.all_reduce(x, group=_tp_group)
     return x
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every TP rank's ``x`` along the last dimension (vocab shards of the LM head)."""
-    if _tp_size == 1:
+    if _tp_size == 1 or _timing:
         return x
     parts = [torch.empty_like(x) for _ in range(_tp_size)]
     dist.all_gather(parts, x.contiguous(), group=_tp_group)

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 import torch
+from kiln.engine import parallel
 from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead
 from kiln.engine.layers.linear import LinearBase
@@ -146,6 +147,11 @@ def apply(model: nn.Module, config, native, stack: bool = True
                 mlps[0], mlps[0].gate_up_proj.input_size, config.torch_dtype, tokens, choices).items()}
             table.model["mlp_rows"] = {"winner": int(min(us, key=us.get)), "us": us, "how": f"one MLP, {tokens} rows"}
     rows = (table.model.get("mlp_rows") or {}).get("winner")
+    if parallel.world_size() > 1:  # the slice sets how many all-reduces a step makes: one choice for every rank
+        agreed = parallel.broadcast_object(table.model.get("mlp_rows"))
+        rows = (agreed or {}).get("winner")
+        if agreed is not None:
+            table.model["mlp_rows"] = agreed
     for m in mlps if rows else ():  # the MLP's prefill slice timed fastest
         m.mlp_rows = int(rows)
     counts = bind(model, modules, table, native, config.max_batch_size, stack)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from kiln.engine import parallel
 from kiln.engine.kernels.native import ROW_BUCKETS
 from kiln.engine.layers.quant import quantize_weight
 from kiln.engine.tactics import candidates
@@ -176,7 +177,7 @@ def time_mlp_slices(mlp, hidden: int, dtype: torch.dtype, rows: int, choices: tu
             mlp(x)
         fns[str(choice)] = fn
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), parallel.no_collectives():  # ranks time apart; bind agrees on one choice
             seconds, _ = time_bucket(fns)
     finally:
         mlp.mlp_rows = before

@@ -314,3 +314,25 @@ def test_prefill_attention_on_tiles_is_timed_and_applied(toy_model, make_llm):
     assert native.kernels().attention_amx_queries == (16 if tiles["winner"] == "amx" else 0)
     stack = llm.engine.runner.model.model.native_stack
     assert stack is not None and stack.shape.attn_amx_queries == native.kernels().attention_amx_queries
+
+
+def test_a_tensor_parallel_rank_times_its_mlp_slices_without_collectives(monkeypatch):
+    """Ranks time the MLP's slices apart and repeat it a different number of times each: an all-reduce inside
+    that timing pairs with another rank's of another size (gloo: 'collective mismatch'), so none may run."""
+    from kiln.engine import parallel
+    from kiln.engine.models.llama import LlamaMLP
+    from kiln.engine.tactics.timing import time_mlp_slices
+
+    def no_peer(*args, **kwargs):
+        raise AssertionError("a collective ran while timing one rank's MLP")
+
+    monkeypatch.setattr(parallel.dist, "all_reduce", no_peer)
+    with parallel.shard_context(0, 2):
+        mlp = LlamaMLP({"hidden_size": 64, "intermediate_size": 128}).to(torch.float32)
+        for p in mlp.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        mlp.native_ops = native.kernels()
+        us = time_mlp_slices(mlp, 64, torch.float32, 512, (256, 512))
+        assert set(us) == {"256", "512"} and mlp.mlp_rows == 256
+        with pytest.raises(AssertionError, match="collective"):  # outside the timing the layer does all-reduce
+            mlp(torch.randn(4, 64))
