@@ -251,8 +251,12 @@ class ModelRunner:
         micro-batch that samples (``[rows, vocab]``), in order.
 
         Stage ``s`` receives micro-batch ``i``'s activations from stage ``s - 1`` while it
-        works on ``i - 1``: with ``m`` micro-batches in flight the stages overlap. Every
-        receive is posted up front and every wait is bounded by ``distributed_timeout_s``.
+        works on ``i - 1``: with ``m`` micro-batches in flight the stages overlap. The
+        activation receives are posted up front, rank 0's receives of the logits only after
+        its last activation send: NCCL runs a pair's point-to-point ops in the order each rank
+        posts them, so a receive from the last stage posted before the send it waits on would
+        deadlock PP=2 (gloo matches by tag and did not mind). Every wait is bounded by
+        ``distributed_timeout_s``.
         """
         if parallel.pp_size() == 1:
             return [self.execute(b) for b in batches]
@@ -266,11 +270,6 @@ class ModelRunner:
                 buf = torch.empty(2, b.input_ids.shape[0], hidden_size, dtype=dtype, device=dev)
                 recvs.append((buf, parallel.irecv(buf, parallel.prev_stage_peer(), tag=i)))
         logit_recvs: list[tuple[torch.Tensor, Any]] = []
-        if parallel.rank() == 0:
-            for i, b in enumerate(batches):
-                if b.logits_indices.shape[0]:
-                    buf = torch.empty(b.logits_indices.shape[0], vocab, dtype=dtype, device=dev)
-                    logit_recvs.append((buf, parallel.irecv(buf, parallel.last_stage_driver(), tag=_LOGITS_TAG + i)))
         sends: list[tuple[torch.Tensor, Any]] = []
         try:
             for i, b in enumerate(batches):
@@ -286,6 +285,12 @@ class ModelRunner:
                 elif parallel.tp_rank() == 0 and out.shape[0]:
                     out = out.to(dtype).contiguous()
                     sends.append((out, parallel.isend(out, 0, tag=_LOGITS_TAG + i)))
+            if parallel.rank() == 0:  # after every activation send (see above)
+                for i, b in enumerate(batches):
+                    if b.logits_indices.shape[0]:
+                        buf = torch.empty(b.logits_indices.shape[0], vocab, dtype=dtype, device=dev)
+                        logit_recvs.append((buf, parallel.irecv(buf, parallel.last_stage_driver(),
+                                                                tag=_LOGITS_TAG + i)))
             for _, work in logit_recvs:
                 work.wait(timeout)
             for _, work in sends:

@@ -180,3 +180,51 @@ def test_idle_ranks_are_kept_alive_by_the_heartbeat(toy_model):
         assert all(p.is_alive() for p in llm.engine.group.procs)
     finally:
         llm.shutdown()
+
+
+def _posted(rank: int, num_batches: int, monkeypatch) -> list[tuple[str, int]]:
+    """The point-to-point ops ``rank`` of a PP=2 group posts in one ``run_stage`` call, in order."""
+    from types import SimpleNamespace
+
+    import torch
+    from kiln.engine import parallel
+    from kiln.engine.model_runner import ModelRunner
+
+    ops: list[tuple[str, int]] = []
+    done = SimpleNamespace(wait=lambda timeout=None: True)
+    monkeypatch.setattr(parallel, "isend", lambda x, dst, tag: ops.append(("send", dst)) or done)
+    monkeypatch.setattr(parallel, "irecv", lambda buf, src, tag: ops.append(("recv", src)) or done)
+    cfg = SimpleNamespace(torch_dtype=torch.float32, hf_config={"hidden_size": 4, "vocab_size": 8},
+                          distributed_timeout_s=5)
+
+    def execute(b, intermediate=None):
+        n = b.input_ids.shape[0]
+        return torch.zeros(n, 8) if rank == 1 else (torch.zeros(n, 4), torch.zeros(n, 4))
+
+    runner = SimpleNamespace(device="cpu", config=cfg, execute=execute)
+    batches = [SimpleNamespace(input_ids=torch.zeros(3, dtype=torch.long), logits_indices=torch.arange(3))
+               for _ in range(num_batches)]
+    with parallel.shard_context(rank, 1, 2):
+        ModelRunner.run_stage(runner, batches)
+    return ops
+
+
+def _deadlocks(a: list[tuple[str, int]], b: list[tuple[str, int]]) -> bool:
+    """NCCL's rule for one pair of ranks: each runs its sends and receives to the other in the order it
+    posted them, and a send completes only with the other's receive at the head of its queue."""
+    a, b = list(a), list(b)
+    while a and b and {a[0][0], b[0][0]} == {"send", "recv"}:
+        a.pop(0), b.pop(0)
+    return bool(a or b)
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_stage_ops_are_posted_in_an_order_nccl_cannot_deadlock_on(micro, monkeypatch):
+    """PP=2: rank 0 sends activations to rank 1 and receives the logits from it. Rank 0 used to post the
+    logits' receive first; gloo matches by tag and ran, NCCL pairs the two ranks' ops in order and hangs."""
+    rank0, rank1 = _posted(0, micro, monkeypatch), _posted(1, micro, monkeypatch)
+    assert rank0 == [("send", 1)] * micro + [("recv", 1)] * micro
+    assert rank1 == [("recv", 0)] * micro + [("send", 0)] * micro
+    assert not _deadlocks(rank0, rank1)
+    old_rank0 = [("recv", 1)] * micro + [("send", 1)] * micro  # the order before the fix
+    assert _deadlocks(old_rank0, rank1)
