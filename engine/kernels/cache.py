@@ -47,7 +47,7 @@ def autotuned_kernels() -> dict[str, Any]:
     """The engine's autotuned kernels by record name (each a ``triton.runtime.Autotuner``)."""
     from kiln.engine.kernels import int8_gemm
 
-    return {"int8_weight_only": int8_gemm._tuned_kernel}
+    return {"int8_weight_only": int8_gemm._tuned_kernel, "int8_weight_only_f32": int8_gemm._tuned_kernel_f32}
 
 
 def config_to_dict(config) -> dict[str, Any]:

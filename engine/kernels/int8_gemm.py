@@ -29,14 +29,26 @@ import triton.language as tl
 _GROUP_M = 8  # programs along M that share one band of weight columns (L2 reuse on prefill)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Narrow-N tiles for decode (enough programs
-# to fill the SMs when M is one tile), wider square-ish tiles for prefill chunks.
+# to fill the SMs when M is one tile), wider square-ish tiles for prefill chunks. Every one compiles for
+# sm_80, sm_89 and sm_90 within shared memory and without register spills (the ahead-of-time check,
+# tests/engine/test_aot_compile.py): 64x128x64 (4 stages) spilled 40 B on sm_89, 128x256x64 24-76 B on
+# sm_80/89 and 32x64x128 8 B with fp16 on sm_90, so those are 64x128x32, 128x256x32 and 32x64x64.
 _SHAPES = (
     (16, 32, 256, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4),
-    (32, 64, 128, 4, 4), (32, 128, 128, 4, 3),
-    (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+    (32, 64, 64, 4, 4), (32, 128, 128, 4, 3),
+    (64, 64, 64, 4, 4), (64, 128, 32, 4, 4), (128, 128, 64, 8, 3), (128, 256, 32, 8, 3),
 )
-CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-           for bm, bn, bk, w, s in _SHAPES]
+# float32 activations (an exact fp32 dot): the tiles above need 80-160 KB of shared memory and spill kilobytes
+# there, so smaller ones, each spill-free on every capability of the SKU table.
+_F32_SHAPES = ((16, 32, 64, 4, 2), (16, 64, 32, 4, 2), (32, 32, 32, 4, 2), (32, 64, 32, 4, 2))
+
+
+def _configs(shapes) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in shapes]
+
+
+CONFIGS, F32_CONFIGS = _configs(_SHAPES), _configs(_F32_SHAPES)
 
 
 def _interpreting() -> bool:
@@ -55,8 +67,11 @@ def _prune(configs, named_args, **kwargs):
     return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
 
 
-def default_config(bucket: int) -> triton.Config:
-    """The untimed choice (interpreter): the widest-K decode tile for small M, a 64-row tile else."""
+def default_config(bucket: int, f32: bool = False) -> triton.Config:
+    """The untimed choice (interpreter): the widest-K decode tile for small M, a 64-row tile else (float32
+    activations: their own list's)."""
+    if f32:
+        return F32_CONFIGS[0] if bucket <= 16 else F32_CONFIGS[3]
     return CONFIGS[2] if bucket <= 16 else CONFIGS[7]
 
 
@@ -110,6 +125,8 @@ def _int8_weight_only_kernel(
 
 _tuned_kernel = triton.autotune(configs=CONFIGS, key=["M_BUCKET", "N", "K"],
                                 prune_configs_by={"early_config_prune": _prune})(_int8_weight_only_kernel)
+_tuned_kernel_f32 = triton.autotune(configs=F32_CONFIGS, key=["M_BUCKET", "N", "K"],
+                                    prune_configs_by={"early_config_prune": _prune})(_int8_weight_only_kernel)
 
 
 def int8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -141,9 +158,9 @@ def int8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     f32_dot = x.dtype == torch.float32 or (interpreting and x.dtype == torch.bfloat16)
     flags = {"HAS_BIAS": bias is not None, "F32_DOT": f32_dot, "GROUP_M": _GROUP_M}
     if config is None and interpreting:
-        config = default_config(bucket)
+        config = default_config(bucket, x.dtype == torch.float32)
     if config is None:
-        _tuned_kernel[grid](*args, **flags)
+        (_tuned_kernel_f32 if x.dtype == torch.float32 else _tuned_kernel)[grid](*args, **flags)
     else:
         _int8_weight_only_kernel[grid](*args, **flags, **config.all_kwargs())
     return y.view(*x.shape[:-1], n)

@@ -18,9 +18,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kiln.engine.kernels.paged_tile import attend_kv_tile
+from kiln.engine.kernels.paged_tile import attend_kv_tile, capability_of
 
 _BLOCK_N = 64  # context tokens per inner-loop tile (spans several KV blocks)
+
+
+def block_n(dtype: torch.dtype, head_dim: int, capability: int | None = None) -> int:
+    """Context tokens per tile: 64, or 32 for float32 at head sizes past 64 below sm_89, where a 64-token tile
+    spilled 1.2 KB per thread on sm_80 (and 32 spills ~0.5 KB on sm_89/90: the ahead-of-time check,
+    tests/engine/test_aot_compile.py). ``capability`` None: as sm_80."""
+    return 32 if dtype == torch.float32 and head_dim > 64 and (capability or 0) < 89 else _BLOCK_N
+
+
 _MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
 
 
@@ -96,7 +105,8 @@ def _decode_reduce_kernel(
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, num_splits: int, out: torch.Tensor,
+                 capability: int | None = None) -> torch.Tensor:
     """Attention of one query per sequence over its cached context, written into ``out``.
 
     q, out: [num_seqs, heads, head_dim]; k_cache, v_cache: [kv_heads, num_blocks, block_size, head_dim];
@@ -108,6 +118,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return out
     group = num_heads // kv_heads
     block_d = triton.next_power_of_2(head_dim)
+    capability = capability_of(q, capability)
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, kv_heads, num_splits)](
@@ -120,7 +131,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_lse.stride(0), part_lse.stride(1),
         scale * 1.4426950408889634,  # log2(e): the kernels use exp2
         GROUP=group, BLOCK_H=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=_BLOCK_N, NUM_SPLITS=num_splits,
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n(q.dtype, head_dim, capability), NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
     )

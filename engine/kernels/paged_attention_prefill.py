@@ -18,12 +18,22 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kiln.engine.kernels.paged_tile import attend_kv_tile
+from kiln.engine.kernels.paged_tile import attend_kv_tile, capability_of
 
 
-def tile_sizes(max_query_len: int) -> tuple[int, int]:
-    """(queries, keys) per tile: 64 x 64 once a chunk is long enough to fill it, else 16 x 32."""
-    return (64, 64) if max_query_len >= 64 else (16, 32)
+def tile_sizes(max_query_len: int, dtype: torch.dtype = torch.bfloat16, capability: int | None = None,
+               head_dim: int = 128) -> tuple[int, int]:
+    """(queries, keys) per tile: 16 x 32 for short chunks; for long ones the largest tile that compiles within
+    the capability's shared memory and without register spills (the ahead-of-time check holds each one:
+    tests/engine/test_aot_compile.py). float32 64 x 64 needed 115 KB at head size 128 (sm_86/89 allow 99 KB)
+    and spilled 2-30 KB per thread everywhere; bf16/fp16 64 x 64 at head size 128 spilled 36-48 B on sm_80/89.
+    ``capability`` (10 x major + minor) None: the most conservative tile of the table."""
+    if max_query_len < 64:
+        return (16, 32)
+    cap = capability or 0
+    if dtype == torch.float32:
+        return (16, 32) if head_dim > 64 and cap < 89 else (32, 32)
+    return (64, 32) if head_dim > 64 and cap < 90 else (64, 64)
 
 
 @triton.jit
@@ -78,7 +88,7 @@ def _prefill_kernel(
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                  out: torch.Tensor) -> torch.Tensor:
+                  out: torch.Tensor, capability: int | None = None) -> torch.Tensor:
     """Causal attention of packed prefill chunks over their cached context, written into ``out``.
 
     q, out: [tokens, heads, head_dim] (the chunks' rows, at ``query_start``); k_cache, v_cache:
@@ -91,7 +101,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     _, num_heads, head_dim = q.shape
     kv_heads, _, block_size, _ = k_cache.shape
-    block_m, block_n = tile_sizes(max_query_len)
+    capability = capability_of(q, capability)
+    block_m, block_n = tile_sizes(max_query_len, q.dtype, capability, head_dim)
     grid = (num_chunks, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start, seq_lens,

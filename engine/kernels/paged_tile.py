@@ -8,8 +8,25 @@ each query's causal position) masked out. Returns the updated (row max, row sum,
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+def capability_of(t: torch.Tensor, capability: int | None = None) -> int | None:
+    """The compute capability (10 x major + minor) the kernels size their tiles for: ``capability`` when
+    given (the ahead-of-time check compiles for one), else ``t``'s CUDA device's; None on CPU."""
+    if capability is not None or not t.is_cuda:
+        return capability
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 @triton.jit

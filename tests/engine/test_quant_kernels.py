@@ -84,11 +84,12 @@ def test_int8_kernel_matches_the_float_reference(int8_gemm, m, dtype, bias):
 @pytest.mark.kernels
 def test_every_block_config_is_correct(int8_gemm):
     """Each autotuning candidate, forced, on a shape none of them tiles evenly."""
-    x, q, scale, b = int8_problem(37, 328, 136, torch.float16, True, seed=1)
-    ref = int8_reference(x, q, scale, b)
-    for config in int8_gemm.CONFIGS:
-        y = int8_gemm.int8_weight_only_linear(x, q, scale, b, config=config)
-        assert_close_in(torch.float16, y, ref)
+    for dtype, configs in ((torch.float16, int8_gemm.CONFIGS), (torch.float32, int8_gemm.F32_CONFIGS)):
+        x, q, scale, b = int8_problem(37, 328, 136, dtype, True, seed=1)
+        ref = int8_reference(x, q, scale, b)
+        for config in configs:
+            y = int8_gemm.int8_weight_only_linear(x, q, scale, b, config=config)
+            assert_close_in(dtype, y, ref)
 
 
 @pytest.mark.kernels
