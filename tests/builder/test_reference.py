@@ -113,8 +113,11 @@ def test_metrics_in_chunks_equal_one_pass_and_bound_memory(toy_model, monkeypatc
     assert [len(c) for c in chunks] == [3, 1]  # lengths 5+17+9 | 30: each chunk within 32 positions
     assert sum(chunks, []) == token_lists
     chunked = quality.teacher_forced_metrics(source, converted, token_lists, vocab_size=1024)
+    # Equal up to float32 rounding: torch's GEMM blocks a 3-prompt chunk otherwise than all 4 prompts on some
+    # hosts (an AVX2 EPYC: KL 1.34203e-05 vs 1.34224e-05), and a KL near 1e-5 is a difference of nearly equal
+    # log-probabilities. A chunk weighted wrongly moves it by far more than 0.1 %.
     for key, value in whole.items():
-        assert math.isclose(chunked[key], value, rel_tol=1e-6, abs_tol=1e-9), (key, chunked[key], value)
+        assert math.isclose(chunked[key], value, rel_tol=1e-3, abs_tol=1e-8), (key, chunked[key], value)
 
 
 def test_a_checkpoint_missing_a_tensor_is_named_in_one_line(toy_model, tmp_path):

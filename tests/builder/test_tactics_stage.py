@@ -12,6 +12,7 @@ import pytest
 from kiln.builder.report import summary_lines
 from kiln.engine import LLM, ConfigError, SamplingParams
 from kiln.engine.tactics import host
+from kiln.engine.tactics.bind import STACK_MARGIN
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,12 @@ def test_the_build_ships_the_table_and_reports_it(built):
     table = json.loads((built / "tactics.json").read_text())
     assert record["timed"] and record["host"] == table["host"] == host.cpu_signature()
     assert {r["shape"] for r in record["rows"] if r["op"] == "linear"} == {e["key"] for e in table["linear"]}
-    assert set(table["model"]) >= {"decoder_stack"} and all("us" in v for v in table["model"].values())
+    assert "attention" in table["model"] and all("us" in v for v in table["model"].values())
+    # The stack against the modules is timed where the stack was bound: every layer's linears in kiln's layout
+    # within STACK_MARGIN of the best (on an AVX2 host ATen may win them all, and there is nothing to time).
+    assert "decoder_stack" in table["model"] or any(
+        "kiln" not in e["scores"] or e["scores"]["kiln"] > STACK_MARGIN * min(e["scores"].values())
+        for e in table["linear"])
     assert "tactics" in doc["build_report"]["stage_seconds"]
     lines = summary_lines(doc["build_report"])
     start = next(i for i, line in enumerate(lines) if line.startswith("  tactics ("))
@@ -94,7 +100,8 @@ def test_another_host_kind_retimes_caches_and_says_so(built, tmp_path, monkeypat
 def test_a_corrupt_table_is_refused_naming_it(built, tmp_path):
     copy = _copy(built, tmp_path / "engine")
     doc = json.loads((copy / "tactics.json").read_text())
-    doc["linear"][0]["buckets"][0]["runs"] = "aten"  # edited without its checksum
+    bucket = doc["linear"][0]["buckets"][0]
+    bucket["runs"] = "onednn" if bucket["runs"] == "aten" else "aten"  # edited without its checksum
     (copy / "tactics.json").write_text(json.dumps(doc))
     with pytest.raises(ConfigError, match=r"tactic table .*tactics.json is refused: its sha256 does not match"):
         LLM.from_artifact(copy, num_kv_blocks=32)
