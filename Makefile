@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kiln-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-slow lint crds demo bench clean
+.PHONY: install test test-slow lint crds demo bench gpu-check gpu-wheels clean
 
 # -I / -P: never put the repo root on sys.path, where operator/ would shadow the
 # standard library's `operator` module (DESIGN.md keeps that folder name).
@@ -56,6 +56,28 @@ demo: install
 BENCH_ARGS ?= --repeats 3 --threads 1
 bench: install
 	$(BIN)/kiln bench $(BENCH_ARGS)
+
+# The GPU checks (docs/gpu.md): on a machine with a CUDA device they install kiln over that machine's own
+# torch and triton, run the GPU tests, the kernels' compile check and the GPU bench, and write one report;
+# on any other host they print a "no CUDA device" line and exit 0. GPU_PY: the Python that has the CUDA torch.
+GPU_PY ?= $(shell command -v python3 || echo $(PY))
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The wheels gpu-check installs from where the GPU machine has no network (carry .kiln-work/gpu-wheels with
+# the checkout): kiln's pure-Python needs for each Python in GPU_PYTHONS, less torch, triton and numpy,
+# which the machine's CUDA torch brings (about 50 MB).
+GPU_PYTHONS ?= 3.11 3.12 3.13
+GPU_WHEELS := .kiln-work/gpu-wheels
+gpu-wheels: install
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(BIN)/python -P bench/gpu_check.py --requirements > $(GPU_WHEELS)/requirements.txt
+	for v in $(GPU_PYTHONS); do $(BIN)/python -P -m pip download -q -d $(GPU_WHEELS) --only-binary=:all: \
+		--python-version $$v --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -r $(GPU_WHEELS)/requirements.txt || exit 1; done
+	rm -f $(GPU_WHEELS)/numpy-*.whl
+	du -sh $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -102,3 +102,31 @@ def test_a_report_names_each_limit_it_breaks():
     spill = KernelReport("k", "v", 80, 4, 255, 36, 48, 88, 0)
     assert spill.problems() == ["spills 36 B stores / 48 B loads (reviewed baseline 0 B)"]
     assert spill.problems(spill_baseline=84) == []
+
+
+def test_a_cross_compiled_kernel_lands_where_the_gpus_jit_looks_for_it():
+    """Whether the ahead-of-time path could ship kernels in Triton's cache format: the same launch compiled
+    through the cache hook and through the JIT's own compile (which then fails to launch: no GPU) writes the
+    same cache entry, i.e. the key a GPU's JIT computes for that launch (same Triton, same ptxas)."""
+    script = """
+import os, sys, tempfile, torch
+from kiln.engine.kernels import aot, aot_variants
+from triton import knobs
+entries = []
+for jit in (False, True):
+    os.environ["TRITON_CACHE_DIR"] = d = tempfile.mkdtemp()
+    name, launch = aot_variants._attention(90, 128, 4, torch.bfloat16)[2]  # prefill, long chunk: one kernel
+    with aot.targeting(90):
+        knobs.nvidia.dump_ptxas_log = False
+        if jit:
+            knobs.runtime.jit_cache_hook = None
+        try:
+            launch()
+        except AttributeError as exc:  # the stand-in driver has no launcher
+            assert jit and "launcher" in str(exc), exc
+    entries.append(sorted((k, sorted(os.listdir(os.path.join(d, k)))) for k in os.listdir(d)))
+print(entries[0] == entries[1] and len(entries[0]) > 0, entries[0])
+"""
+    proc = _run("-c", script, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("True"), proc.stdout[-2000:]
