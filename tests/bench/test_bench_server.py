@@ -1,0 +1,66 @@
+"""``kiln bench --server``: what can be checked without running the servers (the run itself: the note and
+docs/performance.md). The export is a real aiperf 0.13 ``profile_export_aiperf.json`` against kiln serve."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from kiln_bench import server
+from kiln_bench.cli import bench
+
+EXPORT = Path(__file__).parent / "data" / "aiperf_export_c4.json"
+
+
+def test_the_export_gives_throughput_ttft_and_itl_percentiles():
+    row = server.read_export(EXPORT)
+    assert row["out_tok_s"] == pytest.approx(8.393, abs=1e-3)
+    assert row["ttft_p50_ms"] == pytest.approx(9190.92, abs=0.01) and row["ttft_p99_ms"] > row["ttft_p50_ms"]
+    assert row["itl_p50_ms"] == pytest.approx(147.43, abs=0.01) and row["itl_p99_ms"] > row["itl_p50_ms"]
+    assert row["requests"] == 8 and row["errors"] == 0
+
+
+def test_a_sweep_is_read_per_concurrency(tmp_path):
+    for c in (1, 4):
+        doc = json.loads(EXPORT.read_text())
+        doc["input_config"]["phases"][0]["concurrency"] = c
+        (tmp_path / f"c{c}").mkdir()
+        (tmp_path / f"c{c}" / "profile_export_aiperf.json").write_text(json.dumps(doc))
+    found = server.sweep_exports(tmp_path, [1, 4])
+    assert {c: p.parent.name for c, p in found.items()} == {1: "c1", 4: "c4"}
+
+
+def test_every_system_gets_the_same_seeded_prompts():
+    def cmd(url):
+        return server.aiperf_command(Path("aiperf"), url, "m", Path("/tok"), [1, 4, 16], 128, 64, 7, 4, Path("/o"))
+
+    kiln, vllm = cmd("http://127.0.0.1:1"), cmd("http://127.0.0.1:2")
+    assert [a for a in kiln if "127.0.0.1" not in a] == [a for a in vllm if "127.0.0.1" not in a]
+    flags = dict(zip(kiln[2::], kiln[3::], strict=False))
+    assert flags["--random-seed"] == "7" and flags["--synthetic-input-tokens-stddev"] == "0"
+    assert flags["--concurrency"] == "1,4,16" and flags["--request-count"] == "8,16,64"
+    assert "--use-server-token-count" in kiln and "ignore_eos:true" in kiln
+
+
+def test_the_table_shows_medians_side_by_side_with_the_ratio():
+    runs = [{"out_tok_s": v, "ttft_p50_ms": 10.0, "errors": 0} for v in (90.0, 100.0, 400.0)]
+    assert server.medians(runs)["out_tok_s"] == 100.0
+    doc = {"model": "m", "dtype": "float32", "isl": 128, "osl": 64, "client": "0.13.0", "threads": 1, "repeats": 3,
+           "host": "cpu", "concurrencies": [1], "baseline": "vllm", "ratios": {"1": 1.25},
+           "systems": {"kiln": {"1": {"out_tok_s": 125.0, "errors": 0}}, "vllm": {"1": {"out_tok_s": 100.0}}}}
+    text = server.text(doc)
+    assert "| 1 | kiln | 125.0 |" in text and "| 1 | vllm | 100.0 |" in text and "= 1.25x" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--concurrency", "0,4"], "--concurrency '0,4'"),
+    (["--baselines", "openvino"], "--baselines vllm"),
+])
+def test_bad_server_options_name_the_option(args, message, tmp_path):
+    model = tmp_path / "m"
+    result = CliRunner().invoke(bench, ["--server", "--quick", "--device", "cpu", "--model-dir", str(model), *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+    shutil.rmtree(model, ignore_errors=True)
