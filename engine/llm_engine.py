@@ -332,8 +332,18 @@ class LLMEngine:
             num_computed_tokens=self.num_computed_tokens, num_generated_tokens=self.num_generated_tokens,
             sum_running=self.sum_running, sum_kv_usage=self.sum_kv_usage,
             batch_size_histogram=dict(self.batch_size_histogram),  # a copy: the step loop keeps counting
-            block_size=bm.block_size,
+            block_size=bm.block_size, **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        proposer = self.scheduler.proposer
+        if proposer is None:
+            return {}
+        s = proposer.stats
+        return dict(num_speculative_tokens=proposer.config.num_speculative_tokens, spec_num_drafts=s.num_drafts,
+                    spec_num_draft_tokens=s.num_draft_tokens, spec_num_accepted_tokens=s.num_accepted_tokens,
+                    spec_accepted_per_position=list(s.accepted_per_position),
+                    spec_steps_off_by_batch=self.scheduler.num_steps_speculation_off)
 
     def shutdown(self) -> None:
         if self.group is not None:

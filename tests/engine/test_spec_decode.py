@@ -165,6 +165,10 @@ def test_load_rule_turns_speculation_off_above_the_batch_limit(toy_model, make_l
         running = engine.scheduler.running
         assert len(running) <= 1 or not any(r.spec_token_ids for r in running)
     assert engine.scheduler.num_steps_speculation_off > 0
+    stats = llm.stats()
+    assert stats.num_speculative_tokens == 4 and stats.spec_steps_off_by_batch > 0
+    assert 0 < stats.spec_num_accepted_tokens == sum(stats.spec_accepted_per_position)
+    assert stats.spec_acceptance_rate == stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
     assert spec_stats(llm).num_draft_tokens > 0  # once the short request left, the long one speculated
     assert reqs[1].output_token_ids == hf_greedy(model_dir, prompts[1], 24)[:len(reqs[1].output_token_ids)]
     assert len(reqs[1].output_token_ids) == 24
