@@ -70,9 +70,13 @@ def _resolve_device(device: str) -> str:
 @click.option("--structured", is_flag=True,
               help="Instead of the suite: kiln's throughput on one batch (--num-requests, default 32) with half of "
                    "it JSON-schema constrained against the same batch free, interleaved --repeats times.")
+@click.option("--speculative", is_flag=True,
+              help="Instead of the suite: kiln greedy with prompt-lookup speculation (on with the load rule, and "
+                   "always on) against without, at batch 1 and 32, on rewrite-this-text prompts, --repeats rotated "
+                   "runs (docs/speculative.md).")
 def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
           baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict,
-          structured) -> None:
+          structured, speculative) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     import os
     import platform
@@ -150,6 +154,11 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
         click.echo(json.dumps(doc, indent=2) if json_out == "-" else structured_text(doc))
         if json_out and json_out != "-":
             Path(json_out).write_text(json.dumps(doc, indent=2))
+        return
+    if speculative:  # bench/speculative.py: what prompt-lookup speculation gains, and where it stops
+        from kiln_bench.speculative import main as run_speculative
+
+        run_speculative(model_dir, dtype, threads, device, quick, repeats, json_out, click.echo, log)
         return
     facts = model_facts(model_dir)
     peer_models = {}
