@@ -76,9 +76,13 @@ def _resolve_device(device: str) -> str:
 @click.option("--concurrency", default="1,4,16", show_default=True, help="--server: concurrent requests swept.")
 @click.option("--isl", type=click.IntRange(min=1), default=128, show_default=True, help="--server: prompt tokens.")
 @click.option("--osl", type=click.IntRange(min=1), default=64, show_default=True, help="--server: output tokens.")
+@click.option("--speculative", is_flag=True,
+              help="Instead of the suite: kiln greedy with prompt-lookup speculation (on with the load rule, and "
+                   "always on) against without, at batch 1 and 32, on rewrite-this-text prompts, --repeats rotated "
+                   "runs (docs/speculative.md).")
 def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
           baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict,
-          structured, server, concurrency, isl, osl) -> None:
+          structured, server, concurrency, isl, osl, speculative) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     import os
     import platform
@@ -160,6 +164,11 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     if server:  # bench/server.py: the serving path under an external client
         _server(model_dir, dtype, threads, device, concurrency, peer_names, repeats, isl, osl, seed, max_batch_size,
                 max_num_tokens, json_out, log)
+        return
+    if speculative:  # bench/speculative.py: what prompt-lookup speculation gains, and where it stops
+        from kiln_bench.speculative import main as run_speculative
+
+        run_speculative(model_dir, dtype, threads, device, quick, repeats, json_out, click.echo, log)
         return
     facts = model_facts(model_dir)
     peer_models = {}

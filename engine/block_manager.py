@@ -119,6 +119,18 @@ class BlockManager:
             parent = h
         req.num_hashed_blocks = max(req.num_hashed_blocks, num_full)
 
+    def trim(self, req: Request) -> None:
+        """Free the blocks past ``req``'s computed tokens (rejected speculative drafts wrote there).
+        They hold no committed block, so they are unhashed and go to the front of the free queue."""
+        keep = self.blocks_needed(req.num_computed_tokens)
+        while len(req.block_table) > keep:
+            block_id = req.block_table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None, "a speculative tail block was shared or cached"
+            self.free_block_ids[block_id] = None
+            self.free_block_ids.move_to_end(block_id, last=False)
+
     def free(self, req: Request) -> None:
         """Release ``req``'s blocks, tail first (see module docstring)."""
         for block_id in reversed(req.block_table):

@@ -112,6 +112,8 @@ class EngineConfig:
     tactics: str = "auto"
     tactics_cache: str | None = None
     tactics_info: dict[str, Any] | None = field(default=None, repr=False)  # set at load: where the table came from
+    # Speculative decoding (spec_decode.config.SpeculativeConfig or a dict of its fields, vLLM's names); None = off.
+    speculative_config: Any = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +173,9 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(f"{name} {rule}, got {getattr(self, name)!r}")
         self._check_placement()
+        from kiln.engine.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         from kiln.engine.compile import check_compile
 
         why = check_compile(self.compile, self.device, self.world_size)

@@ -26,6 +26,8 @@ from kiln.engine.outputs import EngineStats
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import Request
+from kiln.engine.spec_decode.config import SpeculativeConfig
+from kiln.engine.spec_decode.verify import num_accepted, rewind_generator
 from kiln.engine.stopping import make_detokenizer, stop_reason
 
 log = logging.getLogger("kiln.engine")
@@ -106,7 +108,8 @@ class LLMEngine:
         if self.group is not None:
             self.group.start_heartbeat()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_tokens,
+                                   SpeculativeConfig.parse(config.speculative_config))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = self.num_computed_tokens = self.num_generated_tokens = 0
@@ -214,7 +217,8 @@ class LLMEngine:
                     raise
                 self.group.step_done()
         for req, n in decision.scheduled:
-            req.num_computed_tokens += n
+            # Drafts' K/V is written but not committed: only the last token counts until verified.
+            req.num_computed_tokens += n - len(req.spec_token_ids)
             self.block_manager.cache_full_blocks(req)
         self.sum_kv_usage += self.kv_usage()
         return self._postprocess(sampled, out)
@@ -228,15 +232,23 @@ class LLMEngine:
             lp, top_ids, top_lp = out.logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
         now = time.time()
         updates = []
-        for i, (req, tok) in enumerate(zip(sampled, token_ids, strict=True)):
+        i = 0
+        while i < len(sampled):
+            req = sampled[i]
+            num_rows = 1 + len(req.spec_token_ids)  # a verified row's positions are consecutive
+            rows = range(i, i + num_rows)
+            i += num_rows
             queue_time = None
             if req.first_token_time is None:
                 req.first_token_time = now
                 queue_time = req.queue_time
-            error = out.errors.get(i)
+            error = next((out.errors[r] for r in rows if r in out.errors), None)
             if error is None:
                 try:
-                    updates.append(self._advance(req, tok, i, lp, top_ids, top_lp, now, queue_time))
+                    if num_rows > 1:
+                        rows = self._verify(req, [token_ids[r] for r in rows], rows.start)
+                    updates.append(self._advance(req, [token_ids[r] for r in rows], rows.start, lp, top_ids,
+                                                 top_lp, now, queue_time))
                     continue
                 except Exception as exc:  # this request's text or stop rules failed: it alone ends
                     log.exception("request %s failed after sampling; the rest of the batch goes on",
@@ -246,31 +258,52 @@ class LLMEngine:
             updates.append(StepUpdate(req, [], "", None, True, queue_time, error=error))
         return updates
 
-    def _advance(self, req: Request, tok: int, i: int, lp, top_ids, top_lp, now: float,
+    def _verify(self, req: Request, targets: list[int], first_row: int) -> range:
+        """The rows of a verified row whose tokens are committed: the accepted drafts' targets
+        (equal to the drafts) and the one after them (``spec_decode.verify``)."""
+        drafts = req.spec_token_ids
+        accepted = num_accepted(drafts, targets)
+        self.scheduler.proposer.record(req, len(drafts), accepted)
+        rewind_generator(req, accepted + 1)
+        return range(first_row, first_row + accepted + 1)
+
+    def _advance(self, req: Request, toks: list[int], i: int, lp, top_ids, top_lp, now: float,
                  queue_time: float | None) -> StepUpdate:
-        """Append one sampled token to ``req``: logprobs, text, stop rules."""
-        req.token_ids.append(tok)
-        self.num_generated_tokens += 1
-        if req.grammar is not None and not req.grammar.accept([tok]):
-            raise RuntimeError(f"the grammar refused token {tok}: {req.grammar.error}")
-        step_lp = None
-        if req.logprobs is not None and lp is not None:
-            k = req.params.logprobs or 0
-            entry = dict(zip(top_ids[i][:k], top_lp[i][:k], strict=True))
-            entry[tok] = lp[i]
-            req.logprobs.append(entry)
-            step_lp = [entry]
-        det = req.detokenizer.append([tok])
-        text_delta = det.text_delta
-        # A complete grammar allows nothing more: the output is done whatever the other rules say.
-        grammar_done = req.grammar is not None and req.grammar.is_terminated
-        reason = "stop" if grammar_done else stop_reason(req, tok, det.stop_string_hit)
+        """Append sampled tokens (rows ``i``, ``i + 1``, ...) to ``req`` one at a time: logprobs, text,
+        stop rules. Tokens after the first that finishes the request are dropped; a token after the
+        first was a verified draft, whose K/V this step computed (it becomes committed here)."""
+        text_delta, step_lp, reason, taken = "", [], None, []
+        for j, tok in enumerate(toks):
+            if j:
+                req.num_computed_tokens += 1
+            req.token_ids.append(tok)
+            taken.append(tok)
+            self.num_generated_tokens += 1
+            if req.grammar is not None and not req.grammar.accept([tok]):
+                raise RuntimeError(f"the grammar refused token {tok}: {req.grammar.error}")
+            if req.logprobs is not None and lp is not None:
+                k = req.params.logprobs or 0
+                entry = dict(zip(top_ids[i + j][:k], top_lp[i + j][:k], strict=True))
+                entry[tok] = lp[i + j]
+                req.logprobs.append(entry)
+                step_lp.append(entry)
+            det = req.detokenizer.append([tok])
+            text_delta += det.text_delta
+            # A complete grammar allows nothing more: the output is done whatever the other rules say.
+            grammar_done = req.grammar is not None and req.grammar.is_terminated
+            reason = "stop" if grammar_done else stop_reason(req, tok, det.stop_string_hit)
+            if reason is not None:
+                break
+        if req.spec_token_ids:  # the accepted drafts' full blocks are hashable (before a finish frees them)
+            self.block_manager.cache_full_blocks(req)
         if reason is not None:
             text_delta += req.detokenizer.finish()  # held-back text: a partial character or stop prefix
             self.scheduler.finish(req, reason)
             self.requests.pop(req.request_id, None)
             req.finished_time = now
-        return StepUpdate(req, [tok], text_delta, step_lp, reason is not None, queue_time)
+        elif req.spec_token_ids:  # the rejected drafts' blocks go back
+            self.block_manager.trim(req)
+        return StepUpdate(req, taken, text_delta, step_lp or None, reason is not None, queue_time)
 
     def _fail(self, req: Request, error: str, now: float) -> None:
         """Finish one request with reason "error" and free its blocks; the engine goes on."""
@@ -299,8 +332,18 @@ class LLMEngine:
             num_computed_tokens=self.num_computed_tokens, num_generated_tokens=self.num_generated_tokens,
             sum_running=self.sum_running, sum_kv_usage=self.sum_kv_usage,
             batch_size_histogram=dict(self.batch_size_histogram),  # a copy: the step loop keeps counting
-            block_size=bm.block_size,
+            block_size=bm.block_size, **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        proposer = self.scheduler.proposer
+        if proposer is None:
+            return {}
+        s = proposer.stats
+        return dict(num_speculative_tokens=proposer.config.num_speculative_tokens, spec_num_drafts=s.num_drafts,
+                    spec_num_draft_tokens=s.num_draft_tokens, spec_num_accepted_tokens=s.num_accepted_tokens,
+                    spec_accepted_per_position=list(s.accepted_per_position),
+                    spec_steps_off_by_batch=self.scheduler.num_steps_speculation_off)
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -4,7 +4,9 @@ One forward pass computes every scheduled token of every request, unpadded:
 single-token rows (decodes) first, then prefill chunks (see
 ``layers/attention.py``). Logits are computed only for rows whose last
 scheduled token is their last token (a finished prefill or a decode); a
-chunk in the middle of a prompt produces no token.
+chunk in the middle of a prompt produces no token. A decode with speculative
+drafts is a multi-token row like a prefill chunk, with logits at every
+position (``spec_decode``).
 
 With tensor/pipeline parallelism, rank 0 prepares the step's inputs once (one
 ``StepInputs`` per micro-batch), broadcasts them, and every rank runs its stage
@@ -31,6 +33,7 @@ from kiln.engine.models.llama import Intermediate, head_dim_of
 from kiln.engine.models.registry import create_model
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.sequence import Request
+from kiln.engine.spec_decode.verify import position_outputs, save_generator
 from kiln.engine.weights import load_checkpoint, load_engine_state
 
 log = logging.getLogger("kiln.engine")
@@ -178,7 +181,8 @@ class ModelRunner:
 
     # -- rank 0 ---------------------------------------------------------------------------
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
-        """Pack the step; returns the inputs and, in row order, the requests that get a token."""
+        """Pack the step; returns the inputs and, in row order, the requests that get a token (a
+        request verifying ``k`` drafts once per position: ``k + 1`` times in a row)."""
         order = sorted(scheduled, key=lambda rn: rn[1] > 1)  # single-token rows first
         reqs = [r for r, _ in order]
         nums = [n for _, n in order]
@@ -186,6 +190,7 @@ class ModelRunner:
         ids: list[int] = []
         for r, s, n in zip(reqs, starts, nums, strict=True):
             ids.extend(r.token_ids[s:s + n])
+            ids.extend(r.spec_token_ids)  # a verified row: the last token, then its drafts
         num_rows = len(reqs)
         nums_t = torch.tensor(nums, dtype=torch.long)
         starts_t = torch.tensor(starts, dtype=torch.long)
@@ -203,13 +208,16 @@ class ModelRunner:
         decode_width = max((len(r.block_table) for r in reqs[:num_decodes]), default=0)
         prefills = [(int(cu[i] - nums[i]), nums[i], starts[i] + nums[i],
                      tables[i, : -(-(starts[i] + nums[i]) // bs)]) for i in range(num_decodes, num_rows)]
-        sample = [i for i, r in enumerate(reqs) if starts[i] + nums[i] == r.num_tokens]
+        # Rows that reach their last token sample it, and a verified row every draft position too.
+        sample = [i for i, r in enumerate(reqs) if starts[i] + nums[i] >= r.num_tokens]
+        logits_rows = [int(cu[i]) - 1 - len(reqs[i].spec_token_ids) + j
+                       for i in sample for j in range(len(reqs[i].spec_token_ids) + 1)]
         inputs = StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long), positions=positions, slot_mapping=slot_mapping,
             num_decodes=num_decodes, decode_block_tables=tables[:num_decodes, :decode_width], decode_ctx_lens=ctx[:num_decodes],
-            prefills=prefills, logits_indices=(cu - 1)[sample],
+            prefills=prefills, logits_indices=torch.tensor(logits_rows, dtype=torch.long),
         )
-        return inputs, [reqs[i] for i in sample]
+        return inputs, [reqs[i] for i in sample for _ in range(len(reqs[i].spec_token_ids) + 1)]
 
     def run(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], SamplerOutput | None]:
         batches = [self.prepare(part) for part in split_batch(scheduled, self.config.num_micro_batches,
@@ -222,9 +230,13 @@ class ModelRunner:
         if not sampled_reqs:
             return [], None
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.eos_token_ids,
-                            r.grammar)
-                for r in sampled_reqs]
+        rows: list[SamplingRow] = []
+        for i, r in enumerate(sampled_reqs):
+            if i and sampled_reqs[i - 1] is r:
+                continue  # a verified row's positions, added with its first
+            save_generator(r)
+            rows.extend(SamplingRow(r.params, r.prompt_token_ids, output, r.generator, r.eos_token_ids, r.grammar)
+                        for output in position_outputs(r.output_token_ids, r.spec_token_ids))
         return sampled_reqs, self.sample(logits.float(), rows)
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:

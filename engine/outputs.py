@@ -57,10 +57,21 @@ class EngineStats:
     sum_kv_usage: float        # sum over steps of kv_usage, for avg_kv_usage
     batch_size_histogram: dict[int, int] = field(default_factory=dict)  # running batch size -> steps run with it
     block_size: int = 0        # tokens per KV block (the prefix-cache hashing unit)
+    # Speculative decoding (spec_decode): None when off, else k and the counters of proposed/accepted drafts.
+    num_speculative_tokens: int | None = None
+    spec_num_drafts: int = 0           # verified rows (a decode with at least one draft)
+    spec_num_draft_tokens: int = 0     # drafts proposed and verified
+    spec_num_accepted_tokens: int = 0  # of those, accepted
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # accepted drafts at position 0, 1, ...
+    spec_steps_off_by_batch: int = 0   # steps that did not speculate: running batch > disable_by_batch_size
 
     @property
     def avg_batch_size(self) -> float:
         return self.sum_running / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
 
     @property
     def avg_kv_usage(self) -> float:

@@ -4,7 +4,9 @@ No tensors here. Each step:
 
 1. running requests with one token left to compute (decodes) get it, then
    running requests still prefilling get a chunk of what's left, all within
-   ``max_num_tokens``;
+   ``max_num_tokens``; with speculative decoding on and the running batch at
+   most ``disable_by_batch_size``, a decode also gets its draft tokens
+   (``spec_decode``), dropped rather than preempting anyone for their blocks;
 2. when a running request needs a block and none is free, the newest running
    request is preempted (its blocks freed, its progress reset to zero, it goes
    back to the front of the queue to be recomputed later) — possibly itself;
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.sequence import Request, RequestStatus
+from kiln.engine.spec_decode.config import SpeculativeConfig
+from kiln.engine.spec_decode.proposer import NgramProposer
 
 
 @dataclass
@@ -37,13 +41,35 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
+        self.speculative = speculative
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_steps_speculation_off = 0  # steps with speculation on but the batch above disable_by_batch_size
+
+    def _speculates_now(self) -> bool:
+        """The load rule: speculate only while the running batch is small enough to gain from it."""
+        if self.proposer is None:
+            return False
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and len(self.running) > limit:
+            self.num_steps_speculation_off += 1
+            return False
+        return True
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decode: within the step's budget and the tokens the request may still
+        produce (the last committed token is always sampled, so at most ``left - 1`` drafts)."""
+        if req.grammar is not None:  # a grammar's state advances one committed token at a time
+            return []
+        left = req.max_tokens - req.num_output_tokens
+        return self.proposer.propose(req, min(budget - 1, left - 1))
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -55,6 +81,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_tokens
         scheduled: dict[str, int] = {}
+        speculate = self._speculates_now()
+        for req in self.running:
+            req.spec_token_ids = []
         # Decodes before prefill chunks; stable sort keeps arrival order within each group.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget == 0:
@@ -62,6 +91,11 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if speculate and num_new == 1 and req.num_tokens - req.num_computed_tokens == 1:
+                drafts = self._drafts(req, budget)
+                if drafts and self.block_manager.can_append(req, 1 + len(drafts)):
+                    req.spec_token_ids = drafts
+                    num_new = 1 + len(drafts)
             while not self.block_manager.can_append(req, num_new):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim.request_id, 0)
@@ -93,6 +127,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.block_manager.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1

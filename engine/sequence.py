@@ -4,7 +4,8 @@ Progress is two counters, not a phase: ``num_computed_tokens`` (tokens whose
 K/V are in the cache, prefix-cache hits included) against ``num_tokens``
 (prompt + generated). A prefill chunk, a prefix hit and a preemption are all
 just moves of ``num_computed_tokens``; a request whose counters differ by one
-is decoding.
+is decoding. Speculative drafts (``spec_token_ids``) are never in ``token_ids``:
+a step computes them after the last token and commits only those it accepts.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Request:
     error: str | None = None             # why it finished with reason "error" (it failed alone)
     stop_token_set: frozenset[int] = frozenset()  # params.stop_token_ids, for a per-token lookup
     grammar: Any = None                  # structured.state.GrammarState when params.structured_outputs is set
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (spec_decode), not committed
+    spec_state: Any = None               # spec_decode.proposer.RequestSpecState: its n-gram index, acceptance
+    spec_generator_state: Any = None     # the seeded generator's state before this step's drafts drew
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -15,6 +15,22 @@ from typing import Any
 import click
 from kiln.serving.config import ServeConfig
 
+
+class _JSONObject(click.ParamType):
+    name = "JSON"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        import json
+
+        try:
+            parsed = json.loads(value) if isinstance(value, str) else value
+        except ValueError as exc:
+            self.fail(f"must be a JSON object such as '{{\"method\": \"ngram\"}}': {exc}", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail("must be a JSON object such as '{\"method\": \"ngram\"}'", param, ctx)
+        return parsed
+
+
 # Engine overrides: flag name -> (LLM() keyword, click type, help).
 _ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--dtype", "dtype", click.Choice(["float32", "bfloat16", "float16"]), "Weights/activations dtype."),
@@ -57,6 +73,13 @@ _ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
         "KV-cache dtype.",
     ),
     ("--seed", "seed", int, "Engine seed for requests without their own."),
+    (
+        "--speculative-config",
+        "speculative_config",
+        _JSONObject(),
+        "Speculative decoding as vLLM's flag, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+        "(docs/speculative.md).",
+    ),
 ]
 
 

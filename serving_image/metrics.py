@@ -3,7 +3,8 @@
 Two sources feed them. Request-level series (tokens, finish reasons, latency
 histograms) are recorded by the server as each request streams, through a
 :class:`RequestTimer`. Engine-level series (running/waiting requests, KV-cache
-usage, prefix-cache queries/hits, preemptions, per-step batch sizes) are read
+usage, prefix-cache queries/hits, preemptions, per-step batch sizes, speculative
+drafts proposed/accepted) are read
 from ``engine.stats()`` when Prometheus scrapes, by a custom collector, so
 they are never stale and cost nothing between scrapes. Each app has its own
 ``CollectorRegistry``: two servers in one process (tests) never share series.
@@ -66,7 +67,34 @@ class EngineStatsCollector(Collector):
         yield counter("kiln:num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.",
                       getattr(stats, "num_preemptions", 0))
         yield _batch_histogram(stats, names, values)
+        yield from _spec_decode_metrics(stats, names, values)
         yield from _endpoint_picker_metrics(stats, names, values)
+
+
+def _spec_decode_metrics(stats: Any, names: list[str], values: list[str]) -> Iterator[Any]:
+    """Speculative decoding's counters, vLLM's ``vllm:spec_decode_*`` under ``kiln:``; absent when it is off.
+    The acceptance rate is ``rate(num_accepted_tokens) / rate(num_draft_tokens)``; the gauge is the lifetime one."""
+    if getattr(stats, "num_speculative_tokens", None) is None:
+        return
+    for name, doc, value in (
+        ("kiln:spec_decode_num_drafts", "Decode rows that verified drafts.", stats.spec_num_drafts),
+        ("kiln:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", stats.spec_num_draft_tokens),
+        ("kiln:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
+        ("kiln:spec_decode_steps_disabled_by_batch_size", "Steps that did not speculate: the running batch was "
+         "above disable_by_batch_size.", stats.spec_steps_off_by_batch),
+    ):
+        family = CounterMetricFamily(name, doc, labels=names)
+        family.add_metric(values, float(value))
+        yield family
+    per_pos = CounterMetricFamily("kiln:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each draft position.", labels=[*names, "position"])
+    for position, count in enumerate(stats.spec_accepted_per_position):
+        per_pos.add_metric([*values, str(position)], float(count))
+    yield per_pos
+    rate = GaugeMetricFamily("kiln:spec_decode_draft_acceptance_rate",
+                             "Accepted / proposed draft tokens since the engine started.", labels=names)
+    rate.add_metric(values, float(stats.spec_acceptance_rate))
+    yield rate
 
 
 def _endpoint_picker_metrics(stats: Any, names: list[str], values: list[str]) -> Iterator[Any]:

@@ -53,6 +53,19 @@ def test_batch_histogram_buckets_from_a_per_step_record():
     assert got[("kiln:iteration_batch_size_sum", ())] == 3 + 8 + 100
 
 
+def test_spec_decode_series_only_when_speculation_is_on():
+    assert not any(name.startswith("kiln:spec_decode") for name, _ in samples(ServingMetrics("m", stats)))
+    on = stats(num_speculative_tokens=3, spec_num_drafts=5, spec_num_draft_tokens=12, spec_num_accepted_tokens=9,
+               spec_accepted_per_position=[5, 3, 1], spec_steps_off_by_batch=2)
+    got = samples(ServingMetrics("m", lambda: on))
+    assert got[("kiln:spec_decode_num_drafts_total", ())] == 5
+    assert got[("kiln:spec_decode_num_draft_tokens_total", ())] == 12
+    assert got[("kiln:spec_decode_num_accepted_tokens_total", ())] == 9
+    assert got[("kiln:spec_decode_steps_disabled_by_batch_size_total", ())] == 2
+    assert got[("kiln:spec_decode_num_accepted_tokens_per_pos_total", (("position", "1"),))] == 3
+    assert got[("kiln:spec_decode_draft_acceptance_rate", ())] == 0.75
+
+
 def test_request_timer_feeds_counters_and_histograms():
     metrics = ServingMetrics("m", lambda: None)
     timer = metrics.timer()

@@ -1,0 +1,19 @@
+"""Speculative decoding, prompt-lookup (n-gram) drafts: several tokens per step for one forward pass.
+
+A decoding request whose last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to
+``prompt_lookup_min``) occurred earlier in its prompt + output proposes the ``k`` tokens that
+followed that occurrence (``proposer.py``). The scheduler gives its row ``1 + k`` tokens: the last
+committed token and the drafts, computed like a prefill chunk over the cached context, with logits
+at every position. Each position is sampled as if the drafts before it were output (penalties,
+min_tokens and logprobs see them), and the longest prefix of drafts equal to the sampled targets
+is committed, plus the target at the first mismatch (or after the last draft). For a point-mass
+draft this *is* rejection sampling: the target ``y ~ p`` equals the draft with probability
+``p(draft)``, and a ``y`` that differs is a draw from ``p`` with the draft removed, renormalized
+(``verify.py``). Greedy output is therefore the non-speculative output, token for token, and a
+seeded request's generator is rewound to one draw per committed token, so seeded sampling gives
+the same tokens as without speculation too.
+
+The drafts' K/V is written into the request's blocks; rejected positions are rolled back by the
+counters (``num_computed_tokens`` counts only committed tokens) and the blocks past them are freed
+(``BlockManager.trim``); prefix-cache hashing reads ``token_ids``, which holds committed tokens only.
+"""

@@ -1,0 +1,64 @@
+"""``speculative_config``: the engine's speculative-decoding settings, named as vLLM names them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kiln.engine.errors import ConfigError
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method``: "ngram" (prompt lookup, no draft model). ``num_speculative_tokens``: the most draft
+    tokens per request per step (k). ``prompt_lookup_max``/``prompt_lookup_min``: the longest and
+    shortest suffix n-gram looked up. ``disable_by_batch_size``: speculate only while the running
+    batch holds at most this many requests (None: always); the build's tune stage is meant to set
+    it from measurement. ``min_acceptance_rate``: a request whose drafts are accepted less often than
+    this (over its last drafts) proposes fewer tokens, down to 1."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = None
+    min_acceptance_rate: float = 0.3
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """A ``SpeculativeConfig`` from one, a dict of its fields, or None (off); ConfigError naming the field."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a dict such as {{'method': 'ngram', "
+                              f"'num_speculative_tokens': 4}} or None, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config.{unknown[0]} is not a setting; use {', '.join(sorted(known))}")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        checks = [
+            ("method", self.method in METHODS, f"must be one of {', '.join(METHODS)} (draft models are not "
+                                               f"implemented yet)"),
+            ("num_speculative_tokens", is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
+             "must be an integer in [1, 16]"),
+            ("prompt_lookup_min", is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
+             "must be an integer >= 1"),
+            ("prompt_lookup_max", is_int(self.prompt_lookup_max) and self.prompt_lookup_min <= self.prompt_lookup_max
+             <= 8, f"must be an integer in [prompt_lookup_min ({self.prompt_lookup_min}), 8]"),
+            ("disable_by_batch_size", self.disable_by_batch_size is None or
+             (is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
+             "must be None (always speculate) or an integer >= 1"),
+            ("min_acceptance_rate", isinstance(self.min_acceptance_rate, int | float)
+             and 0.0 <= self.min_acceptance_rate <= 1.0, "must be in [0, 1]"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ConfigError(f"speculative_config.{name} {rule}, got {getattr(self, name)!r}")

@@ -1,0 +1,97 @@
+"""Prompt-lookup drafts: the tokens that followed the last earlier occurrence of a request's suffix.
+
+Each request keeps an index of its own n-grams (``NgramIndex``: n-gram -> where its latest
+occurrence ended), extended by the tokens committed since the last lookup, so a lookup costs
+``O(prompt_lookup_max)`` dict probes plus the new tokens, not a scan of the whole history. The
+suffix itself is never indexed, so a hit is always an *earlier* occurrence; the longest n that hits
+wins. Committed tokens never change (preemption only recomputes their K/V), so the index stays valid
+for the request's whole life.
+
+How many drafts a request proposes adapts to how often its drafts were accepted: an exponential
+average of its per-step acceptance (``ACCEPTANCE_DECAY``); below ``min_acceptance_rate`` the draft
+length shrinks in proportion, down to one token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.engine.spec_decode.config import SpeculativeConfig
+
+ACCEPTANCE_DECAY = 0.5  # weight of the history in a request's acceptance average
+
+
+class NgramIndex:
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self.end_of: dict[tuple[int, ...], int] = {}  # n-gram -> index just past its latest indexed occurrence
+        self.next_end = 1  # n-grams ending before this index (exclusive end) are indexed
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens following the latest earlier occurrence of the longest matching suffix."""
+        num = len(token_ids)
+        for end in range(self.next_end, num):  # never the suffix itself (end == num)
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                self.end_of[tuple(token_ids[end - n:end])] = end
+        self.next_end = max(self.next_end, num)
+        for n in range(min(self.n_max, num - 1), self.n_min - 1, -1):
+            end = self.end_of.get(tuple(token_ids[num - n:]))
+            if end is not None:
+                return token_ids[end:end + k]
+        return []
+
+
+@dataclass
+class SpecDecodeStats:
+    """Engine-wide counters: verification rows run, drafts proposed, drafts accepted (per position too)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
+class RequestSpecState:
+    index: NgramIndex
+    acceptance: float = 1.0  # exponential average of accepted / proposed
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def _state(self, req) -> RequestSpecState:
+        if req.spec_state is None:
+            req.spec_state = RequestSpecState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+        return req.spec_state
+
+    def num_drafts(self, req) -> int:
+        """This request's draft length now: k, scaled down while its acceptance is below the floor."""
+        cfg, acceptance = self.config, self._state(req).acceptance
+        if acceptance >= cfg.min_acceptance_rate:
+            return cfg.num_speculative_tokens
+        return max(1, int(cfg.num_speculative_tokens * acceptance / cfg.min_acceptance_rate))
+
+    def propose(self, req, max_drafts: int) -> list[int]:
+        """Draft tokens for ``req`` (at most ``max_drafts``); [] when its suffix occurred nowhere earlier."""
+        k = min(self.num_drafts(req), max_drafts)
+        return self._state(req).index.propose(req.token_ids, k) if k > 0 else []
+
+    def record(self, req, num_proposed: int, num_accepted: int) -> None:
+        """Count one verification of ``num_proposed`` drafts of which the first ``num_accepted`` held."""
+        if num_proposed == 0:
+            return
+        state = self._state(req)
+        state.acceptance = ACCEPTANCE_DECAY * state.acceptance + (1 - ACCEPTANCE_DECAY) * num_accepted / num_proposed
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_proposed
+        s.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            s.accepted_per_position[i] += 1

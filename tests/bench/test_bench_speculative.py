@@ -1,0 +1,31 @@
+"""`kiln bench --speculative`: off / on (load rule) / always, rotated, same greedy tokens, side by side."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(300)
+def test_speculative_bench_prints_with_and_without(tmp_path):
+    out = tmp_path / "speculative.json"
+    proc = subprocess.run([sys.executable, "-m", "kiln", "bench", "--speculative", "--quick", "--repeats", "2",
+                           "--threads", "1", "--dtype", "float32", "--model-dir", "model", "--json", str(out)],
+                          capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "off tok/s" in proc.stdout and "always tok/s" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert set(doc["batches"]) == {"1", "4"}
+    for res in doc["batches"].values():
+        assert {len(v) for v in res["runs"].values()} == {2}
+        assert all(v > 0 for v in res["median_tok_s"].values())
+    # The load rule (off above 4 running) let batch 1 speculate; the random toy model accepts some drafts.
+    assert doc["batches"]["1"]["acceptance_rate"]["on"] > 0
+    assert doc["batches"]["1"]["acceptance_rate"]["off"] is None
+    # Rotated: each engine leads one round.
+    firsts = [line.split(": ")[1].split()[-1] for line in proc.stderr.splitlines()
+              if line.startswith("speculative: batch 1 repeat")][::3]
+    assert firsts == ["on", "always"]
