@@ -4,7 +4,8 @@
 output parses by construction: a JSON array of ``{"name", "arguments"}`` or the named
 function's arguments. ``auto`` output is free text in the format of the model's family
 (``kiln.engine.structured.tool_format``): Hermes/Qwen ``<tool_call>{...}</tool_call>``,
-Mistral ``[TOOL_CALLS][{...}]``, Llama 3 ``{"name": ..., "parameters": {...}}`` (after an
+Mistral ``[TOOL_CALLS][{...}]`` or
+``[TOOL_CALLS]name[ARGS]{...}``, Llama 3 ``{"name": ..., "parameters": {...}}`` (after an
 optional ``<|python_tag|>``) or kiln's ``json`` form ``[{"name": ..., "arguments": {...}}]``.
 A call counts only when it names one of the request's tools and its arguments are a JSON
 object; otherwise the text stays content. Ids are OpenAI-shaped (``call_`` + 24 hex digits).
@@ -103,12 +104,34 @@ def tool_section_start(text: str, fmt: str) -> int | None:
     return None
 
 
+# Mistral's later templates (v11 tokenizers: Mistral Small 3.2, Magistral, Devstral) write a call as
+# `[TOOL_CALLS]name[ARGS]{...}`, one marker per call, instead of a JSON list after one marker.
+_MISTRAL_NAMED = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.:-]+)\s*\[ARGS\]\s*")
+
+
+def _mistral_named_calls(body: str, plan: ToolPlan) -> list[Call] | None:
+    calls = []
+    for m in _MISTRAL_NAMED.finditer(body):
+        try:
+            args, _ = _DECODER.raw_decode(body, m.end())
+        except ValueError:
+            return None
+        call = _call({"name": m.group(1), "arguments": args}, plan)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
 def parse_auto(text: str, plan: ToolPlan) -> tuple[str | None, list[Call]]:
     """(content, calls) of free output; no calls leaves all of ``text`` as content."""
     start = tool_section_start(text, plan.format)
     if start is None:
         return text, []
     body = text[start:]
+    if plan.format == "mistral" and _MISTRAL_NAMED.search(body):
+        calls = _mistral_named_calls(body, plan) or []
+        return (text, []) if not calls else ((text[:start].strip() or None), calls if plan.parallel else calls[:1])
     for marker in MARKERS.get(plan.format, ()):
         body = body.replace(marker, " ")
     if plan.format == "hermes":

@@ -18,6 +18,8 @@ CASES = [  # (format, model output, content expected)
     ("hermes", f'<tool_call>{{"name": "get", "arguments": {json.dumps(ARGS)}}}', None),  # no closing tag (EOS)
     ("mistral", f'[TOOL_CALLS][{{"name": "get", "arguments": {json.dumps(ARGS)}}}]', None),
     ("mistral", f'[{{"name": "get", "arguments": {json.dumps(ARGS)}}}]', None),  # marker skipped as special
+    ("mistral", f'[TOOL_CALLS]get[ARGS]{json.dumps(ARGS)}', None),  # v11 templates: name, then [ARGS]
+    ("mistral", f'Checking. [TOOL_CALLS]get[ARGS] {json.dumps(ARGS)}', "Checking."),
     ("llama3_json", f'<|python_tag|>{{"name": "get", "parameters": {json.dumps(ARGS)}}}', None),
     ("llama3_json", f'{{"name": "get", "parameters": {json.dumps(json.dumps(ARGS))}}}', None),  # args as a string
     ("json", f' [{{"name": "get", "arguments": {json.dumps(ARGS)}}}]', None),
@@ -40,6 +42,15 @@ def test_auto_calls_whole_and_streamed(fmt, text, content):
         rest, streamed = stream.finish()
         assert (sent + rest).strip() == (content or "")
         assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+
+
+def test_mistral_named_calls_in_parallel_and_refusals():
+    text = f'[TOOL_CALLS]get[ARGS]{json.dumps(ARGS)}[TOOL_CALLS]put[ARGS]{{"city": "Rome"}}'
+    _, calls = parse_auto(text, plan("mistral"))
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get", ARGS), ("put", {"city": "Rome"})]
+    assert [c.name for c in parse_auto(text, plan("mistral", parallel=False))[1]] == ["get"]
+    for bad in ('[TOOL_CALLS]nope[ARGS]{"a": 1}', '[TOOL_CALLS]get[ARGS]{"a": '):  # unknown tool; cut short
+        assert parse_auto(bad, plan("mistral")) == (bad, [])
 
 
 def test_text_that_is_not_a_call_stays_content():
