@@ -203,10 +203,10 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
 
     if spec.speculative is not None and spec.speculative.is_on:
         with report.stage("speculative"):  # where drafts pay, per batch bucket, on the engine as built
-            from kiln.builder.speculative_stage import tune_speculation
+            from kiln.builder.speculative_stage import rewrite_workload, tune_speculation
 
             write(tuning, config)
-            record, spec_overrides = tune_speculation(load_llm, spec, token_lists)
+            record, spec_overrides = tune_speculation(load_llm, spec, rewrite_workload(tokenizer, prompts, spec))
             tuning["speculative"] = record
             report.record("speculative", record)
             config = {**config, **spec_overrides}

@@ -7,9 +7,11 @@ the running batch and on the hardware. This stage measures it on the target, thr
 the staged artifact as it will serve (tuned threads, tactics, compile choice):
 
 - workload: "rewrite" prompts built from the calibration prompts (``spec.build.calibrationPrompts`` or
-  the built-in set), each prompt's tokens twice over, so a model that continues the repetition copies
-  its prompt and n-gram drafts have something to find (kiln bench --speculative's idea, without
-  importing the bench); greedy, ``ignore_eos``, :data:`NEW_TOKENS` new tokens per request;
+  the built-in set): a chat turn asking to rewrite the text word for word where the model has a chat
+  template, else the text's tokens twice over, so a model that follows the instruction (or continues
+  the repetition) copies its prompt and n-gram drafts have something to find (kiln bench
+  --speculative's idea, without importing the bench); greedy, ``ignore_eos``, :data:`NEW_TOKENS` new
+  tokens per request;
 - settings: no speculation, and ``k`` in :data:`K_CANDIDATES` (at most ``numSpeculativeTokens``, which is
   always one of them), switched on one loaded engine (``Scheduler.set_speculative``), in rotated order,
   after a warm-up, :data:`ROUNDS` rounds or more (up to :data:`MAX_ROUNDS`, while the bucket's share of
@@ -36,12 +38,13 @@ from typing import Any
 
 log = logging.getLogger("kiln.build.speculative")
 
-BUDGET_S = 30.0
+BUDGET_S = 60.0
 BUDGET_ENV = "KILN_SPECULATIVE_BUDGET_S"
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 K_CANDIDATES = (2, 4)
 MIN_GAIN = 0.05
 NEW_TOKENS = 32
+INSTRUCTION = "Rewrite the following text exactly as it is, word for word:\n\n"
 ROUNDS = 2  # at least, per batch bucket; more while the bucket's share of the budget lasts
 MAX_ROUNDS = 9
 STOP_AFTER_OFF = 2
@@ -55,10 +58,30 @@ def k_candidates(max_k: int) -> list[int]:
     return sorted({k for k in K_CANDIDATES if k <= max_k} | {max_k})
 
 
-def rewrite_prompts(token_lists: list[list[int]], count: int, max_prompt_len: int) -> list[list[int]]:
-    """``count`` prompts, each a calibration prompt's tokens twice over (cycled through the set)."""
-    half = max(1, max_prompt_len // 2)
-    return [token_lists[i % len(token_lists)][:half] * 2 for i in range(count)]
+def new_tokens_for(spec) -> int:
+    return max(1, min(NEW_TOKENS, spec.max_seq_len // 4))
+
+
+def rewrite_workload(tokenizer, texts: list[str], spec) -> list[list[int]]:
+    """One "rewrite this word for word" prompt per calibration text: a chat turn where the tokenizer has a
+    chat template, else the text's tokens twice over; each fits ``maxInputLen`` with room for the output."""
+    limit = min(spec.max_input_len, spec.max_seq_len - new_tokens_for(spec))
+    out = []
+    for text in texts:
+        ids: list[int] = []
+        if getattr(tokenizer, "chat_template", None):
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": INSTRUCTION + text}],
+                                                 add_generation_prompt=True, tokenize=True)
+            ids = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+        if not ids or len(ids) > limit:
+            half = tokenizer(text, add_special_tokens=True)["input_ids"][:max(1, limit // 2)]
+            ids = half * 2
+        out.append(ids)
+    return out
+
+
+def cycle(workload: list[list[int]], count: int) -> list[list[int]]:
+    return [workload[i % len(workload)] for i in range(count)]
 
 
 def speculative_config(spec, by_batch: dict[str, int]) -> dict[str, Any]:
@@ -89,13 +112,13 @@ def _run(llm, prompts: list[list[int]], setting, new_tokens: int) -> tuple[float
     return seconds, [o.token_ids for o in outs], None if proposer is None else proposer.stats
 
 
-def tune_speculation(load_llm, spec, token_lists: list[list[int]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Measure and decide (see the module doc); returns (the record, engine_config overrides)."""
+def tune_speculation(load_llm, spec, workload: list[list[int]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Measure and decide on ``workload`` (:func:`rewrite_workload`; see the module doc); returns (the
+    record, engine_config overrides)."""
     from kiln.engine.spec_decode.config import SpeculativeConfig
 
     s = spec.speculative
-    new_tokens = max(1, min(NEW_TOKENS, spec.max_seq_len // 4))
-    max_prompt = min(spec.max_input_len, spec.max_seq_len - new_tokens)
+    new_tokens = new_tokens_for(spec)
     ks = k_candidates(s.num_speculative_tokens)
     settings: dict[str, SpeculativeConfig | None] = {"off": None}
     for k in ks:
@@ -110,18 +133,18 @@ def tune_speculation(load_llm, spec, token_lists: list[list[int]]) -> tuple[dict
     started = time.perf_counter()
     llm = load_llm(speculative_config=None)
     try:
-        _run(llm, rewrite_prompts(token_lists, 1, max_prompt), settings[f"k{ks[-1]}"], 4)  # warm-up
-        num_off, round_cost = 0, 0.0  # round_cost: seconds of one round at the last bucket timed
+        _run(llm, cycle(workload, 1), settings[f"k{ks[-1]}"], 4)  # warm-up
+        num_off, costs = 0, []  # seconds of one round at each bucket timed
         for i, b in enumerate(sizes):
             spent = time.perf_counter() - started
-            estimate = ROUNDS * round_cost * b / sizes[i - 1] if i else 0.0
+            estimate = ROUNDS * _next_round_cost(costs, b / sizes[i - 1]) if i else 0.0
             if num_off >= STOP_AFTER_OFF or spent + estimate > budget:
                 why = "budget" if num_off < STOP_AFTER_OFF else "no gain below"
                 batches[str(b)] = {"measured": False, "why": why}
                 continue
             share = (budget - spent) / (len(sizes) - i)  # this bucket's part of what is left
             t_batch = time.perf_counter()
-            prompts = rewrite_prompts(token_lists, b, max_prompt)
+            prompts = cycle(workload, b)
             tok_s: dict[str, float] = {}
             accepted: dict[str, float | None] = {}
             reference = None
@@ -138,7 +161,7 @@ def tune_speculation(load_llm, spec, token_lists: list[list[int]]) -> tuple[dict
                     if stats is not None:
                         accepted[name] = round(stats.acceptance_rate, 3)
                 r += 1
-            round_cost = (time.perf_counter() - t_batch) / r
+            costs.append((time.perf_counter() - t_batch) / r)
             best = max(ks, key=lambda k: tok_s[f"k{k}"])
             speedup = tok_s[f"k{best}"] / tok_s["off"]
             chosen = best if speedup >= 1 + MIN_GAIN else 0
@@ -162,6 +185,15 @@ def tune_speculation(load_llm, spec, token_lists: list[list[int]]) -> tuple[dict
     for line in record["summary"]:
         log.info("%s", line)
     return record, {"speculative_config": speculative_config(spec, by_batch)}
+
+
+def _next_round_cost(costs: list[float], batch_ratio: float) -> float:
+    """A round's cost at the next bucket: the last one's, grown as it grew from the bucket before (a
+    step costs less than ``batch_ratio`` times more while it is bound by reading the weights), at most
+    by ``batch_ratio``."""
+    if len(costs) < 2:
+        return costs[-1] * batch_ratio
+    return costs[-1] * min(batch_ratio, max(1.0, costs[-1] / costs[-2]))
 
 
 def summary(record: dict[str, Any]) -> list[str]:

@@ -122,5 +122,23 @@ def test_bucket_helpers():
     assert speculative_stage.k_candidates(8) == [2, 4, 8]
     assert speculative_stage.k_candidates(1) == [1]
     assert speculative_stage.k_candidates(3) == [2, 3]
-    prompts = speculative_stage.rewrite_prompts([[1, 2, 3], [4, 5]], 3, 4)
-    assert prompts == [[1, 2, 1, 2], [4, 5, 4, 5], [1, 2, 1, 2]]
+    assert speculative_stage.cycle([[1, 2], [3]], 3) == [[1, 2], [3], [1, 2]]
+    assert speculative_stage._next_round_cost([1.0], 2.0) == 2.0
+    assert speculative_stage._next_round_cost([1.0, 1.5], 2.0) == 2.25  # grown as it grew, at most 2x
+
+
+def test_rewrite_workload(toy_model):
+    from builder_helpers import manifest_dict
+    from transformers import AutoTokenizer
+
+    from kiln.manifest import load_manifest
+
+    tokenizer = AutoTokenizer.from_pretrained(str(toy_model("llama-tiny")))
+    spec = load_manifest(manifest_dict("file:///m", maxInputLen=128, maxSeqLen=256)).spec
+    text = "The quick brown fox jumps over the lazy dog."
+    (chat, long) = speculative_stage.rewrite_workload(tokenizer, [text, text * 40], spec)
+    assert tokenizer.chat_template and "word for word" in tokenizer.decode(chat) and text in tokenizer.decode(chat)
+    assert len(long) <= 128 and long[:len(long) // 2] * 2 == long  # too long for a chat turn: the text twice
+    tokenizer.chat_template = None
+    (doubled,) = speculative_stage.rewrite_workload(tokenizer, [text], spec)
+    assert doubled[:len(doubled) // 2] * 2 == doubled and len(doubled) < len(chat)
