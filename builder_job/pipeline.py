@@ -1,6 +1,7 @@
 """The build pipeline: fetch -> check -> gate (reference, converting as it streams) -> shard -> plan
 -> gate (runtime) -> tune (and the KV plan again, less the CUDA graphs' memory) -> tactics (each op's
-implementations timed, the winners shipped) -> compile -> kernels (CUDA: compiled, autotuned, packed) ->
+implementations timed, the winners shipped) -> compile -> speculative (with spec.speculative on: where
+drafts pay per batch bucket, the table shipped) -> kernels (CUDA: compiled, autotuned, packed) ->
 package -> publish.
 
 Every stage runs inside ``report.stage(name)`` (progress log + timing). Nothing
@@ -199,6 +200,16 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
 
         write(tuning, config)  # its loads must see the tuned threads, as a serving pod will (not re-measure)
         config = {**config, **compile_for_target(load_llm, spec, facts.vocab_size, out, tuning, config)}
+
+    if spec.speculative is not None and spec.speculative.is_on:
+        with report.stage("speculative"):  # where drafts pay, per batch bucket, on the engine as built
+            from kiln.builder.speculative_stage import rewrite_workload, tune_speculation
+
+            write(tuning, config)
+            record, spec_overrides = tune_speculation(load_llm, spec, rewrite_workload(tokenizer, prompts, spec))
+            tuning["speculative"] = record
+            report.record("speculative", record)
+            config = {**config, **spec_overrides}
 
     with report.stage("kernels"):  # compiled and autotuned on this GPU, shipped (kiln.builder.kernel_cache)
         write(tuning, config)  # the warm-up loads the artifact as a serving pod will

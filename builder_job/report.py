@@ -219,4 +219,10 @@ def summary_lines(build_report: dict[str, Any]) -> list[str]:
         lines += [f"    {line}" for line in tactics.get("summary", [])]
     elif tactics:
         lines.append(f"  tactics: {tactics.get('why')}")
+    speculative = build_report.get("speculative")
+    if speculative:
+        table = ", ".join(f"{b}: {f'k={k}' if k else 'off'}" for b, k in speculative["by_batch"].items())
+        lines.append(f"  speculative ({speculative['method']}, {speculative['seconds']:.1f}s), by running batch: "
+                     + table + ("" if speculative.get("greedy_equal", True) else f" ({speculative['mismatch']})"))
+        lines += [f"    {line}" for line in speculative.get("summary", [])]
     return lines

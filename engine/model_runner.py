@@ -33,7 +33,7 @@ from kiln.engine.models.llama import Intermediate, head_dim_of
 from kiln.engine.models.registry import create_model
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.sequence import Request
-from kiln.engine.spec_decode.verify import position_outputs, save_generator
+from kiln.engine.spec_decode.rows import sampled_positions, sampling_rows
 from kiln.engine.weights import load_checkpoint, load_engine_state
 
 log = logging.getLogger("kiln.engine")
@@ -208,16 +208,13 @@ class ModelRunner:
         decode_width = max((len(r.block_table) for r in reqs[:num_decodes]), default=0)
         prefills = [(int(cu[i] - nums[i]), nums[i], starts[i] + nums[i],
                      tables[i, : -(-(starts[i] + nums[i]) // bs)]) for i in range(num_decodes, num_rows)]
-        # Rows that reach their last token sample it, and a verified row every draft position too.
-        sample = [i for i, r in enumerate(reqs) if starts[i] + nums[i] >= r.num_tokens]
-        logits_rows = [int(cu[i]) - 1 - len(reqs[i].spec_token_ids) + j
-                       for i in sample for j in range(len(reqs[i].spec_token_ids) + 1)]
+        logits_rows, sampled = sampled_positions(reqs, starts, nums, cu)  # a verified row: every position
         inputs = StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long), positions=positions, slot_mapping=slot_mapping,
             num_decodes=num_decodes, decode_block_tables=tables[:num_decodes, :decode_width], decode_ctx_lens=ctx[:num_decodes],
             prefills=prefills, logits_indices=torch.tensor(logits_rows, dtype=torch.long),
         )
-        return inputs, [reqs[i] for i in sample for _ in range(len(reqs[i].spec_token_ids) + 1)]
+        return inputs, sampled
 
     def run(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], SamplerOutput | None]:
         batches = [self.prepare(part) for part in split_batch(scheduled, self.config.num_micro_batches,
@@ -230,14 +227,7 @@ class ModelRunner:
         if not sampled_reqs:
             return [], None
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        rows: list[SamplingRow] = []
-        for i, r in enumerate(sampled_reqs):
-            if i and sampled_reqs[i - 1] is r:
-                continue  # a verified row's positions, added with its first
-            save_generator(r)
-            rows.extend(SamplingRow(r.params, r.prompt_token_ids, output, r.generator, r.eos_token_ids, r.grammar)
-                        for output in position_outputs(r.output_token_ids, r.spec_token_ids))
-        return sampled_reqs, self.sample(logits.float(), rows)
+        return sampled_reqs, self.sample(logits.float(), sampling_rows(sampled_reqs))
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """The batch's tokens; if sampling the batch fails, each row is sampled alone so that

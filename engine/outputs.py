@@ -63,7 +63,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0     # drafts proposed and verified
     spec_num_accepted_tokens: int = 0  # of those, accepted
     spec_accepted_per_position: list[int] = field(default_factory=list)  # accepted drafts at position 0, 1, ...
-    spec_steps_off_by_batch: int = 0   # steps that did not speculate: running batch > disable_by_batch_size
+    spec_steps_off_by_batch: int = 0   # steps not speculating: by_batch or disable_by_batch_size said off
 
     @property
     def avg_batch_size(self) -> float:

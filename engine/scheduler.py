@@ -4,9 +4,10 @@ No tensors here. Each step:
 
 1. running requests with one token left to compute (decodes) get it, then
    running requests still prefilling get a chunk of what's left, all within
-   ``max_num_tokens``; with speculative decoding on and the running batch at
-   most ``disable_by_batch_size``, a decode also gets its draft tokens
-   (``spec_decode``), dropped rather than preempting anyone for their blocks;
+   ``max_num_tokens``; with speculative decoding on, a decode also gets up to
+   the draft length the running batch's bucket allows (``by_batch``, the
+   build's measured table; ``spec_decode``), dropped rather than preempting
+   anyone for their blocks;
 2. when a running request needs a block and none is free, the newest running
    request is preempted (its blocks freed, its progress reset to zero, it goes
    back to the front of the queue to be recomputed later) — possibly itself;
@@ -46,30 +47,34 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
-        self.speculative = speculative
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.num_steps_speculation_off = 0  # steps with speculation on but the batch above disable_by_batch_size
+        self.set_speculative(speculative)
 
-    def _speculates_now(self) -> bool:
-        """The load rule: speculate only while the running batch is small enough to gain from it."""
+    def set_speculative(self, speculative: SpeculativeConfig | None) -> None:
+        """Speculation from now on (None: off), with fresh counters; the build's tune stage times
+        several settings on one loaded engine this way."""
+        self.speculative = speculative
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.num_steps_speculation_off = 0  # steps with speculation on but the batch's bucket at 0 drafts
+
+    def _draft_length(self) -> int:
+        """The load rule: this step's draft length for the running batch (0: no drafts)."""
         if self.proposer is None:
-            return False
-        limit = self.speculative.disable_by_batch_size
-        if limit is not None and len(self.running) > limit:
+            return 0
+        k = self.speculative.k_for_batch(len(self.running))
+        if k == 0:
             self.num_steps_speculation_off += 1
-            return False
-        return True
+        return k
 
-    def _drafts(self, req: Request, budget: int) -> list[int]:
+    def _drafts(self, req: Request, budget: int, k: int) -> list[int]:
         """Draft tokens for a decode: within the step's budget and the tokens the request may still
         produce (the last committed token is always sampled, so at most ``left - 1`` drafts)."""
         if req.grammar is not None:  # a grammar's state advances one committed token at a time
             return []
         left = req.max_tokens - req.num_output_tokens
-        return self.proposer.propose(req, min(budget - 1, left - 1))
+        return self.proposer.propose(req, min(budget - 1, left - 1), k)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -81,7 +86,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_tokens
         scheduled: dict[str, int] = {}
-        speculate = self._speculates_now()
+        draft_length = self._draft_length()
         for req in self.running:
             req.spec_token_ids = []
         # Decodes before prefill chunks; stable sort keeps arrival order within each group.
@@ -91,8 +96,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if speculate and num_new == 1 and req.num_tokens - req.num_computed_tokens == 1:
-                drafts = self._drafts(req, budget)
+            if draft_length and num_new == 1 and req.num_tokens - req.num_computed_tokens == 1:
+                drafts = self._drafts(req, budget, draft_length)
                 if drafts and self.block_manager.can_append(req, 1 + len(drafts)):
                     req.spec_token_ids = drafts
                     num_new = 1 + len(drafts)

@@ -3,7 +3,8 @@
 These types are the single source of truth: the CRD (``kiln crd``) is generated from them, the
 build envelope (:mod:`kiln.envelope`) reads them, and the operator validates what the API server
 hands it with them. The spec's parts have modules of their own: ``spec.model`` in
-:mod:`kiln.model_source`, ``spec.serving`` in :mod:`kiln.serving_options`, the GPU table and the
+:mod:`kiln.model_source`, ``spec.serving`` in :mod:`kiln.serving_options`, ``spec.speculative`` in
+:mod:`kiln.speculative_options`, the GPU table and the
 replica layout rule in :mod:`kiln.skus`, ``status`` in :mod:`kiln.engine_status`. YAML uses camelCase
 (``maxSeqLen``); Python uses snake_case (``spec.max_seq_len``); both are accepted.
 
@@ -52,6 +53,7 @@ from kiln.skus import (
     replica_shape,
     shape_problem,
 )
+from kiln.speculative_options import SPECULATIVE_RULES, SpeculativeOptions, speculative_problems
 
 GROUP = "serving.kiln.dev"
 VERSION = "v1alpha1"
@@ -138,6 +140,7 @@ CROSS_FIELD_RULES: tuple[tuple[str, str, str, str], ...] = (
      ".model.file"),
     SHAPE_RULE,
     *SCALE_OUT_RULES,
+    *SPECULATIVE_RULES,
 )
 
 
@@ -187,6 +190,11 @@ class LLMEngineSpec(_Model):
     kv: KVOptions = Field(
         default_factory=KVOptions, json_schema_extra={"default": {}}, description="Paged KV-cache options."
     )
+    speculative: SpeculativeOptions | None = Field(
+        default=None,
+        description="Speculative decoding (docs/speculative.md); unset or method off means none. With ngram the "
+        "build measures where it pays and records a per-batch-size table in the artifact.",
+    )
     serving: ServingOptions = Field(
         default_factory=ServingOptions, json_schema_extra={"default": {}},
         description="How the engine is served; none of it changes the engine version.",
@@ -215,6 +223,7 @@ class LLMEngineSpec(_Model):
         if shape := shape_problem(self.gpu, self.tensor_parallel, self.pipeline_parallel, self.gpus_per_node):
             problems.append(shape)
         problems += scale_out_problems(self.serving)
+        problems += speculative_problems(self.speculative, self.max_num_tokens)
         if problems:
             raise ValueError("\n".join(problems))
         return self

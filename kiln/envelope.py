@@ -27,6 +27,10 @@ What is in, and why:
   the KV options: they decide the weights written, their sharding, the KV plan and
   the CUDA-graph buckets recorded in ``engine.json``. Prefix caching and the memory
   fraction are recorded there too, so they are in.
+- ``spec.speculative`` when its method is not ``off`` (absent otherwise, so ``method: off``, an
+  unset field and every version from before speculation are the same): the build measures where
+  speculation pays and ships that table in ``engine.json``, so the method, k and the lookup
+  lengths decide the artifact. With ``off`` the other three fields are ignored, so they are out.
 - the GPU's architecture *and* memory size, not its SKU name: kernels are specific to
   the architecture, and the builder sizes the KV pool for the target's memory, so
   L4 and L40S (both sm89) get different artifacts while a renamed SKU with the same
@@ -88,6 +92,13 @@ def build_envelope(spec: LLMEngineSpec | LLMEngine) -> dict[str, Any]:
     }
     if spec.pipeline_parallel > 1:  # absent at 1: versions from before pipeline parallelism stay the same
         envelope["pipeline_parallel"] = spec.pipeline_parallel
+    if spec.speculative is not None and spec.speculative.is_on:  # absent when off: earlier versions stay
+        envelope["speculative"] = {
+            "method": spec.speculative.method,
+            "num_speculative_tokens": spec.speculative.num_speculative_tokens,
+            "prompt_lookup_max": spec.speculative.prompt_lookup_max,
+            "prompt_lookup_min": spec.speculative.prompt_lookup_min,
+        }
     return envelope
 
 

@@ -80,8 +80,8 @@ def _spec_decode_metrics(stats: Any, names: list[str], values: list[str]) -> Ite
         ("kiln:spec_decode_num_drafts", "Decode rows that verified drafts.", stats.spec_num_drafts),
         ("kiln:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", stats.spec_num_draft_tokens),
         ("kiln:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_num_accepted_tokens),
-        ("kiln:spec_decode_steps_disabled_by_batch_size", "Steps that did not speculate: the running batch was "
-         "above disable_by_batch_size.", stats.spec_steps_off_by_batch),
+        ("kiln:spec_decode_steps_disabled_by_batch_size", "Steps that did not speculate: the build's table "
+         "(by_batch) or disable_by_batch_size said off for the running batch.", stats.spec_steps_off_by_batch),
     ):
         family = CounterMetricFamily(name, doc, labels=names)
         family.add_metric(values, float(value))

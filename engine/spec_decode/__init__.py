@@ -2,9 +2,10 @@
 
 A decoding request whose last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to
 ``prompt_lookup_min``) occurred earlier in its prompt + output proposes the ``k`` tokens that
-followed that occurrence (``proposer.py``). The scheduler gives its row ``1 + k`` tokens: the last
-committed token and the drafts, computed like a prefill chunk over the cached context, with logits
-at every position. Each position is sampled as if the drafts before it were output (penalties,
+followed that occurrence (``proposer.py``); ``k`` comes from the running batch's bucket in
+``config.by_batch`` (the build's measured table), shortened for a request whose drafts are rarely
+accepted. The scheduler gives its row ``1 + k`` tokens: the last committed token and the drafts,
+computed like a prefill chunk over the cached context, with logits at every position (``rows.py``). Each position is sampled as if the drafts before it were output (penalties,
 min_tokens and logprobs see them), and the longest prefix of drafts equal to the sampled targets
 is committed, plus the target at the first mismatch (or after the last draft). For a point-mass
 draft this *is* rejection sampling: the target ``y ~ p`` equals the draft with probability

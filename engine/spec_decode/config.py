@@ -15,9 +15,11 @@ class SpeculativeConfig:
     """``method``: "ngram" (prompt lookup, no draft model). ``num_speculative_tokens``: the most draft
     tokens per request per step (k). ``prompt_lookup_max``/``prompt_lookup_min``: the longest and
     shortest suffix n-gram looked up. ``disable_by_batch_size``: speculate only while the running
-    batch holds at most this many requests (None: always); the build's tune stage is meant to set
-    it from measurement. ``min_acceptance_rate``: a request whose drafts are accepted less often than
-    this (over its last drafts) proposes fewer tokens, down to 1."""
+    batch holds at most this many requests (None: always). ``by_batch``: the draft length per running
+    batch bucket, ``{1: 4, 2: 4, 4: 2, 8: 0}`` (0: off), as the build's tune stage measured it: a batch of
+    ``n`` uses the smallest bucket >= ``n``, a batch above every bucket the largest one (None: k at every
+    size). ``min_acceptance_rate``: a request whose drafts are accepted less often than this (over its
+    last drafts) proposes fewer tokens, down to 1."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -25,6 +27,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     disable_by_batch_size: int | None = None
     min_acceptance_rate: float = 0.3
+    by_batch: dict[int, int] | None = None
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -62,3 +65,33 @@ class SpeculativeConfig:
         for name, ok, rule in checks:
             if not ok:
                 raise ConfigError(f"speculative_config.{name} {rule}, got {getattr(self, name)!r}")
+        if self.by_batch is not None:
+            object.__setattr__(self, "by_batch", self._parse_by_batch(self.by_batch))
+
+    def _parse_by_batch(self, table: Any) -> dict[int, int]:
+        """``{"1": 4, "8": 0}`` (JSON keys are strings) -> ``{1: 4, 8: 0}``, sorted; ConfigError naming the entry."""
+        rule = (f"must be a map of batch size (>= 1) to draft length (0 = off .. num_speculative_tokens = "
+                f"{self.num_speculative_tokens}), e.g. {{'1': 4, '8': 0}}")
+        if not isinstance(table, dict) or not table:
+            raise ConfigError(f"speculative_config.by_batch {rule}, got {table!r}")
+        out = {}
+        for key, k in table.items():
+            try:
+                batch = int(key)
+            except (TypeError, ValueError):
+                batch = 0
+            ok = (batch >= 1 and isinstance(k, int) and not isinstance(k, bool)
+                  and 0 <= k <= self.num_speculative_tokens)
+            if not ok:
+                raise ConfigError(f"speculative_config.by_batch[{key!r}] {rule}, got {k!r}")
+            out[batch] = k
+        return dict(sorted(out.items()))
+
+    def k_for_batch(self, num_running: int) -> int:
+        """The draft length for a step with ``num_running`` running requests (0: no drafts this step)."""
+        if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:
+            return 0
+        if self.by_batch is None:
+            return self.num_speculative_tokens
+        bucket = next((b for b in self.by_batch if b >= num_running), max(self.by_batch))
+        return self.by_batch[bucket]

@@ -71,16 +71,19 @@ class NgramProposer:
             req.spec_state = RequestSpecState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
         return req.spec_state
 
-    def num_drafts(self, req) -> int:
-        """This request's draft length now: k, scaled down while its acceptance is below the floor."""
+    def num_drafts(self, req, k: int | None = None) -> int:
+        """This request's draft length now: ``k`` (default: num_speculative_tokens; the scheduler passes
+        the batch bucket's), scaled down while its acceptance is below the floor."""
         cfg, acceptance = self.config, self._state(req).acceptance
-        if acceptance >= cfg.min_acceptance_rate:
-            return cfg.num_speculative_tokens
-        return max(1, int(cfg.num_speculative_tokens * acceptance / cfg.min_acceptance_rate))
+        k = cfg.num_speculative_tokens if k is None else k
+        if k == 0 or acceptance >= cfg.min_acceptance_rate:
+            return k
+        return max(1, int(k * acceptance / cfg.min_acceptance_rate))
 
-    def propose(self, req, max_drafts: int) -> list[int]:
-        """Draft tokens for ``req`` (at most ``max_drafts``); [] when its suffix occurred nowhere earlier."""
-        k = min(self.num_drafts(req), max_drafts)
+    def propose(self, req, max_drafts: int, k: int | None = None) -> list[int]:
+        """Draft tokens for ``req`` (at most ``max_drafts``, of a draft length ``k``: see ``num_drafts``);
+        [] when its suffix occurred nowhere earlier."""
+        k = min(self.num_drafts(req, k), max_drafts)
         return self._state(req).index.propose(req.token_ids, k) if k > 0 else []
 
     def record(self, req, num_proposed: int, num_accepted: int) -> None:

@@ -90,6 +90,9 @@ def test_examples_validate_against_the_crd_schema(path: Path):
     ("model", {"source": "gs://bucket/x"}), ("model", {"source": "hf://only-name"}), ("kv", {"blockSize": 12}),
     ("maxBatchSize", 0), ("kv", {"memoryFraction": 1.5}), ("pipelineParallel", 3), ("pipelineParallel", 16),
     ("gpusPerNode", 3), ("gpusPerNode", 0),
+    ("speculative", {"method": "eagle"}), ("speculative", {"method": "ngram", "numSpeculativeTokens": 0}),
+    ("speculative", {"method": "ngram", "numSpeculativeTokens": 9}), ("speculative", {"promptLookupMax": 9}),
+    ("speculative", {"promptLookupMin": 0}),
 ])
 def test_crd_schema_rejects_what_pydantic_rejects(field: str, value: object):
     data = load_manifest(ROOT / "examples/cpu-small.yaml").to_k8s()
@@ -98,6 +101,23 @@ def test_crd_schema_rejects_what_pydantic_rejects(field: str, value: object):
         jsonschema.validate(data, SCHEMA)
     with pytest.raises(ManifestError):
         load_manifest(data)
+
+
+@pytest.mark.parametrize(("speculative", "field"), [
+    ({"method": "eagle"}, "spec.speculative.method"),
+    ({"method": "ngram", "numSpeculativeTokens": 9}, "spec.speculative.numSpeculativeTokens"),
+    ({"method": "ngram", "numSpeculativeTokens": 0}, "spec.speculative.numSpeculativeTokens"),
+    ({"promptLookupMax": 0}, "spec.speculative.promptLookupMax"),
+    ({"promptLookupMin": 9}, "spec.speculative.promptLookupMin"),
+    ({"promptLookupMin": 3, "promptLookupMax": 2}, "spec.speculative.promptLookupMin"),
+    ({"method": "ngram", "numSpeculativeTokens": 4, "draftModel": "x"}, "spec.speculative.draftModel"),
+])
+def test_invalid_speculative_values_name_the_field(speculative: dict, field: str):
+    data = load_manifest(ROOT / "examples/cpu-small.yaml").to_k8s()
+    data["spec"]["speculative"] = speculative
+    with pytest.raises(ManifestError) as info:
+        load_manifest(data)
+    assert any(line.startswith(f"{field}:") for line in info.value.problems), info.value.problems
 
 
 def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
@@ -145,6 +165,17 @@ CEL_SAMPLES = [
     {"serving": {"autoscaling": {"minReplicas": 0, "maxReplicas": 1}}},
     {"serving": {"autoscaling": {"minReplicas": 4, "maxReplicas": 3}}},
     {"serving": {"autoscaling": {"minReplicas": 3, "maxReplicas": 3}, "rolloutStrategy": "RecreateOneAtATime"}},
+    # spec.speculative: lookup bounds, and a verified row (1 + k tokens) must fit one step.
+    {"speculative": {"method": "ngram"}},
+    {"speculative": {"method": "off"}},
+    {"speculative": {"method": "ngram", "promptLookupMin": 3, "promptLookupMax": 3}},
+    {"speculative": {"method": "ngram", "promptLookupMin": 4, "promptLookupMax": 2}},
+    {"speculative": {"method": "off", "promptLookupMin": 4, "promptLookupMax": 2}},
+    {"speculative": {"method": "ngram", "numSpeculativeTokens": 8}, "maxNumTokens": 8, "maxBatchSize": 8},
+    {"speculative": {"method": "ngram", "numSpeculativeTokens": 7}, "maxNumTokens": 8, "maxBatchSize": 8},
+    {"speculative": {"method": "off", "numSpeculativeTokens": 8}, "maxNumTokens": 8, "maxBatchSize": 8},
+    {"speculative": {"method": "ngram", "numSpeculativeTokens": 8, "promptLookupMin": 5, "promptLookupMax": 1},
+     "maxNumTokens": 8, "maxBatchSize": 8},
 ]
 
 

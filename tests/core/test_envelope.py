@@ -90,6 +90,7 @@ SENSITIVE = [
     (CPU, "kv.memoryFraction", 0.8),
     (H100, "gpu", "H200-141GB"),  # same arch, more memory: a different KV plan
     (H100, "model.file", "model.Q4_K_M.gguf"),  # a GGUF in the repo instead of its safetensors
+    (CPU, "speculative", {"method": "ngram"}),  # the build measures and ships a per-batch table
 ]
 # Every one of these leaves the artifact alone.
 INSENSITIVE = [
@@ -144,6 +145,26 @@ def test_every_spec_field_is_classified():
         return out
     classified = {field for _, field, _ in SENSITIVE + INSENSITIVE}
     assert leaves(LLMEngineSpec) == classified
+
+
+NGRAM = {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 3, "promptLookupMin": 1}
+
+
+@pytest.mark.parametrize(("field", "value"), [("numSpeculativeTokens", 2), ("promptLookupMax", 4),
+                                              ("promptLookupMin", 2)])
+def test_each_speculative_field_changes_the_version_when_on(field: str, value: int):
+    on = version_with(CPU, "speculative", NGRAM)
+    assert version_with(CPU, "speculative", {**NGRAM, field: value}) != on
+    # With method off the rest is ignored: the version is the one without the field.
+    assert version_with(CPU, "speculative", {**NGRAM, "method": "off", field: value}) == GOLDEN_CPU_SMALL
+
+
+def test_speculation_off_keeps_every_earlier_version():
+    assert version_with(CPU, "speculative", {"method": "off"}) == GOLDEN_CPU_SMALL
+    spec = LLMEngineSpec.model_validate({**spec_dict(CPU), "speculative": NGRAM})
+    assert build_envelope(spec)["speculative"] == {"method": "ngram", "num_speculative_tokens": 4,
+                                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    assert "speculative" not in build_envelope(load_manifest(CPU).spec)
 
 
 def test_metadata_does_not_change_the_version():

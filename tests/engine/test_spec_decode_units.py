@@ -3,6 +3,8 @@ errors, and, statistically, that verification commits tokens from the target dis
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from kiln.engine.errors import ConfigError
@@ -61,11 +63,36 @@ def test_draft_length_shrinks_with_low_acceptance_and_recovers():
     ({"disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
     ({"min_acceptance_rate": 1.5}, "speculative_config.min_acceptance_rate"),
     ({"k": 4}, "speculative_config.k"),
+    ({"by_batch": {}}, "speculative_config.by_batch"),
+    ({"by_batch": {"0": 4}}, r"speculative_config.by_batch['0']"),
+    ({"by_batch": {"one": 4}}, r"speculative_config.by_batch['one']"),
+    ({"by_batch": {"8": 5}}, r"speculative_config.by_batch['8']"),
+    ({"by_batch": {"8": -1}}, r"speculative_config.by_batch['8']"),
     ("ngram", "speculative_config must be a dict"),
 ])
 def test_config_errors_name_the_field(value, field):
-    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(field)):
         SpeculativeConfig.parse(value)
+
+
+def test_by_batch_table_picks_the_bucket_at_or_above_the_running_batch():
+    cfg = SpeculativeConfig.parse({"num_speculative_tokens": 4, "by_batch": {"1": 4, "2": 4, "4": 2, "8": 0}})
+    assert cfg.by_batch == {1: 4, 2: 4, 4: 2, 8: 0}  # JSON's string keys become batch sizes
+    assert [cfg.k_for_batch(n) for n in (1, 2, 3, 4, 5, 8, 9, 64)] == [4, 4, 2, 2, 0, 0, 0, 0]
+    # Above every bucket: the largest one's; disable_by_batch_size still caps it.
+    assert SpeculativeConfig(by_batch={1: 0, 4: 3}).k_for_batch(100) == 3
+    assert SpeculativeConfig(by_batch={1: 0, 4: 3}).k_for_batch(1) == 0
+    assert SpeculativeConfig(by_batch={4: 3}, disable_by_batch_size=2).k_for_batch(3) == 0
+    assert SpeculativeConfig(num_speculative_tokens=5).k_for_batch(1000) == 5
+
+
+def test_the_bucket_k_is_what_shrinks_with_low_acceptance():
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, min_acceptance_rate=0.5))
+    req = _Req([1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1])
+    assert proposer.propose(req, 10, k=2) == [2, 3] and proposer.num_drafts(req, 0) == 0
+    proposer.record(req, 4, 1)  # acceptance 1.0 -> 0.625
+    proposer.record(req, 4, 0)  # -> 0.3125: below the floor, k scales by 0.625
+    assert proposer.num_drafts(req, 4) == 2 and proposer.num_drafts(req, 2) == 1
 
 
 def test_engine_config_rejects_a_bad_speculative_config(toy_model):

@@ -1,0 +1,76 @@
+"""``spec.speculative``: speculative decoding, built in and measured by the build.
+
+Absent or ``method: off`` is no speculation. ``method: ngram`` is prompt lookup (no draft model):
+the build's ``speculative`` stage then times decoding with and without drafts on the target over
+batch sizes and draft lengths, and records per running-batch bucket whether to speculate and with
+which ``k`` (at most ``numSpeculativeTokens``) in ``engine.json`` (docs/speculative.md). All of it
+is in the build envelope (:mod:`kiln.envelope`): the table is part of the artifact.
+
+:data:`SPECULATIVE_RULES` are this part's cross-field rules (CEL, joined into
+``kiln.api.CROSS_FIELD_RULES``); :func:`speculative_problems` is their Python twin.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kiln.api_base import APIModel as _Model
+
+SpeculativeMethod = Literal["off", "ngram"]
+MAX_SPECULATIVE_TOKENS = 8
+MAX_PROMPT_LOOKUP = 8
+
+
+class SpeculativeOptions(_Model):
+    method: SpeculativeMethod = Field(
+        default="off",
+        description="Draft source: off (no speculation) or ngram (prompt lookup: drafts are the tokens that "
+        "followed the latest earlier occurrence of the request's last n tokens in its prompt and output).",
+    )
+    num_speculative_tokens: int = Field(
+        default=4, ge=1, le=MAX_SPECULATIVE_TOKENS,
+        description="Most draft tokens per request per step (k), 1 to 8; the build measures 2 and k and records "
+        "per batch bucket which pays, if any.",
+    )
+    prompt_lookup_max: int = Field(
+        default=3, ge=1, le=MAX_PROMPT_LOOKUP, description="Longest suffix n-gram looked up, 1 to 8.",
+    )
+    prompt_lookup_min: int = Field(
+        default=1, ge=1, le=MAX_PROMPT_LOOKUP,
+        description="Shortest suffix n-gram looked up, 1 to 8; at most promptLookupMax.",
+    )
+
+    @property
+    def is_on(self) -> bool:
+        return self.method != "off"
+
+
+# (python check name, CEL rule on spec, message, fieldPath), joined to kiln.api.CROSS_FIELD_RULES.
+SPECULATIVE_RULES: tuple[tuple[str, str, str, str], ...] = (
+    ("lookup_bounds",
+     "!has(self.speculative) || self.speculative.promptLookupMin <= self.speculative.promptLookupMax",
+     "spec.speculative.promptLookupMin must be at most promptLookupMax; lower promptLookupMin or raise "
+     "promptLookupMax", ".speculative.promptLookupMin"),
+    ("drafts_fit_step",
+     "!has(self.speculative) || self.speculative.method == 'off' "
+     "|| self.speculative.numSpeculativeTokens < self.maxNumTokens",
+     "spec.speculative.numSpeculativeTokens must be less than spec.maxNumTokens (a verified row is 1 + k tokens "
+     "of one step); lower numSpeculativeTokens or raise maxNumTokens", ".speculative.numSpeculativeTokens"),
+)
+
+
+def speculative_problems(speculative: SpeculativeOptions | None, max_num_tokens: int) -> list[str]:
+    """The Python twins of :data:`SPECULATIVE_RULES`, one ``<field path>: <what + fix>`` line each."""
+    if speculative is None:
+        return []
+    problems = []
+    if speculative.prompt_lookup_min > speculative.prompt_lookup_max:
+        problems.append(f"speculative.promptLookupMin: must be at most promptLookupMax ({speculative.prompt_lookup_min}"
+                        f" > {speculative.prompt_lookup_max}); lower promptLookupMin or raise promptLookupMax")
+    if speculative.is_on and speculative.num_speculative_tokens >= max_num_tokens:
+        problems.append(f"speculative.numSpeculativeTokens: must be less than maxNumTokens "
+                        f"({speculative.num_speculative_tokens} >= {max_num_tokens}): a verified row is 1 + k tokens "
+                        f"of one step; lower numSpeculativeTokens or raise maxNumTokens")
+    return problems
