@@ -161,16 +161,24 @@ def ptxas_report(name: str, log: str) -> tuple[int, int, int, int]:
     return int(regs.group(1)), int(spills.group(2)), int(spills.group(3)), int(spills.group(1))
 
 
+_SEEN: dict[str, tuple[int, int, int, int]] = {}  # Triton cache key -> ptxas_report, in this process
+
+
 def compile_variant(capability: int, variant: str, launch: Callable[[], None]) -> list[KernelReport]:
-    """Every kernel ``launch`` starts, compiled for ``capability``, with its resources (a kernel Triton's cache
-    already held, e.g. the decode combine at another GQA group, is reported where it was compiled)."""
+    """Every kernel ``launch`` starts, compiled for ``capability``, with its resources. A kernel another variant
+    of this process compiled already (the same constexprs: the decode combine at another GQA group, a long
+    chunk whose tile is the short one's) comes from Triton's cache without a ptxas run and is reported with
+    that compile's figures, so the reports do not depend on how variants are shared among workers."""
     with targeting(capability) as compiled:
         launch()
     reports = []
     for name, config, kernel, log in compiled:
-        if not log:  # from Triton's cache: the same kernel at the same constexprs, reported where it compiled
-            continue
-        regs, stores, loads, stack = ptxas_report(name, log)
+        if log:
+            _SEEN[kernel.hash] = ptxas_report(name, log)
+        elif kernel.hash not in _SEEN:  # from a Triton cache this process did not fill: no ptxas log to read
+            raise RuntimeError(f"{name} came from Triton's cache ({os.environ.get('TRITON_CACHE_DIR')}) without a "
+                               "ptxas log: compile into an empty TRITON_CACHE_DIR")
+        regs, stores, loads, stack = _SEEN[kernel.hash]  # another variant with the same constexprs compiled it
         reports.append(KernelReport(name, f"{variant} [{config}]" if config else variant, capability, kernel.metadata.num_warps, regs, stores, loads, stack,
                                     kernel.metadata.shared))
     return reports
@@ -201,7 +209,8 @@ def _compile_share(capability: int, share: int, shares: int) -> list[KernelRepor
 
 def compile_all(capabilities: list[int], cache_dir: Path | None = None) -> list[KernelReport]:
     """Every variant on every capability, compiled by one worker process per CPU (triton's front end holds
-    the GIL); cached on disk by ``source_key``, so a cache hit compiles nothing."""
+    the GIL; ``KILN_AOT_WORKERS`` sets another count); cached on disk by ``source_key``, so a cache hit
+    compiles nothing."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -209,7 +218,7 @@ def compile_all(capabilities: list[int], cache_dir: Path | None = None) -> list[
     path = cache_dir / f"reports-{source_key()}-{'-'.join(map(str, sorted(capabilities)))}.json"
     if path.is_file():
         return [KernelReport(**r) for r in json.loads(path.read_text())]
-    workers = max(1, min(len(os.sched_getaffinity(0)), 8))
+    workers = int(os.environ.get("KILN_AOT_WORKERS") or 0) or max(1, min(len(os.sched_getaffinity(0)), 8))
     jobs = [(cap, share, workers) for cap in capabilities for share in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         parts = list(pool.map(_compile_share, *zip(*jobs, strict=True)))
