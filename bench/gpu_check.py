@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +113,7 @@ def _pytest_counts(output: str) -> dict:
     return {"counts": counts, "failed": re.findall(r"^FAILED (\S+)", output, re.M)}
 
 
-def steps(py: str, out: Path, cap: str) -> dict[str, tuple[list[str], int, dict, callable]]:
+def steps(py: str, out: Path, cap: str) -> dict[str, tuple[list[str], int, dict, Callable[[str], dict]]]:
     """name -> (argv, timeout s, env, figures from the output)."""
     def bandwidth(o: str) -> dict:
         return {**_pytest_counts(o), "decode": re.findall(r"paged decode .*GB/s", o),

@@ -13,24 +13,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import aotlib
 import pytest
 from netutil import free_port, wait_for_port
 
 # Keep torch to the machine's 2 cores and quiet; tests spawn servers too.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-# The ahead-of-time kernel check's compile starts in the background at collection (tests/aotlib.py).
-def pytest_collection_modifyitems(session, config, items) -> None:
-    aotlib.start_if_collected(config, items)
-
-
-def pytest_sessionfinish(session, exitstatus) -> None:
-    aotlib.stop(session.config)
-
-
 
 
 @pytest.fixture(scope="session")

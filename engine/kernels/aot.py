@@ -179,8 +179,8 @@ def compile_variant(capability: int, variant: str, launch: Callable[[], None]) -
             raise RuntimeError(f"{name} came from Triton's cache ({os.environ.get('TRITON_CACHE_DIR')}) without a "
                                "ptxas log: compile into an empty TRITON_CACHE_DIR")
         regs, stores, loads, stack = _SEEN[kernel.hash]  # another variant with the same constexprs compiled it
-        reports.append(KernelReport(name, f"{variant} [{config}]" if config else variant, capability, kernel.metadata.num_warps, regs, stores, loads, stack,
-                                    kernel.metadata.shared))
+        reports.append(KernelReport(name, f"{variant} [{config}]" if config else variant, capability,
+                                    kernel.metadata.num_warps, regs, stores, loads, stack, kernel.metadata.shared))
     return reports
 
 

@@ -147,7 +147,8 @@ def apply(model: nn.Module, config, native, stack: bool = True
                 mlps[0], mlps[0].gate_up_proj.input_size, config.torch_dtype, tokens, choices).items()}
             table.model["mlp_rows"] = {"winner": int(min(us, key=us.get)), "us": us, "how": f"one MLP, {tokens} rows"}
     rows = (table.model.get("mlp_rows") or {}).get("winner")
-    if parallel.world_size() > 1:  # the slice sets how many all-reduces a step makes: one choice for every rank
+    if parallel.world_size() > 1 and torch.distributed.is_initialized():  # the slice sets how many all-reduces
+        # a step makes: one choice for every rank (none to agree with offline, in parallel.shard_context)
         agreed = parallel.broadcast_object(table.model.get("mlp_rows"))
         rows = (agreed or {}).get("winner")
         if agreed is not None:

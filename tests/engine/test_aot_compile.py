@@ -4,8 +4,7 @@ registers, and ptxas reports no spills. The Triton interpreter cannot see any of
 
 The compile runs in a child process: other test modules set ``TRITON_INTERPRET=1``, under which ``triton.jit``
 hands out interpreted functions that cannot be compiled. Reports are cached by the kernels' source hash
-(``KILN_AOT_CACHE``, default ``~/.cache/kiln/aot``): uncached, the whole set takes ~2 minutes on 2 cores,
-run in the background from collection on (tests/aotlib.py) while the rest of the suite runs.
+(``KILN_AOT_CACHE``, default ``~/.cache/kiln/aot``): uncached, the whole set takes ~2 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import aotlib
 import pytest
 import torch
 
@@ -31,15 +29,20 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "gpu.md"
 SHIPPED = {"_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_int8_weight_only_kernel"}
 
 
+def _child_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
+
+
 def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-P", *args], env=aotlib.child_env(), capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-P", *args], env=_child_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def reports(request) -> list[KernelReport]:
-    """The reports of the compile tests/aotlib.py started in the background at collection."""
-    return [KernelReport(**r) for r in aotlib.reports(request.config)]
+def reports() -> list[KernelReport]:
+    proc = _run("-m", "kiln.builder.kernels_aot", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [KernelReport(**r) for r in json.loads(proc.stdout)]
 
 
 def test_every_shipped_kernel_compiles_for_every_sku_capability_and_fits(reports):
