@@ -130,13 +130,13 @@ def parse_auto(text: str, plan: ToolPlan) -> tuple[str | None, list[Call]]:
         return text, []
     body = text[start:]
     if plan.format == "mistral" and _MISTRAL_NAMED.search(body):
-        calls = _mistral_named_calls(body, plan) or []
-        return (text, []) if not calls else ((text[:start].strip() or None), calls if plan.parallel else calls[:1])
-    for marker in MARKERS.get(plan.format, ()):
-        body = body.replace(marker, " ")
-    if plan.format == "hermes":
-        body = re.sub(r"</?tool_call>", " ", body)
-    calls = _calls_from_json(body, plan)
+        calls = _mistral_named_calls(body, plan)
+    else:
+        for marker in MARKERS.get(plan.format, ()):
+            body = body.replace(marker, " ")
+        if plan.format == "hermes":
+            body = re.sub(r"</?tool_call>", " ", body)
+        calls = _calls_from_json(body, plan)
     if not calls:
         return text, []
     if not plan.parallel:
