@@ -80,9 +80,14 @@ def _resolve_device(device: str) -> str:
               help="Instead of the suite: kiln greedy with prompt-lookup speculation (on with the load rule, and "
                    "always on) against without, at batch 1 and 32, on rewrite-this-text prompts, --repeats rotated "
                    "runs (docs/speculative.md).")
+@click.option("--draft-model", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="--speculative: drafts from this checkpoint (same tokenizer) instead of prompt lookup.")
+@click.option("--draft-layers", type=click.IntRange(min=1), default=None,
+              help="--speculative: drafts from the model's own first N layers under its head (an untrained "
+                   "early exit) instead of prompt lookup.")
 def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
           baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict,
-          structured, server, concurrency, isl, osl, speculative) -> None:
+          structured, server, concurrency, isl, osl, speculative, draft_model, draft_layers) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     import os
     import platform
@@ -166,10 +171,19 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
                 max_num_tokens, json_out, log)
         return
     if speculative:  # bench/speculative.py: what prompt-lookup speculation gains, and where it stops
+        from kiln_bench.speculative import draft_for
         from kiln_bench.speculative import main as run_speculative
 
-        run_speculative(model_dir, dtype, threads, device, quick, repeats, json_out, click.echo, log)
+        if draft_model is not None and draft_layers is not None:
+            raise click.UsageError("--draft-model and --draft-layers each name the draft; give one")
+        try:
+            draft_dir = draft_for(model_dir, draft_model, draft_layers)
+        except ValueError as exc:
+            raise click.UsageError(f"--draft-layers: {exc}") from None
+        run_speculative(model_dir, dtype, threads, device, quick, repeats, json_out, click.echo, log, draft_dir)
         return
+    if draft_model is not None or draft_layers is not None:
+        raise click.UsageError("--draft-model / --draft-layers go with --speculative")
     facts = model_facts(model_dir)
     peer_models = {}
     for name in peer_names:

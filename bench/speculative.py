@@ -1,4 +1,9 @@
-"""``kiln bench --speculative``: prompt-lookup speculation against plain decoding, batch 1 and batch 32.
+"""``kiln bench --speculative``: speculation against plain decoding, batch 1 and batch 32.
+
+Drafts come from prompt lookup, or with ``--draft-model DIR`` / ``--draft-layers N`` from a draft
+model: a checkpoint of the same tokenizer, or the benchmarked model's first ``N`` layers under its
+own head (``kiln.engine.toy.make_truncated_draft``: an untrained early exit, the one same-family
+draft at hand where the registry holds one model).
 
 A repetitive workload: each request asks to rewrite a paragraph unchanged, so a model that
 copies its prompt gives n-gram drafts something to find. A model with a chat template (SmolLM2,
@@ -64,13 +69,15 @@ def prompts_for(tokenizer: Any, vocab: int, special: set[int], count: int, seed:
 
 def run(model_dir: Path, dtype: str, threads: int, device: str, batches: tuple[int, ...] = (1, 32),
         max_tokens: int = 96, repeats: int = 3, k: int = 4, disable_by_batch_size: int = 4,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        log: Callable[[str], None] = print, draft_dir: Path | None = None) -> dict[str, Any]:
     import torch
     from kiln.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     common = dict(dtype=dtype, device=device, max_batch_size=max(batches), max_num_tokens=4096, max_seq_len=512)
-    spec = {"method": "ngram", "num_speculative_tokens": k}
+    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k}
+    if draft_dir is not None:
+        spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
     engines = {"off": LLM(str(model_dir), **common),
                "on": LLM(str(model_dir), **common,
                          speculative_config={**spec, "disable_by_batch_size": disable_by_batch_size}),
@@ -111,13 +118,15 @@ def run(model_dir: Path, dtype: str, threads: int, device: str, batches: tuple[i
         }
     for llm in engines.values():
         llm.shutdown()
-    return {"model_dir": str(model_dir), "dtype": dtype, "device": device, "threads": threads, "repeats": repeats,
+    return {"model_dir": str(model_dir), "draft_dir": None if draft_dir is None else str(draft_dir),
+            "dtype": dtype, "device": device, "threads": threads, "repeats": repeats,
             "max_tokens": max_tokens, "num_speculative_tokens": k, "disable_by_batch_size": disable_by_batch_size,
             "batches": results}
 
 
 def text(doc: dict[str, Any]) -> str:
-    lines = [f"prompt-lookup speculation (k={doc['num_speculative_tokens']}, on = off above "
+    source = "prompt-lookup" if not doc.get("draft_dir") else f"draft-model ({Path(doc['draft_dir']).name})"
+    lines = [f"{source} speculation (k={doc['num_speculative_tokens']}, on = off above "
              f"{doc['disable_by_batch_size']} running), {Path(doc['model_dir']).name}, {doc['device']}, "
              f"{doc['dtype']}, {doc['threads']} threads, medians of {doc['repeats']} rotated runs",
              f"  {'batch':>5}  {'off tok/s':>10}  {'on tok/s':>10}  {'on x':>6}  {'always tok/s':>12}  "
@@ -129,10 +138,25 @@ def text(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def draft_for(model_dir: Path, draft_model: Path | None, draft_layers: int | None) -> Path | None:
+    """The draft checkpoint: ``draft_model`` as given, or the model's first ``draft_layers`` layers (written
+    once beside the model's cache, ``<model>-draft-<N>``), or None (prompt lookup)."""
+    if draft_model is not None:
+        return draft_model
+    if draft_layers is None:
+        return None
+    from kiln.engine.toy import make_truncated_draft
+
+    out = model_dir.parent / f"{model_dir.name}-draft-{draft_layers}"
+    if not (out / "config.json").is_file():
+        make_truncated_draft(model_dir, out, draft_layers)
+    return out
+
+
 def main(model_dir: Path, dtype: str, threads: int, device: str, quick: bool, repeats: int, json_out: str | None,
-         echo: Callable[[str], None], log: Callable[[str], None]) -> None:
+         echo: Callable[[str], None], log: Callable[[str], None], draft_dir: Path | None = None) -> None:
     doc = run(model_dir, dtype, threads, device, batches=(1, 4) if quick else (1, 32),
-              max_tokens=24 if quick else 96, repeats=repeats, log=log)
+              max_tokens=24 if quick else 96, repeats=repeats, log=log, draft_dir=draft_dir)
     echo(json.dumps(doc, indent=2) if json_out == "-" else text(doc))
     if json_out and json_out != "-":
         Path(json_out).write_text(json.dumps(doc, indent=2))

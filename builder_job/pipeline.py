@@ -1,5 +1,5 @@
-"""The build pipeline: fetch -> check -> gate (reference, converting as it streams) -> shard -> plan
--> gate (runtime) -> tune (and the KV plan again, less the CUDA graphs' memory) -> tactics (each op's
+"""The build pipeline: fetch (-> fetch_draft, with a draft model: ``draft_stage``) -> check -> gate
+(reference, converting as it streams) -> shard (and the draft) -> plan -> gate (runtime) -> tune (and the KV plan again, less the CUDA graphs' memory) -> tactics (each op's
 implementations timed, the winners shipped) -> compile -> speculative (with spec.speculative on: where
 drafts pay per batch bucket, the table shipped) -> kernels (CUDA: compiled, autotuned, packed) ->
 package -> publish.
@@ -27,6 +27,7 @@ from typing import Any
 
 from kiln.builder import quality
 from kiln.builder.check import check_envelope, model_facts
+from kiln.builder.draft_stage import check_draft, draft_kv_bytes_per_token, fetch_draft, write_draft
 from kiln.builder.errors import InvalidSpec, QualityGateFailed, StorageFailure
 from kiln.builder.fetch import Checkpoint, fetch_checkpoint
 from kiln.builder.kernel_cache import build_kernel_cache
@@ -105,6 +106,12 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
                         "pin that sha so the version names one set of weights", spec.model.revision or "main",
                         ckpt.resolved_revision)
 
+    drafted = spec.speculative is not None and spec.speculative.draft_model is not None
+    if drafted:
+        with report.stage("fetch_draft"):
+            draft_ckpt = fetch_draft(spec, work_dir)
+            report.record("draft_source", draft_ckpt.provenance())
+
     with report.stage("check"):
         facts = model_facts(ckpt.path)
         report.record("model", facts.to_dict())
@@ -113,6 +120,11 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
     device = _device(spec)
     with report.stage("quality_reference"):
         tokenizer = AutoTokenizer.from_pretrained(str(ckpt.path), trust_remote_code=False)
+        draft_kv = 0  # the draft's K/V per token, planned into the pool beside the target's
+        if drafted:
+            draft_facts = check_draft(spec, draft_ckpt, tokenizer)
+            report.record("draft_model", draft_facts.to_dict())
+            draft_kv = draft_kv_bytes_per_token(draft_facts, spec)
         prompts = spec.build.calibration_prompts or quality.CALIBRATION_PROMPTS
         token_lists = quality.tokenize_prompts(tokenizer, prompts, spec)
         if device == "cpu":
@@ -139,9 +151,11 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
                                 "weight_bytes_per_rank": weights_per_rank,
                                 "rank_files": [p.name for p in rank_files]})
         log.info("weights: %s per rank, %d rank file(s)", human_bytes(weights_per_rank), len(rank_files))
+        if drafted:  # on rank 0, beside its shard; counted on every rank (rank 0 sets the pool for all)
+            weights_per_rank += write_draft(draft_ckpt, out, spec).stat().st_size
 
     with report.stage("plan"):
-        kv_plan = plan_kv(spec, facts, weights_per_rank)
+        kv_plan = plan_kv(spec, facts, weights_per_rank, extra_kv_bytes_per_token=draft_kv)
         report.record("kv_plan_summary", kv_plan_summary(kv_plan))
         log.info("kv pool: %s", kv_plan_summary(kv_plan))
         config = engine_config(spec, kv_plan["num_kv_blocks"])
@@ -183,7 +197,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
     with report.stage("tune"):
         tuning, overrides = tune(load_llm, spec, facts.vocab_size)
         # The pool of serving is what is left after the CUDA graphs measured here (plan_with_cuda_graphs).
-        kv_plan, overrides = plan_with_cuda_graphs(spec, facts, weights_per_rank, tuning, overrides)
+        kv_plan, overrides = plan_with_cuda_graphs(spec, facts, weights_per_rank, tuning, overrides, draft_kv)
         report.record("kv_plan_summary", kv_plan_summary(kv_plan))
         config = {**config, **overrides, "num_kv_blocks": kv_plan["num_kv_blocks"]}
 
@@ -204,9 +218,12 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
     if spec.speculative is not None and spec.speculative.is_on:
         with report.stage("speculative"):  # where drafts pay, per batch bucket, on the engine as built
             from kiln.builder.speculative_stage import rewrite_workload, tune_speculation
+            from kiln.engine.spec_decode.draft_model import ARTIFACT_DRAFT_DIR
 
             write(tuning, config)
-            record, spec_overrides = tune_speculation(load_llm, spec, rewrite_workload(tokenizer, prompts, spec))
+            draft_dir = str(out / ARTIFACT_DRAFT_DIR) if drafted else None
+            record, spec_overrides = tune_speculation(load_llm, spec, rewrite_workload(tokenizer, prompts, spec),
+                                                      draft_dir)
             tuning["speculative"] = record
             report.record("speculative", record)
             config = {**config, **spec_overrides}

@@ -1,6 +1,7 @@
-"""The build's ``speculative`` stage: where prompt-lookup speculation pays on the target, as a table.
+"""The build's ``speculative`` stage: where speculation pays on the target, as a table.
 
-Runs only for ``spec.speculative.method: ngram``. Drafts cost compute: verifying ``k`` of them is about
+Runs for ``spec.speculative.method: ngram`` and ``draft_model`` (the draft converted into the staged
+artifact's ``draft/`` folder by ``draft_stage``, loaded once with the engine). Drafts cost compute: verifying ``k`` of them is about
 one token's pass while a step is bound by reading the weights (small batches), and about ``k + 1``
 tokens' once it is bound by arithmetic (large batches, CPUs), so whether speculation pays depends on
 the running batch and on the hardware. This stage measures it on the target, through the runtime, on
@@ -13,7 +14,7 @@ the staged artifact as it will serve (tuned threads, tactics, compile choice):
   --speculative's idea, without importing the bench); greedy, ``ignore_eos``, :data:`NEW_TOKENS` new
   tokens per request;
 - settings: no speculation, and ``k`` in :data:`K_CANDIDATES` (at most ``numSpeculativeTokens``, which is
-  always one of them), switched on one loaded engine (``Scheduler.set_speculative``), in rotated order,
+  always one of them), switched on one loaded engine (``LLMEngine.set_speculative``), in rotated order,
   after a warm-up, :data:`ROUNDS` rounds or more (up to :data:`MAX_ROUNDS`, while the bucket's share of
   the budget lasts), the best round of each (shared build hosts are noisy);
 - batch sizes: :data:`BATCH_SIZES` up to ``maxBatchSize`` (and ``maxBatchSize`` itself), ascending,
@@ -85,11 +86,17 @@ def cycle(workload: list[list[int]], count: int) -> list[list[int]]:
 
 
 def speculative_config(spec, by_batch: dict[str, int]) -> dict[str, Any]:
-    """``engine_config.speculative_config``: the spec's settings and the measured table."""
+    """``engine_config.speculative_config``: the spec's settings and the measured table (a draft model as
+    the artifact's folder, resolved against the artifact at load)."""
+    from kiln.engine.spec_decode.draft_model import ARTIFACT_DRAFT_DIR
+
     s = spec.speculative
-    return {"method": s.method, "num_speculative_tokens": s.num_speculative_tokens,
-            "prompt_lookup_max": s.prompt_lookup_max, "prompt_lookup_min": s.prompt_lookup_min,
-            "by_batch": by_batch}
+    config = {"method": s.method, "num_speculative_tokens": s.num_speculative_tokens,
+              "prompt_lookup_max": s.prompt_lookup_max, "prompt_lookup_min": s.prompt_lookup_min,
+              "by_batch": by_batch}
+    if s.method == "draft_model":
+        config["model"] = ARTIFACT_DRAFT_DIR
+    return config
 
 
 def _budget() -> float:
@@ -103,7 +110,7 @@ def _run(llm, prompts: list[list[int]], setting, new_tokens: int) -> tuple[float
     """(seconds, greedy tokens, spec stats or None) of one batch under ``setting`` (a config or None)."""
     from kiln.engine import SamplingParams
 
-    llm.engine.scheduler.set_speculative(setting)
+    llm.engine.set_speculative(setting)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -112,9 +119,10 @@ def _run(llm, prompts: list[list[int]], setting, new_tokens: int) -> tuple[float
     return seconds, [o.token_ids for o in outs], None if proposer is None else proposer.stats
 
 
-def tune_speculation(load_llm, spec, workload: list[list[int]]) -> tuple[dict[str, Any], dict[str, Any]]:
+def tune_speculation(load_llm, spec, workload: list[list[int]], draft_dir: str | None = None
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Measure and decide on ``workload`` (:func:`rewrite_workload`; see the module doc); returns (the
-    record, engine_config overrides)."""
+    record, engine_config overrides). ``draft_dir``: the staged draft model (method draft_model)."""
     from kiln.engine.spec_decode.config import SpeculativeConfig
 
     s = spec.speculative
@@ -124,14 +132,14 @@ def tune_speculation(load_llm, spec, workload: list[list[int]]) -> tuple[dict[st
     for k in ks:
         settings[f"k{k}"] = SpeculativeConfig(method=s.method, num_speculative_tokens=k,
                                               prompt_lookup_max=s.prompt_lookup_max,
-                                              prompt_lookup_min=s.prompt_lookup_min)
+                                              prompt_lookup_min=s.prompt_lookup_min, model=draft_dir)
     budget = _budget()
     sizes = batch_sizes(spec.max_batch_size)
     batches: dict[str, Any] = {}
     by_batch = {str(b): 0 for b in sizes}
     mismatch = None
     started = time.perf_counter()
-    llm = load_llm(speculative_config=None)
+    llm = load_llm(speculative_config=settings[f"k{ks[-1]}"] if draft_dir else None)  # the draft loads once
     try:
         _run(llm, cycle(workload, 1), settings[f"k{ks[-1]}"], 4)  # warm-up
         num_off, costs = 0, []  # seconds of one round at each bucket timed

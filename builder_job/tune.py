@@ -65,17 +65,19 @@ def cuda_graph_reserve_bytes(cuda_graph_bytes: int | None) -> int:
     return 0 if cuda_graph_bytes is None else math.ceil(cuda_graph_bytes * (1 + CUDA_GRAPH_MEMORY_MARGIN))
 
 
-def plan_kv(spec, facts: ModelFacts, weight_bytes_per_rank: int, cuda_graph_bytes: int | None = None
-            ) -> dict[str, Any]:
+def plan_kv(spec, facts: ModelFacts, weight_bytes_per_rank: int, cuda_graph_bytes: int | None = None,
+            extra_kv_bytes_per_token: int = 0) -> dict[str, Any]:
     """The KV pool for the target; :class:`InvalidSpec` if not even one ``maxSeqLen`` request fits.
 
     ``cuda_graph_bytes``: the graphs' memory measured by :func:`tune`; ``None`` where no graphs run.
+    ``extra_kv_bytes_per_token``: a draft model's K/V (its pool has as many blocks: ``draft_stage``),
+    whose weights the caller counts in ``weight_bytes_per_rank``.
     """
     total = device_memory_bytes(spec)
     budget = int(total * spec.kv.memory_fraction)
     activations = activation_reserve_bytes(facts, spec)
     graphs = cuda_graph_reserve_bytes(cuda_graph_bytes)
-    per_token = kv_bytes_per_token(facts, spec)
+    per_token = kv_bytes_per_token(facts, spec) + extra_kv_bytes_per_token
     block_bytes = per_token * spec.kv.block_size
     free = budget - weight_bytes_per_rank - activations - graphs
     num_blocks = max(0, free // block_bytes)
@@ -119,22 +121,24 @@ def kv_plan_summary(plan: dict[str, Any]) -> str:
 
 
 def plan_with_cuda_graphs(spec, facts: ModelFacts, weight_bytes_per_rank: int, tuning: dict[str, Any],
-                          overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+                          overrides: dict[str, Any], extra_kv_bytes_per_token: int = 0
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The serving KV plan after :func:`tune`: less the graphs' measured memory when graphs were chosen.
 
     Returns (plan, overrides). A pool too small for one ``maxSeqLen`` request next to the graphs
     drops the graphs (``enforce_eager``; ``tuning["cuda_graphs_dropped"]`` says why) rather than fail.
     """
     graph_bytes = tuning.get("cuda_graph_memory_bytes") if tuning.get("use_cuda_graphs") else None
+    extra = extra_kv_bytes_per_token
     if graph_bytes is None:
-        return plan_kv(spec, facts, weight_bytes_per_rank), overrides
+        return plan_kv(spec, facts, weight_bytes_per_rank, extra_kv_bytes_per_token=extra), overrides
     try:
-        return plan_kv(spec, facts, weight_bytes_per_rank, cuda_graph_bytes=graph_bytes), overrides
+        return plan_kv(spec, facts, weight_bytes_per_rank, graph_bytes, extra), overrides
     except InvalidSpec as exc:
         log.warning("CUDA graphs dropped: %s", exc)
         tuning.update(use_cuda_graphs=False, cuda_graphs_dropped=str(exc))
         rest = {k: v for k, v in overrides.items() if k != "cuda_graph_batch_sizes"}
-        return plan_kv(spec, facts, weight_bytes_per_rank), {**rest, "enforce_eager": True}
+        return plan_kv(spec, facts, weight_bytes_per_rank, extra_kv_bytes_per_token=extra), {**rest, "enforce_eager": True}
 
 
 

@@ -121,6 +121,9 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
                               f"are sharded at build time: run it with the parallel sizes it was built for")
         kwargs["weights_dir"] = str(weights)
     kwargs["model"] = str(root)
+    speculative = kwargs.get("speculative_config")
+    if isinstance(speculative, dict) and speculative.get("model"):  # the artifact's draft folder
+        kwargs["speculative_config"] = {**speculative, "model": str(root / speculative["model"])}
     return EngineConfig(**kwargs)
 
 

@@ -150,7 +150,7 @@ def warm_up(runner: Any) -> float:
     a prefill chunk (distinct token and logits counts, so no guard ties them), a prefill sampling one
     row, one decode. Freezing packs each graph's weights for the token count of its first call, so
     the first two run ``max_batch_size`` rows (the count eager packing uses, ``pack_model``)."""
-    from kiln.engine.model_runner import StepInputs
+    from kiln.engine.step_inputs import StepInputs
 
     spare, bs = runner.num_blocks, runner.block_size  # the block the block manager never hands out
     rows = max(2, runner.config.max_batch_size)

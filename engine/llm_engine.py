@@ -14,12 +14,13 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import EngineConfig
-from kiln.engine.errors import RequestError
+from kiln.engine.errors import ConfigError, RequestError
 from kiln.engine.limits import check_prompt, resolve_max_tokens
 from kiln.engine.model_runner import ModelRunner
 from kiln.engine.outputs import EngineStats
@@ -27,8 +28,15 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import Request
 from kiln.engine.spec_decode.config import SpeculativeConfig
+from kiln.engine.spec_decode.draft_model import (
+    DraftModel,
+    DraftModelProposer,
+    draft_block_bytes,
+    tokenizer_mismatch,
+)
 from kiln.engine.spec_decode.verify import num_accepted, rewind_generator
 from kiln.engine.stopping import make_detokenizer, stop_reason
+from kiln.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger("kiln.engine")
 
@@ -46,46 +54,6 @@ class StepUpdate:
     error: str | None = None  # set when this request failed alone (finish reason "error"); the batch went on
 
 
-def tokenizer_config_hint(model_dir: str) -> Any | None:
-    """What ``AutoTokenizer`` reads of the model's config, from config.json as plain data, or None to let
-    it load the config class itself.
-
-    ``AutoTokenizer.from_pretrained`` loads the model's config class to pick a tokenizer class, and for
-    Llama-family models that imports transformers' modeling stack (model loading, accelerate, torch's
-    compiler, sympy): measured on the bench model, 167 MiB of resident memory and about 1.4 s of load
-    time that serving never uses. When tokenizer_config.json names its class (and has no remote code),
-    AutoTokenizer decides from the config's ``model_type``, ``_name_or_path``, ``model_name`` and
-    ``tokenizer_class`` only: handing it those as data picks the same class without the import.
-    """
-    import json
-    import types
-    from pathlib import Path
-
-    root = Path(model_dir)
-    try:
-        cfg = json.loads((root / "config.json").read_text())
-        tok_cfg = json.loads((root / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(cfg, dict) or not isinstance(tok_cfg, dict) or not isinstance(cfg.get("model_type"), str):
-        return None
-    if not tok_cfg.get("tokenizer_class") or "auto_map" in tok_cfg or "auto_map" in cfg:
-        return None
-    fields = {"model_type": cfg["model_type"], "_name_or_path": str(model_dir),
-              "tokenizer_class": cfg.get("tokenizer_class")}
-    if "model_name" in cfg:
-        fields["model_name"] = cfg["model_name"]
-    return types.SimpleNamespace(**fields)
-
-
-def load_tokenizer(model_dir: str) -> Any:
-    from transformers import AutoTokenizer
-
-    hint = tokenizer_config_hint(model_dir)
-    extra = {} if hint is None else {"config": hint}
-    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False, **extra)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -98,8 +66,13 @@ class LLMEngine:
             from kiln.engine.workers import RankGroup
 
             self.group = RankGroup(config)
+        speculative = SpeculativeConfig.parse(config.speculative_config)
+        drafted = speculative is not None and speculative.method == "draft_model"
         try:
-            self.runner = ModelRunner(config)
+            self.runner = ModelRunner(config, draft_block_bytes(config, speculative.model) if drafted else 0)
+            # The draft model runs on this rank alone, over the target's block tables (spec_decode.draft_model).
+            self.draft = DraftModel(config, speculative.model, self.runner.num_blocks, self.vocab_size) \
+                if drafted else None
         except BaseException:
             if self.group is not None:  # they may wait on a collective rank 0 never joins
                 self.group.fail("rank 0 failed to load its shard")
@@ -108,14 +81,29 @@ class LLMEngine:
         if self.group is not None:
             self.group.start_heartbeat()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_tokens,
-                                   SpeculativeConfig.parse(config.speculative_config))
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_tokens)
+        self.set_speculative(speculative)
+        if drafted and (why := tokenizer_mismatch(self.tokenizer, speculative.model)):
+            raise ConfigError(f"speculative_config.model {speculative.model}: {why}")
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = self.num_computed_tokens = self.num_generated_tokens = 0
         self.sum_running = 0
         self.sum_kv_usage = 0.0
         self.batch_size_histogram: dict[int, int] = {}
+
+    def set_speculative(self, speculative: SpeculativeConfig | dict | None) -> None:
+        """Speculate with these settings from now on (None: off), counters fresh; a draft model must be
+        the one this engine loaded (the build's tune stage times several ``k`` on one engine)."""
+        speculative = SpeculativeConfig.parse(speculative)
+        proposer = None
+        if speculative is not None and speculative.method == "draft_model":
+            if self.draft is None or Path(speculative.model) != Path(self.draft.model_dir):
+                loaded = self.draft.model_dir if self.draft is not None else "none"
+                raise ConfigError(f"speculative_config.model {speculative.model} is not the draft model this engine "
+                                  f"loaded ({loaded}); load the engine with it")
+            proposer = DraftModelProposer(speculative, self.draft)
+        self.scheduler.set_speculative(speculative, proposer)
 
     # -- requests -------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -197,6 +185,9 @@ class LLMEngine:
         decision = self.scheduler.schedule()
         if not decision.scheduled:
             return []
+        proposer = self.scheduler.proposer
+        if proposer is not None and proposer.deferred:  # a draft model's tokens, now that their blocks exist
+            proposer.fill([r for r, _ in decision.scheduled if r.spec_token_ids])
         self.num_steps += 1
         self.num_computed_tokens += decision.num_tokens
         batch = len(decision.scheduled)

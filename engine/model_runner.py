@@ -17,8 +17,8 @@ sends the logits to rank 0, and only rank 0 samples.
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,23 +34,10 @@ from kiln.engine.models.registry import create_model
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.sequence import Request
 from kiln.engine.spec_decode.rows import sampled_positions, sampling_rows
+from kiln.engine.step_inputs import StepInputs, pack_rows
 from kiln.engine.weights import load_checkpoint, load_engine_state
 
 log = logging.getLogger("kiln.engine")
-
-
-@dataclass
-class StepInputs:
-    """Everything a rank needs to run one step; CPU tensors, cheap to broadcast."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    num_decodes: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
-    decode_ctx_lens: torch.Tensor      # [num_decodes]
-    prefills: list[tuple[int, int, int, torch.Tensor]]  # (q_start, q_len, ctx_len, block_ids)
-    logits_indices: torch.Tensor       # packed rows whose logits are sampled
 
 
 _LOGITS_TAG = 1 << 20  # point-to-point tags: micro-batch i's activations use i, its logits this + i
@@ -118,7 +105,9 @@ def build_model(config: EngineConfig) -> torch.nn.Module:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, extra_block_bytes: int = 0) -> None:
+        """``extra_block_bytes``: memory per KV block beyond this model's own (a draft model's pool, which
+        has as many blocks), so the pool is planned for both."""
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
@@ -151,7 +140,7 @@ class ModelRunner:
         self.attention_backend = config.attention_backend  # resolved: "torch", "native" or "triton"
         # This stage's layers only: each stage's pool holds its own layers' K/V for every block.
         start, end = parallel.stage_layers(cfg["num_hidden_layers"], parallel.pp_rank(), parallel.pp_size())
-        block_bytes = bytes_per_block(config, end - start, kv_heads, head_dim_of(cfg))
+        block_bytes = bytes_per_block(config, end - start, kv_heads, head_dim_of(cfg)) + extra_block_bytes
         self.num_blocks = parallel.min_over_ranks(plan_num_blocks(config, block_bytes))
         # One block more than the block manager hands out: CUDA-graph padding rows write there.
         self.kv_cache = allocate_kv_cache(self.model, config, self.num_blocks + 1)
@@ -187,34 +176,11 @@ class ModelRunner:
         reqs = [r for r, _ in order]
         nums = [n for _, n in order]
         starts = [r.num_computed_tokens for r in reqs]
-        ids: list[int] = []
-        for r, s, n in zip(reqs, starts, nums, strict=True):
-            ids.extend(r.token_ids[s:s + n])
-            ids.extend(r.spec_token_ids)  # a verified row: the last token, then its drafts
-        num_rows = len(reqs)
-        nums_t = torch.tensor(nums, dtype=torch.long)
-        starts_t = torch.tensor(starts, dtype=torch.long)
-        cu = torch.cumsum(nums_t, 0)
-        row_of_token = torch.repeat_interleave(torch.arange(num_rows), nums_t)
-        positions = torch.arange(len(ids)) - (cu - nums_t)[row_of_token] + starts_t[row_of_token]
-        max_blocks = max(len(r.block_table) for r in reqs)
-        tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in reqs],
-                              dtype=torch.long)
-        bs = self.block_size
-        slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
-        ctx = starts_t + nums_t
-        num_decodes = sum(1 for n in nums if n == 1)
-        # Decode rows gather only as many blocks as the longest of them holds.
-        decode_width = max((len(r.block_table) for r in reqs[:num_decodes]), default=0)
-        prefills = [(int(cu[i] - nums[i]), nums[i], starts[i] + nums[i],
-                     tables[i, : -(-(starts[i] + nums[i]) // bs)]) for i in range(num_decodes, num_rows)]
-        logits_rows, sampled = sampled_positions(reqs, starts, nums, cu)  # a verified row: every position
-        inputs = StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long), positions=positions, slot_mapping=slot_mapping,
-            num_decodes=num_decodes, decode_block_tables=tables[:num_decodes, :decode_width], decode_ctx_lens=ctx[:num_decodes],
-            prefills=prefills, logits_indices=torch.tensor(logits_rows, dtype=torch.long),
-        )
-        return inputs, sampled
+        # A verified row: the last committed token, then its drafts.
+        rows = [(r.token_ids[s:s + n] + r.spec_token_ids, s, r.block_table)
+                for r, s, n in zip(reqs, starts, nums, strict=True)]
+        logits_rows, sampled = sampled_positions(reqs, starts, nums, list(itertools.accumulate(nums)))
+        return pack_rows(rows, self.block_size, logits_rows), sampled
 
     def run(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], SamplerOutput | None]:
         batches = [self.prepare(part) for part in split_batch(scheduled, self.config.num_micro_batches,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.sequence import Request, RequestStatus
 from kiln.engine.spec_decode.config import SpeculativeConfig
-from kiln.engine.spec_decode.proposer import NgramProposer
+from kiln.engine.spec_decode.proposer import NgramProposer, Proposer
 
 
 @dataclass
@@ -43,20 +43,23 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, proposer: Proposer | None = None) -> None:
         self.block_manager = block_manager
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.set_speculative(speculative)
+        self.set_speculative(speculative, proposer)
 
-    def set_speculative(self, speculative: SpeculativeConfig | None) -> None:
+    def set_speculative(self, speculative: SpeculativeConfig | None, proposer: Proposer | None = None) -> None:
         """Speculation from now on (None: off), with fresh counters; the build's tune stage times
-        several settings on one loaded engine this way."""
+        several settings on one loaded engine this way (``LLMEngine.set_speculative``). ``proposer``:
+        the draft source (default: prompt lookup)."""
         self.speculative = speculative
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        if speculative is not None and proposer is None:
+            proposer = NgramProposer(speculative)
+        self.proposer = proposer if speculative is not None else None
         self.num_steps_speculation_off = 0  # steps with speculation on but the batch's bucket at 0 drafts
 
     def _draft_length(self) -> int:
@@ -134,6 +137,8 @@ class Scheduler:
         self.block_manager.free(req)
         req.spec_token_ids = []
         req.num_computed_tokens = 0
+        if req.spec_state is not None:  # its blocks are gone: a draft model starts over with them
+            req.spec_state.draft_computed = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

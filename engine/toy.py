@@ -177,3 +177,32 @@ def make_model_command(preset: str, out_dir: str, seed: int, dtype: str) -> None
     """Write a small random-weight Llama-family checkpoint (no hub access)."""
     path = make_random_model(out_dir, preset, seed=seed, dtype=dtype)
     click.echo(f"wrote {preset} (seed {seed}, {dtype}) to {path}")
+
+
+def make_truncated_draft(model_dir: str | Path, out_dir: str | Path, num_layers: int) -> Path:
+    """A draft model for ``model_dir``: its first ``num_layers`` decoder layers under its own embeddings,
+    final norm and head (LayerSkip's early exit, untrained), with its tokenizer; a same-family pair
+    for speculative decoding where no smaller model of the family is at hand (tests, the bench)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(model_dir), Path(out_dir)
+    config = json.loads((src / "config.json").read_text())
+    if not 1 <= num_layers <= config["num_hidden_layers"]:
+        raise ValueError(f"num_layers must be in [1, {config['num_hidden_layers']}], got {num_layers}")
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for path in sorted(src.glob("*.safetensors")):
+        for name, tensor in load_file(str(path)).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                continue
+            state[name] = tensor
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}, indent=2))
+    for path in src.iterdir():
+        if path.is_file() and (path.name.startswith(("tokenizer", "special_tokens", "generation_config"))
+                               or path.name in ("vocab.json", "merges.txt")):
+            shutil.copy(path, out / path.name)
+    return out

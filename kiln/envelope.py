@@ -31,6 +31,8 @@ What is in, and why:
   unset field and every version from before speculation are the same): the build measures where
   speculation pays and ships that table in ``engine.json``, so the method, k and the lookup
   lengths decide the artifact. With ``off`` the other three fields are ignored, so they are out.
+  With ``draft_model`` the draft checkpoint's identity joins it (normalized like the model's):
+  its weights are converted into the artifact.
 - the GPU's architecture *and* memory size, not its SKU name: kernels are specific to
   the architecture, and the builder sizes the KV pool for the target's memory, so
   L4 and L40S (both sm89) get different artifacts while a renamed SKU with the same
@@ -57,6 +59,7 @@ import re
 from typing import Any
 
 from kiln.api import LLMEngine, LLMEngineSpec
+from kiln.model_source import ModelSource
 
 ARTIFACT_FORMAT_VERSION = 1
 ENVELOPE_VERSION = 1
@@ -99,13 +102,20 @@ def build_envelope(spec: LLMEngineSpec | LLMEngine) -> dict[str, Any]:
             "prompt_lookup_max": spec.speculative.prompt_lookup_max,
             "prompt_lookup_min": spec.speculative.prompt_lookup_min,
         }
+        if spec.speculative.draft_model is not None:  # absent for ngram: its versions stay the same
+            envelope["speculative"]["draft_model"] = _source(spec.speculative.draft_model)
     return envelope
 
 
 def _model(spec: LLMEngineSpec) -> dict[str, Any]:
-    model = {"source": normalize_source(spec.model.source), "revision": _revision(spec)}
-    if spec.model.file is not None:
-        model["file"] = posixpath.normpath(spec.model.file)
+    return _source(spec.model)
+
+
+def _source(source: ModelSource) -> dict[str, Any]:
+    """A checkpoint's identity: normalized source, revision (``main`` for an unpinned hf://), GGUF file."""
+    model = {"source": normalize_source(source.source), "revision": _revision(source)}
+    if source.file is not None:
+        model["file"] = posixpath.normpath(source.file)
     return model
 
 
@@ -153,10 +163,10 @@ def model_slug(source: str) -> str:
     return slug
 
 
-def _revision(spec: LLMEngineSpec) -> str | None:
-    if spec.model.scheme == "hf":
-        return spec.model.revision or "main"
-    return spec.model.revision
+def _revision(source: ModelSource) -> str | None:
+    if source.scheme == "hf":
+        return source.revision or "main"
+    return source.revision
 
 
 def is_pinned(spec: LLMEngineSpec) -> bool:

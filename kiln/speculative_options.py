@@ -1,7 +1,9 @@
 """``spec.speculative``: speculative decoding, built in and measured by the build.
 
-Absent or ``method: off`` is no speculation. ``method: ngram`` is prompt lookup (no draft model):
-the build's ``speculative`` stage then times decoding with and without drafts on the target over
+Absent or ``method: off`` is no speculation. ``method: ngram`` is prompt lookup (no draft model);
+``method: draft_model`` has a smaller model of the same tokenizer (``draftModel``, any source
+``spec.model`` accepts, GGUF included) propose its greedy continuation; the build converts it
+into the same artifact. Either way the build's ``speculative`` stage then times decoding with and without drafts on the target over
 batch sizes and draft lengths, and records per running-batch bucket whether to speculate and with
 which ``k`` (at most ``numSpeculativeTokens``) in ``engine.json`` (docs/speculative.md). All of it
 is in the build envelope (:mod:`kiln.envelope`): the table is part of the artifact.
@@ -17,8 +19,9 @@ from typing import Literal
 from pydantic import Field
 
 from kiln.api_base import APIModel as _Model
+from kiln.model_source import ModelSource
 
-SpeculativeMethod = Literal["off", "ngram"]
+SpeculativeMethod = Literal["off", "ngram", "draft_model"]
 MAX_SPECULATIVE_TOKENS = 8
 MAX_PROMPT_LOOKUP = 8
 
@@ -26,8 +29,15 @@ MAX_PROMPT_LOOKUP = 8
 class SpeculativeOptions(_Model):
     method: SpeculativeMethod = Field(
         default="off",
-        description="Draft source: off (no speculation) or ngram (prompt lookup: drafts are the tokens that "
-        "followed the latest earlier occurrence of the request's last n tokens in its prompt and output).",
+        description="Draft source: off (no speculation), ngram (prompt lookup: drafts are the tokens that "
+        "followed the latest earlier occurrence of the request's last n tokens in its prompt and output) or "
+        "draft_model (draftModel proposes its greedy continuation).",
+    )
+    draft_model: ModelSource | None = Field(
+        default=None,
+        description="method draft_model only: the draft checkpoint, any source spec.model accepts (GGUF "
+        "included); a smaller model sharing the target's tokenizer (e.g. Qwen2.5-0.5B for Qwen2.5-7B). Built "
+        "into the same artifact, with the target's dtype and quantization.",
     )
     num_speculative_tokens: int = Field(
         default=4, ge=1, le=MAX_SPECULATIVE_TOKENS,
@@ -53,6 +63,10 @@ SPECULATIVE_RULES: tuple[tuple[str, str, str, str], ...] = (
      "!has(self.speculative) || self.speculative.promptLookupMin <= self.speculative.promptLookupMax",
      "spec.speculative.promptLookupMin must be at most promptLookupMax; lower promptLookupMin or raise "
      "promptLookupMax", ".speculative.promptLookupMin"),
+    ("draft_model_source",
+     "!has(self.speculative) || (self.speculative.method == 'draft_model') == has(self.speculative.draftModel)",
+     "spec.speculative.draftModel is set exactly when spec.speculative.method is draft_model; set both or "
+     "neither", ".speculative.draftModel"),
     ("drafts_fit_step",
      "!has(self.speculative) || self.speculative.method == 'off' "
      "|| self.speculative.numSpeculativeTokens < self.maxNumTokens",
@@ -69,6 +83,10 @@ def speculative_problems(speculative: SpeculativeOptions | None, max_num_tokens:
     if speculative.prompt_lookup_min > speculative.prompt_lookup_max:
         problems.append(f"speculative.promptLookupMin: must be at most promptLookupMax ({speculative.prompt_lookup_min}"
                         f" > {speculative.prompt_lookup_max}); lower promptLookupMin or raise promptLookupMax")
+    if (speculative.method == "draft_model") != (speculative.draft_model is not None):
+        problems.append(f"speculative.draftModel: set exactly when method is draft_model (method is "
+                        f"{speculative.method}, draftModel is {'set' if speculative.draft_model else 'unset'}); "
+                        f"set both or neither")
     if speculative.is_on and speculative.num_speculative_tokens >= max_num_tokens:
         problems.append(f"speculative.numSpeculativeTokens: must be less than maxNumTokens "
                         f"({speculative.num_speculative_tokens} >= {max_num_tokens}): a verified row is 1 + k tokens "

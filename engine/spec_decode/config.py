@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from kiln.engine.errors import ConfigError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``method``: "ngram" (prompt lookup, no draft model). ``num_speculative_tokens``: the most draft
+    """``method``: "ngram" (prompt lookup, no draft model) or "draft_model" (a smaller model of the same
+    tokenizer proposes its greedy continuation: ``model``, a checkpoint directory, or an artifact's
+    ``draft`` folder with its engine weights; ``spec_decode.draft_model``). ``num_speculative_tokens``: the most draft
     tokens per request per step (k). ``prompt_lookup_max``/``prompt_lookup_min``: the longest and
     shortest suffix n-gram looked up. ``disable_by_batch_size``: speculate only while the running
     batch holds at most this many requests (None: always). ``by_batch``: the draft length per running
@@ -28,6 +31,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     min_acceptance_rate: float = 0.3
     by_batch: dict[int, int] | None = None
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -48,8 +52,9 @@ class SpeculativeConfig:
             return isinstance(v, int) and not isinstance(v, bool)
 
         checks = [
-            ("method", self.method in METHODS, f"must be one of {', '.join(METHODS)} (draft models are not "
-                                               f"implemented yet)"),
+            ("method", self.method in METHODS, f"must be one of {', '.join(METHODS)}"),
+            ("model", (self.model is not None) == (self.method == "draft_model"),
+             "must name the draft model's directory with method 'draft_model', and only then"),
             ("num_speculative_tokens", is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
              "must be an integer in [1, 16]"),
             ("prompt_lookup_min", is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
@@ -65,6 +70,9 @@ class SpeculativeConfig:
         for name, ok, rule in checks:
             if not ok:
                 raise ConfigError(f"speculative_config.{name} {rule}, got {getattr(self, name)!r}")
+        if self.model is not None and not (Path(self.model) / "config.json").is_file():
+            raise ConfigError(f"speculative_config.model {self.model!r} is not a model directory (no config.json); "
+                              f"name a checkpoint directory of the draft model")
         if self.by_batch is not None:
             object.__setattr__(self, "by_batch", self._parse_by_batch(self.by_batch))
 

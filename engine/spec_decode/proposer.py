@@ -57,18 +57,29 @@ class SpecDecodeStats:
 
 @dataclass
 class RequestSpecState:
-    index: NgramIndex
+    index: NgramIndex | None = None  # prompt lookup's n-grams
     acceptance: float = 1.0  # exponential average of accepted / proposed
+    draft_computed: int = 0  # a draft model's: leading tokens whose draft K/V is in the blocks
+    draft_start: int = 0     # a draft model's: the request's length when its drafts were proposed
 
 
-class NgramProposer:
+class Proposer:
+    """What every draft source shares: the per-request draft length (adapted to acceptance) and the
+    counters. ``propose`` answers in the scheduler; a source with ``deferred`` set answers with
+    placeholders there and runs once the step's blocks are allocated (``fill``)."""
+
+    deferred = False
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
+    def new_state(self) -> RequestSpecState:
+        return RequestSpecState()
+
     def _state(self, req) -> RequestSpecState:
         if req.spec_state is None:
-            req.spec_state = RequestSpecState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+            req.spec_state = self.new_state()
         return req.spec_state
 
     def num_drafts(self, req, k: int | None = None) -> int:
@@ -81,10 +92,10 @@ class NgramProposer:
         return max(1, int(k * acceptance / cfg.min_acceptance_rate))
 
     def propose(self, req, max_drafts: int, k: int | None = None) -> list[int]:
-        """Draft tokens for ``req`` (at most ``max_drafts``, of a draft length ``k``: see ``num_drafts``);
-        [] when its suffix occurred nowhere earlier."""
-        k = min(self.num_drafts(req, k), max_drafts)
-        return self._state(req).index.propose(req.token_ids, k) if k > 0 else []
+        raise NotImplementedError
+
+    def fill(self, reqs: list) -> None:
+        """Replace the placeholders ``propose`` left in these requests' ``spec_token_ids`` (deferred sources)."""
 
     def record(self, req, num_proposed: int, num_accepted: int) -> None:
         """Count one verification of ``num_proposed`` drafts of which the first ``num_accepted`` held."""
@@ -98,3 +109,17 @@ class NgramProposer:
         s.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             s.accepted_per_position[i] += 1
+
+
+class NgramProposer(Proposer):
+    def new_state(self) -> RequestSpecState:
+        return RequestSpecState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+
+    def propose(self, req, max_drafts: int, k: int | None = None) -> list[int]:
+        """Draft tokens for ``req`` (at most ``max_drafts``, of a draft length ``k``: see ``num_drafts``);
+        [] when its suffix occurred nowhere earlier."""
+        k = min(self.num_drafts(req, k), max_drafts)
+        state = self._state(req)
+        if state.index is None:  # a request that began under another draft source
+            state.index = self.new_state().index
+        return state.index.propose(req.token_ids, k) if k > 0 else []

@@ -9,13 +9,14 @@ sampled as if the drafts before it were already output (``verify.position_output
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+
 from kiln.engine.sampler import SamplingRow
 from kiln.engine.sequence import Request
 from kiln.engine.spec_decode.verify import position_outputs, save_generator
 
 
-def sampled_positions(reqs: list[Request], starts: list[int], nums: list[int], cu: torch.Tensor
+def sampled_positions(reqs: list[Request], starts: list[int], nums: list[int], cu: Sequence[int]
                       ) -> tuple[list[int], list[Request]]:
     """(logits row of each sampled position, its request) for the rows that reach their last token:
     one position for a finished prefill or a decode, ``k + 1`` for a row verifying ``k`` drafts."""

@@ -111,6 +111,9 @@ def test_crd_schema_rejects_what_pydantic_rejects(field: str, value: object):
     ({"promptLookupMin": 9}, "spec.speculative.promptLookupMin"),
     ({"promptLookupMin": 3, "promptLookupMax": 2}, "spec.speculative.promptLookupMin"),
     ({"method": "ngram", "numSpeculativeTokens": 4, "draftModel": "x"}, "spec.speculative.draftModel"),
+    ({"method": "ngram", "draftModel": {"source": "file:///d"}}, "spec.speculative.draftModel"),
+    ({"method": "draft_model"}, "spec.speculative.draftModel"),
+    ({"method": "draft_model", "draftModel": {"source": "gs://b/d"}}, "spec.speculative.draftModel.source"),
 ])
 def test_invalid_speculative_values_name_the_field(speculative: dict, field: str):
     data = load_manifest(ROOT / "examples/cpu-small.yaml").to_k8s()
@@ -176,6 +179,11 @@ CEL_SAMPLES = [
     {"speculative": {"method": "off", "numSpeculativeTokens": 8}, "maxNumTokens": 8, "maxBatchSize": 8},
     {"speculative": {"method": "ngram", "numSpeculativeTokens": 8, "promptLookupMin": 5, "promptLookupMax": 1},
      "maxNumTokens": 8, "maxBatchSize": 8},
+    # A draft model is named exactly when the method is draft_model.
+    {"speculative": {"method": "draft_model", "draftModel": {"source": "file:///draft.gguf"}}},
+    {"speculative": {"method": "draft_model"}},
+    {"speculative": {"method": "ngram", "draftModel": {"source": "hf://org/small"}}},
+    {"speculative": {"method": "off", "draftModel": {"source": "hf://org/small"}}},
 ]
 
 

@@ -167,6 +167,20 @@ def test_speculation_off_keeps_every_earlier_version():
     assert "speculative" not in build_envelope(load_manifest(CPU).spec)
 
 
+def test_a_draft_model_joins_the_envelope_normalized():
+    draft = {"method": "draft_model", "draftModel": {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct", "revision": "a" * 40}}
+    spec = LLMEngineSpec.model_validate({**spec_dict(CPU), "speculative": draft})
+    assert build_envelope(spec)["speculative"]["draft_model"] == {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct",
+                                                                  "revision": "a" * 40}
+    on = version_with(CPU, "speculative", draft)
+    assert on not in (GOLDEN_CPU_SMALL, version_with(CPU, "speculative", NGRAM))
+    other = {**draft, "draftModel": {**draft["draftModel"], "revision": "b" * 40}}
+    assert version_with(CPU, "speculative", other) != on  # other draft weights, another artifact
+    spelled = {**draft, "draftModel": {"source": "file://./.kiln-work//models/./d.gguf"}}
+    assert version_with(CPU, "speculative", spelled) == version_with(
+        CPU, "speculative", {**draft, "draftModel": {"source": "file://./.kiln-work/models/d.gguf"}})
+
+
 def test_metadata_does_not_change_the_version():
     engine = load_manifest(CPU)
     data = engine.to_k8s()

@@ -345,9 +345,9 @@ def test_top_k_in_a_large_vocabulary_matches_transformers(params):
 def test_grammar_masks_only_constrained_rows_and_comes_first(toy_model):
     """A regex grammar allows a few ids; its rows pick among them (greedy: the best of them, sampled:
     only them, logprobs: the others -inf) while the free row in the same batch is untouched."""
-    from kiln.engine.llm_engine import load_tokenizer
     from kiln.engine.structured.compiler import GrammarCompiler
     from kiln.engine.structured.params import StructuredOutputsParams
+    from kiln.engine.tokenizer import load_tokenizer
 
     model_dir = toy_model("llama-tiny")
     tokenizer = load_tokenizer(str(model_dir))

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kiln.engine.llm_engine import load_tokenizer, tokenizer_config_hint
+from kiln.engine.tokenizer import load_tokenizer, tokenizer_config_hint
 
 TEXTS = ["Hello world, this is kiln.", "  leading spaces\tand\ttabs\n", "ünïcödé — 東京 🙂", "</s><s> specials"]
 
@@ -77,7 +77,7 @@ def test_falls_back_to_autotokenizer_when_the_class_is_not_named(toy_model, tmp_
 
 def test_load_does_not_import_the_modeling_stack(toy_model):
     """The reason for the hint: the modeling imports are ~170 MiB of a serving process's memory."""
-    probe = ("import sys; from kiln.engine.llm_engine import load_tokenizer; load_tokenizer(sys.argv[1]); "
+    probe = ("import sys; from kiln.engine.tokenizer import load_tokenizer; load_tokenizer(sys.argv[1]); "
              "print(sorted(m for m in ('transformers.core_model_loading', 'transformers.models.llama.configuration_llama',"
              " 'sympy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-P", "-c", probe, str(toy_model("llama-tiny"))], capture_output=True,

@@ -1,0 +1,59 @@
+"""One forward pass's packed inputs, from rows of tokens over the paged KV.
+
+A row is a run of consecutive tokens of one request: its ids, the position of the first, and the
+request's block table (the blocks its K/V is written to and read from). Single-token rows (decodes)
+come first; every longer row (a prefill chunk, a verified row of drafts, a draft model's catch-up)
+is attended like a prefill chunk over its cached context. The target's step
+(``ModelRunner.prepare``) and the draft model's passes (``spec_decode.draft_model``) pack the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepInputs:
+    """Everything a rank needs to run one step; CPU tensors, cheap to broadcast."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_ctx_lens: torch.Tensor      # [num_decodes]
+    prefills: list[tuple[int, int, int, torch.Tensor]]  # (q_start, q_len, ctx_len, block_ids)
+    logits_indices: torch.Tensor       # packed rows whose logits are sampled
+
+
+def pack_rows(rows: list[tuple[list[int], int, list[int]]], block_size: int,
+              logits_indices: list[int]) -> StepInputs:
+    """``rows``: (token ids, position of the first, block table), single-token rows first; every
+    position of a row must lie in its blocks. ``logits_indices``: the packed tokens whose logits
+    the pass returns."""
+    ids = [t for row_ids, _, _ in rows for t in row_ids]
+    nums = [len(row_ids) for row_ids, _, _ in rows]
+    starts = [start for _, start, _ in rows]
+    num_rows = len(rows)
+    nums_t = torch.tensor(nums, dtype=torch.long)
+    starts_t = torch.tensor(starts, dtype=torch.long)
+    cu = torch.cumsum(nums_t, 0)
+    row_of_token = torch.repeat_interleave(torch.arange(num_rows), nums_t)
+    positions = torch.arange(len(ids)) - (cu - nums_t)[row_of_token] + starts_t[row_of_token]
+    widths = [len(table) for _, _, table in rows]
+    max_blocks = max(widths)
+    tables = torch.tensor([table + [0] * (max_blocks - len(table)) for _, _, table in rows], dtype=torch.long)
+    slot_mapping = tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    ctx = starts_t + nums_t
+    num_decodes = sum(1 for n in nums if n == 1)
+    decode_width = max(widths[:num_decodes], default=0)  # decode rows gather only the blocks they hold
+    prefills = [(int(cu[i] - nums[i]), nums[i], starts[i] + nums[i],
+                 tables[i, : -(-(starts[i] + nums[i]) // block_size)]) for i in range(num_decodes, num_rows)]
+    return StepInputs(
+        input_ids=torch.tensor(ids, dtype=torch.long), positions=positions, slot_mapping=slot_mapping,
+        num_decodes=num_decodes, decode_block_tables=tables[:num_decodes, :decode_width],
+        decode_ctx_lens=ctx[:num_decodes], prefills=prefills,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+    )

@@ -1,0 +1,45 @@
+"""The model's tokenizer, loaded without importing transformers' modeling stack where it can."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def tokenizer_config_hint(model_dir: str) -> Any | None:
+    """What ``AutoTokenizer`` reads of the model's config, from config.json as plain data, or None to let
+    it load the config class itself.
+
+    ``AutoTokenizer.from_pretrained`` loads the model's config class to pick a tokenizer class, and for
+    Llama-family models that imports transformers' modeling stack (model loading, accelerate, torch's
+    compiler, sympy): measured on the bench model, 167 MiB of resident memory and about 1.4 s of load
+    time that serving never uses. When tokenizer_config.json names its class (and has no remote code),
+    AutoTokenizer decides from the config's ``model_type``, ``_name_or_path``, ``model_name`` and
+    ``tokenizer_class`` only: handing it those as data picks the same class without the import.
+    """
+    import json
+    import types
+    from pathlib import Path
+
+    root = Path(model_dir)
+    try:
+        cfg = json.loads((root / "config.json").read_text())
+        tok_cfg = json.loads((root / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or not isinstance(tok_cfg, dict) or not isinstance(cfg.get("model_type"), str):
+        return None
+    if not tok_cfg.get("tokenizer_class") or "auto_map" in tok_cfg or "auto_map" in cfg:
+        return None
+    fields = {"model_type": cfg["model_type"], "_name_or_path": str(model_dir),
+              "tokenizer_class": cfg.get("tokenizer_class")}
+    if "model_name" in cfg:
+        fields["model_name"] = cfg["model_name"]
+    return types.SimpleNamespace(**fields)
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    hint = tokenizer_config_hint(model_dir)
+    extra = {} if hint is None else {"config": hint}
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False, **extra)
