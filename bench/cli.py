@@ -85,9 +85,13 @@ def _resolve_device(device: str) -> str:
 @click.option("--draft-layers", type=click.IntRange(min=1), default=None,
               help="--speculative: drafts from the model's own first N layers under its head (an untrained "
                    "early exit) instead of prompt lookup.")
+@click.option("--pair-scale", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--draft-layers on a random-weight model: benchmark a copy whose layers past N add this times "
+                   "their output to the residual stream, so the N-layer draft agrees with it as a trained "
+                   "same-family draft would (smaller: more agreement).")
 def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
           baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict,
-          structured, server, concurrency, isl, osl, speculative, draft_model, draft_layers) -> None:
+          structured, server, concurrency, isl, osl, speculative, draft_model, draft_layers, pair_scale) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     import os
     import platform
@@ -171,19 +175,24 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
                 max_num_tokens, json_out, log)
         return
     if speculative:  # bench/speculative.py: what prompt-lookup speculation gains, and where it stops
-        from kiln_bench.speculative import draft_for
+        from kiln_bench.speculative import damped_pair, draft_for
         from kiln_bench.speculative import main as run_speculative
 
         if draft_model is not None and draft_layers is not None:
             raise click.UsageError("--draft-model and --draft-layers each name the draft; give one")
+        if pair_scale is not None and draft_layers is None:
+            raise click.UsageError("--pair-scale goes with --draft-layers (the draft's layers)")
         try:
-            draft_dir = draft_for(model_dir, draft_model, draft_layers)
+            if pair_scale is not None:
+                model_dir, draft_dir = damped_pair(model_dir, draft_layers, pair_scale)
+            else:
+                draft_dir = draft_for(model_dir, draft_model, draft_layers)
         except ValueError as exc:
             raise click.UsageError(f"--draft-layers: {exc}") from None
         run_speculative(model_dir, dtype, threads, device, quick, repeats, json_out, click.echo, log, draft_dir)
         return
-    if draft_model is not None or draft_layers is not None:
-        raise click.UsageError("--draft-model / --draft-layers go with --speculative")
+    if draft_model is not None or draft_layers is not None or pair_scale is not None:
+        raise click.UsageError("--draft-model / --draft-layers / --pair-scale go with --speculative")
     facts = model_facts(model_dir)
     peer_models = {}
     for name in peer_names:

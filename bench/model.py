@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 DEFAULT_PRESET = "llama-bench"
@@ -44,13 +45,20 @@ def ensure_model(preset: str, dtype: str, seed: int = 0, model_dir: Path | None 
     elif out.exists() and any(out.iterdir()) and not marker.is_file():
         raise ValueError(f"--model-dir {out} exists but is neither a checkpoint (config.json + *.safetensors) nor "
                          "written by kiln bench; pass a checkpoint directory, or an empty or new one")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    make_random_model(tmp, preset, seed=seed, dtype=dtype)
-    (tmp / "kiln-bench.json").write_text(json.dumps(want))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{out.name}.partial-"))  # one per process
+    try:
+        make_random_model(tmp, preset, seed=seed, dtype=dtype)
+        (tmp / "kiln-bench.json").write_text(json.dumps(want))
+        if out.exists() and not marker.is_file():
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process wrote the same model first: keep its copy
+            if not marker.is_file() or json.loads(marker.read_text()) != want:
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -153,6 +153,17 @@ def draft_for(model_dir: Path, draft_model: Path | None, draft_layers: int | Non
     return out
 
 
+def damped_pair(model_dir: Path, draft_layers: int, scale: float) -> tuple[Path, Path]:
+    """(target, draft) of a random-weight pair: a copy of ``model_dir`` whose layers past ``draft_layers``
+    add ``scale`` times their output (``make_damped_target``), and its first ``draft_layers`` layers."""
+    from kiln.engine.toy import make_damped_target
+
+    target = model_dir.parent / f"{model_dir.name}-damped-{draft_layers}-{scale:g}"
+    if not (target / "config.json").is_file():
+        make_damped_target(model_dir, target, draft_layers, scale)
+    return target, draft_for(target, None, draft_layers)
+
+
 def main(model_dir: Path, dtype: str, threads: int, device: str, quick: bool, repeats: int, json_out: str | None,
          echo: Callable[[str], None], log: Callable[[str], None], draft_dir: Path | None = None) -> None:
     doc = run(model_dir, dtype, threads, device, batches=(1, 4) if quick else (1, 32),

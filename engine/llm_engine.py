@@ -61,13 +61,15 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = config.eos_token_ids(self.tokenizer)
         self.vocab_size = int(config.hf_config["vocab_size"])
+        speculative = SpeculativeConfig.parse(config.speculative_config)
+        drafted = speculative is not None and speculative.method == "draft_model"
+        if drafted and (why := tokenizer_mismatch(self.tokenizer, speculative.model)):
+            raise ConfigError(f"speculative_config.model {speculative.model}: {why}")
         self.group = None  # the other ranks (tensor / pipeline parallel), driven from here
         if config.world_size > 1:
             from kiln.engine.workers import RankGroup
 
             self.group = RankGroup(config)
-        speculative = SpeculativeConfig.parse(config.speculative_config)
-        drafted = speculative is not None and speculative.method == "draft_model"
         try:
             self.runner = ModelRunner(config, draft_block_bytes(config, speculative.model) if drafted else 0)
             # The draft model runs on this rank alone, over the target's block tables (spec_decode.draft_model).
@@ -83,8 +85,6 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_tokens)
         self.set_speculative(speculative)
-        if drafted and (why := tokenizer_mismatch(self.tokenizer, speculative.model)):
-            raise ConfigError(f"speculative_config.model {speculative.model}: {why}")
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = self.num_computed_tokens = self.num_generated_tokens = 0

@@ -206,3 +206,30 @@ def make_truncated_draft(model_dir: str | Path, out_dir: str | Path, num_layers:
                                or path.name in ("vocab.json", "merges.txt")):
             shutil.copy(path, out / path.name)
     return out
+
+
+def make_damped_target(model_dir: str | Path, out_dir: str | Path, from_layer: int, scale: float) -> Path:
+    """A copy of ``model_dir`` whose decoder layers from ``from_layer`` on write ``scale`` times their output
+    into the residual stream (attention ``o_proj`` and MLP ``down_proj`` scaled): with random weights, a
+    target that its first ``from_layer`` layers (:func:`make_truncated_draft`) predict most of the time, a
+    stand-in for a trained same-family pair whose agreement ``scale`` sets."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if not path.is_file():
+            continue
+        if path.suffix != ".safetensors":
+            shutil.copy(path, out / path.name)
+            continue
+        state = load_file(str(path))
+        for name, tensor in state.items():
+            parts = name.split(".")
+            if ("layers" in parts and int(parts[parts.index("layers") + 1]) >= from_layer
+                    and parts[-2] in ("o_proj", "down_proj")):
+                state[name] = tensor * scale
+        save_file(state, str(out / path.name), metadata={"format": "pt"})
+    return out

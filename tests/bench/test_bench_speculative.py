@@ -29,3 +29,20 @@ def test_speculative_bench_prints_with_and_without(tmp_path):
     firsts = [line.split(": ")[1].split()[-1] for line in proc.stderr.splitlines()
               if line.startswith("speculative: batch 1 repeat")][::3]
     assert firsts == ["on", "always"]
+
+
+def test_speculative_bench_with_a_draft_model(toy_model, tmp_path):
+    """--draft-layers N: the model's first N layers as the draft (written once beside it), same tokens."""
+    from kiln.engine.toy import make_random_model
+    from kiln_bench.speculative import draft_for, run, text
+
+    model_dir = make_random_model(tmp_path / "model", "llama-tiny", num_hidden_layers=3)
+    draft = draft_for(model_dir, None, 1)
+    assert draft == tmp_path / "model-draft-1" and draft_for(model_dir, None, 1) == draft
+    assert draft_for(model_dir, model_dir, None) == model_dir and draft_for(model_dir, None, None) is None
+    doc = run(model_dir, "float32", 1, "cpu", batches=(1,), max_tokens=12, repeats=1, log=lambda _: None,
+              draft_dir=draft)
+    assert doc["draft_dir"] == str(draft)
+    res = doc["batches"]["1"]
+    assert res["acceptance_rate"]["always"] is not None and all(v > 0 for v in res["median_tok_s"].values())
+    assert text(doc).startswith("draft-model (model-draft-1) speculation")
