@@ -94,14 +94,15 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
             built_by = built_by_from_env(os.environ)
         except StoreError as exc:
             raise InvalidSpec(str(exc)) from None
-        checkpoint = None
+        checkpoint = draft_checkpoint = None
         if prefetched:
-            from kiln.builder.prefetch import load_fetched
+            from kiln.builder.prefetch import load_fetched, load_fetched_draft
 
             if work_dir is None:
                 raise InvalidSpec(f"--prefetched needs --work-dir (or ${WORK_DIR_ENV}): the directory "
                                   "`kiln build --fetch-only` fetched into")
             checkpoint = load_fetched(engine, Path(work_dir))
+            draft_checkpoint = load_fetched_draft(engine, Path(work_dir))
         try:
             store = ArtifactStore.from_uri(store_uri)
             hit = store.exists(version)
@@ -119,7 +120,7 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
             from kiln.builder.pipeline import run_build
 
             result = run_build(engine, store, version, build_envelope(engine.spec), work, report,
-                               checkpoint=checkpoint, built_by=built_by)
+                               checkpoint=checkpoint, built_by=built_by, draft_checkpoint=draft_checkpoint)
         finally:
             if made_tmp and not keep_work_dir:
                 shutil.rmtree(work, ignore_errors=True)

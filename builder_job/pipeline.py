@@ -84,10 +84,11 @@ def _device(spec) -> str:
 
 
 def run_build(engine, store, version: str, envelope: dict, work_dir: Path, report: BuildReport,
-              checkpoint: Checkpoint | None = None, built_by=None) -> BuildResult:
+              checkpoint: Checkpoint | None = None, built_by=None, draft_checkpoint: Checkpoint | None = None
+              ) -> BuildResult:
     """Build ``engine`` (an ``LLMEngine``) as ``version`` and publish it to ``store``.
 
-    ``checkpoint``: already fetched (``--prefetched``); otherwise this fetches it. ``built_by``
+    ``checkpoint`` / ``draft_checkpoint``: already fetched (``--prefetched``); otherwise this fetches them. ``built_by``
     (:class:`kiln.artifacts.BuiltBy`) is recorded in the published manifest.
     """
     from transformers import AutoTokenizer
@@ -109,7 +110,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
     drafted = spec.speculative is not None and spec.speculative.draft_model is not None
     if drafted:
         with report.stage("fetch_draft"):
-            draft_ckpt = fetch_draft(spec, work_dir)
+            draft_ckpt = draft_checkpoint or fetch_draft(spec, work_dir)
             report.record("draft_source", draft_ckpt.provenance())
 
     with report.stage("check"):

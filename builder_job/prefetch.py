@@ -17,21 +17,42 @@ from kiln.builder.errors import InvalidSpec
 from kiln.builder.fetch import Checkpoint, fetch_checkpoint
 
 FETCHED_RECORD = "fetched-checkpoint.json"
+DRAFT_RECORD = "draft/fetched-checkpoint.json"  # a speculative draft model's (kiln.builder.draft_stage)
 
 
 def fetch_only(engine, work_dir: Path) -> Checkpoint:
-    """Fetch ``engine``'s checkpoint into ``work_dir`` and record it there for :func:`load_fetched`."""
+    """Fetch ``engine``'s checkpoint (and a draft model's, into ``work_dir/draft``) into ``work_dir`` and
+    record them there for :func:`load_fetched`."""
+    from kiln.builder.draft_stage import fetch_draft
+
     spec = engine.spec
     ckpt = fetch_checkpoint(spec.model.source, spec.model.revision, work_dir, file=spec.model.file)
-    record = {**ckpt.provenance(), "file": spec.model.file, "path": str(ckpt.path)}
-    (work_dir / FETCHED_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    _record(work_dir / FETCHED_RECORD, ckpt, spec.model)
+    if spec.speculative is not None and spec.speculative.draft_model is not None:
+        _record(work_dir / DRAFT_RECORD, fetch_draft(spec, work_dir), spec.speculative.draft_model)
     return ckpt
+
+
+def _record(path: Path, ckpt: Checkpoint, model) -> None:
+    record = {**ckpt.provenance(), "file": model.file, "path": str(ckpt.path)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def load_fetched(engine, work_dir: Path) -> Checkpoint:
     """The checkpoint a ``--fetch-only`` run left in ``work_dir``, for this spec's source and revision."""
+    return _load(work_dir / FETCHED_RECORD, engine.spec.model, "spec.model")
+
+
+def load_fetched_draft(engine, work_dir: Path) -> Checkpoint | None:
+    """The draft model a ``--fetch-only`` run left in ``work_dir`` (None without one in the spec)."""
     spec = engine.spec
-    path = work_dir / FETCHED_RECORD
+    if spec.speculative is None or spec.speculative.draft_model is None:
+        return None
+    return _load(work_dir / DRAFT_RECORD, spec.speculative.draft_model, "spec.speculative.draftModel")
+
+
+def _load(path: Path, model, field: str) -> Checkpoint:
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
@@ -40,11 +61,11 @@ def load_fetched(engine, work_dir: Path) -> Checkpoint:
     except ValueError as exc:
         raise InvalidSpec(f"--prefetched: {path} is not valid JSON ({exc}); run `kiln build --fetch-only` "
                           "again") from None
-    wanted = {"source": spec.model.source, "revision": spec.model.revision, "file": spec.model.file}
+    wanted = {"source": model.source, "revision": model.revision, "file": model.file}
     if {k: record.get(k) for k in wanted} != wanted:
         held = f"{record.get('source')}@{record.get('revision')}" + (f" file {record['file']}" if record.get("file") else "")
-        asked = f"{spec.model.source}@{spec.model.revision}" + (f" file {spec.model.file}" if spec.model.file else "")
-        raise InvalidSpec(f"--prefetched: {path} holds {held}, but spec.model is {asked}; fetch this spec's model "
+        asked = f"{model.source}@{model.revision}" + (f" file {model.file}" if model.file else "")
+        raise InvalidSpec(f"--prefetched: {path} holds {held}, but {field} is {asked}; fetch this spec's model "
                           "with `kiln build --fetch-only` into that work dir")
     ckpt_dir = Path(record.get("path") or "")
     if not ckpt_dir.is_dir():

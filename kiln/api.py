@@ -223,7 +223,7 @@ class LLMEngineSpec(_Model):
         if shape := shape_problem(self.gpu, self.tensor_parallel, self.pipeline_parallel, self.gpus_per_node):
             problems.append(shape)
         problems += scale_out_problems(self.serving)
-        problems += speculative_problems(self.speculative, self.max_num_tokens)
+        problems += speculative_problems(self.speculative, self.max_num_tokens, self.model.credentials_secret)
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -31,8 +31,8 @@ What is in, and why:
   unset field and every version from before speculation are the same): the build measures where
   speculation pays and ships that table in ``engine.json``, so the method, k and the lookup
   lengths decide the artifact. With ``off`` the other three fields are ignored, so they are out.
-  With ``draft_model`` the draft checkpoint's identity joins it (normalized like the model's):
-  its weights are converted into the artifact.
+  With ``draft_model`` the draft checkpoint's identity (normalized like the model's: its weights are
+  converted into the artifact) takes the place of the lookup lengths, which it does not use.
 - the GPU's architecture *and* memory size, not its SKU name: kernels are specific to
   the architecture, and the builder sizes the KV pool for the target's memory, so
   L4 and L40S (both sm89) get different artifacts while a renamed SKU with the same
@@ -99,10 +99,11 @@ def build_envelope(spec: LLMEngineSpec | LLMEngine) -> dict[str, Any]:
         envelope["speculative"] = {
             "method": spec.speculative.method,
             "num_speculative_tokens": spec.speculative.num_speculative_tokens,
-            "prompt_lookup_max": spec.speculative.prompt_lookup_max,
-            "prompt_lookup_min": spec.speculative.prompt_lookup_min,
         }
-        if spec.speculative.draft_model is not None:  # absent for ngram: its versions stay the same
+        if spec.speculative.method == "ngram":
+            envelope["speculative"].update(prompt_lookup_max=spec.speculative.prompt_lookup_max,
+                                           prompt_lookup_min=spec.speculative.prompt_lookup_min)
+        else:  # a draft model's identity instead of the lookup lengths it does not use
             envelope["speculative"]["draft_model"] = _source(spec.speculative.draft_model)
     return envelope
 

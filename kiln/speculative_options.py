@@ -67,6 +67,20 @@ SPECULATIVE_RULES: tuple[tuple[str, str, str, str], ...] = (
      "!has(self.speculative) || (self.speculative.method == 'draft_model') == has(self.speculative.draftModel)",
      "spec.speculative.draftModel is set exactly when spec.speculative.method is draft_model; set both or "
      "neither", ".speculative.draftModel"),
+    ("draft_file_scheme",
+     "!has(self.speculative) || !has(self.speculative.draftModel) || !has(self.speculative.draftModel.file) "
+     "|| self.speculative.draftModel.source.startsWith('hf://')",
+     "spec.speculative.draftModel.file is only used by hf:// sources; name the .gguf file in "
+     "spec.speculative.draftModel.source instead", ".speculative.draftModel.file"),
+    ("draft_credentials",
+     "!has(self.speculative) || !has(self.speculative.draftModel) "
+     "|| !has(self.speculative.draftModel.credentialsSecret) "
+     "|| ((self.speculative.draftModel.source.startsWith('hf://') "
+     "|| self.speculative.draftModel.source.startsWith('s3://')) && (!has(self.model.credentialsSecret) "
+     "|| self.model.credentialsSecret == self.speculative.draftModel.credentialsSecret))",
+     "spec.speculative.draftModel.credentialsSecret is only used by hf:// and s3:// sources, and must be "
+     "spec.model.credentialsSecret when both are set (the fetch holds one set of model credentials)",
+     ".speculative.draftModel.credentialsSecret"),
     ("drafts_fit_step",
      "!has(self.speculative) || self.speculative.method == 'off' "
      "|| self.speculative.numSpeculativeTokens < self.maxNumTokens",
@@ -75,11 +89,24 @@ SPECULATIVE_RULES: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
-def speculative_problems(speculative: SpeculativeOptions | None, max_num_tokens: int) -> list[str]:
-    """The Python twins of :data:`SPECULATIVE_RULES`, one ``<field path>: <what + fix>`` line each."""
+def speculative_problems(speculative: SpeculativeOptions | None, max_num_tokens: int,
+                         model_secret: str | None = None) -> list[str]:
+    """The Python twins of :data:`SPECULATIVE_RULES`, one ``<field path>: <what + fix>`` line each
+    (``model_secret``: ``spec.model.credentialsSecret``)."""
     if speculative is None:
         return []
     problems = []
+    draft = speculative.draft_model
+    if draft is not None and draft.file is not None and draft.scheme != "hf":
+        problems.append("speculative.draftModel.file: only used by hf:// sources; name the .gguf file in "
+                        "speculative.draftModel.source instead")
+    if draft is not None and draft.credentials_secret is not None:
+        if draft.scheme not in ("hf", "s3"):
+            problems.append("speculative.draftModel.credentialsSecret: only used by hf:// and s3:// sources; remove it")
+        elif model_secret is not None and model_secret != draft.credentials_secret:
+            problems.append(f"speculative.draftModel.credentialsSecret: must be spec.model.credentialsSecret "
+                            f"({model_secret}) when both are set, not {draft.credentials_secret}: the fetch holds "
+                            f"one set of model credentials; put both tokens' access in one Secret")
     if speculative.prompt_lookup_min > speculative.prompt_lookup_max:
         problems.append(f"speculative.promptLookupMin: must be at most promptLookupMax ({speculative.prompt_lookup_min}"
                         f" > {speculative.prompt_lookup_max}); lower promptLookupMin or raise promptLookupMax")

@@ -99,10 +99,14 @@ def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
     volumes: list[dict[str, Any]] = [{"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}},
                                      {"name": "fetch-tmp", "emptyDir": {}}, *shm_volume(spec)]
     model_mounts: list[dict[str, Any]] = []
-    if spec.model.scheme == "pvc":
-        claim = spec.model.source.removeprefix("pvc://").split("/", 1)[0]
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-        model_mounts.append({"name": "model", "mountPath": f"{PVC_MOUNT_ROOT}/{claim}", "readOnly": True})
+    sources = [spec.model, *([spec.speculative.draft_model] if spec.speculative and spec.speculative.draft_model
+                             else [])]  # the checkpoint, and a speculative draft model's
+    claims = list(dict.fromkeys(m.source.removeprefix("pvc://").split("/", 1)[0] for m in sources
+                                if m.scheme == "pvc"))
+    for i, claim in enumerate(claims):
+        volume = "model" if i == 0 else f"model-{i}"
+        volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        model_mounts.append({"name": volume, "mountPath": f"{PVC_MOUNT_ROOT}/{claim}", "readOnly": True})
     common_env = [
         {"name": "KILN_ENGINE_VERSION", "value": version},
         {"name": "KILN_SPEC", "value": manifest_json(spec, name, namespace)},
@@ -125,8 +129,9 @@ def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if spec.model.credentials_secret:
-        fetch["envFrom"] = secret_env_from(spec.model.credentials_secret)
+    secrets = list(dict.fromkeys(m.credentials_secret for m in sources if m.credentials_secret))
+    if secrets:  # a draft model's names the model's or is the only one (kiln.speculative_options)
+        fetch["envFrom"] = [ref for secret in secrets for ref in secret_env_from(secret)]
     # The store's credentials: only here, with no model credentials.
     mounts: list[dict[str, Any]] = [{"name": "work", "mountPath": WORK_DIR}, {"name": "tmp", "mountPath": "/tmp"},
                                     *model_mounts]

@@ -1,8 +1,10 @@
-"""Speculative decoding, prompt-lookup (n-gram) drafts: several tokens per step for one forward pass.
+"""Speculative decoding: several tokens per step for one forward pass of the target.
 
-A decoding request whose last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to
-``prompt_lookup_min``) occurred earlier in its prompt + output proposes the ``k`` tokens that
-followed that occurrence (``proposer.py``); ``k`` comes from the running batch's bucket in
+Drafts come from prompt lookup or from a draft model. Prompt lookup: a decoding request whose last
+``n`` tokens (``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``) occurred earlier in its
+prompt + output proposes the ``k`` tokens that followed that occurrence (``proposer.py``). A draft
+model of the same tokenizer proposes its greedy continuation, run over the target's block tables
+once the step's blocks exist (``draft_model.py``). ``k`` comes from the running batch's bucket in
 ``config.by_batch`` (the build's measured table), shortened for a request whose drafts are rarely
 accepted. The scheduler gives its row ``1 + k`` tokens: the last committed token and the drafts,
 computed like a prefill chunk over the cached context, with logits at every position (``rows.py``). Each position is sampled as if the drafts before it were output (penalties,

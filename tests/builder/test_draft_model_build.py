@@ -80,3 +80,23 @@ def test_a_draft_of_another_tokenizer_fails_the_build(tmp_path, toy_model):
     assert code != 0
     assert "spec.speculative.draftModel" in output and "tokenizer" in output, output
     assert not (store / "engines").exists() or not any((store / "engines").iterdir())
+
+
+def test_fetch_only_records_the_draft_for_the_prefetched_half(tmp_path, toy_model):
+    from kiln.builder.errors import InvalidSpec
+    from kiln.builder.prefetch import DRAFT_RECORD, fetch_only, load_fetched, load_fetched_draft
+    from kiln.manifest import load_manifest
+
+    target = toy_model("llama-tiny")
+    draft = make_truncated_draft(target, tmp_path / "draft-src", 1)
+    spec = {"method": "draft_model", "draftModel": {"source": f"file://{draft}", "revision": "v1"}}
+    engine = load_manifest(manifest_dict(f"file://{target}", speculative=spec))
+    fetch_only(engine, tmp_path / "work")
+    assert load_fetched(engine, tmp_path / "work").path == target.resolve()
+    assert load_fetched_draft(engine, tmp_path / "work").path == draft.resolve()
+    assert json.loads((tmp_path / "work" / DRAFT_RECORD).read_text())["revision"] == "v1"
+    bumped = load_manifest(manifest_dict(f"file://{target}", speculative={
+        **spec, "draftModel": {**spec["draftModel"], "revision": "v2"}}))
+    with pytest.raises(InvalidSpec, match="spec.speculative.draftModel is .*@v2"):
+        load_fetched_draft(bumped, tmp_path / "work")
+    assert load_fetched_draft(load_manifest(manifest_dict(f"file://{target}")), tmp_path / "work") is None

@@ -184,6 +184,14 @@ CEL_SAMPLES = [
     {"speculative": {"method": "draft_model"}},
     {"speculative": {"method": "ngram", "draftModel": {"source": "hf://org/small"}}},
     {"speculative": {"method": "off", "draftModel": {"source": "hf://org/small"}}},
+    {"speculative": {"method": "draft_model", "draftModel": {"source": "s3://bucket/d.gguf", "file": "d.gguf"}}},
+    {"speculative": {"method": "draft_model", "draftModel": {"source": "hf://o/d", "file": "d.gguf"}}},
+    {"speculative": {"method": "draft_model", "draftModel": {"source": "file:///d", "credentialsSecret": "t"}}},
+    {"speculative": {"method": "draft_model", "draftModel": {"source": "hf://o/d", "credentialsSecret": "t"}}},
+    {"model": {"source": "hf://o/m", "credentialsSecret": "t"},
+     "speculative": {"method": "draft_model", "draftModel": {"source": "hf://o/d", "credentialsSecret": "t"}}},
+    {"model": {"source": "hf://o/m", "credentialsSecret": "u"},
+     "speculative": {"method": "draft_model", "draftModel": {"source": "hf://o/d", "credentialsSecret": "t"}}},
 ]
 
 

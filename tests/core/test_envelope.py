@@ -170,8 +170,10 @@ def test_speculation_off_keeps_every_earlier_version():
 def test_a_draft_model_joins_the_envelope_normalized():
     draft = {"method": "draft_model", "draftModel": {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct", "revision": "a" * 40}}
     spec = LLMEngineSpec.model_validate({**spec_dict(CPU), "speculative": draft})
-    assert build_envelope(spec)["speculative"]["draft_model"] == {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct",
-                                                                  "revision": "a" * 40}
+    assert build_envelope(spec)["speculative"] == {
+        "method": "draft_model", "num_speculative_tokens": 4,
+        "draft_model": {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct", "revision": "a" * 40}}
+    assert version_with(CPU, "speculative", {**draft, "promptLookupMax": 5}) == version_with(CPU, "speculative", draft)
     on = version_with(CPU, "speculative", draft)
     assert on not in (GOLDEN_CPU_SMALL, version_with(CPU, "speculative", NGRAM))
     other = {**draft, "draftModel": {**draft["draftModel"], "revision": "b" * 40}}

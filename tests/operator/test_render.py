@@ -136,6 +136,25 @@ def test_build_job_mounts_a_pvc_source_read_only():
         assert mount["mountPath"] == env(job)["KILN_PVC_ROOT"] + "/models" and mount["readOnly"]
 
 
+def test_build_job_fetches_a_draft_model_with_its_claim_and_credentials():
+    draft = {"method": "draft_model", "draftModel": {"source": "pvc://drafts/small"}}
+    s = spec(model={"source": "pvc://models/llama/8b"}, speculative=draft)
+    job = validate(build_job(s, "demo", "ml", engine_version(s), CONFIG))
+    volumes = job["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model-1", "persistentVolumeClaim": {"claimName": "drafts", "readOnly": True}} in volumes
+    for c in (init_container(job), container(job)):
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "model-1")
+        assert mount["mountPath"] == env(job)["KILN_PVC_ROOT"] + "/drafts" and mount["readOnly"]
+    same = spec(model={"source": "pvc://models/a"}, speculative={**draft, "draftModel": {"source": "pvc://models/b"}})
+    assert sum("persistentVolumeClaim" in v for v in build_job(same, "d", "ml", engine_version(same), CONFIG)
+               ["spec"]["template"]["spec"]["volumes"]) == 1  # one claim, one volume
+    hf = spec(model={"source": "s3://models/m"},
+              speculative={"method": "draft_model", "draftModel": {"source": "hf://org/small", "credentialsSecret": "hf"}})
+    job = build_job(hf, "demo", "ml", engine_version(hf), CONFIG)
+    assert init_container(job)["envFrom"] == [{"secretRef": {"name": "hf"}}]
+    assert "envFrom" not in container(job) or {"secretRef": {"name": "hf"}} not in container(job)["envFrom"]
+
+
 def test_job_names_are_deterministic_bounded_and_distinct():
     long_a, long_b = "m" * 50 + "-aaaaaaaaaaaa", "m" * 50 + "-bbbbbbbbbbbb"
     assert job_name(long_a) == job_name(long_a)
