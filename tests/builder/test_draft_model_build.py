@@ -85,6 +85,7 @@ def test_a_draft_of_another_tokenizer_fails_the_build(tmp_path, toy_model):
 def test_fetch_only_records_the_draft_for_the_prefetched_half(tmp_path, toy_model):
     from kiln.builder.errors import InvalidSpec
     from kiln.builder.prefetch import DRAFT_RECORD, fetch_only, load_fetched, load_fetched_draft
+
     from kiln.manifest import load_manifest
 
     target = toy_model("llama-tiny")
