@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kiln-installed
 PYTEST_ARGS ?=
+# make test's worker processes (pytest-xdist): each test file runs whole in one worker; 1 runs in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: install test test-slow lint crds demo bench gpu-check gpu-wheels clean
 
@@ -39,7 +41,7 @@ lint: install
 	cd $(LINT_TREE) && PYTHONPATH=. $(CURDIR)/$(BIN)/lint-imports --config $(CURDIR)/.importlinter
 
 test: install lint
-	$(BIN)/python -P -m pytest -q $(PYTEST_ARGS) tests
+	$(BIN)/python -P -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS) tests
 
 test-slow: install
 	$(BIN)/python -P -m pytest -q -m slow $(PYTEST_ARGS) tests

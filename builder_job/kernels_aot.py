@@ -50,12 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print every kernel's report as JSON, not the table")
     parser.add_argument("--check", action="store_true", help="exit 1 if any kernel does not fit or spills")
     parser.add_argument("--write-docs", metavar="PATH", help="replace the generated table in PATH (docs/gpu.md)")
+    parser.add_argument("--quick", action="store_true", help="the make-test set: every kernel and capability, "
+                        "fewer attention variants (kiln.engine.kernels.aot_variants)")
     args = parser.parse_args(argv)
+    if args.quick and args.write_docs:
+        parser.error("--write-docs needs the whole set: drop --quick")
     try:
         caps = [int(c) for c in args.capabilities.split(",")] if args.capabilities else sku_capabilities()
     except ValueError:
         parser.error(f"--capabilities {args.capabilities!r}: give numbers like 80,89,90 (10 x major + minor)")
-    reports = aot.compile_all(caps)
+    reports = aot.compile_all(caps, quick=args.quick)
     table = aot.table(reports)
     print(json.dumps([asdict(r) for r in reports], indent=1) if args.json else table)
     if args.write_docs:

@@ -21,6 +21,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+# The longest modules, run first: under pytest-xdist (make test) whole files go to the workers in collection
+# order, so a long file collected late would be the suite's tail while the other worker idles.
+LONG_MODULES = ("tests/engine/test_aot_compile.py", "tests/serving/test_fuzz.py", "tests/bench/test_bench.py")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep order
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """moto's S3 server as a real process on 127.0.0.1; AWS variables point at it.

@@ -196,30 +196,30 @@ def source_key() -> str:
     return h.hexdigest()[:16]
 
 
-def _compile_share(capability: int, share: int, shares: int) -> list[KernelReport]:
+def _compile_share(capability: int, share: int, shares: int, quick: bool = False) -> list[KernelReport]:
     """Every ``shares``-th variant of ``capability``, from the ``share``-th: one worker's part."""
     from kiln.engine.kernels.aot_variants import variants
 
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the JIT's default; set so triton says nothing
     with tempfile.TemporaryDirectory(prefix="kiln-aot-") as cache:  # empty: ptxas runs for every kernel
         os.environ["TRITON_CACHE_DIR"] = cache
-        return [r for variant, launch in variants(capability)[share::shares]
+        return [r for variant, launch in variants(capability, quick)[share::shares]
                 for r in compile_variant(capability, variant, launch)]
 
 
-def compile_all(capabilities: list[int], cache_dir: Path | None = None) -> list[KernelReport]:
-    """Every variant on every capability, compiled by one worker process per CPU (triton's front end holds
-    the GIL; ``KILN_AOT_WORKERS`` sets another count); cached on disk by ``source_key``, so a cache hit
-    compiles nothing."""
+def compile_all(capabilities: list[int], cache_dir: Path | None = None, quick: bool = False) -> list[KernelReport]:
+    """Every variant on every capability (``quick``: the make-test set, ``aot_variants``), compiled by one
+    worker process per CPU (triton's front end holds the GIL; ``KILN_AOT_WORKERS`` sets another count);
+    cached on disk by ``source_key``, so a cache hit compiles nothing."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     cache_dir = Path(cache_dir or os.environ.get("KILN_AOT_CACHE") or Path.home() / ".cache" / "kiln" / "aot")
-    path = cache_dir / f"reports-{source_key()}-{'-'.join(map(str, sorted(capabilities)))}.json"
+    path = cache_dir / f"reports-{source_key()}-{'-'.join(map(str, sorted(capabilities)))}{'-quick' * quick}.json"
     if path.is_file():
         return [KernelReport(**r) for r in json.loads(path.read_text())]
     workers = int(os.environ.get("KILN_AOT_WORKERS") or 0) or max(1, min(len(os.sched_getaffinity(0)), 8))
-    jobs = [(cap, share, workers) for cap in capabilities for share in range(workers)]
+    jobs = [(cap, share, workers, quick) for cap in capabilities for share in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         parts = list(pool.map(_compile_share, *zip(*jobs, strict=True)))
     reports = [r for part in parts for r in part]

@@ -7,6 +7,12 @@ launch wrapper, at the constexprs real envelopes give it.
 - the int8 weight-only GEMM: every autotune configuration, bf16 / fp16 / float32 activations.
 
 fp8 linears run ``torch._scaled_mm`` (cuBLAS), not a kiln kernel: nothing to compile here.
+
+``quick``: the set ``make test`` compiles (``slow`` tests and ``kernels_aot`` compile all of it): every
+kernel on every capability, every int8 configuration with every activation dtype (one fp16-only spill was
+found there), attention at both head sizes and chunk tiles for bf16 and float32 caches at GQA groups 1 and
+8. It leaves out the fp16 caches (the tiles of bf16: both 2-byte; the full table shows the same registers
+and shared memory) and group 4 (between 1 and 8 in rows per tile).
 """
 
 from __future__ import annotations
@@ -64,12 +70,17 @@ def _int8(dtype: torch.dtype) -> tuple[str, Callable]:
     return f"int8 gemm {_name(dtype)} (every config)", gemm
 
 
-def variants(capability: int) -> list[tuple[str, Callable]]:
-    """(what, launch) for every compiled variant on ``capability``."""
+QUICK_ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
+QUICK_GQA_GROUPS = (1, 8)
+
+
+def variants(capability: int, quick: bool = False) -> list[tuple[str, Callable]]:
+    """(what, launch) for every compiled variant on ``capability`` (``quick``: the make-test set, above)."""
     out = []
     for dtype in DTYPES:
-        for head_dim in HEAD_DIMS:
-            for group in GQA_GROUPS:
-                out += _attention(capability, head_dim, group, dtype)
+        if not quick or dtype in QUICK_ATTENTION_DTYPES:
+            for head_dim in HEAD_DIMS:
+                for group in QUICK_GQA_GROUPS if quick else GQA_GROUPS:
+                    out += _attention(capability, head_dim, group, dtype)
         out.append(_int8(dtype))
     return out
