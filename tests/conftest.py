@@ -17,6 +17,8 @@ import pytest
 from netutil import free_port, wait_for_port
 
 # Keep torch to the machine's 2 cores and quiet; tests spawn servers too.
+if os.environ.get("PYTEST_XDIST_WORKER"):  # make test: two workers share the cores, one OpenMP thread each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # (set before torch loads; children inherit it)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -118,6 +118,21 @@ def test_tensor_parallel_target_with_a_draft_on_rank_0(toy_model, make_llm, trun
     assert spec_stats(llm).num_accepted_tokens > 0
 
 
+def test_pipeline_parallel_target_with_either_draft_source(toy_model, make_llm):
+    """Two pipeline stages in two processes, micro-batched: verified rows cross the stages like prefill
+    chunks and their logits come back to rank 0; prompt lookup and a draft model give plain decoding's tokens."""
+    model_dir = toy_model("llama-tiny")
+    prompts = repetitive_prompts([17, 30, 12], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    kwargs = dict(num_kv_blocks=32, block_size=8, max_num_tokens=32, max_batch_size=4, micro_batch_min_tokens=1)
+    expected = [o.token_ids for o in make_llm(model_dir, **kwargs).generate(prompts, params)]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3}, draft_spec(model_dir)):
+        llm = make_llm(model_dir, pipeline_parallel_size=2, **kwargs, speculative_config=spec)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected, spec["method"]
+        assert spec_stats(llm).num_accepted_tokens > 0, spec["method"]
+        llm.shutdown()
+
+
 def test_a_draft_model_is_refused_with_the_field_named(toy_model, make_llm, tmp_path, truncated):
     model_dir = toy_model("llama-tiny")
     with pytest.raises(ConfigError, match="speculative_config.model must name"):
