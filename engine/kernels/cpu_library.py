@@ -85,15 +85,17 @@ _shipped: dict[str, Path] = {}  # level -> an artifact's library, set by install
 
 def build_for_artifact(artifact_dir: Path) -> dict:
     """Compile for every ISA level of this machine's architecture (not only the ones this CPU runs: the
-    serving hosts pick theirs) into ``artifact_dir/CPU_DIR``; returns the ``engine.json["kernels"]`` record."""
+    serving hosts pick theirs) into the compile cache (``default_dir``: a builder compiles each level of
+    one source once) and copy them into ``artifact_dir/CPU_DIR``; returns the ``engine.json["kernels"]`` record."""
     levels = ARCH_LEVELS.get(platform.machine(), ())
     if not levels:
         return {"packed": False, "reason": f"kiln's CPU kernels are not built for {platform.machine()}"}
     dest = Path(artifact_dir) / CPU_DIR
     libraries = {}
     try:
-        for level in levels:
-            os.replace(compile_library(level, dest), dest / f"{level}.so")
+        dest.mkdir(parents=True, exist_ok=True)
+        for level in levels:  # through the compile cache: the name holds the sources' and flags' hash
+            shutil.copyfile(compile_library(level, default_dir()), dest / f"{level}.so")
             libraries[level] = {"file": f"{level}.so", "cpu_flags": list(LEVEL_FLAGS[level])}
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         shutil.rmtree(dest, ignore_errors=True)

@@ -22,13 +22,26 @@ pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64") 
 
 
 @pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    """A process state with no library loaded or shipped, compiling into a private directory."""
-    monkeypatch.setenv("KILN_CPU_KERNELS_DIR", str(tmp_path / "cache"))
+def fresh(monkeypatch, tmp_path, module_kernels_dir):
+    """A process state with no library loaded or shipped, compiling into this module's directory (each level
+    compiled once for the module, not once per test: a compile is seconds)."""
+    monkeypatch.setenv("KILN_CPU_KERNELS_DIR", str(module_kernels_dir))
     monkeypatch.setattr(cpu_library, "_shipped", {})
     native.reset()
     yield tmp_path
     native.reset()
+
+
+@pytest.fixture(scope="module")
+def module_kernels_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cpu-kernels")
+
+
+@pytest.fixture
+def fresh_cache(fresh, monkeypatch):
+    """``fresh``, compiling into ``<tmp_path>/cache``, empty: for tests of what is compiled, and when."""
+    monkeypatch.setenv("KILN_CPU_KERNELS_DIR", str(fresh / "cache"))
+    return fresh
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale):
@@ -360,16 +373,20 @@ def test_isa_cap_keeps_the_kernels_at_or_below_it(fresh, monkeypatch, caplog):
     assert "$KILN_CPU_ISA=avx2 is not an ISA level of x86_64 (x86-64-v3, x86-64-v4, avx512_bf16, amx)" in caplog.text
 
 
-def test_artifact_ships_every_level_and_the_host_picks_its_own(fresh, monkeypatch):
-    art = fresh / "engine"
+def test_artifact_ships_every_level_and_the_host_picks_its_own(fresh_cache, monkeypatch):
+    art = fresh_cache / "engine"
     record = cpu_library.build_for_artifact(art)
     assert record["packed"] and record["source_sha256"] == cpu_library.source_digest()
     assert set(record["libraries"]) == set(isa.ARCH_LEVELS[platform.machine()])
+    built = sorted((fresh_cache / "cache").glob("*.so"))  # the build compiles through the cache: one per level
+    assert len(built) == len(record["libraries"])
+    assert cpu_library.build_for_artifact(fresh_cache / "again")["packed"]  # a second build compiles nothing
+    assert sorted((fresh_cache / "cache").glob("*.so")) == built
     assert cpu_library.install_from_artifact(art, {"kernels": record}) == sorted(record["libraries"])
     best = isa.host_levels()[0]
     loaded = native.kernels()
     assert loaded.level == best and loaded.path == art / cpu_library.CPU_DIR / f"{best}.so"
-    assert not list((fresh / "cache").glob("*.so"))  # nothing compiled here
+    assert sorted((fresh_cache / "cache").glob("*.so")) == built  # loading compiled nothing either
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 ISA levels")
@@ -414,17 +431,17 @@ def test_engine_on_the_avx2_library_gives_transformers_tokens(fresh, monkeypatch
     assert outs[1].num_cached_tokens > 0
 
 
-def test_another_kilns_kernels_are_not_used(fresh, caplog):
-    art = fresh / "engine"
+def test_another_kilns_kernels_are_not_used(fresh_cache, caplog):
+    art = fresh_cache / "engine"
     record = {**cpu_library.build_for_artifact(art), "source_sha256": "0" * 64}
     with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.native"):
         assert cpu_library.install_from_artifact(art, {"kernels": record}) == []
     assert "another kiln's source" in caplog.text
-    assert native.kernels().path.parent == fresh / "cache"  # compiled here instead
+    assert native.kernels().path.parent == fresh_cache / "cache"  # compiled here instead
 
 
-def test_without_a_compiler_cpu_runs_torch_and_says_why(fresh, monkeypatch, caplog, toy_model):
-    monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
+def test_without_a_compiler_cpu_runs_torch_and_says_why(fresh_cache, monkeypatch, caplog, toy_model):
+    monkeypatch.setenv("CC", str(fresh_cache / "no-such-cc"))
     model_dir = str(toy_model("llama-tiny"))
     with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.native"):
         assert EngineConfig(model=model_dir, device="cpu").attention_backend == "torch"
@@ -433,15 +450,15 @@ def test_without_a_compiler_cpu_runs_torch_and_says_why(fresh, monkeypatch, capl
         EngineConfig(model=model_dir, device="cpu", attention_backend="native")
 
 
-def test_a_failing_compiler_is_reported(fresh, monkeypatch, caplog):
-    fake = fresh / "cc"
+def test_a_failing_compiler_is_reported(fresh_cache, monkeypatch, caplog):
+    fake = fresh_cache / "cc"
     fake.write_text("#!/bin/sh\necho 'cc1: error: bad -march' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.native"):
         assert native.kernels() is None
     assert "bad -march" in caplog.text
-    assert not list((fresh / "cache").iterdir())  # no half-written library left behind
+    assert not list((fresh_cache / "cache").iterdir())  # no half-written library left behind
 
 
 def test_switched_off(fresh, monkeypatch, toy_model):
