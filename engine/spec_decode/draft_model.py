@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from kiln.engine import parallel
+from kiln.engine.artifact import weights_file_name
 from kiln.engine.config import EngineConfig, read_hf_config
 from kiln.engine.errors import ConfigError
 from kiln.engine.kv_cache import bytes_per_block
@@ -40,7 +41,6 @@ from kiln.engine.step_inputs import pack_rows
 
 DRAFT_PENDING = -1  # a slot the scheduler reserved for a draft token the draft model fills this step
 ARTIFACT_DRAFT_DIR = "draft"  # an artifact's draft model: config.json, tokenizer files, weights/rank-0-of-1
-DRAFT_WEIGHTS = "weights/rank-0-of-1.safetensors"
 
 
 def draft_block_bytes(target: EngineConfig, draft_dir: str) -> int:
@@ -54,7 +54,7 @@ def draft_engine_config(target: EngineConfig, draft_dir: str, num_blocks: int) -
     """The draft's EngineConfig: the target's dtypes, device, block size, limits and attention backend,
     a pool of ``num_blocks`` blocks, eager; ConfigError naming ``speculative_config.model``."""
     root = Path(draft_dir)
-    weights = root / DRAFT_WEIGHTS
+    weights = root / "weights" / weights_file_name(0, 1)  # an artifact's draft: engine weights, one rank
     try:
         return EngineConfig(
             model=str(root), weights_dir=str(weights.parent) if weights.is_file() else None, dtype=target.dtype,
@@ -69,7 +69,7 @@ def draft_engine_config(target: EngineConfig, draft_dir: str, num_blocks: int) -
 
 def tokenizer_mismatch(target_tokenizer, draft_dir: str) -> str | None:
     """Why the draft's tokenizer is not the target's (the first token whose id differs), or None when the
-    two map every token to the same id (or the draft directory has no tokenizer, as in an artifact)."""
+    two map every token to the same id, or when the draft directory has no tokenizer to compare."""
     root = Path(draft_dir)
     if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
