@@ -38,7 +38,11 @@ def ensure_model(preset: str, dtype: str, seed: int = 0, model_dir: Path | None 
                              "checkpoint directory (config.json, tokenizer, *.safetensors)")
         return out
     want = {"preset": preset, "dtype": dtype, "seed": seed}
-    if marker.is_file() and json.loads(marker.read_text()) == want and (out / "config.json").is_file():
+
+    def written() -> bool:  # this preset's model, whole (a writer renames it into place complete)
+        return marker.is_file() and json.loads(marker.read_text()) == want and (out / "config.json").is_file()
+
+    if written():
         return out
     if out.exists() and model_dir is None:
         shutil.rmtree(out)  # our own cache entry, stale or half-written
@@ -50,12 +54,12 @@ def ensure_model(preset: str, dtype: str, seed: int = 0, model_dir: Path | None 
     try:
         make_random_model(tmp, preset, seed=seed, dtype=dtype)
         (tmp / "kiln-bench.json").write_text(json.dumps(want))
-        if out.exists() and not marker.is_file():
+        if out.exists() and not written():  # another preset's model, or an empty folder
             shutil.rmtree(out, ignore_errors=True)
         try:
             tmp.rename(out)
         except OSError:  # another process wrote the same model first: keep its copy
-            if not marker.is_file() or json.loads(marker.read_text()) != want:
+            if not written():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
