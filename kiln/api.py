@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kiln.api_base import DNS1123_LABEL
 from kiln.api_base import APIModel as _Model
 from kiln.engine_status import LLMEngineStatus
-from kiln.model_source import ModelSource
+from kiln.model_source import ModelSource, scheme_problems
 from kiln.serving_options import SCALE_OUT_RULES, ServingOptions, scale_out_problems
 from kiln.skus import (
     FP8_GPUS,
@@ -216,10 +216,7 @@ class LLMEngineSpec(_Model):
         if self.quantization == "fp8" and self.gpu not in FP8_GPUS:
             problems.append(f"quantization: fp8 needs a GPU with FP8 support ({', '.join(FP8_GPUS)}), "
                             f"not {self.gpu}; use int8 on {self.gpu}")
-        if self.model.credentials_secret is not None and self.model.scheme not in ("hf", "s3"):
-            problems.append("model.credentialsSecret: only used by hf:// and s3:// sources; remove it")
-        if self.model.file is not None and self.model.scheme != "hf":
-            problems.append("model.file: only used by hf:// sources; name the .gguf file in model.source instead")
+        problems += scheme_problems(self.model, "model")
         if shape := shape_problem(self.gpu, self.tensor_parallel, self.pipeline_parallel, self.gpus_per_node):
             problems.append(shape)
         problems += scale_out_problems(self.serving)

@@ -82,3 +82,14 @@ class ModelSource(_Model):
     @property
     def scheme(self) -> str:
         return self.source.split("://", 1)[0]
+
+
+def scheme_problems(source: ModelSource, path: str) -> list[str]:
+    """The fields ``source`` (at ``path`` in the spec: ``model``, ``speculative.draftModel``) sets that its
+    scheme does not use, one ``<field path>: <what + fix>`` line each (the CRD's CEL rules' Python twins)."""
+    problems = []
+    if source.credentials_secret is not None and source.scheme not in ("hf", "s3"):
+        problems.append(f"{path}.credentialsSecret: only used by hf:// and s3:// sources; remove it")
+    if source.file is not None and source.scheme != "hf":
+        problems.append(f"{path}.file: only used by hf:// sources; name the .gguf file in {path}.source instead")
+    return problems

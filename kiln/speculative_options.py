@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field
 
 from kiln.api_base import APIModel as _Model
-from kiln.model_source import ModelSource
+from kiln.model_source import ModelSource, scheme_problems
 
 SpeculativeMethod = Literal["off", "ngram", "draft_model"]
 MAX_SPECULATIVE_TOKENS = 8
@@ -97,13 +97,10 @@ def speculative_problems(speculative: SpeculativeOptions | None, max_num_tokens:
         return []
     problems = []
     draft = speculative.draft_model
-    if draft is not None and draft.file is not None and draft.scheme != "hf":
-        problems.append("speculative.draftModel.file: only used by hf:// sources; name the .gguf file in "
-                        "speculative.draftModel.source instead")
-    if draft is not None and draft.credentials_secret is not None:
-        if draft.scheme not in ("hf", "s3"):
-            problems.append("speculative.draftModel.credentialsSecret: only used by hf:// and s3:// sources; remove it")
-        elif model_secret is not None and model_secret != draft.credentials_secret:
+    if draft is not None:
+        problems += scheme_problems(draft, "speculative.draftModel")
+        if (draft.credentials_secret is not None and draft.scheme in ("hf", "s3") and model_secret is not None
+                and model_secret != draft.credentials_secret):
             problems.append(f"speculative.draftModel.credentialsSecret: must be spec.model.credentialsSecret "
                             f"({model_secret}) when both are set, not {draft.credentials_secret}: the fetch holds "
                             f"one set of model credentials; put both tokens' access in one Secret")
