@@ -1,6 +1,7 @@
 """The build pipeline: fetch (-> fetch_draft, with a draft model: ``draft_stage``) -> check -> gate
-(reference, converting as it streams) -> shard (and the draft) -> plan -> gate (runtime) -> tune (and the KV plan again, less the CUDA graphs' memory) -> tactics (each op's
-implementations timed, the winners shipped) -> compile -> speculative (with spec.speculative on: where
+(reference, converting as it streams) -> shard (and the draft) -> plan -> gate (runtime) -> tune (and
+the KV plan again, less the CUDA graphs' memory) -> tactics (each op's implementations timed, the
+winners shipped) -> compile -> speculative (with spec.speculative on: where
 drafts pay per batch bucket, the table shipped) -> kernels (CUDA: compiled, autotuned, packed) ->
 package -> publish.
 

@@ -226,6 +226,12 @@ class LLMEngineSpec(_Model):
         return self
 
     @property
+    def sources(self) -> dict[str, ModelSource]:
+        """Every checkpoint the build fetches, by field path: ``model`` and a speculative draft model's."""
+        draft = self.speculative.draft_model if self.speculative is not None else None
+        return {"model": self.model, **({"speculative.draftModel": draft} if draft is not None else {})}
+
+    @property
     def gpu_spec(self) -> GPUSpec:
         return GPU_SKUS[self.gpu]
 

@@ -99,8 +99,7 @@ def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
     volumes: list[dict[str, Any]] = [{"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}},
                                      {"name": "fetch-tmp", "emptyDir": {}}, *shm_volume(spec)]
     model_mounts: list[dict[str, Any]] = []
-    sources = [spec.model, *([spec.speculative.draft_model] if spec.speculative and spec.speculative.draft_model
-                             else [])]  # the checkpoint, and a speculative draft model's
+    sources = spec.sources.values()  # the checkpoint, and a speculative draft model's
     claims = list(dict.fromkeys(m.source.removeprefix("pvc://").split("/", 1)[0] for m in sources
                                 if m.scheme == "pvc"))
     for i, claim in enumerate(claims):

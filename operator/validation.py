@@ -58,10 +58,11 @@ def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
         raise InvalidSpec(problem)
     if problem := autoscaling_problem(spec, config):  # scale out: minReplicas 0 needs KEDA, not an HPA
         raise InvalidSpec(problem)
-    if spec.model.scheme == "file":
-        raise InvalidSpec(
-            f"spec.model.source: {spec.model.source} is a path on one machine, not visible to build pods; "
-            "use s3://, hf:// or pvc://claim/path (file:// is for `kiln up`)")
+    for path, source in spec.sources.items():  # the model, and a speculative draft model
+        if source.scheme == "file":
+            raise InvalidSpec(
+                f"spec.{path}.source: {source.source} is a path on one machine, not visible to build pods; "
+                "use s3://, hf:// or pvc://claim/path (file:// is for `kiln up`)")
     if config.node_selector(spec.gpu) is None:
         known = ", ".join(sorted(config.sku_node_labels))
         raise InvalidSpec(

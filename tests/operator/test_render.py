@@ -155,6 +155,12 @@ def test_build_job_fetches_a_draft_model_with_its_claim_and_credentials():
     assert "envFrom" not in container(job) or {"secretRef": {"name": "hf"}} not in container(job)["envFrom"]
 
 
+def test_a_file_draft_model_is_refused_like_a_file_model():
+    raw = spec(speculative={"method": "draft_model", "draftModel": {"source": "file:///models/small"}}).to_k8s()
+    with pytest.raises(InvalidSpec, match=r"^spec\.speculative\.draftModel\.source: file:///models/small is a path"):
+        validate_spec(raw, CONFIG)
+
+
 def test_job_names_are_deterministic_bounded_and_distinct():
     long_a, long_b = "m" * 50 + "-aaaaaaaaaaaa", "m" * 50 + "-bbbbbbbbbbbb"
     assert job_name(long_a) == job_name(long_a)
