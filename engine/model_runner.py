@@ -29,7 +29,7 @@ from kiln.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_bl
 from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 from kiln.engine.layers.linear import LinearBase
 from kiln.engine.layers.paged_metadata import build_paged_metadata, token_rows
-from kiln.engine.models.llama import Intermediate, head_dim_of
+from kiln.engine.models.llama import Intermediate, head_dim_of, kv_heads_of
 from kiln.engine.models.registry import create_model
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.sequence import Request
@@ -135,7 +135,7 @@ class ModelRunner:
             self.tactics, config.tactics_info, self.tactic_sites = apply(self.model, config, gemm,
                                                                          stack=self.native is not None)
         cfg = config.hf_config
-        kv_heads = (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]) // parallel.tp_size()
+        kv_heads = kv_heads_of(cfg) // parallel.tp_size()
         self.num_kv_heads = kv_heads  # this rank's
         self.attention_backend = config.attention_backend  # resolved: "torch", "native" or "triton"
         # This stage's layers only: each stage's pool holds its own layers' K/V for every block.

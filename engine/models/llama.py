@@ -27,11 +27,16 @@ def head_dim_of(cfg: dict[str, Any]) -> int:
     return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
+def kv_heads_of(cfg: dict[str, Any]) -> int:
+    """The model's K/V heads (every rank's together): ``num_key_value_heads``, else one per attention head."""
+    return cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         tp = parallel.tp_size()
-        num_heads, num_kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        num_heads, num_kv_heads = cfg["num_attention_heads"], kv_heads_of(cfg)
         self.head_dim = head_dim_of(cfg)
         qkv_bias = cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False))
         o_bias = cfg.get("model_type") != "qwen2" and bool(cfg.get("attention_bias", False))

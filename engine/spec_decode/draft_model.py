@@ -33,7 +33,7 @@ from kiln.engine.config import EngineConfig, read_hf_config
 from kiln.engine.errors import ConfigError
 from kiln.engine.kv_cache import bytes_per_block
 from kiln.engine.model_runner import ModelRunner
-from kiln.engine.models.llama import head_dim_of
+from kiln.engine.models.llama import head_dim_of, kv_heads_of
 from kiln.engine.sequence import Request
 from kiln.engine.spec_decode.config import SpeculativeConfig
 from kiln.engine.spec_decode.proposer import Proposer
@@ -46,8 +46,7 @@ ARTIFACT_DRAFT_DIR = "draft"  # an artifact's draft model: config.json, tokenize
 def draft_block_bytes(target: EngineConfig, draft_dir: str) -> int:
     """Bytes of the draft's K/V per block of ``target.block_size`` tokens (in the target's KV dtype)."""
     cfg = read_hf_config(Path(draft_dir))
-    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return bytes_per_block(target, int(cfg["num_hidden_layers"]), int(kv_heads), head_dim_of(cfg))
+    return bytes_per_block(target, int(cfg["num_hidden_layers"]), int(kv_heads_of(cfg)), head_dim_of(cfg))
 
 
 def draft_engine_config(target: EngineConfig, draft_dir: str, num_blocks: int) -> EngineConfig:
