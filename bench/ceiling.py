@@ -7,7 +7,7 @@ achieves, not its average on a noisy day):
   and copy (counted as read + write bytes);
 - matmul FLOP/s: the model's own weight shapes in the bench dtype, at decode-like M
   (rows = batch) and prefill-like M (many tokens), the fastest of ``F.linear`` and, on CPU, every
-  tactic candidate this host runs (``kiln.engine.tactics.candidates``: kiln's GEMMs, oneDNN prepacked).
+  tactic candidate this host runs (``kiln.engine.kernels.candidates``: kiln's GEMMs, oneDNN prepacked).
 
 Roofline for one decode step at batch B (every weight read once, each
 sequence's KV read once):
@@ -70,8 +70,8 @@ def _linear_shapes(facts: dict) -> list[tuple[int, int]]:
 def measure_matmul(facts: dict, dtype: torch.dtype, rows: list[int], trials: int = 3,
                    device: str = "cpu") -> dict[int, float]:
     """FLOP/s of the model's linears (one layer's worth + LM head) at each M in ``rows``."""
+    from kiln.engine.kernels import candidates
     from kiln.engine.kernels.native import ROW_BUCKETS
-    from kiln.engine.tactics import candidates
 
     native = None
     names: list[str] = []

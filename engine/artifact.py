@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from kiln.engine import parallel
-from kiln.engine.config import EngineConfig
+from kiln.engine.config import EngineConfig, canonical_quantization
 from kiln.engine.errors import ConfigError
 from kiln.engine.layers.linear import quantize_weight
 
@@ -86,11 +86,13 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
     if ignored:
         log.warning("engine.json engine_config keys this runtime does not know, ignored: %s", ", ".join(ignored))
     adapt = overrides.pop("adapt_to_cpu", True)
+    # Native code shipped in the artifact (CPU kernel libraries, compiled GPU kernels) is loaded only when the
+    # caller verified the artifact's signature (kiln serve --verify-key); else this host compiles its own.
+    trusted = overrides.pop("trust_shipped_code", False)
     kwargs = {k: v for k, v in stored.items() if k in known}
     kwargs.update(overrides)
     kwargs.setdefault("device", "cpu" if built_arch == "cpu" else "cuda")
-    if kwargs.get("quantization") in ("none", ""):
-        kwargs["quantization"] = None
+    kwargs["quantization"] = canonical_quantization(kwargs.get("quantization"))
     if kwargs["device"] == "cpu" and adapt:
         _adapt_to_cpu(kwargs, doc, dtype_forced="dtype" in overrides)
     if kwargs["device"] == "cpu":
@@ -99,7 +101,7 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
         shipped_compile(root, doc, kwargs)
         from kiln.engine.kernels.cpu_library import install_from_artifact
 
-        install_from_artifact(root, doc)
+        install_from_artifact(root, doc, trusted)
         table = root / TACTICS_FILE
         if table.is_file():  # the build's measured kernels; another kind of host re-times, cached beside the copy
             kwargs.setdefault("tactics", str(table))
@@ -107,7 +109,7 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
     if kwargs["device"] == "cuda":  # before the first kernel compiles: the build's kernel cache, if it fits
         from kiln.engine.kernels.cache import install_shipped
 
-        install_shipped(root, doc)
+        install_shipped(root, doc, trusted=trusted)
     weights = root / "weights"
     tp = int(kwargs.get("tensor_parallel_size", 1))
     pp = int(kwargs.get("pipeline_parallel_size", 1))

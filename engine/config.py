@@ -1,22 +1,45 @@
-"""EngineConfig: the engine's limits, resolved from the model's config.json and LLM(...) kwargs.
+"""EngineConfig: the engine's settings, resolved from the model's config.json and LLM(...) kwargs.
 
-Every check names the keyword argument to change, so a bad setting fails at
-construction with a message instead of a traceback deep in a step.
+``EngineConfig``'s fields are the one list of engine settings. Each field's metadata says what it is
+(``help``), which values it takes (``choices``, ``min``/``max``), whether ``kiln serve`` offers it as a
+flag (``flag``) and whether ``/version`` reports it (``reported``): the serve CLI and ``/version`` are
+generated from that list, and the builder maps the ``LLMEngine`` spec onto these names in one table. A new
+setting is a field here, a row in that table and the CRD field it comes from.
+
+``__post_init__`` reads as three steps: fill defaults, validate (one table of rules, each naming the
+keyword argument to change, so a bad setting fails at construction with a message instead of a
+traceback deep in a step), then check that the features asked for can run here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-from dataclasses import dataclass, field
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+from kiln.engine.compile import COMPILE_MODES, check_compile
 from kiln.engine.errors import ConfigError
+from kiln.engine.kernels import native
+from kiln.engine.kernels.candidates import LINEAR
+from kiln.engine.rope_config import max_positions
+from kiln.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8", "fp8")
 # "auto": the Triton paged kernels on CUDA when triton is installed, else the torch path (docs/gpu.md).
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
+PARALLEL_SIZES = (1, 2, 4, 8)
+
+
+def canonical_quantization(value: str | None) -> str | None:
+    """The one home of the "none" rule: the CRD and the serve flag spell no quantization "none"; the
+    engine and ``engine.json`` spell it None."""
+    return None if value in (None, "", "none") else value
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -28,8 +51,6 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
 
 def max_model_len(hf_config: dict[str, Any]) -> int:
     """Positions the model supports (``rope_config.max_positions``: the builder's check uses it too)."""
-    from kiln.engine.rope_config import max_positions
-
     return max_positions(hf_config)
 
 
@@ -38,12 +59,7 @@ def resolve_attention_backend(backend: str, device: str, dtype: Any = None, kv_d
     Triton on CUDA when triton is installed; on CPU kiln's compiled kernels ("native",
     ``kernels/native.py``) when they load on this host for these dtypes, else torch. Triton on CPU
     only under its interpreter."""
-    import importlib.util
-    import os
-
     if backend in ("auto", "native") and device == "cpu":
-        from kiln.engine.kernels import native
-
         ok = native.supports(dtype, kv_dtype) and native.kernels() is not None
         return "native" if ok else ("torch" if backend == "auto" else None)
     if backend == "native":
@@ -57,127 +73,224 @@ def resolve_attention_backend(backend: str, device: str, dtype: Any = None, kv_d
     return backend
 
 
+def setting(default: Any = MISSING, *, help: str, flag: bool | str = False, reported: bool = False,
+            choices: tuple | None = None, min: float | None = None, max: float | None = None,
+            min_open: bool = False, envvar: str | None = None, json: bool = False, repr: bool = True,
+            default_factory: Any = MISSING) -> Any:
+    """A field of EngineConfig with what the layers above read of it. ``flag``: offered by ``kiln serve``
+    (True: ``--name-with-dashes``; a string: that flag); ``reported``: listed in ``/version``;
+    ``choices``/``min``/``max``/``min_open``: the values it takes (validated here, and the serve flag's
+    type); ``envvar``: the serve flag's environment variable; ``json``: the flag takes a JSON object."""
+    meta = {"help": help, "flag": flag, "reported": reported, "choices": choices, "min": min, "max": max,
+            "min_open": min_open, "envvar": envvar, "json": json}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, repr=repr, metadata=meta)
+    return field(default=default, repr=repr, metadata=meta)
+
+
+def settings() -> tuple[Field, ...]:
+    """EngineConfig's fields: the one list of engine settings (the serve CLI and /version read it)."""
+    return fields(EngineConfig)
+
+
+def reported_settings(config: EngineConfig) -> dict[str, Any]:
+    """What ``/version`` reports of a loaded engine's settings."""
+    return {f.name: getattr(config, f.name, None) for f in settings() if f.metadata.get("reported")}
+
+
+def _range_rule(meta: dict[str, Any]) -> str:
+    low, high = meta["min"], meta["max"]
+    if high is None:
+        return f"must be {'>' if meta['min_open'] else '>='} {low:g}"
+    return f"must be in {'(' if meta['min_open'] else '['}{low:g}, {high:g}]"
+
+
+def _field_rules(config: EngineConfig) -> Iterator[tuple[str, Callable[[], bool], str]]:
+    """Each field's own rule, from its metadata: the values it takes."""
+    for f in settings():
+        meta, value = f.metadata, getattr(config, f.name)
+        if meta.get("choices") is not None:
+            names = ", ".join(str(c) for c in meta["choices"])
+            yield f.name, (lambda v=value, c=meta["choices"]: v in c), f"must be one of {names}"
+        elif meta.get("min") is not None and value is not None:
+            low, high, is_open = meta["min"], meta["max"], meta["min_open"]
+            yield f.name, (lambda v=value, lo=low, hi=high, op=is_open:
+                           (v > lo if op else v >= lo) and (hi is None or v <= hi)), _range_rule(meta)
+
+
 @dataclass
 class EngineConfig:
-    """``LLM(...)`` keyword arguments, resolved and checked.
+    """``LLM(...)`` keyword arguments, resolved and checked: every engine setting, each with its help.
 
-    ``max_seq_len`` defaults to the model's positions, ``max_input_len`` to ``max_seq_len - 1``.
+    ``max_seq_len`` defaults to the model's positions, ``max_input_len`` to ``max_seq_len - 1``;
     ``num_kv_blocks=None`` sizes the pool from ``kv_memory_fraction`` of the memory free after the
-    weights load (RAM on CPU), capped at what ``max_batch_size`` full-length requests could use.
-    ``max_num_tokens`` is the per-step token budget (chunked prefill); ``enforce_eager`` turns off
-    CUDA graphs; ``pipeline_parallel_size`` splits the layers into stages (rank layout in
-    ``parallel.py``) and ``num_micro_batches`` splits each step's batch so the stages overlap;
-    ``distributed_address``/``rank_offset``/``local_ranks`` place ranks started separately
-    (docs/multi-node.md); ``weights_dir`` is set by ``from_artifact`` (per-rank engine weights);
-    ``attention_backend`` picks the attention implementation and is resolved here ("auto" becomes
-    "triton", "native" or "torch"; ``resolve_attention_backend``).
+    weights load (RAM on CPU), capped at what ``max_batch_size`` full-length requests could use; the rank
+    layout of the parallel sizes is in ``parallel.py``; ``attention_backend`` "auto" becomes "triton",
+    "native" or "torch" here (``resolve_attention_backend``).
     """
 
-    model: str
-    dtype: str = "float32"
-    max_batch_size: int = 64
-    max_num_tokens: int = 2048
-    max_seq_len: int | None = None
-    max_input_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_memory_fraction: float = 0.9
-    enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    num_micro_batches: int | None = None  # per step with pipeline parallelism; None = pipeline_parallel_size
-    micro_batch_min_tokens: int = 64  # a step splits only into micro-batches of at least this many tokens
-    # Ranks started separately (LeaderWorkerSet pods, `kiln serve --rank`): rank 0's HOST:PORT, and which
-    # consecutive ranks this process hosts. None = every rank spawned here (one machine).
-    distributed_address: str | None = None
-    rank_offset: int = 0
-    local_ranks: int | None = None  # None: every rank without distributed_address, else 1
-    distributed_timeout_s: float = 120.0  # most any collective waits for another rank
-    join_timeout_s: float = 600.0  # most a rank waits for the others to join at start
-    heartbeat_interval_s: float | None = None  # rank 0 pings idle ranks this often; None = timeout / 8
-    device: str | None = None
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
-    seed: int = 0
-    cuda_graph_batch_sizes: list[int] | None = None
-    enforce_eager: bool = False
-    attention_backend: str = "auto"
-    weights_dir: str | None = None  # per-rank engine weights (artifact); None = load the HF checkpoint
-    compile: str = "off"  # "inductor": the CPU forward pass as one compiled graph (engine/compile.py)
-    compile_cache: str | None = None  # the artifact's shipped Inductor cache dir, used for compiling
-    # How an artifact was adapted to this CPU at load (kiln.engine.cpu_target.plan_cpu_load); None otherwise.
-    cpu_target: dict[str, Any] | None = field(default=None, repr=False)
-    # Where a CPU engine's tactic table comes from (kiln.engine.tactics.resolve): "auto", a tactics.json, or a
-    # candidate name; a table re-timed on another kind of host is cached in tactics_cache.
-    tactics: str = "auto"
-    tactics_cache: str | None = None
-    tactics_info: dict[str, Any] | None = field(default=None, repr=False)  # set at load: where the table came from
-    # Speculative decoding (spec_decode.config.SpeculativeConfig or a dict of its fields, vLLM's names); None = off.
-    speculative_config: Any = None
-    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    model: str = setting(help="The model directory (a Hugging Face checkpoint or an artifact's copy).")
+    dtype: str = setting("float32", help="Weights/activations dtype.", flag=True, reported=True, choices=DTYPES)
+    max_batch_size: int = setting(64, help="Most requests in one engine step.", flag=True, reported=True, min=1)
+    max_num_tokens: int = setting(2048, help="Token budget per step (chunked prefill).", flag=True,
+                                  reported=True, min=1)
+    max_seq_len: int | None = setting(None, help="Prompt + output limit per request.", flag=True, reported=True)
+    max_input_len: int | None = setting(None, help="Prompt limit per request.", flag=True, reported=True)
+    block_size: int = setting(16, help="KV-cache block size (power of two).", flag=True, reported=True, min=1)
+    num_kv_blocks: int | None = setting(None, help="KV-cache pool size in blocks.", flag=True, min=1)
+    kv_memory_fraction: float = setting(0.9, help="Fraction of free device memory for the KV pool.", flag=True,
+                                        min=0, max=1, min_open=True)
+    enable_prefix_caching: bool = setting(True, help="Reuse KV blocks of shared prompt prefixes.", flag=True,
+                                          reported=True)
+    tensor_parallel_size: int = setting(1, help="Tensor-parallel ranks.", flag=True, reported=True,
+                                        choices=PARALLEL_SIZES)
+    pipeline_parallel_size: int = setting(1, help="Pipeline stages (layers split across processes / nodes).",
+                                          flag=True, reported=True, choices=PARALLEL_SIZES)
+    num_micro_batches: int | None = setting(
+        None, help="Micro-batches in flight per step with pipeline stages (default: the stage count; 1 = off).",
+        flag=True, reported=True, min=1, max=64)
+    micro_batch_min_tokens: int = setting(64, help="A step splits only into micro-batches of at least this "
+                                                   "many tokens.", min=1)
+    distributed_address: str | None = setting(
+        None, help="Ranks started separately (LeaderWorkerSet pods, `kiln serve --rank`): rank 0's HOST:PORT; "
+                   "None = every rank spawned here (one machine).")
+    rank_offset: int = setting(0, help="The first of the consecutive ranks this process hosts.")
+    local_ranks: int | None = setting(None, help="Ranks this process hosts (default: every rank without "
+                                                 "distributed_address, else 1).")
+    distributed_timeout_s: float = setting(
+        120.0, help="Most seconds any rank waits on another once running (default 120) "
+                    "[env KILN_DISTRIBUTED_TIMEOUT_SECONDS].",
+        flag="--distributed-timeout", envvar="KILN_DISTRIBUTED_TIMEOUT_SECONDS", min=0, min_open=True)
+    join_timeout_s: float = setting(
+        600.0, help="Most seconds ranks wait for each other at start (default 600) [env KILN_JOIN_TIMEOUT_SECONDS].",
+        flag="--join-timeout", envvar="KILN_JOIN_TIMEOUT_SECONDS", min=0, min_open=True)
+    heartbeat_interval_s: float | None = setting(None, help="Rank 0 pings idle ranks this often (default: "
+                                                            "distributed_timeout_s / 8, at most 5).")
+    device: str | None = setting(None, help="Device (default: cuda when visible).", flag=True, reported=True,
+                                 choices=("cpu", "cuda"))
+    quantization: str | None = setting(None, help="Weight-only quantization.", flag=True, reported=True,
+                                       choices=QUANTIZATIONS)
+    kv_cache_dtype: str = setting("auto", help="KV-cache dtype.", flag=True, reported=True,
+                                  choices=("auto", *DTYPES))
+    seed: int = setting(0, help="Engine seed for requests without their own.", flag=True)
+    cuda_graph_batch_sizes: list[int] | None = setting(None, help="Decode batch sizes captured as CUDA graphs "
+                                                                  "(default: the engine's buckets).")
+    enforce_eager: bool = setting(False, help="No CUDA graphs.")
+    attention_backend: str = setting("auto", help="The attention implementation.", choices=ATTENTION_BACKENDS)
+    weights_dir: str | None = setting(None, help="Per-rank engine weights (set by from_artifact); None = load "
+                                                 "the HF checkpoint.")
+    compile: str = setting("off", help="'inductor': the CPU forward pass as one compiled graph (engine/compile.py).",
+                           choices=COMPILE_MODES)
+    compile_cache: str | None = setting(None, help="The artifact's shipped Inductor cache dir, used for compiling.")
+    cpu_target: dict[str, Any] | None = setting(
+        None, repr=False, help="How an artifact was adapted to this CPU at load (cpu_target.plan_cpu_load).")
+    tactics: str = setting("auto", help="Where a CPU engine's tactic table comes from (tactics.resolve): 'auto', "
+                                        "a tactics.json or a candidate name.")
+    tactics_cache: str | None = setting(None, help="Where a table re-timed on another kind of host is cached.")
+    tactics_info: dict[str, Any] | None = setting(None, repr=False, help="Set at load: where the table came from.")
+    speculative_config: Any = setting(
+        None, flag=True, json=True,
+        help="Speculative decoding as vLLM's flag, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+             "(docs/speculative.md).")
+    hf_config: dict[str, Any] = setting(default_factory=dict, repr=False, help="The model's config.json.")
 
     def __post_init__(self) -> None:
-        import torch
+        self._fill_defaults()
+        self._validate()
+        self._check_features()
 
+    def _fill_defaults(self) -> None:
         if not self.hf_config:
             self.hf_config = read_hf_config(Path(self.model))
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        model_max = max_model_len(self.hf_config)
         if self.max_seq_len is None:
-            self.max_seq_len = model_max
+            self.max_seq_len = max_model_len(self.hf_config)
         if self.max_input_len is None:
             self.max_input_len = self.max_seq_len - 1
-        if self.quantization in ("none", ""):
-            self.quantization = None
+        self.quantization = canonical_quantization(self.quantization)
         if self.num_micro_batches is None:
             self.num_micro_batches = self.pipeline_parallel_size
         if self.local_ranks is None:
             self.local_ranks = self.world_size if self.distributed_address is None else 1
         if self.heartbeat_interval_s is None:
             self.heartbeat_interval_s = min(5.0, self.distributed_timeout_s / 8)
-        checks = [
-            ("dtype", self.dtype in DTYPES, f"must be one of {', '.join(DTYPES)}"),
-            ("quantization", self.quantization in QUANTIZATIONS, "must be None, 'int8' or 'fp8'"),
-            ("kv_cache_dtype", self.kv_cache_dtype in ("auto", *DTYPES), f"must be 'auto' or one of {', '.join(DTYPES)}"),
-            ("device", self.device in ("cpu", "cuda"), "must be 'cpu' or 'cuda'"),
-            ("device", self.device != "cuda" or torch.cuda.is_available(), "is 'cuda' but no CUDA device is visible"),
-            ("attention_backend", self.attention_backend in ATTENTION_BACKENDS,
-             f"must be one of {', '.join(ATTENTION_BACKENDS)}"),
-            ("max_batch_size", self.max_batch_size >= 1, "must be >= 1"),
-            ("max_num_tokens", self.max_num_tokens >= self.max_batch_size,
-             f"must be >= max_batch_size ({self.max_batch_size}) so every running request can decode each step"),
-            ("max_seq_len", 2 <= self.max_seq_len <= model_max,
-             f"must be in [2, {model_max}] (the model's max_position_embeddings)"),
-            ("max_input_len", 1 <= self.max_input_len < self.max_seq_len,
-             f"must be >= 1 and < max_seq_len ({self.max_seq_len})"),
-            ("block_size", self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
-             "must be a power of two"),
-            ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1, "must be >= 1"),
-            ("kv_memory_fraction", 0 < self.kv_memory_fraction <= 1, "must be in (0, 1]"),
-            ("tensor_parallel_size", self.tensor_parallel_size in (1, 2, 4, 8), "must be 1, 2, 4 or 8"),
-            ("pipeline_parallel_size", self.pipeline_parallel_size in (1, 2, 4, 8), "must be 1, 2, 4 or 8"),
-            ("num_micro_batches", isinstance(self.num_micro_batches, int) and 1 <= self.num_micro_batches <= 64,
-             "must be in [1, 64] (1 = no micro-batching)"),
-            ("micro_batch_min_tokens", self.micro_batch_min_tokens >= 1, "must be >= 1"),
-            ("distributed_timeout_s", self.distributed_timeout_s > 0, "must be > 0 seconds"),
-            ("join_timeout_s", self.join_timeout_s > 0, "must be > 0 seconds"),
-            ("heartbeat_interval_s", 0 < self.heartbeat_interval_s < self.distributed_timeout_s,
-             f"must be > 0 and below distributed_timeout_s ({self.distributed_timeout_s})"),
-        ]
-        from kiln.engine.tactics.candidates import LINEAR
+        if self.pipeline_parallel_size > 1 and self.device == "cuda":
+            self.enforce_eager = True  # CUDA graphs capture one whole-model decode step; stages run eager
 
-        checks.append(("tactics", self.tactics in ("auto", *LINEAR) or Path(self.tactics).is_file(),
-                       f"must be 'auto', a candidate ({', '.join(LINEAR)}) or a tactics.json file"))
-        for name, ok, rule in checks:
+    def _validate(self) -> None:
+        for ok, message in self._rules():
             if not ok:
-                raise ConfigError(f"{name} {rule}, got {getattr(self, name)!r}")
-        self._check_placement()
-        from kiln.engine.spec_decode.config import SpeculativeConfig
+                raise ConfigError(message)
 
+    def _rules(self) -> Iterator[tuple[bool, str]]:
+        """The check table: (holds, message naming the setting and the fix), in order; a row is read only
+        once the rows above it hold, so each may rely on them."""
+        for name, holds, rule in _field_rules(self):
+            yield holds(), f"{name} {rule}, got {getattr(self, name)!r}"
+
+        def got(name: str, rule: str) -> str:
+            return f"{name} {rule}, got {getattr(self, name)!r}"
+
+        model_max, world = max_model_len(self.hf_config), self.world_size
+        layers = int(self.hf_config.get("num_hidden_layers", 1))
+        heads = self.hf_config.get("num_attention_heads", 1)
+        kv_heads = self.hf_config.get("num_key_value_heads") or heads
+        window = self.hf_config.get("sliding_window")
+        uses_window = self.hf_config.get("use_sliding_window", self.hf_config.get("model_type") == "mistral")
+        yield (self.device != "cuda" or torch.cuda.is_available(),
+               got("device", "is 'cuda' but no CUDA device is visible"))
+        yield (self.max_num_tokens >= self.max_batch_size,
+               got("max_num_tokens", f"must be >= max_batch_size ({self.max_batch_size}) so every running "
+                                     "request can decode each step"))
+        yield (2 <= self.max_seq_len <= model_max,
+               got("max_seq_len", f"must be in [2, {model_max}] (the model's max_position_embeddings)"))
+        yield (1 <= self.max_input_len < self.max_seq_len,
+               got("max_input_len", f"must be >= 1 and < max_seq_len ({self.max_seq_len})"))
+        yield self.block_size & (self.block_size - 1) == 0, got("block_size", "must be a power of two")
+        yield (0 < self.heartbeat_interval_s < self.distributed_timeout_s,
+               got("heartbeat_interval_s", f"must be > 0 and below distributed_timeout_s "
+                                           f"({self.distributed_timeout_s})"))
+        yield (self.tactics in ("auto", *LINEAR) or Path(self.tactics).is_file(),
+               got("tactics", f"must be 'auto', a candidate ({', '.join(LINEAR)}) or a tactics.json file"))
+        yield from self._placement_rules(world)
+        yield (self.device != "cuda" or torch.cuda.device_count() >= self.local_ranks,
+               f"this process hosts {self.local_ranks} rank(s) (tensor_parallel_size {self.tensor_parallel_size} "
+               f"x pipeline_parallel_size {self.pipeline_parallel_size}"
+               f"{', local_ranks' if self.distributed_address else ''}) and needs as many GPUs; "
+               f"{torch.cuda.device_count() if self.device == 'cuda' else 0} visible")
+        yield (self.pipeline_parallel_size <= layers,
+               f"pipeline_parallel_size {self.pipeline_parallel_size} exceeds the model's num_hidden_layers "
+               f"({layers}); every stage needs at least one layer: set pipeline_parallel_size <= {layers}")
+        yield (not (window and uses_window and self.max_seq_len > window),
+               f"max_seq_len {self.max_seq_len} exceeds the model's sliding_window ({window}); kiln attends the "
+               f"full context, which equals the model only up to {window} tokens: set max_seq_len <= {window}")
+        yield (not (heads % self.tensor_parallel_size or kv_heads % self.tensor_parallel_size),
+               f"tensor_parallel_size {self.tensor_parallel_size} must divide the model's attention heads "
+               f"({heads}) and KV heads ({kv_heads})")
+
+    def _placement_rules(self, world: int) -> Iterator[tuple[bool, str]]:
+        """Where this process's ranks sit in the world (docs/multi-node.md)."""
+        sizes = (f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                 f"{self.pipeline_parallel_size}")
+        if self.distributed_address is None:
+            yield (self.rank_offset == 0 and self.local_ranks == world,
+                   f"rank_offset {self.rank_offset} / local_ranks {self.local_ranks} need distributed_address "
+                   "(rank 0's HOST:PORT); without it every rank is spawned here")
+            return
+        host, _, port = self.distributed_address.rpartition(":")
+        yield (bool(host) and port.isdigit() and 0 < int(port) < 65536,
+               f"distributed_address must be HOST:PORT (rank 0's rendezvous), got {self.distributed_address!r}")
+        yield (isinstance(self.local_ranks, int) and self.local_ranks >= 1,
+               f"local_ranks must be >= 1, got {self.local_ranks!r}")
+        yield (0 <= self.rank_offset and self.rank_offset + self.local_ranks <= world,
+               f"ranks {self.rank_offset}..{self.rank_offset + self.local_ranks - 1} (rank_offset, local_ranks) do "
+               f"not fit the world of {world} ranks ({sizes}); give every process the same parallel sizes and "
+               f"a rank below {world}")
+
+    def _check_features(self) -> None:
+        """Can what was asked for run here: speculation, compiling, the attention backend."""
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        from kiln.engine.compile import check_compile
-
         why = check_compile(self.compile, self.device, self.world_size)
         if why:
             raise ConfigError(why)
@@ -192,64 +305,17 @@ class EngineConfig:
                               "CUDA device, or on CPU Triton's interpreter (TRITON_INTERPRET=1, for tests): "
                               "use 'auto' or 'torch'")
         self.attention_backend = backend
-        if self.device == "cuda" and torch.cuda.device_count() < self.local_ranks:
-            raise ConfigError(f"this process hosts {self.local_ranks} rank(s) (tensor_parallel_size "
-                              f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size}"
-                              f"{', local_ranks' if self.distributed_address else ''}) and needs as many GPUs; "
-                              f"{torch.cuda.device_count()} visible")
-        if self.pipeline_parallel_size > 1 and self.device == "cuda":
-            self.enforce_eager = True  # CUDA graphs capture one whole-model decode step; stages run eager
-        layers = int(self.hf_config.get("num_hidden_layers", 1))
-        if self.pipeline_parallel_size > layers:
-            raise ConfigError(f"pipeline_parallel_size {self.pipeline_parallel_size} exceeds the model's "
-                              f"num_hidden_layers ({layers}); every stage needs at least one layer: "
-                              f"set pipeline_parallel_size <= {layers}")
-        window = self.hf_config.get("sliding_window")
-        uses_window = self.hf_config.get("use_sliding_window", self.hf_config.get("model_type") == "mistral")
-        if window and uses_window and self.max_seq_len > window:
-            raise ConfigError(f"max_seq_len {self.max_seq_len} exceeds the model's sliding_window ({window}); kiln "
-                              f"attends the full context, which equals the model only up to {window} tokens: "
-                              f"set max_seq_len <= {window}")
-        heads = self.hf_config.get("num_attention_heads", 1)
-        kv_heads = self.hf_config.get("num_key_value_heads") or heads
-        tp = self.tensor_parallel_size
-        if heads % tp or kv_heads % tp:
-            raise ConfigError(f"tensor_parallel_size {tp} must divide the model's attention heads ({heads}) "
-                              f"and KV heads ({kv_heads})")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
-    def _check_placement(self) -> None:
-        world = self.world_size
-        if self.distributed_address is None:
-            if self.rank_offset != 0 or self.local_ranks != world:
-                raise ConfigError(f"rank_offset {self.rank_offset} / local_ranks {self.local_ranks} need "
-                                  "distributed_address (rank 0's HOST:PORT); without it every rank is spawned here")
-            return
-        host, _, port = self.distributed_address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"distributed_address must be HOST:PORT (rank 0's rendezvous), "
-                              f"got {self.distributed_address!r}")
-        if not isinstance(self.local_ranks, int) or self.local_ranks < 1:
-            raise ConfigError(f"local_ranks must be >= 1, got {self.local_ranks!r}")
-        if not 0 <= self.rank_offset or self.rank_offset + self.local_ranks > world:
-            raise ConfigError(f"ranks {self.rank_offset}..{self.rank_offset + self.local_ranks - 1} (rank_offset, "
-                              f"local_ranks) do not fit the world of {world} ranks (tensor_parallel_size "
-                              f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size}); "
-                              f"give every process the same parallel sizes and a rank below {world}")
-
     @property
     def torch_dtype(self):
-        import torch
-
         return getattr(torch, self.dtype)
 
     @property
     def kv_torch_dtype(self):
-        import torch
-
         return getattr(torch, self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype)
 
     def eos_token_ids(self, tokenizer: Any = None) -> list[int]:

@@ -11,16 +11,24 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from kiln.engine.sampling_kernels import index as _index
-
-if TYPE_CHECKING:
-    from kiln.engine.sampler import SamplingRow
+from kiln.engine.sampling_params import SamplingParams
 
 
-def _min_tokens_masked_ids(row: SamplingRow) -> list[int]:
+class PenaltyRow(Protocol):
+    """What the penalties read of a row: ``sampler.SamplingRow`` (the sampler imports this module, not the
+    other way round)."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: Sequence[int]
+
+
+def _min_tokens_masked_ids(row: PenaltyRow) -> list[int]:
     """The ids that would stop the request, which it may not sample below min_tokens (vLLM's
     rule: EOS only counts when it stops the request, i.e. without ignore_eos)."""
     if len(row.output_token_ids) >= row.params.min_tokens:
@@ -28,7 +36,7 @@ def _min_tokens_masked_ids(row: SamplingRow) -> list[int]:
     return [*(() if row.params.ignore_eos else row.eos_token_ids), *row.params.stop_token_ids]
 
 
-def needs_min_tokens_mask(row: SamplingRow) -> bool:
+def needs_min_tokens_mask(row: PenaltyRow) -> bool:
     return bool(_min_tokens_masked_ids(row))
 
 
@@ -40,7 +48,7 @@ def _pairs(token_lists: list[Sequence[int]], device: torch.device) -> tuple[torc
     return local_rows.to(device), ids.to(device)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: list[PenaltyRow]) -> torch.Tensor:
     """allowed_token_ids, min_tokens masking, logit_bias and the three penalties; ``logits``
     itself when none apply."""
     device, vocab = logits.device, logits.shape[1]

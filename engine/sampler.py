@@ -38,6 +38,7 @@ from kiln.engine.sampling_kernels import index as _index
 from kiln.engine.sampling_kernels import inverse_cdf as _inverse_cdf
 from kiln.engine.sampling_kernels import topk as _topk
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.structured.state import apply_bitmask, fill_bitmasks
 
 _TIERS = (32, 128, 1024)
 
@@ -113,8 +114,6 @@ def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Set the logits of the tokens each constrained row's grammar refuses to -inf, in place. Logprobs
     are then those of the constrained distribution (vLLM's too). A row left with no token at all (its
     grammar and allowed_token_ids disagree) samples one its grammar refuses, and fails alone there."""
-    from kiln.engine.structured.state import apply_bitmask, fill_bitmasks
-
     constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
     apply_bitmask(logits, constrained, fill_bitmasks([rows[i].grammar for i in constrained], logits.shape[1]))
 

@@ -31,10 +31,21 @@ from pathlib import Path
 import torch
 
 # Shared memory one block may use, opt-in maximum, by compute capability (CUDA C Programming Guide, "Technical
-# Specifications per Compute Capability"): A100 163 KB; sm_86/89 (A10, L4, L40S) 99 KB; H100/H200 227 KB.
+# Specifications per Compute Capability"): A100 163 KB; sm_86/89 (A10, L4, L40S) 99 KB; H100/H200 227 KB. Each is
+# the SM's shared memory (164 / 100 / 228 KB) less the 1 KB the system reserves per block, so a block within it
+# also fits one SM. A capability missing here is a problem (``KernelReport.problems``), never a pass.
 SMEM_PER_BLOCK = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+# Registers (NVIDIA's occupancy calculator, cuda_occupancy.h, the same for every capability above): the SM's
+# register file and a block's limit are 64K; registers are allocated per warp in units of 256 (a thread's count
+# rounded up to a multiple of 8 for 32-thread warps); the hardware checks a block as though its warps were
+# spread evenly over the SM's 4 sub-partitions (warp count rounded up to a multiple of 4).
 REGS_PER_SM = 65536
+REGS_PER_BLOCK = 65536
+REG_ALLOC_UNIT = 256
+SUB_PARTITIONS = 4
 MAX_REGS_PER_THREAD = 255
+MAX_THREADS_PER_BLOCK = 1024
+WARP_SIZE = 32
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -57,14 +68,33 @@ class KernelReport:
         """Why this kernel would fail or slow down on its capability (empty: it fits)."""
         out = []
         limit = SMEM_PER_BLOCK.get(self.capability)
-        if limit is not None and self.shared > limit:
+        if limit is None:
+            known = ", ".join(str(c) for c in sorted(SMEM_PER_BLOCK))
+            out.append(f"sm_{self.capability} is not in the AOT check's limits (known: {known}); check another "
+                       f"capability or add its shared memory per block to kiln.engine.kernels.aot.SMEM_PER_BLOCK")
+        elif self.shared > limit:
             out.append(f"needs {self.shared} B of shared memory, sm_{self.capability} allows {limit}")
-        if self.registers > MAX_REGS_PER_THREAD or self.registers * 32 * self.num_warps > REGS_PER_SM:
-            out.append(f"{self.registers} registers x {32 * self.num_warps} threads do not fit one SM")
+        threads = WARP_SIZE * self.num_warps
+        if threads > MAX_THREADS_PER_BLOCK:
+            out.append(f"{threads} threads per block, more than {MAX_THREADS_PER_BLOCK}")
+        if self.registers > MAX_REGS_PER_THREAD:
+            out.append(f"{self.registers} registers per thread, more than {MAX_REGS_PER_THREAD}")
+        elif (allocated := block_registers(self.registers, self.num_warps)) > min(REGS_PER_BLOCK, REGS_PER_SM):
+            out.append(f"{self.registers} registers x {threads} threads do not fit one SM: allocated per warp in "
+                       f"units of {REG_ALLOC_UNIT}, the block takes {allocated} of {REGS_PER_SM}")
         if self.spill_stores + self.spill_loads > spill_baseline:
             out.append(f"spills {self.spill_stores} B stores / {self.spill_loads} B loads "
                        f"(reviewed baseline {spill_baseline} B)")
         return out
+
+
+def block_registers(registers: int, num_warps: int) -> int:
+    """The registers one block of ``num_warps`` warps is charged, the larger of the two checks in
+    ``cudaOccMaxBlocksPerSMRegsLimit``: its warps' allocations (each warp's ``registers x 32`` rounded up to
+    whole 256-register units) and the hardware's view of them spread over the SM's sub-partitions (the warp
+    count rounded up to a multiple of 4)."""
+    per_warp = -(-registers * WARP_SIZE // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    return per_warp * max(num_warps, -(-num_warps // SUB_PARTITIONS) * SUB_PARTITIONS)
 
 
 def _target(capability: int):
@@ -191,7 +221,8 @@ def source_key() -> str:
     here = Path(__file__).parent
     h = hashlib.sha256(triton.__version__.encode())
     for path in sorted(here.glob("*.py")):
-        if path.name not in ("native.py", "packed.py", "isa.py", "cpu_library.py", "__init__.py"):
+        if path.name not in ("native.py", "packed.py", "isa.py", "cpu_library.py", "candidates.py",
+                             "quant_linear.py", "__init__.py"):
             h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()[:16]
 

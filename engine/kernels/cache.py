@@ -45,7 +45,7 @@ _GROUP_PREFIX = "__grp__"
 
 def autotuned_kernels() -> dict[str, Any]:
     """The engine's autotuned kernels by record name (each a ``triton.runtime.Autotuner``)."""
-    from kiln.engine.kernels import int8_gemm
+    from kiln.engine.kernels import int8_gemm  # deferred: imports triton (GPU only)
 
     return {"int8_weight_only": int8_gemm._tuned_kernel, "int8_weight_only_f32": int8_gemm._tuned_kernel_f32}
 
@@ -56,7 +56,7 @@ def config_to_dict(config) -> dict[str, Any]:
 
 
 def config_from_dict(doc: dict[str, Any]):
-    import triton
+    import triton  # deferred: an optional dependency (kiln[gpu])
 
     return triton.Config(**doc)
 
@@ -87,10 +87,10 @@ def seed_autotuned(record: dict[str, list[dict[str, Any]]], kernels: dict[str, A
 
 def host_target() -> dict[str, Any]:
     """What compiled Triton code depends on here (versions, GPU); ``None`` fields where absent."""
-    import torch
+    import torch  # deferred: keeps this module torch-free (the build pipeline imports it: kernel_cache.py)
 
     try:
-        import triton
+        import triton  # deferred: an optional dependency (kiln[gpu])
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
@@ -130,12 +130,20 @@ def relocate_groups(cache_root: Path, to_absolute: bool) -> int:
     return count
 
 
+# Host code a Triton cache holds beside the GPU kernels (the launcher and driver-utility modules it builds
+# with the host's C compiler): never shipped and never installed from an artifact; each host builds its own.
+HOST_CODE_SUFFIXES = (".so", ".dylib", ".dll", ".pyd")
+
+
 def copy_cache(src: Path, dest: Path) -> tuple[int, int]:
-    """Copy the regular files of a Triton cache (no locks, temp dirs or links); returns (files, bytes)."""
+    """Copy the regular files of a Triton cache (no locks, temp dirs, links or host code: the launchers are
+    rebuilt on the host that runs them); returns (files, bytes)."""
     files = size = 0
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src)
         if p.is_symlink() or not p.is_file() or p.name == "lock" or any(s.startswith("tmp.") for s in rel.parts):
+            continue
+        if p.suffix in HOST_CODE_SUFFIXES:
             continue
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(p, dest / rel)
@@ -143,15 +151,20 @@ def copy_cache(src: Path, dest: Path) -> tuple[int, int]:
     return files, size
 
 
-def install_shipped(artifact_dir: str | Path, doc: dict[str, Any], here: dict[str, Any] | None = None
-                    ) -> Path | None:
-    """Point ``TRITON_CACHE_DIR`` at a private copy of the artifact's kernel cache when it fits this host.
+def install_shipped(artifact_dir: str | Path, doc: dict[str, Any], here: dict[str, Any] | None = None,
+                    trusted: bool = False) -> Path | None:
+    """Point ``TRITON_CACHE_DIR`` at a private copy of the artifact's kernel cache when it fits this host
+    and the artifact is ``trusted`` (its signature was verified: compiled kernels are code).
 
-    Returns that directory, or ``None`` (nothing shipped, or built for another target: warned).
+    Returns that directory, or ``None`` (nothing shipped, not trusted, or built for another target: logged).
     """
     record = doc.get(RECORD_KEY) or {}
     if not record.get("packed") or record.get("device") == "cpu":  # a CPU build's C kernels: native.py
         log.debug("no kernels shipped in %s: %s", artifact_dir, record.get("reason", "not recorded"))
+        return None
+    if not trusted:
+        log.warning("shipped kernel cache not used: the artifact's signature was not verified (serve it with "
+                    "--verify-key); Triton compiles and autotunes at first use")
         return None
     differs = target_differences(record.get("target") or {}, here or host_target())
     if differs:

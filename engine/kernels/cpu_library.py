@@ -23,12 +23,13 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kiln.engine.kernels.cache import RECORD_KEY
 from kiln.engine.kernels.isa import ARCH_LEVELS, LEVEL_FLAGS, host_levels, log
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("*.c")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
-ABI_VERSION = 10  # = KILN_ABI_VERSION in csrc/kiln_cpu.h
+ABI_VERSION = 11  # = KILN_ABI_VERSION in csrc/kiln_cpu.h
 _EXTRA = {"x86-64-v4": ("-mprefer-vector-width=512",)}
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
 CPU_DIR = "kernels/cpu"  # where an artifact holds its compiled libraries, one <level>.so per ISA level
@@ -81,6 +82,7 @@ def default_dir() -> Path:
 
 
 _shipped: dict[str, Path] = {}  # level -> an artifact's library, set by install_shipped
+_installs = 0  # how many times install_shipped ran: native loads the library again when it changes
 
 
 def build_for_artifact(artifact_dir: Path) -> dict:
@@ -105,13 +107,16 @@ def build_for_artifact(artifact_dir: Path) -> dict:
             "libraries": libraries}
 
 
-def install_from_artifact(artifact_dir: str | Path, doc: dict) -> list[str]:
-    """Use an artifact's shipped libraries (``build_for_artifact``) when they are this kiln's kernels;
+def install_from_artifact(artifact_dir: str | Path, doc: dict, trusted: bool = False) -> list[str]:
+    """Use an artifact's shipped libraries (``build_for_artifact``) when they are this kiln's kernels and the
+    artifact is ``trusted`` (its signature was verified: a library runs code as soon as it is loaded);
     returns the levels installed."""
-    from kiln.engine.kernels.cache import RECORD_KEY
-
     record = doc.get(RECORD_KEY) or {}
     if record.get("device") != "cpu" or not record.get("packed"):
+        return []
+    if not trusted:
+        log.warning("the artifact's CPU kernel library is not loaded: its signature was not verified (serve it "
+                    "with --verify-key); compiling this kiln's kernels from its own sources here")
         return []
     if record.get("source_sha256") != source_digest() or record.get("abi") != ABI_VERSION:
         log.warning("the artifact's CPU kernels were built from another kiln's source: compiling this kiln's here")
@@ -124,11 +129,16 @@ def install_from_artifact(artifact_dir: str | Path, doc: dict) -> list[str]:
 
 
 def install_shipped(libraries: dict[str, Path]) -> None:
-    """Prefer an artifact's compiled libraries (level -> path) to compiling here; call before first use."""
-    from kiln.engine.kernels import native
-
+    """Prefer an artifact's compiled libraries (level -> path) to compiling here; call before first use (a
+    library ``native`` loaded before is loaded again: it asks ``installs``)."""
+    global _installs
     _shipped.update(libraries)
-    native.reset()
+    _installs += 1
+
+
+def installs() -> int:
+    """How many times ``install_shipped`` ran in this process (``native.kernels`` keys its loaded library by it)."""
+    return _installs
 
 
 def locate(shipped: bool = True) -> tuple[Path, str] | str:

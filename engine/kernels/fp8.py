@@ -4,7 +4,7 @@ The one rule for where this runs is :func:`fp8_gemm_supported`: CUDA devices of 
 capability >= 8.9 (Ada: L4, L40S; Hopper: H100, H200; and later). The API's GPU table
 (``kiln/skus.py``, ``GPUSpec.supports_fp8``) mirrors it, and a test pins that the two agree
 (the core imports nothing of the engine). Elsewhere (CPU, A100 and older) an fp8 weight is
-dequantized per call instead (``layers/quant.py``).
+dequantized per call instead (``kernels/quant_linear.py``).
 
 The math, for ``x [M, K]`` and an fp8 weight ``W_q [N, K]`` with float32 scales ``s_w [N]``:
 

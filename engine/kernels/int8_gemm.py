@@ -15,7 +15,7 @@ rows shares one tuning and prefill chunks share another. Under Triton's interpre
 (``TRITON_INTERPRET=1``, the CPU tests) nothing is timed: :func:`default_config` picks one, and
 tests pass each of :data:`CONFIGS` explicitly to check them all.
 
-This module imports triton: only the CUDA path (``layers/quant.py``) and the tests import it.
+This module imports triton: only the CUDA path (``kernels/quant_linear.py``) and the tests import it.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ class Kernels:
         self._cache_write = declare("kiln_cache_write", None, *[ptr] * 5, *[i64] * 7, flag)
         self._pack_linear = {torch.float32: declare("kiln_pack_linear_f32", None, *[ptr] * 2, *[i64] * 3),
                              torch.bfloat16: declare("kiln_pack_linear_bf16", None, *[ptr] * 2, *[i64] * 3),
-                             torch.int8: declare("kiln_pack_linear_i8", None, *[ptr] * 2, *[i64] * 3)}
+                             torch.int8: declare("kiln_pack_linear_i8", None, *[ptr] * 3, *[i64] * 3)}
+        self._w8a8_quantize = declare("kiln_w8a8_quantize", None, *[ptr] * 3, *[i64] * 3, flag)
         self._gemm = declare("kiln_gemm", ctypes.c_int, ctypes.POINTER(KilnWeight), *[ptr] * 3, *[i64] * 3)
         self.linear_panel = declare("kiln_linear_panel", i64)()
         self.bf16_panel_pairs = declare("kiln_bf16_panel_pairs", i64, i64)
@@ -61,13 +62,18 @@ class Kernels:
         amx = feature_missing("amx", level) or bf16_fma
         if amx is None and not declare("kiln_amx_ready", ctypes.c_int)():
             amx = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        # W8A8 (int8 weights x int8 activations) on vpdpbusd: the library says whether it has the kernel, the
+        # CPU's flags and $KILN_CPU_ISA whether it may run here
+        w8a8 = None if declare("kiln_w8a8_available", ctypes.c_int)() else f"the {level} library has no W8A8 kernel"
+        w8a8 = w8a8 or feature_missing("avx512_vnni", level)
         mkldnn = torch.ops.mkldnn
         onednn = None if torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_bf16_supported() else \
             "torch's oneDNN has no bf16 kernels on this CPU"
         self.gemm_kernels: dict[torch.dtype, dict[str, str | None]] = {
             torch.float32: {"fma": None, "amx": "AMX multiplies bf16, not float32",
-                            "onednn": "oneDNN packs float32 weights in another layout than kiln's panels"},
-            torch.bfloat16: {"fma": bf16_fma, "amx": amx, "onednn": bf16_fma or onednn}}
+                            "onednn": "oneDNN packs float32 weights in another layout than kiln's panels",
+                            "w8a8": w8a8},
+            torch.bfloat16: {"fma": bf16_fma, "amx": amx, "onednn": bf16_fma or onednn, "w8a8": bf16_fma or w8a8}}
         self.linear_dtypes = tuple(dt for dt, ks in self.gemm_kernels.items() if ks["fma"] is None)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -150,6 +156,15 @@ class Kernels:
         where that gives the same bytes (default: when a bucket runs ``"onednn"``)."""
         return PackedLinear(self, weight, tactics, scales, dtype, share_onednn)
 
+    def w8a8_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 [rows, k], float32 scales [rows]): the activations W8A8 multiplies, as the kernel quantizes them
+        (per row, symmetric: round(x * (127 / max|x|)) in float32, scale max|x| / 127)."""
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        q = torch.empty(x2.shape, dtype=torch.int8)
+        sx = torch.empty(x2.shape[0], dtype=torch.float32)
+        self._w8a8_quantize(x2.data_ptr(), q.data_ptr(), sx.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), _bf16(x2))
+        return q, sx
+
     def linear(self, x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` for x [..., in] of the weight's dtype and the weight ``packed``, by the
         kernel its tactics name for this many rows (``kiln_gemm``; float32 accumulation, bf16 rounded once)."""
@@ -167,7 +182,7 @@ class Kernels:
             b = None if bias is None else bias.float().contiguous()
             if self._gemm(ctypes.byref(packed.weight), x2.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(),
                           x2.shape[0], x2.stride(0), n):
-                raise MemoryError("kiln's int8 GEMM could not allocate its widened panel")
+                raise MemoryError("kiln's int8 GEMM could not allocate its widened panel (or quantized activations)")
         return y.view(*x.shape[:-1], n)
 
 
@@ -259,8 +274,10 @@ def supports(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 _failed: list[str] = []  # why the library did not load, once logged
 
 
-@functools.cache
-def _library() -> Kernels | None:
+@functools.lru_cache(maxsize=1)
+def _library(installs: int) -> Kernels | None:
+    """The library for this host, loaded once per ``cpu_library.installs()`` (an artifact's copy installed
+    later replaces one loaded before)."""
     where = cpu_library.locate()
     if isinstance(where, tuple) and where[0] == cpu_library._shipped.get(where[1]):
         try:
@@ -283,7 +300,7 @@ def _library() -> Kernels | None:
 
 def kernels() -> Kernels | None:
     """The CPU kernels for this host, or None (the engine then runs its torch path)."""
-    return _library()
+    return _library(cpu_library.installs())
 
 
 def reset() -> None:

@@ -2,8 +2,9 @@
 
 Panels of P output columns (P = the library's ``kiln_linear_panel``, the last panel zero-padded):
 [ceil(out / P), in, P] in float32, [ceil(out / P), pairs, P, 2] in bfloat16 (K in pairs, padded to whole AMX
-tiles: ``kiln_bf16_panel_pairs``), and the bf16 layout in one byte per value for int8 weights with their
-float32 scales (weight-only quantization). A decode step streams each panel once.
+tiles: ``kiln_bf16_panel_pairs``), and [ceil(out / P), pairs / 2, P, 4] int8 (K in quads, what vpdpbusd
+reads) for int8 weights with their float32 scales and int32 column sums: one copy serves weight-only int8
+(widened per panel into the bf16 layout) and W8A8 (``"w8a8"``). A decode step streams each panel once.
 
 bf16 panels are byte for byte the blocked layout oneDNN itself chooses for a bf16 weight on the hosts
 measured (``AB16b64a2b``, when it is asked to pack for one row): where that holds for a shape, the weight
@@ -15,28 +16,40 @@ for byte), never assumed.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kiln.engine.kernels.native import Kernels
-
 ROW_BUCKETS = 16  # = KILN_ROW_BUCKETS: bucket b holds calls of (2^(b-1), 2^b] rows
-GEMM_KERNELS = {"fma": 0, "amx": 1, "onednn": 0}  # = enum kiln_gemm_kernel; oneDNN's runs from Python (C: FMA)
+# = enum kiln_gemm_kernel; oneDNN's runs from Python (C: FMA); W8A8 runs int8 weights only
+GEMM_KERNELS = {"fma": 0, "amx": 1, "onednn": 0, "w8a8": 2}
 
 
 def row_bucket(rows: int) -> int:
-    """The tactic bucket of a call with ``rows`` rows (as ``row_bucket`` in csrc/gemm.c)."""
+    """The tactic bucket of a call with ``rows`` rows (as ``row_bucket`` in csrc/gemm_dispatch.c)."""
     return min(ROW_BUCKETS - 1, max(0, (int(rows) - 1).bit_length()))
+
+
+class Kernels(Protocol):
+    """What a packed weight needs of the loaded library (``native.Kernels``, which imports this module: the
+    library is handed in, never imported)."""
+
+    linear_panel: int
+    linear_dtypes: tuple[torch.dtype, ...]
+    gemm_kernels: dict[torch.dtype, dict[str, str | None]]
+    _pack_linear: dict[torch.dtype, Callable[..., None]]
+    bf16_panel_pairs: Callable[[int], int]
+
+    def linear(self, x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class KilnWeight(ctypes.Structure):
     """``struct kiln_weight``: a packed weight and, per row bucket, the GEMM kernel that multiplies it."""
 
-    _fields_ = [("panels", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("bf16", ctypes.c_int32), ("kernel", ctypes.c_uint8 * ROW_BUCKETS)]
+    _fields_ = [("panels", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("sums", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bf16", ctypes.c_int32),
+                ("kernel", ctypes.c_uint8 * ROW_BUCKETS)]
 
 
 def onednn_panels(kernels: Kernels, weight: torch.Tensor) -> torch.Tensor | None:
@@ -74,10 +87,11 @@ class PackedLinear:
     ``kiln_linear_panel``, the last panel zero-padded), [ceil(out / P), in, P] in float32 and
     [ceil(out / P), pairs, P, 2] in bfloat16 (K in pairs, padded to whole AMX tiles: ``kiln_bf16_panel_pairs``;
     one copy serves the vdpbf16ps and AMX kernels), so a
-    decode step streams each panel once; calling it is ``F.linear(x, weight, bias)``. An int8 weight keeps
-    the bf16 layout in one byte per value with its float32 scales (weight-only quantization; ``dtype`` is the
-    activations', and ``kiln_linear_i8`` widens a panel at a time). ``weight`` is the C side's record of
-    it, with the GEMM kernel per row bucket (``set_tactics``)."""
+    decode step streams each panel once; calling it is ``F.linear(x, weight, bias)``. An int8 weight is packed
+    with K in quads, [ceil(out / P), pairs / 2, P, 4], with its float32 scales and int32 column sums (``dtype``
+    is the activations'): ``kiln_linear_i8`` widens a panel at a time (weight-only), and buckets that run
+    ``"w8a8"`` quantize the activations per row and multiply int8 by int8 (``csrc/gemm_w8a8.c``). ``weight``
+    is the C side's record of it, with the GEMM kernel per row bucket (``set_tactics``)."""
 
     def __init__(self, kernels: Kernels, weight: torch.Tensor, tactics: Sequence[str] | None = None,
                  scales: torch.Tensor | None = None, dtype: torch.dtype | None = None,
@@ -93,24 +107,28 @@ class PackedLinear:
             weight = weight.contiguous()
         self.out_features, self.in_features = weight.shape
         panel, k = kernels.linear_panel, self.in_features
-        per_panel = (k, panel) if weight.dtype == torch.float32 else (kernels.bf16_panel_pairs(k), panel, 2)
+        pairs = kernels.bf16_panel_pairs(k)
+        per_panel = {torch.float32: (k, panel), torch.int8: (pairs // 2, panel, 4)}.get(weight.dtype, (pairs, panel, 2))
         panels = -(-self.out_features // panel)
         self.onednn = None  # oneDNN's copy, when it is these panels byte for byte and a bucket runs it
         if (share_onednn or (share_onednn is None and tactics and "onednn" in tactics)) and not self.int8:
             self.onednn = onednn_panels(kernels, weight)
         if self.onednn is not None:  # one copy: kiln's kernels read oneDNN's buffer
             self.panels, ptr = self.onednn, torch.ops.mkldnn.data_ptr(self.onednn)
-        else:
-            self.panels = weight.new_empty((panels, *per_panel))
-            kernels._pack_linear[weight.dtype](weight.data_ptr(), self.panels.data_ptr(), self.out_features, k,
-                                               weight.stride(0))
-            ptr = self.panels.data_ptr()
-        self.scales = None
-        if self.int8:  # padded to whole panels: the kernels read a panel's scales as vectors
+        self.scales = self.sums = None
+        if self.int8:  # padded to whole panels: the kernels read a panel's scales (and sums) as vectors
             self.scales = torch.zeros(panels * panel, dtype=torch.float32)
             self.scales[:self.out_features] = scales.float()
+            self.sums = torch.zeros(panels * panel, dtype=torch.int32)
+        if self.onednn is None:
+            self.panels = weight.new_empty((panels, *per_panel))
+            extra = (self.sums.data_ptr(),) if self.int8 else ()
+            kernels._pack_linear[weight.dtype](weight.data_ptr(), self.panels.data_ptr(), *extra, self.out_features,
+                                               k, weight.stride(0))
+            ptr = self.panels.data_ptr()
         self._kernels = kernels
-        self.weight = KilnWeight(ptr, 0 if self.scales is None else self.scales.data_ptr(), self.out_features, k,
+        self.weight = KilnWeight(ptr, 0 if self.scales is None else self.scales.data_ptr(),
+                                 0 if self.sums is None else self.sums.data_ptr(), self.out_features, k,
                                  int(self.dtype == torch.bfloat16))
         self.set_tactics(tactics or ["fma"] * ROW_BUCKETS)
 
@@ -122,6 +140,8 @@ class PackedLinear:
             why = self._kernels.gemm_kernels[self.dtype].get(name, f"not one of {', '.join(GEMM_KERNELS)}")
             if name == "onednn" and self.onednn is None:
                 why = "oneDNN's packing of this weight is not these panels (or it was packed without it)"
+            if name == "w8a8" and not self.int8:
+                why = why or "W8A8 multiplies int8 weights, not float ones"
             if why:
                 raise ValueError(f"GEMM kernel {name!r} cannot run {self.dtype} here: {why}")
         self.tactics = tuple(tactics)

@@ -191,8 +191,8 @@ class Attention(nn.Module):
 
     def _forward_paged(self, q: torch.Tensor, num_decodes: int, paged: PagedMetadata) -> torch.Tensor:
         """The Triton kernels: decodes (rows ``:num_decodes``), then the prefill chunks."""
-        from kiln.engine.kernels.paged_attention_decode import paged_decode
-        from kiln.engine.kernels.paged_attention_prefill import paged_prefill
+        from kiln.engine.kernels.paged_attention_decode import paged_decode  # deferred: imports triton
+        from kiln.engine.kernels.paged_attention_prefill import paged_prefill  # deferred: imports triton
 
         out = torch.empty_like(q)
         if num_decodes:

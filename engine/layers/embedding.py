@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from kiln.engine import parallel
+from kiln.engine.layers.linear import packed_linear
 from torch import nn
 
 
@@ -43,8 +44,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.packed_weight is not None:
-            from kiln.engine.layers.linear import packed_linear
-
             logits = packed_linear(hidden, self.packed_weight, None)
         else:
             logits = F.linear(hidden, self.weight)

@@ -9,7 +9,7 @@ checkpoint tensor (``shard_id`` q/k/v or 0/1) at its offset in the fused weight.
 
 Weight-only quantization (``int8`` / ``fp8``, ``quant.py``): ``weight`` holds int8 or
 float8_e4m3fn values and ``weight_scale`` one float32 scale per output channel, and
-``quant.quantized_linear`` picks the GEMM (int8/fp8 kernels on a GPU, torch's int8-weight
+``kernels.quant_linear.quantized_linear`` picks the GEMM (int8/fp8 kernels on a GPU, torch's int8-weight
 matmul or a per-call dequantization on CPU). Every parameter is created on the device of
 the model being built, including the quantized ones that replace the float weight.
 On CPU, unquantized weights are packed once at load, each in the layout its tactic table entry chose
@@ -25,7 +25,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from kiln.engine import parallel
-from kiln.engine.layers.quant import QUANT_DTYPES, quantize_weight, quantized_linear
+from kiln.engine.kernels.candidates import run
+from kiln.engine.kernels.quant_linear import quantized_linear
+from kiln.engine.layers.quant import QUANT_DTYPES, quantize_weight
 from torch import nn
 
 __all__ = ["ColumnParallelLinear", "LinearBase", "MergedColumnParallelLinear", "QKVParallelLinear",
@@ -172,6 +174,4 @@ class RowParallelLinear(LinearBase):
 
 def packed_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` through a packed weight (a ``kernels.native.PackedLinear`` or oneDNN's opaque tensor)."""
-    from kiln.engine.tactics.candidates import run
-
     return run(packed, x, bias)

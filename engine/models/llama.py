@@ -65,7 +65,7 @@ class LlamaAttention(nn.Module):
 # past the caches, while a slice's stays in L2/L3 for the SiLU and the down projection. The best slice
 # depends on the host's GEMM (256 on a Zen 4's FMA tiles: 2 threads ~5-10 % faster than unsliced; larger
 # where AMX tiles run it), so a build times MLP_ROWS_CHOICES end to end (a tactic: kiln.builder.
-# tactics_stage); without a build's table the MLP runs CPU_MLP_ROWS.
+# stages.tactics); without a build's table the MLP runs CPU_MLP_ROWS.
 CPU_MLP_ROWS = 256
 MLP_ROWS_CHOICES = (256, 512, 1024)
 

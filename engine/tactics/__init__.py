@@ -4,7 +4,8 @@ TensorRT's builder times each candidate kernel ("tactic") for each layer on the 
 winners in the engine; kiln does the same for its CPU engines, and a serving host that matches the build's
 signature uses the table as is:
 
-- ``candidates.py``: what a linear can run (kiln's FMA and AMX kernels, oneDNN, ATen) and what each needs;
+- ``kiln.engine.kernels.candidates`` (beneath the layers and these modules, which import it): what a linear can
+  run (kiln's FMA and AMX kernels, oneDNN, ATen), what each needs, how to pack and run it;
 - ``timing.py``: interleaved timing of the runnable ones per row bucket, pruned and budgeted;
 - ``table.py``: the choices (a layout per linear shape, a kernel per bucket), on disk with a checksum;
 - ``host.py``: the signature a table was measured on;
@@ -12,6 +13,6 @@ signature uses the table as is:
 - ``bind.py``: packs a loaded model's linears by the table (and keeps the decoder stack's layout whole);
 - ``report.py``: the table for people.
 
-A build measures it in its ``tactics`` stage (``kiln.builder.tactics_stage``), with the model-level choices
+A build measures it in its ``tactics`` stage (``kiln.builder.stages.tactics``), with the model-level choices
 (the decoder stack, the attention backend) timed end to end; docs/tactics.md explains the table.
 """

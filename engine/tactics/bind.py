@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 from kiln.engine import parallel
+from kiln.engine.kernels import candidates
 from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead
 from kiln.engine.layers.linear import LinearBase
 from kiln.engine.models.llama import MLP_ROWS_CHOICES
-from kiln.engine.tactics import candidates
 from kiln.engine.tactics.resolve import packing, resolve
 from kiln.engine.tactics.table import TacticTable
 from kiln.engine.tactics.timing import LinearSite, time_mlp_slices
@@ -149,7 +149,7 @@ def apply(model: nn.Module, config, native, stack: bool = True
     rows = (table.model.get("mlp_rows") or {}).get("winner")
     if parallel.world_size() > 1 and torch.distributed.is_initialized():  # the slice sets how many all-reduces
         # a step makes: one choice for every rank (none to agree with offline, in parallel.shard_context)
-        agreed = parallel.broadcast_object(table.model.get("mlp_rows"))
+        agreed = parallel.broadcast_json(table.model.get("mlp_rows"))
         rows = (agreed or {}).get("winner")
         if agreed is not None:
             table.model["mlp_rows"] = agreed

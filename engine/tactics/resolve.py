@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kiln.engine.tactics import candidates, host
+from kiln.engine.kernels import candidates
+from kiln.engine.kernels.native import ROW_BUCKETS
+from kiln.engine.tactics import host
 from kiln.engine.tactics.table import LinearChoice, TacticsError, TacticTable, choose
 from kiln.engine.tactics.timing import TIMED_COLUMNS, LinearSite, bucket_rows, time_attention, time_site
 
@@ -199,8 +201,6 @@ def packing(choice: LinearChoice, site: LinearSite, native, layout: str | None =
     """(layout, kiln GEMM kernel per row bucket or None) for ``site``, which the table chose ``choice`` for (in
     ``layout`` when given: the decoder stack needs kiln's; ``python_margin``: see ``LinearChoice.kernels``);
     ``TacticsError`` if a bucket names a candidate this host cannot run."""
-    from kiln.engine.kernels.native import ROW_BUCKETS
-
     layout = layout or choice.layout
     runs = choice.kernels(layout, python_margin)
     for name in set(runs):

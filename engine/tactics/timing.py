@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 from kiln.engine import parallel
+from kiln.engine.kernels import candidates
 from kiln.engine.kernels.native import ROW_BUCKETS
 from kiln.engine.layers.quant import quantize_weight
-from kiln.engine.tactics import candidates
 
 MIN_SAMPLE_S = 2e-3
 MIN_ROUNDS, MAX_ROUNDS = 3, 7

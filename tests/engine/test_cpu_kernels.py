@@ -6,8 +6,10 @@ kiln's GEMM under the layer stack force it (``tactics="kiln-fma"``)."""
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -35,6 +37,18 @@ def fresh(monkeypatch, tmp_path, module_kernels_dir):
 @pytest.fixture(scope="module")
 def module_kernels_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cpu-kernels")
+
+
+def test_an_artifacts_library_installed_after_a_load_is_loaded(fresh):
+    """cpu_library (beneath native) never calls native: the loaded library is keyed by its install count."""
+    first = native.kernels()
+    if first is None:
+        pytest.skip("kiln's CPU kernels do not load here")
+    assert native.kernels() is first
+    path = first.path
+    cpu_library.install_shipped({first.level: path})
+    again = native.kernels()
+    assert again is not first and again.path == path and again.level == first.level
 
 
 @pytest.fixture
@@ -282,15 +296,15 @@ def _with_random_biases(src, dest):
 
 
 @pytest.mark.parametrize(("preset", "overrides", "dtype", "quant"), STACK_MODELS)
-@pytest.mark.parametrize("gemm", ["kiln-fma", "kiln-amx"])
+@pytest.mark.parametrize("gemm", ["kiln-fma", "kiln-amx", "kiln-w8a8"])
 def test_decoder_stack_equals_the_module_path(fresh, toy_model, make_llm, monkeypatch, preset, overrides, dtype, quant,
                                               gemm):
     """The layers as one C call (models/llama.LlamaModel.bind_native_stack) give the per-module path's tokens
     and logprobs bit for bit, on each GEMM kernel (the two paths call the same kernel for the same rows):
     decodes, chunked prefill after a cached prefix, and a step over CPU_MLP_ROWS tokens (the MLP in
     slices); and the stack really ran."""
+    from kiln.engine.kernels.candidates import why_not
     from kiln.engine.models.llama import CPU_MLP_ROWS
-    from kiln.engine.tactics.candidates import why_not
 
     why = why_not(gemm, getattr(torch, dtype), native.kernels(), quant)
     if why:
@@ -371,7 +385,8 @@ def test_isa_cap_keeps_the_kernels_at_or_below_it(fresh, monkeypatch, caplog):
     monkeypatch.setenv(isa.ISA_ENV, "avx2")
     with caplog.at_level("WARNING", logger=isa.log.name):
         assert isa.host_levels(v4) == ["x86-64-v4", "x86-64-v3"]
-    assert "$KILN_CPU_ISA=avx2 is not an ISA level of x86_64 (x86-64-v3, x86-64-v4, avx512_bf16, amx)" in caplog.text
+    assert ("$KILN_CPU_ISA=avx2 is not an ISA level of x86_64 (x86-64-v3, x86-64-v4, avx512_vnni, avx512_bf16, amx)"
+            in caplog.text)
 
 
 def test_artifact_ships_every_level_and_the_host_picks_its_own(fresh_cache, monkeypatch):
@@ -383,7 +398,7 @@ def test_artifact_ships_every_level_and_the_host_picks_its_own(fresh_cache, monk
     assert len(built) == len(record["libraries"])
     assert cpu_library.build_for_artifact(fresh_cache / "again")["packed"]  # a second build compiles nothing
     assert sorted((fresh_cache / "cache").glob("*.so")) == built
-    assert cpu_library.install_from_artifact(art, {"kernels": record}) == sorted(record["libraries"])
+    assert cpu_library.install_from_artifact(art, {"kernels": record}, trusted=True) == sorted(record["libraries"])
     best = isa.host_levels()[0]
     loaded = native.kernels()
     assert loaded.level == best and loaded.path == art / cpu_library.CPU_DIR / f"{best}.so"
@@ -395,7 +410,7 @@ def test_avx2_only_host_never_loads_the_avx512_library(fresh, monkeypatch):
     art = fresh / "engine"
     record = cpu_library.build_for_artifact(art)
     monkeypatch.setattr(cpu_target, "cpu_flags", lambda: frozenset(isa.LEVEL_FLAGS["x86-64-v3"]))
-    cpu_library.install_from_artifact(art, {"kernels": record})
+    cpu_library.install_from_artifact(art, {"kernels": record}, trusted=True)
     kernels = native.kernels()
     assert kernels.path.name == "x86-64-v3.so" and kernels.level == "x86-64-v3"
     # the AVX2 build computes the same attention (this host runs it too)
@@ -436,9 +451,28 @@ def test_another_kilns_kernels_are_not_used(fresh_cache, caplog):
     art = fresh_cache / "engine"
     record = {**cpu_library.build_for_artifact(art), "source_sha256": "0" * 64}
     with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.native"):
-        assert cpu_library.install_from_artifact(art, {"kernels": record}) == []
+        assert cpu_library.install_from_artifact(art, {"kernels": record}, trusted=True) == []
     assert "another kiln's source" in caplog.text
     assert native.kernels().path.parent == fresh_cache / "cache"  # compiled here instead
+
+
+def test_an_unverified_artifacts_library_is_never_loaded(fresh_cache, caplog):
+    """A shipped library runs its constructors when it is loaded, so only a verified artifact's is loaded
+    (kiln serve --verify-key); any other artifact runs the kernels this kiln compiles from its own source."""
+    art = fresh_cache / "engine"
+    record = cpu_library.build_for_artifact(art)
+    ran = fresh_cache / "constructor-ran"
+    planted = fresh_cache / "planted.c"
+    planted.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) '
+                       f'{{ FILE *f = fopen("{ran}", "w"); if (f) fclose(f); }}\n')
+    for info in record["libraries"].values():  # a store writer swaps every level for its own library
+        subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", str(art / cpu_library.CPU_DIR /
+                        info["file"]), str(planted)], check=True)
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.native"):
+        assert cpu_library.install_from_artifact(art, {"kernels": record}) == []
+    assert "signature was not verified" in caplog.text
+    assert native.kernels().path.parent == fresh_cache / "cache"  # compiled here from this kiln's source
+    assert not ran.exists()
 
 
 def test_without_a_compiler_cpu_runs_torch_and_says_why(fresh_cache, monkeypatch, caplog, toy_model):

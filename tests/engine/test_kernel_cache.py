@@ -145,7 +145,8 @@ def test_packed_cache_travels_through_the_store_and_installs(tmp_path, monkeypat
     fetched = store.fetch("v1", tmp_path / "fetched")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "elsewhere"))
     monkeypatch.delenv(cache.SEED_ENV, raising=False)
-    dest = cache.install_shipped(fetched, json.loads((Path(fetched) / "engine.json").read_text()), here=HERE)
+    dest = cache.install_shipped(fetched, json.loads((Path(fetched) / "engine.json").read_text()), here=HERE,
+                                trusted=True)
     assert dest is not None and os.environ["TRITON_CACHE_DIR"] == str(dest)
     assert sorted(p.name for p in (dest / KEY_DIR).iterdir()) == [
         "__grp___double.json", "_double.cubin", "_double.json", "_double.ttir"]
@@ -154,12 +155,26 @@ def test_packed_cache_travels_through_the_store_and_installs(tmp_path, monkeypat
     assert json.loads(Path(os.environ[cache.SEED_ENV]).read_text()) == doc["kernels"]["autotuned"]
 
 
+def test_unverified_artifacts_kernels_and_any_host_code_are_never_installed(tmp_path, monkeypatch, caplog):
+    art, doc = _artifact_with_cache(tmp_path)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/users/own/cache")
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.cache"):
+        assert cache.install_shipped(art, doc, here=HERE) is None  # not verified: compiled GPU kernels are code
+    assert "signature was not verified" in caplog.text and os.environ["TRITON_CACHE_DIR"] == "/users/own/cache"
+    planted = art / cache.CACHE_DIR / KEY_DIR / "__triton_launcher.so"
+    planted.write_bytes(b"\x7fELF not a launcher")  # host code in a verified artifact is still not copied
+    monkeypatch.delenv(cache.SEED_ENV, raising=False)
+    dest = cache.install_shipped(art, doc, here=HERE, trusted=True)
+    assert dest is not None and not (dest / KEY_DIR / planted.name).exists()
+    assert not list(dest.rglob("*.so"))
+
+
 def test_mismatched_host_warns_and_leaves_triton_alone(tmp_path, monkeypatch, caplog):
     art, doc = _artifact_with_cache(tmp_path)
     monkeypatch.setenv("TRITON_CACHE_DIR", "/users/own/cache")
     other = {**HERE, "compute_capability": "8.9", "gpu_name": "NVIDIA L40S"}
     with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.cache"):
-        assert cache.install_shipped(art, doc, here=other) is None
+        assert cache.install_shipped(art, doc, here=other, trusted=True) is None
     (line,) = [r.getMessage() for r in caplog.records]
     assert "compute_capability 9.0 at build, 8.9 here" in line and "triton_version" not in line
     assert os.environ["TRITON_CACHE_DIR"] == "/users/own/cache"
@@ -172,7 +187,7 @@ def test_a_cache_missing_a_group_member_warns_and_is_not_used(tmp_path, monkeypa
     (art / cache.CACHE_DIR / KEY_DIR / "_double.cubin").unlink()
     monkeypatch.setenv("TRITON_CACHE_DIR", "/users/own/cache")
     with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.cache"):
-        assert cache.install_shipped(art, doc, here=HERE) is None
+        assert cache.install_shipped(art, doc, here=HERE, trusted=True) is None
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("shipped kernel cache not used") and "_double.cubin" in line
     assert os.environ["TRITON_CACHE_DIR"] == "/users/own/cache"

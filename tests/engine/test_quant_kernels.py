@@ -30,8 +30,9 @@ from kiln.engine.kernels.fp8 import (  # noqa: E402
     fp8_linear,
     quantize_activation,
 )
+from kiln.engine.kernels.quant_linear import dequantize, quant_path  # noqa: E402
 from kiln.engine.layers.linear import LinearBase  # noqa: E402
-from kiln.engine.layers.quant import dequantize, quant_path, quantize_weight  # noqa: E402
+from kiln.engine.layers.quant import quantize_weight  # noqa: E402
 
 from kiln.skus import FP8_MIN_COMPUTE_CAPABILITY, GPU_SKUS  # noqa: E402
 

@@ -294,30 +294,3 @@ KILN_HIDDEN void kiln_panel_f32(const float *x, int64_t ldx, const float *wp, in
         lin_tiles[mr](x + m0 * ldx + k0, ldx, wp, kn, out, ldy, k0 ? out : bias, k0 ? ldy : 0, ncols, 0, 0, scale);
     }
 }
-
-/* ---- the tactic dispatch: one weight, the kernel its table picked for this call's row count ----
- *
- * The module path (native.Kernels.linear) and the decoder stack (stack.c) both call this, so they run the
- * same kernel on the same rows and agree bit for bit. A kernel the process cannot run (AMX without the tile
- * permission) falls back to the FMA tiles, never a fault. int8 weights (scales set) go to gemm_int8.c.
- * Returns 0, or -1 when scratch memory could not be allocated. */
-static int row_bucket(int64_t m) {
-    int b = 0;
-    while (b < KILN_ROW_BUCKETS - 1 && ((int64_t)1 << b) < m) b++;
-    return b;
-}
-
-int kiln_gemm(const struct kiln_weight *w, const void *x, const float *bias, void *y, int64_t m, int64_t ldx,
-              int64_t ldy) {
-    if (m <= 0) return 0;
-    const int amx = w->kernel[row_bucket(m)] == KILN_GEMM_AMX;
-    if (w->scales) return kiln_linear_i8(x, w->panels, w->scales, bias, y, m, w->n, w->k, ldx, ldy, w->bf16, amx);
-    if (w->bf16) {
-        if (!(amx && kiln_linear_amx(x, w->panels, bias, y, m, w->n, w->k, ldx, ldy)))
-            kiln_linear_bf16(x, w->panels, bias, y, m, w->n, w->k, ldx, ldy);
-    } else {
-        kiln_linear_f32(x, w->panels, bias, y, m, w->n, w->k, ldx, ldy);
-    }
-    return 0;
-}
-

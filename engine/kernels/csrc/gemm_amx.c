@@ -4,7 +4,7 @@
  * about 10x what vdpbf16ps does per cycle. The weights are the vdpbf16ps kernel's panels unchanged,
  * [ceil(N / 64)][bf16_panel_pairs(K)][64][2]: 16 K-pairs x 16 columns of a panel are one B tile (rows
  * 256 bytes apart),
- * so a weight packed once serves both kernels and the tactic table picks per row count (gemm.c).
+ * so a weight packed once serves both kernels and the tactic table picks per row count (gemm_dispatch.c).
  *
  * Tiles: C accumulators tmm0-3, A (rows of x) tmm4-5, B (weights) tmm6-7. Up to 16 rows, a panel is
  * 1 x 4 C tiles (each weight loaded once); from 17 rows, 32-row blocks of 2 x 2 C tiles over each half

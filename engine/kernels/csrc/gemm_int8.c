@@ -1,9 +1,10 @@
 /* ---- int8 weights (weight-only quantization): y = (x q^T) * scale + bias ----
  *
  * The weights stay int8 in memory (half of bf16's bytes, a quarter of float32's: a decode step streams that
- * much less), packed as the bf16 panels are, [ceil(N / 64)][bf16_panel_pairs(K)][64][2] int8, with one
- * float32 scale per output column (zero-padded to whole panels). A call widens each panel into a per-thread
- * copy in the activations' own layout (bf16 pairs, exact: |q| <= 127 is a bf16 integer; or float32 [K][64]
+ * much less), packed in panels with K in groups of 4, [ceil(N / 64)][i8_quads(K)][64][4] int8 (the layout
+ * W8A8's vpdpbusd reads, gemm_w8a8.c: one copy serves both), with one float32 scale per output column
+ * (zero-padded to whole panels). A call widens each panel into a per-thread copy in the activations' own
+ * layout (bf16 pairs, exact: |q| <= 127 is a bf16 integer; or float32 [K][64]
  * in blocks of I8_KC rows of K) and runs that layout's kernel on it -- AMX tiles, vdpbf16ps or float32 FMA
  * tiles -- with the scale applied to the float32 sums, once (float32: once per K block, which is the same
  * sum since the scale is linear). That is exactly the weight-only semantics of torch's int8 kernels
@@ -30,49 +31,69 @@ static void *i8_scratch(size_t need) {
     return i8_buf;
 }
 
-/* w [N, K] int8 (row stride ldw) -> packed [ceil(N / KILN_PANEL)][bf16_panel_pairs(K)][KILN_PANEL][2] */
-void kiln_pack_linear_i8(const int8_t *w, int8_t *packed, int64_t n, int64_t k, int64_t ldw) {
-    const int64_t panels = (n + KILN_PANEL - 1) / KILN_PANEL, kpp = bf16_panel_pairs(k);
+/* w [N, K] int8 (row stride ldw) -> packed [ceil(N / KILN_PANEL)][i8_quads(K)][KILN_PANEL][4] (K in groups of 4
+ * per column: what vpdpbusd multiplies, gemm_w8a8.c; zero past N and K), and sums [ceil(N / KILN_PANEL) *
+ * KILN_PANEL] = each column's sum of its int8 values (W8A8's epilogue), zero past N */
+void kiln_pack_linear_i8(const int8_t *w, int8_t *packed, int32_t *sums, int64_t n, int64_t k, int64_t ldw) {
+    const int64_t panels = (n + KILN_PANEL - 1) / KILN_PANEL, kq = i8_quads(k);
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t i = 0; i < kpp; i++)
+    for (int64_t p = 0; p < panels; p++) {
+        for (int64_t i = 0; i < kq; i++)
             for (int64_t j = 0; j < KILN_PANEL; j++)
-                for (int64_t e = 0; e < 2; e++) {
-                    const int64_t col = p * KILN_PANEL + j, kk = 2 * i + e;
-                    packed[(p * kpp + i) * 2 * KILN_PANEL + 2 * j + e] = col < n && kk < k ? w[col * ldw + kk] : 0;
+                for (int64_t e = 0; e < 4; e++) {
+                    const int64_t col = p * KILN_PANEL + j, kk = 4 * i + e;
+                    packed[(p * kq + i) * 4 * KILN_PANEL + 4 * j + e] = col < n && kk < k ? w[col * ldw + kk] : 0;
                 }
+        for (int64_t j = 0; j < KILN_PANEL; j++) {
+            const int64_t col = p * KILN_PANEL + j;
+            int32_t sum = 0;
+            for (int64_t kk = 0; col < n && kk < k; kk++) sum += w[col * ldw + kk];
+            sums[col] = sum;
+        }
+    }
 }
 
-/* bf16 of an int8 value: exact (an integer below 256 keeps its float32 mantissa in the top 7 bits). count is a
- * multiple of 64 (a panel's K pair: 64 columns x 2). */
+/* A quad panel (kq K quads) widened to the bf16 pair panel the FMA and AMX kernels read, [2 kq][KILN_PANEL][2]:
+ * quad i of column j holds K 4i..4i+3, pair 2i its first two, pair 2i + 1 the other two. Exact: an int8 is a
+ * bf16 integer (its float32 mantissa fits the top 7 bits). */
 #if defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
 #include <immintrin.h>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-static void widen_bf16(const int8_t *src, uint16_t *dst, int64_t count) {
-    for (int64_t i = 0; i < count; i += 32) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + i))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + i + 16))));
-        _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+static inline __m512i widen32(__m256i b) { /* 32 int8 -> 32 bf16 */
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void widen_bf16(const int8_t *src, uint16_t *dst, int64_t kq) {
+    for (int64_t i = 0; i < kq; i++)
+        for (int c = 0; c < KILN_PANEL / 16; c++) { /* 16 columns x 4 K = one zmm of int8 */
+            const __m512i v = _mm512_loadu_si512(src + i * 4 * KILN_PANEL + 64 * c);
+            const __m256i first = _mm512_cvtepi32_epi16(v), second = _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16));
+            _mm512_storeu_si512(dst + (2 * i) * 2 * KILN_PANEL + 32 * c, widen32(first));
+            _mm512_storeu_si512(dst + (2 * i + 1) * 2 * KILN_PANEL + 32 * c, widen32(second));
+        }
 }
 #else
-static void widen_bf16(const int8_t *src, uint16_t *dst, int64_t count) {
-#pragma omp simd
-    for (int64_t i = 0; i < count; i++) {
-        const float f = (float)src[i];
-        uint32_t u;
-        memcpy(&u, &f, sizeof u);
-        dst[i] = (uint16_t)(u >> 16);
-    }
+static void widen_bf16(const int8_t *src, uint16_t *dst, int64_t kq) {
+    for (int64_t i = 0; i < kq; i++)
+        for (int64_t j = 0; j < KILN_PANEL; j++)
+            for (int e = 0; e < 4; e++) {
+                const float f = (float)src[(i * KILN_PANEL + j) * 4 + e];
+                uint32_t u;
+                memcpy(&u, &f, sizeof u);
+                dst[(2 * i + e / 2) * 2 * KILN_PANEL + 2 * j + e % 2] = (uint16_t)(u >> 16);
+            }
 }
 #endif
 
-/* K rows [k0, k0 + kn) of a pair-packed int8 panel as a float32 panel [kn][KILN_PANEL] */
+/* K rows [k0, k0 + kn) of a quad-packed int8 panel as a float32 panel [kn][KILN_PANEL] */
 static void widen_f32(const int8_t *panel, int64_t k0, int64_t kn, float *dst) {
     for (int64_t kk = 0; kk < kn; kk++) {
-        const int8_t *src = panel + ((k0 + kk) / 2) * 2 * KILN_PANEL + (k0 + kk) % 2;
+        const int8_t *src = panel + ((k0 + kk) / 4) * 4 * KILN_PANEL + (k0 + kk) % 4;
 #pragma omp simd
-        for (int64_t j = 0; j < KILN_PANEL; j++) dst[kk * KILN_PANEL + j] = (float)src[2 * j];
+        for (int64_t j = 0; j < KILN_PANEL; j++) dst[kk * KILN_PANEL + j] = (float)src[4 * j];
     }
 }
 
@@ -99,7 +120,7 @@ int kiln_linear_i8(const void *x, const int8_t *packed, const float *scales, con
             const float *s = scales + p * KILN_PANEL, *b = bias ? bias + p * KILN_PANEL : 0;
             if (bf16) {
                 uint16_t *yp = (uint16_t *)y + p * KILN_PANEL;
-                widen_bf16(wp, buf, kpp * 2 * KILN_PANEL);
+                widen_bf16(wp, buf, kpp / 2);
                 if (!(amx && kiln_panel_amx(x, ldx, buf, k, yp, ldy, s, b, ncols, m, cfg)))
                     kiln_panel_bf16(x, ldx, buf, k, yp, ldy, s, b, ncols, m);
             } else {

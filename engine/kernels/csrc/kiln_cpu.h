@@ -8,10 +8,12 @@
  *   attention_bf16.c  its inner loops on vdpbf16ps, for a bf16 cache in pair layout
  *   attention_amx.c   a prefill group's scores and values on AMX tiles, same layout
  *   pointwise.c  SiLU x up, residual add + RMSNorm, rotary, the KV cache write
- *   gemm.c       linears over weights packed once into panels: float32 and bf16 (vdpbf16ps) FMA tiles, and
- *                kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count
+ *   gemm.c       linears over weights packed once into panels: float32 and bf16 (vdpbf16ps) FMA tiles
  *   gemm_amx.c   the bf16 linear on AMX tiles, over the same panels
  *   gemm_int8.c  int8 weights (weight-only quantization) through the kernels above, widened panel by panel
+ *   gemm_w8a8.c  int8 weights x int8 activations quantized per token (W8A8) on AVX512-VNNI, same int8 panels
+ *   gemm_dispatch.c  kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count:
+ *                over the four GEMM files above, which never call it (gemm_int8.c calls down into gemm.c, gemm_amx.c)
  *   stack.c      a pipeline stage's decoder layers in one call
  *
  * Threads: the OpenMP runtime is the one torch loaded (same soname, libgomp.so.1), so a parallel
@@ -24,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KILN_ABI_VERSION 10
+#define KILN_ABI_VERSION 11
 #define KILN_HIDDEN __attribute__((visibility("hidden")))
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -84,15 +86,18 @@ static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf
 /* K pairs per bf16 panel: ceil(K / 2) rounded up to 16 (one AMX tile's depth), the pairs past K zero, so
  * the FMA and AMX kernels share one packed copy and a tile never reads past its panel. */
 static inline int64_t bf16_panel_pairs(int64_t k) { return ((k + 1) / 2 + 15) / 16 * 16; }
+/* K quads per int8 panel (gemm_int8.c, gemm_w8a8.c): half the bf16 pairs, so a widened panel is a bf16 one */
+static inline int64_t i8_quads(int64_t k) { return bf16_panel_pairs(k) / 2; }
 
 /* Row buckets of a tactic table: bucket b holds calls of (2^(b-1), 2^b] rows (b = 0: one row). */
 #define KILN_ROW_BUCKETS 16
-enum kiln_gemm_kernel { KILN_GEMM_FMA = 0, KILN_GEMM_AMX = 1 };
+enum kiln_gemm_kernel { KILN_GEMM_FMA = 0, KILN_GEMM_AMX = 1, KILN_GEMM_W8A8 = 2 /* int8 weights only */ };
 
 /* A packed weight and, per row bucket, the kernel that multiplies it (its tactic table's winners). */
 struct kiln_weight {
     const void *panels;   /* kiln_pack_linear_f32 / _bf16 / _i8 */
     const float *scales;  /* int8 weights: one float32 scale per output column (padded to whole panels); else NULL */
+    const int32_t *sums;  /* int8 weights: each column's sum of its int8 values (padded alike), for W8A8 */
     int64_t n, k;         /* output and input features */
     int32_t bf16;         /* the activations (and outputs) are bf16, else float32 */
     uint8_t kernel[KILN_ROW_BUCKETS]; /* enum kiln_gemm_kernel */
@@ -109,6 +114,8 @@ int kiln_linear_amx(const uint16_t *x, const uint16_t *packed, const float *bias
 int kiln_amx_ready(void);
 int kiln_linear_i8(const void *x, const int8_t *packed, const float *scales, const float *bias, void *y, int64_t m,
                    int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16, int amx);
+int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int32_t *sums,
+                     const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16);
 /* one panel's rows through each kernel, for the int8 kernels (gemm_int8.c) over a widened copy of the panel */
 KILN_HIDDEN void kiln_panel_bf16(const uint16_t *x, int64_t ldx, const uint16_t *wp, int64_t k, uint16_t *y, int64_t ldy,
                                  const float *scale, const float *bias, int ncols, int64_t m);

@@ -16,7 +16,7 @@
  * ones (o, down) are in the model dtype and added after it (as RowParallelLinear), one rounding each. */
 struct kiln_layer {
     const void *input_norm, *post_norm;    /* [hidden], model dtype */
-    const struct kiln_weight *qkv, *o, *gate_up, *down; /* packed, with their tactics (gemm.c) */
+    const struct kiln_weight *qkv, *o, *gate_up, *down; /* packed, with their tactics (gemm_dispatch.c) */
     const float *qkv_bias, *gate_up_bias;  /* float32 or NULL */
     const void *o_bias, *down_bias;        /* model dtype or NULL */
     void *k_cache, *v_cache;               /* [kv_heads, num_blocks, block_size, head_dim], as kiln_cache_write */

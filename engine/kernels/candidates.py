@@ -10,34 +10,52 @@ candidate             layout    what runs
 ``kiln-fma``          kiln      kiln's register-tiled FMA kernel (float32 FMA; bf16 vdpbf16ps)
 ``kiln-amx``          kiln      kiln's AMX tile kernel, same panels (bf16; Sapphire Rapids and later)
 ``onednn-panels``     kiln      oneDNN's GEMM on the same panels: bf16 weights whose oneDNN packing is
-                                kiln's panels byte for byte (``kernels/packed.py``; checked per weight)
+                                kiln's panels byte for byte (``packed.py``; checked per weight)
 ``onednn``            onednn    oneDNN through torch, weight prepacked once (oneDNN picks AMX, AVX-512,
                                 VNNI or AVX2 itself)
 ``aten``              plain     ``torch.nn.functional.linear`` on the plain weight (MKL's sgemm for
                                 float32; oneDNN with a reorder on every call for bf16); for an int8
-                                weight torch's int8 path (``layers.quant.quantized_linear``)
+                                weight torch's int8 path (``kernels.quant_linear.quantized_linear``)
+``kiln-w8a8``         kiln      int8 weights only: the activations quantized per token on each call and
+                                multiplied int8 x int8 on vpdpbusd (AVX512-VNNI), same int8 panels
+``torch-w8a8``        qlinear   int8 weights only: torch's ``quantized.linear_dynamic`` (x86 engine:
+                                FBGEMM / oneDNN), activations quantized per call (``torch_w8a8.py``)
 ====================  ========  ====================================================================
 
 int8 weights (weight-only quantization) have kiln's candidates too: the same kernels over int8 panels
-widened per call (``csrc/gemm_int8.c``); oneDNN's packed linear takes float weights only.
+widened per call (``csrc/gemm_int8.c``); oneDNN's packed linear takes float weights only. The ``*-w8a8``
+candidates (``quantizes_activations``) compute something else than the weight-only ones: the activations
+lose bits. The tactics time them beside the rest unless told not to: ``$KILN_TACTICS_EXCLUDE`` (``EXCLUDE_ENV``:
+candidate names, comma- or space-separated, ``w8a8`` for all of ``ACTIVATION_QUANT``) makes ``why_not`` refuse
+them, so no table measured here picks them, a table that runs them is re-timed, and the exclusion is part of
+the host signature a table records (a quality gate that fails W8A8 sets it).
 
 ``why_not`` says why a candidate cannot run a shape here (None: it can): a candidate the host cannot
 run is never timed and never chosen.
+
+This is the table beneath every CPU linear (llama.cpp's ``type_traits_cpu``): the layers run a packed weight
+through ``run``, the tactics (``kiln.engine.tactics``: timing, the table, resolve and bind) ask it what can
+run and pack by it; it imports nothing above the kernels.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kiln.engine.kernels import torch_w8a8
+from kiln.engine.kernels.quant_linear import quantized_linear
 
 
 @dataclass(frozen=True)
 class Candidate:
     name: str
     layout: str
-    gemm_kernel: str | None = None  # kiln's C kernel (kernels.native.GEMM_KERNELS) for the kiln layout
+    gemm_kernel: str | None = None  # kiln's C kernel (native.GEMM_KERNELS) for the kiln layout
+    quantizes_activations: bool = False  # W8A8: int8 activations, not the weight-only semantics (int8 only)
 
 
 LINEAR: dict[str, Candidate] = {c.name: c for c in (
@@ -46,8 +64,28 @@ LINEAR: dict[str, Candidate] = {c.name: c for c in (
     Candidate("onednn-panels", "kiln", "onednn"),
     Candidate("onednn", "onednn"),
     Candidate("aten", "plain"),
+    Candidate("kiln-w8a8", "kiln", "w8a8", quantizes_activations=True),
+    Candidate("torch-w8a8", "qlinear", quantizes_activations=True),
 )}
-LAYOUTS = ("kiln", "onednn", "plain")
+LAYOUTS = ("kiln", "onednn", "plain", "qlinear")
+# the candidates that quantize activations (W8A8): what a quality gate turns off
+ACTIVATION_QUANT = tuple(c.name for c in LINEAR.values() if c.quantizes_activations)
+EXCLUDE_ENV = "KILN_TACTICS_EXCLUDE"
+ALIASES = {"w8a8": ACTIVATION_QUANT}
+
+
+def excluded() -> frozenset[str]:
+    """The candidates ``$KILN_TACTICS_EXCLUDE`` takes out of every table (names, or ``w8a8``: every candidate
+    that quantizes activations); an unknown name is warned about and ignored."""
+    names: set[str] = set()
+    for token in os.environ.get(EXCLUDE_ENV, "").replace(",", " ").split():
+        if token in ALIASES or token in LINEAR:
+            names.update(ALIASES.get(token, (token,)))
+        else:
+            logging.getLogger("kiln.engine.tactics").warning(
+                "$%s names %r, which is not a candidate (%s) or %s; ignored", EXCLUDE_ENV, token, ", ".join(LINEAR),
+                " or ".join(ALIASES))
+    return frozenset(names)
 
 
 def onednn_unavailable(dtype: torch.dtype) -> str | None:
@@ -66,6 +104,12 @@ def why_not(name: str, dtype: torch.dtype, native, quant: str | None = None) -> 
     """Why candidate ``name`` cannot run a linear with ``dtype`` activations (and a ``quant`` weight) on this
     host (``native``: kiln's loaded CPU kernels, or None)."""
     cand = LINEAR[name]
+    if name in excluded():
+        return f"${EXCLUDE_ENV} excludes it"
+    if cand.quantizes_activations and quant != "int8":
+        return "W8A8 multiplies int8 weights (quantization: int8), not float ones"
+    if cand.layout == "qlinear":
+        return torch_w8a8.unavailable()
     if quant not in (None, "int8"):
         return None if cand.layout == "plain" else f"{quant} weights run torch's path only"
     if quant and (cand.layout == "onednn" or cand.gemm_kernel == "onednn"):
@@ -86,7 +130,10 @@ def pack(layout: str, weight: torch.Tensor, native, batch_hint: int = 64, tactic
          scale: torch.Tensor | None = None, dtype: torch.dtype | None = None, share_onednn: bool | None = None):
     """``weight`` [out, in] in ``layout``: a ``kernels.native.PackedLinear`` (kiln; ``tactics`` = its GEMM
     kernel per row bucket; an int8 weight with its ``scale`` for ``dtype`` activations; ``share_onednn``: as
-    ``Kernels.pack_linear``), an opaque oneDNN tensor, or the weight itself (plain)."""
+    ``Kernels.pack_linear``), an opaque oneDNN tensor, torch's prepacked int8 weight (qlinear: a
+    ``torch_w8a8.QLinear``), or the weight itself (plain)."""
+    if layout == "qlinear":
+        return torch_w8a8.QLinear(weight, scale)
     if layout == "kiln":
         return native.pack_linear(weight.detach(), tactics, scale, dtype, share_onednn)
     if layout == "onednn":
@@ -99,8 +146,6 @@ def run(packed, x: torch.Tensor, bias: torch.Tensor | None, plain: bool = False,
     """``F.linear(x, weight, bias)`` through whatever ``pack`` made of the weight (a plain int8 weight: with
     its ``scale``, by torch's int8 path)."""
     if plain and scale is not None:
-        from kiln.engine.layers.quant import quantized_linear
-
         return quantized_linear(x, packed, scale, bias)
     if plain:
         return F.linear(x, packed, bias)

@@ -1,0 +1,214 @@
+/* ---- W8A8: int8 weights x int8 activations, int32 sums on the int8 units (AVX512-VNNI vpdpbusd) ----
+ *
+ * y = (sum_k xq[m, k] q[n, k]) * sx[m] * s[n] + bias[n], where xq are the activations quantized on each call,
+ * per row (token), symmetric: sx[m] = max|x[m, :]| / 127, xq = round_half_even(x * (127 / max|x[m, :]|)) in
+ * float32, clamped to +-127; q and s are the weight's per-channel int8 values and scales (weight-only int8's).
+ * This changes what the linear computes (the activations lose bits), which is why a tactic table may be told
+ * not to pick it (kiln.engine.tactics.resolve.EXCLUDE_ENV) where a quality gate says so.
+ *
+ * The weight is the int8 weight-only kernel's copy, same bytes (gemm_int8.c): panels of 64 output columns with
+ * K in groups of 4, [ceil(N / 64)][K quads][64][4], so one 64-byte load is 16 columns x 4 K values: what
+ * vpdpbusd multiplies against 4 bytes of one activation row broadcast, adding the four products into each
+ * column's int32 lane. vpdpbusd takes unsigned x signed bytes: the activations are stored as xq + 128 (0..255)
+ * and 128 * sum_k q[n, k] (``sums``, made at pack time) is subtracted in the epilogue; K past the weight is
+ * zero in the panels, so whatever the activations hold there adds nothing. The sums are exact in int32 while
+ * K < 2^31 / (255 * 127) = 66,000.
+ *
+ * A register tile of up to W8_MR rows x 64 columns (4 zmm accumulators a row) runs the whole K (a panel is
+ * K x 64 bytes: L2 for any K a model has); rows are split into tiles of near-equal height, chunks of W8_MC
+ * rows and the panels shared out between threads as gemm.c does. Compiled into the x86-64-v4 library, the
+ * VNNI parts under their own target: kiln_w8a8_available() says the library has it, and the caller checks
+ * the CPU's avx512_vnni flag (kernels/isa.py) before running it. */
+#include "kiln_cpu.h"
+
+#define W8_MR 6
+#define W8_MC 192
+
+static __thread uint8_t *w8_buf;
+static __thread size_t w8_cap;
+
+static uint8_t *w8_scratch(size_t need) {
+    if (need > w8_cap) {
+        free(w8_buf);
+        need = (need + 4095) / 4096 * 4096;
+        w8_buf = aligned_alloc(64, need);
+        w8_cap = w8_buf ? need : 0;
+    }
+    return w8_buf;
+}
+
+#if !(defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10))
+/* The scalar form of the quantization (the vector one below computes the same bits): row r of x -> xq + 128
+ * into q [kq4] (the bytes past k: 128, i.e. zero), its scale into *sx. */
+static void w8_quantize_row(const void *x, int64_t k, int64_t kq4, int bf16, uint8_t *q, float *sx) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        const float a = fabsf(ld(x, i, bf16));
+        amax = a > amax ? a : amax;
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *sx = amax / 127.0f;
+    for (int64_t i = 0; i < k; i++) {
+        float v = nearbyintf(ld(x, i, bf16) * inv);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[i] = (uint8_t)((int)v + 128);
+    }
+    for (int64_t i = k; i < kq4; i++) q[i] = 128;
+}
+#endif
+
+#if defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
+#include <immintrin.h>
+#define W8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define W8_QTARGET __attribute__((target("avx512f,avx512bw,avx512vl"))) /* the x86-64-v4 library's own */
+#define W8_QUAD (4 * KILN_PANEL) /* bytes of one K quad of a panel */
+
+/* acc += u8 x s8 quads of xb and w, the accumulators typed as the instruction's own int32 lanes: with GCC 12
+ * the intrinsic (__m512i, cast inside) makes every accumulator live on the stack and be moved each step
+ * (3x the loop's instructions); the builtin on __v16si keeps them in registers. */
+#if defined(__clang__)
+#define W8_DPBUSD(acc, xb, w) ((acc) = (__v16si)_mm512_dpbusd_epi32((__m512i)(acc), (xb), (w)))
+#else
+#define W8_DPBUSD(acc, xb, w) ((acc) = __builtin_ia32_vpdpbusd_v16si((acc), (__v16si)(xb), (__v16si)(w)))
+#endif
+
+/* bf16 of 16 floats, round to nearest even as f32_to_bf16 (NaN stays NaN), without AVX512-BF16 */
+W8_QTARGET static inline __m256i w8_to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* 16 outputs at element i of y (bf16 or float32), the lanes of mask */
+W8_QTARGET static inline void w8_store(void *y, int64_t i, __m512 v, __mmask16 mask, int bf16) {
+    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)y + i, mask, w8_to_bf16(v));
+    else _mm512_mask_storeu_ps((float *)y + i, mask, v);
+}
+
+/* 16 values of x from element i (bf16 or float32) as float32 */
+W8_QTARGET static inline __m512 w8_load(const void *x, int64_t i, int bf16, __mmask16 mask) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)x + i)), 16));
+    return _mm512_maskz_loadu_ps(mask, (const float *)x + i);
+}
+
+W8_QTARGET static void w8_quantize_row_vec(const void *x, int64_t k, int64_t kq4, int bf16, uint8_t *q, float *sx) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+        const __mmask16 mask = k - i >= 16 ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(w8_load(x, i, bf16, mask)));
+    }
+    const float a = _mm512_reduce_max_ps(amax);
+    const float inv = a > 0.0f ? 127.0f / a : 0.0f;
+    *sx = a / 127.0f;
+    const __m512 vinv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(127.0f);
+    for (int64_t i = 0; i < k; i += 16) {
+        const __mmask16 mask = k - i >= 16 ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
+        __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(w8_load(x, i, bf16, mask), vinv),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_max_ps(_mm512_min_ps(v, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
+        const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
+        _mm_mask_storeu_epi8(q + i, mask, _mm512_cvtepi32_epi8(u));
+    }
+    for (int64_t i = k; i < kq4; i++) q[i] = 128;
+}
+
+/* rows [0, R) of xq (row stride ldq) x one panel w (kq quads): y = (acc - 128 sums) * sx[r] * s + bias */
+#define W8_TILE(R)                                                                                            \
+    W8_TARGET static void w8_tile##R(const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *w,        \
+                                     int64_t kq, const int32_t *sums, const float *scale, const float *bias, \
+                                     void *y, int64_t ldy, int bf16, int ncols) {                            \
+        __v16si acc[R][4];                                                                                    \
+        for (int r = 0; r < R; r++)                                                                           \
+            for (int c = 0; c < 4; c++) acc[r][c] = (__v16si){0};                                             \
+        for (int64_t i = 0; i < kq; i++) {                                                                    \
+            __m512i wv[4];                                                                                    \
+            for (int c = 0; c < 4; c++) wv[c] = _mm512_loadu_si512(w + i * W8_QUAD + 64 * c);                 \
+            for (int r = 0; r < R; r++) {                                                                     \
+                int32_t quad;                                                                                 \
+                memcpy(&quad, xq + r * ldq + 4 * i, sizeof quad);                                             \
+                const __m512i xb = _mm512_set1_epi32(quad);                                                   \
+                for (int c = 0; c < 4; c++) W8_DPBUSD(acc[r][c], xb, wv[c]);                                  \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int r = 0; r < R; r++)                                                                           \
+            for (int c = 0; c < 4 && 16 * c < ncols; c++) {                                                   \
+                const int left = ncols - 16 * c;                                                              \
+                const __mmask16 mask = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);                   \
+                const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(sums + 16 * c), 7);                  \
+                __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][c], off));                              \
+                v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(sx[r])), _mm512_loadu_ps(scale + 16 * c));  \
+                if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + 16 * c));                   \
+                w8_store(y, r * ldy + 16 * c, v, mask, bf16);                                                 \
+            }                                                                                                 \
+    }
+W8_TILE(1) W8_TILE(2) W8_TILE(3) W8_TILE(4) W8_TILE(5) W8_TILE(6)
+typedef void (*w8_tile_fn)(const uint8_t *, int64_t, const float *, const int8_t *, int64_t, const int32_t *,
+                           const float *, const float *, void *, int64_t, int, int);
+static const w8_tile_fn w8_tiles[W8_MR + 1] = {0, w8_tile1, w8_tile2, w8_tile3, w8_tile4, w8_tile5, w8_tile6};
+
+int kiln_w8a8_available(void) { return 1; }
+
+/* y [m, n] (bf16 or float32 as x, row stride ldy) = W8A8 of x [m, k] (row stride ldx) and the int8 panels
+ * (gemm_int8.c's layout) with their scales and column sums (padded to whole panels), + bias (float32 or NULL).
+ * Returns 0, -1 when the quantized activations could not be allocated, or 1 on a CPU without AVX512-VNNI. */
+int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int32_t *sums,
+                     const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16) {
+    static int vnni = -1; /* the CPU's, asked once: a caller that skipped isa.py's check gets the fallback */
+    if (vnni < 0) vnni = __builtin_cpu_supports("avx512vnni");
+    if (!vnni) return 1;
+    const int64_t kq = i8_quads(k), ldq = 4 * kq, panels = (n + KILN_PANEL - 1) / KILN_PANEL;
+    uint8_t *xq = w8_scratch((size_t)m * ldq + (size_t)m * sizeof(float));
+    if (!xq) return -1;
+    float *sx = (float *)(xq + (size_t)m * ldq); /* ldq is a multiple of 32: aligned */
+    const size_t esize = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (m * k > 65536)
+    for (int64_t r = 0; r < m; r++)
+        w8_quantize_row_vec((const char *)x + r * ldx * esize, k, ldq, bf16, xq + r * ldq, sx + r);
+    const int64_t chunks = (m + W8_MC - 1) / W8_MC, mc = (m + chunks - 1) / chunks;
+#pragma omp parallel for collapse(2) schedule(static) if (panels > 1)
+    for (int64_t ch = 0; ch < chunks; ch++)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t m0c = ch * mc, rows = (m0c + mc < m ? m0c + mc : m) - m0c;
+            const int64_t tiles = (rows + W8_MR - 1) / W8_MR, col = p * KILN_PANEL;
+            const int ncols = n - col < KILN_PANEL ? (int)(n - col) : KILN_PANEL;
+            const int8_t *wp = packed + p * kq * W8_QUAD;
+            for (int64_t t = 0, m0 = m0c, mr; t < tiles; t++, m0 += mr) {
+                mr = rows / tiles + (t < rows % tiles);
+                w8_tiles[mr](xq + m0 * ldq, ldq, sx + m0, wp, kq, sums + col, scales + col, bias ? bias + col : 0,
+                             (char *)y + (m0 * ldy + col) * esize, ldy, bf16, ncols);
+            }
+        }
+    return 0;
+}
+#else
+int kiln_w8a8_available(void) { return 0; }
+int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int32_t *sums,
+                     const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16) {
+    (void)x, (void)packed, (void)scales, (void)sums, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)ldx;
+    (void)ldy, (void)bf16, (void)w8_scratch;
+    return 1;
+}
+#endif
+
+/* The quantized activations kiln_linear_w8a8 multiplies, for tests and references: x [m, k] (row stride ldx)
+ * -> q [m, k] int8 (xq, without the +128) and sx [m]; the vector form where the library has it. */
+void kiln_w8a8_quantize(const void *x, int8_t *q, float *sx, int64_t m, int64_t k, int64_t ldx, int bf16) {
+    const size_t esize = bf16 ? 2 : 4;
+    uint8_t *row = malloc((size_t)k + 64);
+    if (!row) return;
+    for (int64_t r = 0; r < m; r++) {
+        const void *xr = (const char *)x + r * ldx * esize;
+#if defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
+        w8_quantize_row_vec(xr, k, k, bf16, row, sx + r);
+#else
+        w8_quantize_row(xr, k, k, bf16, row, sx + r);
+#endif
+        for (int64_t i = 0; i < k; i++) q[r * k + i] = (int8_t)(row[i] - 128);
+    }
+    free(row);
+}
