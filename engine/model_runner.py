@@ -34,7 +34,7 @@ from kiln.engine.models.registry import create_model
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.sequence import Request
 from kiln.engine.spec_decode.rows import sampled_positions, sampling_rows
-from kiln.engine.step_inputs import StepInputs, pack_rows
+from kiln.engine.step_inputs import StepInputs, encode_steps, pack_rows
 from kiln.engine.weights import load_checkpoint, load_engine_state
 
 log = logging.getLogger("kiln.engine")
@@ -187,7 +187,7 @@ class ModelRunner:
                                                                 self.config.micro_batch_min_tokens)]
         inputs = [b for b, _ in batches]
         if parallel.world_size() > 1:
-            parallel.broadcast_object(inputs)
+            parallel.send_message(parallel.STEPS, encode_steps(inputs))
         parts = self.run_stage(inputs)
         sampled_reqs = [r for _, reqs in batches for r in reqs]
         if not sampled_reqs:

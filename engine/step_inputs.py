@@ -57,3 +57,60 @@ def pack_rows(rows: list[tuple[list[int], int, list[int]]], block_size: int,
         decode_ctx_lens=ctx[:num_decodes], prefills=prefills,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long),
     )
+
+
+# -- on the wire: rank 0 sends a step's micro-batches to the other ranks as one int64 tensor ------------
+# [num_batches] then, per batch, the header [tokens, num_decodes, decode_width, num_prefills, logits] and
+# input_ids, positions, slot_mapping (tokens each), decode_block_tables (num_decodes x decode_width),
+# decode_ctx_lens (num_decodes), per prefill [q_start, q_len, ctx_len, blocks] + its block ids, and
+# logits_indices. Every field is an int64 tensor or an int: no Python objects cross ranks.
+def encode_steps(batches: list[StepInputs]) -> torch.Tensor:
+    parts: list[torch.Tensor] = [torch.tensor([len(batches)], dtype=torch.long)]
+    for b in batches:
+        tokens, dec = b.input_ids.numel(), b.num_decodes
+        width = b.decode_block_tables.shape[1] if b.decode_block_tables.dim() == 2 else 0
+        heads = [tokens, dec, width, len(b.prefills), b.logits_indices.numel()]
+        for q_start, q_len, ctx_len, blocks in b.prefills:
+            heads += [q_start, q_len, ctx_len, blocks.numel()]
+        parts += [torch.tensor(heads, dtype=torch.long), b.input_ids, b.positions, b.slot_mapping,
+                  b.decode_block_tables.reshape(-1), b.decode_ctx_lens]
+        parts += [blocks for *_, blocks in b.prefills]
+        parts.append(b.logits_indices)
+    return torch.cat([p.reshape(-1).to(torch.long) for p in parts])
+
+
+class _Reader:
+    def __init__(self, words: torch.Tensor) -> None:
+        self.words, self.at = words, 0
+
+    def take(self, n: int) -> torch.Tensor:
+        if n < 0 or self.at + n > self.words.numel():
+            raise ValueError(f"malformed step message: {n} words at {self.at} of {self.words.numel()}")
+        self.at += n
+        return self.words[self.at - n:self.at]
+
+    def ints(self, n: int) -> list[int]:
+        return self.take(n).tolist()
+
+
+def decode_steps(words: torch.Tensor) -> list[StepInputs]:
+    """The inverse of ``encode_steps``; raises ``ValueError`` on a message that does not parse exactly."""
+    r = _Reader(words)
+    (num_batches,) = r.ints(1)
+    batches = []
+    for _ in range(num_batches):
+        heads = r.ints(5)
+        tokens, dec, width, num_prefills, num_logits = heads
+        meta = [r.ints(4) for _ in range(num_prefills)]
+        if min(heads + [v for m in meta for v in m], default=0) < 0:
+            raise ValueError("malformed step message: a negative count")
+        input_ids, positions, slot_mapping = r.take(tokens), r.take(tokens), r.take(tokens)
+        tables = r.take(dec * width).view(dec, width)
+        ctx_lens = r.take(dec)
+        prefills = [(q_start, q_len, ctx_len, r.take(n)) for q_start, q_len, ctx_len, n in meta]
+        batches.append(StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                                  num_decodes=dec, decode_block_tables=tables, decode_ctx_lens=ctx_lens,
+                                  prefills=prefills, logits_indices=r.take(num_logits)))
+    if r.at != words.numel():
+        raise ValueError(f"malformed step message: {words.numel() - r.at} words left over")
+    return batches

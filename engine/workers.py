@@ -2,7 +2,8 @@
 
 Rank layout: ``rank = pp_stage * tensor_parallel_size + tp_rank`` (see ``parallel.py``).
 Rank 0 owns the scheduler and the sampler. Each step it broadcasts the step's
-packed ``StepInputs`` (one per micro-batch) over the gloo group; every rank runs
+packed ``StepInputs`` (one per micro-batch, as int64 words: ``step_inputs.encode_steps``;
+control messages are JSON; nothing a rank receives is unpickled) over the gloo group; every rank runs
 its stage (``ModelRunner.run_stage``): stage 0 embeds, each stage runs its layers
 and sends the activations to the next stage, the last stage computes the logits
 and sends them to rank 0. ``None`` tells the ranks to exit; ``PING`` is the
@@ -18,6 +19,10 @@ Where the ranks come from:
   LeaderWorkerSet, or ``kiln serve --rank``); this process hosts ``local_ranks``
   consecutive ranks from ``rank_offset``, spawning all but the first of them.
   Rank 0's process serves the store at HOST:PORT that every rank joins.
+
+Before any tensor or message is exchanged, each rank proves to rank 0 that it holds the
+group's token (``parallel.rendezvous``): ``$KILN_GROUP_TOKEN``, the same on every rank, for
+ranks started separately; a fresh random one when this process spawns every rank itself.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
+import secrets
 import socket
 import threading
 import time
@@ -35,10 +41,13 @@ import torch.distributed as dist
 from kiln.engine import parallel
 from kiln.engine.config import EngineConfig
 from kiln.engine.errors import ConfigError
+from kiln.engine.parallel import TOKEN_ENV
+from kiln.engine.step_inputs import decode_steps
 
 log = logging.getLogger("kiln.engine")
 
 PING = "ping"
+INSECURE_ENV = "KILN_INSECURE_GROUP"  # "1": ranks started separately join without $KILN_GROUP_TOKEN
 
 
 def _free_port() -> int:
@@ -59,7 +68,30 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _join(config: EngineConfig, rank: int, address: str) -> None:
+def group_token(config: EngineConfig) -> str:
+    """The secret every rank of this group proves it holds before it is counted (see ``rendezvous``).
+
+    Ranks this process spawns itself (no ``distributed_address``) share a fresh random token; ranks
+    started separately read ``$KILN_GROUP_TOKEN`` (the same on every rank), or join without one only
+    when ``$KILN_INSECURE_GROUP=1`` says so."""
+    if config.distributed_address is None:
+        return secrets.token_hex(32)
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token:
+        if len(token) < 16:
+            raise ConfigError(f"${TOKEN_ENV} is {len(token)} characters; use at least 16 random characters "
+                              "(e.g. `openssl rand -hex 32`), the same on every rank of the group")
+        return token
+    if os.environ.get(INSECURE_ENV, "").strip() == "1":
+        log.warning("%s=1: this group's ranks join without a token; any process that reaches %s can join "
+                    "as a rank or send the ranks steps", INSECURE_ENV, config.distributed_address)
+        return ""
+    raise ConfigError(f"ranks started separately (distributed_address {config.distributed_address}) need "
+                      f"${TOKEN_ENV}: the same secret on every rank (e.g. `openssl rand -hex 32`); "
+                      f"{INSECURE_ENV}=1 joins without one")
+
+
+def _join(config: EngineConfig, rank: int, address: str, token: str) -> None:
     """Join the world as ``rank``: rank 0 serves the rendezvous store, the others connect to it.
 
     Joining waits up to ``join_timeout_s`` (pods start minutes apart); every collective
@@ -68,17 +100,14 @@ def _join(config: EngineConfig, rank: int, address: str) -> None:
     host, port = _split_address(address)
     world = config.world_size
     who = "waiting for the other ranks to join" if rank == 0 else f"joining the leader at {address}"
-    deadline = time.monotonic() + config.join_timeout_s
     try:
         store = dist.TCPStore(host, port, world, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=config.join_timeout_s), wait_for_workers=False)
-        store.add("kiln/joined", 1)
-        # Every rank is here before the process groups form (their setup waits distributed_timeout_s only).
-        while (joined := store.add("kiln/joined", 0)) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{joined} of {world} ranks joined")
-            time.sleep(0.05)
+        # Every rank is here, each proven to hold the token, before the process groups form.
+        parallel.rendezvous(store, rank, world, token, time.monotonic() + config.join_timeout_s)
         store.set_timeout(datetime.timedelta(seconds=config.distributed_timeout_s))
+    except parallel.JoinRefusedError as exc:
+        raise parallel.JoinRefusedError(f"rank {rank} of {world} (leader {address}): {exc}") from None
     except Exception as exc:
         raise RuntimeError(f"rank {rank} of {world}: {who} failed within join_timeout_s "
                            f"({config.join_timeout_s:.0f}s): {exc}") from None
@@ -103,7 +132,8 @@ class RankGroup:
                               "before starting another, or use tensor_parallel_size=1 and pipeline_parallel_size=1")
         self.config = config
         self.address = config.distributed_address or f"127.0.0.1:{_free_port()}"
-        self.procs = spawn_local_ranks(config, self.address)
+        token = group_token(config)
+        self.procs = spawn_local_ranks(config, self.address, token)
         self.lock = threading.Lock()  # held by each step and each heartbeat: one collective at a time
         self.last_sent = time.monotonic()
         self.error: str | None = None
@@ -111,7 +141,7 @@ class RankGroup:
         self._thread: threading.Thread | None = None
         _set_local_device(config, 0, spawned=False)
         try:
-            _join(config, 0, self.address)
+            _join(config, 0, self.address, token)
         except BaseException:
             self._kill_children()
             raise
@@ -132,7 +162,7 @@ class RankGroup:
                 if time.monotonic() - self.last_sent < interval:
                     continue
                 try:
-                    parallel.broadcast_object(PING)
+                    parallel.broadcast_json(PING)
                     self.last_sent = time.monotonic()
                 except Exception as exc:
                     self.fail(f"a rank stopped answering the heartbeat: {exc}")
@@ -160,7 +190,7 @@ class RankGroup:
         with self.lock:
             if self.error is None:
                 try:
-                    parallel.broadcast_object(None)
+                    parallel.broadcast_json(None)
                 except Exception as exc:  # a rank is gone: nobody to tell
                     log.warning("could not tell the ranks to stop: %s", exc)
         for p in self.procs:
@@ -175,34 +205,38 @@ class RankGroup:
                 p.join(timeout=5)
 
 
-def spawn_local_ranks(config: EngineConfig, address: str) -> list[mp.process.BaseProcess]:
+def spawn_local_ranks(config: EngineConfig, address: str, token: str) -> list[mp.process.BaseProcess]:
     """Start the ranks this process hosts after its first one, as child processes."""
     ctx = mp.get_context("spawn")
     first = config.rank_offset
-    procs = [ctx.Process(target=rank_main, args=(config, rank, address, rank - first), daemon=True,
+    procs = [ctx.Process(target=rank_main, args=(config, rank, address, rank - first, token), daemon=True,
                          name=f"kiln-rank-{rank}") for rank in range(first + 1, first + config.local_ranks)]
     for p in procs:
         p.start()
     return procs
 
 
-def rank_main(config: EngineConfig, rank: int, address: str, local_index: int, spawned: bool = True) -> None:
+def rank_main(config: EngineConfig, rank: int, address: str, local_index: int, token: str,
+              spawned: bool = True) -> None:
     """One non-driver rank: join, load this rank's shard, run the steps rank 0 broadcasts."""
     from kiln.engine.model_runner import ModelRunner
 
     _set_local_device(config, local_index, spawned)
-    _join(config, rank, address)
+    _join(config, rank, address, token)
     clean = False
     try:
         runner = ModelRunner(config)
         while True:
-            msg = parallel.broadcast_object()
+            kind, payload = parallel.recv_message()
+            if kind == parallel.STEPS:
+                runner.run_stage(decode_steps(payload))
+                continue
+            msg = parallel.decode_json(payload)
             if msg is None:
                 clean = True
                 break
-            if msg == PING:
-                continue
-            runner.run_stage(msg)
+            if msg != PING:
+                raise RuntimeError(f"rank 0 sent an unknown control message {msg!r}")
     finally:
         if clean:
             parallel.destroy_distributed()
@@ -216,11 +250,15 @@ def run_worker_node(config: EngineConfig) -> int:
         raise ConfigError("run_worker_node is for ranks other than 0 with a distributed_address; "
                           "rank 0 runs the engine (LLM / AsyncLLM / kiln serve)")
     address = config.distributed_address
-    procs = spawn_local_ranks(config, address)
+    token = group_token(config)
+    procs = spawn_local_ranks(config, address, token)
     code = 0
     try:
-        rank_main(config, config.rank_offset, address, 0, spawned=False)
+        rank_main(config, config.rank_offset, address, 0, token, spawned=False)
         log.info("rank %d: the leader stopped the engine; exiting", config.rank_offset)
+    except parallel.JoinRefusedError as exc:
+        log.error("%s", exc)
+        code = 1
     except Exception as exc:
         log.error("rank %d of %d: the engine group broke (%s); exiting 1 so the group restarts",
                   config.rank_offset, config.world_size, exc)

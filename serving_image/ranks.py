@@ -12,6 +12,8 @@ Two sources, flags first:
 
 Rank 0's process (the leader) serves the OpenAI API; the others only compute.
 The rendezvous port is the PORT in ``--leader-address`` or ``--leader-port`` (default 29500).
+Every process of such a group needs the same ``$KILN_GROUP_TOKEN`` (its ranks prove they hold it
+before they are counted; ``kiln.engine.workers.group_token``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``kiln serve`` on a process that is not rank 0: load this process's shard and compute.
 
 A worker serves no HTTP at all (no API, no probes): it joins the leader (waiting up
-to ``join_timeout_s`` for it), loads its ranks' weights, and runs the steps the leader
+to ``join_timeout_s`` for it; it proves it holds ``$KILN_GROUP_TOKEN``, the secret every
+rank of the group shares, and is refused without it), loads its ranks' weights, and runs the steps the leader
 broadcasts until the leader says stop (exit 0) or the group breaks (exit 1): the
 leader or another rank is gone, or a collective waited longer than
 ``distributed_timeout_s``. A LeaderWorkerSet then recreates the whole group; so a
@@ -31,7 +32,11 @@ def run_worker(config: ServeConfig) -> int:
     log.info("worker: ranks %d..%d of %d, joining %s", engine_config.rank_offset,
              engine_config.rank_offset + engine_config.local_ranks - 1, engine_config.world_size,
              engine_config.distributed_address)
-    return run_worker_node(engine_config)
+    try:
+        return run_worker_node(engine_config)
+    except ValueError as exc:  # a setting the ranks cannot start with (no $KILN_GROUP_TOKEN): one line
+        log.error("kiln serve (worker %s): %s", config.placement.describe(), exc)
+        return 1
 
 
 def _engine_config(config: ServeConfig) -> Any:
@@ -40,6 +45,6 @@ def _engine_config(config: ServeConfig) -> Any:
     if config.artifact:
         from kiln.engine.artifact import artifact_engine_config
 
-        path = fetch_artifact(config.artifact, config.cache_dir)
+        path = fetch_artifact(config.artifact, config.cache_dir, config.verify_key)
         return artifact_engine_config(path, **placed_engine_kwargs(config, path))
     return EngineConfig(model=str(config.model), **placed_engine_kwargs(config, None))

@@ -1,17 +1,21 @@
 """`kiln serve` processes started separately (like LeaderWorkerSet pods) serve as one engine.
 
 Workers start before the leader (pods come up in any order), one rank per process, over
-gloo on 127.0.0.1. The leader's completions equal the single-process offline engine's;
-a killed worker turns the leader's /health to 503 within seconds and the leader exits 1;
-a worker whose leader never comes exits 1 after its join timeout. Never a hang.
+gloo on 127.0.0.1, every one with the same $KILN_GROUP_TOKEN. The leader's completions equal
+the single-process offline engine's; a killed worker turns the leader's /health to 503 within
+seconds and the leader exits 1; a worker whose leader never comes exits 1 after its join
+timeout; a worker with another token, or none, exits 1 with one line naming KILN_GROUP_TOKEN.
+Never a hang.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,12 +29,14 @@ from netutil import free_port
 
 PROMPTS = ["The kiln", "Once upon a time the", "fire and clay", "a b c d e f g h i j k l m n o p"]
 FLAGS = ["--max-seq-len", "256", "--max-input-len", "128", "--num-kv-blocks", "256"]
+GROUP = {"KILN_GROUP_TOKEN": "multiprocess-test-group-token", "KILN_INSECURE_GROUP": None}
 
 
-def start_worker(model_dir: Path, log_path: Path, *args: str, env: dict[str, str] | None = None):
+def start_worker(model_dir: Path, log_path: Path, *args: str, env: dict[str, str | None] | None = None):
     cmd = [sys.executable, "-m", "kiln", "serve", "--model", str(model_dir), *FLAGS, *args]
-    full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("LWS_")}, "OMP_NUM_THREADS": "1",
-                **(env or {})}
+    merged = {**{k: v for k, v in os.environ.items() if not k.startswith("LWS_")}, "OMP_NUM_THREADS": "1",
+              **GROUP, **(env or {})}
+    full_env = {k: v for k, v in merged.items() if v is not None}
     log = open(log_path, "wb")  # noqa: SIM115 - the process owns it until it exits
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
 
@@ -61,7 +67,7 @@ def test_two_processes_pp2_serve_the_same_tokens_and_stop_together(model_dir, of
     port = free_port()
     dist = ["--pipeline-parallel-size", "2", "--world-size", "2", "--leader-address", f"127.0.0.1:{port}"]
     worker = start_worker(model_dir, tmp_path / "worker.log", "--rank", "1", *dist)
-    leader = Server(["--model", str(model_dir)], tmp_path / "leader.log", *FLAGS, "--rank", "0", *dist)
+    leader = Server(["--model", str(model_dir)], tmp_path / "leader.log", *FLAGS, "--rank", "0", *dist, env=GROUP)
     try:
         leader.wait_ready(timeout=180)
         got = complete_all(leader.url)
@@ -82,7 +88,7 @@ def test_four_processes_tp2_pp2_from_leaderworkerset_env(model_dir, offline, tmp
     workers = [start_worker(model_dir, tmp_path / f"worker{i}.log", *sizes, env={**lws, "LWS_WORKER_INDEX": str(i)})
                for i in (3, 1, 2)]
     leader = Server(["--model", str(model_dir)], tmp_path / "leader.log", *FLAGS, *sizes,
-                    env={**lws, "LWS_WORKER_INDEX": "0"})
+                    env={**GROUP, **lws, "LWS_WORKER_INDEX": "0"})
     try:
         leader.wait_ready(timeout=300)
         assert [c["text"] for c in complete_all(leader.url)] == expected(offline)
@@ -100,7 +106,7 @@ def test_a_killed_worker_fails_the_leaders_health_and_the_leader_exits(model_dir
             "--distributed-timeout", "20"]
     worker = start_worker(model_dir, tmp_path / "worker.log", "--rank", "1", *dist)
     leader = Server(["--model", str(model_dir)], tmp_path / "leader.log", *FLAGS, "--rank", "0", *dist,
-                    env={"KILN_GROUP_FAILURE_EXIT_SECONDS": "3"})
+                    env={**GROUP, "KILN_GROUP_FAILURE_EXIT_SECONDS": "3"})
     try:
         leader.wait_ready(timeout=180)
         assert httpx.get(f"{leader.url}/health", timeout=5).status_code == 200
@@ -129,6 +135,43 @@ def test_a_worker_without_its_leader_exits_1_after_the_join_timeout(model_dir, t
         assert "join_timeout_s" in log and "Traceback" not in log
     finally:
         stop(worker)
+
+
+@pytest.mark.parametrize(("token", "message"), [
+    ("another-token-0123456789", "rank 1 of 2 (leader 127.0.0.1:{port}): the leader refused this rank: its "
+                                 "$KILN_GROUP_TOKEN differs from the leader's"),
+    (None, "need $KILN_GROUP_TOKEN"),
+])
+def test_a_worker_without_the_groups_token_exits_1_in_one_line(token, message, model_dir, tmp_path):
+    from kiln.engine import parallel
+
+    port = free_port()
+    leader_store = tcp_store(port)
+    refused: list[Exception] = []
+
+    def lead() -> None:  # rank 0's side of the rendezvous only: a refused rank never gets further
+        try:
+            parallel.rendezvous(leader_store, 0, 2, GROUP["KILN_GROUP_TOKEN"], time.monotonic() + 60)
+        except TimeoutError as exc:
+            refused.append(exc)
+    threading.Thread(target=lead, daemon=True).start()
+    worker = start_worker(model_dir, tmp_path / "worker.log", "--pipeline-parallel-size", "2", "--rank", "1",
+                          "--world-size", "2", "--leader-address", f"127.0.0.1:{port}",
+                          env={"KILN_GROUP_TOKEN": token})
+    try:
+        assert worker.wait(90) == 1
+        log = (tmp_path / "worker.log").read_text()
+        assert message.format(port=port) in log and "Traceback" not in log, log
+        assert len([line for line in log.splitlines() if "KILN_GROUP_TOKEN" in line]) == 1, log
+    finally:
+        stop(worker)
+
+
+def tcp_store(port: int):
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=60),
+                         wait_for_workers=False)
 
 
 def test_a_world_that_does_not_match_the_sizes_is_a_usage_error(model_dir, tmp_path):
