@@ -6,11 +6,14 @@ No tensors here. Each step:
    running requests still prefilling get a chunk of what's left, all within
    ``max_num_tokens``; with speculative decoding on, a decode also gets up to
    the draft length the running batch's bucket allows (``by_batch``, the
-   build's measured table; ``spec_decode``), dropped rather than preempting
-   anyone for their blocks;
-2. when a running request needs a block and none is free, the newest running
-   request is preempted (its blocks freed, its progress reset to zero, it goes
-   back to the front of the queue to be recomputed later) — possibly itself;
+   build's measured table; ``spec_decode``). Drafts are budgeted (tokens)
+   before the prefill chunks, but get KV blocks only after every running
+   request's committed tokens have theirs: they shrink to the slots left
+   (possibly none) and never preempt anyone;
+2. when a running request needs a block for its committed tokens and none is
+   free, the newest running request is preempted (its blocks freed, its
+   progress reset to zero, it goes back to the front of the queue to be
+   recomputed later) — possibly itself;
 3. if nothing was preempted, waiting requests are admitted in arrival order
    (prefix-cache hits first, then a prefill chunk) while blocks, tokens and
    ``max_batch_size`` allow. Admission stops at the first request that does not
@@ -87,34 +90,20 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_tokens
-        scheduled: dict[str, int] = {}
+        scheduled: dict[str, int] = {}  # request id -> committed tokens (drafts are added last)
+        drafts: dict[str, list[int]] = {}  # request id -> drafts budgeted, not yet given blocks
         draft_length = self._draft_length()
         for req in self.running:
             req.spec_token_ids = []
-        # Decodes before prefill chunks; stable sort keeps arrival order within each group.
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
-            if budget == 0:
-                break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if draft_length and num_new == 1 and req.num_tokens - req.num_computed_tokens == 1:
-                drafts = self._drafts(req, budget, draft_length)
-                if drafts and self.block_manager.can_append(req, 1 + len(drafts)):
-                    req.spec_token_ids = drafts
-                    num_new = 1 + len(drafts)
-            while not self.block_manager.can_append(req, num_new):
-                victim = self.running[-1]
-                budget += scheduled.pop(victim.request_id, 0)
-                self._preempt(victim)
-                out.num_preempted += 1
-                if victim is req:
-                    break
-            else:
-                self.block_manager.append_slots(req, num_new)
-                scheduled[req.request_id] = num_new
-                budget -= num_new
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        budget = self._schedule_committed(decodes, self.max_num_tokens, scheduled, drafts, out)
+        for req in decodes if draft_length else ():
+            if budget > 0 and req.request_id in scheduled and (proposed := self._drafts(req, budget + 1, draft_length)):
+                drafts[req.request_id] = proposed
+                budget -= len(proposed)
+        budget = self._schedule_committed(prefills, budget, scheduled, drafts, out)
+        budget += self._give_draft_blocks(drafts, scheduled)
         if not out.num_preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
                 req = self.waiting[0]
@@ -131,6 +120,46 @@ class Scheduler:
         by_id = {r.request_id: r for r in self.running}
         out.scheduled = [(by_id[rid], n) for rid, n in scheduled.items()]
         return out
+
+    def _schedule_committed(self, reqs: list[Request], budget: int, scheduled: dict[str, int],
+                            drafts: dict[str, list[int]], out: SchedulerOutput) -> int:
+        """Blocks and budget for each of ``reqs``' committed tokens (a decode's one, a prefill's chunk), in
+        order, preempting the newest running request while one does not fit; returns the budget left."""
+        for req in reqs:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.can_append(req, num_new):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim.request_id, 0) + len(drafts.pop(victim.request_id, ()))
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is req:
+                    break
+            else:
+                self.block_manager.append_slots(req, num_new)
+                scheduled[req.request_id] = num_new
+                budget -= num_new
+        return budget
+
+    def _give_draft_blocks(self, drafts: dict[str, list[int]], scheduled: dict[str, int]) -> int:
+        """Give the budgeted drafts the slots left once every committed token has one, in decode order,
+        each cut to what fits (possibly nothing); returns the budget the cuts gave back."""
+        bm, returned = self.block_manager, 0
+        for req in self.running:
+            proposed = drafts.get(req.request_id)
+            if not proposed:
+                continue
+            room = (len(req.block_table) + bm.num_free_blocks) * bm.block_size - req.num_computed_tokens - 1
+            kept = proposed[:max(0, room)]
+            returned += len(proposed) - len(kept)
+            if kept:
+                bm.append_slots(req, 1 + len(kept))
+                req.spec_token_ids = kept
+                scheduled[req.request_id] += len(kept)
+        return returned
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
