@@ -147,3 +147,25 @@ print(entries[0] == entries[1] and len(entries[0]) > 0, entries[0])
     proc = _run("-c", script, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("True"), proc.stdout[-2000:]
+
+
+def test_an_unknown_capability_is_a_problem_not_a_pass():
+    """sm_75 is not in the table: no limit to hold the kernel to, so the report cannot say it fits."""
+    report = KernelReport("k", "v", 75, 4, 32, 0, 0, 0, 1 << 20)
+    (problem,) = report.problems()
+    assert "sm_75" in problem and "80, 86, 87, 89, 90, 100, 120" in problem and "SMEM_PER_BLOCK" in problem
+
+
+def test_registers_are_counted_the_way_the_hardware_allocates_them():
+    # 102 registers x 20 warps is 65,280 as written, but each warp is given 104 x 32 (whole 256-register units):
+    # 66,560 > the 65,536 of the register file.
+    rounded = KernelReport("k", "v", 90, 20, 102, 0, 0, 0, 0)
+    assert any("registers" in p and "66560" in p for p in rounded.problems()), rounded.problems()
+    # 176 x 10 warps is 56,320 (whole units already), but the hardware's check spreads a block's warps over
+    # the SM's 4 sub-partitions alike: 12 warps x 5,632 = 67,584.
+    partitions = KernelReport("k", "v", 90, 10, 176, 0, 0, 0, 0)
+    assert any("registers" in p for p in partitions.problems()), partitions.problems()
+    assert KernelReport("k", "v", 90, 16, 121, 0, 0, 0, 0).problems() == []  # 128 per thread: exactly 65,536
+    assert KernelReport("k", "v", 90, 16, 129, 0, 0, 0, 0).problems() != []
+    assert any("255" in p for p in KernelReport("k", "v", 90, 1, 256, 0, 0, 0, 0).problems())
+    assert any("more than 1024" in p for p in KernelReport("k", "v", 90, 64, 16, 0, 0, 0, 0).problems())
