@@ -155,6 +155,13 @@ class Manifest(BaseModel):
     content_digest: str = Field(description="sha256 over the sorted (path, sha256, size) lines")
     built_by: BuiltBy | None = Field(default=None, description="who built it; None: published outside "
                                      "the operator (kiln up, kiln build by hand)")
+    signature: dict[str, str] | None = Field(
+        default=None, description="the publisher's signature over the rest of this document (kiln.signing); "
+                                  "None: published without a signing key")
+
+    def signed_by(self, signer: Any) -> Manifest:
+        """This manifest with ``signer``'s (a :class:`kiln.signing.Signer`) signature over the rest of it."""
+        return self.model_copy(update={"signature": signer.sign(self.model_dump(mode="json"))})
 
     @staticmethod
     def digest_of(files: list[ManifestFile]) -> str:

@@ -6,6 +6,7 @@ Layout under the store root::
     engines/<version>/<files...>           # the engine directory, relative paths kept
     engines/<version>/.publish-claim.json  # only while a publisher moves files in
     staging/<version>/<upload-id>/<files>  # uploads in flight (or abandoned: `gc`)
+    staging/<version>/<upload-id>.heartbeat.json  # the claim holder's heartbeat, while it moves files in
 
 A version is visible only through a manifest that parses and lists files, so a
 publish killed at any point leaves nothing a reader can see. Files land in a
@@ -22,6 +23,7 @@ naming the store and the fix; CLIs print it and exit 3.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -93,16 +95,22 @@ class ArtifactStore:
     # ---- reading -------------------------------------------------------------------------
     def read_manifest(self, version: str) -> Manifest | None:
         """The version's manifest, or None when it is missing or not a valid, consistent manifest."""
+        return self.read_signed_manifest(version)[0]
+
+    def read_signed_manifest(self, version: str) -> tuple[Manifest | None, dict[str, Any] | None]:
+        """The version's manifest and the document it was parsed from (what its signature covers, unknown
+        fields included), read once: (None, None) when it is missing or not a valid, consistent manifest."""
         data = self.backend.read(f"engines/{check_version(version)}/{MANIFEST_NAME}")
         if data is None:
-            return None
+            return None, None
         try:
-            manifest = Manifest.model_validate_json(data)
-        except ValidationError:
-            return None
+            document = json.loads(data)
+            manifest = Manifest.model_validate(document)
+        except (ValueError, ValidationError):
+            return None, None
         if manifest.engine_version != version or not manifest.is_consistent():
-            return None
-        return manifest
+            return None, None
+        return manifest, document
 
     def exists(self, version: str) -> bool:
         return self.read_manifest(version) is not None
@@ -120,17 +128,22 @@ class ArtifactStore:
                                 f"(see `kiln cache ls --store {self.uri}`)")
 
     def fetch(self, version: str, dest_dir: str | Path, progress: Progress | None = None,
-              expect: ArtifactExpectation | None = None) -> Path:
+              expect: ArtifactExpectation | None = None, verifier: Any = None) -> Path:
         """Download and verify every file, then move the directory into place as ``dest_dir``.
 
         ``dest_dir`` also receives ``manifest.json``. If it already holds this version
-        (same content digest) and its files verify, nothing is downloaded. With ``expect``,
-        a manifest that does not match it raises :class:`ArtifactUntrusted` before any file
-        is used (the files are then checked against that same manifest).
+        (same content digest) and its files verify, nothing is downloaded. With ``verifier``
+        (a :class:`kiln.signing.Verifier`), a manifest not signed by its key raises
+        :class:`ArtifactUntrusted` before any file is downloaded or opened; with ``expect``, so does
+        a manifest that does not match it. The files are then checked against that same manifest.
         """
-        manifest = self.read_manifest(version)
+        manifest, document = self.read_signed_manifest(version)
         if manifest is None:
             raise self.not_found(version)
+        if verifier is not None and (problem := verifier.problem(document)) is not None:
+            raise ArtifactUntrusted(
+                f"{self.artifact_uri(version)}: refusing this artifact: {problem}. Only engines signed by the "
+                "verify key are served; rebuild it with the matching signing key (docs/operator-trust.md)")
         if expect is not None and (problem := expect.mismatch(manifest)) is not None:
             raise ArtifactUntrusted(
                 f"{self.artifact_uri(version)}: refusing this artifact: {problem}; it was published by someone "
@@ -162,10 +175,12 @@ class ArtifactStore:
 
     # ---- writing -------------------------------------------------------------------------
     def publish(self, version: str, src_dir: str | Path, envelope: dict,
-                progress: Progress | None = None, built_by: BuiltBy | None = None) -> Manifest:
-        """Upload ``src_dir`` as ``version``: staging -> verify -> move in -> manifest last.
+                progress: Progress | None = None, built_by: BuiltBy | None = None,
+                signer: Any = None) -> Manifest:
+        """Upload ``src_dir`` as ``version``: staging -> verify -> sign -> move in -> manifest last.
 
-        ``built_by`` is recorded in the manifest (who built it; see :class:`BuiltBy`).
+        ``built_by`` is recorded in the manifest (who built it; see :class:`BuiltBy`); ``signer`` (a
+        :class:`kiln.signing.Signer`) signs it, file digests, envelope and ``built_by`` included.
         A no-op returning the existing manifest when the version is already published.
         Raises :class:`ArtifactConflict` when another publisher won with different content.
         """
@@ -184,6 +199,8 @@ class ArtifactStore:
             manifest = Manifest(engine_version=version, created_at=now_utc(), upload_id=upload_id,
                                 envelope=dict(envelope), files=files, total_size=sum(f.size for f in files),
                                 content_digest=Manifest.digest_of(files), built_by=built_by)
+            if signer is not None:
+                manifest = manifest.signed_by(signer)
             return move_in(self, version, staging, manifest)
         finally:
             best_effort(lambda: self.backend.delete([o.key for o in self.backend.list(staging + "/")]))

@@ -1,7 +1,9 @@
 """``kiln up``: the embedded default — build a manifest into a local store if needed, then serve it.
 
 No Kubernetes: the same builder a build Job runs (in this process), then
-``kiln serve --artifact <uri>`` as a child process in the foreground. The server
+``kiln serve --artifact <uri>`` as a child process in the foreground. The engine is signed and verified
+as on a cluster, with a local key pair made on first use (``~/.cache/kiln/keys``, or ``$KILN_KEY_DIR``):
+the build signs with its private key and the server is started with ``--verify-key``. The server
 runs as a subprocess so this module (core CLI glue) never imports the serving
 component; SIGINT/SIGTERM are forwarded to it so it drains and exits cleanly,
 and ``kiln up`` exits with its code. Exit codes before serving are the
@@ -11,6 +13,7 @@ builder's (``kiln build --help``).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,13 +24,29 @@ import click
 EXIT_INVALID_SPEC = 2
 
 
-def serve_command(artifact_uri: str, engine, host: str, port: int) -> list[str]:
+def serve_command(artifact_uri: str, engine, host: str, port: int, verify_key: Path) -> list[str]:
     serving = engine.spec.serving
     return [
         sys.executable, "-m", "kiln", "serve", "--artifact", artifact_uri, "--host", host, "--port", str(port),
         "--served-model-name", engine.metadata.name, "--max-queue-len", str(serving.max_queue_len),
-        "--drain-timeout", str(serving.drain_timeout_seconds),
+        "--drain-timeout", str(serving.drain_timeout_seconds), "--verify-key", str(verify_key),
     ]
+
+
+def default_key_dir() -> Path:
+    """Where ``kiln up`` keeps its local signing pair: ``$KILN_KEY_DIR``, else ``~/.cache/kiln/keys``."""
+    if path := os.environ.get("KILN_KEY_DIR", "").strip():
+        return Path(path)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln" / "keys"
+
+
+def signature_problem(store_uri: str, version: str, verify_key: Path) -> str | None:
+    """Why the stored ``version`` would be refused by a server verifying with ``verify_key`` (None: it won't)."""
+    from kiln.artifacts import ArtifactStore
+    from kiln.signing import Verifier
+
+    _, document = ArtifactStore.from_uri(store_uri).read_signed_manifest(version)
+    return Verifier.from_pem(verify_key).problem(document or {})
 
 
 def read_engine_json(store_uri: str, version: str) -> dict:
@@ -78,6 +97,7 @@ def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_
     from kiln.builder.cli import build_engine
     from kiln.builder.report import setup_logging, summary_lines
     from kiln.manifest import ManifestError, load_manifest
+    from kiln.signing import generate_key_pair
 
     try:
         engine = load_manifest(manifest)
@@ -88,8 +108,9 @@ def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_
         sys.exit(EXIT_INVALID_SPEC)
     setup_logging(verbose)
     store_uri = store_uri or default_store_uri()
+    signing_key, verify_key = generate_key_pair(default_key_dir())
     try:
-        outcome = build_engine(engine, store_uri, work_dir)
+        outcome = build_engine(engine, store_uri, work_dir, signing_key=signing_key)
     except KeyboardInterrupt:
         click.echo("interrupted: nothing was published", err=True)
         sys.exit(130)
@@ -97,9 +118,14 @@ def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_
         click.echo(f"error: {outcome.message}", err=True)
         sys.exit(outcome.exit_code)
     click.echo(outcome.message)
+    if outcome.cache_hit and (problem := signature_problem(store_uri, outcome.version, verify_key)):
+        click.echo(f"error: {outcome.artifact_uri}: {problem}; kiln up serves only engines signed by its local key "
+                   f"({verify_key}): remove it with `kiln cache rm {outcome.version} --store {store_uri}` and run "
+                   "kiln up again to rebuild it signed", err=True)
+        sys.exit(EXIT_INVALID_SPEC)
     report = outcome.build_report or read_engine_json(store_uri, outcome.version).get("build_report")
     for line in summary_lines(report) if report else []:
         click.echo(line)
     port = engine.spec.serving.port if port is None else port
     click.echo(f"serving {outcome.artifact_uri} on http://{host}:{port}/v1 (Ctrl-C to stop)")
-    sys.exit(run_foreground(serve_command(outcome.artifact_uri, engine, host, port)))
+    sys.exit(run_foreground(serve_command(outcome.artifact_uri, engine, host, port, verify_key)))
