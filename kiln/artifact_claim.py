@@ -6,13 +6,21 @@ manifest. They could still overwrite each other's *files* while moving them in; 
 short-lived claim object ``engines/<version>/.publish-claim.json`` prevents that: only the
 claim holder, or a publisher with byte-identical content (same content digest), moves files
 into ``engines/<version>/``; a publisher with different content waits for the holder's
-manifest and then raises :class:`ArtifactConflict`. A claim older than the store's
-``claim_ttl`` belongs to a dead publisher and is taken over.
+manifest and then raises :class:`ArtifactConflict`.
+
+The holder heartbeats while it holds the claim: a background thread rewrites
+``staging/<version>/<upload-id>.heartbeat.json`` every quarter of the store's ``claim_ttl``
+(the claim itself is never rewritten, so a heartbeat cannot clobber a claim someone else took).
+A claim whose holder has not been heard from (claim created, or last heartbeat) for ``claim_ttl``
+belongs to a dead publisher and is taken over. Before each file it moves in and before the
+manifest, a publisher checks that the claim is still its own (or still its content's); if it
+is not, it stops with :class:`ClaimLost` and creates no manifest, so nothing becomes visible.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -22,6 +30,12 @@ from pydantic import BaseModel
 
 from kiln.artifact_manifest import CLAIM_NAME, MANIFEST_NAME, ArtifactConflict, Manifest, StoreError, now_utc
 from kiln.storage import Backend
+
+HEARTBEAT_SUFFIX = ".heartbeat.json"
+
+
+class ClaimLost(StoreError):
+    """This publisher's claim on a version was taken over (or removed) while it moved files in."""
 
 
 class VersionStore(Protocol):
@@ -39,38 +53,31 @@ def move_in(store: VersionStore, version: str, staging: str, manifest: Manifest)
     """Promote the verified files under ``staging`` to ``engines/<version>/`` and create the manifest last.
 
     Returns the manifest that won: ``manifest``, or an earlier publisher's with the same content.
-    Raises :class:`ArtifactConflict` when an earlier publisher won with different content.
+    Raises :class:`ArtifactConflict` when an earlier publisher won with different content, and
+    :class:`ClaimLost` when this publisher lost its claim before the manifest (nothing published).
     """
     backend = store.backend
     base = f"engines/{version}"
-    claim_key = f"{base}/{CLAIM_NAME}"
-    claim = {"upload_id": manifest.upload_id, "content_digest": manifest.content_digest,
-             "created_at": now_utc().isoformat()}
-    owns_claim = False
-    while True:
-        if (winner := store.read_manifest(version)) is not None:
-            return _settle(store, winner, manifest)
-        if backend.create_exclusive(claim_key, _json_bytes(claim)):
-            owns_claim = True
-            break
-        other = _read_json(backend.read(claim_key))
-        if other is None:
-            continue  # the holder just finished or gave up: look again
-        if other.get("content_digest") == manifest.content_digest:
-            break  # byte-identical content: moving it in alongside the holder is harmless
-        if _claim_age(other) > store.claim_ttl:
-            backend.delete([claim_key])  # its publisher died mid-move: take over
-            continue
-        time.sleep(0.2)  # a different upload is moving in: wait for its manifest
+    claim = Claim(store, version, manifest)
     try:
+        while True:
+            if (winner := store.read_manifest(version)) is not None:
+                return _settle(store, winner, manifest)
+            if claim.take():
+                break
+            other = _read_json(backend.read(claim.key))
+            if other is None:
+                continue  # the holder just finished or gave up: look again
+            if other.get("content_digest") == manifest.content_digest:
+                break  # byte-identical content: moving it in alongside the holder is harmless
+            if _claim_age(backend, version, other) > store.claim_ttl:
+                backend.delete([claim.key])  # its publisher died mid-move: take over
+                continue
+            time.sleep(0.2)  # a different upload is moving in: wait for its manifest
         for f in manifest.files:
+            claim.check()
             backend.promote(f"{staging}/{f.path}", f"{base}/{f.path}")
-        if owns_claim:
-            other = _read_json(backend.read(claim_key))
-            if other is not None and other.get("upload_id") != manifest.upload_id:
-                raise StoreError(f"{store.artifact_uri(version)}: another publisher took over this "
-                                 f"version while it was being moved in (claim older than "
-                                 f"{store.claim_ttl}); publish again")
+        claim.check()
         if backend.create_exclusive(f"{base}/{MANIFEST_NAME}", _json_bytes(manifest)):
             return manifest
         for _ in range(50):  # lost the race: the winner's manifest may still be landing (non-atomic fs)
@@ -80,16 +87,95 @@ def move_in(store: VersionStore, version: str, staging: str, manifest: Manifest)
         raise StoreError(f"{store.artifact_uri(version)}/{MANIFEST_NAME} exists but is not a valid "
                          f"manifest; remove it with `kiln cache rm {version}`")
     finally:
-        if owns_claim:
-            best_effort(lambda: backend.delete([claim_key]))
+        claim.release()
 
 
-def best_effort(cleanup: Callable[[], None]) -> None:
-    """Clean up without masking the real outcome; whatever is left, ``gc`` removes later."""
+class Claim:
+    """One publisher's side of a version's claim: taking it (and heartbeating it while held), checking
+    that it still holds it (or that the holder's content is its own), releasing it."""
+
+    def __init__(self, store: VersionStore, version: str, manifest: Manifest) -> None:
+        self.store, self.backend, self.version = store, store.backend, version
+        self.key = f"engines/{version}/{CLAIM_NAME}"
+        self.upload_id, self.digest = manifest.upload_id, manifest.content_digest
+        self.heartbeat: Heartbeat | None = None  # set while this publisher holds the claim
+
+    def take(self) -> bool:
+        """Create the claim; True (and heartbeating) if this publisher now holds it."""
+        record = {"upload_id": self.upload_id, "content_digest": self.digest, "created_at": now_utc().isoformat()}
+        if not self.backend.create_exclusive(self.key, _json_bytes(record)):
+            return False
+        interval = max(self.store.claim_ttl.total_seconds() / 4, 0.05)
+        self.heartbeat = Heartbeat(self.backend, _heartbeat_key(self.version, self.upload_id), self.upload_id,
+                                   interval)
+        return True
+
+    def check(self) -> None:
+        """Raise :class:`ClaimLost` unless the claim is still this publisher's (or, for a publisher moving in
+        alongside a holder, still its content's; if the holder released it, this publisher takes it)."""
+        other = _read_json(self.backend.read(self.key))
+        if self.heartbeat is None and other is None:
+            if self.take():
+                return
+            other = _read_json(self.backend.read(self.key))
+        if self.heartbeat is not None:
+            if other is not None and other.get("upload_id") == self.upload_id:
+                return
+        elif other is not None and other.get("content_digest") == self.digest:
+            return
+        holder = "removed" if other is None else f"now held by upload {other.get('upload_id')!r}"
+        raise ClaimLost(
+            f"{self.store.artifact_uri(self.version)}: lost the publish claim while moving files in (the claim "
+            f"is {holder}: this publisher was not heard from for claim_ttl {self.store.claim_ttl}); no manifest "
+            f"was created, so nothing was published: publish again (and check the store is reachable)")
+
+    def release(self) -> None:
+        """Stop heartbeating and remove the claim if it is still this publisher's."""
+        if self.heartbeat is None:
+            return
+        self.heartbeat.stop()
+        self.heartbeat = None
+        other = best_effort(lambda: _read_json(self.backend.read(self.key)))
+        if other is not None and other.get("upload_id") == self.upload_id:
+            best_effort(lambda: self.backend.delete([self.key]))
+
+
+class Heartbeat:
+    """Rewrites the holder's heartbeat object every ``interval`` seconds from a daemon thread until stopped.
+    A failed write is retried at the next beat; a claim lost meanwhile is caught by :meth:`Claim.check`."""
+
+    def __init__(self, backend: Backend, key: str, upload_id: str, interval: float) -> None:
+        self.backend, self.key, self.upload_id, self.interval = backend, key, upload_id, interval
+        self.failures = 0
+        self._stop = threading.Event()
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name=f"kiln-claim-heartbeat-{upload_id}", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        record = {"upload_id": self.upload_id, "refreshed_at": now_utc().isoformat()}
+        try:
+            self.backend.write(self.key, _json_bytes(record))
+        except StoreError:
+            self.failures += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.beat()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        best_effort(lambda: self.backend.delete([self.key]))
+
+
+def best_effort(cleanup: Callable[[], Any]) -> Any:
+    """Clean up without masking the real outcome (None on a store error); whatever is left, ``gc`` removes
+    later."""
     try:
-        cleanup()
+        return cleanup()
     except StoreError:
-        pass
+        return None
 
 
 def _settle(store: VersionStore, winner: Manifest, mine: Manifest) -> Manifest:
@@ -117,8 +203,24 @@ def _read_json(data: bytes | None) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _claim_age(claim: dict) -> timedelta:
-    try:
-        return now_utc() - datetime.fromisoformat(claim["created_at"])
-    except (KeyError, TypeError, ValueError):
-        return timedelta.max
+def _heartbeat_key(version: str, upload_id: str) -> str:
+    return f"staging/{version}/{upload_id}{HEARTBEAT_SUFFIX}"
+
+
+def _claim_age(backend: Backend, version: str, claim: dict) -> timedelta:
+    """How long since the claim's holder was last heard from: the claim's creation or its latest heartbeat."""
+    stamps = [claim.get("created_at")]
+    upload_id = claim.get("upload_id")
+    if isinstance(upload_id, str) and upload_id and "/" not in upload_id:
+        beat = _read_json(backend.read(_heartbeat_key(version, upload_id)))
+        if beat is not None and beat.get("upload_id") == upload_id:
+            stamps.append(beat.get("refreshed_at"))
+    seen = []
+    for stamp in stamps:
+        try:
+            when = datetime.fromisoformat(stamp)
+        except (TypeError, ValueError):
+            continue
+        if when.tzinfo is not None:  # ours are UTC; a naive stamp says nothing reliable
+            seen.append(when)
+    return now_utc() - max(seen) if seen else timedelta.max

@@ -42,6 +42,9 @@ class Backend(Protocol):
     def create_exclusive(self, key: str, data: bytes) -> bool:
         """Create the object with ``data`` only if no object exists there; False if one does."""
 
+    def write(self, key: str, data: bytes) -> None:
+        """Create or replace the (small) object with ``data``, whole: readers see the old bytes or the new."""
+
     def list(self, prefix: str) -> list[ObjectInfo]:
         """Every object under ``prefix`` (recursively)."""
 

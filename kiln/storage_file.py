@@ -124,6 +124,20 @@ class FileBackend:
         except OSError as exc:
             raise self._err(exc, f"create {key}") from None
 
+    def write(self, key: str, data: bytes) -> None:
+        dst = self._path(key)
+        tmp = dst.parent / f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, dst)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise self._err(exc, f"write {key}") from None
+
     @staticmethod
     def _create_excl_no_links(dst: Path, data: bytes) -> bool:
         try:

@@ -193,6 +193,10 @@ class S3Backend:
                 raise self._error(exc, f"write {key}") from None
         return False
 
+    def write(self, key: str, data: bytes) -> None:
+        self._call(f"write {key}", self.client.put_object, Bucket=self.bucket, Key=self._key(key), Body=data,
+                   ContentType="application/json")
+
     def list(self, prefix: str) -> list[ObjectInfo]:
         found = []
         for page in self._pages(f"list {prefix}", Prefix=self._key(prefix)):
