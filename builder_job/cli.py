@@ -31,11 +31,18 @@ import tempfile
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import click
 from kiln.builder.errors import EXIT_OK, EXIT_UNEXPECTED, BuildError, InvalidSpec, StorageFailure
+from kiln.builder.manifest_input import check_expected_version, resolve_manifest
+from kiln.builder.prefetch import fetch_only, load_fetched, load_fetched_draft
 from kiln.builder.report import BuildReport, setup_logging, write_termination_message
-from kiln.builder.spec import check_expected_version, resolve_manifest
+
+from kiln.artifact_manifest import StoreError, built_by_from_env
+from kiln.artifacts import ArtifactStore
+from kiln.envelope import build_envelope, engine_version
+from kiln.signing import SigningError, signer_from
 
 log = logging.getLogger("kiln.build")
 WORK_DIR_ENV = "KILN_WORK_DIR"
@@ -54,10 +61,6 @@ class BuildOutcome:
 
 def fetch_engine(engine, work_dir: str | Path) -> BuildOutcome:
     """``--fetch-only``: fetch ``engine``'s checkpoint into ``work_dir``; never raises for user errors."""
-    from kiln.builder.prefetch import fetch_only
-
-    from kiln.envelope import engine_version
-
     version = None
     try:
         version = engine_version(engine.spec)
@@ -76,28 +79,28 @@ def fetch_engine(engine, work_dir: str | Path) -> BuildOutcome:
                             message=f"FetchFailed: unexpected {exc_type.__name__}: {exc_value} (see the log)")
 
 
+def _publisher(signing_key: str | Path | None) -> tuple[Any, Any]:
+    """Who publishes: ``built_by`` (``$KILN_BUILT_BY``) and the signer (``--signing-key``, ``$KILN_SIGNING_KEY``)."""
+    try:
+        return built_by_from_env(os.environ), signer_from(signing_key)
+    except (StoreError, SigningError) as exc:
+        raise InvalidSpec(str(exc)) from None
+
+
 def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, keep_work_dir: bool = False,
-                 prefetched: bool = False) -> BuildOutcome:
+                 prefetched: bool = False, signing_key: str | Path | None = None) -> BuildOutcome:
     """Build ``engine`` (an ``LLMEngine``) into ``store_uri`` unless it is there; never raises for user errors.
 
     ``prefetched``: build from the checkpoint ``fetch_engine`` left in ``work_dir`` instead of fetching.
+    ``signing_key``: the PEM private key the published manifest is signed with (else ``$KILN_SIGNING_KEY``).
     """
-    from kiln.artifact_manifest import StoreError, built_by_from_env
-    from kiln.artifacts import ArtifactStore
-    from kiln.envelope import build_envelope, engine_version
-
     version = None
     try:
         version = engine_version(engine.spec)
         check_expected_version(version)
-        try:
-            built_by = built_by_from_env(os.environ)
-        except StoreError as exc:
-            raise InvalidSpec(str(exc)) from None
+        built_by, signer = _publisher(signing_key)
         checkpoint = draft_checkpoint = None
         if prefetched:
-            from kiln.builder.prefetch import load_fetched, load_fetched_draft
-
             if work_dir is None:
                 raise InvalidSpec(f"--prefetched needs --work-dir (or ${WORK_DIR_ENV}): the directory "
                                   "`kiln build --fetch-only` fetched into")
@@ -117,10 +120,13 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
         report = BuildReport(version)
         log.info("building %s (%s -> %s)", version, engine.spec.model.source, store.uri)
         try:
-            from kiln.builder.pipeline import run_build
+            from kiln.builder.pipeline import (
+                run_build,  # deferred: torch; the cache-hit path above is torch-free
+            )
 
             result = run_build(engine, store, version, build_envelope(engine.spec), work, report,
-                               checkpoint=checkpoint, built_by=built_by, draft_checkpoint=draft_checkpoint)
+                               checkpoint=checkpoint, built_by=built_by, draft_checkpoint=draft_checkpoint,
+                               signer=signer)
         finally:
             if made_tmp and not keep_work_dir:
                 shutil.rmtree(work, ignore_errors=True)
@@ -152,9 +158,12 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
               help="Only fetch the checkpoint into --work-dir (with the model's credentials, no store's).")
 @click.option("--prefetched", is_flag=True,
               help="Build from the checkpoint --fetch-only left in --work-dir (with the store's credentials only).")
+@click.option("--signing-key", envvar="KILN_SIGNING_KEY", default=None, metavar="PEM",
+              help="PEM private key (Ed25519 or ECDSA P-256, as `openssl genpkey` writes it) that signs the "
+                   "published manifest [env KILN_SIGNING_KEY]; serving pods verify it (docs/operator-trust.md).")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def build(manifest: str | None, spec_file: str | None, store_uri: str | None, work_dir: str | None,
-          keep_work_dir: bool, fetch_only: bool, prefetched: bool, verbose: bool) -> None:
+          keep_work_dir: bool, fetch_only: bool, prefetched: bool, signing_key: str | None, verbose: bool) -> None:
     setup_logging(verbose)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if fetch_only and prefetched:
@@ -173,7 +182,8 @@ def build(manifest: str | None, spec_file: str | None, store_uri: str | None, wo
         if fetch_only:
             outcome = fetch_engine(engine, work_dir)
         else:
-            outcome = build_engine(engine, store_uri, work_dir, keep_work_dir, prefetched=prefetched)
+            outcome = build_engine(engine, store_uri, work_dir, keep_work_dir, prefetched=prefetched,
+                                   signing_key=signing_key)
     if outcome.exit_code == EXIT_OK:
         click.echo(outcome.message)
         if not fetch_only:

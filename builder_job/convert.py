@@ -11,7 +11,7 @@ channel (row of the ``[out, in]`` weight):
 
 A quantized ``<name>.weight`` is stored as the int8/float8 tensor next to
 ``<name>.weight_scale``. Only linear projections inside decoder layers are
-quantized (:func:`kiln.builder.check.is_quantizable`), as the runtime does;
+quantized (:func:`kiln.builder.model_facts.is_quantizable`), as the runtime does;
 embeddings, ``lm_head`` and norms stay in ``dtype``. The quantizer is the
 runtime's own (``kiln.engine.artifact.quantize_weight``).
 
@@ -28,7 +28,7 @@ import logging
 from pathlib import Path
 
 import torch
-from kiln.builder.check import is_quantizable
+from kiln.builder.model_facts import is_quantizable
 from kiln.engine.artifact import quantize_weight
 from safetensors import safe_open
 

@@ -23,11 +23,13 @@ import functools
 import hashlib
 import json
 import logging
+import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.builder.errors import FetchError
+from kiln.builder.model_facts import supported_architectures as runtime_architectures
 
 log = logging.getLogger("kiln.build.gguf")
 
@@ -74,16 +76,14 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 def supported_tensor_types() -> tuple[str, ...]:
     """Tensor types the dequantizer handles (plain floats + every quant type gguf.quants implements)."""
-    import gguf.quants
+    import gguf.quants  # deferred: the optional `gguf` package (kiln[build]) only for GGUF sources
 
     return tuple(sorted({*PLAIN_TYPES, *(t.name for t in getattr(gguf.quants, "_type_traits", {}))}))
 
 
 def supported_architectures() -> dict[str, str]:
     """GGUF architectures both transformers' GGUF loader and the kiln runtime implement."""
-    from kiln.builder.check import supported_architectures as runtime_architectures
-
-    try:
+    try:  # deferred: it imports torch, and the fetch path (kiln.builder.prefetch) is torch-free
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     except ImportError:  # pragma: no cover - an older transformers
         GGUF_SUPPORTED_ARCHITECTURES = list(GGUF_ARCHITECTURES)
@@ -103,7 +103,7 @@ def _field_str(reader, key: str) -> str | None:
 
 def inspect_gguf(path: Path, source: str, expected_sha256: str | None = None) -> GGUFInfo:
     """Header facts of a GGUF file; :class:`FetchError` for a file kiln cannot build from."""
-    try:
+    try:  # deferred: the optional `gguf` package (kiln[build]); without it, a FetchError naming the fix
         from gguf import GGUFReader
     except ImportError:
         raise FetchError(f"spec.model.source: {source} is a GGUF file, which needs the `gguf` package; "
@@ -137,7 +137,7 @@ def _memoized_gguf_parsing(path: Path, parsed=None):
     """transformers' GGUF loader parses the file's header three times (config, tokenizer, weights) and
     rebuilds gguf's tensor-name map once per tensor; both are pure, so memoize them while converting
     (SmolLM2-135M: ~33 s -> ~10 s on one core). Restored afterwards."""
-    import gguf as gguf_pkg
+    import gguf as gguf_pkg  # deferred: the optional `gguf` package (kiln[build]) only for GGUF sources
 
     real_reader, real_map = gguf_pkg.GGUFReader, gguf_pkg.get_tensor_name_map
     readers: dict = {(str(path), "r"): parsed} if parsed is not None else {}
@@ -166,8 +166,7 @@ def convert_gguf(path: Path, info: GGUFInfo, dest: Path) -> Path:
                 return dest
         except (OSError, json.JSONDecodeError):
             pass
-    import shutil
-
+    # Deferred: torch and transformers, where the fetch path (kiln.builder.prefetch) is otherwise torch-free.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -184,7 +183,7 @@ def convert_gguf(path: Path, info: GGUFInfo, dest: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # transformers will not save_pretrained a GGUF-loaded model (it counts as quantized): write the
     # dequantized tensors, the config without its GGUF quantization note, and the generation config.
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # deferred: torch (as above)
 
     config = model.config
     config.architectures = [GGUF_ARCHITECTURES[info.architecture]]

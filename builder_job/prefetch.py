@@ -13,18 +13,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kiln.builder.draft_model import fetch_draft
 from kiln.builder.errors import InvalidSpec
-from kiln.builder.fetch import Checkpoint, fetch_checkpoint
+from kiln.builder.stages.fetch import Checkpoint, fetch_checkpoint
 
 FETCHED_RECORD = "fetched-checkpoint.json"
-DRAFT_RECORD = "draft/fetched-checkpoint.json"  # a speculative draft model's (kiln.builder.draft_stage)
+DRAFT_RECORD = "draft/fetched-checkpoint.json"  # a speculative draft model's (kiln.builder.draft_model)
 
 
 def fetch_only(engine, work_dir: Path) -> Checkpoint:
     """Fetch ``engine``'s checkpoint (and a draft model's, into ``work_dir/draft``) into ``work_dir`` and
     record them there for :func:`load_fetched`."""
-    from kiln.builder.draft_stage import fetch_draft
-
     spec = engine.spec
     ckpt = fetch_checkpoint(spec.model.source, spec.model.revision, work_dir, file=spec.model.file)
     _record(work_dir / FETCHED_RECORD, ckpt, spec.model)

@@ -27,6 +27,9 @@ import math
 from typing import Any
 
 import torch
+from kiln.builder.errors import QualityGateFailed
+from kiln.builder.report import BuildReport
+from kiln.engine import SamplingParams
 
 log = logging.getLogger("kiln.build.quality")
 
@@ -112,8 +115,6 @@ def teacher_forced_metrics(source, converted, token_lists: list[list[int]], voca
 def runtime_continuations(llm, token_lists: list[list[int]], max_new_tokens: int = RUNTIME_NEW_TOKENS
                           ) -> list[list[int]]:
     """Greedy continuations of each prompt by the runtime (``ignore_eos``: always ``max_new_tokens``)."""
-    from kiln.engine import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
     return [list(out.token_ids) for out in llm.generate(token_lists, params)]
 
@@ -147,6 +148,18 @@ def judge(metrics: dict[str, Any], max_kl: float, min_agreement: float) -> dict[
     passed = metrics["kl_divergence"] <= max_kl and agreement >= min_agreement
     return {**metrics, "token_agreement": agreement, "max_kl_divergence": max_kl,
             "min_token_agreement": min_agreement, "passed": passed}
+
+
+def gate(spec, metrics: dict[str, Any], report: BuildReport) -> dict[str, Any]:
+    """Judge ``metrics`` by the spec's thresholds, into the report; :class:`QualityGateFailed` on a fail."""
+    max_kl, min_agree = thresholds(spec)
+    verdict = judge(metrics, max_kl, min_agree)
+    report.record("quality", verdict)
+    log.info("quality: KL %.3g (max %s), greedy agreement %.4f (min %s) -> %s", verdict["kl_divergence"],
+             max_kl, verdict["token_agreement"], min_agree, "pass" if verdict["passed"] else "FAIL")
+    if not verdict["passed"]:
+        raise QualityGateFailed(failure_message(verdict), verdict)
+    return verdict
 
 
 def failure_message(verdict: dict[str, Any]) -> str:

@@ -31,11 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kiln.builder.check import read_safetensors_header
 from kiln.builder.convert import SCALE_SUFFIX, convert_state_dict, dequantized_state_dict
 from kiln.builder.errors import InvalidSpec
+from kiln.builder.model_facts import read_safetensors_header
+from kiln.engine.cpu_target import choose_threads
 from safetensors import safe_open
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 log = logging.getLogger("kiln.build.reference")
 
@@ -81,8 +84,6 @@ def read_tensors(index: dict[str, Path], names: list[str]) -> dict[str, torch.Te
 def choose_cpu_threads() -> None:
     """Same rule as serving (cgroup quota, else measured): on a shared 2-core host two threads can be
     5x slower than one (SmolLM2-135M teacher-forced gate: 20 s vs 4 s)."""
-    from kiln.engine.cpu_target import choose_threads
-
     threads, why = choose_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -94,9 +95,6 @@ class StreamedCausalLM:
 
     def __init__(self, checkpoint_dir: Path, device: str = "cpu", dtype: str | None = None,
                  quantization: str = "none") -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
         hf_logging.disable_progress_bar()
         self.device = torch.device(device)
         self.dtype, self.quantization = dtype, quantization

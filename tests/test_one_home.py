@@ -21,7 +21,7 @@ def test_greedy_means_the_same_to_the_request_and_the_sampler(temperature):
 
 
 def test_the_files_packaged_are_the_files_fetched():
-    from kiln.builder import fetch, package
+    from kiln.builder.stages import fetch, package
 
     assert package.COPIED_FILES is fetch.MODEL_FILES
     assert set(fetch.MODEL_FILES) <= set(fetch.ALLOW_PATTERNS)

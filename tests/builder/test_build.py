@@ -33,13 +33,19 @@ def upload_dir(bucket: str, prefix: str, local: Path) -> None:
 
 def test_file_source_into_s3_store_matches_transformers_then_cache_hit(
         toy_model, s3_bucket, write_manifest, kiln_build, tmp_path):
+    from kiln.artifacts import ArtifactStore
+    from kiln.signing import Verifier, generate_key_pair
+
     model = toy_model("llama-tiny")
     manifest = write_manifest(f"file://{model}")
     store = f"s3://{s3_bucket}/engines-store"
-    result = kiln_build("-f", str(manifest), "--store", store)
+    signing_key, verify_key = generate_key_pair(tmp_path / "keys")
+    result = kiln_build("-f", str(manifest), "--store", store, env={"KILN_SIGNING_KEY": str(signing_key)})
     assert result.exit_code == 0, result.output
     version = version_of(manifest)
     assert f"built: {version}" in result.output
+    _, document = ArtifactStore.from_uri(store).read_signed_manifest(version)
+    assert Verifier.from_pem(verify_key).problem(document) is None  # the whole manifest, signed
 
     artifact, doc = engine_json(store, version, tmp_path / "fetched")
     assert doc["format_version"] == 1 and doc["engine_version"] == version
@@ -63,6 +69,15 @@ def test_file_source_into_s3_store_matches_transformers_then_cache_hit(
     again = kiln_build("-f", str(manifest), "--store", store)
     assert again.exit_code == 0 and f"cache hit: {version}" in again.output
     assert time.monotonic() - t0 < 10
+
+
+def test_a_bad_signing_key_fails_before_the_build_naming_it(toy_model, write_manifest, kiln_build, tmp_path):
+    manifest = write_manifest(f"file://{toy_model('llama-tiny')}")
+    (tmp_path / "public.pem").write_bytes(b"-----BEGIN PUBLIC KEY-----\nnot a private key\n")
+    for key in (tmp_path / "missing.pem", tmp_path / "public.pem"):
+        result = kiln_build("-f", str(manifest), "--store", f"file://{tmp_path / 'store'}", "--signing-key", str(key))
+        assert result.exit_code == 2 and "--signing-key" in result.output and key.name in result.output
+    assert not (tmp_path / "store" / "engines").exists()
 
 
 def test_s3_source_bf16_build_loads_and_follows_source(toy_model, s3_bucket, write_manifest, kiln_build, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kiln.builder.package import chat_document, write_engine_json
+from kiln.builder.stages.package import chat_document, write_engine_json
 
 HERMES = "{% if tools %}{% for t in tools %}<tool_call>{{ t }}</tool_call>{% endfor %}{% endif %}"
 

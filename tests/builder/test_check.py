@@ -7,9 +7,11 @@ import math
 from pathlib import Path
 
 import pytest
-from kiln.builder.check import ModelFacts, check_envelope, model_facts, weight_bytes_per_rank
 from kiln.builder.errors import InvalidSpec
-from kiln.builder.tune import CUDA_GRAPH_MEMORY_MARGIN, kv_plan_summary, plan_kv, plan_with_cuda_graphs
+from kiln.builder.kv_plan import CUDA_GRAPH_MEMORY_MARGIN, kv_plan_summary, plan_kv, plan_with_cuda_graphs
+from kiln.builder.model_facts import ModelFacts, model_facts
+from kiln.builder.sizing import weight_bytes_per_rank
+from kiln.builder.stages.check import check_envelope
 from kiln.engine.cuda_graphs import default_batch_sizes as cuda_graph_buckets
 from safetensors.numpy import save_file
 

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from kiln.builder.check import (
-    ModelFacts,
-    check_envelope,
-    kv_bytes_per_token,
-    layers_per_stage,
-    weight_bytes_per_rank,
-)
 from kiln.builder.errors import InvalidSpec
+from kiln.builder.model_facts import ModelFacts
+from kiln.builder.sizing import kv_bytes_per_token, layers_per_stage, weight_bytes_per_rank
+from kiln.builder.stages.check import check_envelope
 
 from kiln.api import LLMEngineSpec
 

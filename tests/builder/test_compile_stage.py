@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kiln.builder.compile_stage import COMPILE_ENV, compile_for_target
 from kiln.builder.errors import InvalidSpec
+from kiln.builder.stages.compile import COMPILE_ENV, compile_for_target
 from kiln.engine import compile as kcompile
 from kiln.engine.compile import CACHE_DIR, CACHE_ENV
 

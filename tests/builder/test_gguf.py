@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kiln.builder.errors import FetchError
-from kiln.builder.fetch import fetch_checkpoint
 from kiln.builder.gguf import inspect_gguf, supported_architectures, supported_tensor_types
+from kiln.builder.stages.fetch import fetch_checkpoint
 
 
 def write_gguf(path: Path, arch: str = "llama", raw_type: str | None = None) -> Path:

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import boto3
 import pytest
+from kiln.operator.keys import BUILD_KEY_SECRET as SIGNING_SECRET
 
 from kiln.artifact_manifest import BUILT_BY_ENV, BuiltBy
 from kiln.artifacts import ArtifactStore
 from kiln.envelope import engine_version
 from kiln.manifest import load_manifest
+from kiln.signing import Verifier, new_key_pair_pem
 
 OPERATOR_ID = "kiln-system/kiln"
 
@@ -54,6 +56,16 @@ def container_env(container: dict, secrets: dict[str, dict[str, str]], pod: Path
                 env[name] = str(dirs[m["name"]]) + value[len(m["mountPath"]):]
                 break
     return env
+
+
+def mount_secret_volumes(container: dict, pod_spec: dict, secrets: dict[str, dict[str, str]], pod: Path) -> None:
+    """The files of each Secret volume the container mounts, as the kubelet projects them."""
+    by_name = {v["name"]: v["secret"] for v in pod_spec.get("volumes") or [] if "secret" in v}
+    for name, path in volume_dirs(container, pod).items():
+        if name in by_name:
+            path.mkdir(parents=True, exist_ok=True)
+            for key, value in secrets[by_name[name]["secretName"]].items():
+                (path / key).write_text(value)
 
 
 def run_container(container: dict, secrets: dict[str, dict[str, str]], pod: Path) -> subprocess.CompletedProcess:
@@ -109,11 +121,16 @@ def test_each_container_of_the_rendered_build_job_does_its_half_with_only_its_cr
                                **aws},
                "kiln-store": {"AWS_ACCESS_KEY_ID": "kiln-store-writer", "AWS_SECRET_ACCESS_KEY": "store-s3cret",
                               **aws}}
+    private_pem, public_pem = new_key_pair_pem()
+    secrets[SIGNING_SECRET] = {"signing-key.pem": private_pem.decode()}
+    for where in (pod, tmp_path / "empty-pod"):
+        mount_secret_volumes(build, pod_spec, secrets, where)
     fetch_env = container_env(fetch, secrets, pod)
     build_env = container_env(build, secrets, pod)
     assert not {"store-s3cret", "kiln-store-writer", store_uri} & set(fetch_env.values())
     assert not {"model-s3cret", "team-a-model-reader"} & set(build_env.values())
     assert BUILT_BY_ENV not in fetch_env and BuiltBy.model_validate_json(build_env[BUILT_BY_ENV]).operator == OPERATOR_ID
+    assert "KILN_SIGNING_KEY" not in fetch_env and "KILN_SIGNING_KEY" in build_env  # the key: publishing half only
 
     # The build half alone has nothing to build from, and says what to run first.
     early = run_container(build, secrets, tmp_path / "empty-pod")
@@ -130,7 +147,9 @@ def test_each_container_of_the_rendered_build_job_does_its_half_with_only_its_cr
     built = run_container(build, secrets, pod)
     assert built.returncode == 0, built.stderr
     assert f"built: {version}" in built.stdout
-    manifest = ArtifactStore.from_uri(store_uri).read_manifest(version)
+    manifest, document = ArtifactStore.from_uri(store_uri).read_signed_manifest(version)
     assert manifest is not None
+    (pod / "verify-key.pem").write_bytes(public_pem)
+    assert Verifier.from_pem(pod / "verify-key.pem").problem(document) is None
     assert manifest.built_by == BuiltBy(builder_image=config.builder_image, operator=OPERATOR_ID)
     assert version in (pod / "build-termination-log").read_text()

@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kiln.builder import speculative_stage
 from kiln.builder.report import summary_lines
+from kiln.builder.stages import speculative as speculative_stage
 from kiln.engine import LLM, SamplingParams
 
 K = 4

@@ -24,7 +24,7 @@ def built(tmp_path_factory, toy_model) -> Path:
     from click.testing import CliRunner
     from kiln.builder.cli import build
     from kiln.engine.kernels import native
-    from kiln.engine.tactics.candidates import why_not
+    from kiln.engine.kernels.candidates import why_not
 
     tmp = tmp_path_factory.mktemp("tactics-build")
     dtype = "bfloat16" if why_not("kiln-fma", torch.bfloat16, native.kernels()) is None else "float32"
@@ -112,7 +112,7 @@ def test_the_mlp_slice_is_timed_and_a_table_sets_it(toy_model, tmp_path):
     run by a table with that choice slices its MLP (module path and decoder stack alike) by it."""
     from types import SimpleNamespace
 
-    from kiln.builder.tactics_stage import _mlp_rows
+    from kiln.builder.stages.tactics import _mlp_rows
     from kiln.engine.models.llama import MLP_ROWS_CHOICES
     from kiln.engine.tactics.table import TacticTable
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from kiln.builder.tune import tune
+from kiln.builder.stages.tune import tune
 
 from kiln.api import LLMEngineSpec
 
@@ -71,8 +71,8 @@ def test_cpu_tuning_measures_thread_counts_and_restores_the_setting():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_memory_is_measured_and_left_out_of_the_pool(toy_model):
-    from kiln.builder.check import model_facts
-    from kiln.builder.tune import CUDA_GRAPH_MEMORY_MARGIN, plan_kv, plan_with_cuda_graphs
+    from kiln.builder.kv_plan import CUDA_GRAPH_MEMORY_MARGIN, plan_kv, plan_with_cuda_graphs
+    from kiln.builder.model_facts import model_facts
     from kiln.engine import LLM
 
     model = toy_model("llama-demo")

@@ -47,8 +47,9 @@ def test_every_rope_type_the_builder_accepts_loads_in_the_runtime(tmp_path):
     """One home (kiln.engine.rope_config): the builder's check refuses exactly what the runtime cannot run."""
     import json
 
-    from kiln.builder.check import check_envelope, model_facts
     from kiln.builder.errors import InvalidSpec
+    from kiln.builder.model_facts import model_facts
+    from kiln.builder.stages.check import check_envelope
     from kiln.engine.rope_config import SUPPORTED_ROPE_TYPES
 
     for rope_type in SUPPORTED_ROPE_TYPES:

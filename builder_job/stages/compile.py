@@ -1,9 +1,10 @@
-"""Build stage: compile the CPU engine for the build host's ISA, and keep it only where it measures faster.
+"""The build's ``compile`` stage: compile the CPU engine for the build host's ISA, and keep it only where it
+measures faster.
 
 With ``$KILN_BUILD_COMPILE=inductor`` (opt-in, :data:`COMPILE_ENV`), on a CPU build of one rank, after tuning, the staged artifact is loaded twice more through the
 runtime at the tuned thread count: eager, and with ``compile="inductor"`` compiling into the
 artifact's :data:`~kiln.engine.compile.CACHE_DIR` (Inductor's cache directory: the FX graphs and
-the C++ kernels, a few MB). Both are timed with :func:`kiln.builder.tune.measure`. When the compiled
+the C++ kernels, a few MB). Both are timed with :func:`kiln.builder.timing.measure`. When the compiled
 engine's prefill plus decode steps are at least :data:`COMPILE_MIN_GAIN` faster, the artifact
 ships the cache and ``engine_config.compile = "inductor"``; otherwise the cache is deleted and the
 engine stays eager. Either way ``tuning.compile`` records both timings, the compile time and what
@@ -20,7 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from kiln.builder.context import BuildContext
 from kiln.builder.errors import InvalidSpec
+from kiln.builder.stages.package import write_engine
+from kiln.builder.timing import measure, total_ms
+from kiln.engine.compile import CACHE_DIR, CACHE_ENV, compile_into, compile_record
 
 log = logging.getLogger("kiln.builder")
 
@@ -30,18 +36,17 @@ COMPILE_MIN_GAIN = 1.05  # compiled must be this much faster than eager to ship 
 COMPILE_ENV = "KILN_BUILD_COMPILE"
 
 
-def _total_ms(m: dict[str, Any]) -> float:
-    return m["prefill_ms"] + sum(row["decode_step_ms"] for row in m["decode"])
+def run(ctx: BuildContext) -> None:
+    """CPU: Inductor for this host's ISA, shipped when it measures faster (see the module doc)."""
+    write_engine(ctx)  # its loads must see the tuned threads, as a serving pod will (not re-measure)
+    ctx.config = {**ctx.config, **compile_for_target(ctx.load_llm, ctx.spec, ctx.facts.vocab_size, ctx.out,
+                                                     ctx.tuning, ctx.config)}
 
 
 def compile_for_target(load_llm, spec, vocab_size: int, out: Path, tuning: dict[str, Any],
                        config: dict[str, Any]) -> dict[str, Any]:
     """Compile, measure and decide (see the module doc); returns the engine_config overrides and
     records ``tuning["compile"]``. Skipped (``{}``) for GPU builds and more than one rank."""
-    import torch
-    from kiln.builder.tune import measure
-    from kiln.engine.compile import CACHE_DIR, CACHE_ENV, compile_into, compile_record
-
     ranks = int(config.get("tensor_parallel_size", 1)) * int(config.get("pipeline_parallel_size", 1))
     wanted = os.environ.get(COMPILE_ENV, "off").strip().lower() or "off"
     if wanted not in ("off", "inductor"):
@@ -73,7 +78,7 @@ def compile_for_target(load_llm, spec, vocab_size: int, out: Path, tuning: dict[
             os.environ.pop(CACHE_ENV, None)
         else:
             os.environ[CACHE_ENV] = before_env
-    gain = _total_ms(eager) / max(_total_ms(compiled), 1e-9)
+    gain = total_ms(eager) / max(total_ms(compiled), 1e-9)
     used = gain >= COMPILE_MIN_GAIN
     shutil.rmtree(cache / "locks", ignore_errors=True)
     if not used:

@@ -1,11 +1,12 @@
 """The build's ``speculative`` stage: where speculation pays on the target, as a table.
 
 Runs for ``spec.speculative.method: ngram`` and ``draft_model`` (the draft converted into the staged
-artifact's ``draft/`` folder by ``draft_stage``, loaded once with the engine). Drafts cost compute: verifying ``k`` of them is about
-one token's pass while a step is bound by reading the weights (small batches), and about ``k + 1``
-tokens' once it is bound by arithmetic (large batches, CPUs), so whether speculation pays depends on
-the running batch and on the hardware. This stage measures it on the target, through the runtime, on
-the staged artifact as it will serve (tuned threads, tactics, compile choice):
+artifact's ``draft/`` folder in the ``shard`` stage by :mod:`kiln.builder.draft_model`, loaded once with
+the engine). Drafts cost compute: verifying ``k`` of them is about one token's pass while a step is
+bound by reading the weights (small batches), and about ``k + 1`` tokens' once it is bound by arithmetic
+(large batches, CPUs), so whether speculation pays depends on the running batch and on the hardware.
+This stage measures it on the target, through the runtime, on the staged artifact as it will serve
+(tuned threads, tactics, compile choice):
 
 - workload: "rewrite" prompts built from the calibration prompts (``spec.build.calibrationPrompts`` or
   the built-in set): a chat turn asking to rewrite the text word for word where the model has a chat
@@ -35,7 +36,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
+
+from kiln.builder.context import BuildContext
+from kiln.builder.stages.package import write_engine
+from kiln.engine import SamplingParams
+from kiln.engine.spec_decode.config import SpeculativeConfig
+from kiln.engine.spec_decode.draft_model import ARTIFACT_DRAFT_DIR
 
 log = logging.getLogger("kiln.build.speculative")
 
@@ -49,6 +57,17 @@ INSTRUCTION = "Rewrite the following text exactly as it is, word for word:\n\n"
 ROUNDS = 2  # at least, per batch bucket; more while the bucket's share of the budget lasts
 MAX_ROUNDS = 9
 STOP_AFTER_OFF = 2
+
+
+def run(ctx: BuildContext) -> None:
+    """Where drafts pay, per batch bucket, on the engine as built: the table into the engine config."""
+    write_engine(ctx)
+    draft_dir = str(ctx.out / ARTIFACT_DRAFT_DIR) if ctx.has_draft_model else None
+    workload = rewrite_workload(ctx.tokenizer, ctx.prompts, ctx.spec)
+    record, overrides = tune_speculation(ctx.load_llm, ctx.spec, workload, draft_dir)
+    ctx.tuning["speculative"] = record
+    ctx.report.record("speculative", record)
+    ctx.config = {**ctx.config, **overrides}
 
 
 def batch_sizes(max_batch_size: int) -> list[int]:
@@ -88,8 +107,6 @@ def cycle(workload: list[list[int]], count: int) -> list[list[int]]:
 def speculative_config(spec, by_batch: dict[str, int]) -> dict[str, Any]:
     """``engine_config.speculative_config``: the spec's settings and the measured table (a draft model as
     the artifact's folder, resolved against the artifact at load)."""
-    from kiln.engine.spec_decode.draft_model import ARTIFACT_DRAFT_DIR
-
     s = spec.speculative
     config = {"method": s.method, "num_speculative_tokens": s.num_speculative_tokens,
               "prompt_lookup_max": s.prompt_lookup_max, "prompt_lookup_min": s.prompt_lookup_min,
@@ -108,8 +125,6 @@ def _budget() -> float:
 
 def _run(llm, prompts: list[list[int]], setting, new_tokens: int) -> tuple[float, list[list[int]], Any]:
     """(seconds, greedy tokens, spec stats or None) of one batch under ``setting`` (a config or None)."""
-    from kiln.engine import SamplingParams
-
     llm.engine.set_speculative(setting)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -119,80 +134,113 @@ def _run(llm, prompts: list[list[int]], setting, new_tokens: int) -> tuple[float
     return seconds, [o.token_ids for o in outs], None if proposer is None else proposer.stats
 
 
-def tune_speculation(load_llm, spec, workload: list[list[int]], draft_dir: str | None = None
-                     ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Measure and decide on ``workload`` (:func:`rewrite_workload`; see the module doc); returns (the
-    record, engine_config overrides). ``draft_dir``: the staged draft model (method draft_model)."""
-    from kiln.engine.spec_decode.config import SpeculativeConfig
+@dataclass
+class _Timings:
+    """What the buckets timed so far found: the table, each bucket's record, the first greedy mismatch."""
+    sizes: list[int]
+    by_batch: dict[str, int] = field(default_factory=dict)
+    batches: dict[str, Any] = field(default_factory=dict)
+    mismatch: str | None = None
+    costs: list[float] = field(default_factory=list)  # seconds of one round at each bucket timed
+    num_off: int = 0  # buckets in a row where speculation did not pay
 
+    def __post_init__(self) -> None:
+        self.by_batch = {str(b): 0 for b in self.sizes}
+
+
+def _settings(spec, ks: list[int], draft_dir: str | None) -> dict[str, Any]:
+    """"off" (None) and one SpeculativeConfig per ``k``, named ``k<k>``."""
     s = spec.speculative
-    new_tokens = new_tokens_for(spec)
-    ks = k_candidates(s.num_speculative_tokens)
     settings: dict[str, SpeculativeConfig | None] = {"off": None}
     for k in ks:
         settings[f"k{k}"] = SpeculativeConfig(method=s.method, num_speculative_tokens=k,
                                               prompt_lookup_max=s.prompt_lookup_max,
                                               prompt_lookup_min=s.prompt_lookup_min, model=draft_dir)
+    return settings
+
+
+def tune_speculation(load_llm, spec, workload: list[list[int]], draft_dir: str | None = None
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Measure and decide on ``workload`` (:func:`rewrite_workload`; see the module doc); returns (the
+    record, engine_config overrides). ``draft_dir``: the staged draft model (method draft_model)."""
+    s = spec.speculative
+    new_tokens = new_tokens_for(spec)
+    ks = k_candidates(s.num_speculative_tokens)
+    settings = _settings(spec, ks, draft_dir)
     budget = _budget()
-    sizes = batch_sizes(spec.max_batch_size)
-    batches: dict[str, Any] = {}
-    by_batch = {str(b): 0 for b in sizes}
-    mismatch = None
+    found = _Timings(batch_sizes(spec.max_batch_size))
     started = time.perf_counter()
     llm = load_llm(speculative_config=settings[f"k{ks[-1]}"] if draft_dir else None)  # the draft loads once
     try:
         _run(llm, cycle(workload, 1), settings[f"k{ks[-1]}"], 4)  # warm-up
-        num_off, costs = 0, []  # seconds of one round at each bucket timed
-        for i, b in enumerate(sizes):
-            spent = time.perf_counter() - started
-            estimate = ROUNDS * _next_round_cost(costs, b / sizes[i - 1]) if i else 0.0
-            if num_off >= STOP_AFTER_OFF or spent + estimate > budget:
-                why = "budget" if num_off < STOP_AFTER_OFF else "no gain below"
-                batches[str(b)] = {"measured": False, "why": why}
-                continue
-            share = (budget - spent) / (len(sizes) - i)  # this bucket's part of what is left
-            t_batch = time.perf_counter()
-            prompts = cycle(workload, b)
-            tok_s: dict[str, float] = {}
-            accepted: dict[str, float | None] = {}
-            reference = None
-            names = list(settings)
-            r = 0
-            while r < ROUNDS or (r < MAX_ROUNDS and (time.perf_counter() - t_batch) * (r + 1) / r < share):
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    seconds, tokens, stats = _run(llm, prompts, settings[name], new_tokens)
-                    reference = reference if reference is not None else tokens
-                    if tokens != reference and mismatch is None:
-                        mismatch = f"batch {b}: {name} produced other greedy tokens than speculation off"
-                    rate = b * new_tokens / seconds
-                    tok_s[name] = max(tok_s.get(name, 0.0), rate)
-                    if stats is not None:
-                        accepted[name] = round(stats.acceptance_rate, 3)
-                r += 1
-            costs.append((time.perf_counter() - t_batch) / r)
-            best = max(ks, key=lambda k: tok_s[f"k{k}"])
-            speedup = tok_s[f"k{best}"] / tok_s["off"]
-            chosen = best if speedup >= 1 + MIN_GAIN else 0
-            by_batch[str(b)] = chosen
-            num_off = 0 if chosen else num_off + 1
-            batches[str(b)] = {"measured": True, "rounds": r, "tok_s": {n: round(v, 1) for n, v in tok_s.items()},
-                               "acceptance_rate": accepted, "best_k": best, "speedup": round(speedup, 3),
-                               "k": chosen}
-            log.info("speculative: batch %d: off %.1f tok/s, %s -> k=%d", b, tok_s["off"],
-                     ", ".join(f"k={k} {tok_s[f'k{k}']:.1f} tok/s" for k in ks), chosen)
+        for i in range(len(found.sizes)):
+            left = budget - (time.perf_counter() - started)
+            _time_bucket(llm, workload, settings, ks, new_tokens, i, left, found)
     finally:
         llm.shutdown()
-    if mismatch is not None:
-        log.warning("speculation off at every batch size: %s", mismatch)
+    by_batch = found.by_batch
+    if found.mismatch is not None:
+        log.warning("speculation off at every batch size: %s", found.mismatch)
         by_batch = {b: 0 for b in by_batch}
     record = {"method": s.method, "num_speculative_tokens": s.num_speculative_tokens, "k_candidates": ks,
               "new_tokens": new_tokens, "rounds": ROUNDS, "min_gain": MIN_GAIN, "budget_s": budget,
-              "seconds": round(time.perf_counter() - started, 2), "batches": batches, "by_batch": by_batch,
-              "greedy_equal": mismatch is None, "mismatch": mismatch}
+              "seconds": round(time.perf_counter() - started, 2), "batches": found.batches,
+              "by_batch": by_batch,
+              "greedy_equal": found.mismatch is None, "mismatch": found.mismatch}
     record["summary"] = summary(record)
     for line in record["summary"]:
         log.info("%s", line)
     return record, {"speculative_config": speculative_config(spec, by_batch)}
+
+
+def _time_bucket(llm, workload: list[list[int]], settings: dict[str, Any], ks: list[int], new_tokens: int,
+                 i: int, left: float, found: _Timings) -> None:
+    """Time the ``i``-th batch bucket (``left``: seconds of the budget left) and decide its ``k`` into
+    ``found``, or record it untimed where the budget or the buckets below say it cannot pay."""
+    sizes, b = found.sizes, found.sizes[i]
+    estimate = ROUNDS * _next_round_cost(found.costs, b / sizes[i - 1]) if i else 0.0
+    if found.num_off >= STOP_AFTER_OFF or estimate > left:
+        why = "budget" if found.num_off < STOP_AFTER_OFF else "no gain below"
+        found.batches[str(b)] = {"measured": False, "why": why}
+        return
+    share = left / (len(sizes) - i)  # this bucket's part of what is left
+    t_batch = time.perf_counter()
+    prompts = cycle(workload, b)
+    tok_s, accepted, rounds = _time_rounds(llm, prompts, settings, new_tokens, t_batch, share, found)
+    found.costs.append((time.perf_counter() - t_batch) / rounds)
+    best = max(ks, key=lambda k: tok_s[f"k{k}"])
+    speedup = tok_s[f"k{best}"] / tok_s["off"]
+    chosen = best if speedup >= 1 + MIN_GAIN else 0
+    found.by_batch[str(b)] = chosen
+    found.num_off = 0 if chosen else found.num_off + 1
+    found.batches[str(b)] = {"measured": True, "rounds": rounds,
+                             "tok_s": {n: round(v, 1) for n, v in tok_s.items()}, "acceptance_rate": accepted,
+                             "best_k": best, "speedup": round(speedup, 3), "k": chosen}
+    log.info("speculative: batch %d: off %.1f tok/s, %s -> k=%d", b, tok_s["off"],
+             ", ".join(f"k={k} {tok_s[f'k{k}']:.1f} tok/s" for k in ks), chosen)
+
+
+def _time_rounds(llm, prompts: list[list[int]], settings: dict[str, Any], new_tokens: int, t_batch: float,
+                 share: float, found: _Timings) -> tuple[dict[str, float], dict[str, float | None], int]:
+    """Rounds of every setting in rotated order, :data:`ROUNDS` or more while ``share`` lasts; (the best
+    tokens/s of each, its acceptance rate, the rounds run). A greedy mismatch goes into ``found``."""
+    b = len(prompts)
+    tok_s: dict[str, float] = {}
+    accepted: dict[str, float | None] = {}
+    reference = None
+    names = list(settings)
+    r = 0
+    while r < ROUNDS or (r < MAX_ROUNDS and (time.perf_counter() - t_batch) * (r + 1) / r < share):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            seconds, tokens, stats = _run(llm, prompts, settings[name], new_tokens)
+            reference = reference if reference is not None else tokens
+            if tokens != reference and found.mismatch is None:
+                found.mismatch = f"batch {b}: {name} produced other greedy tokens than speculation off"
+            tok_s[name] = max(tok_s.get(name, 0.0), b * new_tokens / seconds)
+            if stats is not None:
+                accepted[name] = round(stats.acceptance_rate, 3)
+        r += 1
+    return tok_s, accepted, r
 
 
 def _next_round_cost(costs: list[float], batch_ratio: float) -> float:

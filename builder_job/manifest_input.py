@@ -1,4 +1,5 @@
-"""Where ``kiln build`` gets its manifest: ``-f FILE``, ``--spec-file FILE`` or ``$KILN_SPEC``.
+"""The build's input manifest: where ``kiln build`` gets it: ``-f FILE``, ``--spec-file FILE`` or
+``$KILN_SPEC``.
 
 A build Job passes the ``LLMEngine`` as JSON in ``KILN_SPEC`` (CONTRACTS.md, "Build Job
 contract"); people pass ``-f manifest.yaml``. Either way the result is validated by
@@ -15,14 +16,14 @@ from pathlib import Path
 
 from kiln.builder.errors import InvalidSpec
 
+from kiln.manifest import ManifestError, load_manifest
+
 SPEC_ENV = "KILN_SPEC"
 EXPECTED_VERSION_ENV = "KILN_ENGINE_VERSION"
 
 
 def resolve_manifest(manifest: str | None, spec_file: str | None):
     """The ``LLMEngine`` to build; :class:`InvalidSpec` when missing or invalid."""
-    from kiln.manifest import ManifestError, load_manifest
-
     try:
         if manifest == "-":
             return load_manifest(sys.stdin.read())

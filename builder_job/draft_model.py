@@ -7,6 +7,7 @@ It is written unsharded, in the envelope's dtype and quantization, to ``draft/``
 (config.json, ``weights/rank-0-of-1.safetensors``): the runtime runs it on rank 0 alone, over the
 target's block tables, whatever the target's parallelism. The KV plan counts its weights and its
 K/V per token (:func:`draft_kv_bytes_per_token`), since its pool has as many blocks as the target's.
+Not a stage of its own: the ``fetch_draft``, ``quality_reference`` and ``shard`` stages call it.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from kiln.builder.check import DTYPE_BYTES, ModelFacts, kv_dtype_name, model_facts, supported_architectures
 from kiln.builder.errors import FetchError, InvalidSpec
-from kiln.builder.fetch import Checkpoint, fetch_checkpoint
-from kiln.builder.package import copy_model_files
+from kiln.builder.model_facts import ModelFacts, model_facts, supported_architectures
+from kiln.builder.sizing import DTYPE_BYTES, kv_dtype_name
+from kiln.builder.stages.fetch import Checkpoint, fetch_checkpoint
+from kiln.builder.stages.package import copy_model_files
+from kiln.engine.errors import ConfigError
 
 log = logging.getLogger("kiln.build.draft")
 FIELD = "spec.speculative.draftModel"
@@ -34,6 +37,7 @@ def fetch_draft(spec, work_dir: Path) -> Checkpoint:
 
 def check_draft(spec, draft: Checkpoint, target_tokenizer) -> ModelFacts:
     """The draft's facts; InvalidSpec naming the field when the runtime cannot run it as this target's draft."""
+    # Deferred: it imports torch, and the torch-free fetch-only path (kiln.builder.prefetch) imports us.
     from kiln.engine.spec_decode.draft_model import tokenizer_mismatch
 
     facts = model_facts(draft.path)
@@ -57,16 +61,16 @@ def draft_kv_bytes_per_token(facts: ModelFacts, spec) -> int:
 
 def write_draft(draft: Checkpoint, out: Path, spec) -> Path:
     """``out/draft``: config, tokenizer files and the one rank file of engine weights; returns the rank file."""
+    # Deferred: they import torch, and the torch-free fetch-only path (kiln.builder.prefetch) imports us.
     from kiln.engine.artifact import write_rank_weights
-    from kiln.engine.errors import ConfigError
+    from kiln.engine.config import canonical_quantization
     from kiln.engine.spec_decode.draft_model import ARTIFACT_DRAFT_DIR
 
     root = out / ARTIFACT_DRAFT_DIR
     copy_model_files(draft.path, root)
-    quantization = None if spec.quantization == "none" else spec.quantization
     try:
         [(path, num_tensors)] = write_rank_weights(draft.path, root / "weights", 1, dtype=spec.dtype,
-                                                   quantization=quantization)
+                                                   quantization=canonical_quantization(spec.quantization))
     except ConfigError as exc:
         raise InvalidSpec(f"{FIELD}: the kiln runtime cannot convert the draft checkpoint: {exc}") from None
     log.info("draft model: wrote %s (%d tensors, %.1f MiB)", path.relative_to(out), num_tensors,

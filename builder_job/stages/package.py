@@ -1,4 +1,5 @@
-"""Assemble the engine directory that is published: ``engine.json``, config, tokenizer, weights.
+"""The build's ``package`` stage: assemble the engine directory that is published: ``engine.json``, config,
+tokenizer, weights.
 
 Layout (the runtime's ``LLM.from_artifact`` reads it; see docs/artifacts.md)::
 
@@ -17,13 +18,32 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kiln.builder.fetch import MODEL_FILES
+from kiln.builder.context import BuildContext
+from kiln.builder.stages.fetch import MODEL_FILES
+from kiln.engine.structured.tool_format import detect_tool_call_format
 
 import kiln
+from kiln.envelope import ARTIFACT_FORMAT_VERSION
 
 ENGINE_JSON = "engine.json"
 # Everything fetched from the checkpoint except weights: the runtime needs config + tokenizer.
 COPIED_FILES = MODEL_FILES
+
+
+def run(ctx: BuildContext) -> None:
+    """The artifact's size into the report, and the final engine.json (with the kernels' record)."""
+    ctx.report.record("sizes", {**ctx.report.findings["sizes"], "artifact_bytes": dir_bytes(ctx.out)})
+    ctx.document = write_engine(ctx)
+
+
+def write_engine(ctx: BuildContext) -> dict[str, Any]:
+    """``engine.json`` in the staged engine as the build stands: the stages after ``plan`` rewrite it so that
+    their loads see what the stages before them chose, as a serving pod will."""
+    doc = engine_document(spec=ctx.spec, envelope=ctx.envelope, version=ctx.version, config=ctx.config,
+                          kv_plan=ctx.kv_plan, tuning=ctx.tuning, build_report=ctx.report.to_dict(),
+                          kernels=ctx.kernels)
+    write_engine_json(ctx.out, doc)
+    return doc
 
 
 def copy_model_files(checkpoint_dir: Path, out_dir: Path) -> list[str]:
@@ -37,34 +57,10 @@ def copy_model_files(checkpoint_dir: Path, out_dir: Path) -> list[str]:
     return copied
 
 
-def engine_config(spec, num_kv_blocks: int, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``LLM(...)``: the envelope's limits plus what was planned and tuned."""
-    cfg = {
-        "dtype": spec.dtype,
-        "quantization": None if spec.quantization == "none" else spec.quantization,
-        "kv_cache_dtype": spec.kv_cache_dtype,
-        "tensor_parallel_size": spec.tensor_parallel,
-        "pipeline_parallel_size": int(getattr(spec, "pipeline_parallel", None) or 1),
-        "max_batch_size": spec.max_batch_size,
-        "max_input_len": spec.max_input_len,
-        "max_seq_len": spec.max_seq_len,
-        "max_num_tokens": spec.max_num_tokens,
-        "block_size": spec.kv.block_size,
-        "enable_prefix_caching": spec.kv.enable_prefix_caching,
-        "num_kv_blocks": num_kv_blocks,
-        "kv_memory_fraction": spec.kv.memory_fraction,
-        "cuda_graph_batch_sizes": None,
-    }
-    cfg.update(overrides or {})
-    return cfg
-
-
 def engine_document(*, spec, envelope: dict, version: str, config: dict, kv_plan: dict, tuning: dict,
                     build_report: dict, kernels: dict | None = None) -> dict[str, Any]:
     """``kernels``: the record of :func:`kiln.builder.kernel_cache.build_kernel_cache` (None before it ran)."""
-    import torch
-
-    from kiln.envelope import ARTIFACT_FORMAT_VERSION
+    import torch  # deferred: the torch-free fetch-only path (kiln.builder.prefetch) copies files with us
 
     gpu = spec.gpu_spec
     return {
@@ -86,8 +82,6 @@ def engine_document(*, spec, envelope: dict, version: str, config: dict, kv_plan
 def chat_document(model_dir: Path) -> dict[str, Any]:
     """What serving needs to know of the chat template: the tool-call format of the model's family
     (``kiln.engine.structured.tool_format``), from chat_template.jinja or tokenizer_config.json."""
-    from kiln.engine.structured.tool_format import detect_tool_call_format
-
     template = None
     if (model_dir / "chat_template.jinja").is_file():
         template = (model_dir / "chat_template.jinja").read_text()

@@ -22,20 +22,43 @@ from __future__ import annotations
 
 import gc
 import logging
+import random
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
+from kiln.builder.context import BuildContext
+from kiln.builder.stages.package import write_engine
+from kiln.builder.timing import measure as measure_engine
+from kiln.builder.timing import total_ms
+from kiln.engine import SamplingParams
+from kiln.engine.artifact import TACTICS_FILE
+from kiln.engine.models.llama import MLP_ROWS_CHOICES
+from kiln.engine.tactics import report
+from kiln.engine.tactics.bind import attention_shape
+from kiln.engine.tactics.resolve import budget, measure
+from kiln.engine.tactics.table import TacticTable
 
 log = logging.getLogger("kiln.build.tactics")
 
 BUDGET_S = 120.0
+GPU_RECORD = {"device": "cuda", "timed": False,
+              "why": "GPU tactics are not timed yet: linears run cuBLAS through torch, attention kiln's "
+                     "Triton kernels (docs/gpu.md)"}
+
+
+def run(ctx: BuildContext) -> None:
+    """Time the tactics on the artifact as tuned; the winners go into tactics.json and the engine config."""
+    write_engine(ctx)  # its loads must see the tuned threads, as a serving pod will
+    record, overrides = tune_tactics(ctx.load_llm, ctx.spec, ctx.facts.vocab_size, ctx.out, ctx.tuning)
+    ctx.report.record("tactics", record)
+    ctx.config = {**ctx.config, **overrides}
 
 
 def _end_to_end_ms(llm, spec, vocab_size: int) -> float:
-    """Prefill plus the measured decode steps, in ms (kiln.builder.tune.measure)."""
-    from kiln.builder.tune import measure
-
-    m = measure(llm, spec, vocab_size)
-    return m["prefill_ms"] + sum(row["decode_step_ms"] for row in m["decode"])
+    """Prefill plus the measured decode steps, in ms (kiln.builder.timing.measure)."""
+    return total_ms(measure_engine(llm, spec, vocab_size))
 
 
 def _best_of(runs: dict[str, list[float]]) -> dict[str, float]:
@@ -44,11 +67,6 @@ def _best_of(runs: dict[str, list[float]]) -> dict[str, float]:
 
 def _prefill_ms(llm, tokens: int, vocab_size: int, seed: int) -> float:
     """One prompt of ``tokens`` random tokens (never a prefix-cache hit) through prefill, in ms."""
-    import random
-    import time
-
-    from kiln.engine import SamplingParams
-
     rng = random.Random(seed)
     prompt = [rng.randrange(3, vocab_size) for _ in range(tokens)]
     t0 = time.perf_counter()
@@ -59,8 +77,6 @@ def _prefill_ms(llm, tokens: int, vocab_size: int, seed: int) -> float:
 def _mlp_rows(llm, spec, vocab_size: int) -> dict[str, Any] | None:
     """The MLP's prefill slice (models/llama.MLP_ROWS_CHOICES) timed on a prefill of maxNumTokens tokens,
     two interleaved rounds; None where the MLP is not sliced (not kiln's kernels, short steps)."""
-    from kiln.engine.models.llama import MLP_ROWS_CHOICES
-
     tokens = min(spec.max_num_tokens, spec.max_input_len)
     mlps = [m for m in llm.engine.runner.model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
     choices = [r for r in MLP_ROWS_CHOICES if r < tokens or r == MLP_ROWS_CHOICES[0]]
@@ -83,19 +99,27 @@ def _mlp_rows(llm, spec, vocab_size: int) -> dict[str, Any] | None:
 def tune_tactics(load_llm, spec, vocab_size: int, out: Path, tuning: dict[str, Any]
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Measure and write ``out/tactics.json``; returns (the build report's record, engine_config overrides)."""
-    import torch
-    from kiln.engine.artifact import TACTICS_FILE
-    from kiln.engine.tactics import report
-    from kiln.engine.tactics.bind import attention_shape
-    from kiln.engine.tactics.resolve import budget, measure
-
     if tuning.get("device") == "cuda":
-        return {"device": "cuda", "timed": False,
-                "why": "GPU tactics are not timed yet: linears run cuBLAS through torch, attention kiln's Triton "
-                       "kernels (docs/gpu.md)"}, {}
+        return dict(GPU_RECORD), {}
     if tuning.get("torch_num_threads"):
         torch.set_num_threads(int(tuning["torch_num_threads"]))
     # One engine loaded at a time, and freed before the next (each holds the weights and a KV pool).
+    table, native = _time_linears(load_llm)
+    path = table.save(out / TACTICS_FILE)
+    native_ms = _time_stack_and_mlp(load_llm, spec, vocab_size, table)
+    overrides = _time_attention(load_llm, spec, vocab_size, table, native_ms) if native else {}
+    table.save(path)
+    for line in report.format_table(table).splitlines():
+        log.info("%s", line)
+    record = {"device": "cpu", "timed": True, "file": TACTICS_FILE, "host": table.host,
+              "seconds": round(table.seconds, 2), "summary": report.summary(table),
+              "rows": report.rows(table)}
+    return record, overrides
+
+
+def _time_linears(load_llm) -> tuple[TacticTable, bool]:
+    """Every linear shape the runtime will run, timed per candidate; (the table, whether kiln's C kernels
+    run)."""
     llm = load_llm(tactics="aten")  # untimed: only to learn the linear shapes the runtime will run
     try:
         runner = llm.engine.runner
@@ -107,19 +131,23 @@ def tune_tactics(load_llm, spec, vocab_size: int, out: Path, tuning: dict[str, A
     del llm, runner
     gc.collect()
     log.info("linears: %d shapes timed in %.1fs", len(table.linear), table.seconds)
-    path = table.save(out / TACTICS_FILE)
-    overrides: dict[str, Any] = {}
+    return table, native
 
+
+def _time_stack_and_mlp(load_llm, spec, vocab_size: int, table: TacticTable) -> list[float]:
+    """Into ``table.model``: the decoder stack as one C call vs module by module, and the MLP's prefill slice.
+    Returns the engine's end-to-end times as loaded (kiln's C attention where it runs), for
+    :func:`_time_attention`."""
     stack: dict[str, list[float]] = {"fused": [], "modules": []}
-    attention_ms: dict[str, list[float]] = {"native": [], "torch": []}
+    as_loaded: list[float] = []
     llm = load_llm()  # the table just written: this host matches it, nothing is re-timed
     try:
         model = llm.engine.runner.model.model
         fused = getattr(model, "native_stack", None)
         for _ in range(2):
-            attention_ms["native"].append(_end_to_end_ms(llm, spec, vocab_size))
+            as_loaded.append(_end_to_end_ms(llm, spec, vocab_size))
             if fused is not None:
-                stack["fused"].append(attention_ms["native"][-1])
+                stack["fused"].append(as_loaded[-1])
                 model.native_stack = None
                 stack["modules"].append(_end_to_end_ms(llm, spec, vocab_size))
                 model.native_stack = fused
@@ -133,21 +161,19 @@ def tune_tactics(load_llm, spec, vocab_size: int, out: Path, tuning: dict[str, A
     if stack["modules"]:
         us = _best_of(stack)
         table.model["decoder_stack"] = {"winner": min(us, key=us.get), "us": us}
-    if native:
-        llm = load_llm(attention_backend="torch")
-        try:
-            attention_ms["torch"] += [_end_to_end_ms(llm, spec, vocab_size) for _ in range(2)]
-        finally:
-            llm.shutdown()
-        del llm
-        gc.collect()
-        us = _best_of(attention_ms)
-        table.model["attention"] = {"winner": min(us, key=us.get), "us": us}
-        if table.model["attention"]["winner"] == "torch":
-            overrides["attention_backend"] = "torch"
-    table.save(path)
-    for line in report.format_table(table).splitlines():
-        log.info("%s", line)
-    record = {"device": "cpu", "timed": True, "file": TACTICS_FILE, "host": table.host, "seconds": round(table.seconds, 2),
-              "summary": report.summary(table), "rows": report.rows(table)}
-    return record, overrides
+    return as_loaded
+
+
+def _time_attention(load_llm, spec, vocab_size: int, table: TacticTable, native_ms: list[float]
+                    ) -> dict[str, Any]:
+    """kiln's C attention (``native_ms``) vs torch's, into ``table.model``; the override where torch wins."""
+    llm = load_llm(attention_backend="torch")
+    try:
+        torch_ms = [_end_to_end_ms(llm, spec, vocab_size) for _ in range(2)]
+    finally:
+        llm.shutdown()
+    del llm
+    gc.collect()
+    us = _best_of({"native": native_ms, "torch": torch_ms})
+    table.model["attention"] = {"winner": min(us, key=us.get), "us": us}
+    return {"attention_backend": "torch"} if table.model["attention"]["winner"] == "torch" else {}

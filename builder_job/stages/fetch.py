@@ -1,4 +1,6 @@
-"""Fetch a checkpoint from its source into a local directory, pinned and safetensors-only.
+"""The build's ``fetch`` stage: a checkpoint from its source into a local directory, pinned and
+safetensors-only. The draft model's (:mod:`kiln.builder.draft_model`) and ``kiln build --fetch-only``
+(:mod:`kiln.builder.prefetch`) fetch with it too.
 
 Sources (``spec.model.source``):
 
@@ -32,7 +34,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import boto3
+import huggingface_hub
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from kiln.builder import gguf
+from kiln.builder.context import BuildContext
 from kiln.builder.errors import FetchError
 from kiln.builder.local_source import check_local_path, local_hint, refuse_linked_files
 
@@ -140,9 +154,6 @@ class _Progress:
 
 
 def _fetch_s3(source: str, revision: str | None, dest: Path, work_dir: Path | None = None) -> Checkpoint:
-    import boto3
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
     bucket, _, prefix = source[len("s3://"):].partition("/")
     prefix = prefix.strip("/")
     if not bucket:
@@ -188,8 +199,6 @@ def _fetch_s3(source: str, revision: str | None, dest: Path, work_dir: Path | No
 
 def _fetch_s3_gguf(client, source: str, bucket: str, key: str, revision: str | None, work_dir: Path) -> Checkpoint:
     """One GGUF object: download it (reused when complete) and convert it."""
-    from botocore.exceptions import ClientError
-
     try:
         size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
     except ClientError as exc:
@@ -207,11 +216,8 @@ def _fetch_s3_gguf(client, source: str, bucket: str, key: str, revision: str | N
 
 def _fetch_hf_gguf(source: str, repo_id: str, file: str, revision: str | None, work_dir: Path) -> Checkpoint:
     """``spec.model.file`` of an hf:// repo: resolve the revision, download that one file, convert it."""
-    from huggingface_hub import HfApi, hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
     token = os.environ.get("HF_TOKEN") or None
-    info = HfApi().model_info(repo_id, revision=revision or "main", token=token)
+    info = huggingface_hub.HfApi().model_info(repo_id, revision=revision or "main", token=token)
     sha = info.sha
     names = [s.rfilename for s in (info.siblings or [])]
     if names and file not in names:
@@ -220,33 +226,27 @@ def _fetch_hf_gguf(source: str, repo_id: str, file: str, revision: str | None, w
                          f"{', '.join(ggufs[:8]) or 'none'}")
     log.info("resolved %s@%s to commit %s", repo_id, revision or "main", sha)
     try:
-        path = hf_hub_download(repo_id, filename=file, revision=sha, token=token, local_dir=work_dir / "gguf")
+        path = huggingface_hub.hf_hub_download(repo_id, filename=file, revision=sha, token=token,
+                                               local_dir=work_dir / "gguf")
     except EntryNotFoundError:
         raise FetchError(f"spec.model.file: {file!r} is not in {repo_id}@{sha}") from None
     return _from_gguf(Path(path), source, revision, sha, work_dir)
 
 
 def _fetch_hf(source: str, revision: str | None, dest: Path, file: str | None = None) -> Checkpoint:
-    from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
     repo_id = source[len("hf://"):].strip("/")
     token = os.environ.get("HF_TOKEN") or None
     try:
         if file:
             return _fetch_hf_gguf(source, repo_id, file, revision, dest.parent)
-        info = HfApi().model_info(repo_id, revision=revision or "main", token=token)
+        info = huggingface_hub.HfApi().model_info(repo_id, revision=revision or "main", token=token)
         sha = info.sha
         names = [s.rfilename for s in (info.siblings or []) if "/" not in s.rfilename]
         _refuse_pickle_only(names, f"{source}@{sha}")
         log.info("resolved %s@%s to commit %s", repo_id, revision or "main", sha)
-        path = snapshot_download(repo_id, revision=sha, token=token, local_dir=dest, allow_patterns=ALLOW_PATTERNS)
+        path = huggingface_hub.snapshot_download(repo_id, revision=sha, token=token, local_dir=dest,
+                                                 allow_patterns=ALLOW_PATTERNS)
     except FetchError:
         raise
     except GatedRepoError:
@@ -281,3 +281,17 @@ def fetch_checkpoint(source: str, revision: str | None, work_dir: Path, *, file:
     if source.startswith("hf://"):
         return _fetch_hf(source, revision, dest, file)
     raise FetchError(f"spec.model.source: unsupported scheme in {source!r}; use hf://, s3://, file:// or pvc://")
+
+
+def run(ctx: BuildContext) -> None:
+    """The target's checkpoint (already there with ``--prefetched``), its provenance into the report."""
+    spec = ctx.spec
+    if ctx.checkpoint is None:
+        ctx.checkpoint = fetch_checkpoint(spec.model.source, spec.model.revision, ctx.work_dir,
+                                          file=spec.model.file)
+    ckpt = ctx.checkpoint
+    ctx.report.record("source", ckpt.provenance())
+    if ckpt.resolved_revision and ckpt.resolved_revision != spec.model.revision:
+        log.warning("spec.model.revision %s can move; this build used commit %s (recorded in engine.json); "
+                    "pin that sha so the version names one set of weights", spec.model.revision or "main",
+                    ckpt.resolved_revision)
