@@ -36,6 +36,8 @@ class HistoryEntry(_Model):
     engine_version: str = Field(description="A built engine version.")
     artifact_uri: str = Field(alias="artifactURI", description="Where that version's artifact lives.")
     built_at: datetime | None = Field(default=None, description="When it was published (RFC 3339).")
+    content_digest: str | None = Field(
+        default=None, description="The manifest content digest the operator pinned for that version.")
 
 
 HISTORY_LIMIT = 10
@@ -44,10 +46,41 @@ HISTORY_LIMIT = 10
 def add_to_history(history: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
     """``status.history`` (as stored: camelCase dicts) after ``entry`` was built or served: a new version
     goes first; a version already listed keeps its place (the list is ordered by build, and a GitOps
-    revert rebuilds nothing); at most ``HISTORY_LIMIT`` entries."""
+    revert rebuilds nothing) and takes ``entry``'s fields (a version removed from the store and rebuilt
+    has a new pin); at most ``HISTORY_LIMIT`` entries."""
     if any(e.get("engineVersion") == entry.get("engineVersion") for e in history):
-        return list(history)[:HISTORY_LIMIT]
+        return [{**e, **entry} if e.get("engineVersion") == entry.get("engineVersion") else e
+                for e in history][:HISTORY_LIMIT]
     return [entry, *history][:HISTORY_LIMIT]
+
+
+class ArtifactPin(_Model):
+    """``status.artifact``: the build of ``engineVersion`` the operator serves, pinned by its content digest."""
+
+    engine_version: str = Field(description="The engine version this pin is for (status.engineVersion).")
+    content_digest: str | None = Field(
+        default=None,
+        description="The manifest content digest the operator recorded when the build finished (or when it "
+        "first served a version it found in the store). Serving pods refuse any other; a store whose manifest "
+        "later differs makes the engine ArtifactUntrusted. Absent while the version is being built.",
+    )
+
+
+class BuildStatus(_Model):
+    """``status.build``: the build Jobs of ``engineVersion``, and whether another is due."""
+
+    engine_version: str = Field(description="The engine version these attempts build.")
+    attempts: int = Field(default=0, ge=0, description="Build Jobs run for this version, the current one included.")
+    job_uid: str | None = Field(default=None, alias="jobUID", description="uid of the current attempt's Job.")
+    failure: str | None = Field(
+        default=None, description="Why the current attempt failed: StorageError (retried) or the builder's or "
+        "the Job's reason.")
+    message: str | None = Field(default=None, max_length=32768, description="The failure, as the Built condition says.")
+    retry_at: datetime | None = Field(
+        default=None, description="A storage error with attempts left: when the next build Job starts.")
+    failed_generation: int | None = Field(
+        default=None, ge=0, description="A failure that is not retried: the metadata.generation it failed at. No "
+        "new build starts until the spec changes.")
 
 
 class ReplicaStatus(_Model):
@@ -87,6 +120,10 @@ class LLMEngineStatus(_Model):
         default_factory=list, max_length=HISTORY_LIMIT,
         description=f"Most recent built versions, newest first (at most {HISTORY_LIMIT}).",
     )
+
+    artifact: ArtifactPin | None = Field(
+        default=None, description="The build the operator pinned for engineVersion (docs/operator-trust.md).")
+    build: BuildStatus | None = Field(default=None, description="Build attempts of engineVersion.")
 
     # -- scale out (docs/scale-out.md) --
     replicas: ReplicaStatus | None = Field(

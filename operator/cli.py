@@ -53,8 +53,9 @@ def operator(namespace: tuple[str, ...], all_namespaces: bool, store: str | None
     if not config.store_uri:
         raise click.UsageError("no artifact store: pass --store s3://bucket/prefix or set KILN_STORE_URI")
 
+    # After the flags are in the environment: handlers reads its timer interval when imported.
     import kiln.operator.handlers  # noqa: F401  (registers the handlers)
-    import kopf
+    import kopf  # only to run: `kiln operator --help` and the flag errors above need no kopf
 
     kopf.configure(verbose=verbose)
     kopf.run(clusterwide=clusterwide, namespaces=namespaces, standalone=not config.ha,

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import kopf
 from kiln.operator import metrics
+from kiln.operator.keys import KeyPairMissing
 from kiln.operator.kube import ApiError, KubeClient
 from kiln.operator.reconcile import Context, Result, reconcile
 from kiln.operator.settings import ConfigError, OperatorConfig, reconcile_interval_from_env
@@ -97,6 +98,9 @@ async def _reconcile(namespace: str, name: str, memo: kopf.Memo, logger: logging
         except StoreError as exc:
             metrics.RECONCILE_ERRORS.labels(kind="store").inc()
             raise kopf.TemporaryError(f"artifact store: {exc}", delay=10) from None
+        except KeyPairMissing as exc:
+            metrics.RECONCILE_ERRORS.labels(kind="signing-key").inc()
+            raise kopf.TemporaryError(f"signing key: {exc}", delay=30) from None
         except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
             metrics.RECONCILE_ERRORS.labels(kind="api").inc()
             raise kopf.TemporaryError(f"Kubernetes API: {exc or type(exc).__name__}", delay=5) from None

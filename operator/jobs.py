@@ -8,10 +8,12 @@ environment (docs/operator-trust.md):
   downloads the checkpoint into the shared ``work`` emptyDir.
 - container ``build``: ``kiln build --prefetched --store $(KILN_STORE_URI)``, with
   the store Secret and no model credentials: builds from that local checkpoint
-  and publishes, recording ``$KILN_BUILT_BY`` (image + operator) in the manifest.
+  and publishes, recording ``$KILN_BUILT_BY`` (image + operator) in the manifest
+  and signing it with the operator's private key, which only this container
+  mounts (``$KILN_SIGNING_KEY``; :mod:`kiln.operator.keys`).
 
 Both read the manifest as JSON in ``KILN_SPEC`` and the expected version in
-``KILN_ENGINE_VERSION`` (``builder_job/spec.py``; tests/builder/test_job_contract.py
+``KILN_ENGINE_VERSION`` (``builder_job/manifest_input.py``; tests/builder/test_job_contract.py
 runs each container's command with that container's env only). A Job is shared by every LLMEngine that wants its
 version, so it carries no controller owner; each of those engines adds itself
 as a plain owner (see reconcile.py) and Kubernetes' garbage collector deletes
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kiln.operator.keys import signing_key_mount, signing_key_volume
 from kiln.operator.naming import ANNOTATION_ARTIFACT, ANNOTATION_VERSION, build_labels, job_name
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import builder_image, built_by
@@ -92,21 +95,25 @@ def manifest_json(spec: LLMEngineSpec, name: str, namespace: str) -> str:
                       sort_keys=True, separators=(",", ":"))
 
 
-def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
-              config: OperatorConfig) -> dict[str, Any]:
-    labels = build_labels(version)
-    image = builder_image(spec, config)
+def job_volumes(spec: LLMEngineSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's volumes, and the read-only mounts of the PVCs that hold the checkpoint and a speculative
+    draft model's (one volume per claim; both containers mount them)."""
     volumes: list[dict[str, Any]] = [{"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}},
-                                     {"name": "fetch-tmp", "emptyDir": {}}, *shm_volume(spec)]
+                                     {"name": "fetch-tmp", "emptyDir": {}}, *shm_volume(spec),
+                                     signing_key_volume()]
     model_mounts: list[dict[str, Any]] = []
-    sources = spec.sources.values()  # the checkpoint, and a speculative draft model's
-    claims = list(dict.fromkeys(m.source.removeprefix("pvc://").split("/", 1)[0] for m in sources
+    claims = list(dict.fromkeys(m.source.removeprefix("pvc://").split("/", 1)[0] for m in spec.sources.values()
                                 if m.scheme == "pvc"))
     for i, claim in enumerate(claims):
         volume = "model" if i == 0 else f"model-{i}"
         volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         model_mounts.append({"name": volume, "mountPath": f"{PVC_MOUNT_ROOT}/{claim}", "readOnly": True})
-    common_env = [
+    return volumes, model_mounts
+
+
+def job_env(spec: LLMEngineSpec, name: str, namespace: str, version: str) -> list[dict[str, Any]]:
+    """What both containers read: the manifest, the version it must hash to, and where to work."""
+    return [
         {"name": "KILN_ENGINE_VERSION", "value": version},
         {"name": "KILN_SPEC", "value": manifest_json(spec, name, namespace)},
         {"name": "KILN_WORK_DIR", "value": WORK_DIR},
@@ -114,36 +121,46 @@ def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": f"{WORK_DIR}/hf"},
     ]
-    # The user's model credentials: only here, with no store settings or credentials.
+
+
+def fetch_container(spec: LLMEngineSpec, config: OperatorConfig, env: list[dict[str, Any]],
+                    model_mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The init container: the user's model credentials, only here, with no store settings or credentials."""
     fetch: dict[str, Any] = {
         "name": "fetch",
-        "image": image,
+        "image": builder_image(spec, config),
         "imagePullPolicy": config.image_pull_policy,
         "command": ["kiln", "build"],
         "args": ["--fetch-only"],
-        "env": common_env,
+        "env": env,
         "resources": json.loads(json.dumps(config.build_resources or {})),
         "volumeMounts": [{"name": "work", "mountPath": WORK_DIR}, {"name": "fetch-tmp", "mountPath": "/tmp"},
                          *model_mounts],
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    secrets = list(dict.fromkeys(m.credentials_secret for m in sources if m.credentials_secret))
+    secrets = list(dict.fromkeys(m.credentials_secret for m in spec.sources.values() if m.credentials_secret))
     if secrets:  # a draft model's names the model's or is the only one (kiln.speculative_options)
         fetch["envFrom"] = [ref for secret in secrets for ref in secret_env_from(secret)]
-    # The store's credentials: only here, with no model credentials.
+    return fetch
+
+
+def build_container(spec: LLMEngineSpec, config: OperatorConfig, env: list[dict[str, Any]],
+                    model_mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The main container: the store's credentials and the signing key, only here, with no model credentials."""
+    key_mount, key_env = signing_key_mount()
     mounts: list[dict[str, Any]] = [{"name": "work", "mountPath": WORK_DIR}, {"name": "tmp", "mountPath": "/tmp"},
-                                    *model_mounts]
+                                    *model_mounts, key_mount]
     if pod_gpus(spec) > 1:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     container: dict[str, Any] = {
         "name": "build",
-        "image": image,
+        "image": builder_image(spec, config),
         "imagePullPolicy": config.image_pull_policy,
         "command": ["kiln", "build"],
         "args": ["--prefetched", "--store", "$(KILN_STORE_URI)"],
-        "env": [{"name": "KILN_STORE_URI", "value": config.store_uri}, *common_env,
-                {"name": BUILT_BY_ENV, "value": built_by(spec, config).model_dump_json()}],
+        "env": [{"name": "KILN_STORE_URI", "value": config.store_uri}, *env,
+                {"name": BUILT_BY_ENV, "value": built_by(spec, config).model_dump_json()}, key_env],
         "resources": with_gpus(config.build_resources, spec),
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
@@ -151,18 +168,31 @@ def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
     }
     if config.store_secret:
         container["envFrom"] = secret_env_from(config.store_secret)
+    return container
+
+
+def job_pod_spec(spec: LLMEngineSpec, name: str, namespace: str, version: str,
+                 config: OperatorConfig) -> dict[str, Any]:
+    volumes, model_mounts = job_volumes(spec)
+    env = job_env(spec, name, namespace, version)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "securityContext": pod_security_context(),
         # Nothing in a build talks to the Kubernetes API: no token in the pod to steal.
         "automountServiceAccountToken": False,
-        "initContainers": [fetch],
-        "containers": [container],
+        "initContainers": [fetch_container(spec, config, env, model_mounts)],
+        "containers": [build_container(spec, config, env, model_mounts)],
         "volumes": volumes,
         **gpu_placement(spec, config),
     }
     if config.builder_service_account:
         pod_spec["serviceAccountName"] = config.builder_service_account
+    return pod_spec
+
+
+def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
+              config: OperatorConfig) -> dict[str, Any]:
+    labels = build_labels(version)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -176,7 +206,7 @@ def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
             "backoffLimit": config.build_backoff_limit,
             "activeDeadlineSeconds": spec.build.timeout_seconds,
             "ttlSecondsAfterFinished": config.build_ttl_seconds,
-            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            "template": {"metadata": {"labels": labels}, "spec": job_pod_spec(spec, name, namespace, version, config)},
         },
     }
 

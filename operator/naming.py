@@ -77,6 +77,17 @@ def lws_name(engine: str) -> str:
     return bounded_name("", f"{service_name(engine)}-lws", MAX_LWS_NAME)
 
 
+# In each engine's namespace (a pod mounts Secrets of its own namespace only), copies of the operator's key pair:
+# the private key alone for build Jobs' publishing container, the public key alone for serving pods.
+BUILD_KEY_SECRET = "kiln-build-signing-key"
+VERIFY_KEY_SECRET = "kiln-verify-key"
+
+
+def group_token_name(engine: str) -> str:
+    """The Secret holding the token every rank of a multi-node engine shows its peers ($KILN_GROUP_TOKEN)."""
+    return bounded_name("", f"{engine}-group-token", 253)
+
+
 def build_labels(version: str) -> dict[str, str]:
     return {**COMMON_LABELS, "app.kubernetes.io/component": "build", LABEL_VERSION: version}
 

@@ -1,63 +1,69 @@
-"""One level-triggered reconcile of one LLMEngine: read the world, converge it one step, write status.
+"""One level-triggered reconcile of one LLMEngine, as steps: read the world once, decide with a pure
+function, act, write status.
 
-Order, and why:
+- :func:`observe` re-reads the LLMEngine (handlers may hold an older body), validates its spec and reads
+  what the decision needs: the live workloads, the store's manifest (checked against the digest pinned in
+  ``status.artifact``, never re-pinned from the store), the build Job and, when it failed, its pods.
+- :func:`kiln.operator.decide.decide` picks one step; the policy is explained there, once.
+- The step (:func:`report`, :func:`build`, :func:`retry_build`, :func:`serve`) makes its calls and returns what it left; an
+  applied workload is taken from the API server's answer, not read again.
+- :func:`write_status` writes the recomputed status only when it changed, with the read's
+  resourceVersion as a precondition: a concurrent change makes the write fail with 409 and the next
+  reconcile starts from the new truth.
 
-1. Re-read the LLMEngine (handlers may hold an older body) and validate its spec;
-   a spec that can never work is written as Failed and reported to the caller.
-2. Engine version = hash of the build envelope. If the store has a valid
-   manifest for it, roll out; if not, make sure ONE build Job exists for it.
-   The Job name comes from the version, so creation races (two engines with one
-   envelope, a restart, a second replica) end in AlreadyExists, which is fine.
-   Every engine waiting for a Job adds itself as a (non-controller) owner, so
-   the garbage collector deletes the Job when the last of them is deleted: no
-   finalizer is needed on LLMEngines.
-3. The serving workload (a Deployment, or a LeaderWorkerSet when a replica spans nodes; an engine
-   that needs one on a cluster without the LWS CRD fails before building) is not touched until the wanted artifact exists, so a GitOps
-   bump keeps the old version serving for the whole build; the rollout itself
-   keeps old pods until new ones are available (maxUnavailable 0).
-4. Status is recomputed from what was observed and written only when it changed,
-   with the read's resourceVersion as a precondition (a concurrent change makes
-   the write fail with 409 and the next reconcile starts from the new truth).
+Errors are not caught here: an API or store error ends the reconcile, and the handlers turn it into a
+kopf TemporaryError (retried); an invalid spec is returned as ``Result.invalid`` (a PermanentError).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
-from kiln.operator import metrics, scale_out
+from kiln.operator import keys, metrics, scale_out
 from kiln.operator.apply import HASH_ANNOTATION, apply
+from kiln.operator.decide import (
+    BUILD,
+    DELETE_LWS,
+    REPORT,
+    RETRY,
+    SCALE_DOWN_DEPLOYMENT,
+    SERVE,
+    Outcome,
+    Plan,
+    World,
+    awaits_new_pods,
+    decide,
+    finished_build,
+    observation,
+    retirement,
+)
 from kiln.operator.jobs import build_job
 from kiln.operator.kube import ApiError, KubeClient, api_path
 from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, lws_name, owner_reference
-from kiln.operator.scheduling import new_pods_selector, unschedulable
+from kiln.operator.network import build_network_policy
+from kiln.operator.retry import Failure
+from kiln.operator.scheduling import new_pods_selector
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import (
     JobState,
-    Observation,
     compose_status,
     job_duration_seconds,
     job_state,
-    rollout_complete,
+    last_termination,
     same_status,
-    serving_version,
-    termination_message,
     transitions,
 )
-from kiln.operator.trust import artifact_problem, expectation
+from kiln.operator.trust import artifact_problem, expectation, pin_problem, pinned_digest
 from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
-from kiln.operator.workloads import (
-    build_pdb,
-    build_service,
-    build_workload,
-    endpoint,
-)
+from kiln.operator.workloads import build_pdb, build_service, build_workload
 
 from kiln.api import API_VERSION, PLURAL
 from kiln.artifacts import ArtifactStore
-from kiln.engine_status import add_to_history
 from kiln.envelope import engine_version
 
 
@@ -66,6 +72,7 @@ class Context:
     kube: KubeClient
     store: ArtifactStore
     config: OperatorConfig
+    keys: keys.KeyPair | None = None  # read (or made) on first need: keys.load_key_pair
 
 
 @dataclass(frozen=True)
@@ -77,105 +84,56 @@ class Result:
     stale: bool = False  # the status write lost a race; reconcile again
 
 
+Workloads = tuple[dict[str, Any] | None, dict[str, Any] | None]  # (Deployment, LeaderWorkerSet)
+
+
 def engine_path(namespace: str, name: str | None = None, sub: str | None = None) -> str:
     return api_path(API_VERSION, PLURAL, namespace, name, sub)
 
 
 async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -> Result:
+    world = await observe(ctx, namespace, name)
+    if world is None:
+        return Result()  # gone, or being deleted: the garbage collector removes its objects
+    plan = decide(world)
+    if plan.warning:
+        logger.warning(plan.warning)
+    count_cache(plan)
+    outcome = await STEPS[plan.step](ctx, world, logger)
+    status = compose_status(observation(world, plan, outcome, ctx.config))
+    count_build(finished_build(world, plan, outcome, status.get("build")))
+    return await write_status(ctx, world, status)
+
+
+async def observe(ctx: Context, namespace: str, name: str) -> World | None:
+    """Every read the decision needs, once; None when the engine is gone or being deleted."""
     body = await ctx.kube.get(engine_path(namespace, name))
     if body is None or body["metadata"].get("deletionTimestamp"):
-        return Result()
-    old = body.get("status") or {}
-    generation = body["metadata"].get("generation") or 0
+        return None
     try:
         validate_name(name)
         spec = validate_spec(body.get("spec") or {}, ctx.config)
     except InvalidSpec as exc:
-        obs = Observation(generation=generation, old=old, invalid=str(exc), serving=old.get("servingVersion"))
-        return await _finish(ctx, body, old, compose_status(obs), invalid=str(exc))
-
+        return World(body, invalid=str(exc))
     version = engine_version(spec)
-    uri = ctx.store.artifact_uri(version)
-    shape = spec.replica_shape
-    if shape.multi_node and not await ctx.kube.serves(LWS_API_VERSION, LWS_PLURAL):
-        # Checked before anything is built: a multi-node build takes hours and could never serve here.
-        # Not InvalidSpec: installing LeaderWorkerSet fixes it, and the next timer reconcile notices.
-        deployment, lws = await live_workloads(ctx, namespace, name)
-        obs = Observation(generation=generation, old=old, engine_version=version, artifact_uri=uri,
-                          job_name=job_name(version), replicas=spec.serving.replicas,
-                          endpoint=endpoint(name, namespace, spec), history=old.get("history") or [],
-                          missing_api=lws_missing_message(spec),
-                          serving=serving_now(spec, deployment, lws, old.get("servingVersion")))
-        if old.get("phase") != "Failed":
-            logger.warning(obs.missing_api)
-        return await _finish(ctx, body, old, compose_status(obs))
+    deployment, lws = await live_workloads(ctx, namespace, name)
+    seen = dict(body=body, spec=spec, version=version, artifact_uri=ctx.store.artifact_uri(version),
+                deployment=deployment, lws=lws)
+    if spec.replica_shape.multi_node and not await ctx.kube.serves(LWS_API_VERSION, LWS_PLURAL):
+        return World(**seen, lws_served=False)
     manifest = await asyncio.to_thread(ctx.store.read_manifest, version)
-    is_new = old.get("engineVersion") != version
-    base = dict(generation=generation, old=old, engine_version=version, artifact_uri=uri,
-                job_name=job_name(version), replicas=spec.serving.replicas,
-                endpoint=endpoint(name, namespace, spec), history=old.get("history") or [])
-    untrusted = artifact_problem(manifest, ctx.config) if manifest is not None else None
-    if untrusted is not None:
-        # Someone else published this version: serve nothing new from it (the old version keeps serving),
-        # and build nothing (a build would find the version published); the status says how to recover.
-        deployment, lws = await live_workloads(ctx, namespace, name)
-        obs = Observation(**base, untrusted=untrusted,
-                          serving=serving_now(spec, deployment, lws, old.get("servingVersion")))
-        if is_new or old.get("phase") != "Failed":
-            logger.warning(f"{uri}: not serving it: {untrusted}")
-    elif manifest is None:
-        if is_new:
-            metrics.CACHE_MISSES.inc()
-        job = await ensure_job(ctx, body, spec, version, logger)
-        state = job_state(job)
-        detail = await builder_message(ctx, namespace, job) if state.state == "failed" else ""
-        deployment, lws = await live_workloads(ctx, namespace, name)
-        obs = Observation(**base, built=False, job=state, failure_detail=detail,
-                          serving=serving_now(spec, deployment, lws, old.get("servingVersion")))
-        if state.state == "failed":
-            _count_build_outcome(old, state, job)
-    else:
-        if is_new and old.get("phase") != "Building":
-            metrics.CACHE_HITS.inc()
-        owner = owner_reference(body)
-        # Scale out first: a missing prerequisite (CRD) leaves the workload as it is (the old version serves).
-        _, missing = await scale_out.converge(ctx.kube, apply, spec, name, namespace, ctx.config, owner)
-        if missing is None:
-            await apply(ctx.kube, build_workload(spec, name, namespace, version, uri, ctx.config, owner,
-                                                 expectation(manifest)))
-            await apply(ctx.kube, build_service(spec, name, namespace, owner))
-            pdb = build_pdb(spec, name, namespace, owner)
-            if pdb is not None:
-                await apply(ctx.kube, pdb)
-            else:
-                await ctx.kube.delete(api_path("policy/v1", "poddisruptionbudgets", namespace, name))
-        deployment, lws = await live_workloads(ctx, namespace, name)
-        if missing is None:
-            await retire_other_workload(ctx, spec, name, namespace, deployment, lws, logger)
-        entry = {"engineVersion": version, "artifactURI": uri,
-                 "builtAt": manifest.created_at.isoformat().replace("+00:00", "Z")}
-        base["history"] = add_to_history(base["history"], entry)
-        serving = serving_now(spec, deployment, lws, old.get("servingVersion"))
-        workload = lws if spec.replica_shape.pods > 1 else deployment  # what the scaler scales
-        obs = Observation(**base, built=True, serving=serving, prerequisite=missing,
-                          **await scale_out_observation(ctx, spec, name, namespace, version, workload, serving))
-        _count_build_outcome(old, JobState("succeeded"), await ctx.kube.get(
-            api_path("batch/v1", "jobs", namespace, job_name(version))) if old.get("phase") == "Building" else None)
-    return await _finish(ctx, body, old, compose_status(obs))
+    untrusted = None
+    if manifest is not None:
+        pinned = pinned_digest(body.get("status") or {}, version)
+        untrusted = artifact_problem(manifest, ctx.config) or pin_problem(manifest, pinned)
+    # The Job: to get or create it, or to time the build that just published the version.
+    wants_job = manifest is None or (untrusted is None and (body.get("status") or {}).get("phase") == "Building")
+    job = await ctx.kube.get(job_path(namespace, version)) if wants_job else None
+    failure = await job_failure(ctx, namespace, job) if job and job_state(job).state == "failed" else Failure()
+    return World(**seen, manifest=manifest, untrusted=untrusted, job=job, failure=failure, now=datetime.now(UTC))
 
 
-def lws_missing_message(spec: Any) -> str:
-    shape = spec.replica_shape
-    return (f"spec.pipelineParallel: one replica of this engine spans {shape.pods} pods (tensorParallel "
-            f"{shape.tensor_parallel} x pipelineParallel {shape.pipeline_parallel} ranks, {shape.ranks_per_pod} per "
-            f"node), which kiln runs as a LeaderWorkerSet, but this cluster does not serve {LWS_API_VERSION} "
-            f"{LWS_PLURAL} (the LeaderWorkerSet CRD is not installed). Install LeaderWorkerSet, a prerequisite of "
-            "multi-node engines (docs/multi-node-cluster.md), and the operator continues on its own; or lower "
-            "tensorParallel x pipelineParallel to fit one node")
-
-
-async def live_workloads(ctx: Context, namespace: str, name: str) -> tuple[dict[str, Any] | None,
-                                                                          dict[str, Any] | None]:
+async def live_workloads(ctx: Context, namespace: str, name: str) -> Workloads:
     """The engine's Deployment and LeaderWorkerSet as they are (either may be absent; the LWS is absent on a
     cluster without its CRD: the GET is a 404 like a missing object)."""
     deployment = await ctx.kube.get(api_path("apps/v1", "deployments", namespace, name))
@@ -183,41 +141,165 @@ async def live_workloads(ctx: Context, namespace: str, name: str) -> tuple[dict[
     return deployment, lws
 
 
-def serving_now(spec: Any, deployment: dict[str, Any] | None, lws: dict[str, Any] | None,
-                previous: str | None) -> str | None:
-    """servingVersion with either workload kind: the wanted kind's template version once its rollout is
-    complete; otherwise, while pods of either kind run, the version that served before."""
-    wanted, other = (lws, deployment) if spec.replica_shape.multi_node else (deployment, lws)
-    if wanted is not None and serving_version(wanted, None) is not None:
-        return serving_version(wanted, None)
-    running = [w for w in (wanted, other) if w is not None and (w.get("spec") or {}).get("replicas", 1) != 0]
-    return previous if running else None
+def job_path(namespace: str, version: str | None = None) -> str:
+    return api_path("batch/v1", "jobs", namespace, job_name(version) if version else None)
 
 
-async def retire_other_workload(ctx: Context, spec: Any, name: str, namespace: str,
-                                deployment: dict[str, Any] | None, lws: dict[str, Any] | None,
-                                logger: logging.Logger) -> None:
-    """When an engine moves between a Deployment and a LeaderWorkerSet (its shape crossed a node), the old
-    kind keeps serving until the new one's rollout is complete, then goes: a LeaderWorkerSet is deleted, a
-    Deployment scaled to zero (the chart grants Deployments no delete; the garbage collector removes it with
-    the engine, and a move back re-renders it)."""
-    if spec.replica_shape.multi_node:
-        if lws is None or not rollout_complete(lws) or deployment is None:
-            return
-        if (deployment.get("spec") or {}).get("replicas", 1) == 0:
-            return
+# -- the steps: each takes the world and returns what it left ------------------------------------------------
+
+
+async def report(ctx: Context, world: World, logger: logging.Logger) -> Outcome:
+    """Nothing converges (an invalid spec, a missing API, an untrusted artifact): only the status changes."""
+    return Outcome(world.deployment, world.lws)
+
+
+async def build(ctx: Context, world: World, logger: logging.Logger) -> Outcome:
+    """Get or create the version's build Job."""
+    job = await ensure_job(ctx, world, logger)
+    return Outcome(world.deployment, world.lws, job=job)
+
+
+async def retry_build(ctx: Context, world: World, logger: logging.Logger) -> Outcome:
+    """Delete the failed build Job and create the version's next one (a storage error's retry is due, or the
+    spec changed since a failure)."""
+    assert world.version is not None
+    await ctx.kube.delete(job_path(world.namespace, world.version))
+    logger.info(f"deleted the failed build Job {job_name(world.version)}: building {world.version} again")
+    return Outcome(world.deployment, world.lws, job=await create_job(ctx, world, logger))
+
+
+async def serve(ctx: Context, world: World, logger: logging.Logger) -> Outcome:
+    """Scale-out objects, then the workload, Service and PDB, then retire the other workload kind; while the
+    new version is not serving yet, read its pods."""
+    owner = owner_reference(world.body)
+    assert world.spec is not None
+    # Scale out first: a missing prerequisite (CRD) leaves the workload as it is (the old version serves).
+    _, missing = await scale_out.converge(ctx.kube, apply, world.spec, world.name, world.namespace, ctx.config,
+                                          owner)
+    deployment, lws = world.deployment, world.lws
+    if missing is None:
+        await ensure_serving_secrets(ctx, world, owner)
+        deployment, lws = await apply_serving(ctx, world, owner)
+        await retire(ctx, world, retirement(world.spec, deployment, lws), logger)
+    pods = await new_pods(ctx, world) if awaits_new_pods(world, deployment, lws, ctx.config) else None
+    return Outcome(deployment, lws, prerequisite=missing, new_pods=pods)
+
+
+STEPS: dict[str, Callable[[Context, World, logging.Logger], Awaitable[Outcome]]] = {
+    REPORT: report, BUILD: build, RETRY: retry_build, SERVE: serve}
+
+
+# -- what the steps call -------------------------------------------------------------------------------------
+
+
+async def ensure_job(ctx: Context, world: World, logger: logging.Logger) -> dict[str, Any]:
+    """Get-or-create THE build Job of the version (``world.job`` is the get), with this engine among its owners."""
+    job = world.job or await create_job(ctx, world, logger)
+    mine = owner_reference(world.body, controller=False)
+    refs = job["metadata"].get("ownerReferences") or []
+    if any(ref.get("uid") == mine["uid"] for ref in refs):
+        return job
+    try:
+        return await ctx.kube.patch(job_path(world.namespace, world.version), {"metadata": {
+            "resourceVersion": job["metadata"]["resourceVersion"], "ownerReferences": [*refs, mine]}})
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+        return job  # another engine joined at the same time; the next reconcile adds us
+
+
+async def create_job(ctx: Context, world: World, logger: logging.Logger) -> dict[str, Any]:
+    """Create the build Job, owned by this engine; when someone else created it first, share theirs."""
+    assert world.spec is not None and world.version is not None
+    # The private key, for the build container only: a copy in the Job's namespace (keys module docstring).
+    await keys.ensure_copy(ctx.kube, keys.signing_key_copy(world.namespace, await key_pair(ctx)))
+    desired = build_job(world.spec, world.name, world.namespace, world.version, ctx.config)
+    desired["metadata"]["ownerReferences"] = [owner_reference(world.body, controller=False)]
+    try:
+        job = await ctx.kube.create(job_path(world.namespace), desired)
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+        theirs = await ctx.kube.get(job_path(world.namespace, world.version))
+        if theirs is None:
+            raise
+        return theirs
+    metrics.BUILDS_STARTED.inc()
+    logger.info(f"created build Job {job_name(world.version)} for {world.version}")
+    return job
+
+
+async def job_failure(ctx: Context, namespace: str, job: dict[str, Any]) -> Failure:
+    """The builder's termination message and exit code; empty when pods are gone or not readable (RBAC)."""
+    selector = f"batch.kubernetes.io/job-name={job['metadata']['name']}"
+    try:
+        pods = await ctx.kube.list(api_path("v1", "pods", namespace), label_selector=selector)
+    except ApiError:
+        return Failure()
+    return Failure(*last_termination(pods))
+
+
+async def key_pair(ctx: Context) -> keys.KeyPair:
+    if ctx.keys is None:
+        ctx.keys = await keys.load_key_pair(ctx.kube, ctx.config)
+    return ctx.keys
+
+
+async def ensure_serving_secrets(ctx: Context, world: World, owner: dict[str, Any]) -> None:
+    """What serving pods mount besides the workload: the public key, and a multi-node engine's group token."""
+    assert world.spec is not None
+    await keys.ensure_copy(ctx.kube, keys.verify_key_copy(world.namespace, await key_pair(ctx)))
+    if world.spec.replica_shape.multi_node:
+        await keys.ensure_group_token(ctx.kube, world.name, world.namespace, owner)
+
+
+async def apply_serving(ctx: Context, world: World, owner: dict[str, Any]) -> Workloads:
+    """Apply the workload, Service and PDB (or delete a PDB no longer wanted). Returns the workloads as they
+    are now: the applied one as the API server answered, the other kind as read."""
+    spec, name, namespace = world.spec, world.name, world.namespace
+    assert spec is not None and world.version is not None and world.artifact_uri is not None
+    assert world.manifest is not None
+    expect = expectation(world.manifest, world.pinned)
+    workload = await apply(ctx.kube, build_workload(spec, name, namespace, world.version, world.artifact_uri,
+                                                    ctx.config, owner, expect))
+    await apply(ctx.kube, build_service(spec, name, namespace, owner))
+    pdb = build_pdb(spec, name, namespace, owner)
+    if pdb is not None:
+        await apply(ctx.kube, pdb)
+    else:
+        await ctx.kube.delete(api_path("policy/v1", "poddisruptionbudgets", namespace, name))
+    if ctx.config.network_policy:
+        await apply(ctx.kube, build_network_policy(spec, name, namespace, owner))
+    else:
+        await ctx.kube.delete(api_path("networking.k8s.io/v1", "networkpolicies", namespace, name))
+    return (world.deployment, workload) if spec.replica_shape.multi_node else (workload, world.lws)
+
+
+async def retire(ctx: Context, world: World, retiring: str | None, logger: logging.Logger) -> None:
+    """Carry out :func:`kiln.operator.decide.retirement`."""
+    name, namespace = world.name, world.namespace
+    if retiring == SCALE_DOWN_DEPLOYMENT:
         await ctx.kube.patch(api_path("apps/v1", "deployments", namespace, name), {
             "metadata": {"annotations": {HASH_ANNOTATION: None}}, "spec": {"replicas": 0}})
         logger.info(f"{lws_name(name)} serves {name}: scaled Deployment {name} to 0")
-    else:
-        if deployment is None or not rollout_complete(deployment) or lws is None:
-            return
+    elif retiring == DELETE_LWS:
         await ctx.kube.delete(api_path(LWS_API_VERSION, LWS_PLURAL, namespace, lws_name(name)))
         logger.info(f"Deployment {name} serves {name}: deleted LeaderWorkerSet {lws_name(name)}")
 
 
-async def _finish(ctx: Context, body: dict[str, Any], old: dict[str, Any], new: dict[str, Any],
-                  invalid: str | None = None) -> Result:
+async def new_pods(ctx: Context, world: World) -> list[dict[str, Any]]:
+    """The new version's pods; none when not readable (RBAC): the condition stays RollingOut."""
+    assert world.version is not None
+    selector = new_pods_selector(world.name, world.version)
+    try:
+        return await ctx.kube.list(api_path("v1", "pods", world.namespace), label_selector=selector)
+    except ApiError:
+        return []
+
+
+async def write_status(ctx: Context, world: World, new: dict[str, Any]) -> Result:
+    """Write ``new`` when it changes anything, guarded by the read's resourceVersion."""
+    body, old, invalid = world.body, world.old, world.invalid
     events = tuple(transitions(old, new))
     if same_status(old, new):
         return Result(body=body, status=new, invalid=invalid)
@@ -232,68 +314,20 @@ async def _finish(ctx: Context, body: dict[str, Any], old: dict[str, Any], new: 
     return Result(body=body, status=new, events=events, invalid=invalid)
 
 
-async def ensure_job(ctx: Context, body: dict[str, Any], spec: Any, version: str,
-                     logger: logging.Logger) -> dict[str, Any]:
-    """Get-or-create THE build Job of ``version``, with this engine among its owners."""
-    meta = body["metadata"]
-    namespace = meta["namespace"]
-    path = api_path("batch/v1", "jobs", namespace, job_name(version))
-    mine = owner_reference(body, controller=False)
-    job = await ctx.kube.get(path)
-    if job is None:
-        desired = build_job(spec, meta["name"], namespace, version, ctx.config)
-        desired["metadata"]["ownerReferences"] = [mine]
-        try:
-            job = await ctx.kube.create(api_path("batch/v1", "jobs", namespace), desired)
-            metrics.BUILDS_STARTED.inc()
-            logger.info(f"created build Job {job_name(version)} for {version}")
-            return job
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
-            job = await ctx.kube.get(path)  # someone else created it first: share theirs
-            if job is None:
-                raise
-    refs = job["metadata"].get("ownerReferences") or []
-    if not any(ref.get("uid") == mine["uid"] for ref in refs):
-        try:
-            job = await ctx.kube.patch(path, {"metadata": {
-                "resourceVersion": job["metadata"]["resourceVersion"], "ownerReferences": [*refs, mine]}})
-        except ApiError as exc:
-            if exc.status != 409:
-                raise  # 409: another engine joined at the same time; the next reconcile adds us
-    return job
+# -- metrics -------------------------------------------------------------------------------------------------
 
 
-async def builder_message(ctx: Context, namespace: str, job: dict[str, Any]) -> str:
-    """The builder's termination message; empty when pods are gone or not readable (RBAC)."""
-    selector = f"batch.kubernetes.io/job-name={job['metadata']['name']}"
-    try:
-        pods = await ctx.kube.list(api_path("v1", "pods", namespace), label_selector=selector)
-    except ApiError:
-        return ""
-    return termination_message(pods)
+def count_cache(plan: Plan) -> None:
+    if plan.cache == "hit":
+        metrics.CACHE_HITS.inc()
+    elif plan.cache == "miss":
+        metrics.CACHE_MISSES.inc()
 
 
-async def scale_out_observation(ctx: Context, spec: Any, name: str, namespace: str, version: str,
-                                deployment: dict[str, Any] | None, serving: str | None) -> dict[str, Any]:
-    """The scale-out part of an Observation: replica counts and their owner, and new pods that cannot be placed."""
-    autoscaled = spec.serving.autoscaling is not None
-    scaler = "HorizontalPodAutoscaler" if ctx.config.autoscaler == "hpa" else "ScaledObject"
-    replicas = scale_out.replica_status(deployment, autoscaled, f"{scaler}/{name}")
-    stuck = None
-    if deployment is not None and serving != version and replicas["desired"] > 0:
-        try:
-            pods = await ctx.kube.list(api_path("v1", "pods", namespace), label_selector=new_pods_selector(name, version))
-        except ApiError:
-            pods = []  # not readable (RBAC): the condition stays RollingOut
-        stuck = unschedulable(pods, spec, version, ctx.config, serving)
-    return {"replica_status": replicas, "autoscaled": autoscaled, "unschedulable": stuck}
-
-
-def _count_build_outcome(old: dict[str, Any], state: JobState, job: dict[str, Any] | None) -> None:
-    if old.get("phase") != "Building":
+def count_build(finished: tuple[JobState, dict[str, Any] | None] | None) -> None:
+    if finished is None:
         return
+    state, job = finished
     if state.state == "failed":
         metrics.BUILDS_FAILED.labels(reason=state.reason or "Failed").inc()
     elif state.state == "succeeded":

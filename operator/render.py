@@ -2,11 +2,13 @@
 
 For GitOps users who review diffs, and for tests: the same validation
 (:func:`kiln.operator.validation.validate_spec`) and the same renderers the operator
-runs (build Job, Deployment or LeaderWorkerSet, Service, PodDisruptionBudget), so
-what is printed is what the operator applies, except for three things only a
-cluster knows: ownerReferences (the LLMEngine's uid), the ``rendered-hash``
-annotation, and the build the operator verified (``$KILN_EXPECT_ARTIFACT``, known
-once the artifact is published). The operator's settings come from the same
+runs (build Job, Deployment or LeaderWorkerSet, Service, PodDisruptionBudget,
+NetworkPolicy), so what is printed is what the operator applies, except for what only
+a cluster knows: ownerReferences (the LLMEngine's uid), the ``rendered-hash``
+annotation, the build the operator pinned (``$KILN_EXPECT_ARTIFACT``, known once the
+artifact is published), and the Secrets the operator writes (the signing and verify
+key copies, a multi-node engine's group token), which pods name but which hold values
+only the operator makes. The operator's settings come from the same
 ``KILN_*`` variables the chart sets (:class:`kiln.operator.settings.OperatorConfig`);
 ``--store`` overrides ``KILN_STORE_URI``.
 """
@@ -22,6 +24,7 @@ from typing import Any
 import click
 import yaml
 from kiln.operator.jobs import build_job
+from kiln.operator.network import build_network_policy
 from kiln.operator.scale_out import extra_objects
 from kiln.operator.settings import ConfigError, OperatorConfig
 from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
@@ -40,7 +43,7 @@ def artifact_uri(config: OperatorConfig, version: str) -> str:
 
 
 def render_objects(engine: LLMEngine, config: OperatorConfig, namespace: str | None = None) -> list[dict[str, Any]]:
-    """Build Job, serving workload, Service, PDB (from 2 replicas) and the scale-out objects (KEDA
+    """Build Job, serving workload, Service, PDB (from 2 replicas), NetworkPolicy and the scale-out objects (KEDA
     ScaledObject / HTTPScaledObject or HPA, InferencePool) when the spec asks; :class:`InvalidSpec` as the
     operator."""
     name = engine.metadata.name
@@ -53,6 +56,8 @@ def render_objects(engine: LLMEngine, config: OperatorConfig, namespace: str | N
                build_service(spec, name, ns)]
     if (pdb := build_pdb(spec, name, ns)) is not None:
         objects.append(pdb)
+    if config.network_policy:
+        objects.append(build_network_policy(spec, name, ns))
     objects += extra_objects(spec, name, ns, version, config)
     # Plain data (no shared sub-objects, so the YAML has no anchors).
     return [json.loads(json.dumps(obj)) for obj in objects]
@@ -72,7 +77,7 @@ def render(manifest: str, store: str | None, namespace: str | None) -> None:
     """Print the Kubernetes objects the operator would create for a manifest, as YAML.
 
     Build Job, Deployment (or LeaderWorkerSet when a replica spans nodes), Service,
-    PodDisruptionBudget, and with spec.serving.autoscaling / routing the KEDA ScaledObject (or HPA) and
+    PodDisruptionBudget, NetworkPolicy, and with spec.serving.autoscaling / routing the KEDA ScaledObject (or HPA) and
     InferencePool, from the operator's own renderers and settings ($KILN_*).
     Exit status 2 (one line per problem on stderr) when the operator would refuse the manifest.
     """

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.operator.images import parse_allow_entry, parse_image
+from kiln.operator.naming import BUILD_KEY_SECRET, VERIFY_KEY_SECRET
 
 from kiln.skus import GPU_SKUS
 
@@ -23,6 +24,14 @@ DEFAULT_IMAGE = "ghcr.io/kiln-dev/kiln:0.1.0"
 # Recorded in every artifact this operator builds and required of every artifact it serves; the chart
 # sets "<namespace>/<service account>" (value operatorId overrides it).
 DEFAULT_OPERATOR_ID = "kiln-operator"
+# The Secret, in the operator's namespace, holding the key pair build Jobs sign with and serving pods verify
+# with (kiln.operator.keys); the operator creates it unless the chart names one (signing.secretName).
+DEFAULT_KEY_SECRET = "kiln-signing-key"
+WRITE_IN_SERVING_HINT = ("store.credentialsSecret (KILN_STORE_SECRET) is set but store.servingCredentialsSecret "
+                         "(KILN_SERVING_STORE_SECRET) is not: serving pods only read the store, so they do not get "
+                         "the build's write credentials. Set store.servingCredentialsSecret to a read-only Secret "
+                         "(docs/operator-trust.md has an S3 policy), or set store.allowWriteCredentialsInServing "
+                         "(KILN_ALLOW_WRITE_CREDENTIALS_IN_SERVING=true) to give serving pods the write Secret")
 
 
 class ConfigError(ValueError):
@@ -101,8 +110,19 @@ class OperatorConfig:
     image_pull_policy: str = "IfNotPresent"
     # Secret with AWS_* (or other store) credentials: envFrom of the build container (it publishes) ...
     store_secret: str | None = None
-    # ... and of serving pods (they only read: give them read-only credentials); None: store_secret.
+    # ... and of serving pods (they only read: read-only credentials). None: no store credentials (pod
+    # identity), or store_secret when allow_write_in_serving (from_env refuses a write Secret alone).
     serving_store_secret: str | None = None
+    allow_write_in_serving: bool = False
+    # Where the operator runs (its key pair Secret lives there), and that Secret when the admin brings one.
+    operator_namespace: str = "default"
+    signing_secret: str | None = None
+    # Build Jobs that fail on a storage error (the builder's exit code 3) are retried this many times, the
+    # first after build_retry_delay_seconds, each next one after twice as long.
+    build_retries: int = 3
+    build_retry_delay_seconds: float = 60.0
+    # A NetworkPolicy per engine: the serving port open, every other port only to the engine's own pods.
+    network_policy: bool = True
     # Images an LLMEngine may name in spec.build.image / spec.serving.image besides the chart's own
     # (forms: kiln.operator.images). Empty: only the chart's images.
     allowed_images: tuple[str, ...] = ()
@@ -141,13 +161,14 @@ class OperatorConfig:
             labels[sku] = dict(selector)
         base = cls()
         store_secret = env.get("KILN_STORE_SECRET", "").strip() or None
-        return _with_scale_out(env, cls(
+        return _with_trust(env, _with_scale_out(env, cls(
             store_uri=env.get("KILN_STORE_URI", "").strip(),
             builder_image=_image_env(env, "KILN_BUILDER_IMAGE", base.builder_image),
             serving_image=_image_env(env, "KILN_SERVING_IMAGE", base.serving_image),
             image_pull_policy=env.get("KILN_IMAGE_PULL_POLICY", "").strip() or base.image_pull_policy,
             store_secret=store_secret,
             serving_store_secret=env.get("KILN_SERVING_STORE_SECRET", "").strip() or None,
+            allow_write_in_serving=_bool_env(env, "KILN_ALLOW_WRITE_CREDENTIALS_IN_SERVING", False),
             allowed_images=_allowed_images(env),
             operator_id=env.get("KILN_OPERATOR_ID", "").strip() or base.operator_id,
             sku_node_labels=labels,
@@ -163,16 +184,48 @@ class OperatorConfig:
             serving_service_account=env.get("KILN_SERVING_SERVICE_ACCOUNT", "").strip() or None,
             reconcile_interval=reconcile_interval_from_env(env),
             metrics_port=_int_env(env, "KILN_METRICS_PORT", 0),
-            ha=env.get("KILN_HA", "").strip().lower() in ("1", "true", "yes"),
-        ))
+            ha=_bool_env(env, "KILN_HA", False),
+        )))
 
     @property
     def serving_secret(self) -> str | None:
-        return self.serving_store_secret or self.store_secret
+        """The store Secret of serving pods: read-only credentials, never the write Secret unless allowed."""
+        return self.serving_store_secret or (self.store_secret if self.allow_write_in_serving else None)
+
+    @property
+    def key_secret(self) -> str:
+        return self.signing_secret or DEFAULT_KEY_SECRET
 
     def node_selector(self, sku: str) -> dict[str, str] | None:
         """The nodeSelector for a SKU; None when the map has no entry (a spec error, not a default)."""
         return self.sku_node_labels.get(sku)
+
+
+def _bool_env(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in ("1", "true", "yes", "0", "false", "no"):
+        raise ConfigError(f"{name} must be true or false, got {raw!r}")
+    return raw in ("1", "true", "yes")
+
+
+def _with_trust(env: Mapping[str, str], config: OperatorConfig) -> OperatorConfig:
+    """Keys, least-privilege store credentials, build retries, NetworkPolicies (docs/operator-trust.md)."""
+    if config.store_secret and not config.serving_store_secret and not config.allow_write_in_serving:
+        raise ConfigError(WRITE_IN_SERVING_HINT)
+    signing_secret = env.get("KILN_SIGNING_SECRET", "").strip() or None
+    if signing_secret in (BUILD_KEY_SECRET, VERIFY_KEY_SECRET):
+        raise ConfigError(f"KILN_SIGNING_SECRET {signing_secret!r} (chart value signing.secretName) is the name of "
+                          "the copies the operator writes into engine namespaces; name the key pair Secret otherwise")
+    return dataclasses.replace(
+        config,
+        operator_namespace=env.get("KILN_OPERATOR_NAMESPACE", "").strip() or config.operator_namespace,
+        signing_secret=signing_secret,
+        build_retries=_int_env(env, "KILN_BUILD_RETRIES", config.build_retries),
+        build_retry_delay_seconds=_float_env(env, "KILN_BUILD_RETRY_DELAY_SECONDS", config.build_retry_delay_seconds),
+        network_policy=_bool_env(env, "KILN_NETWORK_POLICY", config.network_policy),
+    )
 
 
 # ---- scale out (issue 14) -------------------------------------------------------------------------------------

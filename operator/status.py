@@ -9,6 +9,7 @@ stands. ``Ready`` is True only when the *wanted* version is the one serving.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -44,20 +45,32 @@ def job_state(job: dict[str, Any]) -> JobState:
     return JobState("running")
 
 
-def termination_message(pods: list[dict[str, Any]], limit: int = MESSAGE_TAIL) -> str:
-    """The tail of the newest terminated builder container's message (or its log, by FallbackToLogsOnError)."""
-    found: list[tuple[str, str]] = []
+def last_termination(pods: list[dict[str, Any]], limit: int = MESSAGE_TAIL) -> tuple[str, int | None]:
+    """(the tail of the newest terminated builder container's message, or its log by FallbackToLogsOnError;
+    its exit code). ("", None) when no container has terminated with a message."""
+    found: list[tuple[str, str, int | None]] = []
     for pod in pods:
         status = pod.get("status") or {}
         # The fetch init container fails first when the model cannot be read; the build container after it.
         for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
             term = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
             if term and term.get("message"):
-                found.append((term.get("finishedAt") or "", term["message"].strip()))
+                found.append((term.get("finishedAt") or "", term["message"].strip(), term.get("exitCode")))
     if not found:
-        return ""
-    message = max(found)[1]
-    return message if len(message) <= limit else "…" + message[-limit:]
+        return "", None
+    _, message, code = max(found, key=lambda f: f[:2])
+    return (message if len(message) <= limit else "…" + message[-limit:]), code
+
+
+def termination_message(pods: list[dict[str, Any]], limit: int = MESSAGE_TAIL) -> str:
+    """The tail of the newest terminated builder container's message (or its log, by FallbackToLogsOnError)."""
+    return last_termination(pods, limit)[0]
+
+
+def failure_message(job_name: str | None, job: JobState, detail: str) -> str:
+    """The Built condition's message for a failed build Job."""
+    message = f"build Job {job_name} failed ({job.reason}): {job.message}".rstrip(": ")
+    return message + (f"; builder said: {detail}" if detail else "")
 
 
 def job_duration_seconds(job: dict[str, Any]) -> float | None:
@@ -134,13 +147,23 @@ def transitions(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str
     return events
 
 
-FAILURE_REASONS = {"InvalidSpec", "BuildFailed", "ArtifactMissing", "ArtifactUntrusted", "LeaderWorkerSetMissing"}
+FAILURE_REASONS = {"InvalidSpec", "BuildFailed", "BuildRetrying", "ArtifactMissing", "ArtifactUntrusted", "LeaderWorkerSetMissing"}
 FAILURE_REASONS |= {"PrerequisiteMissing", "InsufficientGPU", "Unschedulable"}  # scale out
 
 
+def pruned(value: Any) -> Any:
+    """``value`` without None-valued keys, at any depth: what a merge patch leaves of it."""
+    if isinstance(value, dict):
+        return {k: pruned(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [pruned(v) for v in value]
+    return value
+
+
 def same_status(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    """Whether writing ``new`` would change nothing the operator owns in ``old``."""
-    return all(old.get(key) == value for key, value in new.items())
+    """Whether writing ``new`` would change nothing the operator owns in ``old`` (a None in ``new`` removes a
+    key with a merge patch, so it equals an absent one)."""
+    return all(pruned(old.get(key)) == pruned(value) for key, value in new.items())
 
 
 @dataclass(frozen=True)
@@ -162,6 +185,8 @@ class Observation:
     replicas: int = 1
     endpoint: str | None = None
     history: list[dict[str, Any]] | None = None
+    artifact: dict[str, Any] | None = None  # status.artifact: the pinned build of engine_version
+    build: dict[str, Any] | None = None  # status.build: its build attempts (kiln.operator.retry)
     # -- scale out (docs/scale-out.md) --
     replica_status: dict[str, Any] | None = None  # status.replicas (kiln.operator.scale_out.replica_status)
     autoscaled: bool = False  # the autoscaler owns the replica count
@@ -169,77 +194,96 @@ class Observation:
     prerequisite: str | None = None  # a missing CRD the spec needs (kiln.operator.scale_out)
 
 
+Cond = Callable[[str, bool | None, str, str], dict[str, Any]]  # compose_status.cond
+
+
 def compose_status(obs: Observation, now: str | None = None) -> dict[str, Any]:
+    """``status`` from what one reconcile saw. A spec that builds nothing, an API the cluster lacks and an
+    artifact this operator did not build each fail both conditions; otherwise ``Built`` follows the build
+    (:func:`_build_progress`) and, once built, ``Ready`` follows the rollout (:func:`_rollout`)."""
     prev = obs.old.get("conditions") or []
-    gen = obs.generation
 
     def cond(type_: str, ok: bool | None, reason: str, message: str) -> dict[str, Any]:
-        return condition(type_, ok, reason, message, gen, prev, now)
+        return condition(type_, ok, reason, message, obs.generation, prev, now)
 
-    status: dict[str, Any] = {"observedGeneration": gen, "servingVersion": obs.serving}
+    status: dict[str, Any] = {"observedGeneration": obs.generation, "servingVersion": obs.serving}
     still = f"; {obs.serving} keeps serving" if obs.serving and obs.serving != obs.engine_version else ""
     if obs.invalid is not None:  # the spec builds nothing: no wanted version
-        status.update(phase="Failed", engineVersion=None, artifactURI=None, conditions=[
-            cond(BUILT, False, "InvalidSpec", obs.invalid),
-            cond(READY, False, "InvalidSpec", obs.invalid + still)])
+        status.update(phase="Failed", engineVersion=None, artifactURI=None,
+                      conditions=_failed(cond, "InvalidSpec", obs.invalid, still))
         return status
     status.update(engineVersion=obs.engine_version, artifactURI=obs.artifact_uri)
     if obs.history is not None:
         status["history"] = obs.history
+    status.update(artifact=obs.artifact, build=obs.build)
     status["endpoint"] = obs.endpoint if obs.serving else None  # None: a merge patch removes it
     if obs.missing_api is not None:  # nothing is built or rolled out until the API is there
-        status.update(phase="Failed", conditions=[
-            cond(BUILT, False, "LeaderWorkerSetMissing", obs.missing_api),
-            cond(READY, False, "LeaderWorkerSetMissing", obs.missing_api + still)])
-        return status
-    if obs.untrusted is not None:
-        store = (obs.artifact_uri or "").rpartition("/engines/")[0] or "<store>"
-        msg = (f"{obs.artifact_uri} is in the store but {obs.untrusted}, so this operator will not serve it, "
-               f"and a build cannot replace a published version; remove it (`kiln cache rm {obs.engine_version} "
-               f"--store {store}`) and the operator rebuilds it")
-        status.update(phase="Failed", conditions=[
-            cond(BUILT, False, "ArtifactUntrusted", msg), cond(READY, False, "ArtifactUntrusted", msg + still)])
-        return status
-    if not obs.built:
-        job = obs.job or JobState("running")
-        if job.state == "failed":
-            detail = f"build Job {obs.job_name} failed ({job.reason}): {job.message}".rstrip(": ")
-            if obs.failure_detail:
-                detail += f"; builder said: {obs.failure_detail}"
-            built = cond(BUILT, False, "BuildFailed", detail)
-            ready = cond(READY, False, "BuildFailed", f"{obs.engine_version} failed to build{still}")
-            status.update(phase="Failed", conditions=[built, ready])
-        elif job.state == "succeeded":
-            msg = (f"build Job {obs.job_name} succeeded but {obs.artifact_uri} has no valid manifest; "
-                   f"delete the Job to rebuild")
-            status.update(phase="Failed", conditions=[
-                cond(BUILT, False, "ArtifactMissing", msg), cond(READY, False, "ArtifactMissing", msg + still)])
-        else:
-            status.update(phase="Building", conditions=[
-                cond(BUILT, False, "Building", f"build Job {obs.job_name} is building {obs.engine_version}"),
-                cond(READY, False, "Building", f"waiting for {obs.engine_version} to build{still}")])
-        return status
+        status.update(phase="Failed", conditions=_failed(cond, "LeaderWorkerSetMissing", obs.missing_api, still))
+    elif obs.untrusted is not None:
+        status.update(phase="Failed", conditions=_failed(cond, "ArtifactUntrusted", _untrusted_message(obs), still))
+    elif not obs.built:
+        status.update(_build_progress(obs, cond, still))
+    else:
+        status.update(_rollout(obs, cond, still))
+    return status
+
+
+def _failed(cond: Cond, reason: str, message: str, still: str) -> list[dict[str, Any]]:
+    """Both conditions False for one reason; Ready adds which version keeps serving."""
+    return [cond(BUILT, False, reason, message), cond(READY, False, reason, message + still)]
+
+
+def _untrusted_message(obs: Observation) -> str:
+    store = (obs.artifact_uri or "").rpartition("/engines/")[0] or "<store>"
+    return (f"{obs.artifact_uri} is in the store but {obs.untrusted}, so this operator will not serve it, "
+            f"and a build cannot replace a published version; remove it (`kiln cache rm {obs.engine_version} "
+            f"--store {store}`) and the operator rebuilds it")
+
+
+def _build_progress(obs: Observation, cond: Cond, still: str) -> dict[str, Any]:
+    """phase and conditions while the wanted version is not in the store: its build Job runs or ended."""
+    job, record = obs.job or JobState("running"), obs.build or {}
+    if record.get("retryAt"):
+        attempt = f"attempt {record.get('attempts', 1) + 1} starts at {record['retryAt']}"
+        built = cond(BUILT, False, "BuildRetrying", f"{record.get('message')}; a storage error: {attempt}")
+        ready = cond(READY, False, "BuildRetrying", f"waiting for {obs.engine_version} to build ({attempt}){still}")
+        return {"phase": "Building", "conditions": [built, ready]}
+    if record.get("failedGeneration") is not None or job.state == "failed":
+        detail = record.get("message") or failure_message(obs.job_name, job, obs.failure_detail)
+        if record.get("attempts", 1) > 1:
+            detail += f" (attempt {record['attempts']}; not retried: edit the spec to build again)"
+        built = cond(BUILT, False, "BuildFailed", detail)
+        ready = cond(READY, False, "BuildFailed", f"{obs.engine_version} failed to build{still}")
+        return {"phase": "Failed", "conditions": [built, ready]}
+    if job.state == "succeeded":
+        msg = (f"build Job {obs.job_name} succeeded but {obs.artifact_uri} has no valid manifest; "
+               f"delete the Job to rebuild")
+        return {"phase": "Failed", "conditions": _failed(cond, "ArtifactMissing", msg, still)}
+    return {"phase": "Building", "conditions": [
+        cond(BUILT, False, "Building", f"build Job {obs.job_name} is building {obs.engine_version}"),
+        cond(READY, False, "Building", f"waiting for {obs.engine_version} to build{still}")]}
+
+
+def _rollout(obs: Observation, cond: Cond, still: str) -> dict[str, Any]:
+    """replicas, phase and conditions once the wanted version is built: Ready follows its rollout."""
+    out: dict[str, Any] = {}
     built = cond(BUILT, True, "ArtifactAvailable", f"{obs.artifact_uri} is published and verified")
     replicas = obs.replicas
     if obs.replica_status is not None:  # scale out: current vs desired, and who decides
-        status["replicas"] = obs.replica_status
+        out["replicas"] = obs.replica_status
         replicas = obs.replica_status["desired"] if obs.autoscaled else replicas
     if obs.prerequisite is not None:
-        ready = cond(READY, False, "PrerequisiteMissing", obs.prerequisite + still)
-        status.update(phase="Failed", conditions=[built, ready])
+        phase, ready = "Failed", cond(READY, False, "PrerequisiteMissing", obs.prerequisite + still)
     elif obs.serving == obs.engine_version:
-        ready = cond(READY, True, "Serving", f"all {replicas} replica(s) serve {obs.engine_version}")
-        status.update(phase="Ready", conditions=[built, ready])
+        phase, ready = "Ready", cond(READY, True, "Serving", f"all {replicas} replica(s) serve {obs.engine_version}")
     elif replicas == 0:
         owner = (obs.replica_status or {}).get("owner", "the autoscaler")
         why = (f"scaled to zero by {owner}; a request through the KEDA HTTP add-on's interceptor starts a pod"
                if obs.autoscaled else "spec.serving.replicas is 0; nothing serves")
-        ready = cond(READY, False, "ScaledToZero", why)
-        status.update(phase="Ready", conditions=[built, ready])
+        phase, ready = "Ready", cond(READY, False, "ScaledToZero", why)
     elif obs.unschedulable is not None:
-        ready = cond(READY, False, *obs.unschedulable)
-        status.update(phase="Deploying", conditions=[built, ready])
+        phase, ready = "Deploying", cond(READY, False, *obs.unschedulable)
     else:
-        ready = cond(READY, False, "RollingOut", f"rolling out {obs.engine_version}{still}")
-        status.update(phase="Deploying", conditions=[built, ready])
-    return status
+        phase, ready = "Deploying", cond(READY, False, "RollingOut", f"rolling out {obs.engine_version}{still}")
+    out.update(phase=phase, conditions=[built, ready])
+    return out

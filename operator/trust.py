@@ -5,12 +5,16 @@ credentials, so an LLMEngine may name only images the operator's admin allowed
 (the chart's images, or an ``allowedImages`` entry; forms in
 :mod:`kiln.operator.images`). Every artifact records who built it
 (:class:`kiln.artifact_manifest.BuiltBy`: the builder image and this operator's
-identity); the operator serves only artifacts it built with a trusted image, and
-tells the serving pods exactly which build it verified (``$KILN_EXPECT_ARTIFACT``)
-so they refuse anything else. docs/operator-trust.md explains the whole model.
+identity); the operator serves only artifacts it built with a trusted image, pins
+the manifest's content digest when the build finishes (``status.artifact``), and
+tells the serving pods exactly that build (``$KILN_EXPECT_ARTIFACT``) so they refuse
+anything else. A store whose manifest later differs from the pin is not trusted:
+the pin is never re-read from the store. docs/operator-trust.md explains the whole model.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from kiln.operator.images import AllowEntry, image_allowed, parse_allow_entry, parse_image, repository_entry
 from kiln.operator.settings import OperatorConfig
@@ -78,7 +82,26 @@ def artifact_problem(manifest: Manifest, config: OperatorConfig) -> str | None:
     return None
 
 
-def expectation(manifest: Manifest) -> ArtifactExpectation:
-    """What serving pods must find in the manifest: the build the operator just verified, byte for byte."""
+def pinned_digest(status: dict[str, Any], version: str) -> str | None:
+    """The content digest this engine pinned for ``version``: ``status.artifact`` when it is that version's
+    (absent while it is being built: the build's output is pinned when it appears), else the history's
+    entry of a version served before (a GitOps revert). None: never pinned; the first trusted read pins."""
+    artifact = status.get("artifact") or {}
+    if artifact.get("engineVersion") == version:
+        return artifact.get("contentDigest")
+    entry = next((e for e in status.get("history") or [] if e.get("engineVersion") == version), {})
+    return entry.get("contentDigest")
+
+
+def pin_problem(manifest: Manifest, pinned: str | None) -> str | None:
+    """Why the store's manifest is not the build this engine pinned; None when it is (or nothing is pinned)."""
+    if pinned is None or manifest.content_digest == pinned:
+        return None
+    return (f"its manifest changed after this operator pinned the build (content digest "
+            f"{manifest.content_digest[:19]}..., pinned {pinned[:19]}...: status.artifact.contentDigest)")
+
+
+def expectation(manifest: Manifest, pinned: str | None = None) -> ArtifactExpectation:
+    """What serving pods must find in the manifest: the pinned build (or, at first sight, this one)."""
     assert manifest.built_by is not None
-    return ArtifactExpectation(built_by=manifest.built_by, content_digest=manifest.content_digest)
+    return ArtifactExpectation(built_by=manifest.built_by, content_digest=pinned or manifest.content_digest)

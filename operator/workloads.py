@@ -29,6 +29,7 @@ from kiln.operator.jobs import (
     shm_volume,
     with_gpus,
 )
+from kiln.operator.keys import group_token_env, verify_key_mount, verify_key_volume
 from kiln.operator.naming import (
     ANNOTATION_ARTIFACT,
     ANNOTATION_VERSION,
@@ -81,10 +82,12 @@ def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str, config:
         {"name": "KILN_DRAIN_TIMEOUT_SECONDS", "value": str(spec.serving.drain_timeout_seconds)},
         {"name": "HOME", "value": "/tmp"},
     ]
-    if expect is not None:  # the build the operator verified; the pod refuses any other artifact
+    if expect is not None:  # the build the operator pinned; the pod refuses any other artifact
         env.append({"name": EXPECT_ENV, "value": expect.to_env()})
+    key_mount, key_env = verify_key_mount()  # the public key: a manifest not signed by it is refused
+    env.append(key_env)
     args = ["--artifact", artifact_uri, "--host", "0.0.0.0", "--port", str(spec.serving.port)]
-    mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}, key_mount]
     if spec.serving.api_key_secret:  # a read-only file, not an env var (env leaks into /proc, dumps, logs)
         mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
         args += ["--api-key-file", API_KEY_FILE]
@@ -161,7 +164,7 @@ def _pod_spec(spec: LLMEngineSpec, config: OperatorConfig, container: dict[str, 
         "automountServiceAccountToken": False,
         "containers": [container],
         "volumes": [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}, *shm_volume(spec),
-                    *api_key_volume(spec)],
+                    verify_key_volume(), *api_key_volume(spec)],
         **gpu_placement(spec, config),
     }
     if config.serving_service_account:
@@ -214,7 +217,9 @@ def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, vers
     leader = serving_container(spec, name, artifact_uri, config, expect)
     leader["ports"] = [*leader["ports"],
                        {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}]
-    leader["env"] = [*leader["env"], {"name": "KILN_LEADER_PORT", "value": str(RENDEZVOUS_PORT)}]
+    # Every rank (leader and workers: worker_container copies the env) shows its peers the group's token.
+    leader["env"] = [*leader["env"], {"name": "KILN_LEADER_PORT", "value": str(RENDEZVOUS_PORT)},
+                     group_token_env(name)]
     worker = worker_container(leader)
     annotations = {ANNOTATION_VERSION: version, "prometheus.io/scrape": "true",
                    "prometheus.io/port": str(spec.serving.port), "prometheus.io/path": "/metrics"}

@@ -81,7 +81,10 @@ def test_lint_is_clean(helm: Path):
 
 VALUE_SETS = {
     "defaults": [],
-    "namespaced": ["watchNamespaces={ml,research}", "store.credentialsSecret=kiln-store"],
+    "namespaced": ["watchNamespaces={ml,research}", "store.credentialsSecret=kiln-store",
+                   "store.servingCredentialsSecret=kiln-store-ro"],
+    "own-key": ["signing.secretName=team-signing-key", "networkPolicy.enabled=false",
+                "store.credentialsSecret=kiln-store", "store.allowWriteCredentialsInServing=true"],
     "ha": ["ha.enabled=true"],
     "ha-namespaced": ["ha.enabled=true", "watchNamespaces={ml}", "metrics.enabled=false"],
 }
@@ -127,6 +130,9 @@ NEEDED = {
     ("", "services"): {"get", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create"},
+    # the key pair (operator namespace), its copies and group tokens (engine namespaces): get/patch by name
+    ("", "secrets"): {"get", "create", "patch"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
     # scale out: the autoscaler's objects (KEDA by default) and InferencePools
@@ -152,9 +158,10 @@ def test_rbac_is_exactly_what_the_operator_uses(helm: Path):
 
 def test_watched_namespaces_get_roles_not_cluster_write_access(helm: Path):
     docs = render(helm, *VALUE_SETS["namespaced"])
-    roles = by_kind(docs, "Role")
+    roles = [r for r in by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-signing-key")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
-    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == ["ml", "research"]
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")
+                  if not b["metadata"]["name"].endswith("-signing-key")) == ["ml", "research"]
     (cluster_role,) = by_kind(docs, "ClusterRole")  # discovery only, read-only
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in cluster_role["rules"])
     c = operator_container(docs)
@@ -208,6 +215,50 @@ def test_tenancy_values_reach_the_operator(helm: Path, tmp_path: Path):
     assert (config.store_secret, config.serving_secret) == ("store-rw", "store-ro")
 
 
+def test_serving_pods_never_get_the_write_secret_by_default(helm: Path):
+    """Least privilege: a write Secret alone does not render; serving pods get no store Secret at all unless a
+    read-only one is named, or the admin allows the write one explicitly."""
+    from kiln.operator.settings import ConfigError, OperatorConfig
+
+    proc = run_helm(helm, "template", "kiln", str(CHART), "--set", "store.credentialsSecret=store-rw")
+    assert proc.returncode != 0
+    assert "store.servingCredentialsSecret" in proc.stderr and "allowWriteCredentialsInServing" in proc.stderr
+    for sets, serving in [([], None), (["store.credentialsSecret=store-rw", "store.servingCredentialsSecret=ro"], "ro"),
+                          (["store.credentialsSecret=store-rw", "store.allowWriteCredentialsInServing=true"],
+                           "store-rw")]:
+        env = {k: v for k, v in env_of(operator_container(render(helm, *sets))).items() if v is not None}
+        assert OperatorConfig.from_env(env).serving_secret == serving
+    # The operator keeps the same rule when run without the chart.
+    with pytest.raises(ConfigError, match="KILN_SERVING_STORE_SECRET"):
+        OperatorConfig.from_env({"KILN_STORE_URI": "s3://b/p", "KILN_STORE_SECRET": "store-rw"})
+
+
+def test_the_operator_holds_its_key_pair_and_reads_secrets_only_by_name(helm: Path):
+    docs = render(helm)
+    env = env_of(operator_container(docs))
+    assert env["KILN_OPERATOR_NAMESPACE"] == "kiln-system" and env["KILN_SIGNING_SECRET"] == ""
+    (own,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-signing-key")]
+    assert own["metadata"]["namespace"] == "kiln-system"
+    assert {"resources": ["secrets"], "apiGroups": [""], "resourceNames": ["kiln-signing-key"],
+            "verbs": ["get"]} in own["rules"]
+    # Nowhere may the operator read a Secret it does not name: only create is unrestricted.
+    for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
+        for rule in role["rules"]:
+            if "secrets" in rule["resources"] and set(rule["verbs"]) - {"create"}:
+                assert rule.get("resourceNames"), rule
+    byo = render(helm, "signing.secretName=team-key")
+    assert env_of(operator_container(byo))["KILN_SIGNING_SECRET"] == "team-key"
+    (own,) = [r for r in by_kind(byo, "Role") if r["metadata"]["name"].endswith("-signing-key")]
+    assert own["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["team-key"],
+                             "verbs": ["get"]}]  # bring your own: only read
+    retries = env_of(operator_container(render(helm, "build.retries=5", "build.retryDelaySeconds=30",
+                                               "networkPolicy.enabled=false")))
+    from kiln.operator.settings import OperatorConfig
+
+    config = OperatorConfig.from_env({k: v for k, v in retries.items() if v is not None})
+    assert (config.build_retries, config.build_retry_delay_seconds, config.network_policy) == (5, 30.0, False)
+
+
 def test_ha_runs_replicas_with_peering(helm: Path):
     docs = render(helm, "ha.enabled=true", "ha.replicas=3")
     (deployment,) = by_kind(docs, "Deployment")
@@ -220,7 +271,8 @@ def test_ha_runs_replicas_with_peering(helm: Path):
 @pytest.mark.parametrize("bad", ["store.uri=gs://bucket", "operator.replicas=2", "ha.replicas=1",
                                  "gpuNodeLabels.B200.x=y", "unknownKey=1", "metrics.port=8080",
                                  "allowedImages[0]=reg.io/*/x", "allowedImages[0]=a b",
-                                 "autoscaling.engine=knative", "autoscaling.prometheus.address=prometheus:9090"])
+                                 "autoscaling.engine=knative", "autoscaling.prometheus.address=prometheus:9090",
+                                 "signing.secretName=kiln-verify-key", "build.retries=-1", "networkPolicy.on=1"])
 def test_values_schema_rejects_bad_values(helm: Path, bad: str):
     proc = run_helm(helm, "template", "kiln", str(CHART), "--set", bad)
     assert proc.returncode != 0 and "schema" in proc.stderr.lower(), proc.stderr

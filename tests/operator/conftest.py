@@ -34,6 +34,8 @@ RESOURCES = {
     "v1/services": ("Service", True, {"status"}, {"svc"}),
     "v1/pods": ("Pod", True, {"status"}, {"po"}),
     "v1/events": ("Event", True, set(), {"ev"}),
+    "v1/secrets": ("Secret", True, set(), set()),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, set(), {"netpol"}),
     "v1/namespaces": ("Namespace", False, {"status"}, {"ns"}),
     # scale out: the CRDs of KEDA, its HTTP add-on and the Inference Extension, and the HPA (a test can remove
     # one from the emulator to play a cluster without it: kmock_ext answers 404 for undeclared resources)
@@ -43,6 +45,7 @@ RESOURCES = {
     "inference.networking.k8s.io/v1/inferencepools": ("InferencePool", True, {"status"}, set()),
 }
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
+OPERATOR_NS = "kiln-system"  # where the scenario operator "runs": its key pair Secret lives there
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -161,4 +164,7 @@ def cluster(emulator: EmulatorThread, kube: Kube, s3_bucket: str, tmp_path, monk
     monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
     monkeypatch.setenv("KILN_STORE_URI", store_uri)
     monkeypatch.setenv("KILN_STORE_SECRET", "kiln-store")
+    monkeypatch.setenv("KILN_SERVING_STORE_SECRET", "kiln-store-ro")
+    monkeypatch.setenv("KILN_OPERATOR_NAMESPACE", OPERATOR_NS)
+    monkeypatch.setenv("KILN_BUILD_RETRY_DELAY_SECONDS", "0.5")
     return Cluster(kube, store_uri, tmp_path)

@@ -130,13 +130,17 @@ class Cluster:
             "conditions": [{"type": "Complete", "status": "True", "reason": "CompletionsReached"}]}})
         return version
 
-    def fail(self, job: dict[str, Any], message: str) -> None:
-        """Be the builder that failed: a terminated pod with a message, then the Job's Failed condition."""
+    def fail(self, job: dict[str, Any], message: str, exit_code: int = 5) -> None:
+        """Be the builder that failed: a terminated pod with a message and the builder's exit code
+        (kiln.builder.errors: 3 a storage error, 5 a fetch error, ...), then the Job's Failed condition."""
         name = job["metadata"]["name"]
-        self.kube.create(PODS, {"metadata": {"name": f"{name}-x1", "labels": {"batch.kubernetes.io/job-name": name}},
+        pod = f"{name}-{job['metadata']['uid'][:5]}"
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"]}
+        self.kube.create(PODS, {"metadata": {"name": pod, "labels": {"batch.kubernetes.io/job-name": name},
+                                             "ownerReferences": [owner]},  # gone with its Job
                                 "spec": {"containers": [{"name": "build", "image": "kiln"}]}})
-        self.kube.patch(f"{PODS}/{name}-x1/status", {"status": {"phase": "Failed", "containerStatuses": [
-            {"name": "build", "state": {"terminated": {"exitCode": 3, "finishedAt": "2026-01-01T00:01:00Z",
+        self.kube.patch(f"{PODS}/{pod}/status", {"status": {"phase": "Failed", "containerStatuses": [
+            {"name": "build", "state": {"terminated": {"exitCode": exit_code, "finishedAt": "2026-01-01T00:01:00Z",
                                                        "message": message}}}]}})
         self.kube.patch(f"{JOBS}/{name}/status", {"status": {"failed": 2, "conditions": [
             {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",

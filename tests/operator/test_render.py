@@ -30,7 +30,7 @@ from kiln.manifest import load_manifest
 from kiln.skus import GPU_SKUS
 
 K8S_VERSION = "1.31"
-CONFIG = OperatorConfig(store_uri="s3://kiln-engines/prod", store_secret="kiln-store",
+CONFIG = OperatorConfig(store_uri="s3://kiln-engines/prod", store_secret="kiln-store", serving_store_secret="kiln-store-ro",
                         builder_image="kiln:build", serving_image="kiln:serve")
 OWNER = owner_reference({"metadata": {"name": "demo", "uid": "1234-5678"}})
 
@@ -193,7 +193,7 @@ def test_deployment_serves_the_artifact_safely():
     assert {"name": "api-key", "secret": {"secretName": "api-key", "defaultMode": 0o440, "items": [
         {"key": "KILN_API_KEY", "path": API_KEY_FILE.rsplit("/", 1)[1]}]}} in pod["volumes"]
     assert pod["automountServiceAccountToken"] is False
-    assert c["envFrom"] == [{"secretRef": {"name": "kiln-store"}}]
+    assert c["envFrom"] == [{"secretRef": {"name": "kiln-store-ro"}}]
     assert EXPECT_ENV not in env(dep)  # no verified build passed: nothing to expect
     assert pod["terminationGracePeriodSeconds"] == grace_period(s, CONFIG) > 40 + CONFIG.prestop_sleep_seconds
     assert pod["securityContext"]["runAsNonRoot"] is True

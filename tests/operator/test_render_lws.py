@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_405B = ROOT / "examples" / "llama-3.1-405b-2x8xh100.yaml"
 LWS = json.loads((Path(__file__).parent / "data" / "lws-v0.10.0-schema.json").read_text())
 K8S_VERSION = "1.31"
-CONFIG = OperatorConfig(store_uri="s3://kiln-engines/prod", store_secret="kiln-store",
+CONFIG = OperatorConfig(store_uri="s3://kiln-engines/prod", store_secret="kiln-store", serving_store_secret="kiln-store-ro",
                         builder_image="kiln:build", serving_image="kiln:serve")
 OWNER = owner_reference({"metadata": {"name": "big", "uid": "1234-5678"}})
 
@@ -158,7 +158,7 @@ def test_leader_serves_and_is_ready_only_when_the_group_is_workers_only_compute(
     assert "--api-key-file" not in wc["args"] and "--port" not in wc["args"] and "--host" not in wc["args"]
     assert not any(v["name"] == "api-key" for v in worker["spec"]["volumes"])
     assert not any(m["name"] == "api-key" for m in wc["volumeMounts"])
-    assert wc["envFrom"] == lc["envFrom"] == [{"secretRef": {"name": "kiln-store"}}]  # both download the artifact
+    assert wc["envFrom"] == lc["envFrom"] == [{"secretRef": {"name": "kiln-store-ro"}}]  # both download the artifact
     # The Service routes to leaders (and Deployment pods), never to workers.
     svc = build_service(s, "big", "llm", OWNER)
     selector = svc["spec"]["selector"].items()
@@ -229,10 +229,14 @@ def test_kiln_render_prints_what_the_operator_would_create(monkeypatch):
     result = CliRunner().invoke(render, ["-f", str(EXAMPLE_405B), "--store", "s3://prod-engines/kiln"])
     assert result.exit_code == 0, result.output
     docs = list(yaml.safe_load_all(result.output))
-    assert [d["kind"] for d in docs] == ["Job", "LeaderWorkerSet", "Service"]
-    job, lws, svc = docs
+    assert [d["kind"] for d in docs] == ["Job", "LeaderWorkerSet", "Service", "NetworkPolicy"]
+    job, lws, svc, policy = docs
     kubernetes_validate.validate(job, K8S_VERSION, strict=True)
     kubernetes_validate.validate(svc, K8S_VERSION, strict=True)
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    # rank ports only from the engine's own pods: leaders and workers carry the policy's selector
+    ranks = policy["spec"]["ingress"][1]["from"][0]["podSelector"]["matchLabels"]
+    assert all(ranks.items() <= t["metadata"]["labels"].items() for t in templates(lws))
     validate_lws(lws)
     engine = load_manifest(EXAMPLE_405B)
     version = engine_version(engine.spec)
@@ -245,7 +249,7 @@ def test_kiln_render_prints_what_the_operator_would_create(monkeypatch):
     result = CliRunner().invoke(render, ["-f", str(ROOT / "examples" / "llama-3.1-70b-4xh100.yaml"), "-n", "x"])
     assert result.exit_code == 0, result.output
     kinds = [(d["kind"], d["metadata"]["namespace"]) for d in yaml.safe_load_all(result.output)]
-    assert kinds == [("Job", "x"), ("Deployment", "x"), ("Service", "x")]
+    assert kinds == [("Job", "x"), ("Deployment", "x"), ("Service", "x"), ("NetworkPolicy", "x")]
     assert "s3://from-env/kiln/engines/" in result.output
 
 

@@ -69,6 +69,18 @@ def test_multi_node_engine_builds_once_then_serves_from_a_leader_worker_set(clus
         pdb = c.kube.get(f"{PDBS}/big")
         assert pdb["spec"]["selector"]["matchLabels"].items() <= lwt["workerTemplate"]["metadata"]["labels"].items()
         assert c.deployment("big") is None  # a one-pod replica would have been one; this one never is
+        # Ranks: one token for the group, made by the operator and owned by the engine; a NetworkPolicy that
+        # admits the rank ports only from the engine's own pods (leader and workers).
+        token = c.kube.get("/api/v1/namespaces/ml/secrets/big-group-token")
+        assert token["metadata"]["ownerReferences"][0]["name"] == "big" and len(token["data"]["token"]) >= 40
+        for template in (lwt["leaderTemplate"], lwt["workerTemplate"]):
+            (rank,) = template["spec"]["containers"]
+            assert {"name": "KILN_GROUP_TOKEN", "valueFrom": {"secretKeyRef": {
+                "name": "big-group-token", "key": "token"}}} in rank["env"]
+        policy = c.kube.get("/apis/networking.k8s.io/v1/namespaces/ml/networkpolicies/big")
+        selector = policy["spec"]["ingress"][1]["from"][0]["podSelector"]["matchLabels"]
+        for template in (lwt["leaderTemplate"], lwt["workerTemplate"]):
+            assert selector.items() <= template["metadata"]["labels"].items()
 
 
 def test_gitops_bump_keeps_the_old_group_serving_then_revert_rolls_back_without_a_build(cluster: Cluster):

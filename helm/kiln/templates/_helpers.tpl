@@ -71,6 +71,19 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# Copies of the operator's keys (the private key for build Jobs, the public key for serving pods) and
+# each multi-node engine's group token. Read and patched by name only; the token is created, never read.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+- apiGroups: [""]
+  resources: [secrets]
+  resourceNames: [kiln-build-signing-key, kiln-verify-key]
+  verbs: [get, patch]
+# Each engine's NetworkPolicy; delete: when networkPolicy.enabled is turned off.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch, delete]
 # Scale out (docs/scale-out.md): the autoscaler objects of the chosen engine, and InferencePools; delete
 # because an engine that drops autoscaling or routing loses them.
 {{- if eq .Values.autoscaling.engine "hpa" }}

@@ -1,0 +1,225 @@
+"""The reconcile's decisions as pure functions (kiln.operator.decide): every branch, without a cluster."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from kiln.operator.decide import (
+    BUILD,
+    DELETE_LWS,
+    REPORT,
+    SCALE_DOWN_DEPLOYMENT,
+    SERVE,
+    Outcome,
+    World,
+    awaits_new_pods,
+    decide,
+    finished_build,
+    lws_missing_message,
+    observation,
+    retirement,
+    serving_now,
+)
+from kiln.operator.retry import Failure
+from kiln.operator.settings import OperatorConfig
+from kiln.operator.status import JobState, compose_status
+from kiln.operator.validation import validate_spec
+
+from kiln.artifact_manifest import BuiltBy, Manifest, ManifestFile
+from kiln.envelope import engine_version
+
+NOW = "2026-01-01T00:00:00Z"
+CONFIG = OperatorConfig(store_uri="s3://b/p")
+SINGLE = validate_spec({"model": {"source": "hf://o/m"}, "gpu": "cpu", "serving": {"replicas": 2}}, CONFIG)
+MULTI = validate_spec({"model": {"source": "hf://o/big"}, "gpu": "H100-80GB", "dtype": "bfloat16",
+                       "tensorParallel": 8, "pipelineParallel": 2}, CONFIG)
+VERSION = engine_version(SINGLE)
+URI = f"s3://b/p/engines/{VERSION}"
+BUILT_AT = datetime(2026, 1, 1, 12, tzinfo=UTC)
+
+
+def manifest() -> Manifest:
+    files = [ManifestFile(path="engine.json", sha256="c" * 64, size=3)]
+    return Manifest(engine_version=VERSION, created_at=BUILT_AT, upload_id="u", envelope={}, files=files,
+                    total_size=3, content_digest=Manifest.digest_of(files),
+                    built_by=BuiltBy.of("ghcr.io/kiln-dev/kiln:0.1.0", CONFIG.operator_id))
+
+
+def body(status: dict | None = None) -> dict:
+    return {"metadata": {"name": "chat", "namespace": "ml", "generation": 4, "resourceVersion": "9"},
+            "status": status or {}}
+
+
+def world(status: dict | None = None, spec=SINGLE, **fields) -> World:
+    version = engine_version(spec)
+    return World(body(status), spec=spec, version=version, artifact_uri=f"s3://b/p/engines/{version}", **fields)
+
+
+def workload(version: str, replicas: int = 2, complete: bool = True, kind: str = "Deployment") -> dict:
+    template = {"metadata": {"annotations": {"serving.kiln.dev/engine-version": version}}}
+    spec = {"replicas": replicas, "template": template} if kind == "Deployment" else {
+        "replicas": replicas, "leaderWorkerTemplate": {"leaderTemplate": template}}
+    ready = replicas if complete else 0
+    return {"kind": kind, "metadata": {"generation": 1}, "spec": spec,
+            "status": {"observedGeneration": 1, "updatedReplicas": ready, "availableReplicas": ready,
+                       "readyReplicas": ready, "replicas": replicas}}
+
+
+def job(state: str = "running") -> dict:
+    conditions = {"running": [], "failed": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}],
+                  "succeeded": [{"type": "Complete", "status": "True"}]}[state]
+    return {"metadata": {"name": f"kiln-build-{VERSION}"},
+            "status": {"conditions": conditions, "startTime": "2026-01-01T00:00:00Z",
+                       "completionTime": "2026-01-01T00:10:00Z"}}
+
+
+def status_of(w: World, outcome: Outcome) -> dict:
+    return compose_status(observation(w, decide(w), outcome, CONFIG), now=NOW)
+
+
+def reasons(status: dict) -> list[str]:
+    return [c["reason"] for c in status["conditions"]]
+
+
+# -- decide: one step per world ------------------------------------------------------------------------------
+
+
+def test_an_invalid_spec_only_reports():
+    w = World(body({"servingVersion": "old"}), invalid="spec.gpu: unknown")
+    assert decide(w).step == REPORT and decide(w).warning is None and decide(w).cache is None
+    status = status_of(w, Outcome())
+    assert status["phase"] == "Failed" and reasons(status) == ["InvalidSpec", "InvalidSpec"]
+    assert status["engineVersion"] is None and status["servingVersion"] == "old"
+    assert status["conditions"][1]["message"] == "spec.gpu: unknown; old keeps serving"
+
+
+def test_a_multi_node_engine_without_the_lws_api_reports_and_warns_once():
+    entering = world({"phase": "Ready"}, spec=MULTI, lws_served=False)
+    plan = decide(entering)
+    assert plan.step == REPORT and plan.warning == lws_missing_message(MULTI) and plan.cache is None
+    assert decide(world({"phase": "Failed"}, spec=MULTI, lws_served=False)).warning is None
+    assert "LeaderWorkerSet" in plan.warning and "pipelineParallel 2" in plan.warning
+    # The Deployment of the single-node shape it had keeps serving meanwhile.
+    status = status_of(entering, Outcome(deployment=workload("v1"), lws=None))
+    assert reasons(status) == ["LeaderWorkerSetMissing"] * 2 and status["phase"] == "Failed"
+
+
+@pytest.mark.parametrize("status,warns", [
+    ({"phase": "Ready", "engineVersion": VERSION}, True),  # entering the failure
+    ({"phase": "Failed", "engineVersion": "older"}, True),  # a new version, untrusted
+    ({"phase": "Failed", "engineVersion": VERSION}, False),  # already said
+])
+def test_an_untrusted_artifact_is_neither_served_nor_rebuilt(status, warns):
+    w = world(status, manifest=manifest(), untrusted="it was built through operator 'x'")
+    plan = decide(w)
+    assert plan.step == REPORT and plan.cache is None
+    assert (plan.warning == f"{URI}: not serving it: it was built through operator 'x'") if warns else \
+        plan.warning is None
+    composed = status_of(w, Outcome())
+    assert reasons(composed) == ["ArtifactUntrusted"] * 2 and f"kiln cache rm {VERSION}" in \
+        composed["conditions"][0]["message"]
+
+
+@pytest.mark.parametrize("status,cache", [({}, "miss"), ({"engineVersion": "older"}, "miss"),
+                                          ({"engineVersion": VERSION, "phase": "Building"}, None)])
+def test_no_artifact_builds_and_counts_a_miss_for_a_new_version(status, cache):
+    plan = decide(world(status))
+    assert (plan.step, plan.cache, plan.warning) == (BUILD, cache, None)
+
+
+@pytest.mark.parametrize("status,cache", [
+    ({}, "hit"), ({"engineVersion": "older", "phase": "Ready"}, "hit"),
+    ({"engineVersion": VERSION, "phase": "Building"}, None),  # its own build just published it: no hit
+    ({"engineVersion": "older", "phase": "Building"}, None),
+    ({"engineVersion": VERSION, "phase": "Ready"}, None),  # already known
+])
+def test_a_trusted_artifact_is_served_and_counts_a_hit_when_newly_wanted(status, cache):
+    plan = decide(world(status, manifest=manifest()))
+    assert (plan.step, plan.cache, plan.warning) == (SERVE, cache, None)
+
+
+# -- observation: the status each step's outcome composes ----------------------------------------------------
+
+
+def test_a_build_in_progress_and_a_failed_one():
+    w = world({"servingVersion": "v1"}, deployment=workload("v1"))
+    running = status_of(w, Outcome(deployment=workload("v1"), job=job()))
+    assert running["phase"] == "Building" and running["servingVersion"] == "v1"
+    assert running["conditions"][1]["message"] == f"waiting for {VERSION} to build; v1 keeps serving"
+    w_failed = world({"servingVersion": "v1"}, deployment=workload("v1"), job=job("failed"),
+                     failure=Failure("OOM", 137))
+    failed = status_of(w_failed, Outcome(deployment=workload("v1")))
+    assert failed["phase"] == "Failed" and reasons(failed) == ["BuildFailed"] * 2
+    assert failed["conditions"][0]["message"].endswith("builder said: OOM")
+    lost = status_of(w, Outcome(job=job("succeeded")))
+    assert reasons(lost) == ["ArtifactMissing"] * 2 and lost["servingVersion"] is None
+
+
+def test_serving_adds_the_version_to_history_and_reports_the_rollout():
+    old = {"servingVersion": "v1", "history": [{"engineVersion": "v1"}]}
+    w = world(old, manifest=manifest())
+    rolling = status_of(w, Outcome(deployment=workload(VERSION, complete=False)))
+    assert rolling["history"] == [{"engineVersion": VERSION, "artifactURI": URI, "builtAt": "2026-01-01T12:00:00Z",
+                                   "contentDigest": manifest().content_digest}, {"engineVersion": "v1"}]
+    assert rolling["phase"] == "Deploying" and reasons(rolling) == ["ArtifactAvailable", "RollingOut"]
+    assert rolling["replicas"] == {"desired": 2, "current": 2, "ready": 0, "updated": 0, "owner": "operator"}
+    done = status_of(w, Outcome(deployment=workload(VERSION)))
+    assert done["phase"] == "Ready" and done["servingVersion"] == VERSION and done["endpoint"].endswith("/v1")
+    pending = {"metadata": {"name": "chat-x"}, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes: Too many pods"}]}}
+    stuck = status_of(w, Outcome(deployment=workload(VERSION, complete=False), new_pods=[pending]))
+    assert reasons(stuck) == ["ArtifactAvailable", "Unschedulable"] and "chat-x" in stuck["conditions"][1]["message"]
+    missing = status_of(w, Outcome(deployment=workload("v1"), prerequisite="spec.serving.autoscaling needs KEDA"))
+    assert missing["phase"] == "Failed" and missing["conditions"][1]["message"] == \
+        "spec.serving.autoscaling needs KEDA; v1 keeps serving"
+
+
+# -- the smaller decisions -----------------------------------------------------------------------------------
+
+
+def test_serving_now_follows_the_wanted_kind_and_keeps_the_previous_version_while_pods_run():
+    assert serving_now(SINGLE, workload("v2"), None, "v1") == "v2"
+    assert serving_now(SINGLE, workload("v2", complete=False), None, "v1") == "v1"
+    assert serving_now(SINGLE, None, None, "v1") is None  # nothing runs
+    assert serving_now(SINGLE, workload("v2", replicas=0), None, "v1") is None  # scaled to zero
+    lws = workload("v2", kind="LeaderWorkerSet")
+    assert serving_now(MULTI, workload("v1"), lws, "v1") == "v2"
+    assert serving_now(MULTI, workload("v1"), None, "v1") == "v1"  # the old Deployment serves until the LWS does
+    assert serving_now(SINGLE, None, lws, "v1") == "v1"  # and the other way round
+
+
+def test_the_other_workload_kind_retires_once_the_wanted_one_has_rolled_out():
+    lws, deployment = workload("v2", kind="LeaderWorkerSet"), workload("v1")
+    assert retirement(MULTI, deployment, lws) == SCALE_DOWN_DEPLOYMENT
+    assert retirement(MULTI, workload("v1", replicas=0), lws) is None  # already scaled down
+    assert retirement(MULTI, deployment, workload("v2", complete=False, kind="LeaderWorkerSet")) is None
+    assert retirement(MULTI, None, lws) is None
+    assert retirement(SINGLE, workload("v2"), lws) == DELETE_LWS
+    assert retirement(SINGLE, workload("v2", complete=False), lws) is None
+    assert retirement(SINGLE, workload("v2"), None) is None
+
+
+def test_new_pods_are_read_only_while_a_wanted_rollout_is_in_flight():
+    w = world({"servingVersion": "v1"})
+    assert awaits_new_pods(w, workload(VERSION, complete=False), None, CONFIG)
+    assert not awaits_new_pods(w, workload(VERSION), None, CONFIG)  # it serves
+    assert not awaits_new_pods(w, None, None, CONFIG)  # no workload yet
+    assert not awaits_new_pods(w, workload(VERSION, replicas=0), None, CONFIG)  # nothing wanted
+
+
+def test_a_build_counts_once_when_the_engine_leaves_building():
+    building = {"phase": "Building", "engineVersion": VERSION}
+    published = world(building, manifest=manifest(), job=job("succeeded"))
+    assert finished_build(published, decide(published), Outcome()) == (JobState("succeeded"), job("succeeded"))
+    w = world(building, job=job("failed"))
+    record = status_of(w, Outcome())["build"]
+    failed = finished_build(w, decide(w), Outcome(), record)
+    assert failed is not None and failed[0].state == "failed" and failed[0].reason == "BackoffLimitExceeded"
+    running = world(building, job=job())
+    assert finished_build(running, decide(running), Outcome(job=job()), status_of(running, Outcome(job=job()))[
+        "build"]) is None  # still running
+    again = world({"phase": "Failed", "engineVersion": VERSION, "build": record}, job=job("failed"))
+    assert finished_build(again, decide(again), Outcome(), status_of(again, Outcome())["build"]) is None  # counted
+    ready = world({"phase": "Ready"}, manifest=manifest())
+    assert finished_build(ready, decide(ready), Outcome()) is None

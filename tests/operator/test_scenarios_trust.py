@@ -1,0 +1,127 @@
+"""Issue 31 end to end (kopf against the emulator, store on moto): the operator's keys and the Secrets and
+NetworkPolicy it writes, a digest pinned at build completion, and transient against permanent build failures."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import pytest
+from conftest import OPERATOR_NS, wait_for
+from harness import DEPLOYMENTS, ENGINES, NS, SPEC, Cluster, manifest, running_operator
+
+from kiln.artifact_manifest import EXPECT_ENV, ArtifactExpectation, BuiltBy
+from kiln.signing import SIGNING_KEY_ENV, VERIFY_KEY_ENV, Signer, Verifier
+
+pytestmark = pytest.mark.timeout(120)
+SECRETS = f"/api/v1/namespaces/{NS}/secrets"
+POLICIES = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"
+
+
+def expected_digest(c: Cluster, name: str) -> str | None:
+    (serve,) = c.deployment(name)["spec"]["template"]["spec"]["containers"]
+    value = next(e["value"] for e in serve["env"] if e["name"] == EXPECT_ENV)
+    return ArtifactExpectation.model_validate_json(value).content_digest
+
+
+def ready(c: Cluster, name: str) -> str:
+    version = c.build(c.wait_job(), SPEC)
+    wait_for(lambda: c.template_version(name) == version, what="the Deployment of the new version")
+    c.roll_out(name)
+    c.wait_status(name, "Ready", phase="Ready", servingVersion=version)
+    return version
+
+
+def test_the_operator_makes_its_key_pair_and_gives_each_pod_only_its_half(cluster: Cluster, tmp_path):
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        job = c.wait_job()
+        pair = wait_for(lambda: c.kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/secrets/kiln-signing-key"),
+                        what="the key pair Secret in the operator's namespace")
+        private = base64.b64decode(pair["data"]["signing-key.pem"])
+        public = base64.b64decode(pair["data"]["verify-key.pem"])
+        build_copy = c.kube.get(f"{SECRETS}/kiln-build-signing-key")
+        assert build_copy["data"] == {"signing-key.pem": pair["data"]["signing-key.pem"]}
+        pod = job["spec"]["template"]["spec"]
+        (fetch,), (build,) = pod["initContainers"], pod["containers"]
+        assert SIGNING_KEY_ENV in {e["name"] for e in build["env"]}
+        assert SIGNING_KEY_ENV not in {e["name"] for e in fetch["env"]}
+        ready(c, "demo")
+        verify_copy = c.kube.get(f"{SECRETS}/kiln-verify-key")
+        assert verify_copy["data"] == {"verify-key.pem": pair["data"]["verify-key.pem"]}
+        (serve,) = c.deployment("demo")["spec"]["template"]["spec"]["containers"]
+        assert VERIFY_KEY_ENV in {e["name"] for e in serve["env"]} and "envFrom" in serve
+        assert serve["envFrom"] == [{"secretRef": {"name": "kiln-store-ro"}}]  # never the write Secret
+        policy = c.kube.get(f"{POLICIES}/demo")
+        assert policy["spec"]["podSelector"] == {"matchLabels": {"serving.kiln.dev/engine": "demo"}}
+    # The pair is a real one: what the build signs, the serving pods verify.
+    (tmp_path / "k.pem").write_bytes(private)
+    (tmp_path / "k.pub").write_bytes(public)
+    document = {"engine_version": "x", "files": []}
+    signed = {**document, "signature": Signer.from_pem(tmp_path / "k.pem").sign(document)}
+    assert Verifier.from_pem(tmp_path / "k.pub").problem(signed) is None
+    # A restarted operator reuses the pair: no second one.
+    with running_operator():
+        time.sleep(1)
+        again = c.kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/secrets/kiln-signing-key")
+        assert again["data"] == pair["data"]
+
+
+def test_a_consistent_rewrite_of_the_store_is_not_re_pinned_nor_rolled_out(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        version = ready(c, "demo")
+        pinned = c.store.read_manifest(version).content_digest
+        assert c.status("demo")["artifact"] == {"engineVersion": version, "contentDigest": pinned}
+        assert expected_digest(c, "demo") == pinned
+        # Someone with the store's write credentials republishes the version: other weights, a consistent
+        # manifest, even this operator's own built_by.
+        built_by = c.store.read_manifest(version).built_by
+        c.store.delete(version)
+        time.sleep(0.8)  # reconciles while the version is missing: the pin must survive them (the Job is the same)
+        (c.tmp / f"artifact-{version}" / "weights" / "rank-0-of-1.safetensors").write_bytes(b"evil" * 64)
+        src = c.tmp / f"artifact-{version}"
+        from kiln.api import LLMEngineSpec
+        from kiln.envelope import build_envelope
+
+        c.store.publish(version, src, build_envelope(LLMEngineSpec.model_validate(SPEC)),
+                        built_by=BuiltBy.model_validate(built_by.model_dump()))
+        assert c.store.read_manifest(version).content_digest != pinned
+        wait_for(lambda: c.condition("demo", "Built").get("reason") == "ArtifactUntrusted", what="ArtifactUntrusted")
+        built = c.condition("demo", "Built")
+        assert built["reason"] == "ArtifactUntrusted" and "changed after this operator pinned" in built["message"]
+        time.sleep(1)  # several reconciles: the pods keep the pinned expectation, the pin stays
+        assert expected_digest(c, "demo") == pinned
+        assert c.status("demo")["artifact"]["contentDigest"] == pinned
+        assert c.status("demo")["servingVersion"] == version  # the running pods keep serving
+
+
+def test_a_storage_error_is_retried_and_a_permanent_failure_is_not(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        first = c.wait_job()
+        c.fail(first, "StorageError: s3://kiln: 503 SlowDown", exit_code=3)
+        c.wait_status("demo", "retrying", phase="Building")
+        second = wait_for(lambda: next((j for j in c.jobs() if j["metadata"]["uid"] != first["metadata"]["uid"]),
+                                       None), what="the retry's new Job")
+        assert len(c.jobs()) == 1  # the failed Job went first
+        wait_for(lambda: (c.status("demo").get("build") or {}).get("attempts") == 2, what="attempt 2 recorded")
+        # The second attempt fails for good: a fetch error is not retried.
+        c.fail(second, "FetchError: s3://models/llama-tiny: no config.json", exit_code=5)
+        c.wait_status("demo", "Failed", phase="Failed")
+        record = c.status("demo")["build"]
+        assert record["failedGeneration"] == 1 and record["failure"] == "BackoffLimitExceeded"
+        assert "no config.json" in c.condition("demo", "Built")["message"]
+        # The Job's TTL runs out: before, the next reconcile rebuilt it unasked.
+        c.kube.delete(f"/apis/batch/v1/namespaces/{NS}/jobs/{second['metadata']['name']}")
+        time.sleep(1.5)
+        assert c.jobs() == [] and c.status("demo")["phase"] == "Failed"
+        # A spec edit asks again.
+        c.kube.patch(f"{ENGINES}/demo", {"spec": {"serving": {**SPEC["serving"], "replicas": 1}}})
+        third = c.wait_job()
+        assert third["metadata"]["uid"] not in {first["metadata"]["uid"], second["metadata"]["uid"]}
+        wait_for(lambda: (c.status("demo").get("build") or {}).get("attempts") == 1, what="attempts start over")
+        assert c.kube.list(DEPLOYMENTS) == []
