@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from kiln.serving import prefix, routes
 from kiln.serving.auth import require_api_key
 from kiln.serving.config import ServeConfig
+from kiln.serving.constraints import close_compiler
 from kiln.serving.errors import APIError, install_error_handlers
 from kiln.serving.loader import build_engine, in_daemon_thread, warm_up
 from kiln.serving.metrics import CONTENT_TYPE, ServingMetrics
@@ -97,10 +98,12 @@ class ServingContext:
 
 
 def _is_user_error(exc: BaseException) -> bool:
-    """A failure the message explains (bad setting, missing or corrupt artifact): no traceback."""
+    """A failure the message explains (bad setting, missing, corrupt or unsigned artifact, a bad key file):
+    no traceback."""
     from kiln.artifact_manifest import StoreError
+    from kiln.signing import SigningError
 
-    return isinstance(exc, ValueError | OSError | StoreError)
+    return isinstance(exc, ValueError | OSError | StoreError | SigningError)
 
 
 probes = APIRouter()
@@ -211,6 +214,7 @@ def create_app(config: ServeConfig) -> FastAPI:
                     await task
             if ctx.state.engine is not None:
                 await ctx.state.engine.shutdown()
+                close_compiler(ctx.state.engine)
 
     app = FastAPI(title="kiln", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")

@@ -31,63 +31,55 @@ class _JSONObject(click.ParamType):
         return parsed
 
 
-# Engine overrides: flag name -> (LLM() keyword, click type, help).
-_ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--dtype", "dtype", click.Choice(["float32", "bfloat16", "float16"]), "Weights/activations dtype."),
-    ("--max-batch-size", "max_batch_size", click.IntRange(min=1), "Most requests in one engine step."),
-    ("--max-num-tokens", "max_num_tokens", click.IntRange(min=1), "Token budget per step (chunked prefill)."),
-    ("--max-seq-len", "max_seq_len", click.IntRange(min=2), "Prompt + output limit per request."),
-    ("--max-input-len", "max_input_len", click.IntRange(min=1), "Prompt limit per request."),
-    ("--block-size", "block_size", click.IntRange(min=1), "KV-cache block size (power of two)."),
-    ("--num-kv-blocks", "num_kv_blocks", click.IntRange(min=1), "KV-cache pool size in blocks."),
-    (
-        "--kv-memory-fraction",
-        "kv_memory_fraction",
-        click.FloatRange(0, 1, min_open=True),
-        "Fraction of free device memory for the KV pool.",
-    ),
-    (
-        "--tensor-parallel-size",
-        "tensor_parallel_size",
-        click.Choice(["1", "2", "4", "8"]),
-        "Tensor-parallel ranks.",
-    ),
-    (
-        "--pipeline-parallel-size",
-        "pipeline_parallel_size",
-        click.Choice(["1", "2", "4", "8"]),
-        "Pipeline stages (layers split across processes / nodes).",
-    ),
-    (
-        "--num-micro-batches",
-        "num_micro_batches",
-        click.IntRange(1, 64),
-        "Micro-batches in flight per step with pipeline stages (default: the stage count; 1 = off).",
-    ),
-    ("--device", "device", click.Choice(["cpu", "cuda"]), "Device (default: cuda when visible)."),
-    ("--quantization", "quantization", click.Choice(["none", "int8", "fp8"]), "Weight-only quantization."),
-    (
-        "--kv-cache-dtype",
-        "kv_cache_dtype",
-        click.Choice(["auto", "float32", "bfloat16", "float16"]),
-        "KV-cache dtype.",
-    ),
-    ("--seed", "seed", int, "Engine seed for requests without their own."),
-    (
-        "--speculative-config",
-        "speculative_config",
-        _JSONObject(),
-        "Speculative decoding as vLLM's flag, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
-        "(docs/speculative.md).",
-    ),
-]
+class _ChoiceOf(click.Choice):
+    """A choice among a setting's values, typed on the command line as text (``2`` for the int 2). None is
+    spelled ``none`` and stays that word, so an override to "none" is not lost among the unset flags; the
+    engine reads it as None (``kiln.engine.config.canonical_quantization``)."""
+
+    def __init__(self, values: tuple) -> None:
+        self.values = {("none" if v is None else str(v)): ("none" if v is None else v) for v in values}
+        super().__init__(list(self.values))
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        return self.values[super().convert(value if isinstance(value, str) else str(value), param, ctx)]
+
+
+def _flag_type(setting: Any) -> Any:
+    """The click type of an engine setting's flag, from its field's metadata (kiln.engine.config.setting)."""
+    meta = setting.metadata
+    if meta["json"]:
+        return _JSONObject()
+    if meta["choices"] is not None:
+        return _ChoiceOf(meta["choices"])
+    if meta["min"] is not None:
+        ranged = click.FloatRange if "float" in str(setting.type) else click.IntRange
+        return ranged(meta["min"], meta["max"], min_open=meta["min_open"])
+    return int if "int" in str(setting.type) else str
+
+
+def engine_flags() -> list[tuple[str, str, Any]]:
+    """``kiln serve``'s engine flags: (flag, LLM() keyword, the setting's field), from EngineConfig's fields,
+    the one list of engine settings. Importing the engine here would pull torch into ``kiln serve --help``,
+    so the fields are read lazily, once per process."""
+    from kiln.engine.config import settings  # deferred: torch, only when the serve command is built
+
+    flags = []
+    for setting in settings():
+        flag = setting.metadata.get("flag")
+        if flag:
+            flags.append((flag if isinstance(flag, str) else "--" + setting.name.replace("_", "-"),
+                          setting.name, setting))
+    return flags
 
 
 def _engine_options(fn: Any) -> Any:
-    for flag, dest, kind, help_ in reversed(_ENGINE_FLAGS):
-        fn = click.option(flag, dest, type=kind, default=None, help=help_)(fn)
-    return click.option("--enable-prefix-caching/--no-enable-prefix-caching", "enable_prefix_caching",
-                        default=None, help="Reuse KV blocks of shared prompt prefixes.")(fn)
+    for flag, dest, setting in reversed(engine_flags()):
+        help_, envvar = setting.metadata["help"], setting.metadata["envvar"]
+        if "bool" in str(setting.type):
+            fn = click.option(f"{flag}/--no-{flag[2:]}", dest, default=None, help=help_)(fn)
+        else:
+            fn = click.option(flag, dest, type=_flag_type(setting), default=None, envvar=envvar, help=help_)(fn)
+    return fn
 
 
 def _read_api_key(api_key_file: Path | None) -> str | None:
@@ -107,6 +99,9 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 )
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), envvar="KILN_CACHE_DIR",
               help="Where artifacts are fetched to [env KILN_CACHE_DIR; default: ~/.cache/kiln/engines].")
+@click.option("--verify-key", type=click.Path(dir_okay=False, path_type=Path), envvar="KILN_VERIFY_KEY",
+              help="PEM public key the artifact must be signed by; checked before any file is fetched, and "
+                   "only then is native code it ships loaded [env KILN_VERIFY_KEY] (docs/operator-trust.md).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 in a pod).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option(
@@ -143,18 +138,13 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
                    "$LWS_GROUP_SIZE and $LWS_WORKER_INDEX place the process (docs/multi-node.md).")
 @click.option("--leader-port", type=click.IntRange(1, 65535), default=29500, show_default=True,
               envvar="KILN_LEADER_PORT", help="Rendezvous port when the leader address has none [env KILN_LEADER_PORT].")
-@click.option("--distributed-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              envvar="KILN_DISTRIBUTED_TIMEOUT_SECONDS",
-              help="Most seconds any rank waits on another once running (default 120) [env KILN_DISTRIBUTED_TIMEOUT_SECONDS].")
-@click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              envvar="KILN_JOIN_TIMEOUT_SECONDS",
-              help="Most seconds ranks wait for each other at start (default 600) [env KILN_JOIN_TIMEOUT_SECONDS].")
 @_engine_options
-def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, host: str, port: int,
+def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, verify_key: Path | None, host: str,
+          port: int,
           served_model_name: str | None, api_key_file: Path | None, max_queue_len: int, drain_timeout: float,
           max_connections: int, header_timeout: float, body_timeout: float, log_level: str, access_log: bool,
           rank: int | None, world_size: int | None, leader_address: str | None, leader_port: int,
-          distributed_timeout: float | None, join_timeout: float | None, **engine: Any) -> None:
+          **engine: Any) -> None:
     """Serve a model directory or engine artifact over an OpenAI-compatible API.
 
     The port opens at once; /health answers 200 and /ready 503 until the engine
@@ -164,24 +154,24 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, host
     """
     if (model is None) == (artifact is None):
         raise click.UsageError("give exactly one of --model DIR or --artifact URI")
+    if verify_key is not None and model is not None:
+        raise click.UsageError("--verify-key checks a signed engine artifact; --model DIR is served as it is: "
+                               "serve an --artifact URI, or drop --verify-key")
     engine_kwargs = {k: v for k, v in engine.items() if v is not None}
-    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if key in engine_kwargs:
-            engine_kwargs[key] = int(engine_kwargs[key])
-    if engine_kwargs.get("quantization") == "none":
-        engine_kwargs["quantization"] = None
+    # The rank timeouts reach a separately started rank through its placement, else the engine directly.
+    distributed_timeout, join_timeout = engine.get("distributed_timeout_s"), engine.get("join_timeout_s")
     from kiln.serving.ranks import resolve_placement
 
     placement = resolve_placement(rank, world_size, leader_address, leader_port, os.environ,
                                   distributed_timeout, join_timeout)
-    if placement is None and (distributed_timeout is not None or join_timeout is not None):
-        engine_kwargs.update({k: v for k, v in (("distributed_timeout_s", distributed_timeout),
-                                                 ("join_timeout_s", join_timeout)) if v is not None})
+    if placement is not None:
+        engine_kwargs.pop("distributed_timeout_s", None)
+        engine_kwargs.pop("join_timeout_s", None)
     if placement is not None and model is not None:  # the sizes are the flags': check the placement now
         placement.engine_kwargs(engine_kwargs.get("tensor_parallel_size", 1),
                                 engine_kwargs.get("pipeline_parallel_size", 1))
     config = ServeConfig(
-        model=model, artifact=artifact, cache_dir=cache_dir, host=host, port=port,
+        model=model, artifact=artifact, cache_dir=cache_dir, verify_key=verify_key, host=host, port=port,
         served_model_name=served_model_name, api_key=_read_api_key(api_key_file), max_queue_len=max_queue_len,
         drain_timeout=drain_timeout, engine_kwargs=engine_kwargs, log_level=log_level, access_log=access_log,
         max_connections=max_connections, header_read_timeout=header_timeout, body_read_timeout=body_timeout,

@@ -12,6 +12,7 @@ class ServeConfig:
     model: Path | None = None  # a Hugging Face checkpoint directory ...
     artifact: str | None = None  # ... or an engine artifact URI (<store>/engines/<version>)
     cache_dir: Path | None = None  # where artifacts are fetched to
+    verify_key: Path | None = None  # the public key an artifact's manifest must be signed by (kiln.signing)
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None

@@ -10,9 +10,10 @@ At most one source constrains a request; a second is a 400 naming it. ``tool_cho
   (one call unless ``parallel_tool_calls``), each call's arguments valid for its parameters;
 - a named function: the grammar forces that function's arguments object.
 
-The constraint is compiled here, in a worker thread and within ``GRAMMAR_COMPILE_TIMEOUT_S``
-(``compile_constraint``), so a schema the engine cannot compile is a 400 before anything is
-queued, and the engine loop never compiles.
+The constraint is compiled here (``compile_constraint``), in the grammar compiler's own bounded pool
+(``kiln.engine.structured.pool``, never the event loop's default executor, so plain requests never wait
+behind compiles) and stopped at ``GRAMMAR_COMPILE_TIMEOUT_S``: a schema the engine cannot compile, or not
+within the limit, is a 400 before anything is queued; a full pool is a 429; the engine loop never compiles.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.engine.errors import RequestError
-from kiln.engine.structured.params import GRAMMAR_COMPILE_TIMEOUT_S, StructuredOutputsParams
+from kiln.engine.structured.params import StructuredOutputsParams
+from kiln.engine.structured.pool import GrammarBusy
 from kiln.serving.errors import APIError
 from kiln.serving.formats import NamedToolChoice, Tool
 
@@ -130,13 +132,21 @@ def tools_constraint(plan: ToolPlan) -> StructuredOutputsParams:
 
 
 async def compile_constraint(engine: Any, spec: StructuredOutputsParams) -> None:
-    """Compile ``spec`` for ``engine`` (an AsyncLLM) in a worker thread; a 400 if it cannot be, or
-    not within the time limit. The engine then finds it compiled (``spec.compiled``)."""
+    """Compile ``spec`` for ``engine`` (an AsyncLLM) in the grammar compiler's pool; a 400 if it cannot be, or
+    not within the time limit, a 429 if the pool is full. The engine then finds it compiled
+    (``spec.compiled``); a constraint compiled before never reaches the pool."""
     compiler = engine.engine.grammar_compiler
     try:
-        await asyncio.wait_for(asyncio.to_thread(compiler.compile, spec), GRAMMAR_COMPILE_TIMEOUT_S)
-    except TimeoutError:
-        raise APIError(400, f"{spec.param} did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g}s; simplify it",
-                       param=spec.param) from None
+        await asyncio.wrap_future(compiler.submit(spec))  # cancelled with the request while it waits
+    except GrammarBusy as exc:
+        raise APIError(429, str(exc), param=exc.param, code=exc.code,
+                       headers={"Retry-After": str(exc.retry_after_s)}) from None
     except RequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
+
+
+def close_compiler(engine: Any) -> None:
+    """Stop ``engine``'s grammar compile pool (its threads and checker processes), if it was ever made."""
+    compiler = getattr(engine.engine, "__dict__", {}).get("grammar_compiler")  # a cached_property: not made here
+    if compiler is not None:
+        compiler.close()

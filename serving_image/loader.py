@@ -60,25 +60,33 @@ def default_cache_dir() -> Path:
     return base / "kiln" / "engines"
 
 
-def fetch_artifact(uri: str, cache_dir: Path | None) -> Path:
+def fetch_artifact(uri: str, cache_dir: Path | None, verify_key: Path | None = None) -> Path:
     """Download and checksum-verify an engine artifact; reuses a verified local copy.
 
+    With ``verify_key`` (``--verify-key``/``$KILN_VERIFY_KEY``) the manifest must be signed by that key,
+    checked before any file is downloaded (:class:`kiln.artifact_manifest.ArtifactUntrusted` otherwise).
     In a pod the operator started, ``$KILN_EXPECT_ARTIFACT`` says which build it verified
-    (builder image, operator, content digest); an artifact whose manifest differs is refused
-    (:class:`kiln.artifact_manifest.ArtifactUntrusted`, one line naming what differs). Unset (``kiln up``,
-    ``kiln serve`` by hand): no such check, only the checksums.
+    (builder image, operator, content digest); an artifact whose manifest differs is refused, one line
+    naming what differs. Without either (``kiln serve`` by hand): only the checksums.
     """
     from kiln.artifact_manifest import ArtifactExpectation
     from kiln.artifacts import parse_artifact_uri
+    from kiln.signing import Verifier
 
     store, version = parse_artifact_uri(uri)
     expect = ArtifactExpectation.from_env(os.environ)
+    verifier = Verifier.from_pem(verify_key) if verify_key is not None else None
     dest = (cache_dir or default_cache_dir()) / version
     log.info("fetching engine %s from %s into %s", version, store.uri, dest)
     if expect is not None:
         log.info("expecting an artifact built by %s", expect.built_by.describe())
+    if verifier is None:
+        log.warning("no --verify-key: the artifact's signature is not checked, and no native code it ships "
+                    "(CPU kernel library, compiled GPU kernels) is loaded")
     started = time.monotonic()
-    path = store.fetch(version, dest, expect=expect)
+    path = store.fetch(version, dest, expect=expect, verifier=verifier)
+    if verifier is not None:
+        log.info("the artifact is signed by the verify key %s...", verifier.key_id[:16])
     log.info("fetched and verified %s in %.1fs", version, time.monotonic() - started)
     return Path(path)
 
@@ -89,6 +97,8 @@ def placed_engine_kwargs(config: ServeConfig, artifact_dir: Path | None) -> dict
     The parallel sizes are the flags', else the artifact's ``engine.json`` (what it was sharded for).
     """
     kwargs = dict(config.engine_kwargs)
+    if artifact_dir is not None:  # fetch_artifact refused it unless signed by the verify key, when one is given
+        kwargs["trust_shipped_code"] = config.verify_key is not None
     if config.placement is None:
         return kwargs
     stored: dict[str, Any] = {}
@@ -103,10 +113,11 @@ def placed_engine_kwargs(config: ServeConfig, artifact_dir: Path | None) -> dict
 def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
     """The (not yet started) AsyncLLM plus what ``/version`` reports about it."""
     # Fetch first: a wrong URI fails in a second, not after importing torch.
-    path = fetch_artifact(config.artifact, config.cache_dir) if config.artifact else None
+    path = fetch_artifact(config.artifact, config.cache_dir, config.verify_key) if config.artifact else None
 
     import torch
     from kiln.engine import AsyncLLM
+    from kiln.engine.config import reported_settings
 
     info: dict[str, Any] = {"kiln_version": __version__, "torch_version": torch.__version__,
                             "python_version": platform.python_version()}
@@ -127,10 +138,7 @@ def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
     recorded = (meta.get("chat") or {}).get("tool_call_format") if path is not None else None
     info["tool_call_format"] = recorded or detect_tool_call_format(getattr(engine.tokenizer, "chat_template", None))
     cfg = engine.engine_config
-    info["engine_config"] = {k: getattr(cfg, k, None) for k in (
-        "dtype", "device", "quantization", "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size",
-        "num_micro_batches", "max_batch_size",
-        "max_num_tokens", "max_seq_len", "max_input_len", "block_size", "enable_prefix_caching")}
+    info["engine_config"] = reported_settings(cfg)  # the settings EngineConfig marks reported
     # Artifact vs compute dtype, the native-dtype probe, the int8 path, the host and the thread choice.
     info["cpu_target"] = getattr(cfg, "cpu_target", None)
     # Which tactic table runs the linears: the artifact's, one re-timed on this host (and what differed), ...

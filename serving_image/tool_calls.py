@@ -2,16 +2,27 @@
 
 ``required`` and named tool_choices are grammar-constrained (:mod:`constraints`), so their
 output parses by construction: a JSON array of ``{"name", "arguments"}`` or the named
-function's arguments. ``auto`` output is free text in the format of the model's family
+function's arguments. Cut short by ``max_tokens`` (``length``), the calls completed before the
+cut are still calls (a small model often repeats its call until the limit); with none complete,
+the text stays content.
+
+``auto`` output is free text in the format of the model's family
 (``kiln.engine.structured.tool_format``): Hermes/Qwen ``<tool_call>{...}</tool_call>``,
 Mistral ``[TOOL_CALLS][{...}]`` or
 ``[TOOL_CALLS]name[ARGS]{...}``, Llama 3 ``{"name": ..., "parameters": {...}}`` (after an
 optional ``<|python_tag|>``) or kiln's ``json`` form ``[{"name": ..., "arguments": {...}}]``.
-A call counts only when it names one of the request's tools and its arguments are a JSON
-object; otherwise the text stays content. Ids are OpenAI-shaped (``call_`` + 24 hex digits).
+It is read block by block, the same rule for every format: a block begins at the format's
+marker (or, for the JSON forms, at the very start of the output) and holds JSON values, each a
+call or a list of calls; a Hermes block ends at its ``</tool_call>`` (all of it calls, or none
+counts), the others after their last call. A call counts only when it names one of the
+request's tools and its arguments are a JSON object. Valid blocks become the calls; everything
+else (text before, between and after them, and blocks that are not calls) stays content, as
+vLLM's parsers keep the text around calls. Ids are OpenAI-shaped (``call_`` + 24 hex digits).
 
-:class:`AutoToolStream` streams content as it comes and holds back only what may be the
-start of a tool call, so a client sees text deltas at once and tool calls when complete.
+:class:`AutoToolStream` streams content as it comes and holds back only what may still become a
+tool call: a marker's first characters, or a block not yet complete. Text that cannot be the
+start of a call (``[1] First...`` where a JSON call could begin) goes out at once, and so does
+the text after a block as soon as the block has ended. Calls are sent when the choice ends.
 """
 
 from __future__ import annotations
@@ -25,10 +36,14 @@ from typing import Any
 from kiln.serving.constraints import ToolPlan
 
 _DECODER = json.JSONDecoder()
-# Where a tool call may begin, per format; `json` and `llama3_json` also at a leading '{' or '['.
+# Where a tool call may begin, per format; `json`, `llama3_json` and `mistral` also at the start of
+# the output, with one of the characters in _LEADING_JSON.
 MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "llama3_json": ("<|python_tag|>",),
            "json": ()}
 _LEADING_JSON = {"llama3_json": "{", "json": "[{", "mistral": "["}
+_HERMES_END = "</tool_call>"
+_WS = " \t\r\n"
+_SEP = _WS + ",;"  # what may separate calls in a block
 
 
 @dataclass
@@ -51,19 +66,32 @@ def _call(obj: Any, plan: ToolPlan) -> Call | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
     return Call(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def _calls_of(value: Any, plan: ToolPlan) -> list[Call] | None:
+    """The calls of one JSON value (a call or a list of them), or None if any part is not one."""
+    calls = [_call(item, plan) for item in (value if isinstance(value, list) else [value])]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls  # type: ignore[return-value]
+
+
+def _skip(text: str, pos: int, chars: str) -> int:
+    while pos < len(text) and text[pos] in chars:
+        pos += 1
+    return pos
+
+
 def _json_values(text: str) -> list[Any]:
     """Every JSON value in ``text`` one after another (separated by whitespace, ',' or ';')."""
     values, pos = [], 0
     while True:
-        while pos < len(text) and text[pos] in " \t\r\n,;":
-            pos += 1
+        pos = _skip(text, pos, _SEP)
         if pos >= len(text):
             return values
         value, pos = _DECODER.raw_decode(text, pos)
@@ -73,7 +101,7 @@ def _json_values(text: str) -> list[Any]:
 def _calls_from_json(text: str, plan: ToolPlan) -> list[Call] | None:
     try:
         values = _json_values(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what the decoder reads
         return None
     items = [v for value in values for v in (value if isinstance(value, list) else [value])]
     calls = [_call(item, plan) for item in items]
@@ -82,67 +110,264 @@ def _calls_from_json(text: str, plan: ToolPlan) -> list[Call] | None:
     return calls  # type: ignore[return-value]
 
 
-def parse_constrained(text: str, plan: ToolPlan) -> list[Call] | None:
-    """The calls of a grammar-constrained output (None if it was cut short, by max_tokens or a stop)."""
-    if plan.mode == "named":
+def _completed_calls(text: str, plan: ToolPlan) -> list[Call] | None:
+    """The calls of a ``required`` array cut short, up to the last complete one."""
+    pos = _skip(text, 0, _WS)
+    if not text.startswith("[", pos):
+        return None
+    calls, pos = [], pos + 1
+    while True:
+        pos = _skip(text, pos, _SEP)
         try:
-            args = json.loads(text)
-        except ValueError:
-            return None
-        return [Call(plan.named or "", text)] if isinstance(args, dict) else None  # as it was streamed
-    return _calls_from_json(text, plan)
-
-
-def tool_section_start(text: str, fmt: str) -> int | None:
-    """Where the tool-call part of ``text`` begins, if it has one."""
-    found = [i for i in (text.find(m) for m in MARKERS.get(fmt, ())) if i >= 0]
-    if found:
-        return min(found)
-    stripped = text.lstrip()
-    if stripped and stripped[0] in _LEADING_JSON.get(fmt, ""):
-        return len(text) - len(stripped)
-    return None
-
-
-# Mistral's later templates (v11 tokenizers: Mistral Small 3.2, Magistral, Devstral) write a call as
-# `[TOOL_CALLS]name[ARGS]{...}`, one marker per call, instead of a JSON list after one marker.
-_MISTRAL_NAMED = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.:-]+)\s*\[ARGS\]\s*")
-
-
-def _mistral_named_calls(body: str, plan: ToolPlan) -> list[Call] | None:
-    calls = []
-    for m in _MISTRAL_NAMED.finditer(body):
-        try:
-            args, _ = _DECODER.raw_decode(body, m.end())
-        except ValueError:
-            return None
-        call = _call({"name": m.group(1), "arguments": args}, plan)
+            value, pos = _DECODER.raw_decode(text, pos)
+        except (ValueError, RecursionError):
+            break
+        call = _call(value, plan)
         if call is None:
-            return None
+            break
         calls.append(call)
     return calls or None
 
 
+def parse_constrained(text: str, plan: ToolPlan, cut: bool = False) -> list[Call] | None:
+    """The calls of a grammar-constrained output; None if it has none. ``cut``: it ended at
+    max_tokens, so a ``required`` list keeps the calls completed before the cut."""
+    if plan.mode == "named":
+        try:
+            args = json.loads(text)
+        except (ValueError, RecursionError):
+            return None
+        return [Call(plan.named or "", text)] if isinstance(args, dict) else None  # as it was streamed
+    calls = _calls_from_json(text, plan)
+    if calls is None and cut:
+        calls = _completed_calls(text, plan)
+    return calls
+
+
+# JSON read as it arrives, to tell a call still coming from text that cannot be one.
+_STR = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*'
+_STRING = re.compile(_STR + '"')
+_STRING_CUT = re.compile(_STR + r"(?:\\|\\u[0-9a-fA-F]{0,3})?\Z")
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_NUMBER_CUT = re.compile(r"-?(?:0|[1-9][0-9]*)?(?:\.[0-9]*)?(?:[eE][+-]?[0-9]*)?\Z")
+_WORDS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")  # what the decoder reads
+_CLOSE = {"{": "}", "[": "]"}
+
+
+class _Value:
+    """The JSON value at ``at`` of an output that grows: ``open`` (cut short, and may still be a
+    call or a list of calls), or else ``value``/``end`` (None when it is not JSON, or cannot be
+    a call: it does not start with one of ``first``, or a top-level list holds more than objects).
+    :meth:`read` goes on from where it stopped, so a long call is read once, not once a token."""
+
+    def __init__(self, at: int, first: str) -> None:
+        self.at, self.first = at, first
+        self.i, self.stack, self.expect, self.closable = at, [], "value", False  # closable: just opened
+        self.open = True
+        self.value: Any = None
+        self.end = 0
+
+    def read(self, text: str, final: bool) -> _Value:
+        if self.open:
+            whole = self._scan(text)
+            if whole is not None or final:  # not JSON by kiln's reading: the decoder has the last word
+                self.open = False
+                try:
+                    self.value, self.end = _DECODER.raw_decode(text, self.at)
+                except (ValueError, RecursionError):  # RecursionError: nested past what it reads
+                    self.value = None
+        return self
+
+    def _scan(self, text: str) -> bool | None:
+        """True when the value is whole, False when it cannot become a call, None while cut short."""
+        n = len(text)
+        while True:
+            i = _skip(text, self.i, _WS)
+            if i >= n:
+                return None
+            c, stack = text[i], self.stack
+            if (self.expect == "next" or self.closable) and stack and c == _CLOSE[stack[-1]]:
+                stack.pop()
+                self.i, self.expect, self.closable = i + 1, "next", False
+                if not stack:
+                    return True
+                continue
+            self.closable = False
+            if self.expect == "next":
+                if c != ",":
+                    return False
+                self.i, self.expect = i + 1, "key" if stack[-1] == "{" else "value"
+            elif self.expect == "colon":
+                if c != ":":
+                    return False
+                self.i, self.expect = i + 1, "value"
+            elif self.expect == "key" or c == '"':
+                string = _STRING.match(text, i)
+                if string is None:
+                    return None if _STRING_CUT.match(text, i) else False
+                self.i, self.expect = string.end(), "colon" if self.expect == "key" else "next"
+            else:
+                allowed = self.first if not stack else "{" if stack == ["["] else None
+                if allowed is not None and c not in allowed:
+                    return False
+                if c in "{[":
+                    stack.append(c)
+                    self.i, self.expect, self.closable = i + 1, "key" if c == "{" else "value", True
+                elif _NUMBER_CUT.match(text, i):  # a number up to the end: more digits may come
+                    return None
+                elif number := _NUMBER.match(text, i):
+                    self.i, self.expect = number.end(), "next"
+                elif word := next((w for w in _WORDS if text.startswith(w, i)), None):
+                    self.i, self.expect = i + len(word), "next"
+                else:
+                    return None if any(w.startswith(text[i:]) for w in _WORDS) else False
+
+
+# Each reader's values by where they begin: the text before a position never changes as it grows.
+_Values = dict[int, _Value]
+
+
+def _value(text: str, at: int, first: str, final: bool, values: _Values | None) -> _Value:
+    value = values.get(at) if values is not None else None
+    if value is None:
+        value = _Value(at, first)
+        if values is not None:
+            values[at] = value
+    return value.read(text, final)
+
+
+def _take_calls(text: str, pos: int, plan: ToolPlan, first: str = "{[", final: bool = True,
+                values: _Values | None = None) -> tuple[int, list[Call], bool]:
+    """The calls of the JSON values from ``pos`` on, while each is a call or a list of calls:
+    (where the last ends, the calls, open). ``open``: the text so far ends where a further call may
+    still come (never when ``final``)."""
+    calls: list[Call] = []
+    end, at = pos, _skip(text, pos, _WS)
+    while at < len(text) and text[at] in (first if not calls else "{["):
+        value = _value(text, at, first if not calls else "{[", final, values)
+        if value.open:
+            return end, calls, True
+        found = _calls_of(value.value, plan) if value.value is not None else None
+        if found is None:
+            return end, calls, False
+        calls += found
+        end, at = value.end, _skip(text, value.end, _SEP)
+    return end, calls, not final and at >= len(text)
+
+
+# A block: None while undecided; else (where it ends, its calls), no calls if it is not one.
+_Block = tuple[int, list[Call]] | None
+
+
+def _hermes_block(text: str, at: int, plan: ToolPlan, final: bool, values: _Values) -> _Block:
+    body = at + len("<tool_call>")
+    close, following = text.find(_HERMES_END, body), text.find("<tool_call>", body)
+    if close >= 0:
+        end, calls, _ = _take_calls(text[:close], body, plan)
+        if calls and not text[end:close].strip(_SEP):
+            return close + len(_HERMES_END), calls
+        if following < 0 or following > close:
+            return close + len(_HERMES_END), []
+        # That `</tool_call>` is a later block's: this one ends where that one begins.
+    elif not final:  # a `</tool_call>` may still come, to make all of the block calls or none
+        end, calls, still = _take_calls(text, body, plan, final=False, values=values)
+        return None if calls or still else (end, [])
+    bound = following if following >= 0 else len(text)
+    end, calls, _ = _take_calls(text[:bound], body, plan)
+    return end, calls
+
+
+# Mistral's later templates (v11 tokenizers: Mistral Small 3.2, Magistral, Devstral) write a call as
+# `[TOOL_CALLS]name[ARGS]{...}`, one marker per call, instead of a JSON list after one marker.
+_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.:-]+)\s*\[ARGS\]\s*")
+_MISTRAL_NAME = re.compile(r"\s*[A-Za-z0-9_.:-]+\s*")
+
+
+def _mistral_block(text: str, at: int, plan: ToolPlan, final: bool, values: _Values) -> _Block:
+    body = at + len("[TOOL_CALLS]")
+    named = _MISTRAL_NAMED.match(text, body)
+    if named is None:
+        name = _MISTRAL_NAME.match(text, body)
+        if not final and name is not None and "[ARGS]".startswith(text[name.end():name.end() + 7]):
+            return None  # `[TOOL_CALLS]name[AR` so far
+        return _values_block(text, body, plan, final, values)
+    start = named.end()
+    if start >= len(text):
+        return None if not final else (start, [])
+    if text[start] != "{":
+        return start, []
+    args = _value(text, start, "{", final, values)
+    if args.open:
+        return None
+    call = _call({"name": named.group(1), "arguments": args.value}, plan) if args.value is not None else None
+    return args.end, [call] if call else []
+
+
+def _values_block(text: str, body: int, plan: ToolPlan, final: bool, values: _Values) -> _Block:
+    end, calls, still = _take_calls(text, body, plan, final=final, values=values)
+    return None if still else (end, calls)
+
+
+def _marker_block(text: str, at: int, plan: ToolPlan, final: bool, values: _Values) -> _Block:
+    if plan.format == "hermes":
+        return _hermes_block(text, at, plan, final, values)
+    if plan.format == "mistral":
+        return _mistral_block(text, at, plan, final, values)
+    return _values_block(text, at + len(MARKERS[plan.format][0]), plan, final, values)
+
+
+class _Reader:
+    """Splits an output into content and call blocks as far as its text so far decides; what it
+    has decided stays decided as the text grows (the output only grows)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.markers = MARKERS.get(plan.format, ())
+        self.leading = _LEADING_JSON.get(plan.format, "")  # a call may still begin the output
+        self.pos = 0  # `text` before this is decided: `content` and `calls`
+        self.search = 0  # where the next marker may be
+        self.content = ""
+        self.calls: list[Call] = []
+        self.values: _Values = {}
+
+    def read(self, text: str, final: bool) -> str:
+        """The content after ``self.content`` that no call can take any more (all of it when
+        ``final``: the output is whole)."""
+        if self.leading:
+            end, calls, still = _take_calls(text, 0, self.plan, self.leading, final, self.values)
+            if still:
+                return ""
+            self.leading = ""
+            if calls:
+                self.calls += calls
+                self.pos = self.search = end
+        while True:
+            found = [(i, m) for i, m in ((text.find(m, self.search), m) for m in self.markers) if i >= 0]
+            if not found:
+                upto = len(text) if final else max(self.pos, len(text) - _partial_marker(text, self.plan.format))
+                self.search = max(self.search, upto)
+                return text[self.pos:upto]
+            at, marker = min(found)
+            block = _marker_block(text, at, self.plan, final, self.values)
+            if block is None:
+                return text[self.pos:at]
+            end, calls = block
+            if not calls:  # the marker is text
+                self.search = at + len(marker)
+                continue
+            self.content += text[self.pos:at]
+            self.calls += calls
+            self.pos = self.search = end
+
+
 def parse_auto(text: str, plan: ToolPlan) -> tuple[str | None, list[Call]]:
     """(content, calls) of free output; no calls leaves all of ``text`` as content."""
-    start = tool_section_start(text, plan.format)
-    if start is None:
+    reader = _Reader(plan)
+    rest = reader.read(text, final=True)
+    if not reader.calls:
         return text, []
-    body = text[start:]
-    if plan.format == "mistral" and _MISTRAL_NAMED.search(body):
-        calls = _mistral_named_calls(body, plan)
-    else:
-        for marker in MARKERS.get(plan.format, ()):
-            body = body.replace(marker, " ")
-        if plan.format == "hermes":
-            body = re.sub(r"</?tool_call>", " ", body)
-        calls = _calls_from_json(body, plan)
-    if not calls:
-        return text, []
-    if not plan.parallel:
-        calls = calls[:1]
-    content = text[:start].strip()
-    return (content or None), calls
+    content = (reader.content + rest).strip()
+    return (content or None), (reader.calls if plan.parallel else reader.calls[:1])
 
 
 class AutoToolStream:
@@ -151,31 +376,28 @@ class AutoToolStream:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""
-        self.emitted = 0  # characters of `text` already sent as content
-        self.held = False  # a tool section began: nothing more is sent until the end
+        self.reader = _Reader(plan)
+        self.sent = 0  # characters of the content already sent
 
     def feed(self, delta: str) -> str:
         self.text += delta
-        fmt = self.plan.format
-        start = tool_section_start(self.text, fmt)
-        self.held = self.held or start is not None
-        if self.held:
-            upto = (start or 0) if self.text[:start].strip() else self.emitted  # no whitespace-only content
-        elif not self.text.strip() and _LEADING_JSON.get(fmt):
-            upto = 0  # only whitespace so far: a JSON call may still follow
-        else:
-            upto = len(self.text) - _partial_marker(self.text, fmt)
-        out = self.text[self.emitted:upto]
-        self.emitted = max(self.emitted, upto)
+        rest = self.reader.read(self.text, final=False)  # first: it may add to reader.content
+        content = self.reader.content + rest
+        if not self.sent and not content.strip():
+            return ""  # no whitespace-only content: a call may follow
+        out = content[self.sent:]
+        self.sent = len(content)
         return out
 
     def finish(self) -> tuple[str, list[Call]]:
         """(content not sent yet, calls)."""
-        _, calls = parse_auto(self.text, self.plan)
+        rest = self.reader.read(self.text, final=True)
+        rest = (self.reader.content + rest)[self.sent:]
+        calls = self.reader.calls
         if not calls:
-            return self.text[self.emitted:], []
-        start = tool_section_start(self.text, self.plan.format) or 0
-        return self.text[self.emitted:start].rstrip(), calls
+            return rest, []
+        rest = rest.rstrip() if self.sent else rest.strip()
+        return rest, (calls if self.plan.parallel else calls[:1])
 
 
 def _partial_marker(text: str, fmt: str) -> int:
@@ -190,10 +412,12 @@ def _partial_marker(text: str, fmt: str) -> int:
 
 
 def read_calls(text: str, finish_reason: str | None, plan: ToolPlan) -> tuple[str, list[Call]]:
-    """(content, calls) of a whole choice. A constrained output cut short (``length``) has no calls
-    and stays content, so the client sees what was generated."""
+    """(content, calls) of a whole choice. A constrained output cut short by max_tokens
+    (``length``) keeps the calls completed before the cut; with none, or cut any other way, it
+    has no calls and stays content, so the client sees what was generated."""
     if plan.mode in ("required", "named"):
-        calls = parse_constrained(text, plan) if finish_reason == "stop" else None
+        calls = parse_constrained(text, plan, cut=finish_reason == "length") \
+            if finish_reason in ("stop", "length") else None
         return ("", calls) if calls else (text, [])
     content, calls = parse_auto(text, plan)
     return (content or ""), calls

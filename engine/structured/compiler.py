@@ -7,29 +7,38 @@ schemas clients send, where xgrammar's ahead-of-time compile took 140 ms for a s
 as state rather than raised mid-generation, and rollback plus draft-token validation for
 speculative decoding. Its per-token mask costs a few microseconds on CPU.
 
-``GrammarCompiler.compile`` runs on the caller's thread (the server calls it in a worker
-thread, never on the engine loop) and caches a pristine matcher per constraint (LRU); each
-request gets a copy (``CompiledGrammar.new_state``, ~7 us). A constraint the grammar engine
-cannot compile raises :class:`RequestError` naming the request field it came from.
+``GrammarCompiler.submit`` compiles in the compiler's own bounded pool (:mod:`.pool`: a few threads, a
+bounded queue, each compile stopped at ``GRAMMAR_COMPILE_TIMEOUT_S``; the server awaits it, the engine loop
+never compiles; ``compile`` waits for it) and caches a pristine matcher per constraint (LRU): a cached
+constraint never reaches the pool. Each request gets a copy (``CompiledGrammar.new_state``, ~7 us). A
+constraint the grammar engine cannot compile, or not within the limit, raises :class:`RequestError` naming
+the request field it came from; a full pool raises :class:`GrammarBusy`.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-import time
+import weakref
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any
 
 from kiln.engine.errors import RequestError
-from kiln.engine.structured.params import GRAMMAR_COMPILE_TIMEOUT_S, StructuredOutputsParams
+from kiln.engine.structured.params import GRAMMAR_MAX_SYMBOLS, StructuredOutputsParams, compile_settings
+from kiln.engine.structured.pool import CompilePool, GrammarBusy
 from kiln.engine.structured.state import GrammarState
+
+__all__ = ["CompiledGrammar", "GrammarBusy", "GrammarCompiler", "closed_objects", "grammar_text"]
 
 CACHE_SIZE = 256  # distinct constraints kept compiled
 # JSON as clients read it: compact, with an optional space after ',' and ':' (small models like it),
 # never unbounded whitespace (a model that loops on newlines would otherwise run to max_tokens).
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"}
 _MAX_ERROR_CHARS = 400
+# llguidance's own limits, the same in the checker process and here: over them a grammar is an error, at once.
+# Its defaults (lexer fuel, lexer states...) otherwise; 500k symbols took seconds and overflowed its u16 ids.
+LIMITS = {"verbose_errors": False, "max_grammar_size": GRAMMAR_MAX_SYMBOLS}
 
 
 class CompiledGrammar:
@@ -55,6 +64,10 @@ class GrammarCompiler:
         self._ll_tokenizer: Any = None
         self._executor: Any = None
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        settings = compile_settings()
+        self.timeout_s = settings.timeout_s
+        self._pool = CompilePool(settings.threads, settings.queue, settings.timeout_s, LIMITS)
+        weakref.finalize(self, self._pool.close)  # the offline LLM never calls close()
 
     def _tokenizer(self, param: str) -> Any:
         with self._lock:
@@ -72,17 +85,39 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def warm_up(self) -> None:
-        """Build the tokenizer view now (~0.3 s for a 49k vocabulary), not on the first request."""
+        """Build the tokenizer view (~0.3 s for a 49k vocabulary) and start the checker processes now, not
+        on the first requests."""
         self._tokenizer("structured_outputs")
+        self._pool.warm_up()
+
+    def close(self) -> None:
+        """Stop the pool: waiting compiles are dropped, running ones stopped. Cached grammars still serve."""
+        self._pool.close()
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        if spec.compiled is not None:
-            return spec.compiled
-        key = spec.key()
+        """``spec`` compiled (or cached), waiting for the pool; RequestError / GrammarBusy as ``submit``."""
+        return self.submit(spec).result()
+
+    def submit(self, spec: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        """A future of ``spec`` compiled, done already when cached; GrammarBusy now if the pool is full."""
+        hit = spec.compiled or self._cached(spec.key())
+        if hit is not None:
+            spec.compiled = hit
+            done: Future[CompiledGrammar] = Future()
+            done.set_result(hit)
+            return done
+        return self._pool.submit(spec.param, self._compile_and_cache, spec)
+
+    def _cached(self, key: str) -> CompiledGrammar | None:
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
+            return hit
+
+    def _compile_and_cache(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        key = spec.key()
+        hit = self._cached(key)  # the same constraint may have compiled while this one waited
         if hit is None:
             hit = self._build(spec)
             with self._lock:
@@ -96,19 +131,19 @@ class GrammarCompiler:
         import llguidance
 
         tokenizer = self._tokenizer(spec.param)
-        started = time.monotonic()
         try:
             grammar = grammar_text(spec)
-            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0,
-                                           limits=llguidance.LLParserLimits(verbose_errors=False))
+        except (ValueError, TypeError) as exc:
+            raise RequestError(spec.param, _cannot_compile(spec, str(exc))) from None
+        error = self._pool.check(spec.param, grammar)  # in a process killed at the time limit
+        if error:
+            raise RequestError(spec.param, _cannot_compile(spec, error))
+        try:  # checked within the limit: this takes about as long again, and ends (llguidance's limits)
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
         except (ValueError, TypeError) as exc:
             raise RequestError(spec.param, _cannot_compile(spec, str(exc))) from None
         if matcher.is_error():
             raise RequestError(spec.param, _cannot_compile(spec, matcher.get_error()))
-        elapsed = time.monotonic() - started
-        if elapsed > GRAMMAR_COMPILE_TIMEOUT_S:
-            raise RequestError(spec.param, f"{spec.param} took {elapsed:.1f}s to compile, over this server's "
-                                           f"{GRAMMAR_COMPILE_TIMEOUT_S:g}s limit: simplify it")
         return CompiledGrammar(matcher, self._executor)
 
 

@@ -10,12 +10,15 @@ so that every refusal names what the client sent.
 
 The limits bound the work one request can cause before admission (the grammar compile) and
 per token (the mask): they are checked here, on the caller's thread, before the engine sees
-the request. docs/serving-limits.md lists them.
+the request. docs/serving-limits.md lists them. The compile's own limits (time, pool, grammar
+size) are enforced where compiles run (``kiln.engine.structured.pool``); their values live here.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +28,12 @@ MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex or Lark grammar, serialized (al
 MAX_SCHEMA_DEPTH = 24  # nesting of a schema document's objects and arrays
 MAX_CHOICE_STRINGS = 256
 MAX_CHOICE_CHARS = 1024
-GRAMMAR_COMPILE_TIMEOUT_S = 5.0  # wall time of one compile; the server answers 400 past it
+GRAMMAR_COMPILE_TIMEOUT_S = 5.0  # wall time of one compile; it is stopped there and the server answers 400
+GRAMMAR_COMPILE_THREADS = 2  # compiles running at once, in the compiler's own pool (never the server's)
+GRAMMAR_COMPILE_QUEUE = 8  # compiles waiting for one of those threads; past it the server answers 429
+GRAMMAR_MAX_SYMBOLS = 50_000  # llguidance's max_grammar_size (a 64 KiB schema of 100 tools needs ~10k)
+COMPILE_ENV = {"timeout_s": "KILN_GRAMMAR_COMPILE_TIMEOUT_S", "threads": "KILN_GRAMMAR_COMPILE_THREADS",
+               "queue": "KILN_GRAMMAR_COMPILE_QUEUE"}
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -85,6 +93,33 @@ class StructuredOutputsParams:
         value = {"json": self.json, "json_object": True, "regex": self.regex, "choice": self.choice,
                  "grammar": self.grammar}[kind]
         return json.dumps([kind, self.strict, value], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
+    threads: int = GRAMMAR_COMPILE_THREADS
+    queue: int = GRAMMAR_COMPILE_QUEUE
+
+
+def compile_settings(environ: Mapping[str, str] = os.environ) -> CompileSettings:
+    """The compile limits, each overridable by its ``$KILN_GRAMMAR_COMPILE_*`` variable (COMPILE_ENV)."""
+    values: dict[str, Any] = {}
+    for name, var in COMPILE_ENV.items():
+        text = environ.get(var)
+        if text is None:
+            continue
+        try:
+            value = float(text) if name == "timeout_s" else int(text)
+        except ValueError:
+            value = -1
+        if name == "timeout_s" and not value > 0:
+            raise ValueError(f"${var} must be a positive number of seconds, got {text!r}")
+        least = 1 if name == "threads" else 0
+        if value < least:
+            raise ValueError(f"${var} must be an integer of at least {least}, got {text!r}")
+        values[name] = value
+    return CompileSettings(**values)
 
 
 def json_depth(value: Any) -> int:

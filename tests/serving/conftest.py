@@ -40,7 +40,8 @@ class Server:
         # settings the server reads from the environment are unset unless a test passes them.
         isolated = dict.fromkeys(("KILN_API_KEY", "KILN_CACHE_DIR", "KILN_MAX_QUEUE_LEN",
                                   "KILN_DRAIN_TIMEOUT_SECONDS", "KILN_SERVED_MODEL_NAME", "KILN_EXPECT_ARTIFACT",
-                                  "KILN_MAX_CONNECTIONS"))
+                                  "KILN_MAX_CONNECTIONS", "KILN_VERIFY_KEY", "KILN_GRAMMAR_COMPILE_TIMEOUT_S",
+                                  "KILN_GRAMMAR_COMPILE_THREADS", "KILN_GRAMMAR_COMPILE_QUEUE"))
         merged = {**os.environ, **isolated, "OMP_NUM_THREADS": "1", **(env or {})}
         full_env = {k: v for k, v in merged.items() if v is not None}
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()

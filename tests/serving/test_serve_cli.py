@@ -41,3 +41,51 @@ def test_bad_engine_setting_exits_1_naming_it(model_dir):
                            "--max-seq-len", "99999"], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1, proc.stderr
     assert "max_seq_len" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_engine_flags_are_generated_from_the_engine_settings(monkeypatch, tmp_path):
+    """EngineConfig's fields are the one list of engine settings: every field marked as a flag is a
+    `kiln serve` option with the field's help, and values arrive typed as the engine takes them."""
+    from dataclasses import fields
+
+    from kiln.engine.config import EngineConfig
+    from kiln.serving import cli
+
+    flagged = {f.name for f in fields(EngineConfig) if f.metadata.get("flag")}
+    assert {dest for _, dest, _ in cli.engine_flags()} == flagged
+    assert {"dtype", "max_batch_size", "quantization", "tensor_parallel_size", "speculative_config",
+            "enable_prefix_caching", "distributed_timeout_s", "join_timeout_s"} <= flagged
+    help_text = " ".join(CliRunner().invoke(serve, ["--help"]).output.split())
+    for flag, _, setting in cli.engine_flags():
+        assert flag in help_text
+        assert " ".join(setting.metadata["help"].split())[:40] in help_text
+    seen = {}
+    monkeypatch.setattr("kiln.serving.server.run_server", lambda config: seen.update(config.engine_kwargs) or 0)
+    monkeypatch.setattr(cli, "_exit", lambda code: None)
+    result = CliRunner().invoke(serve, [
+        "--model", str(tmp_path), "--quantization", "none", "--tensor-parallel-size", "2",
+        "--kv-memory-fraction", "0.5", "--no-enable-prefix-caching", "--join-timeout", "9",
+        "--speculative-config", '{"method": "ngram"}'])
+    assert result.exit_code == 0, result.output
+    assert seen == {"quantization": "none", "tensor_parallel_size": 2, "kv_memory_fraction": 0.5,
+                    "enable_prefix_caching": False, "join_timeout_s": 9.0,
+                    "speculative_config": {"method": "ngram"}}
+    for bad in (["--tensor-parallel-size", "3"], ["--kv-memory-fraction", "0"], ["--quantization", "int4"]):
+        result = CliRunner().invoke(serve, ["--model", str(tmp_path), *bad])
+        assert result.exit_code == 2 and bad[0] in result.output
+
+
+def test_version_reports_the_settings_marked_reported(tmp_path):
+    from dataclasses import fields
+
+    from kiln.engine.config import EngineConfig, reported_settings
+
+    reported = [f.name for f in fields(EngineConfig) if f.metadata.get("reported")]
+    assert {"dtype", "device", "quantization", "tensor_parallel_size", "max_batch_size", "block_size",
+            "enable_prefix_caching", "num_micro_batches"} <= set(reported)
+
+    class Loaded:
+        dtype, block_size = "bfloat16", 32
+
+    assert reported_settings(Loaded()) == {name: {"dtype": "bfloat16", "block_size": 32}.get(name)
+                                           for name in reported}
