@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 .PHONY: install test test-slow lint crds demo bench gpu-check gpu-wheels clean
 
 # -I / -P: never put the repo root on sys.path, where operator/ would shadow the
-# standard library's `operator` module (DESIGN.md keeps that folder name).
+# standard library's `operator` module (docs/architecture.md: why the folder keeps that name).
 $(BIN)/python:
 	$(PY) -I -m venv $(VENV)
 	$(BIN)/python -P -m pip install -q --upgrade pip
@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml bench/pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 # import-linter walks one package folder, but kiln's components live in their own
-# folders (DESIGN.md), so the contracts run over a copy laid out as installed.
+# folders (docs/architecture.md), so the contracts run over a copy laid out as installed.
 LINT_TREE := .kiln-work/lint
 lint: install
 	$(BIN)/ruff check .

@@ -50,3 +50,11 @@ def test_test_module_basenames_are_unique():
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
     dupes = sorted({n for n in names if names.count(n) > 1})
     assert not dupes, f"rename these test modules to unique names: {dupes}"
+
+
+def test_every_component_says_its_import_name_at_the_door():
+    """The folders are not named after their import paths (docs/architecture.md); each package's
+    docstring says the name it is imported as, first."""
+    for name, folder in FOLDERS.items():
+        text = (ROOT / folder / "__init__.py").read_text()
+        assert text.startswith(f'"""Imported as ``{name}`` (folder ``{folder}/``'), folder
