@@ -141,6 +141,8 @@ class ModelRunner:
         # This stage's layers only: each stage's pool holds its own layers' K/V for every block.
         start, end = parallel.stage_layers(cfg["num_hidden_layers"], parallel.pp_rank(), parallel.pp_size())
         block_bytes = bytes_per_block(config, end - start, kv_heads, head_dim_of(cfg)) + extra_block_bytes
+        # The first collective after the load (and the tactics' timing): under the join timeout, not the step's.
+        parallel.wait_for_ranks(config.join_timeout_s, "loading its weights")
         self.num_blocks = parallel.min_over_ranks(plan_num_blocks(config, block_bytes))
         # One block more than the block manager hands out: CUDA-graph padding rows write there.
         self.kv_cache = allocate_kv_cache(self.model, config, self.num_blocks + 1)

@@ -21,7 +21,7 @@ Where the ranks come from:
   Rank 0's process serves the store at HOST:PORT that every rank joins.
 
 Before any tensor or message is exchanged, each rank proves to rank 0 that it holds the
-group's token (``parallel.rendezvous``): ``$KILN_GROUP_TOKEN``, the same on every rank, for
+group's token (``rendezvous.rendezvous``): ``$KILN_GROUP_TOKEN``, the same on every rank, for
 ranks started separately; a fresh random one when this process spawns every rank itself.
 """
 
@@ -38,10 +38,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from kiln.engine import parallel
+from kiln.engine import parallel, rendezvous
 from kiln.engine.config import EngineConfig
 from kiln.engine.errors import ConfigError
-from kiln.engine.parallel import TOKEN_ENV
+from kiln.engine.rendezvous import TOKEN_ENV
 from kiln.engine.step_inputs import decode_steps
 
 log = logging.getLogger("kiln.engine")
@@ -104,10 +104,10 @@ def _join(config: EngineConfig, rank: int, address: str, token: str) -> None:
         store = dist.TCPStore(host, port, world, is_master=rank == 0,
                               timeout=datetime.timedelta(seconds=config.join_timeout_s), wait_for_workers=False)
         # Every rank is here, each proven to hold the token, before the process groups form.
-        parallel.rendezvous(store, rank, world, token, time.monotonic() + config.join_timeout_s)
+        rendezvous.rendezvous(store, rank, world, token, time.monotonic() + config.join_timeout_s)
         store.set_timeout(datetime.timedelta(seconds=config.distributed_timeout_s))
-    except parallel.JoinRefusedError as exc:
-        raise parallel.JoinRefusedError(f"rank {rank} of {world} (leader {address}): {exc}") from None
+    except rendezvous.JoinRefusedError as exc:
+        raise rendezvous.JoinRefusedError(f"rank {rank} of {world} (leader {address}): {exc}") from None
     except Exception as exc:
         raise RuntimeError(f"rank {rank} of {world}: {who} failed within join_timeout_s "
                            f"({config.join_timeout_s:.0f}s): {exc}") from None
@@ -256,7 +256,7 @@ def run_worker_node(config: EngineConfig) -> int:
     try:
         rank_main(config, config.rank_offset, address, 0, token, spawned=False)
         log.info("rank %d: the leader stopped the engine; exiting", config.rank_offset)
-    except parallel.JoinRefusedError as exc:
+    except rendezvous.JoinRefusedError as exc:
         log.error("%s", exc)
         code = 1
     except Exception as exc:

@@ -149,6 +149,7 @@ def apply(model: nn.Module, config, native, stack: bool = True
     rows = (table.model.get("mlp_rows") or {}).get("winner")
     if parallel.world_size() > 1 and torch.distributed.is_initialized():  # the slice sets how many all-reduces
         # a step makes: one choice for every rank (none to agree with offline, in parallel.shard_context)
+        parallel.wait_for_ranks(config.join_timeout_s, "loading its weights and timing its tactics")
         agreed = parallel.broadcast_json(table.model.get("mlp_rows"))
         rows = (agreed or {}).get("winner")
         if agreed is not None:

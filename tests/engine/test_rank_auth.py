@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from engine_testlib import random_prompts
-from kiln.engine import LLM, ConfigError, SamplingParams, parallel, workers
+from kiln.engine import LLM, ConfigError, SamplingParams, parallel, rendezvous, workers
 from kiln.engine.step_inputs import decode_steps, encode_steps, pack_rows
 from netutil import free_port
 
@@ -43,7 +43,7 @@ def run_leader(port: int, world: int, seconds: float) -> tuple[threading.Thread,
 
     def main() -> None:
         try:
-            parallel.rendezvous(master, 0, world, TOKEN, time.monotonic() + seconds)
+            rendezvous.rendezvous(master, 0, world, TOKEN, time.monotonic() + seconds)
         except Exception as exc:
             result["error"] = exc
     thread = threading.Thread(target=main, daemon=True)
@@ -58,11 +58,11 @@ def test_a_rank_with_another_token_is_refused_and_the_real_rank_still_joins(capl
     config = SimpleNamespace(world_size=2, join_timeout_s=10, distributed_timeout_s=10, tensor_parallel_size=2,
                              pipeline_parallel_size=1, device="cpu")
     with caplog.at_level("WARNING", logger="kiln.engine"), \
-            pytest.raises(parallel.JoinRefusedError, match=r"rank 1 of 2 .*KILN_GROUP_TOKEN differs") as refused:
+            pytest.raises(rendezvous.JoinRefusedError, match=r"rank 1 of 2 .*KILN_GROUP_TOKEN differs") as refused:
         workers._join(config, 1, f"127.0.0.1:{port}", "another-token-0123456789")
     assert "\n" not in str(refused.value)
     assert any("KILN_GROUP_TOKEN" in r.getMessage() and "rank 1" in r.getMessage() for r in caplog.records)
-    parallel.rendezvous(store(port, False), 1, 2, TOKEN, time.monotonic() + 10)  # the real rank 1
+    rendezvous.rendezvous(store(port, False), 1, 2, TOKEN, time.monotonic() + 10)  # the real rank 1
     leader.join(10)
     assert not leader.is_alive() and "error" not in result
 
@@ -87,7 +87,7 @@ def test_a_stray_add_or_a_forged_proof_never_completes_the_group(monkeypatch):
     stranger.add("kiln/joined", 1)
     stranger.add("kiln/joined", 1)
     nonce = stranger.get("kiln/auth/nonce").decode()
-    stranger.set("kiln/auth/proof/1", f'{{"nonce": "x", "proof": "{parallel._mac("guess", "join", nonce, 2, 1, "x")}"}}')
+    stranger.set("kiln/auth/proof/1", f'{{"nonce": "x", "proof": "{rendezvous._mac("guess", "join", nonce, 2, 1, "x")}"}}')
     stranger.set("kiln/auth/proof/2", "junk")  # a rank that does not exist: never read
     leader.join(20)
     assert not leader.is_alive()
@@ -155,7 +155,7 @@ def test_nothing_in_the_engine_sends_python_objects_between_ranks():
                           "send_object_list", "recv_object_list", "broadcast_object"}
     users = sorted(str(p.relative_to(ENGINE)) for p in ENGINE.rglob("*.py") if _names(p) & object_collectives)
     assert users == []
-    for name in ("parallel.py", "workers.py", "step_inputs.py", "model_runner.py"):
+    for name in ("parallel.py", "rendezvous.py", "workers.py", "step_inputs.py", "model_runner.py"):
         assert not _names(ENGINE / name) & {"pickle", "_pickle", "Unpickler", "ForkingPickler"}, name
 
 

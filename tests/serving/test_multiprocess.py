@@ -143,7 +143,7 @@ def test_a_worker_without_its_leader_exits_1_after_the_join_timeout(model_dir, t
     (None, "need $KILN_GROUP_TOKEN"),
 ])
 def test_a_worker_without_the_groups_token_exits_1_in_one_line(token, message, model_dir, tmp_path):
-    from kiln.engine import parallel
+    from kiln.engine import rendezvous
 
     port = free_port()
     leader_store = tcp_store(port)
@@ -151,7 +151,7 @@ def test_a_worker_without_the_groups_token_exits_1_in_one_line(token, message, m
 
     def lead() -> None:  # rank 0's side of the rendezvous only: a refused rank never gets further
         try:
-            parallel.rendezvous(leader_store, 0, 2, GROUP["KILN_GROUP_TOKEN"], time.monotonic() + 60)
+            rendezvous.rendezvous(leader_store, 0, 2, GROUP["KILN_GROUP_TOKEN"], time.monotonic() + 60)
         except TimeoutError as exc:
             refused.append(exc)
     threading.Thread(target=lead, daemon=True).start()
