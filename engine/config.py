@@ -25,7 +25,7 @@ import torch
 from kiln.engine.compile import COMPILE_MODES, check_compile
 from kiln.engine.errors import ConfigError
 from kiln.engine.kernels import native
-from kiln.engine.kernels.candidates import LINEAR
+from kiln.engine.kernels.candidates import LINEAR, configure_exclusions, expand
 from kiln.engine.rope_config import max_positions
 from kiln.engine.spec_decode.config import SpeculativeConfig
 
@@ -34,6 +34,7 @@ QUANTIZATIONS = (None, "int8", "fp8")
 # "auto": the Triton paged kernels on CUDA when triton is installed, else the torch path (docs/gpu.md).
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 PARALLEL_SIZES = (1, 2, 4, 8)
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 
 
 def canonical_quantization(value: str | None) -> str | None:
@@ -96,6 +97,14 @@ def settings() -> tuple[Field, ...]:
 def reported_settings(config: EngineConfig) -> dict[str, Any]:
     """What ``/version`` reports of a loaded engine's settings."""
     return {f.name: getattr(config, f.name, None) for f in settings() if f.metadata.get("reported")}
+
+
+def _known_candidates(names: Any) -> bool:
+    try:
+        expand(names or ())
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _range_rule(meta: dict[str, Any]) -> str:
@@ -187,11 +196,23 @@ class EngineConfig:
     tactics: str = setting("auto", help="Where a CPU engine's tactic table comes from (tactics.resolve): 'auto', "
                                         "a tactics.json or a candidate name.")
     tactics_cache: str | None = setting(None, help="Where a table re-timed on another kind of host is cached.")
+    tactics_exclude: list[str] | None = setting(
+        None, flag=True, reported=True,
+        help="Candidates the tactic table may not use: names, or 'w8a8' for every one that quantizes "
+             "activations (a build sets it when its quality gate refuses W8A8 for the model).")
     tactics_info: dict[str, Any] | None = setting(None, repr=False, help="Set at load: where the table came from.")
     speculative_config: Any = setting(
         None, flag=True, json=True,
         help="Speculative decoding as vLLM's flag, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
              "(docs/speculative.md).")
+    enable_lora: bool = setting(False, help="Serve LoRA adapters, mixed with the base in one batch (docs/lora.md).",
+                                flag=True, reported=True)
+    max_loras: int = setting(1, help="LoRA adapters on the device at once (slots); a request whose adapter "
+                                     "gets no slot waits.", flag=True, reported=True, min=1)
+    max_lora_rank: int = setting(16, help="Largest LoRA rank served (slots are this wide).", flag=True,
+                                 reported=True, choices=LORA_RANKS)
+    max_cpu_loras: int | None = setting(None, help="LoRA adapters kept in host memory (LRU; default: max_loras).",
+                                        flag=True, reported=True, min=1)
     hf_config: dict[str, Any] = setting(default_factory=dict, repr=False, help="The model's config.json.")
 
     def __post_init__(self) -> None:
@@ -209,6 +230,8 @@ class EngineConfig:
         if self.max_input_len is None:
             self.max_input_len = self.max_seq_len - 1
         self.quantization = canonical_quantization(self.quantization)
+        if isinstance(self.tactics_exclude, str):  # the serve flag's spelling: "w8a8" or "a,b"
+            self.tactics_exclude = self.tactics_exclude.replace(",", " ").split()
         if self.num_micro_batches is None:
             self.num_micro_batches = self.pipeline_parallel_size
         if self.local_ranks is None:
@@ -253,6 +276,12 @@ class EngineConfig:
                                            f"({self.distributed_timeout_s})"))
         yield (self.tactics in ("auto", *LINEAR) or Path(self.tactics).is_file(),
                got("tactics", f"must be 'auto', a candidate ({', '.join(LINEAR)}) or a tactics.json file"))
+        yield (_known_candidates(self.tactics_exclude),
+               got("tactics_exclude", f"must list candidates ({', '.join(LINEAR)}) or 'w8a8'"))
+        yield (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+               got("max_cpu_loras", f"must be >= max_loras ({self.max_loras})"))
+        yield (not self.enable_lora or self.compile == "off",
+               got("compile", "must be 'off' with enable_lora (a compiled graph has no adapter slots)"))
         yield from self._placement_rules(world)
         yield (self.device != "cuda" or torch.cuda.device_count() >= self.local_ranks,
                f"this process hosts {self.local_ranks} rank(s) (tensor_parallel_size {self.tensor_parallel_size} "
@@ -291,6 +320,7 @@ class EngineConfig:
     def _check_features(self) -> None:
         """Can what was asked for run here: speculation, compiling, the attention backend."""
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        configure_exclusions(self.tactics_exclude)
         why = check_compile(self.compile, self.device, self.world_size)
         if why:
             raise ConfigError(why)

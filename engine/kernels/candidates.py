@@ -74,10 +74,32 @@ EXCLUDE_ENV = "KILN_TACTICS_EXCLUDE"
 ALIASES = {"w8a8": ACTIVATION_QUANT}
 
 
+_configured: frozenset[str] = frozenset()  # EngineConfig.tactics_exclude of the engine loaded last
+
+
+def expand(names) -> frozenset[str]:
+    """Candidate names with the aliases (``w8a8``) spelled out; raises ValueError naming an unknown one."""
+    out: set[str] = set()
+    for name in names:
+        if name not in ALIASES and name not in LINEAR:
+            raise ValueError(f"{name!r} is not a candidate ({', '.join(LINEAR)}) or {' or '.join(ALIASES)}")
+        out.update(ALIASES.get(name, (name,)))
+    return frozenset(out)
+
+
+def configure_exclusions(names) -> None:
+    """What the engine being loaded may not run (``EngineConfig.tactics_exclude``: the build sets it when the
+    quality gate refuses W8A8 for the model). The table is one per process, so is this: the engine loaded
+    last sets it."""
+    global _configured
+    _configured = expand(names or ())
+
+
 def excluded() -> frozenset[str]:
-    """The candidates ``$KILN_TACTICS_EXCLUDE`` takes out of every table (names, or ``w8a8``: every candidate
-    that quantizes activations); an unknown name is warned about and ignored."""
-    names: set[str] = set()
+    """The candidates taken out of every table: the loaded engine's ``tactics_exclude``, plus
+    ``$KILN_TACTICS_EXCLUDE``'s (names, or ``w8a8``: every candidate that quantizes activations; an unknown
+    name is warned about and ignored)."""
+    names: set[str] = set(_configured)
     for token in os.environ.get(EXCLUDE_ENV, "").replace(",", " ").split():
         if token in ALIASES or token in LINEAR:
             names.update(ALIASES.get(token, (token,)))
@@ -105,7 +127,7 @@ def why_not(name: str, dtype: torch.dtype, native, quant: str | None = None) -> 
     host (``native``: kiln's loaded CPU kernels, or None)."""
     cand = LINEAR[name]
     if name in excluded():
-        return f"${EXCLUDE_ENV} excludes it"
+        return f"tactics_exclude or ${EXCLUDE_ENV} excludes it"
     if cand.quantizes_activations and quant != "int8":
         return "W8A8 multiplies int8 weights (quantization: int8), not float ones"
     if cand.layout == "qlinear":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -129,3 +130,32 @@ def test_quantized_builds_load_and_pass_the_gate(method, qdtype, shapes, toy_mod
         assert qkv + "_scale" in names
     outs = runtime_greedy(artifact, PROMPTS, NEW_TOKENS)
     assert all(len(o) == NEW_TOKENS for o in outs)
+    if method == "int8":  # W8A8 gated separately: allowed, or excluded from every host's tactic table
+        w8a8 = doc["build_report"]["w8a8_gate"]
+        assert doc["engine_config"].get("tactics_exclude") == (None if w8a8["allowed"] else ["w8a8"]), w8a8
+
+
+def test_an_int8_build_whose_w8a8_fails_the_gate_ships_without_it(toy_model, write_manifest, kiln_build, tmp_path,
+                                                                 monkeypatch):
+    from kiln.builder.stages import quality_runtime
+
+    real = quality_runtime._continuations
+
+    def w8a8_drifts(ctx, overrides):  # W8A8 on this model flips every other token
+        out = real(ctx, overrides)
+        if overrides.get("tactics") == quality_runtime.W8A8_FORCED:
+            out = [[t if i % 2 else t + 1 for i, t in enumerate(seq)] for seq in out]
+        return out
+
+    monkeypatch.setattr(quality_runtime, "_continuations", w8a8_drifts)
+    manifest = write_manifest(f"file://{toy_model('llama-tiny')}", quantization="int8",
+                              build={"qualityGate": {"maxKLDivergence": 0.01, "minTokenAgreement": 0.8}})
+    store = f"file://{tmp_path / 'store'}"
+    result = kiln_build("-f", str(manifest), "--store", store)
+    assert result.exit_code == 0, result.output
+    artifact, doc = engine_json(store, version_of(manifest), tmp_path / "fetched")
+    gate = doc["build_report"]["w8a8_gate"]
+    assert not gate["allowed"] and gate["runtime_token_agreement"] < 0.8 and doc["build_report"]["quality"]["passed"]
+    assert doc["engine_config"]["tactics_exclude"] == ["w8a8"]
+    tactics = json.loads((artifact / "tactics.json").read_text())
+    assert "w8a8" not in json.dumps(tactics.get("linear", {}))  # the build's table never timed or picked it

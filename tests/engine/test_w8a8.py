@@ -191,3 +191,19 @@ def test_an_int8_engine_on_w8a8_follows_the_float_engine(vnni, toy_model, make_l
         return sum(a == b for x, y in zip(outs["float"], outs[name], strict=True) for a, b in zip(x, y, strict=True)) / 20
 
     assert agree("w8a8") >= max(0.8, agree("int8") - 0.1), (agree("w8a8"), agree("int8"))
+
+
+def test_tactics_exclude_is_an_engine_setting(toy_model):
+    """What the build writes into engine.json when its quality gate refuses W8A8 for a model: every host
+    that loads the artifact leaves W8A8 out of its table (and the next engine loaded sets its own)."""
+    from kiln.engine import ConfigError
+    from kiln.engine.config import EngineConfig
+
+    model = str(toy_model("llama-tiny"))
+    EngineConfig(model=model, device="cpu", tactics_exclude="w8a8")  # as the serve flag spells it
+    assert set(candidates.ACTIVATION_QUANT) <= candidates.excluded()
+    assert "tactics_exclude" in candidates.why_not("kiln-w8a8", torch.bfloat16, None, "int8")
+    EngineConfig(model=model, device="cpu")
+    assert not set(candidates.ACTIVATION_QUANT) & candidates.excluded()
+    with pytest.raises(ConfigError, match=r"^tactics_exclude must list candidates .*got \['int4'\]"):
+        EngineConfig(model=model, device="cpu", tactics_exclude=["int4"])
