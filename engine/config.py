@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import MISSING, Field, dataclass, field, fields
+from collections.abc import Iterator
+from dataclasses import Field, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,11 @@ from kiln.engine.errors import ConfigError
 from kiln.engine.kernels import native
 from kiln.engine.kernels.candidates import LINEAR, configure_exclusions, expand
 from kiln.engine.rope_config import max_positions
+from kiln.engine.settings import field_rules, setting
 from kiln.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "int8", "fp8")
+QUANTIZATIONS = (None, "int8", "fp8", "gguf")
 # "auto": the Triton paged kernels on CUDA when triton is installed, else the torch path (docs/gpu.md).
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 PARALLEL_SIZES = (1, 2, 4, 8)
@@ -74,21 +75,6 @@ def resolve_attention_backend(backend: str, device: str, dtype: Any = None, kv_d
     return backend
 
 
-def setting(default: Any = MISSING, *, help: str, flag: bool | str = False, reported: bool = False,
-            choices: tuple | None = None, min: float | None = None, max: float | None = None,
-            min_open: bool = False, envvar: str | None = None, json: bool = False, repr: bool = True,
-            default_factory: Any = MISSING) -> Any:
-    """A field of EngineConfig with what the layers above read of it. ``flag``: offered by ``kiln serve``
-    (True: ``--name-with-dashes``; a string: that flag); ``reported``: listed in ``/version``;
-    ``choices``/``min``/``max``/``min_open``: the values it takes (validated here, and the serve flag's
-    type); ``envvar``: the serve flag's environment variable; ``json``: the flag takes a JSON object."""
-    meta = {"help": help, "flag": flag, "reported": reported, "choices": choices, "min": min, "max": max,
-            "min_open": min_open, "envvar": envvar, "json": json}
-    if default_factory is not MISSING:
-        return field(default_factory=default_factory, repr=repr, metadata=meta)
-    return field(default=default, repr=repr, metadata=meta)
-
-
 def settings() -> tuple[Field, ...]:
     """EngineConfig's fields: the one list of engine settings (the serve CLI and /version read it)."""
     return fields(EngineConfig)
@@ -105,26 +91,6 @@ def _known_candidates(names: Any) -> bool:
     except (ValueError, TypeError):
         return False
     return True
-
-
-def _range_rule(meta: dict[str, Any]) -> str:
-    low, high = meta["min"], meta["max"]
-    if high is None:
-        return f"must be {'>' if meta['min_open'] else '>='} {low:g}"
-    return f"must be in {'(' if meta['min_open'] else '['}{low:g}, {high:g}]"
-
-
-def _field_rules(config: EngineConfig) -> Iterator[tuple[str, Callable[[], bool], str]]:
-    """Each field's own rule, from its metadata: the values it takes."""
-    for f in settings():
-        meta, value = f.metadata, getattr(config, f.name)
-        if meta.get("choices") is not None:
-            names = ", ".join(str(c) for c in meta["choices"])
-            yield f.name, (lambda v=value, c=meta["choices"]: v in c), f"must be one of {names}"
-        elif meta.get("min") is not None and value is not None:
-            low, high, is_open = meta["min"], meta["max"], meta["min_open"]
-            yield f.name, (lambda v=value, lo=low, hi=high, op=is_open:
-                           (v > lo if op else v >= lo) and (hi is None or v <= hi)), _range_rule(meta)
 
 
 @dataclass
@@ -249,7 +215,7 @@ class EngineConfig:
     def _rules(self) -> Iterator[tuple[bool, str]]:
         """The check table: (holds, message naming the setting and the fix), in order; a row is read only
         once the rows above it hold, so each may rely on them."""
-        for name, holds, rule in _field_rules(self):
+        for name, holds, rule in field_rules(self):
             yield holds(), f"{name} {rule}, got {getattr(self, name)!r}"
 
         def got(name: str, rule: str) -> str:

@@ -45,7 +45,7 @@ class _ChoiceOf(click.Choice):
 
 
 def _flag_type(setting: Any) -> Any:
-    """The click type of an engine setting's flag, from its field's metadata (kiln.engine.config.setting)."""
+    """The click type of an engine setting's flag, from its field's metadata (kiln.engine.settings.setting)."""
     meta = setting.metadata
     if meta["json"]:
         return _JSONObject()

@@ -34,16 +34,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.serving.constraints import ToolPlan
+from kiln.serving.partial_json import DECODER, WS, Values, skip, value_at
 
-_DECODER = json.JSONDecoder()
 # Where a tool call may begin, per format; `json`, `llama3_json` and `mistral` also at the start of
 # the output, with one of the characters in _LEADING_JSON.
 MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",), "llama3_json": ("<|python_tag|>",),
            "json": ()}
 _LEADING_JSON = {"llama3_json": "{", "json": "[{", "mistral": "["}
 _HERMES_END = "</tool_call>"
-_WS = " \t\r\n"
-_SEP = _WS + ",;"  # what may separate calls in a block
+_SEP = WS + ",;"  # what may separate calls in a block
 
 
 @dataclass
@@ -81,20 +80,14 @@ def _calls_of(value: Any, plan: ToolPlan) -> list[Call] | None:
     return calls  # type: ignore[return-value]
 
 
-def _skip(text: str, pos: int, chars: str) -> int:
-    while pos < len(text) and text[pos] in chars:
-        pos += 1
-    return pos
-
-
 def _json_values(text: str) -> list[Any]:
     """Every JSON value in ``text`` one after another (separated by whitespace, ',' or ';')."""
     values, pos = [], 0
     while True:
-        pos = _skip(text, pos, _SEP)
+        pos = skip(text, pos, _SEP)
         if pos >= len(text):
             return values
-        value, pos = _DECODER.raw_decode(text, pos)
+        value, pos = DECODER.raw_decode(text, pos)
         values.append(value)
 
 
@@ -112,14 +105,14 @@ def _calls_from_json(text: str, plan: ToolPlan) -> list[Call] | None:
 
 def _completed_calls(text: str, plan: ToolPlan) -> list[Call] | None:
     """The calls of a ``required`` array cut short, up to the last complete one."""
-    pos = _skip(text, 0, _WS)
+    pos = skip(text, 0, WS)
     if not text.startswith("[", pos):
         return None
     calls, pos = [], pos + 1
     while True:
-        pos = _skip(text, pos, _SEP)
+        pos = skip(text, pos, _SEP)
         try:
-            value, pos = _DECODER.raw_decode(text, pos)
+            value, pos = DECODER.raw_decode(text, pos)
         except (ValueError, RecursionError):
             break
         call = _call(value, plan)
@@ -144,114 +137,22 @@ def parse_constrained(text: str, plan: ToolPlan, cut: bool = False) -> list[Call
     return calls
 
 
-# JSON read as it arrives, to tell a call still coming from text that cannot be one.
-_STR = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*'
-_STRING = re.compile(_STR + '"')
-_STRING_CUT = re.compile(_STR + r"(?:\\|\\u[0-9a-fA-F]{0,3})?\Z")
-_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-_NUMBER_CUT = re.compile(r"-?(?:0|[1-9][0-9]*)?(?:\.[0-9]*)?(?:[eE][+-]?[0-9]*)?\Z")
-_WORDS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")  # what the decoder reads
-_CLOSE = {"{": "}", "[": "]"}
-
-
-class _Value:
-    """The JSON value at ``at`` of an output that grows: ``open`` (cut short, and may still be a
-    call or a list of calls), or else ``value``/``end`` (None when it is not JSON, or cannot be
-    a call: it does not start with one of ``first``, or a top-level list holds more than objects).
-    :meth:`read` goes on from where it stopped, so a long call is read once, not once a token."""
-
-    def __init__(self, at: int, first: str) -> None:
-        self.at, self.first = at, first
-        self.i, self.stack, self.expect, self.closable = at, [], "value", False  # closable: just opened
-        self.open = True
-        self.value: Any = None
-        self.end = 0
-
-    def read(self, text: str, final: bool) -> _Value:
-        if self.open:
-            whole = self._scan(text)
-            if whole is not None or final:  # not JSON by kiln's reading: the decoder has the last word
-                self.open = False
-                try:
-                    self.value, self.end = _DECODER.raw_decode(text, self.at)
-                except (ValueError, RecursionError):  # RecursionError: nested past what it reads
-                    self.value = None
-        return self
-
-    def _scan(self, text: str) -> bool | None:
-        """True when the value is whole, False when it cannot become a call, None while cut short."""
-        n = len(text)
-        while True:
-            i = _skip(text, self.i, _WS)
-            if i >= n:
-                return None
-            c, stack = text[i], self.stack
-            if (self.expect == "next" or self.closable) and stack and c == _CLOSE[stack[-1]]:
-                stack.pop()
-                self.i, self.expect, self.closable = i + 1, "next", False
-                if not stack:
-                    return True
-                continue
-            self.closable = False
-            if self.expect == "next":
-                if c != ",":
-                    return False
-                self.i, self.expect = i + 1, "key" if stack[-1] == "{" else "value"
-            elif self.expect == "colon":
-                if c != ":":
-                    return False
-                self.i, self.expect = i + 1, "value"
-            elif self.expect == "key" or c == '"':
-                string = _STRING.match(text, i)
-                if string is None:
-                    return None if _STRING_CUT.match(text, i) else False
-                self.i, self.expect = string.end(), "colon" if self.expect == "key" else "next"
-            else:
-                allowed = self.first if not stack else "{" if stack == ["["] else None
-                if allowed is not None and c not in allowed:
-                    return False
-                if c in "{[":
-                    stack.append(c)
-                    self.i, self.expect, self.closable = i + 1, "key" if c == "{" else "value", True
-                elif _NUMBER_CUT.match(text, i):  # a number up to the end: more digits may come
-                    return None
-                elif number := _NUMBER.match(text, i):
-                    self.i, self.expect = number.end(), "next"
-                elif word := next((w for w in _WORDS if text.startswith(w, i)), None):
-                    self.i, self.expect = i + len(word), "next"
-                else:
-                    return None if any(w.startswith(text[i:]) for w in _WORDS) else False
-
-
-# Each reader's values by where they begin: the text before a position never changes as it grows.
-_Values = dict[int, _Value]
-
-
-def _value(text: str, at: int, first: str, final: bool, values: _Values | None) -> _Value:
-    value = values.get(at) if values is not None else None
-    if value is None:
-        value = _Value(at, first)
-        if values is not None:
-            values[at] = value
-    return value.read(text, final)
-
-
 def _take_calls(text: str, pos: int, plan: ToolPlan, first: str = "{[", final: bool = True,
-                values: _Values | None = None) -> tuple[int, list[Call], bool]:
+                values: Values | None = None) -> tuple[int, list[Call], bool]:
     """The calls of the JSON values from ``pos`` on, while each is a call or a list of calls:
     (where the last ends, the calls, open). ``open``: the text so far ends where a further call may
     still come (never when ``final``)."""
     calls: list[Call] = []
-    end, at = pos, _skip(text, pos, _WS)
+    end, at = pos, skip(text, pos, WS)
     while at < len(text) and text[at] in (first if not calls else "{["):
-        value = _value(text, at, first if not calls else "{[", final, values)
+        value = value_at(text, at, first if not calls else "{[", final, values)
         if value.open:
             return end, calls, True
         found = _calls_of(value.value, plan) if value.value is not None else None
         if found is None:
             return end, calls, False
         calls += found
-        end, at = value.end, _skip(text, value.end, _SEP)
+        end, at = value.end, skip(text, value.end, _SEP)
     return end, calls, not final and at >= len(text)
 
 
@@ -259,7 +160,7 @@ def _take_calls(text: str, pos: int, plan: ToolPlan, first: str = "{[", final: b
 _Block = tuple[int, list[Call]] | None
 
 
-def _hermes_block(text: str, at: int, plan: ToolPlan, final: bool, values: _Values) -> _Block:
+def _hermes_block(text: str, at: int, plan: ToolPlan, final: bool, values: Values) -> _Block:
     body = at + len("<tool_call>")
     close, following = text.find(_HERMES_END, body), text.find("<tool_call>", body)
     if close >= 0:
@@ -283,7 +184,7 @@ _MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.:-]+)\s*\[ARGS\]\s*")
 _MISTRAL_NAME = re.compile(r"\s*[A-Za-z0-9_.:-]+\s*")
 
 
-def _mistral_block(text: str, at: int, plan: ToolPlan, final: bool, values: _Values) -> _Block:
+def _mistral_block(text: str, at: int, plan: ToolPlan, final: bool, values: Values) -> _Block:
     body = at + len("[TOOL_CALLS]")
     named = _MISTRAL_NAMED.match(text, body)
     if named is None:
@@ -296,19 +197,19 @@ def _mistral_block(text: str, at: int, plan: ToolPlan, final: bool, values: _Val
         return None if not final else (start, [])
     if text[start] != "{":
         return start, []
-    args = _value(text, start, "{", final, values)
+    args = value_at(text, start, "{", final, values)
     if args.open:
         return None
     call = _call({"name": named.group(1), "arguments": args.value}, plan) if args.value is not None else None
     return args.end, [call] if call else []
 
 
-def _values_block(text: str, body: int, plan: ToolPlan, final: bool, values: _Values) -> _Block:
+def _values_block(text: str, body: int, plan: ToolPlan, final: bool, values: Values) -> _Block:
     end, calls, still = _take_calls(text, body, plan, final=final, values=values)
     return None if still else (end, calls)
 
 
-def _marker_block(text: str, at: int, plan: ToolPlan, final: bool, values: _Values) -> _Block:
+def _marker_block(text: str, at: int, plan: ToolPlan, final: bool, values: Values) -> _Block:
     if plan.format == "hermes":
         return _hermes_block(text, at, plan, final, values)
     if plan.format == "mistral":
@@ -328,7 +229,7 @@ class _Reader:
         self.search = 0  # where the next marker may be
         self.content = ""
         self.calls: list[Call] = []
-        self.values: _Values = {}
+        self.values: Values = {}
 
     def read(self, text: str, final: bool) -> str:
         """The content after ``self.content`` that no call can take any more (all of it when
