@@ -20,6 +20,7 @@ is not, it stops with :class:`ClaimLost` and creates no manifest, so nothing bec
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from kiln.artifact_manifest import CLAIM_NAME, MANIFEST_NAME, ArtifactConflict, 
 from kiln.storage import Backend
 
 HEARTBEAT_SUFFIX = ".heartbeat.json"
+log = logging.getLogger("kiln.artifacts")
 
 
 class ClaimLost(StoreError):
@@ -59,6 +61,7 @@ def move_in(store: VersionStore, version: str, staging: str, manifest: Manifest)
     backend = store.backend
     base = f"engines/{version}"
     claim = Claim(store, version, manifest)
+    said_waiting = False
     try:
         while True:
             if (winner := store.read_manifest(version)) is not None:
@@ -70,9 +73,17 @@ def move_in(store: VersionStore, version: str, staging: str, manifest: Manifest)
                 continue  # the holder just finished or gave up: look again
             if other.get("content_digest") == manifest.content_digest:
                 break  # byte-identical content: moving it in alongside the holder is harmless
-            if _claim_age(backend, version, other) > store.claim_ttl:
+            age = _claim_age(backend, version, other)
+            if age > store.claim_ttl:
                 backend.delete([claim.key])  # its publisher died mid-move: take over
                 continue
+            if not said_waiting:  # otherwise a publish behind a dead publisher's claim waits up to claim_ttl in silence
+                said_waiting = True
+                log.warning("%s: upload %r holds the publish claim (last heard from %.0fs ago); waiting for its "
+                            "manifest, or until it has been silent for claim_ttl %s and the claim is taken over. If "
+                            "that publisher is dead (killed mid-publish), `kiln cache gc --staging-older-than 1m` "
+                            "removes what it left",
+                            store.artifact_uri(version), other.get("upload_id"), age.total_seconds(), store.claim_ttl)
             time.sleep(0.2)  # a different upload is moving in: wait for its manifest
         for f in manifest.files:
             claim.check()

@@ -23,6 +23,7 @@ naming the store and the fix; CLIs print it and exit 3.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -153,7 +154,9 @@ class ArtifactStore:
         if dir_matches(dest, manifest):
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_fetches(dest)
         tmp = dest.parent / f".{dest.name}.fetch-{uuid.uuid4().hex[:8]}"
+        lock = _hold_lock(tmp.with_name(tmp.name + ".lock"))
         try:
             for f in manifest.files:
                 local = tmp / f.path
@@ -171,6 +174,8 @@ class ArtifactStore:
             _replace_dir(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            Path(lock.name).unlink(missing_ok=True)
+            lock.close()
         return dest
 
     # ---- writing -------------------------------------------------------------------------
@@ -273,6 +278,30 @@ def _file_progress(progress: Progress | None, path: str, total: int) -> Callable
             progress(path, done, total)
 
     return step
+
+
+def _hold_lock(path: Path):
+    """An open file holding an exclusive lock on ``path`` while its fetch runs: the kernel drops the lock when
+    the process dies, however it dies, which is how a later fetch tells a dead fetch's folder from a live one."""
+    f = open(path, "w")  # noqa: SIM115 - held for the fetch, closed by it
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
+def _remove_dead_fetches(dest: Path) -> None:
+    """Remove the temporary folders of fetches of ``dest`` whose process died (a pod killed mid-download):
+    their lock is free. A live fetch's lock is held, so its folder stays."""
+    for lock_path in dest.parent.glob(f".{dest.name}.fetch-*.lock"):
+        with open(lock_path, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live fetch
+            shutil.rmtree(lock_path.with_suffix(""), ignore_errors=True)
+            lock_path.unlink(missing_ok=True)
+    for folder in dest.parent.glob(f".{dest.name}.fetch-*"):  # from before fetches held a lock
+        if folder.is_dir() and not folder.with_name(folder.name + ".lock").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _replace_dir(tmp: Path, dest: Path) -> None:
