@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 from kiln.builder.sizing import parallel_degree
-from kiln.engine.config import canonical_quantization
+from kiln.engine.config import EngineConfig, canonical_quantization
+
+DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
 # (spec attribute path, or None where the build sets it; EngineConfig field; transform or None)
 ENGINE_SETTINGS: tuple[tuple[str | None, str, Callable[[Any], Any] | None], ...] = (
@@ -32,6 +35,10 @@ ENGINE_SETTINGS: tuple[tuple[str | None, str, Callable[[Any], Any] | None], ...]
     (None, "num_kv_blocks", None),  # the KV plan's pool (kiln.builder.kv_plan)
     ("kv.memory_fraction", "kv_memory_fraction", None),
     (None, "cuda_graph_batch_sizes", None),  # the tune stage's buckets; None: the runtime's defaults
+    ("lora", "enable_lora", lambda lora: lora is not None),
+    ("lora.max_loras", "max_loras", lambda n: n or DEFAULTS["max_loras"]),  # no spec.lora: the runtime's default
+    ("lora.max_lora_rank", "max_lora_rank", lambda r: r or DEFAULTS["max_lora_rank"]),
+    ("lora.max_cpu_loras", "max_cpu_loras", None),  # None: max_loras
 )
 
 

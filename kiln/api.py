@@ -20,6 +20,8 @@ so ``kubectl apply`` and ``kiln plan`` reject the same specs. Decisions:
   H100, H200). On A100 it would only be dequantized, slower than ``int8``, so it is
   rejected. ``cpu`` is allowed: it is the reference path (weights stored as fp8 and
   dequantized to ``dtype`` per matmul) that tests and the demo run.
+- ``quantization: gguf`` keeps a GGUF file's own blocks, so the source must be a ``.gguf`` file
+  (``model.source`` or, for hf://, ``model.file``).
 - ``model.credentialsSecret`` only means something for ``hf://`` and ``s3://``.
 - ``model.file`` (a GGUF file inside the repo) only means something for ``hf://``; the
   other sources name a ``.gguf`` file in ``model.source`` itself.
@@ -41,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kiln.api_base import DNS1123_LABEL
 from kiln.api_base import APIModel as _Model
 from kiln.engine_status import LLMEngineStatus
+from kiln.lora_options import LORA_ROOT_RULES, LORA_RULES, LoraOptions, lora_problems, served_name_problems
 from kiln.model_source import ModelSource, scheme_problems
 from kiln.serving_options import SCALE_OUT_RULES, ServingOptions, scale_out_problems
 from kiln.skus import (
@@ -70,7 +73,7 @@ __all__ = [
 
 
 Dtype = Literal["bfloat16", "float16", "float32"]
-Quantization = Literal["none", "int8", "fp8"]
+Quantization = Literal["none", "int8", "fp8", "gguf"]
 KVCacheDtype = Literal["auto", "bfloat16", "float16", "float32"]
 TensorParallel = Literal[1, 2, 4, 8]
 PipelineParallel = Literal[1, 2, 4, 8]
@@ -130,6 +133,11 @@ CROSS_FIELD_RULES: tuple[tuple[str, str, str, str], ...] = (
     ("fp8_gpu", "self.quantization != 'fp8' || self.gpu in [" + ", ".join(f"'{g}'" for g in FP8_GPUS) + "]",
      f"spec.quantization fp8 needs spec.gpu with FP8 support ({', '.join(FP8_GPUS)}); use int8 on A100",
      ".quantization"),
+    ("gguf_source", "self.quantization != 'gguf' || self.model.source.endsWith('.gguf') "
+     "|| (has(self.model.file) && self.model.file.endsWith('.gguf'))",
+     "spec.quantization gguf keeps a GGUF file's own blocks: spec.model.source (or model.file) must name a .gguf "
+     "file; use none, int8 or fp8 for other checkpoints",
+     ".quantization"),
     ("credentials_scheme",
      "!has(self.model.credentialsSecret) || self.model.source.startsWith('hf://') "
      "|| self.model.source.startsWith('s3://')",
@@ -141,7 +149,10 @@ CROSS_FIELD_RULES: tuple[tuple[str, str, str, str], ...] = (
     SHAPE_RULE,
     *SCALE_OUT_RULES,
     *SPECULATIVE_RULES,
+    *LORA_RULES,
 )
+# Rules on the whole object (self is the LLMEngine: they may read metadata.name); twins in LLMEngine._check_root.
+ROOT_RULES: tuple[tuple[str, str, str, str], ...] = LORA_ROOT_RULES
 
 
 class LLMEngineSpec(_Model):
@@ -157,7 +168,8 @@ class LLMEngineSpec(_Model):
     )
     dtype: Dtype = Field(default="bfloat16", description="Compute and (unquantized) weight dtype.")
     quantization: Quantization = Field(
-        default="none", description="Weight-only quantization with per-output-channel scales: none, int8, fp8."
+        default="none", description="Weight-only quantization: none; int8, fp8 (per-output-channel scales); gguf "
+        "(a .gguf source's own Q8_0/Q4_0/Q4_1 blocks, kept as they are)."
     )
     kv_cache_dtype: KVCacheDtype = Field(
         default="auto", alias="kvCacheDtype", description="KV-cache dtype; auto means the same as dtype."
@@ -195,6 +207,11 @@ class LLMEngineSpec(_Model):
         description="Speculative decoding (docs/speculative.md); unset or method off means none. With ngram the "
         "build measures where it pays and records a per-batch-size table in the artifact.",
     )
+    lora: LoraOptions | None = Field(
+        default=None,
+        description="LoRA adapters served beside the base model, mixed in one batch (docs/lora.md). The slot "
+        "limits are in the engine version; the adapter list is not (adapters load without a rebuild or restart).",
+    )
     serving: ServingOptions = Field(
         default_factory=ServingOptions, json_schema_extra={"default": {}},
         description="How the engine is served; none of it changes the engine version.",
@@ -216,11 +233,16 @@ class LLMEngineSpec(_Model):
         if self.quantization == "fp8" and self.gpu not in FP8_GPUS:
             problems.append(f"quantization: fp8 needs a GPU with FP8 support ({', '.join(FP8_GPUS)}), "
                             f"not {self.gpu}; use int8 on {self.gpu}")
+        if self.quantization == "gguf" and not (self.model.source.endswith(".gguf")
+                                                 or (self.model.file or "").endswith(".gguf")):
+            problems.append("quantization: gguf keeps a GGUF file's own blocks: spec.model.source (or model.file) "
+                            "must name a .gguf file; use none, int8 or fp8 for other checkpoints")
         problems += scheme_problems(self.model, "model")
         if shape := shape_problem(self.gpu, self.tensor_parallel, self.pipeline_parallel, self.gpus_per_node):
             problems.append(shape)
         problems += scale_out_problems(self.serving)
         problems += speculative_problems(self.speculative, self.max_num_tokens, self.model.credentials_secret)
+        problems += lora_problems(self.lora, self.gpu)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -262,6 +284,12 @@ class LLMEngine(_Model):
     metadata: Metadata
     spec: LLMEngineSpec
     status: LLMEngineStatus | None = None
+
+    @model_validator(mode="after")
+    def _check_root(self) -> LLMEngine:
+        if problems := served_name_problems(self.spec.lora, self.metadata.name):
+            raise ValueError("\n".join(problems))
+        return self
 
 
 if set(get_args(GPUName)) != set(GPU_SKUS):  # pragma: no cover - a table edit missed the Literal

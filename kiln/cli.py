@@ -21,11 +21,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                "Print the Kubernetes objects the operator would create for a manifest (YAML)."),
     "cache": ("kiln.cache_cli:cache", "List, show, remove and garbage-collect built engines in a store."),
     "build": ("kiln.builder.cli:build", "Build an engine artifact for a manifest into a store."),
+    "build-adapter": ("kiln.builder.adapter_build:build_adapter_command",
+                      "Build a LoRA adapter of spec.lora.adapters for the engine's base into a store."),
     "up": ("kiln.up:up", "Build (if missing) and serve a manifest on this machine, no Kubernetes."),
     "serve": ("kiln.serving.cli:serve", "Serve a model directory or engine artifact over an OpenAI-compatible API."),
     "operator": ("kiln.operator.cli:operator", "Run the Kubernetes operator."),
     "bench": ("kiln_bench.cli:bench", "Benchmark kiln against transformers baselines on one workload."),
-    "make-model": ("kiln.engine.toy:make_model_command", "Write a small random-weight model (no hub needed)."),
+    "make-model": ("kiln.engine.random_checkpoint:make_model_command", "Write a small random-weight model (no hub needed)."),
 }
 
 

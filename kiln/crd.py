@@ -101,6 +101,10 @@ def openapi_schema() -> dict[str, Any]:
             "spec": spec,
             "status": status,
         },
+        "x-kubernetes-validations": [
+            {"rule": rule, "message": message, "fieldPath": path, "reason": "FieldValueInvalid"}
+            for _, rule, message, path in api.ROOT_RULES
+        ],
     }
 
 

@@ -97,6 +97,19 @@ class ReplicaStatus(_Model):
     )
 
 
+class AdapterStatus(_Model):
+    """One entry of ``status.adapters``: a LoRA adapter of ``spec.lora.adapters`` for ``status.engineVersion``."""
+
+    name: str = Field(description="The adapter's name (spec.lora.adapters[].name).")
+    phase: Literal["Building", "Ready", "Failed"] = Field(
+        description="Building (its build Job runs), Ready (built and listed in the <engine>-adapters ConfigMap, "
+        "which serving pods load without a restart) or Failed (message says why; the base keeps serving).")
+    version: str | None = Field(default=None, description="The adapter's artifact version.")
+    artifact_uri: str | None = Field(default=None, alias="artifactURI", description="Where that artifact lives.")
+    job_name: str | None = Field(default=None, description="The adapter's build Job.")
+    message: str | None = Field(default=None, max_length=4096, description="Why it failed.")
+
+
 class LLMEngineStatus(_Model):
     # The operator writes status, not users; keys another writer left (e.g. kopf's own
     # `status.kopf` on a cluster that kept it) must not make the object unreadable.
@@ -124,6 +137,11 @@ class LLMEngineStatus(_Model):
     artifact: ArtifactPin | None = Field(
         default=None, description="The build the operator pinned for engineVersion (docs/operator-trust.md).")
     build: BuildStatus | None = Field(default=None, description="Build attempts of engineVersion.")
+
+    adapters: list[AdapterStatus] | None = Field(
+        default=None, description="LoRA adapters of spec.lora, one entry each (docs/lora.md).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
 
     # -- scale out (docs/scale-out.md) --
     replicas: ReplicaStatus | None = Field(

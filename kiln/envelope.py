@@ -33,6 +33,11 @@ What is in, and why:
   lengths decide the artifact. With ``off`` the other three fields are ignored, so they are out.
   With ``draft_model`` the draft checkpoint's identity (normalized like the model's: its weights are
   converted into the artifact) takes the place of the lookup lengths, which it does not use.
+- ``spec.lora``'s slot limits when it is set (absent otherwise, so every version from before LoRA is
+  unchanged): ``max_loras`` and ``max_lora_rank`` size the device slots the runtime reserves beside the KV
+  pool, and ``max_cpu_loras`` (resolved: unset is ``max_loras``) is recorded in ``engine.json`` like every
+  setting there, so a pod runs what its artifact says. The adapter list is out: each adapter is an
+  artifact of its own (:func:`adapter_version`), so adding or removing one never rebuilds the engine.
 - the GPU's architecture *and* memory size, not its SKU name: kernels are specific to
   the architecture, and the builder sizes the KV pool for the target's memory, so
   L4 and L40S (both sm89) get different artifacts while a renamed SKU with the same
@@ -105,7 +110,29 @@ def build_envelope(spec: LLMEngineSpec | LLMEngine) -> dict[str, Any]:
                                            prompt_lookup_min=spec.speculative.prompt_lookup_min)
         else:  # a draft model's identity instead of the lookup lengths it does not use
             envelope["speculative"]["draft_model"] = _source(spec.speculative.draft_model)
+    if spec.lora is not None:  # absent without LoRA: earlier versions stay; the adapter list is never in
+        envelope["lora"] = {"max_loras": spec.lora.max_loras, "max_lora_rank": spec.lora.max_lora_rank,
+                            "max_cpu_loras": spec.lora.resolved_max_cpu_loras}
     return envelope
+
+
+ADAPTER_KIND = "lora-adapter"
+
+
+def adapter_envelope(base_version: str, adapter: Any) -> dict[str, Any]:
+    """What an adapter's artifact version hashes: the base engine version it is built for and checked against
+    (its dtype, shapes, maxLoraRank), and the adapter's identity (normalized source, revision: like a model's,
+    the revision is the identity of ``file://``/``s3://``/``pvc://`` files, since the version is computed before
+    anything is fetched; the file digests are recorded and signed in the artifact's manifest). Its name is out
+    of the hash (it is in the version's readable part): renaming an adapter rebuilds nothing."""
+    return {"kind": ADAPTER_KIND, "envelope_version": ENVELOPE_VERSION, "base_engine_version": base_version,
+            "adapter": _source(adapter.model_source)}
+
+
+def adapter_version(base_version: str, adapter: Any) -> str:
+    """``<base engine version>-<adapter name>-<12 hex>``: at most 45 + 63 + 14 characters (a store version
+    allows 128; Kubernetes names derived from it are bounded by ``kiln.operator.naming``)."""
+    return f"{base_version}-{adapter.name}-{envelope_digest(adapter_envelope(base_version, adapter))[:HASH_CHARS]}"
 
 
 def _model(spec: LLMEngineSpec) -> dict[str, Any]:

@@ -32,7 +32,7 @@ async def apply(kube: KubeClient, desired: dict[str, Any]) -> dict[str, Any]:
     meta = desired["metadata"]
     meta.setdefault("annotations", {})[HASH_ANNOTATION] = rendered_hash(desired)
     plural = {"Deployment": "deployments", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets",
-              "NetworkPolicy": "networkpolicies",
+              "NetworkPolicy": "networkpolicies", "ConfigMap": "configmaps",
               "LeaderWorkerSet": LWS_PLURAL, **scale_out.PLURALS}
     collection = api_path(desired["apiVersion"], plural[desired["kind"]], meta["namespace"])
     path = f"{collection}/{meta['name']}"

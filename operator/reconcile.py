@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kiln.operator import keys, metrics, scale_out
+from kiln.operator.adapter_steps import converge_adapters
 from kiln.operator.apply import HASH_ANNOTATION, apply
 from kiln.operator.decide import (
     BUILD,
@@ -101,6 +102,8 @@ async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Log
     count_cache(plan)
     outcome = await STEPS[plan.step](ctx, world, logger)
     status = compose_status(observation(world, plan, outcome, ctx.config))
+    if plan.step == SERVE:  # adapters are built against, and listed for, a served base (docs/lora.md)
+        status["adapters"] = await converge_adapters(ctx, world, logger, lambda: key_pair(ctx))
     count_build(finished_build(world, plan, outcome, status.get("build")))
     return await write_status(ctx, world, status)
 

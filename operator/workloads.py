@@ -19,6 +19,7 @@ import json
 import math
 from typing import Any
 
+from kiln.operator.adapters import adapters_mount, adapters_volume
 from kiln.operator.autoscaling import REPLICAS_OWNER, autoscaled, floor_replicas, initial_replicas
 from kiln.operator.jobs import (
     container_security_context,
@@ -93,6 +94,9 @@ def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str, config:
         args += ["--api-key-file", API_KEY_FILE]
     if pod_gpus(spec) > 1:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    lora_mounts, lora_env = adapters_mount(spec)  # the same whatever adapters are listed: no restart
+    mounts += lora_mounts
+    env += lora_env
     container: dict[str, Any] = {
         "name": "serve",
         "image": serving_image(spec, config),
@@ -133,7 +137,7 @@ def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: st
     labels = serving_labels(name)
     pod_labels = {**labels, LABEL_VERSION: version}
     # The server never talks to the Kubernetes API: no token in the pod to steal (_pod_spec).
-    pod_spec = _pod_spec(spec, config, serving_container(spec, name, artifact_uri, config, expect))
+    pod_spec = _pod_spec(spec, config, serving_container(spec, name, artifact_uri, config, expect), name)
     owner_of_replicas = {REPLICAS_OWNER: "autoscaler"} if autoscaled(spec) else {}
     return {
         "apiVersion": "apps/v1",
@@ -157,14 +161,14 @@ def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: st
     }
 
 
-def _pod_spec(spec: LLMEngineSpec, config: OperatorConfig, container: dict[str, Any]) -> dict[str, Any]:
+def _pod_spec(spec: LLMEngineSpec, config: OperatorConfig, container: dict[str, Any], name: str) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": grace_period(spec, config),
         "securityContext": pod_security_context(),
         "automountServiceAccountToken": False,
         "containers": [container],
         "volumes": [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}, *shm_volume(spec),
-                    verify_key_volume(), *api_key_volume(spec)],
+                    verify_key_volume(), *api_key_volume(spec), *adapters_volume(spec, name)],
         **gpu_placement(spec, config),
     }
     if config.serving_service_account:
@@ -223,7 +227,7 @@ def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, vers
     worker = worker_container(leader)
     annotations = {ANNOTATION_VERSION: version, "prometheus.io/scrape": "true",
                    "prometheus.io/port": str(spec.serving.port), "prometheus.io/path": "/metrics"}
-    worker_pod = _pod_spec(spec, config, worker)
+    worker_pod = _pod_spec(spec, config, worker, name)
     worker_pod["volumes"] = [v for v in worker_pod["volumes"] if v["name"] != "api-key"]
     return {
         "apiVersion": LWS_API_VERSION,
@@ -242,7 +246,7 @@ def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, vers
                 "leaderTemplate": {
                     "metadata": {"labels": {**serving_labels(name), LABEL_VERSION: version},
                                  "annotations": annotations},
-                    "spec": _pod_spec(spec, config, leader),
+                    "spec": _pod_spec(spec, config, leader, name),
                 },
                 "workerTemplate": {
                     "metadata": {"labels": {**worker_labels(name), LABEL_VERSION: version},

@@ -133,6 +133,8 @@ NEEDED = {
     # the key pair (operator namespace), its copies and group tokens (engine namespaces): get/patch by name
     ("", "secrets"): {"get", "create", "patch"},
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
+    # the adapters a pod holds (docs/lora.md): the <engine>-adapters ConfigMap, dropped with spec.lora
+    ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "namespaces"): {"list", "watch"},
     # scale out: the autoscaler's objects (KEDA by default) and InferencePools

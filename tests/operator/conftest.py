@@ -35,6 +35,7 @@ RESOURCES = {
     "v1/pods": ("Pod", True, {"status"}, {"po"}),
     "v1/events": ("Event", True, set(), {"ev"}),
     "v1/secrets": ("Secret", True, set(), set()),
+    "v1/configmaps": ("ConfigMap", True, set(), {"cm"}),
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, set(), {"netpol"}),
     "v1/namespaces": ("Namespace", False, {"status"}, {"ns"}),
     # scale out: the CRDs of KEDA, its HTTP add-on and the Inference Extension, and the HPA (a test can remove

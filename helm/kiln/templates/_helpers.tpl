@@ -84,6 +84,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, create, patch, delete]
+# Each LoRA engine's <engine>-adapters ConfigMap (docs/lora.md); delete: when spec.lora is removed.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, create, patch, delete]
 # Scale out (docs/scale-out.md): the autoscaler objects of the chosen engine, and InferencePools; delete
 # because an engine that drops autoscaling or routing loses them.
 {{- if eq .Values.autoscaling.engine "hpa" }}

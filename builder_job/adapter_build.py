@@ -1,0 +1,153 @@
+"""``kiln build-adapter``: build one LoRA adapter of ``spec.lora.adapters`` into the store, for the base engine
+the spec builds to (docs/lora.md).
+
+\b
+fetch the PEFT adapter (and, for the gate, the base checkpoint) -> read the base artifact's config.json from
+the store (verified against the signing key's public half) -> check the adapter against it and maxLoraRank ->
+cast to the engine's dtype (PEFT layout kept) -> quality gate -> publish as
+<base version>-<name>-<hash>, signed like engines, with an adapter.json of provenance.
+
+\b
+Exit codes: as `kiln build` (0 built or cache hit, 2 the adapter does not fit the engine: the message names
+spec.lora.adapters[i].source, 3 storage, 4 quality gate, 5 fetch). A failed adapter build never touches
+the base engine, which keeps serving.
+--fetch-only / --prefetched split the work as a build Job does (credentials apart from the store's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+from kiln.builder.adapter_fetch import fetch_adapter
+from kiln.builder.cli import BuildOutcome, _publisher
+from kiln.builder.errors import EXIT_OK, BuildError, InvalidSpec, StorageFailure
+from kiln.builder.manifest_input import check_expected_version, resolve_manifest
+from kiln.builder.report import setup_logging, write_termination_message
+
+from kiln.artifact_manifest import StoreError, file_sha256
+from kiln.artifacts import ArtifactStore
+from kiln.envelope import adapter_envelope, adapter_version, engine_version
+
+log = logging.getLogger("kiln.build.adapter")
+ADAPTER_VERSION_ENV = "KILN_ADAPTER_VERSION"
+
+
+def find_adapter(engine, name: str) -> tuple[int, Any]:
+    adapters = engine.spec.lora.adapters if engine.spec.lora is not None else []
+    for i, adapter in enumerate(adapters):
+        if adapter.name == name:
+            return i, adapter
+    raise InvalidSpec(f"--adapter: no adapter named {name!r} in spec.lora.adapters "
+                      f"({', '.join(a.name for a in adapters) or 'none'})")
+
+
+def versions(engine, adapter) -> tuple[str, str]:
+    base = engine_version(engine.spec)
+    check_expected_version(base)
+    version = adapter_version(base, adapter)
+    expected = os.environ.get(ADAPTER_VERSION_ENV)
+    if expected and expected != version:
+        raise InvalidSpec(f"${ADAPTER_VERSION_ENV} is {expected} but this builder computes {version}: the operator "
+                          "and builder images disagree (different kiln versions?); run matching images")
+    return base, version
+
+
+def base_config(store: ArtifactStore, base: str, signer) -> dict[str, Any]:
+    """The base artifact's config.json, after its manifest's signature (the signer's own key) and digest."""
+    manifest, document = store.read_signed_manifest(base)
+    if manifest is None:
+        raise InvalidSpec(f"spec: the base engine {base} is not in {store.uri}; build it first (`kiln build`), then "
+                          "its adapters")
+    if signer is not None:
+        from kiln.signing import Verifier
+
+        with tempfile.NamedTemporaryFile("wb", suffix=".pem") as pem:
+            pem.write(signer.public_pem())
+            pem.flush()
+            if (problem := Verifier.from_pem(pem.name).problem(document)) is not None:
+                raise StorageFailure(f"{store.artifact_uri(base)}: the base's manifest is not signed by this "
+                                     f"build's key: {problem}")
+    entry = next((f for f in manifest.files if f.path == "config.json"), None)
+    data = store.backend.read(f"engines/{base}/config.json") if entry else None
+    if data is None or entry is None:
+        raise StorageFailure(f"{store.artifact_uri(base)}: no config.json in the base artifact")
+    with tempfile.NamedTemporaryFile("wb") as tmp:
+        tmp.write(data)
+        tmp.flush()
+        if file_sha256(Path(tmp.name)) != entry.sha256:
+            raise StorageFailure(f"{store.artifact_uri(base)}/config.json: digest differs from its manifest")
+    return json.loads(data)
+
+
+def build_adapter(engine, name: str, store_uri: str, work_dir: str | Path | None = None, prefetched: bool = False,
+                  signing_key: str | Path | None = None) -> BuildOutcome:
+    """Build adapter ``name`` of ``engine`` into ``store_uri`` unless it is there; never raises for user errors."""
+    version = None
+    try:
+        index, adapter = find_adapter(engine, name)
+        base, version = versions(engine, adapter)
+        built_by, signer = _publisher(signing_key)
+        try:
+            store = ArtifactStore.from_uri(store_uri)
+            if store.exists(version):
+                return BuildOutcome(EXIT_OK, version, store.artifact_uri(version), cache_hit=True,
+                                    message=f"cache hit: {version}")
+            base_cfg = base_config(store, base, signer)
+        except StoreError as exc:
+            raise StorageFailure(str(exc)) from None
+        work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="kiln-adapter-"))
+        from kiln.builder.adapter_steps import make_artifact  # deferred: torch, peft
+
+        out, report = make_artifact(engine, index, adapter, base, base_cfg, work, prefetched)
+        (out / "adapter.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+        try:
+            store.publish(version, out, adapter_envelope(base, adapter), built_by=built_by, signer=signer)
+        except StoreError as exc:
+            raise StorageFailure(str(exc)) from None
+        return BuildOutcome(EXIT_OK, version, store.artifact_uri(version), message=f"built: {version}",
+                            build_report=report)
+    except BuildError as exc:
+        return BuildOutcome(exc.exit_code, version, message=f"{exc.reason}: {exc}",
+                            build_report=getattr(exc, "metrics", {}))
+
+
+@click.command("build-adapter", help=__doc__.replace("``", ""))
+@click.option("--adapter", "name", required=True, help="Name of the adapter in spec.lora.adapters to build.")
+@click.option("-f", "--file", "manifest", default=None, help="LLMEngine manifest (YAML or JSON); '-' reads stdin.")
+@click.option("--spec-file", default=None, help="Manifest file as a Job mounts it.")
+@click.option("--store", "store_uri", envvar="KILN_STORE_URI", default=None, help="Artifact store URI.")
+@click.option("--work-dir", envvar="KILN_WORK_DIR", default=None, help="Scratch space (default: a temp dir).")
+@click.option("--fetch-only", is_flag=True, help="Only fetch the adapter and the base checkpoint into --work-dir.")
+@click.option("--prefetched", is_flag=True, help="Build from what --fetch-only left in --work-dir.")
+@click.option("--signing-key", envvar="KILN_SIGNING_KEY", default=None, help="PEM key that signs the manifest.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def build_adapter_command(name: str, manifest: str | None, spec_file: str | None, store_uri: str | None,
+                          work_dir: str | None, fetch_only: bool, prefetched: bool, signing_key: str | None,
+                          verbose: bool) -> None:
+    setup_logging(verbose)
+    if (fetch_only or prefetched) and not work_dir:
+        raise click.UsageError("--fetch-only and --prefetched need --work-dir (or $KILN_WORK_DIR)")
+    if not fetch_only and not store_uri:
+        raise click.UsageError("no artifact store: pass --store file:///path or s3://bucket/prefix")
+    try:
+        engine = resolve_manifest(manifest, spec_file)
+        if fetch_only:
+            index, adapter = find_adapter(engine, name)
+            outcome = BuildOutcome(EXIT_OK, message=f"fetched: {fetch_adapter(engine, index, adapter, Path(work_dir))}")
+        else:
+            outcome = build_adapter(engine, name, store_uri, work_dir, prefetched, signing_key)
+    except BuildError as exc:
+        outcome = BuildOutcome(exc.exit_code, message=f"{exc.reason}: {exc}")
+    if outcome.exit_code == EXIT_OK:
+        click.echo(outcome.message + (f"\nartifact: {outcome.artifact_uri}" if outcome.artifact_uri else ""))
+    else:
+        click.echo(f"error: {outcome.message}", err=True)
+    write_termination_message(outcome.message)
+    sys.exit(outcome.exit_code)

@@ -1,0 +1,79 @@
+"""The adapter's quality gate: what will be served against transformers + PEFT with the adapter as published.
+
+Reference: the base checkpoint in float32 with the *original* adapter applied by PEFT (unmerged). Candidate:
+the base in the engine's dtype with the *converted* adapter merged into its weights (``merge_and_unload``),
+which is what a LoRA slot computes (``W x + B A x * alpha / r``) up to rounding. Both are teacher-forced
+over the calibration prompts (:func:`kiln.builder.quality.teacher_forced_metrics`: mean KL and greedy
+agreement), and judged by ``spec.build.qualityGate``.
+
+The runtime half (kiln's own engine, ``LLM(..., enable_lora=True)`` with a per-request ``LoRARequest``) is
+being built beside this; until the gate runs it, the report records ``runtime: pending``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from kiln.builder.errors import QualityGateFailed
+from kiln.builder.quality import (
+    CALIBRATION_PROMPTS,
+    failure_message,
+    judge,
+    teacher_forced_metrics,
+    thresholds,
+    tokenize_prompts,
+)
+
+
+class _HFLogProbs:
+    """A transformers model as the gate's ``log_probs(token_lists)``."""
+
+    def __init__(self, model) -> None:
+        self.model = model.eval()
+
+    @torch.no_grad()
+    def log_probs(self, token_lists: list[list[int]]) -> list[torch.Tensor]:
+        out = []
+        for ids in token_lists:
+            logits = self.model(input_ids=torch.tensor([ids])).logits[0].float()
+            out.append(torch.log_softmax(logits, -1))
+        return out
+
+
+def _token_lists(base_dir: Path, spec, vocab: int) -> list[list[int]]:
+    prompts = spec.build.calibration_prompts or CALIBRATION_PROMPTS
+    try:
+        from transformers import AutoTokenizer
+
+        return tokenize_prompts(AutoTokenizer.from_pretrained(base_dir), prompts[:8], spec)
+    except (OSError, ValueError):  # a checkpoint without a tokenizer (toy models): fixed pseudo-random ids
+        gen = torch.Generator().manual_seed(0)
+        return [torch.randint(0, vocab, (16,), generator=gen).tolist() for _ in range(4)]
+
+
+def adapter_metrics(base_dir: Path, original: Path, converted: Path, spec) -> dict[str, Any]:
+    """Teacher-forced KL and agreement of the merged, converted adapter against PEFT's original."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                          original)
+    dtype = getattr(torch, spec.dtype)
+    candidate = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype),
+                                          converted).merge_and_unload()
+    vocab = reference.config.vocab_size
+    token_lists = _token_lists(base_dir, spec, vocab)
+    metrics = teacher_forced_metrics(_HFLogProbs(reference), _HFLogProbs(candidate), token_lists, vocab)
+    return {**metrics, "reference": "transformers+peft (float32, unmerged)",
+            "candidate": f"transformers ({spec.dtype}, converted adapter merged)", "runtime": "pending"}
+
+
+def gate_adapter(base_dir: Path, original: Path, converted: Path, spec, name: str) -> dict[str, Any]:
+    """The verdict; :class:`QualityGateFailed` (exit 4, nothing published) when it fails."""
+    max_kl, min_agree = thresholds(spec)
+    verdict = judge(adapter_metrics(base_dir, original, converted, spec), max_kl, min_agree)
+    if not verdict["passed"]:
+        raise QualityGateFailed(f"adapter {name}: " + failure_message(verdict), verdict)
+    return verdict

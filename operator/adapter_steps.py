@@ -1,0 +1,104 @@
+"""The adapters' part of a reconcile (docs/lora.md, "On a cluster"): read each adapter's artifact and Job, create
+the Jobs of adapters not built yet, apply the ``<engine>-adapters`` ConfigMap, and return ``status.adapters``.
+
+It runs after the engine's own step, only when that step served the base (its artifact is in the store and
+trusted): an adapter is built against the base's published engine. It never touches the workload, whose pod
+template mounts the ConfigMap whatever it lists (:func:`kiln.operator.adapters.adapters_volume`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kiln.operator import keys, metrics
+from kiln.operator.adapters import (
+    AdapterView,
+    adapter_job_name,
+    adapter_statuses,
+    build_adapter_job,
+    build_configmap,
+    configmap_name,
+    wanted_views,
+    wants_job,
+)
+from kiln.operator.apply import apply
+from kiln.operator.decide import World
+from kiln.operator.kube import ApiError, api_path
+from kiln.operator.naming import owner_reference
+from kiln.operator.retry import Failure
+from kiln.operator.status import job_state, last_termination
+from kiln.operator.trust import artifact_problem
+
+KeyPairGetter = Callable[[], Awaitable[keys.KeyPair]]
+
+
+async def converge_adapters(ctx: Any, world: World, logger: logging.Logger,
+                            key_pair: KeyPairGetter) -> list[dict[str, Any]] | None:
+    """``status.adapters`` after converging them; None (removes it) when the spec has no ``lora``.
+    ``key_pair``: the operator's signing key pair, read on first need (an adapter Job's build signs)."""
+    spec = world.spec
+    assert spec is not None and world.version is not None
+    if spec.lora is None:
+        if world.old.get("adapters") is not None:
+            await ctx.kube.delete(api_path("v1", "configmaps", world.namespace, configmap_name(world.name)))
+        return None
+    serving = world.old.get("servingVersion")
+    bases = list(dict.fromkeys(v for v in (world.version, serving) if v))
+    views = [await read_view(ctx, world, adapter, base, version)
+             for adapter, base, version in wanted_views(spec, bases)]
+    for i, view in enumerate(views):
+        if view.base_version == world.version and wants_job(view):
+            views[i] = AdapterView(**{**view.__dict__, "job": await create_adapter_job(ctx, world, view, logger,
+                                                                                         key_pair)})
+    owner = owner_reference(world.body)
+    # The old base's adapters stay listed while its pods serve; adapters not built for any base are left out.
+    listed = [v for v in views if v.base_version == world.version or v.built]
+    await apply(ctx.kube, build_configmap(world.name, world.namespace, listed, owner))
+    return adapter_statuses([v for v in views if v.base_version == world.version])
+
+
+async def read_view(ctx: Any, world: World, adapter: Any, base: str, version: str) -> AdapterView:
+    """One adapter's artifact (trusted or not) and, while it is not built, its Job and why that failed."""
+    manifest = await asyncio.to_thread(ctx.store.read_manifest, version)
+    uri = ctx.store.artifact_uri(version)
+    if manifest is not None:
+        problem = artifact_problem(manifest, ctx.config)
+        return AdapterView(adapter, base, version, uri, built=problem is None, untrusted=problem)
+    if base != world.version:  # the old base's adapters are listed if built, never built again
+        return AdapterView(adapter, base, version, uri, built=False)
+    job = await ctx.kube.get(api_path("batch/v1", "jobs", world.namespace, adapter_job_name(version)))
+    failure = ""
+    if job is not None and job_state(job).state == "failed":
+        failure = (await termination(ctx, world.namespace, job)).detail
+    return AdapterView(adapter, base, version, uri, built=False, job=job, failure=failure)
+
+
+async def termination(ctx: Any, namespace: str, job: dict[str, Any]) -> Failure:
+    selector = f"batch.kubernetes.io/job-name={job['metadata']['name']}"
+    try:
+        pods = await ctx.kube.list(api_path("v1", "pods", namespace), label_selector=selector)
+    except ApiError:
+        return Failure()
+    return Failure(*last_termination(pods))
+
+
+async def create_adapter_job(ctx: Any, world: World, view: AdapterView, logger: logging.Logger,
+                             key_pair: KeyPairGetter) -> dict[str, Any]:
+    """Create the adapter's build Job (owned by this engine, not as controller: another engine with the same base
+    and adapter shares it); when it exists already, take that one."""
+    assert world.spec is not None
+    await keys.ensure_copy(ctx.kube, keys.signing_key_copy(world.namespace, await key_pair()))
+    desired = build_adapter_job(world.spec, world.name, world.namespace, view, ctx.config)
+    desired["metadata"]["ownerReferences"] = [owner_reference(world.body, controller=False)]
+    try:
+        job = await ctx.kube.create(api_path("batch/v1", "jobs", world.namespace), desired)
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+        return await ctx.kube.get(api_path("batch/v1", "jobs", world.namespace, adapter_job_name(view.version))) or {}
+    metrics.BUILDS_STARTED.inc()
+    logger.info(f"created adapter build Job {adapter_job_name(view.version)} for {view.adapter.name} ({view.version})")
+    return job
