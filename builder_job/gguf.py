@@ -5,7 +5,8 @@ weights, usually block-quantized (Q4_0, Q4_1, Q8_0, K-quants, ...). The builder'
 fetch stage turns it into the working checkpoint everything downstream reads:
 ``config.json``, tokenizer files with the chat template, ``generation_config.json``
 and ``model.safetensors`` with the weights dequantized to float32 (transformers'
-GGUF loader, backed by the ``gguf`` package). The convert stage then casts them to
+GGUF loader, backed by the ``gguf`` package), plus the file's Q8_0/Q4_0/Q4_1 tensors as they are
+(``gguf-blocks/``, :mod:`kiln.builder.gguf_artifact`), which ``quantization: gguf`` ships. The convert stage then casts them to
 the envelope's dtype as for any checkpoint, and the quality gate's reference is the
 dequantized GGUF in float32: the build is measured against the file the user gave.
 
@@ -158,8 +159,10 @@ def _memoized_gguf_parsing(path: Path, parsed=None):
 
 def convert_gguf(path: Path, info: GGUFInfo, dest: Path) -> Path:
     """Write the checkpoint directory for ``path`` into ``dest`` (reused when already made from this file)."""
+    from kiln.builder import gguf_artifact  # deferred: torch; the cache-hit path imports this module
+
     marker = dest / MARKER
-    if marker.is_file():
+    if marker.is_file() and (dest / gguf_artifact.BLOCKS_DIR / gguf_artifact.BLOCKS_FILE).is_file():
         try:
             if json.loads(marker.read_text()).get("sha256") == info.sha256:
                 log.info("reusing %s, converted from %s (sha256 %s)", dest, info.file, info.sha256[:12])
@@ -196,6 +199,8 @@ def convert_gguf(path: Path, info: GGUFInfo, dest: Path) -> Path:
     if model.generation_config is not None:
         model.generation_config.save_pretrained(str(dest))
     tokenizer.save_pretrained(str(dest))
+    # the runnable block tensors as they are, for quantization gguf (kiln.builder.gguf_artifact)
+    gguf_artifact.write_blocks(info.reader, info.architecture, config.to_dict(), dest)
     del model, state
     marker.write_text(json.dumps(info.to_dict(), indent=1))
     return dest

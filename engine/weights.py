@@ -42,7 +42,7 @@ class SafetensorsFile:
         try:
             (size,) = struct.unpack("<Q", self._fh.read(8))
             header = json.loads(self._fh.read(size))
-            header.pop("__metadata__", None)
+            self.metadata = header.pop("__metadata__", None) or {}
             self._tensors = {name: (info["dtype"], info["shape"], info["data_offsets"]) for name, info in header.items()}
         except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
             self._fh.close()
@@ -137,12 +137,17 @@ def load_engine_state(model: nn.Module, path: Path) -> None:
     """Fill ``model`` from one rank's engine state dict (artifact ``weights/rank-r-of-n.safetensors``)."""
     with SafetensorsFile(path) as state, torch.no_grad():
         params = dict(model.named_parameters())
+        # quantization gguf: {name: GGUF type} of the tensors kept as the file's blocks (kernels/gguf_blocks.py)
+        gguf_types = json.loads(state.metadata.get("kiln_gguf_types") or "{}")
         missing = sorted(set(params) - set(state.keys()))
         unexpected = sorted(set(state.keys()) - set(params))
         if missing or unexpected:
             raise ConfigError(f"{path.name} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
         for name, param in params.items():
             tensor = state.get_tensor(name)
+            if name in gguf_types:
+                _load_gguf(model, name, param, tensor, gguf_types[name], path)
+                continue
             # A bf16/fp16 artifact on a CPU without native bf16/fp16 matmuls runs in float32 (cpu_target):
             # its floating weights are upcast here, once.
             upcast = (param.dtype == torch.float32 and tensor.dtype in (torch.bfloat16, torch.float16))
@@ -150,3 +155,20 @@ def load_engine_state(model: nn.Module, path: Path) -> None:
                 raise ConfigError(f"{path.name}: {name} is {tuple(tensor.shape)} {tensor.dtype}, "
                                   f"the model expects {tuple(param.shape)} {param.dtype}")
             param.data.copy_(tensor)
+
+
+def _load_gguf(model: nn.Module, name: str, param: nn.Parameter, tensor: torch.Tensor, kind: str, path: Path) -> None:
+    """A GGUF block tensor into ``param``: the blocks replace the placeholder (a linear's ``[out, 0]``, the
+    embedding's float table), tagged with their type; an embedding keeps its float dtype for the rows."""
+    from kiln.engine.kernels.gguf_blocks import GGUF_TYPES, in_features
+
+    rows = param.shape[0]
+    if kind not in GGUF_TYPES or tensor.dtype != torch.uint8 or tensor.dim() != 2 or tensor.shape[0] != rows or (
+            param.dtype != torch.uint8 and in_features(tensor, kind) != param.shape[1]):
+        raise ConfigError(f"{path.name}: {name} is GGUF {kind} {tuple(tensor.shape)} {tensor.dtype}, the model "
+                          f"expects {tuple(param.shape)} ({', '.join(GGUF_TYPES)} blocks)")
+    owner = model.get_submodule(name.rpartition(".")[0])
+    if param.dtype != torch.uint8 and hasattr(owner, "dtype"):
+        owner.dtype = param.dtype  # an embedding's rows come out in the engine's dtype
+    param.data = tensor.to(param.device)
+    param.gguf_type = kind

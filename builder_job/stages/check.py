@@ -10,6 +10,8 @@ so a spec that can never work fails in seconds with the field and the numbers:
 - ``pipelineParallel`` is at most the number of layers (every stage gets at least one; stage
   ``s`` runs ``L // P`` layers, the first ``L % P`` one more), and a rank's weights and KV
   cover only the layers of its stage (the largest stage is what must fit);
+- ``quantization: gguf``: the source is a GGUF whose decoder linears are all Q8_0 / Q4_0 / Q4_1
+  (:func:`kiln.builder.gguf_artifact.refuse_unrunnable` names the first tensor that is not);
 - ``maxSeqLen`` is within the model's positions (times the rope scaling factor for
   rope types that extend the context, ``kiln.engine.rope_config``; llama3-type
   configs already state the extended ``max_position_embeddings``);
@@ -31,6 +33,7 @@ from typing import Any
 
 from kiln.builder.context import BuildContext
 from kiln.builder.errors import InvalidSpec
+from kiln.builder.gguf_artifact import refuse_unrunnable
 from kiln.builder.model_facts import ModelFacts, model_facts, supported_architectures
 from kiln.builder.sizing import (
     activation_reserve_bytes,
@@ -50,6 +53,8 @@ def run(ctx: BuildContext) -> None:
     """The target's facts and memory estimate into the report; InvalidSpec for an envelope that can't work."""
     ctx.facts = model_facts(ctx.checkpoint.path)
     ctx.report.record("model", ctx.facts.to_dict())
+    if ctx.spec.quantization == "gguf":  # every decoder linear in a type kiln runs, or the tensor named
+        ctx.report.record("gguf_blocks", refuse_unrunnable(ctx.checkpoint.path, bool(ctx.checkpoint.gguf)))
     ctx.report.record("memory_estimate", check_envelope(ctx.spec, ctx.facts))
 
 

@@ -6,7 +6,8 @@ runtime's own names (fused ``qkv_proj``/``gate_up_proj``, vocab-parallel embeddi
 slices), already in the envelope's dtype and, for ``int8``/``fp8``, quantized with
 ``<name>.weight_scale``. The runtime's ``shard_checkpoint`` builds each rank with
 its own layers (every parameter slicing its shard), so the layout comes from the
-code that will load it. With pipeline parallelism (``spec.pipeline_parallel`` > 1) there is one file
+code that will load it. With ``quantization: gguf`` the GGUF's block tensors replace the linears, the
+embedding and the head (:mod:`kiln.builder.gguf_artifact`). With pipeline parallelism (``spec.pipeline_parallel`` > 1) there is one file
 per (stage, TP rank): ``r = stage * tensor_parallel + tp_rank``, each stage's file holding only its
 layers. A draft model (``spec.speculative.draftModel``) is written beside rank 0's file
 (:func:`kiln.builder.draft_model.write_draft`).
@@ -20,6 +21,7 @@ from pathlib import Path
 from kiln.builder.context import BuildContext
 from kiln.builder.draft_model import write_draft
 from kiln.builder.errors import InvalidSpec
+from kiln.builder.gguf_artifact import write_gguf_ranks
 from kiln.builder.report import human_bytes
 from kiln.builder.sizing import pipeline_parallel
 from kiln.builder.stages.package import copy_model_files, dir_bytes
@@ -49,6 +51,11 @@ def run(ctx: BuildContext) -> None:
 
 def shard_weights(checkpoint_dir: Path, out_dir: Path, spec) -> list[Path]:
     """Write one safetensors file per rank into ``out_dir``; returns their paths in rank order."""
+    if spec.quantization == "gguf":  # the GGUF file's own blocks (kiln.builder.gguf_artifact)
+        written = write_gguf_ranks(checkpoint_dir, out_dir, spec, pipeline_parallel(spec))
+        for path, num_tensors in written:
+            log.info("wrote %s (%d tensors, GGUF blocks, %.1f MiB)", path.name, num_tensors, path.stat().st_size / 2**20)
+        return [path for path, _ in written]
     try:  # each rank's file is written as it is built: one rank in memory at a time
         written = write_rank_weights(checkpoint_dir, out_dir, spec.tensor_parallel, dtype=spec.dtype,
                                      quantization=canonical_quantization(spec.quantization),

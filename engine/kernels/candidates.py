@@ -20,6 +20,10 @@ candidate             layout    what runs
                                 multiplied int8 x int8 on vpdpbusd (AVX512-VNNI), same int8 panels
 ``torch-w8a8``        qlinear   int8 weights only: torch's ``quantized.linear_dynamic`` (x86 engine:
                                 FBGEMM / oneDNN), activations quantized per call (``torch_w8a8.py``)
+``kiln-gguf``         kiln      GGUF block weights only (Q8_0 / Q4_0 / Q4_1, ``gguf_blocks.py``): the
+                                activations quantized per 32-block, int8 dot products (VNNI / AVX2)
+``kiln-gguf-f32``     kiln      GGUF block weights only: a panel dequantized to float32 per call, FMA
+                                tiles (float32 activations; the fallback a table may pick by timing)
 ====================  ========  ====================================================================
 
 int8 weights (weight-only quantization) have kiln's candidates too: the same kernels over int8 panels
@@ -46,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kiln.engine.kernels import torch_w8a8
+from kiln.engine.kernels import gguf_blocks, torch_w8a8
 from kiln.engine.kernels.quant_linear import quantized_linear
 
 
@@ -66,6 +70,8 @@ LINEAR: dict[str, Candidate] = {c.name: c for c in (
     Candidate("aten", "plain"),
     Candidate("kiln-w8a8", "kiln", "w8a8", quantizes_activations=True),
     Candidate("torch-w8a8", "qlinear", quantizes_activations=True),
+    Candidate("kiln-gguf", "kiln", "gguf"),
+    Candidate("kiln-gguf-f32", "kiln", "gguf_f32"),
 )}
 LAYOUTS = ("kiln", "onednn", "plain", "qlinear")
 # the candidates that quantize activations (W8A8): what a quality gate turns off
@@ -128,11 +134,14 @@ def why_not(name: str, dtype: torch.dtype, native, quant: str | None = None) -> 
     cand = LINEAR[name]
     if name in excluded():
         return f"tactics_exclude or ${EXCLUDE_ENV} excludes it"
+    if (quant in gguf_blocks.QUANTS) != (cand.gemm_kernel in gguf_blocks.GGUF_KERNELS):
+        return ("GGUF block weights run kiln's GGUF kernels only" if quant in gguf_blocks.QUANTS
+                else "the GGUF kernels multiply GGUF block weights (quantization: gguf)")
     if cand.quantizes_activations and quant != "int8":
         return "W8A8 multiplies int8 weights (quantization: int8), not float ones"
     if cand.layout == "qlinear":
         return torch_w8a8.unavailable()
-    if quant not in (None, "int8"):
+    if quant not in (None, "int8", *gguf_blocks.QUANTS):
         return None if cand.layout == "plain" else f"{quant} weights run torch's path only"
     if quant and (cand.layout == "onednn" or cand.gemm_kernel == "onednn"):
         return "oneDNN's packed linear takes float weights, not int8"
@@ -148,6 +157,11 @@ def why_not(name: str, dtype: torch.dtype, native, quant: str | None = None) -> 
     return None
 
 
+def stack_candidate(quant: str | None) -> str:
+    """The kiln candidate whose runnability says a linear of ``quant`` weights can join the decoder stack."""
+    return "kiln-gguf" if quant in gguf_blocks.QUANTS else "kiln-fma"
+
+
 def pack(layout: str, weight: torch.Tensor, native, batch_hint: int = 64, tactics=None,
          scale: torch.Tensor | None = None, dtype: torch.dtype | None = None, share_onednn: bool | None = None):
     """``weight`` [out, in] in ``layout``: a ``kernels.native.PackedLinear`` (kiln; ``tactics`` = its GEMM
@@ -156,8 +170,9 @@ def pack(layout: str, weight: torch.Tensor, native, batch_hint: int = 64, tactic
     ``torch_w8a8.QLinear``), or the weight itself (plain)."""
     if layout == "qlinear":
         return torch_w8a8.QLinear(weight, scale)
-    if layout == "kiln":
-        return native.pack_linear(weight.detach(), tactics, scale, dtype, share_onednn)
+    if layout == "kiln":  # a GGUF block weight carries its type (gguf_blocks.site_quant)
+        return native.pack_linear(weight.detach(), tactics, scale, dtype, share_onednn,
+                                  getattr(weight, "gguf_type", None))
     if layout == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
     return weight.detach()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from kiln.engine.kernels import cpu_library
+from kiln.engine.kernels import cpu_library, gguf_blocks
 from kiln.engine.kernels.isa import feature_missing, log
 from kiln.engine.kernels.packed import GEMM_KERNELS, ROW_BUCKETS, KilnWeight, PackedLinear, row_bucket
 
@@ -66,14 +66,18 @@ class Kernels:
         # CPU's flags and $KILN_CPU_ISA whether it may run here
         w8a8 = None if declare("kiln_w8a8_available", ctypes.c_int)() else f"the {level} library has no W8A8 kernel"
         w8a8 = w8a8 or feature_missing("avx512_vnni", level)
+        # GGUF block weights (gguf_blocks.PackedGGUF): vpdpbusd where VNNI may run here, else AVX2 / portable code
+        self.gguf = gguf_blocks.declare(lib)
+        self.gguf["set_vnni"](int(w8a8 is None))
         mkldnn = torch.ops.mkldnn
         onednn = None if torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_bf16_supported() else \
             "torch's oneDNN has no bf16 kernels on this CPU"
         self.gemm_kernels: dict[torch.dtype, dict[str, str | None]] = {
             torch.float32: {"fma": None, "amx": "AMX multiplies bf16, not float32",
                             "onednn": "oneDNN packs float32 weights in another layout than kiln's panels",
-                            "w8a8": w8a8},
-            torch.bfloat16: {"fma": bf16_fma, "amx": amx, "onednn": bf16_fma or onednn, "w8a8": bf16_fma or w8a8}}
+                            "w8a8": w8a8, "gguf": None, "gguf_f32": None},
+            torch.bfloat16: {"fma": bf16_fma, "amx": amx, "onednn": bf16_fma or onednn, "w8a8": bf16_fma or w8a8,
+                             "gguf": None, "gguf_f32": "the dequantizing GGUF kernel takes float32 activations"}}
         self.linear_dtypes = tuple(dt for dt, ks in self.gemm_kernels.items() if ks["fma"] is None)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -149,11 +153,15 @@ class Kernels:
         self.cache_write(rows(keys), rows(values), k_cache, v_cache, torch.arange(nb * bs))
 
     def pack_linear(self, weight: torch.Tensor, tactics: Sequence[str] | None = None, scales: torch.Tensor | None = None,
-                    dtype: torch.dtype | None = None, share_onednn: bool | None = None) -> PackedLinear:
+                    dtype: torch.dtype | None = None, share_onednn: bool | None = None,
+                    gguf_type: str | None = None) -> PackedLinear:
         """A weight [out, in] of one of ``linear_dtypes`` (or int8 with its float32 ``scales`` [out], multiplying
         ``dtype`` activations) in the GEMM's panel layout (a copy; the caller drops the original), run by
         ``tactics`` (one GEMM kernel name per row bucket; default FMA). ``share_onednn``: pack it by oneDNN
-        where that gives the same bytes (default: when a bucket runs ``"onednn"``)."""
+        where that gives the same bytes (default: when a bucket runs ``"onednn"``). A uint8 GGUF block weight
+        (``gguf_type``) becomes a ``gguf_blocks.PackedGGUF``."""
+        if weight.dtype == torch.uint8:
+            return gguf_blocks.PackedGGUF(self, weight, gguf_type, tactics, dtype)
         return PackedLinear(self, weight, tactics, scales, dtype, share_onednn)
 
     def w8a8_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,8 +22,9 @@ from typing import Protocol
 import torch
 
 ROW_BUCKETS = 16  # = KILN_ROW_BUCKETS: bucket b holds calls of (2^(b-1), 2^b] rows
-# = enum kiln_gemm_kernel; oneDNN's runs from Python (C: FMA); W8A8 runs int8 weights only
-GEMM_KERNELS = {"fma": 0, "amx": 1, "onednn": 0, "w8a8": 2}
+# = enum kiln_gemm_kernel; oneDNN's runs from Python (C: FMA); W8A8 runs int8 weights only; the gguf ones GGUF
+# block weights only (gguf_blocks.PackedGGUF)
+GEMM_KERNELS = {"fma": 0, "amx": 1, "onednn": 0, "w8a8": 2, "gguf": 3, "gguf_f32": 4}
 
 
 def row_bucket(rows: int) -> int:
@@ -49,7 +50,7 @@ class KilnWeight(ctypes.Structure):
 
     _fields_ = [("panels", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("sums", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bf16", ctypes.c_int32),
-                ("kernel", ctypes.c_uint8 * ROW_BUCKETS)]
+                ("kernel", ctypes.c_uint8 * ROW_BUCKETS), ("qtype", ctypes.c_int32)]
 
 
 def onednn_panels(kernels: Kernels, weight: torch.Tensor) -> torch.Tensor | None:
@@ -142,6 +143,8 @@ class PackedLinear:
                 why = "oneDNN's packing of this weight is not these panels (or it was packed without it)"
             if name == "w8a8" and not self.int8:
                 why = why or "W8A8 multiplies int8 weights, not float ones"
+            if name.startswith("gguf"):
+                why = "the GGUF kernels multiply GGUF block weights"
             if why:
                 raise ValueError(f"GEMM kernel {name!r} cannot run {self.dtype} here: {why}")
         self.tactics = tuple(tactics)

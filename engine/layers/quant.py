@@ -11,12 +11,16 @@ from __future__ import annotations
 import torch
 from kiln.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
-QUANT_DTYPES = {"int8": torch.int8, "fp8": FP8_DTYPE}
+# gguf: GGUF block weights kept as the file's bytes (kernels/gguf_blocks.py); made by the builder, never here
+QUANT_DTYPES = {"int8": torch.int8, "fp8": FP8_DTYPE, "gguf": torch.uint8}
 _QMAX = {"int8": 127.0, "fp8": FP8_MAX}
 
 
 def quantize_weight(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric quantization of a [out, in] weight -> (q, float32 scale[out])."""
+    if method == "gguf":
+        raise ValueError("quantization gguf keeps a GGUF file's own blocks: build the GGUF source into an artifact "
+                         "(spec.quantization: gguf); a float checkpoint cannot be quantized to it at load")
     if method not in QUANT_DTYPES:
         raise ValueError(f"quantization must be one of {', '.join(QUANT_DTYPES)}, got {method!r}")
     w32 = w.to(torch.float32)

@@ -24,10 +24,12 @@ from typing import Any
 
 from kiln.engine.errors import ConfigError
 from kiln.engine.kernels.candidates import LAYOUTS, LINEAR
+from kiln.engine.kernels.gguf_blocks import QUANTS as GGUF_QUANTS
 from kiln.engine.tactics.timing import BucketTiming
 
 FORMAT = "kiln-tactics/1"
 DTYPES = ("float32", "bfloat16")
+QUANT_KEYS = ("int8", *GGUF_QUANTS)  # a quantized weight's key: <dtype>+<quant>:<n>x<k>
 
 
 class TacticsError(ConfigError):
@@ -140,8 +142,9 @@ class TacticTable:
         for entry in doc.get("linear") or []:
             key, layout, buckets = entry.get("key"), entry.get("layout"), entry.get("buckets")
             dtype, _, shape = str(key).partition(":")
-            if dtype.removesuffix("+int8") not in DTYPES or not _is_shape(shape):
-                raise bad(f"linear key {key!r} is not <{'|'.join(DTYPES)}>[+int8]:<n>x<k>")
+            if dtype.partition("+")[0] not in DTYPES or dtype.partition("+")[2] not in ("", *QUANT_KEYS) \
+                    or not _is_shape(shape):
+                raise bad(f"linear key {key!r} is not <{'|'.join(DTYPES)}>[+{'|'.join(QUANT_KEYS)}]:<n>x<k>")
             if layout not in LAYOUTS or not isinstance(buckets, list) or not buckets:
                 raise bad(f"linear {key}: layout {layout!r} or its buckets are not valid")
             for b in buckets:

@@ -13,7 +13,7 @@ from engine_testlib import random_prompts
 from kiln.engine.kernels import candidates, cpu_library, isa, native
 from kiln.engine.layers.quant import quantize_weight
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.tactics import host
+from kiln.engine.tactics import host_signature
 from kiln.engine.tactics.resolve import measure, packing
 from kiln.engine.tactics.table import choose
 from kiln.engine.tactics.timing import BucketTiming, LinearSite
@@ -134,7 +134,7 @@ def test_the_quality_switch_takes_it_out(vnni, monkeypatch):
     """$KILN_TACTICS_EXCLUDE=w8a8 (the quality gate's switch): never timed, a table that runs it is refused
     here, and the host signature says so (a table measured with it is not this host's)."""
     site = LinearSite(torch.float32, 64, 64, max_rows=2, quant="int8")
-    before = host.signature_key(host.cpu_signature())
+    before = host_signature.signature_key(host_signature.cpu_signature())
     choice = choose(site.key, [BucketTiming(r, {"kiln-w8a8": 1e-6, "kiln-fma": 2e-6}) for r in (1, 2)])
     monkeypatch.setenv(candidates.EXCLUDE_ENV, "w8a8")
     assert candidates.excluded() == frozenset(candidates.ACTIVATION_QUANT)
@@ -143,8 +143,8 @@ def test_the_quality_switch_takes_it_out(vnni, monkeypatch):
     assert not {name for b in table.linear[site.key].buckets for name in b["us"]} & set(candidates.ACTIVATION_QUANT)
     with pytest.raises(Exception, match="cannot run here"):
         packing(choice, site, vnni)
-    assert host.cpu_signature()["excluded"] == sorted(candidates.ACTIVATION_QUANT)
-    assert host.signature_key(host.cpu_signature()) != before
+    assert host_signature.cpu_signature()["excluded"] == sorted(candidates.ACTIVATION_QUANT)
+    assert host_signature.signature_key(host_signature.cpu_signature()) != before
 
 
 @pytest.mark.parametrize("cap", ["x86-64-v4", "x86-64-v3"])

@@ -1,7 +1,8 @@
 /* ---- the tactic dispatch: one weight, the kernel its table picked for this call's row count ----
  *
  * Above every GEMM: the float32 and bf16 FMA tiles (gemm.c), the AMX tiles (gemm_amx.c), the int8 GEMM that
- * widens into them (gemm_int8.c) and W8A8 on the int8 units over the same int8 panels (gemm_w8a8.c); none of
+ * widens into them (gemm_int8.c), W8A8 on the int8 units over the same int8 panels (gemm_w8a8.c) and GGUF
+ * block weights (gemm_gguf.c); none of
  * them calls back up here.
  *
  * The module path (native.Kernels.linear) and the decoder stack (stack.c) both call this, so they run the
@@ -21,6 +22,9 @@ int kiln_gemm(const struct kiln_weight *w, const void *x, const float *bias, voi
               int64_t ldy) {
     if (m <= 0) return 0;
     const int kernel = w->kernel[row_bucket(m)], amx = kernel == KILN_GEMM_AMX;
+    if (w->qtype) /* GGUF blocks (gemm_gguf.c) */
+        return kiln_linear_gguf(x, w->panels, w->qtype, bias, y, m, w->n, w->k, ldx, ldy, w->bf16,
+                                kernel == KILN_GEMM_GGUF_F32);
     if (w->scales && kernel == KILN_GEMM_W8A8) {
         const int rc = kiln_linear_w8a8(x, w->panels, w->scales, w->sums, bias, y, m, w->n, w->k, ldx, ldy, w->bf16);
         if (rc <= 0) return rc; /* 1: not in this library: weight-only below */

@@ -12,6 +12,7 @@
  *   gemm_amx.c   the bf16 linear on AMX tiles, over the same panels
  *   gemm_int8.c  int8 weights (weight-only quantization) through the kernels above, widened panel by panel
  *   gemm_w8a8.c  int8 weights x int8 activations quantized per token (W8A8) on AVX512-VNNI, same int8 panels
+ *   gemm_gguf.c  GGUF block weights (Q8_0, Q4_0, Q4_1) x activations quantized per 32-block, VNNI / AVX2
  *   gemm_dispatch.c  kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count:
  *                over the four GEMM files above, which never call it (gemm_int8.c calls down into gemm.c, gemm_amx.c)
  *   stack.c      a pipeline stage's decoder layers in one call
@@ -26,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KILN_ABI_VERSION 11
+#define KILN_ABI_VERSION 12
 #define KILN_HIDDEN __attribute__((visibility("hidden")))
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -91,7 +92,8 @@ static inline int64_t i8_quads(int64_t k) { return bf16_panel_pairs(k) / 2; }
 
 /* Row buckets of a tactic table: bucket b holds calls of (2^(b-1), 2^b] rows (b = 0: one row). */
 #define KILN_ROW_BUCKETS 16
-enum kiln_gemm_kernel { KILN_GEMM_FMA = 0, KILN_GEMM_AMX = 1, KILN_GEMM_W8A8 = 2 /* int8 weights only */ };
+enum kiln_gemm_kernel { KILN_GEMM_FMA = 0, KILN_GEMM_AMX = 1, KILN_GEMM_W8A8 = 2 /* int8 weights only */,
+                        KILN_GEMM_GGUF = 3, KILN_GEMM_GGUF_F32 = 4 /* GGUF block weights only (qtype set) */ };
 
 /* A packed weight and, per row bucket, the kernel that multiplies it (its tactic table's winners). */
 struct kiln_weight {
@@ -101,6 +103,7 @@ struct kiln_weight {
     int64_t n, k;         /* output and input features */
     int32_t bf16;         /* the activations (and outputs) are bf16, else float32 */
     uint8_t kernel[KILN_ROW_BUCKETS]; /* enum kiln_gemm_kernel */
+    int32_t qtype;        /* GGUF block weights (gemm_gguf.c): the ggml type (2 Q4_0, 3 Q4_1, 8 Q8_0); else 0 */
 };
 
 int kiln_gemm(const struct kiln_weight *w, const void *x, const float *bias, void *y, int64_t m, int64_t ldx,
@@ -116,6 +119,8 @@ int kiln_linear_i8(const void *x, const int8_t *packed, const float *scales, con
                    int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16, int amx);
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int32_t *sums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16);
+int kiln_linear_gguf(const void *x, const uint8_t *w, int qt, const float *bias, void *y, int64_t m, int64_t n,
+                     int64_t k, int64_t ldx, int64_t ldy, int bf16, int dequant);
 /* one panel's rows through each kernel, for the int8 kernels (gemm_int8.c) over a widened copy of the panel */
 KILN_HIDDEN void kiln_panel_bf16(const uint16_t *x, int64_t ldx, const uint16_t *wp, int64_t k, uint16_t *y, int64_t ldy,
                                  const float *scale, const float *bias, int ncols, int64_t m);

@@ -1,0 +1,102 @@
+"""llama.cpp as the baseline of GGUF models: the same file, one request (``decode``) and many (``serve``).
+
+llama.cpp runs from its own environment (``<work>/llamacpp-venv``: ``python3 -m venv`` and ``pip install
+llama-cpp-python[server]``, which compiles llama.cpp from the registry's source package: minutes, on
+``$CMAKE_BUILD_PARALLEL_LEVEL`` cores), made only when asked (``--make-env``; never in ``make test``). Its
+runner (``peer_llamacpp.py``) imports nothing of kiln. kiln runs the same GGUF as a ``quantization: gguf``
+engine (the checkpoint directory and per-rank weights a build's fetch and shard stages write).
+
+    python -P -m kiln_bench.llamacpp decode --gguf F.gguf --kiln-ckpt DIR --kiln-weights DIR [--make-env]
+
+One thread each; kiln and llama.cpp alternate, the medians are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+RUNNER = Path(__file__).with_name("peer_llamacpp.py")
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. Once upon a time"
+
+
+def default_env() -> Path:
+    return Path(os.environ.get("KILN_WORK", ".kiln-work")) / "llamacpp-venv"
+
+
+def ensure_env(env: Path, make: bool) -> Path:
+    """The environment's interpreter; created (llama.cpp compiled) when ``make`` and missing."""
+    python = env / "bin" / "python"
+    if python.exists() and subprocess.run([str(python), "-P", "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+        return python
+    if not make:
+        raise click.ClickException(f"no llama.cpp environment at {env}; pass --make-env to build it (minutes)")
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "llama-cpp-python[server]"], check=True,
+                   env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL",
+                                                                                     str(os.cpu_count() or 2))})
+    return python
+
+
+def llamacpp_decode(python: Path, gguf: Path, tokens: int, threads: int) -> float:
+    cfg = {"mode": "decode", "model": str(gguf), "threads": threads, "prompt": PROMPT, "tokens": tokens, "repeats": 3}
+    out = subprocess.run([str(python), str(RUNNER), json.dumps(cfg)], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    return json.loads(out.stdout.strip().splitlines()[-1])["decode_tok_s"]
+
+
+def kiln_decode(llm, tokens: int) -> float:
+    from kiln.engine import SamplingParams
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    run(4)
+    rates = sorted(tokens / (run(tokens + 1) - run(1)) for _ in range(3))
+    return rates[1]
+
+
+@click.group()
+def main() -> None:
+    """llama.cpp vs kiln on one GGUF file."""
+
+
+@main.command()
+@click.option("--gguf", type=click.Path(exists=True, path_type=Path), required=True)
+@click.option("--kiln-ckpt", type=click.Path(exists=True, path_type=Path), required=True)
+@click.option("--kiln-weights", type=click.Path(exists=True, path_type=Path), required=True)
+@click.option("--tokens", default=64, show_default=True)
+@click.option("--rounds", default=3, show_default=True)
+@click.option("--env", type=click.Path(path_type=Path), default=None, help="llama.cpp's environment")
+@click.option("--make-env", is_flag=True, help="create the llama.cpp environment if missing (compiles llama.cpp)")
+def decode(gguf, kiln_ckpt, kiln_weights, tokens, rounds, env, make_env) -> None:
+    """One request, one thread: decode tokens/s of each, interleaved rounds, medians."""
+    import torch
+    from kiln.engine import LLM
+
+    python = ensure_env(env or default_env(), make_env)
+    torch.set_num_threads(1)
+    llm = LLM(str(kiln_ckpt), weights_dir=str(kiln_weights), quantization="gguf", dtype="float32",
+              max_num_tokens=512, max_batch_size=16, max_seq_len=1024)
+    kiln, peer = [], []
+    for _ in range(rounds):
+        kiln.append(kiln_decode(llm, tokens))
+        peer.append(llamacpp_decode(python, gguf, tokens, 1))
+        click.echo(f"round: kiln {kiln[-1]:.1f} tok/s, llama.cpp {peer[-1]:.1f} tok/s")
+    doc = {"gguf": str(gguf), "kiln_decode_tok_s": statistics.median(kiln),
+           "llamacpp_decode_tok_s": statistics.median(peer), "kiln_rounds": kiln, "llamacpp_rounds": peer}
+    doc["ratio"] = doc["kiln_decode_tok_s"] / doc["llamacpp_decode_tok_s"]
+    click.echo(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
