@@ -29,7 +29,10 @@ import logging
 import math
 import os
 import platform
+import sys
+import threading
 import time
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -174,29 +177,68 @@ def measure_threads(candidates: list[int] | None = None) -> dict[int, float]:
     return {t: round(_rate(torch.float32, THREADS_SHAPE, threads=t), 2) for t in candidates}
 
 
-def choose_threads(hint: int | None = None, built_on: dict[str, Any] | None = None) -> tuple[int | None, str]:
-    """(threads, why); threads None means leave torch's setting alone (``$OMP_NUM_THREADS`` is set)."""
+def choose_threads(hint: int | None = None, built_on: dict[str, Any] | None = None,
+                   reserve: int | None = None) -> tuple[int | None, str]:
+    """(threads, why); threads None means leave torch's setting alone (``$OMP_NUM_THREADS`` is set).
+    ``reserve``: cores left to the process's other threads (a server's HTTP and detokenizer); by default
+    the :func:`serving` context's (none outside it)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return None, f"$OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
     cpus = available_cpus()
     forced = os.environ.get(THREADS_ENV, "").strip()
     if forced.isdigit() and int(forced) >= 1:
         return min(int(forced), cpus), f"${THREADS_ENV}={forced}"
+    reserve = getattr(_serving, "reserve", 0) if reserve is None else reserve
+    left = f", {reserve} core(s) left to the server's own threads" if reserve else ""
     quota = cgroup_cpu_quota()
     if quota is not None:
-        return max(1, min(cpus, math.floor(quota))), f"cgroup CPU quota {quota:g}"
+        return max(1, min(cpus, math.floor(quota)) - reserve), f"cgroup CPU quota {quota:g}{left}"
     if hint and same_machine_type(built_on):
-        return max(1, min(int(hint), cpus)), "the build's measurement (same CPU type)"
-    if cpus == 1:
-        return 1, "one CPU available"
-    rates = measure_threads()
+        return max(1, min(int(hint), cpus - reserve)), f"the build's measurement (same CPU type){left}"
+    if cpus - reserve <= 1:
+        return 1, "one CPU available" if cpus == 1 else f"{cpus} CPUs{left}"
+    rates = measure_threads(sorted({1, max(1, (cpus - reserve) // 2), cpus - reserve})) if reserve else measure_threads()
     best = 1
     for t in sorted(rates):
         if rates[t] > THREADS_MARGIN * rates[best]:
             best = t
     detail = ", ".join(f"{t}: {r} GFLOP/s" for t, r in sorted(rates.items()))
-    return best, f"measured at load ({detail})" + (f"; build hint {hint} not used (built on another CPU type)"
-                                                   if hint else "")
+    return best, f"measured at load ({detail}){left}" + (f"; build hint {hint} not used (built on another CPU type)"
+                                                         if hint else "")
+
+
+SERVER_CORES = 1  # cores a server's own threads (HTTP, detokenizer, the engine loop's Python) keep busy
+_serving = threading.local()
+
+
+@contextmanager
+def serving(reserve: int = SERVER_CORES):
+    """Thread choices made on this thread inside it leave ``reserve`` cores to the server (``kiln serve``'s load).
+
+    Measured with ``bench/contention.py`` on a 2-core Zen 4 (docs/cpu-targets.md): two compute threads beside
+    the server's own are slower than one when quiet, and collapse when a neighbour takes a core."""
+    before = getattr(_serving, "reserve", 0)
+    _serving.reserve = reserve
+    try:
+        yield
+    finally:
+        _serving.reserve = before
+
+
+# OpenMP waits passively: a thread at a barrier sleeps instead of spinning, so a peer descheduled by a neighbour
+# (or by the server's own threads) does not cost a spinning core too. Read when libgomp / libiomp load.
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+
+
+def configure_openmp(env=None) -> dict[str, str]:
+    """Set :data:`OPENMP_ENV` in ``env`` (``os.environ``) where unset, only before torch (and its OpenMP) loads:
+    later it would change nothing here and only leak into child processes. Returns what it set."""
+    env = os.environ if env is None else env
+    if "torch" in sys.modules:
+        return {}
+    done = {k: v for k, v in OPENMP_ENV.items() if not env.get(k)}
+    env.update(done)
+    return done
 
 
 def plan_cpu_load(dtype: str, quantization: str | None, kv_cache_dtype: str = "auto",

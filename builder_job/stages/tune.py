@@ -24,7 +24,7 @@ import torch
 from kiln.builder.context import BuildContext
 from kiln.builder.kv_plan import kv_plan_summary, plan_with_cuda_graphs
 from kiln.builder.timing import measure
-from kiln.engine.cpu_target import available_cpus, describe_host
+from kiln.engine.cpu_target import SERVER_CORES, available_cpus, describe_host
 from kiln.engine.cuda_graphs import default_batch_sizes
 
 log = logging.getLogger("kiln.build.tune")
@@ -108,7 +108,7 @@ def _tune_cpu_threads(load_llm, spec, vocab_size: int, tuning: dict[str, Any]) -
     original = torch.get_num_threads()
     cpus = available_cpus()
     # With TP the worker ranks pick their own share of the cores; only rank 0 would see a change here.
-    candidates = [original] if spec.tensor_parallel > 1 else sorted({1, max(1, cpus // 2), cpus})
+    candidates = [original] if spec.tensor_parallel > 1 else sorted({1, max(1, cpus // 2), max(1, cpus - 1), cpus})
     by_threads = {}
     llm = load_llm()
     try:
@@ -124,6 +124,11 @@ def _tune_cpu_threads(load_llm, spec, vocab_size: int, tuning: dict[str, Any]) -
     def score(n: int) -> float:  # decode throughput at the largest measured batch: what serving spends on
         return by_threads[n]["decode"][-1]["decode_tokens_per_s"]
 
-    best = max(candidates, key=score)
+    # The model alone is measured here; a server's own threads (HTTP, detokenizer, the engine loop's Python) keep
+    # a core busy beside it, so the serving count leaves them one (cpu_target.serving: on a 2-core host two
+    # compute threads served slower than one, and collapsed beside busy neighbours; docs/cpu-targets.md).
+    serving = [n for n in candidates if n <= max(1, cpus - SERVER_CORES)] or candidates
+    best = max(serving, key=score)
     tuning.update(threads={str(n): m for n, m in by_threads.items()}, torch_num_threads=best,
+                  model_alone_threads=max(candidates, key=score), server_cores=SERVER_CORES if cpus > 1 else 0,
                   measurement=by_threads[best])

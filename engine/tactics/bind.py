@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 from kiln.engine import parallel
-from kiln.engine.kernels import candidates
+from kiln.engine.kernels import candidates, gguf_blocks
 from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead
 from kiln.engine.layers.linear import LinearBase
 from kiln.engine.models.llama import MLP_ROWS_CHOICES
-from kiln.engine.tactics.resolve import packing, resolve
+from kiln.engine.tactics.resolve import packing, persist, resolve
 from kiln.engine.tactics.table import TacticTable
 from kiln.engine.tactics.timing import LinearSite, time_mlp_slices
 from torch import nn
@@ -50,14 +50,15 @@ def linear_modules(model: nn.Module, max_num_tokens: int, max_batch_size: int,
     stacked = {id(child) for m in model.modules() if getattr(m, "stack_member", False) for child in m.modules()}
     out = []
     for m in model.modules():
-        quant = None
-        if isinstance(m, LinearBase) and m.weight.dim() == 2 and m.quantization in (None, "int8"):
-            rows, quant = min(max_num_tokens, caps.get(id(m), max_num_tokens)), m.quantization
+        quant = gguf_blocks.site_quant(m.weight) if hasattr(m, "weight") else None  # "q4_1": GGUF blocks
+        if isinstance(m, LinearBase) and m.weight.dim() == 2 and (quant or m.quantization in (None, "int8")):
+            rows, quant = min(max_num_tokens, caps.get(id(m), max_num_tokens)), quant or m.quantization
         elif isinstance(m, ParallelLMHead) and m.weight.dim() == 2:
             rows = max_batch_size
         else:
             continue
-        n, k = m.weight.shape
+        n, k = m.weight.shape[0], gguf_blocks.in_features(m.weight, m.weight.gguf_type) if quant in \
+            gguf_blocks.QUANTS else m.weight.shape[1]
         out.append((m, LinearSite(dtype if quant else m.weight.dtype, n, k, max(1, rows), stacked=id(m) in stacked,
                                   quant=quant)))
     return out
@@ -78,7 +79,8 @@ def stack_layout(table: TacticTable, modules: list[tuple[nn.Module, LinearSite]]
     layer_sites = {site.key: site for _, site in modules if site.stacked}
     if native is None or not layer_sites:
         return False, "no decoder stack: kiln's attention kernels do not run here"
-    kiln_ok = all(candidates.why_not("kiln-fma", s.dtype, native, s.quant) is None for s in layer_sites.values())
+    kiln_ok = all(candidates.why_not(candidates.stack_candidate(s.quant), s.dtype, native, s.quant) is None
+                  for s in layer_sites.values())
     entry = (table.model.get("decoder_stack") or {}).get("winner")
     if entry is not None:
         return entry == "fused" and kiln_ok, f"the table's decoder_stack: {entry}"
@@ -103,7 +105,7 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
         counts[layout] = counts.get(layout, 0) + 1
         if layout == "plain":
             continue
-        scale = m.weight_scale if site.quant else None
+        scale = getattr(m, "weight_scale", None) if site.quant else None
         try:
             packed = candidates.pack(layout, m.weight, native, batch_hint, kernels, scale, site.dtype)
         except ValueError as exc:  # oneDNN packed this weight otherwise than the timed one of its shape
@@ -146,6 +148,7 @@ def apply(model: nn.Module, config, native, stack: bool = True
             us = {k: round(v * 1e6, 1) for k, v in time_mlp_slices(
                 mlps[0], mlps[0].gate_up_proj.input_size, config.torch_dtype, tokens, choices).items()}
             table.model["mlp_rows"] = {"winner": int(min(us, key=us.get)), "us": us, "how": f"one MLP, {tokens} rows"}
+            persist(table, info)  # with it, so that the next start on this host times nothing
     rows = (table.model.get("mlp_rows") or {}).get("winner")
     if parallel.world_size() > 1 and torch.distributed.is_initialized():  # the slice sets how many all-reduces
         # a step makes: one choice for every rank (none to agree with offline, in parallel.shard_context)

@@ -3,7 +3,7 @@
 ``EngineConfig.tactics`` says where the table comes from:
 
 - a path (an artifact's ``tactics.json``, set by ``from_artifact``): used as is when this host's
-  signature (``host.py``) is the one it was measured on. On another kind of host the linears are timed
+  signature (``host_signature.py``) is the one it was measured on. On another kind of host the linears are timed
   again here (bounded by ``$KILN_TACTICS_BUDGET_S``), the result cached in ``EngineConfig.tactics_cache``
   (beside the artifact's copy) for the next start, and the log says what differed. Model-level choices
   measured by the build (the decoder stack, the attention backend) are kept: they hold across CPU kinds
@@ -11,6 +11,10 @@
 - ``"auto"``: measured here on first use, then reused from memory and from ``~/.cache/kiln/tactics``.
 - a candidate name (``candidates.LINEAR``: ``kiln-fma``, ``kiln-amx``, ``onednn-panels``, ``onednn``,
   ``aten``): every linear runs it wherever it can run, untimed; the rest are timed.
+
+Where a table would be timed at load and ``deferred.wanted()`` (``kiln serve``), the untimed default is returned
+instead, with the job that times the real one after ``/ready`` (``deferred.py``, ``swap.py``). ``/version``'s
+``origin`` says which (``artifact``, ``cache``, ``default-until-timed``, ``timed-here``, ``forced``), ``why`` why.
 
 A table that covers none of the model's linear shapes is another model's and is refused (``TacticsError``);
 one that lacks some (a later pipeline stage's, which the build did not load) has just those timed here.
@@ -27,7 +31,7 @@ from typing import Any
 import torch
 from kiln.engine.kernels import candidates
 from kiln.engine.kernels.native import ROW_BUCKETS
-from kiln.engine.tactics import host
+from kiln.engine.tactics import deferred, host_signature
 from kiln.engine.tactics.table import LinearChoice, TacticsError, TacticTable, choose
 from kiln.engine.tactics.timing import TIMED_COLUMNS, LinearSite, bucket_rows, time_attention, time_site
 
@@ -62,7 +66,7 @@ def measure(sites: list[LinearSite], native, budget_s: float, only: str | None =
     block_size, dtype of the KV cache): also how a prefill group attends (``measure_attention``)."""
     started = time.monotonic()
     deadline = started + budget_s
-    table = TacticTable(host=host.cpu_signature())
+    table = TacticTable(host=host_signature.cpu_signature())
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for site in sorted(sites, key=lambda s: s.n * s.k):
@@ -108,7 +112,7 @@ def _host_model(table: TacticTable) -> dict[str, Any]:
 
 def _sites_hash(sites: list[LinearSite]) -> str:
     """Names a cached table: one per host signature and model shapes."""
-    return host.signature_key({"sites": [list(k) for k in _sites_key(sites)]})
+    return host_signature.signature_key({"sites": [list(k) for k in _sites_key(sites)]})
 
 
 def _check_covers(table: TacticTable, sites: list[LinearSite], what: str) -> None:
@@ -142,58 +146,103 @@ def resolve(source: str, sites: list[LinearSite], native, cache_dir: str | None 
             attention: dict[str, Any] | None = None) -> tuple[TacticTable, dict[str, Any]]:
     """The table to run ``sites`` with, and what ``/version`` and the log say about where it came from
     (``attention``: as ``measure`` takes it)."""
-    here = host.cpu_signature()
-    key = host.signature_key(here)
-    info: dict[str, Any] = {"host": host.describe(here), "host_key": key}
+    here = host_signature.cpu_signature()
+    key = host_signature.signature_key(here)
+    info: dict[str, Any] = {"host": host_signature.describe(here), "host_key": key}
     if source in candidates.LINEAR:
         table = measure(sites, native, budget(), only=source, attention=attention)
-        return table, {**info, "source": f"forced {source}", "seconds": round(table.seconds, 2)}
+        return table, {**info, "source": f"forced {source}", "origin": "forced", "seconds": round(table.seconds, 2),
+                       "why": f"the engine's tactics setting names {source}"}
     if source != "auto":
         built = TacticTable.load(Path(source))
         missing = [s for s in sites if s.key not in built.linear]
         if len(missing) == len(sites):
             _check_covers(built, sites, f"tactic table {source}")
         cannot = runnable(built, [s for s in sites if s not in missing], native)
-        if host.signature_key(built.host) == key and cannot is None:
+        if host_signature.signature_key(built.host) == key and cannot is None:
             if not missing:
-                return built, {**info, "source": "artifact", "table": source}
+                return built, {**info, "source": "artifact", "origin": "artifact", "table": source,
+                               "why": "this host's signature is the one the table was measured on"}
             # a pipeline stage's own linears (the build timed the first stage's): timed here, the rest as built
             extra = measure(missing, native, budget())
             built.linear.update(extra.linear)
             log.info("tactics: %s has no entry for %d linear shape(s) of this stage; timed them here in %.1fs",
                      source, len(missing), extra.seconds)
-            return built, {**info, "source": f"artifact (+{len(missing)} shape(s) timed here)", "table": source}
-        diffs = host.differences(built.host, here) + ([cannot] if cannot else [])
+            return built, {**info, "source": f"artifact (+{len(missing)} shape(s) timed here)", "origin": "artifact",
+                           "table": source, "why": f"this host's signature matches; {len(missing)} linear shape(s) "
+                                                   "the build did not load were timed here"}
+        diffs = host_signature.differences(built.host, here) + ([cannot] if cannot else [])
         cached_path = Path(cache_dir or _cache_dir()) / f"{key}-{_sites_hash(sites)}.json"
         cached = _load_cached(cached_path, sites)
         if cached is not None and runnable(cached, sites, native) is None:
             cached.model = {**built.model, **_host_model(cached)}
             log.info("tactics: this host differs from the build's (%s): using the table re-timed here before, %s",
                      "; ".join(diffs), cached_path)
-            return cached, {**info, "source": "re-timed (cached)", "table": str(cached_path), "differs": diffs}
+            return cached, {**info, "source": "re-timed (cached)", "origin": "cache", "table": str(cached_path),
+                            "differs": diffs, "why": "this host differs from the build's: the table re-timed here "
+                                                     "at an earlier start"}
+        why = "this host differs from the build's"
+        if deferred.wanted():
+            def retime() -> TacticTable:
+                table = measure(sites, native, budget(), attention=attention)
+                table.model = {**{k: v for k, v in built.model.items() if k not in HOST_MODEL_OPS}, **table.model}
+                return table
+            log.warning("tactics: %s was measured on %s; this host is %s (%s): serving on the default table while "
+                        "its linears are re-timed in the background", source, host_signature.describe(built.host),
+                        host_signature.describe(here), "; ".join(diffs))
+            return _defer(sites, native, retime, {**info, "source": "re-timed", "differs": diffs, "why_timed": why},
+                          cached_path)
         log.warning("tactics: %s was measured on %s; this host is %s (%s): re-timing its linears here",
-                    source, host.describe(built.host), host.describe(here), "; ".join(diffs))
+                    source, host_signature.describe(built.host), host_signature.describe(here), "; ".join(diffs))
         table = measure(sites, native, budget(), attention=attention)
         table.model = {**{k: v for k, v in built.model.items() if k not in HOST_MODEL_OPS}, **table.model}
         saved = _save(table, cached_path)
         log.warning("tactics: re-timed %d linear shapes in %.1fs%s", len(table.linear), table.seconds,
                     f", cached in {saved}" if saved else "")
-        return table, {**info, "source": "re-timed", "seconds": round(table.seconds, 2), "differs": diffs,
-                       "table": str(saved) if saved else None}
+        return table, {**info, "source": "re-timed", "origin": "timed-here", "seconds": round(table.seconds, 2),
+                       "differs": diffs, "table": str(saved) if saved else None, "why": f"{why}: re-timed at load"}
     memo_key = (key, _sites_key(sites))
     if memo_key in _memo:
-        return _memo[memo_key], {**info, "source": "measured (this process)"}
+        return _memo[memo_key], {**info, "source": "measured (this process)", "origin": "cache",
+                                 "why": "timed by an earlier engine of this process"}
     path = _cache_dir() / f"{key}-{_sites_hash(sites)}.json"
     table = _load_cached(path, sites)
     if table is not None and runnable(table, sites, native) is None:
         _memo[memo_key] = table
-        return table, {**info, "source": "measured (cached)", "table": str(path)}
+        return table, {**info, "source": "measured (cached)", "origin": "cache", "table": str(path),
+                       "why": "no table came with the model: the one timed on this host at an earlier start"}
+    if deferred.wanted():
+        def timed() -> TacticTable:
+            table = measure(sites, native, budget(), attention=attention)
+            _memo[memo_key] = table
+            return table
+        return _defer(sites, native, timed, {**info, "source": "measured", "why_timed": "no table for this host"},
+                      path)
     table = measure(sites, native, budget(), attention=attention)
     _memo[memo_key] = table
     saved = _save(table, path)
     log.info("tactics: timed %d linear shapes in %.1fs on %s", len(table.linear), table.seconds, info["host"])
-    return table, {**info, "source": "measured", "seconds": round(table.seconds, 2),
-                   "table": str(saved) if saved else None}
+    return table, {**info, "source": "measured", "origin": "timed-here", "seconds": round(table.seconds, 2),
+                   "table": str(saved) if saved else None, "why": "no table for this host: timed at load"}
+
+
+def _defer(sites: list[LinearSite], native, timed, final: dict[str, Any], path: Path) -> tuple[TacticTable, dict]:
+    """The default table now, with the job that times the real one (``deferred.py``) on it as ``pending``."""
+    table = deferred.default_table(sites, native)
+    table.pending = deferred.Deferred(timed, final, path)
+    names = sorted({c.buckets[0]["runs"] for c in table.linear.values()})
+    return table, {**{k: v for k, v in final.items() if k != "why_timed"}, "source": "default-until-timed",
+                   "origin": "default-until-timed", "table": None,
+                   "why": f"{final['why_timed']}: serving on the default ({', '.join(names)}, untimed) until this "
+                          f"host's table is timed in the background (budget {budget():g}s) and swapped in"}
+
+
+def persist(table: TacticTable, info: dict[str, Any]) -> None:
+    """Save again a table this host timed or cached, once the load added model-level choices to it (the MLP's
+    prefill slice): the next start then times nothing. Never an artifact's own table."""
+    path = info.get("table")
+    if path and info.get("origin") in ("timed-here", "cache"):
+        _save(table, Path(path))
 
 
 def packing(choice: LinearChoice, site: LinearSite, native, layout: str | None = None,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from kiln.builder.report import summary_lines
 from kiln.engine import LLM, ConfigError, SamplingParams
-from kiln.engine.tactics import host
+from kiln.engine.tactics import host_signature
 from kiln.engine.tactics.bind import STACK_MARGIN
 
 
@@ -50,7 +50,7 @@ def test_the_build_ships_the_table_and_reports_it(built):
     doc = json.loads((built / "engine.json").read_text())
     record = doc["build_report"]["tactics"]
     table = json.loads((built / "tactics.json").read_text())
-    assert record["timed"] and record["host"] == table["host"] == host.cpu_signature()
+    assert record["timed"] and record["host"] == table["host"] == host_signature.cpu_signature()
     assert {r["shape"] for r in record["rows"] if r["op"] == "linear"} == {e["key"] for e in table["linear"]}
     assert "attention" in table["model"] and all("us" in v for v in table["model"].values())
     # The stack against the modules is timed where the stack was bound: every layer's linears in kiln's layout
@@ -78,8 +78,8 @@ def test_a_matching_host_uses_the_table_without_timing(built, tmp_path, monkeypa
 def test_another_host_kind_retimes_caches_and_says_so(built, tmp_path, monkeypatch, caplog):
     from kiln.engine.tactics import resolve
 
-    real = host.cpu_signature
-    monkeypatch.setattr(host, "cpu_signature", lambda threads=None: {**real(threads), "model": "Another CPU 9000"})
+    real = host_signature.cpu_signature
+    monkeypatch.setattr(host_signature, "cpu_signature", lambda threads=None: {**real(threads), "model": "Another CPU 9000"})
     timed = []
     measure = resolve.measure
     monkeypatch.setattr(resolve, "measure", lambda *a, **k: timed.append(1) or measure(*a, **k))

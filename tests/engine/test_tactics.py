@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kiln.engine.kernels import candidates, native
-from kiln.engine.tactics import host, resolve
+from kiln.engine.tactics import host_signature, resolve
 from kiln.engine.tactics.table import TacticsError, TacticTable, _digest, choose
 from kiln.engine.tactics.timing import BucketTiming, LinearSite, bucket_rows
 
@@ -80,7 +80,7 @@ def test_choice_is_the_layout_cheapest_per_token_then_the_fastest_kernel_of_it()
 
 
 def _table() -> TacticTable:
-    t = TacticTable(host=host.cpu_signature())
+    t = TacticTable(host=host_signature.cpu_signature())
     t.linear["float32:8x4"] = choose("float32:8x4", _timings({1: {"kiln-fma": 1, "aten": 2}}))
     t.model["decoder_stack"] = {"winner": "fused", "us": {"fused": 1.0, "modules": 2.0}}
     return t
@@ -132,7 +132,7 @@ def test_a_stage_times_only_the_shapes_its_build_did_not_load(tmp_path):
 def test_matching_host_uses_the_table_as_is_and_another_host_retimes_once(tmp_path, monkeypatch):
     sites = [LinearSite(torch.float32, 64, 64, 8)]
     table = resolve.measure(sites, native.kernels(), 10)
-    assert table.host == host.cpu_signature() and set(table.linear) == {"float32:64x64"}
+    assert table.host == host_signature.cpu_signature() and set(table.linear) == {"float32:64x64"}
     table.model["decoder_stack"] = {"winner": "modules"}
     path = table.save(tmp_path / "tactics.json")
 
@@ -260,7 +260,8 @@ def test_a_bad_tactics_setting_names_the_field(toy_model):
     from kiln.engine.config import EngineConfig
 
     with pytest.raises(ConfigError, match=r"^tactics must be 'auto', a candidate \(kiln-fma, kiln-amx, onednn-panels, "
-                                          r"onednn, aten, kiln-w8a8, torch-w8a8\) or a tactics.json file, got 'fastest'$"):
+                                          r"onednn, aten, kiln-w8a8, torch-w8a8, kiln-gguf, kiln-gguf-f32\) or a tactics.json file, "
+                                          r"got 'fastest'$"):
         EngineConfig(model=str(toy_model("llama-tiny")), device="cpu", tactics="fastest")
 
 
@@ -281,7 +282,7 @@ def test_steps_that_run_onednn_leave_the_stack_and_agree_with_the_module_path(to
     kwargs = dict(dtype="bfloat16", attention_backend="native", num_kv_blocks=64, max_num_tokens=256,
                   max_batch_size=4, device="cpu")
     sites = make_llm(model_dir, tactics="aten", **kwargs).engine.runner.tactic_sites
-    table = TacticTable(host=host.cpu_signature(), model={"decoder_stack": {"winner": "fused"}})
+    table = TacticTable(host=host_signature.cpu_signature(), model={"decoder_stack": {"winner": "fused"}})
     for s in sites:
         table.linear[s.key] = LinearChoice(s.key, "kiln", [
             {"rows": r, "runs": "kiln-fma" if r <= 16 else "onednn-panels", "winner": "kiln-fma", "runner_up": None,

@@ -1,0 +1,127 @@
+"""A table timed after ``/ready``: serve on a default table at once, time this host's own in the background.
+
+``kiln serve``'s loader builds its engine inside :func:`in_background` (``$KILN_TACTICS_AT_LOAD``: ``background`` or
+``sync`` overrides; the library's default is ``sync``: ``LLM()`` times at load, as before). Where
+``resolve.resolve`` would time linears at load (no table for this host: a checkpoint directory, or an artifact
+on another kind of host, with nothing cached) it then returns :func:`default_table` instead, untimed, with a
+:class:`Deferred` job on it (``table.pending``):
+
+- the default: every linear runs the first candidate of :data:`FALLBACK` that can run it (``aten``, torch's
+  own linear on the plain weight: correct on every host, MKL's sgemm for float32; a weight only kiln's
+  kernels read, GGUF blocks, takes the first kiln candidate that can). Nothing is packed, nothing is timed;
+  the decoder stack and the MLP's prefill slice keep the model's defaults. No CPU flag picks it;
+- the job (a daemon thread the engine thread starts at its first tick) times the linears within the usual
+  budget (``resolve.measure``) at the engine's thread count, and the MLP's prefill slice on a private copy
+  of one layer's MLP (``swap.time_mlp_copy``), keeps the build's model-level choices where there was a build,
+  and saves the table where the next start looks first (the artifact's re-timed cache, or
+  ``~/.cache/kiln/tactics``);
+- ``swap.py`` packs the model by it, on the engine thread between steps: the loop never runs a step on
+  half-packed weights.
+
+Only a single-rank engine defers (ranks would have to swap at the same step).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from kiln.engine import parallel
+from kiln.engine.kernels import candidates
+from kiln.engine.tactics import host_signature
+from kiln.engine.tactics.table import LinearChoice, TacticTable
+from kiln.engine.tactics.timing import LinearSite, bucket_rows
+
+log = logging.getLogger("kiln.engine.tactics")
+
+MODE_ENV = "KILN_TACTICS_AT_LOAD"
+FALLBACK = ("aten", "kiln-fma", "kiln-gguf", "kiln-gguf-f32")  # in order: the first that can run a linear
+DEFAULT_MODEL = {"decoder_stack": {"winner": "modules", "how": "default until timed"},
+                 "mlp_rows": {"winner": None, "how": "default until timed"}}
+
+
+_local = threading.local()
+
+
+@contextmanager
+def in_background():
+    """Engines built on this thread inside it defer (``kiln serve``'s loader), unless ``$KILN_TACTICS_AT_LOAD``
+    says ``sync``."""
+    before = getattr(_local, "on", False)
+    _local.on = True
+    try:
+        yield
+    finally:
+        _local.on = before
+
+
+def wanted() -> bool:
+    """Defer timing to after ``/ready`` (``kiln serve``), where one rank serves."""
+    mode = os.environ.get(MODE_ENV, "").strip().lower() or ("background" if getattr(_local, "on", False) else "sync")
+    return mode == "background" and parallel.world_size() == 1
+
+
+def fallback(site: LinearSite, native) -> str:
+    for name in FALLBACK:
+        if name in candidates.LINEAR and candidates.why_not(name, site.dtype, native, site.quant) is None:
+            return name
+    return next(n for n in candidates.LINEAR if candidates.why_not(n, site.dtype, native, site.quant) is None)
+
+
+def default_table(sites: list[LinearSite], native) -> TacticTable:
+    """Every site on its :func:`fallback`, untimed."""
+    table = TacticTable(host=host_signature.cpu_signature(), model=copy.deepcopy(DEFAULT_MODEL))
+    for site in sites:
+        name = fallback(site, native)
+        table.linear[site.key] = LinearChoice(site.key, candidates.LINEAR[name].layout, [
+            {"rows": rows, "runs": name, "winner": name, "runner_up": None, "us": {}, "pruned": [],
+             "inferred_from": None} for rows in bucket_rows(site.max_rows)])
+    return table
+
+
+class Deferred:
+    """The background measurement of one engine's table. ``measure()`` returns the table (``resolve``'s);
+    ``done`` says the result (or the failure) is in."""
+
+    def __init__(self, measure, info: dict[str, Any], cache_path: Path | None) -> None:
+        self.measure, self.info, self.cache_path = measure, info, cache_path
+        self.result: TacticTable | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.started_at: float | None = None
+        self.time_mlp = None  # table -> the MLP's prefill slice timed on a copy packed by it (tactics.swap)
+        self.native = None  # the kernels the table packs for
+
+    def start(self, threads: int) -> None:
+        if self.thread is None:
+            self.started_at = time.monotonic()
+            self.thread = threading.Thread(target=self._run, args=(threads,), name="kiln-tactics", daemon=True)
+            self.thread.start()
+
+    def _run(self, threads: int) -> None:
+        try:
+            torch.set_num_threads(threads)  # this thread's OpenMP team: the engine's count (the signature's)
+            table = self.measure()
+            if self.time_mlp is not None and "mlp_rows" not in table.model:
+                slices = self.time_mlp(table)
+                if slices:
+                    table.model["mlp_rows"] = slices
+            if self.cache_path is not None:
+                try:
+                    table.save(self.cache_path)
+                except OSError as exc:
+                    log.warning("could not cache the tactic table at %s (%s)", self.cache_path, exc)
+            self.result = table
+        except BaseException as exc:  # noqa: BLE001 - the engine keeps serving on the default
+            log.exception("tactics: timing this host's table in the background failed; the default stays")
+            self.error = exc
+        finally:
+            self.done.set()

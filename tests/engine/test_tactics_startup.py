@@ -1,0 +1,120 @@
+"""Start-up without a table (kiln.engine.tactics.deferred): with ``$KILN_TACTICS_AT_LOAD=background`` an engine
+with no table for its host loads on the untimed default, times its own table in the background once the
+engine loop ticks, swaps it in between steps (the tokens do not change), and caches it, MLP slice included,
+so the next start times nothing; /version's ``origin`` and ``why`` say which table runs and why."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from kiln.engine import SamplingParams
+from kiln.engine.kernels import candidates, native
+from kiln.engine.tactics import deferred, resolve
+from kiln.engine.tactics.timing import LinearSite
+
+PROMPT = [[5, 9, 33, 2, 7]]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(resolve.BUDGET_ENV, "2")
+    monkeypatch.setattr(resolve, "_memo", {})
+    return tmp_path / "cache" / "kiln" / "tactics"
+
+
+def test_the_default_runs_everywhere_untimed():
+    kernels = native.kernels()
+    sites = [LinearSite(torch.float32, 64, 32, 48), LinearSite(torch.bfloat16, 96, 64, 8, quant="int8")]
+    table = deferred.default_table(sites, kernels)
+    for site in sites:
+        choice = table.linear[site.key]
+        assert choice.layout == "plain" and {b["runs"] for b in choice.buckets} == {"aten"}
+        assert candidates.why_not("aten", site.dtype, kernels, site.quant) is None
+        assert resolve.packing(choice, site, kernels) == ("plain", None)
+    assert table.model["decoder_stack"]["winner"] == "modules" and table.model["mlp_rows"]["winner"] is None
+
+
+def _wait_swapped(llm, timeout=120.0):
+    engine = llm.engine
+    deadline = time.monotonic() + timeout
+    while engine.runner.tactics_job is not None and time.monotonic() < deadline:
+        engine.has_unfinished()  # the engine loop's idle tick
+        time.sleep(0.05)
+    assert engine.runner.tactics_job is None, "the background timing did not finish"
+
+
+def test_background_timing_swaps_between_steps_and_is_cached(toy_model, make_llm, fresh_cache, monkeypatch):
+    model_dir = toy_model("llama-tiny")
+    reference = make_llm(model_dir, num_kv_blocks=16, device="cpu", tactics="aten").generate(PROMPT, GREEDY)
+    monkeypatch.setenv(deferred.MODE_ENV, "background")
+    llm = make_llm(model_dir, attention_backend="auto", num_kv_blocks=16, device="cpu")
+    info = llm.engine.config.tactics_info
+    assert info["source"] == info["origin"] == "default-until-timed" and "background" in info["why"]
+    assert set(info["layouts"]) == {"plain"} and not list(fresh_cache.glob("*.json"))  # nothing timed at load
+    assert llm.generate(PROMPT, GREEDY)[0].token_ids == reference[0].token_ids
+    _wait_swapped(llm)
+    info = llm.engine.config.tactics_info
+    assert info["source"] == "measured" and info["origin"] == "timed-here" and "swapped in" in info["why"]
+    assert llm.generate(PROMPT, GREEDY)[0].token_ids == reference[0].token_ids  # repacked, same tokens
+    saved = list(fresh_cache.glob("*.json"))
+    assert len(saved) == 1
+    slices = llm.engine.runner.tactics.model["mlp_rows"]  # timed on a copy of one MLP, applied to every layer
+    assert "copy" in slices["how"] and all(m.mlp_rows == slices["winner"] for m in llm.engine.runner.model.modules()
+                                           if hasattr(m, "mlp_rows") and m.rows_per_call)
+    calls = []
+    real = resolve.measure
+    monkeypatch.setattr(resolve, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(resolve, "_memo", {})
+    again = make_llm(model_dir, attention_backend="auto", num_kv_blocks=16, device="cpu")
+    info = again.engine.config.tactics_info
+    assert info["origin"] == "cache" and info["source"] == "measured (cached)" and not calls
+    assert again.engine.runner.tactics_job is None
+
+
+def test_the_library_still_times_at_load(toy_model, make_llm, fresh_cache, monkeypatch):
+    """Without ``$KILN_TACTICS_AT_LOAD=background`` (LLM() in a script, a build) the table is timed at load, and
+    the MLP slice chosen there is cached with it: the next start times nothing, not even the slice."""
+    monkeypatch.delenv(deferred.MODE_ENV, raising=False)
+    model_dir = toy_model("llama-tiny")
+    llm = make_llm(model_dir, attention_backend="auto", num_kv_blocks=16, device="cpu")
+    info = llm.engine.config.tactics_info
+    assert info["origin"] == "timed-here" and info["source"] == "measured" and llm.engine.runner.tactics_job is None
+    from kiln.engine.tactics.table import TacticTable
+
+    saved = TacticTable.load(next(fresh_cache.glob("*.json")))
+    assert set(saved.model) == set(llm.engine.runner.tactics.model)  # the slice too, where it was timed
+
+
+def test_an_artifact_on_another_host_serves_the_default_and_caches_the_retimed_table(tmp_path, monkeypatch):
+    """The build's table, measured on another kind of host: the default at once, the linears re-timed by the job
+    (the build's model-level choices kept) into the artifact's cache, which the next start uses untimed; on the
+    build's own kind of host nothing is timed, deferred or not."""
+    from kiln.engine.tactics import host_signature
+    from kiln.engine.tactics.table import TacticTable, _digest
+
+    sites = [LinearSite(torch.float32, 64, 64, 8)]
+    kernels = native.kernels()
+    built = resolve.measure(sites, kernels, 5)
+    built.model["decoder_stack"] = {"winner": "modules"}
+    monkeypatch.setattr(deferred, "wanted", lambda: True)
+    calls = []
+    real = resolve.measure
+    monkeypatch.setattr(resolve, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))
+    same = built.save(tmp_path / "same.json")
+    assert resolve.resolve(str(same), sites, kernels, str(tmp_path / "cache"))[1]["origin"] == "artifact"
+    doc = built.to_json()
+    doc["host"] = {**host_signature.cpu_signature(), "model": "Some Other CPU"}
+    del doc["sha256"]
+    path = TacticTable.from_json({**doc, "sha256": _digest(doc)}).save(tmp_path / "foreign.json")
+    table, info = resolve.resolve(str(path), sites, kernels, str(tmp_path / "cache"))
+    assert info["origin"] == "default-until-timed" and not calls and "differs from the build's" in info["why"]
+    job = table.pending
+    job.start(torch.get_num_threads())
+    assert job.done.wait(60) and job.error is None and len(calls) == 1
+    assert job.result.model["decoder_stack"] == {"winner": "modules"} and job.cache_path.is_file()
+    again, info = resolve.resolve(str(path), sites, kernels, str(tmp_path / "cache"))
+    assert info["origin"] == "cache" and info["source"] == "re-timed (cached)" and len(calls) == 1
