@@ -70,6 +70,9 @@ def _resolve_device(device: str) -> str:
 @click.option("--structured", is_flag=True,
               help="Instead of the suite: kiln's throughput on one batch (--num-requests, default 32) with half of "
                    "it JSON-schema constrained against the same batch free, interleaved --repeats times.")
+@click.option("--lora", "lora", type=click.IntRange(1, 16), default=None,
+              help="Instead of the suite: greedy throughput at batch 1/4/16 with requests spread over N LoRA "
+                   "adapters (rank 16, every projection) against all on the base, interleaved --repeats times.")
 @click.option("--server", is_flag=True,
               help="Instead of the suite: kiln serve against vLLM's OpenAI server (--baselines vllm), both driven "
                    "over HTTP by NVIDIA's aiperf with the same seeded synthetic prompts, --repeats interleaved runs.")
@@ -91,7 +94,7 @@ def _resolve_device(device: str) -> str:
                    "same-family draft would (smaller: more agreement).")
 def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
           baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict,
-          structured, server, concurrency, isl, osl, speculative, draft_model, draft_layers, pair_scale) -> None:
+          structured, lora, server, concurrency, isl, osl, speculative, draft_model, draft_layers, pair_scale) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     import os
     import platform
@@ -102,7 +105,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
         # Before any torch op: ATen, oneDNN and MKL read these once, at their first kernel dispatch. The
         # systems' processes inherit them.
         os.environ.update(ISA_CAPS[max_isa])
-    from kiln.engine.toy import PRESETS
+    from kiln.engine.random_checkpoint import PRESETS
     from kiln_bench import report
     from kiln_bench.model import (
         DEFAULT_GPU_PRESET,
@@ -167,6 +170,19 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
         doc = run_structured(model_dir, dtype, threads, device, batch=num_requests or 32,
                              max_tokens=16 if quick else 128, repeats=repeats, log=log)
         click.echo(json.dumps(doc, indent=2) if json_out == "-" else structured_text(doc))
+        if json_out and json_out != "-":
+            Path(json_out).write_text(json.dumps(doc, indent=2))
+        return
+    if lora is not None:  # bench/lora.py: what serving N adapters in mixed batches costs
+        import tempfile
+
+        from kiln_bench.lora import run as run_lora
+        from kiln_bench.lora import text as lora_text
+
+        with tempfile.TemporaryDirectory(prefix="kiln-bench-lora-") as work:
+            doc = run_lora(model_dir, dtype, threads, device, lora, Path(work), max_tokens=8 if quick else 64,
+                           repeats=repeats, log=log)
+        click.echo(json.dumps(doc, indent=2) if json_out == "-" else lora_text(doc))
         if json_out and json_out != "-":
             Path(json_out).write_text(json.dumps(doc, indent=2))
         return

@@ -28,7 +28,7 @@ def ensure_model(preset: str, dtype: str, seed: int = 0, model_dir: Path | None 
     A ``model_dir`` that already holds a checkpoint kiln bench did not write (``config.json`` +
     ``*.safetensors``: a real model, e.g. a fetched GGUF's) is benchmarked as it is, ``preset`` unused.
     """
-    from kiln.engine.toy import make_random_model
+    from kiln.engine.random_checkpoint import make_random_model
 
     out = model_dir or default_cache_dir() / f"{preset}-{dtype}-seed{seed}"
     marker = out / "kiln-bench.json"

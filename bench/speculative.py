@@ -2,7 +2,7 @@
 
 Drafts come from prompt lookup, or with ``--draft-model DIR`` / ``--draft-layers N`` from a draft
 model: a checkpoint of the same tokenizer, or the benchmarked model's first ``N`` layers under its
-own head (``kiln.engine.toy.make_truncated_draft``: an untrained early exit, the one same-family
+own head (``kiln.engine.random_checkpoint.make_truncated_draft``: an untrained early exit, the one same-family
 draft at hand where the registry holds one model).
 
 A repetitive workload: each request asks to rewrite a paragraph unchanged, so a model that
@@ -145,7 +145,7 @@ def draft_for(model_dir: Path, draft_model: Path | None, draft_layers: int | Non
         return draft_model
     if draft_layers is None:
         return None
-    from kiln.engine.toy import make_truncated_draft
+    from kiln.engine.random_checkpoint import make_truncated_draft
 
     out = model_dir.parent / f"{model_dir.name}-draft-{draft_layers}"
     if not (out / "config.json").is_file():
@@ -156,7 +156,7 @@ def draft_for(model_dir: Path, draft_model: Path | None, draft_layers: int | Non
 def damped_pair(model_dir: Path, draft_layers: int, scale: float) -> tuple[Path, Path]:
     """(target, draft) of a random-weight pair: a copy of ``model_dir`` whose layers past ``draft_layers``
     add ``scale`` times their output (``make_damped_target``), and its first ``draft_layers`` layers."""
-    from kiln.engine.toy import make_damped_target
+    from kiln.engine.random_checkpoint import make_damped_target
 
     target = model_dir.parent / f"{model_dir.name}-damped-{draft_layers}-{scale:g}"
     if not (target / "config.json").is_file():

@@ -1,7 +1,7 @@
 """Imported as ``kiln.engine`` (folder ``engine/``): the kiln runtime: paged KV cache, in-flight
 batching, Llama-family models. It imports nothing else of kiln (docs/architecture.md).
 
-Imports are lazy so that ``import kiln.engine.toy`` or the sampling params do
+Imports are lazy so that ``import kiln.engine.random_checkpoint`` or the sampling params do
 not pull torch and the model code in.
 """
 

@@ -20,6 +20,7 @@ from typing import Any
 from kiln.engine.config import EngineConfig
 from kiln.engine.errors import RequestError, RequestFailedError
 from kiln.engine.llm_engine import LLMEngine, StepUpdate
+from kiln.engine.lora.request import LoRARequest
 from kiln.engine.outputs import EngineStats, StreamDelta
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Request
@@ -84,15 +85,16 @@ class AsyncLLM:
 
     # -- requests ---------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                 request_id: str | None = None) -> AsyncIterator[StreamDelta]:
-        """Validate and queue at once (RequestError raises here); iterate the result for deltas."""
+                 request_id: str | None = None, lora_request: LoRARequest | None = None) -> AsyncIterator[StreamDelta]:
+        """Validate and queue at once (RequestError raises here); iterate the result for deltas. An adapter not
+        in host memory is read here: a server loads it first (``await add_lora``) to keep its loop free."""
         if self._thread is None or self._loop is None:
             raise RuntimeError("AsyncLLM is not started: await engine.start() or use `async with`")
         if self._error is not None:
             raise EngineDeadError(f"the engine loop failed: {self._error!r}")
         if request_id is not None and request_id in self._streams:
             raise RequestError("request_id", f"request_id {request_id!r} is already in use")
-        req = self.engine.make_request(prompt, params, request_id)
+        req = self.engine.make_request(prompt, params, request_id, lora_request)
         if req.request_id in self._streams:
             raise RequestError("request_id", f"request_id {req.request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
@@ -120,6 +122,21 @@ class AsyncLLM:
         """Stop a request; its blocks are freed before the next step and its stream ends with "abort"."""
         self._commands.put(("abort", request_id))
         self._wakeup.set()
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter into host memory in a worker thread (the event loop and the steps go on)."""
+        return await asyncio.to_thread(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, name: str) -> bool:
+        """Unload an adapter on the step thread (its prefix blocks are dropped between steps)."""
+        if name not in self.engine.list_loras():
+            return False
+        self._commands.put(("remove_lora", name))
+        self._wakeup.set()
+        return True
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -153,6 +170,8 @@ class AsyncLLM:
                 return
             if kind == "add":
                 self.engine.add(arg)
+            elif kind == "remove_lora":
+                self.engine.remove_lora(arg)
             elif kind == "abort":
                 req = self.engine.abort(arg)
                 if req is not None:  # with no token streamed yet, this is the request's first delta

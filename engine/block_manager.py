@@ -19,13 +19,14 @@ from kiln.engine.sequence import Request
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "root")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.root: bytes | None = None  # the key chain's root (a LoRA adapter's, or the base's)
 
 
 class BlockManager:
@@ -51,11 +52,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent = None
+        parent, root = None, req.prefix_root
         bs = self.block_size
         for i in range((req.num_tokens - 1) // bs):
             tokens = tuple(req.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, tokens)
+            h = chain_hash(parent, tokens, root)
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
@@ -110,14 +111,33 @@ class BlockManager:
         bs = self.block_size
         num_full = min(req.num_computed_tokens, req.num_tokens) // bs
         parent = self.blocks[req.block_table[req.num_hashed_blocks - 1]].hash if req.num_hashed_blocks else None
+        root = req.prefix_root
+        if req.num_hashed_blocks and parent is None:  # its chain was dropped (forget_root): cache no more of it
+            req.num_hashed_blocks = max(req.num_hashed_blocks, num_full)
+            return
         for i in range(req.num_hashed_blocks, num_full):
             block = self.blocks[req.block_table[i]]
             tokens = tuple(req.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, tokens)
-            block.hash, block.token_ids = h, tokens
+            h = chain_hash(parent, tokens, root)
+            block.hash, block.token_ids, block.root = h, tokens, root
             self.hash_to_block.setdefault(h, block.block_id)
             parent = h
         req.num_hashed_blocks = max(req.num_hashed_blocks, num_full)
+
+    def forget_root(self, root: bytes) -> int:
+        """Drop every cached block whose key chain starts at ``root`` (an adapter unloaded: a later adapter
+        of the same name must not hit its KV); returns how many. Blocks in use keep their contents."""
+        dropped = 0
+        for block in self.blocks:
+            if block.hash is None or block.root != root:
+                continue
+            if self.hash_to_block.get(block.hash) == block.block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids, block.root = None, (), None
+            if block.ref_count == 0:
+                self.free_block_ids.move_to_end(block.block_id, last=False)
+            dropped += 1
+        return dropped
 
     def trim(self, req: Request) -> None:
         """Free the blocks past ``req``'s computed tokens (rejected speculative drafts wrote there).

@@ -8,6 +8,7 @@ from typing import Any
 from kiln.engine.config import EngineConfig
 from kiln.engine.errors import RequestError
 from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.lora.request import LoRARequest
 from kiln.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Request
@@ -57,8 +58,13 @@ class LLM:
         return cls(engine_config=artifact_engine_config(artifact_dir, **overrides))
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or one (or None: the base) per prompt."""
         prompts = normalize_prompts(prompts)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise RequestError("lora_request", f"got {len(loras)} lora_request for {len(prompts)} prompts; give "
+                                               "one or one per prompt")
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise RequestError("sampling_params", f"got {len(sampling_params)} sampling_params for "
@@ -67,7 +73,8 @@ class LLM:
         else:
             params_list = [sampling_params] * len(prompts)
         # Validate every prompt before queueing any, so a bad one leaves the engine untouched.
-        reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        reqs = [self.engine.make_request(p, sp, lora_request=lr)
+                for p, sp, lr in zip(prompts, params_list, loras, strict=True)]
         for req in reqs:
             self.engine.add(req)
         try:
@@ -78,6 +85,15 @@ class LLM:
                 self.engine.abort(r.request_id)
             raise
         return [to_output(r) for r in reqs]
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, name: str) -> bool:
+        return self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -22,6 +22,8 @@ from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import EngineConfig
 from kiln.engine.errors import ConfigError, RequestError
 from kiln.engine.limits import check_prompt, resolve_max_tokens
+from kiln.engine.lora.manager import LoRAEngineMixin, LoRAManager, lora_disabled
+from kiln.engine.lora.request import LoRARequest
 from kiln.engine.model_runner import ModelRunner
 from kiln.engine.outputs import EngineStats
 from kiln.engine.sampling_params import SamplingParams
@@ -34,6 +36,7 @@ from kiln.engine.spec_decode.draft_model import (
     draft_block_bytes,
     tokenizer_mismatch,
 )
+from kiln.engine.spec_decode.proposer import speculation_stats
 from kiln.engine.spec_decode.verify import num_accepted, rewind_generator
 from kiln.engine.stopping import make_detokenizer, stop_reason
 from kiln.engine.tokenizer import load_tokenizer
@@ -54,7 +57,7 @@ class StepUpdate:
     error: str | None = None  # set when this request failed alone (finish reason "error"); the batch went on
 
 
-class LLMEngine:
+class LLMEngine(LoRAEngineMixin):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)  # unseeded sampling draws from the default generator (as vLLM's seed=)
@@ -83,9 +86,11 @@ class LLMEngine:
         if self.group is not None:
             self.group.start_heartbeat()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_tokens)
-        self.set_speculative(speculative)
         self.requests: dict[str, Request] = {}
+        self.lora = LoRAManager(config, self._adapters_in_use) if config.enable_lora else None
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_tokens,
+                                   lora_slots=self.lora.slots if self.lora is not None else None)
+        self.set_speculative(speculative)
         self._ids = itertools.count()
         self.num_steps = self.num_computed_tokens = self.num_generated_tokens = 0
         self.sum_running = 0
@@ -107,9 +112,13 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> Request:
-        """Validate and build a request without queueing it; raises RequestError naming the input."""
+                     request_id: str | None = None, lora_request: LoRARequest | None = None) -> Request:
+        """Validate and build a request without queueing it; raises RequestError naming the input.
+        ``lora_request``: the adapter it runs under (read from disk now unless already loaded)."""
         cfg = self.config
+        if lora_request is not None and self.lora is None:
+            raise lora_disabled()
+        adapter = self.lora.resolve(lora_request) if lora_request is not None else None
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise RequestError("sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -141,7 +150,7 @@ class LLMEngine:
             request_id = f"req-{next(self._ids)}"
         elif request_id in self.requests:
             raise RequestError("request_id", f"request_id {request_id!r} is already in use")
-        req = Request(request_id, text, ids, params, max_tokens, eos_token_ids=self.eos_token_ids)
+        req = Request(request_id, text, ids, params, max_tokens, eos_token_ids=self.eos_token_ids, lora=adapter)
         req.detokenizer = make_detokenizer(self.tokenizer, ids, params)
         if params.structured_outputs is not None:  # compiled already when the server did it off this thread
             req.grammar = self.grammar_compiler.compile(params.structured_outputs).new_state()
@@ -177,6 +186,7 @@ class LLMEngine:
         return req
 
     def has_unfinished(self) -> bool:
+        self.runner.swap_pending_tactics()  # the engine loop's tick between steps (tactics.deferred)
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------
@@ -198,11 +208,11 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         if self.group is None:
-            sampled, out = self.runner.run(decision.scheduled)
+            sampled, out = self.runner.run(decision.scheduled, decision.lora_loads)
         else:
             with self.group.lock:  # the heartbeat must not interleave its broadcast with a step's
                 try:
-                    sampled, out = self.runner.run(decision.scheduled)
+                    sampled, out = self.runner.run(decision.scheduled, decision.lora_loads)
                 except Exception as exc:
                     self.group.fail(str(exc))
                     raise
@@ -323,18 +333,8 @@ class LLMEngine:
             num_computed_tokens=self.num_computed_tokens, num_generated_tokens=self.num_generated_tokens,
             sum_running=self.sum_running, sum_kv_usage=self.sum_kv_usage,
             batch_size_histogram=dict(self.batch_size_histogram),  # a copy: the step loop keeps counting
-            block_size=bm.block_size, **self._spec_stats(),
+            block_size=bm.block_size, **speculation_stats(self.scheduler),
         )
-
-    def _spec_stats(self) -> dict[str, Any]:
-        proposer = self.scheduler.proposer
-        if proposer is None:
-            return {}
-        s = proposer.stats
-        return dict(num_speculative_tokens=proposer.config.num_speculative_tokens, spec_num_drafts=s.num_drafts,
-                    spec_num_draft_tokens=s.num_draft_tokens, spec_num_accepted_tokens=s.num_accepted_tokens,
-                    spec_accepted_per_position=list(s.accepted_per_position),
-                    spec_steps_off_by_batch=self.scheduler.num_steps_speculation_off)
 
     def shutdown(self) -> None:
         if self.group is not None:

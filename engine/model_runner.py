@@ -29,63 +29,19 @@ from kiln.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_bl
 from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 from kiln.engine.layers.linear import LinearBase
 from kiln.engine.layers.paged_metadata import build_paged_metadata, token_rows
+from kiln.engine.lora.layers import LoRAModel, make_lora_step, set_lora_step
 from kiln.engine.models.llama import Intermediate, head_dim_of, kv_heads_of
 from kiln.engine.models.registry import create_model
-from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow, merge_rows
 from kiln.engine.sequence import Request
-from kiln.engine.spec_decode.rows import sampled_positions, sampling_rows
-from kiln.engine.step_inputs import StepInputs, encode_steps, pack_rows
+from kiln.engine.spec_decode.verify_rows import sampled_positions, sampling_rows
+from kiln.engine.step_inputs import StepInputs, encode_steps, pack_rows, split_batch
 from kiln.engine.weights import load_checkpoint, load_engine_state
 
 log = logging.getLogger("kiln.engine")
 
 
 _LOGITS_TAG = 1 << 20  # point-to-point tags: micro-batch i's activations use i, its logits this + i
-
-
-def split_batch(scheduled: list[tuple[Request, int]], parts: int,
-                min_tokens: int = 1) -> list[list[tuple[Request, int]]]:
-    """Split one step's (request, tokens) rows into at most ``parts`` micro-batches of about equal
-    tokens (and at least ``min_tokens`` each), keeping the order (decodes first); each request lies
-    in exactly one. Small steps stay whole: on CPU a linear over half the rows costs nearly what it
-    costs over all of them, so splitting a small decode batch only adds work."""
-    total = sum(n for _, n in scheduled)
-    parts = max(1, min(parts, len(scheduled), total // min_tokens))
-    if parts == 1:
-        return [scheduled]
-    out: list[list[tuple[Request, int]]] = []
-    cur: list[tuple[Request, int]] = []
-    acc = 0
-    for i, (req, n) in enumerate(scheduled):
-        cur.append((req, n))
-        acc += n
-        left_rows, left_parts = len(scheduled) - i - 1, parts - len(out) - 1
-        if left_parts and (acc * parts >= total * (len(out) + 1) or left_rows == left_parts):
-            out.append(cur)
-            cur = []
-    if cur:
-        out.append(cur)
-    return out
-
-
-def merge_rows(outs: dict[int, SamplerOutput], errors: dict[int, str], num_rows: int,
-               device: torch.device) -> SamplerOutput:
-    """One SamplerOutput from rows sampled one at a time (rows in ``errors`` get id -1)."""
-    token_ids = torch.full((num_rows,), -1, dtype=torch.long, device=device)
-    for i, out in outs.items():
-        token_ids[i] = out.token_ids[0]
-    with_lp = {i: out for i, out in outs.items() if out.logprobs is not None}
-    if not with_lp:
-        return SamplerOutput(token_ids, errors=errors)
-    k = max(out.top_ids.shape[1] for out in with_lp.values())
-    logprobs = torch.full((num_rows,), float("nan"), device=device)
-    top_ids = torch.full((num_rows, k), -1, dtype=torch.long, device=device)
-    top_logprobs = torch.full((num_rows, k), float("nan"), device=device)
-    for i, out in with_lp.items():
-        width = out.top_ids.shape[1]
-        logprobs[i] = out.logprobs[0]
-        top_ids[i, :width], top_logprobs[i, :width] = out.top_ids[0], out.top_logprobs[0]
-    return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, errors)
 
 
 def build_model(config: EngineConfig) -> torch.nn.Module:
@@ -126,14 +82,17 @@ class ModelRunner:
                     if hasattr(m, "native_ops"):
                         m.native_ops = self.native
         self.tactics = None  # kiln.engine.tactics.TacticTable: which implementation runs each linear (CPU)
+        self.tactics_job = None  # tactics.deferred.Deferred: this host's table, timed after /ready, swapped in later
         self.tactic_sites: list = []  # the linear shapes it covers (tactics.timing.LinearSite), for a build to time
         if config.device == "cpu" and config.compile == "off":  # with Inductor, freezing packs the weights
             from kiln.engine.kernels.native import kernels
             from kiln.engine.tactics.bind import apply
+            from kiln.engine.tactics.swap import prepare_deferred
 
             gemm = self.native or kernels()  # kiln's GEMMs are candidates whatever runs attention
             self.tactics, config.tactics_info, self.tactic_sites = apply(self.model, config, gemm,
                                                                          stack=self.native is not None)
+            self.tactics_job = prepare_deferred(self.tactics, self.model, config, gemm)
         cfg = config.hf_config
         kv_heads = kv_heads_of(cfg) // parallel.tp_size()
         self.num_kv_heads = kv_heads  # this rank's
@@ -152,6 +111,9 @@ class ModelRunner:
                 self.model.bind_native_stack(self.native)
             if why:
                 log.info("kiln CPU kernels: decoder layers run module by module (%s)", why)
+        self.lora = None  # lora.layers.LoRAModel: this rank's adapter slots (enable_lora)
+        if config.enable_lora:
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, config.torch_dtype, self.device)
         self.sampler = Sampler()
         self.workspace: dict[str, torch.Tensor] = {}  # attention's gather buffers, reused every step
         self.graphs = self.compiled = None
@@ -170,6 +132,15 @@ class ModelRunner:
             self.graphs = CUDAGraphRunner(self.model, self.block_size, -(-config.max_seq_len // self.block_size),
                                           self.num_blocks, sizes, self.device, paged_kv_heads=paged)
 
+    def swap_pending_tactics(self) -> None:
+        """On the engine thread, between steps: start timing this host's table in the background (the first
+        call), and once it is timed pack the model by it (``tactics.deferred``)."""
+        if self.tactics_job is not None:
+            from kiln.engine.tactics.swap import tick
+
+            self.tactics, self.config.tactics_info, self.tactics_job = tick(
+                self.tactics_job, self.tactics, self.config, self.model, self.native is not None)
+
     # -- rank 0 ---------------------------------------------------------------------------
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
         """Pack the step; returns the inputs and, in row order, the requests that get a token (a
@@ -182,12 +153,20 @@ class ModelRunner:
         rows = [(r.token_ids[s:s + n] + r.spec_token_ids, s, r.block_table)
                 for r, s, n in zip(reqs, starts, nums, strict=True)]
         logits_rows, sampled = sampled_positions(reqs, starts, nums, list(itertools.accumulate(nums)))
-        return pack_rows(rows, self.block_size, logits_rows), sampled
+        slots = [-1 if r.lora_slot is None else r.lora_slot for r in reqs] if self.lora is not None else None
+        return pack_rows(rows, self.block_size, logits_rows, slots), sampled
 
-    def run(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], SamplerOutput | None]:
+    def run(self, scheduled: list[tuple[Request, int]],
+            lora_loads: list[tuple[int, Any]] = ()) -> tuple[list[Request], SamplerOutput | None]:
+        """``lora_loads``: (slot, adapter) the scheduler assigned this step, put on the device (every rank's)
+        before the step runs."""
         batches = [self.prepare(part) for part in split_batch(scheduled, self.config.num_micro_batches,
                                                                 self.config.micro_batch_min_tokens)]
         inputs = [b for b, _ in batches]
+        for slot, adapter in lora_loads:
+            self.lora.load(slot, adapter)
+        if lora_loads and inputs:
+            inputs[0].lora_loads = [(slot, a.int_id, a.path) for slot, a in lora_loads]
         if parallel.world_size() > 1:
             parallel.send_message(parallel.STEPS, encode_steps(inputs))
         parts = self.run_stage(inputs)
@@ -228,6 +207,9 @@ class ModelRunner:
         deadlock PP=2 (gloo matches by tag and did not mind). Every wait is bounded by
         ``distributed_timeout_s``.
         """
+        if parallel.rank() != 0:  # rank 0 loaded its slots in run(); the others read the adapters from disk
+            for slot, int_id, path in (load for b in batches for load in b.lora_loads):
+                self.lora.load_path(slot, int_id, path, self.config)
         if parallel.pp_size() == 1:
             return [self.execute(b) for b in batches]
         dev, dtype = self.device, self.config.torch_dtype
@@ -274,12 +256,14 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, intermediate: Intermediate | None = None):
         """One forward pass of this rank's stage: logits on the last stage, else (hidden, residual)."""
         n = inputs.input_ids.shape[0]
+        lora_step = make_lora_step(inputs.token_lora_slots, self.device) if self.lora is not None else None
         if (self.graphs is not None and inputs.num_decodes == n and inputs.logits_indices.shape[0] == n
-                and self.graphs.can_run(n)):
+                and self.graphs.can_run(n) and lora_step is None):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
                                    inputs.decode_block_tables, inputs.decode_ctx_lens)
         dev = self.device
         set_attention_metadata(self.attention_metadata(inputs))
+        set_lora_step(lora_step)
         try:
             if self.compiled is not None:
                 return self.compiled(inputs.input_ids, inputs.positions, inputs.logits_indices)
@@ -289,6 +273,7 @@ class ModelRunner:
             return self.model.compute_logits(out[inputs.logits_indices.to(dev)])
         finally:
             set_attention_metadata(None)
+            set_lora_step(None)
 
     def attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         """The step's attention metadata on this rank's device, built once for every layer."""

@@ -7,6 +7,11 @@ by ``GET /v1/prefix_cache``). Block ``i``'s key is::
     key[-1] = SHA-256(b"kiln-prefix-v1")
     key[i]  = SHA-256(key[i-1] || token ids of block i as uint32 little-endian)
 
+A request under a LoRA adapter (docs/lora.md) starts its chain from the adapter's own root, so a
+prefix computed under one adapter (or the base) is never reused by another::
+
+    key[-1] = SHA-256(b"kiln-prefix-v1" || b"\x00lora\x00" || adapter name as UTF-8)
+
 A request reuses the cached KV of its longest run of leading blocks whose keys the engine
 holds, except that the prompt's last token is always computed: a prompt of ``n`` tokens
 can hit at most ``(n - 1) // block_size`` blocks. Keys are cryptographic on purpose: a
@@ -25,17 +30,26 @@ PREFIX_HASH_SCHEME = "kiln-prefix-v1"
 ROOT_KEY = hashlib.sha256(PREFIX_HASH_SCHEME.encode()).digest()
 
 
-def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """The key of a block holding ``token_ids`` whose preceding block's key is ``parent``."""
-    return hashlib.sha256((parent or ROOT_KEY) + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+def root_key(adapter: str | None = None) -> bytes:
+    """``key[-1]``: the scheme's root, or a LoRA adapter's (by its served name)."""
+    if adapter is None:
+        return ROOT_KEY
+    return hashlib.sha256(PREFIX_HASH_SCHEME.encode() + b"\x00lora\x00" + adapter.encode()).digest()
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[bytes]:
-    """Keys of the full blocks of ``token_ids`` (at most ``limit`` of them)."""
+def chain_hash(parent: bytes | None, token_ids: Sequence[int], root: bytes = ROOT_KEY) -> bytes:
+    """The key of a block holding ``token_ids`` whose preceding block's key is ``parent`` (None: the first
+    block, chained from ``root``)."""
+    return hashlib.sha256((parent or root) + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, limit: int | None = None,
+               adapter: str | None = None) -> list[bytes]:
+    """Keys of the full blocks of ``token_ids`` (at most ``limit`` of them), under ``adapter`` if given."""
     count = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
     keys: list[bytes] = []
-    parent = None
+    parent, root = None, root_key(adapter)
     for i in range(count):
-        parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size], root)
         keys.append(parent)
     return keys

@@ -227,3 +227,23 @@ def _with_logprobs(logits: torch.Tensor, rows: list[SamplingRow], token_ids: tor
     top_ids = torch.full((len(rows), k), -1, dtype=torch.long, device=logits.device)
     top_logprobs[idx], top_ids[idx] = _topk(logprobs, k)
     return SamplerOutput(token_ids, sampled, top_ids, top_logprobs)
+
+
+def merge_rows(outs: dict[int, SamplerOutput], errors: dict[int, str], num_rows: int,
+               device: torch.device) -> SamplerOutput:
+    """One SamplerOutput from rows sampled one at a time (rows in ``errors`` get id -1)."""
+    token_ids = torch.full((num_rows,), -1, dtype=torch.long, device=device)
+    for i, out in outs.items():
+        token_ids[i] = out.token_ids[0]
+    with_lp = {i: out for i, out in outs.items() if out.logprobs is not None}
+    if not with_lp:
+        return SamplerOutput(token_ids, errors=errors)
+    k = max(out.top_ids.shape[1] for out in with_lp.values())
+    logprobs = torch.full((num_rows,), float("nan"), device=device)
+    top_ids = torch.full((num_rows, k), -1, dtype=torch.long, device=device)
+    top_logprobs = torch.full((num_rows, k), float("nan"), device=device)
+    for i, out in with_lp.items():
+        width = out.top_ids.shape[1]
+        logprobs[i] = out.logprobs[0]
+        top_ids[i, :width], top_logprobs[i, :width] = out.top_ids[0], out.top_logprobs[0]
+    return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, errors)

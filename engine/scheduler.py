@@ -19,6 +19,10 @@ No tensors here. Each step:
    ``max_batch_size`` allow. Admission stops at the first request that does not
    fit, so a big request is never starved by smaller ones behind it.
 
+Requests under a LoRA adapter also need a device slot for it (``lora.slots``): one that cannot get a
+slot stays waiting while the requests behind it are admitted. Draft-model speculation is off for
+adapter rows (the draft model has no adapter); prompt-lookup speculation works for them.
+
 Requests that could never fit the pool are refused before they are queued
 (``LLMEngine.add_request``), so one request alone always makes progress.
 """
@@ -29,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kiln.engine.block_manager import BlockManager
+from kiln.engine.lora.slots import SlotTable
 from kiln.engine.sequence import Request, RequestStatus
 from kiln.engine.spec_decode.config import SpeculativeConfig
 from kiln.engine.spec_decode.proposer import NgramProposer, Proposer
@@ -38,6 +43,7 @@ from kiln.engine.spec_decode.proposer import NgramProposer, Proposer
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to compute)
     num_preempted: int = 0
+    lora_loads: list = field(default_factory=list)  # (slot, adapter) to put on the device before the step
 
     @property
     def num_tokens(self) -> int:
@@ -46,8 +52,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int,
-                 speculative: SpeculativeConfig | None = None, proposer: Proposer | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, proposer: Proposer | None = None,
+                 lora_slots: SlotTable | None = None) -> None:
         self.block_manager = block_manager
+        self.lora_slots = lora_slots  # None: LoRA off
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.waiting: deque[Request] = deque()
@@ -79,6 +87,8 @@ class Scheduler:
         produce (the last committed token is always sampled, so at most ``left - 1`` drafts)."""
         if req.grammar is not None:  # a grammar's state advances one committed token at a time
             return []
+        if req.lora is not None and self.speculative.method == "draft_model":  # the draft has no adapter
+            return []
         left = req.max_tokens - req.num_output_tokens
         return self.proposer.propose(req, min(budget - 1, left - 1), k)
 
@@ -105,21 +115,39 @@ class Scheduler:
         budget = self._schedule_committed(prefills, budget, scheduled, drafts, out)
         budget += self._give_draft_blocks(drafts, scheduled)
         if not out.num_preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-                req = self.waiting[0]
-                cached = self.block_manager.find_cached_blocks(req)
-                num_new = min(req.num_tokens - len(cached) * self.block_manager.block_size, budget)
-                if not self.block_manager.can_allocate(req, cached, num_new):
-                    break
-                self.waiting.popleft()
-                self.block_manager.allocate(req, cached, num_new)
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled[req.request_id] = num_new
-                budget -= num_new
+            self._admit(budget, scheduled)
         by_id = {r.request_id: r for r in self.running}
         out.scheduled = [(by_id[rid], n) for rid, n in scheduled.items()]
+        if self.lora_slots is not None:
+            out.lora_loads = self.lora_slots.take_loads()
         return out
+
+    def _admit(self, budget: int, scheduled: dict[str, int]) -> None:
+        """Admit waiting requests in arrival order while blocks, tokens and ``max_batch_size`` allow; stop at
+        the first that does not fit, passing over those whose adapter can get no device slot now."""
+        slots = self.lora_slots
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_batch_size:
+                break
+            if req.lora is not None and not slots.can_acquire(req.lora):
+                continue
+            cached = self.block_manager.find_cached_blocks(req)
+            num_new = min(req.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(req, cached, num_new):
+                break
+            self.waiting.remove(req)
+            self.block_manager.allocate(req, cached, num_new)
+            if req.lora is not None:
+                req.lora_slot = slots.acquire(req.lora)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = num_new
+            budget -= num_new
+
+    def _release_slot(self, req: Request) -> None:
+        if req.lora_slot is not None:
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = None
 
     def _schedule_committed(self, reqs: list[Request], budget: int, scheduled: dict[str, int],
                             drafts: dict[str, list[int]], out: SchedulerOutput) -> int:
@@ -164,6 +192,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.block_manager.free(req)
+        self._release_slot(req)
         req.spec_token_ids = []
         req.num_computed_tokens = 0
         if req.spec_state is not None:  # its blocks are gone: a draft model starts over with them
@@ -178,6 +207,7 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self.block_manager.free(req)
+            self._release_slot(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from kiln.engine.prefix_hash import root_key
 from kiln.engine.sampling_params import SamplingParams
 
 
@@ -55,6 +56,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (spec_decode), not committed
     spec_state: Any = None               # spec_decode.proposer.RequestSpecState: its n-gram index, acceptance
     spec_generator_state: Any = None     # the seeded generator's state before this step's drafts drew
+    lora: Any = None                     # lora.adapter.LoRAAdapter it runs under (None: the base model)
+    lora_slot: int | None = None         # the device slot its adapter holds while it runs (lora.slots)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -69,6 +72,11 @@ class Request:
     def queue_time(self) -> float | None:
         """Seconds from arrival to the first time the request was scheduled (a preemption does not reset it)."""
         return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefix_root(self) -> bytes:
+        """The root of its prefix-cache key chain: the adapter's own, so no prefix is shared across adapters."""
+        return root_key(None if self.lora is None else self.lora.name)
 
     @property
     def num_tokens(self) -> int:

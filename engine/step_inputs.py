@@ -9,7 +9,8 @@ is attended like a prefill chunk over its cached context. The target's step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,13 +27,15 @@ class StepInputs:
     decode_ctx_lens: torch.Tensor      # [num_decodes]
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (q_start, q_len, ctx_len, block_ids)
     logits_indices: torch.Tensor       # packed rows whose logits are sampled
+    token_lora_slots: torch.Tensor | None = None  # per token, its adapter's device slot (-1: none); None: no adapter
+    lora_loads: list[tuple[int, int, str]] = field(default_factory=list)  # (slot, adapter int_id, path) to load first
 
 
 def pack_rows(rows: list[tuple[list[int], int, list[int]]], block_size: int,
-              logits_indices: list[int]) -> StepInputs:
+              logits_indices: list[int], row_lora_slots: list[int] | None = None) -> StepInputs:
     """``rows``: (token ids, position of the first, block table), single-token rows first; every
     position of a row must lie in its blocks. ``logits_indices``: the packed tokens whose logits
-    the pass returns."""
+    the pass returns. ``row_lora_slots``: each row's adapter slot (-1: none)."""
     ids = [t for row_ids, _, _ in rows for t in row_ids]
     nums = [len(row_ids) for row_ids, _, _ in rows]
     starts = [start for _, start, _ in rows]
@@ -51,31 +54,42 @@ def pack_rows(rows: list[tuple[list[int], int, list[int]]], block_size: int,
     decode_width = max(widths[:num_decodes], default=0)  # decode rows gather only the blocks they hold
     prefills = [(int(cu[i] - nums[i]), nums[i], starts[i] + nums[i],
                  tables[i, : -(-(starts[i] + nums[i]) // block_size)]) for i in range(num_decodes, num_rows)]
+    token_slots = None
+    if row_lora_slots is not None and any(s >= 0 for s in row_lora_slots):
+        token_slots = torch.tensor(row_lora_slots, dtype=torch.long)[row_of_token]
     return StepInputs(
         input_ids=torch.tensor(ids, dtype=torch.long), positions=positions, slot_mapping=slot_mapping,
         num_decodes=num_decodes, decode_block_tables=tables[:num_decodes, :decode_width],
         decode_ctx_lens=ctx[:num_decodes], prefills=prefills,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long), token_lora_slots=token_slots,
     )
 
 
 # -- on the wire: rank 0 sends a step's micro-batches to the other ranks as one int64 tensor ------------
-# [num_batches] then, per batch, the header [tokens, num_decodes, decode_width, num_prefills, logits] and
-# input_ids, positions, slot_mapping (tokens each), decode_block_tables (num_decodes x decode_width),
-# decode_ctx_lens (num_decodes), per prefill [q_start, q_len, ctx_len, blocks] + its block ids, and
-# logits_indices. Every field is an int64 tensor or an int: no Python objects cross ranks.
+# [num_batches] then, per batch, the header [tokens, num_decodes, decode_width, num_prefills, logits,
+# has_lora_slots, num_lora_loads] and input_ids, positions, slot_mapping (tokens each), decode_block_tables
+# (num_decodes x decode_width), decode_ctx_lens (num_decodes), per prefill [q_start, q_len, ctx_len, blocks] +
+# its block ids, logits_indices, the token LoRA slots (tokens, if has_lora_slots), and per LoRA load
+# [slot, int_id, path bytes] + the path's UTF-8 bytes one per word. Every field is an int64 tensor or an int:
+# no Python objects cross ranks.
 def encode_steps(batches: list[StepInputs]) -> torch.Tensor:
     parts: list[torch.Tensor] = [torch.tensor([len(batches)], dtype=torch.long)]
     for b in batches:
         tokens, dec = b.input_ids.numel(), b.num_decodes
         width = b.decode_block_tables.shape[1] if b.decode_block_tables.dim() == 2 else 0
-        heads = [tokens, dec, width, len(b.prefills), b.logits_indices.numel()]
+        heads = [tokens, dec, width, len(b.prefills), b.logits_indices.numel(),
+                 int(b.token_lora_slots is not None), len(b.lora_loads)]
         for q_start, q_len, ctx_len, blocks in b.prefills:
             heads += [q_start, q_len, ctx_len, blocks.numel()]
         parts += [torch.tensor(heads, dtype=torch.long), b.input_ids, b.positions, b.slot_mapping,
                   b.decode_block_tables.reshape(-1), b.decode_ctx_lens]
         parts += [blocks for *_, blocks in b.prefills]
         parts.append(b.logits_indices)
+        if b.token_lora_slots is not None:
+            parts.append(b.token_lora_slots)
+        for slot, int_id, path in b.lora_loads:
+            raw = list(path.encode())
+            parts.append(torch.tensor([slot, int_id, len(raw), *raw], dtype=torch.long))
     return torch.cat([p.reshape(-1).to(torch.long) for p in parts])
 
 
@@ -99,8 +113,8 @@ def decode_steps(words: torch.Tensor) -> list[StepInputs]:
     (num_batches,) = r.ints(1)
     batches = []
     for _ in range(num_batches):
-        heads = r.ints(5)
-        tokens, dec, width, num_prefills, num_logits = heads
+        heads = r.ints(7)
+        tokens, dec, width, num_prefills, num_logits, has_slots, num_loads = heads
         meta = [r.ints(4) for _ in range(num_prefills)]
         if min(heads + [v for m in meta for v in m], default=0) < 0:
             raise ValueError("malformed step message: a negative count")
@@ -108,9 +122,45 @@ def decode_steps(words: torch.Tensor) -> list[StepInputs]:
         tables = r.take(dec * width).view(dec, width)
         ctx_lens = r.take(dec)
         prefills = [(q_start, q_len, ctx_len, r.take(n)) for q_start, q_len, ctx_len, n in meta]
+        logits_indices = r.take(num_logits)
+        token_slots = r.take(tokens) if has_slots else None
+        loads = []
+        for _ in range(num_loads):
+            slot, int_id, n = r.ints(3)
+            try:
+                path = bytes(r.ints(n)).decode()
+            except ValueError as exc:
+                raise ValueError(f"malformed step message: a LoRA path: {exc}") from None
+            loads.append((slot, int_id, path))
         batches.append(StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
                                   num_decodes=dec, decode_block_tables=tables, decode_ctx_lens=ctx_lens,
-                                  prefills=prefills, logits_indices=r.take(num_logits)))
+                                  prefills=prefills, logits_indices=logits_indices, token_lora_slots=token_slots,
+                                  lora_loads=loads))
     if r.at != words.numel():
         raise ValueError(f"malformed step message: {words.numel() - r.at} words left over")
     return batches
+
+
+def split_batch(scheduled: list[tuple[Any, int]], parts: int,
+                min_tokens: int = 1) -> list[list[tuple[Any, int]]]:
+    """Split one step's (request, tokens) rows into at most ``parts`` micro-batches of about equal
+    tokens (and at least ``min_tokens`` each), keeping the order (decodes first); each request lies
+    in exactly one. Small steps stay whole: on CPU a linear over half the rows costs nearly what it
+    costs over all of them, so splitting a small decode batch only adds work."""
+    total = sum(n for _, n in scheduled)
+    parts = max(1, min(parts, len(scheduled), total // min_tokens))
+    if parts == 1:
+        return [scheduled]
+    out: list[list[tuple[Any, int]]] = []
+    cur: list[tuple[Any, int]] = []
+    acc = 0
+    for i, (req, n) in enumerate(scheduled):
+        cur.append((req, n))
+        acc += n
+        left_rows, left_parts = len(scheduled) - i - 1, parts - len(out) - 1
+        if left_parts and (acc * parts >= total * (len(out) + 1) or left_rows == left_parts):
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    return out

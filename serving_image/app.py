@@ -19,14 +19,16 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from kiln.serving import prefix, routes
+from kiln.serving import lora, prefix, routes
 from kiln.serving.auth import require_api_key
 from kiln.serving.config import ServeConfig
 from kiln.serving.constraints import close_compiler
 from kiln.serving.errors import APIError, install_error_handlers
 from kiln.serving.loader import build_engine, in_daemon_thread, warm_up
+from kiln.serving.lora import LoRARegistry, runtime_updating_allowed
+from kiln.serving.lora_sync import AdapterSync, adapters_file
 from kiln.serving.metrics import CONTENT_TYPE, ServingMetrics
-from kiln.serving.state import DRAINING, FAILED, LOADING, READY, ServerState
+from kiln.serving.server_state import DRAINING, FAILED, LOADING, READY, ServerState
 
 from kiln import __version__
 
@@ -41,7 +43,8 @@ class ServingContext:
         self.state = ServerState(max_queue_len=config.max_queue_len)
         self.served_model_name = config.model_name
         self.model_names = {self.served_model_name}
-        self.metrics = ServingMetrics(self.served_model_name, self._engine_stats)
+        self.loras = LoRARegistry(self)  # adapters served by name ("model": NAME), docs/lora.md
+        self.metrics = ServingMetrics(self.served_model_name, self._engine_stats, self._lora_info)
         self.created = int(time.time())
         self.exit_code = 0
         self.on_fatal: Callable[[], None] | None = None  # set by the server: stop after a failed load
@@ -52,6 +55,12 @@ class ServingContext:
             return None
         return engine.stats()
 
+    def _lora_info(self) -> dict[str, Any] | None:
+        engine = self.state.engine
+        if engine is None or self.state.phase not in (READY, DRAINING):
+            return None
+        return engine.engine.lora_info()
+
     async def load(self) -> None:
         started = time.monotonic()
         try:
@@ -59,9 +68,13 @@ class ServingContext:
             self.state.engine = engine
             await engine.start()
             await warm_up(engine)
+            for module in self.config.lora_modules:  # --lora-modules: each read and checked before ready
+                await self.loras.add(module["name"], module["path"], module.get("base_model_name"))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if isinstance(exc, APIError):  # a --lora-modules adapter refused: say why as a load error
+                exc = ValueError(f"--lora-modules: {exc.message}")
             self.state.phase, self.state.load_error = FAILED, str(exc)
             self.exit_code = 1
             if _is_user_error(exc):
@@ -143,13 +156,17 @@ async def version(request: Request) -> dict[str, Any]:
     """What runs here (versions, engine config); behind the API key when one is set: it tells an
     attacker which kiln, torch and model to target."""
     ctx = request.app.state.kiln
-    return {"kiln_version": __version__, "served_model_name": ctx.served_model_name, "phase": ctx.state.phase,
+    body = {"kiln_version": __version__, "served_model_name": ctx.served_model_name, "phase": ctx.state.phase,
             **ctx.state.engine_info}
+    lora = ctx._lora_info()
+    if lora is not None:
+        body["lora_adapters"] = lora["loaded"]
+    return body
 
 
 def _model_card(ctx: ServingContext) -> dict[str, Any]:
     card: dict[str, Any] = {"id": ctx.served_model_name, "object": "model", "created": ctx.created,
-                            "owned_by": "kiln", "root": ctx.config.artifact or str(ctx.config.model)}
+                            "owned_by": "kiln", "root": ctx.config.artifact or str(ctx.config.model), "parent": None}
     if ctx.state.engine is not None:
         card["max_model_len"] = ctx.state.engine.engine_config.max_seq_len
     return card
@@ -157,12 +174,16 @@ def _model_card(ctx: ServingContext) -> dict[str, Any]:
 
 @models.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(request.app.state.kiln)]}
+    ctx = request.app.state.kiln
+    return {"object": "list", "data": [_model_card(ctx), *ctx.loras.cards(ctx.created, ctx.served_model_name)]}
 
 
 @models.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     ctx = request.app.state.kiln
+    for card in ctx.loras.cards(ctx.created, ctx.served_model_name):
+        if card["id"] == model_id:
+            return card
     if model_id not in ctx.model_names:
         raise APIError(404, f"The model {model_id!r} does not exist on this server; it serves "
                        f"{ctx.served_model_name!r}", param="model", code="model_not_found")
@@ -205,10 +226,13 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         load = asyncio.create_task(ctx.load(), name="kiln-load")
         watch = asyncio.create_task(ctx.watch_group(_group_failure_grace()), name="kiln-watch-group")
+        tasks = [load, watch]
+        if (path := adapters_file()) is not None:  # the operator's adapter list (docs/lora.md, "On a cluster")
+            tasks.append(asyncio.create_task(AdapterSync(ctx, path).run(), name="kiln-lora-sync"))
         try:
             yield
         finally:
-            for task in (load, watch):
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
@@ -225,4 +249,6 @@ def create_app(config: ServeConfig) -> FastAPI:
     app.include_router(models, dependencies=[Depends(require_api_key)])
     app.include_router(routes.router, dependencies=[Depends(require_api_key)])
     app.include_router(prefix.router, dependencies=[Depends(require_api_key)])
+    if runtime_updating_allowed(config.allow_runtime_lora_updating):  # else 404, as vLLM
+        app.include_router(lora.router, dependencies=[Depends(require_api_key)])
     return app

@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+from kiln.engine.cpu_target import configure_openmp
 from kiln.serving.config import ServeConfig
+
+configure_openmp()  # before torch loads (the engine flags below import it): OpenMP threads wait passively
 
 
 class _JSONObject(click.ParamType):
@@ -42,6 +45,36 @@ class _ChoiceOf(click.Choice):
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
         return self.values[super().convert(value if isinstance(value, str) else str(value), param, ctx)]
+
+
+class _ManyValues(click.Option):
+    """An option that takes every following word up to the next option, as vLLM's ``nargs='+'``
+    (``--lora-modules a=/p b=/q``); given twice, the lists add up."""
+
+    def add_to_parser(self, parser: Any, ctx: Any) -> None:
+        super().add_to_parser(parser, ctx)
+        for name in self.opts:
+            option = parser._long_opt.get(name) or parser._short_opt.get(name)
+            if option is None:
+                continue
+            process = option.process
+
+            def take_all(value: Any, state: Any, process: Any = process) -> None:
+                values = [value]
+                while state.rargs and not state.rargs[0].startswith("-"):
+                    values.append(state.rargs.pop(0))
+                process(tuple(values), state)
+
+            option.process = take_all
+
+
+def _lora_modules(ctx: Any, param: Any, value: Any) -> list[dict[str, Any]]:
+    from kiln.serving.lora import parse_lora_module
+
+    try:
+        return [parse_lora_module(v) for group in value or () for v in (group if isinstance(group, tuple) else (group,))]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _flag_type(setting: Any) -> Any:
@@ -138,13 +171,20 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
                    "$LWS_GROUP_SIZE and $LWS_WORKER_INDEX place the process (docs/multi-node.md).")
 @click.option("--leader-port", type=click.IntRange(1, 65535), default=29500, show_default=True,
               envvar="KILN_LEADER_PORT", help="Rendezvous port when the leader address has none [env KILN_LEADER_PORT].")
+@click.option("--lora-modules", "lora_modules", cls=_ManyValues, multiple=True, type=click.UNPROCESSED,
+              callback=_lora_modules, metavar="NAME=PATH ...",
+              help="LoRA adapters to serve, as vLLM: NAME=PATH [NAME=PATH ...] or JSON '{\"name\": ..., \"path\": "
+                   "..., \"base_model_name\": ...}'; requests pick one with \"model\": NAME (needs --enable-lora).")
+@click.option("--allow-runtime-lora-updating", is_flag=True, default=False,
+              help="Offer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                   "KILN_ALLOW_RUNTIME_LORA_UPDATING=1); off, they are 404.")
 @_engine_options
 def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, verify_key: Path | None, host: str,
           port: int,
           served_model_name: str | None, api_key_file: Path | None, max_queue_len: int, drain_timeout: float,
           max_connections: int, header_timeout: float, body_timeout: float, log_level: str, access_log: bool,
           rank: int | None, world_size: int | None, leader_address: str | None, leader_port: int,
-          **engine: Any) -> None:
+          lora_modules: list[dict[str, Any]], allow_runtime_lora_updating: bool, **engine: Any) -> None:
     """Serve a model directory or engine artifact over an OpenAI-compatible API.
 
     The port opens at once; /health answers 200 and /ready 503 until the engine
@@ -158,6 +198,8 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
         raise click.UsageError("--verify-key checks a signed engine artifact; --model DIR is served as it is: "
                                "serve an --artifact URI, or drop --verify-key")
     engine_kwargs = {k: v for k, v in engine.items() if v is not None}
+    if lora_modules and not engine_kwargs.get("enable_lora"):
+        raise click.UsageError("--lora-modules serves LoRA adapters: add --enable-lora")
     # The rank timeouts reach a separately started rank through its placement, else the engine directly.
     distributed_timeout, join_timeout = engine.get("distributed_timeout_s"), engine.get("join_timeout_s")
     from kiln.serving.ranks import resolve_placement
@@ -175,7 +217,7 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
         served_model_name=served_model_name, api_key=_read_api_key(api_key_file), max_queue_len=max_queue_len,
         drain_timeout=drain_timeout, engine_kwargs=engine_kwargs, log_level=log_level, access_log=access_log,
         max_connections=max_connections, header_read_timeout=header_timeout, body_read_timeout=body_timeout,
-        placement=placement,
+        placement=placement, lora_modules=lora_modules, allow_runtime_lora_updating=allow_runtime_lora_updating,
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kiln.serving")

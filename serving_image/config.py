@@ -32,6 +32,10 @@ class ServeConfig:
     # Ranks started separately (kiln.serving.ranks.Placement): --rank/--world-size/--leader-address or a
     # LeaderWorkerSet's environment; None = every rank of the engine runs on this machine.
     placement: Any = None
+    # LoRA (docs/lora.md): adapters served from the start ({"name", "path", "base_model_name"}), and whether
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
+    lora_modules: list[dict[str, Any]] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
 
     @property
     def model_name(self) -> str:

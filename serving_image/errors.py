@@ -56,6 +56,18 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def engine_dead_error(type: str | None = None) -> APIError:
+    """What a request sees once the engine's step loop failed (a rank of its group died): only a restart helps.
+    ``type``: a stream that already started says ``server_error``, as for any failure mid-stream."""
+    return APIError(503, "The engine's step loop failed; this replica needs a restart (see /health)",
+                    code="engine_dead", type=type)
+
+
+def engine_died(engine: Any) -> bool:
+    """The engine's step loop has failed (it fails every request it holds with the same error)."""
+    return not getattr(engine, "is_running", True)
+
+
 def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     parts: list[str] = []
     for item in loc:

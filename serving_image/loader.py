@@ -19,6 +19,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,21 +61,22 @@ def default_cache_dir() -> Path:
     return base / "kiln" / "engines"
 
 
-def fetch_artifact(uri: str, cache_dir: Path | None, verify_key: Path | None = None) -> Path:
+def fetch_artifact(uri: str, cache_dir: Path | None, verify_key: Path | None = None, pinned: bool = True) -> Path:
     """Download and checksum-verify an engine artifact; reuses a verified local copy.
 
     With ``verify_key`` (``--verify-key``/``$KILN_VERIFY_KEY``) the manifest must be signed by that key,
     checked before any file is downloaded (:class:`kiln.artifact_manifest.ArtifactUntrusted` otherwise).
     In a pod the operator started, ``$KILN_EXPECT_ARTIFACT`` says which build it verified
     (builder image, operator, content digest); an artifact whose manifest differs is refused, one line
-    naming what differs. Without either (``kiln serve`` by hand): only the checksums.
+    naming what differs (``pinned=False``: an adapter's artifact, which that engine pin does not describe;
+    its signature is still checked). Without either (``kiln serve`` by hand): only the checksums.
     """
     from kiln.artifact_manifest import ArtifactExpectation
     from kiln.artifacts import parse_artifact_uri
     from kiln.signing import Verifier
 
     store, version = parse_artifact_uri(uri)
-    expect = ArtifactExpectation.from_env(os.environ)
+    expect = ArtifactExpectation.from_env(os.environ) if pinned else None
     verifier = Verifier.from_pem(verify_key) if verify_key is not None else None
     dest = (cache_dir or default_cache_dir()) / version
     log.info("fetching engine %s from %s into %s", version, store.uri, dest)
@@ -124,12 +126,15 @@ def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
     if path is not None:
         meta = json.loads((path / "engine.json").read_text())
         # Threads and compute dtype for this host are chosen by the engine (kiln.engine.cpu_target).
-        engine = AsyncLLM.from_artifact(path, **placed_engine_kwargs(config, path))
+        with serving_choices():
+            engine = AsyncLLM.from_artifact(path, **placed_engine_kwargs(config, path))
         info.update(artifact_uri=config.artifact, engine_version=meta.get("engine_version"),
                     built_with_kiln=meta.get("kiln_version"), built_with_torch=meta.get("torch_version"),
                     gpu=meta.get("gpu"))
     else:
-        engine = AsyncLLM(str(config.model), **placed_engine_kwargs(config, None))
+        with serving_choices():
+            threads = checkpoint_threads()
+            engine = AsyncLLM(str(config.model), **placed_engine_kwargs(config, None))
         info.update(model_dir=str(config.model), engine_version=None)
     info["torch_num_threads"] = torch.get_num_threads()
     # How `auto` tool calls are read back: the build's record, else the template's own markers.
@@ -140,10 +145,34 @@ def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
     cfg = engine.engine_config
     info["engine_config"] = reported_settings(cfg)  # the settings EngineConfig marks reported
     # Artifact vs compute dtype, the native-dtype probe, the int8 path, the host and the thread choice.
-    info["cpu_target"] = getattr(cfg, "cpu_target", None)
+    info["cpu_target"] = getattr(cfg, "cpu_target", None) or (threads if path is None else None)
     # Which tactic table runs the linears: the artifact's, one re-timed on this host (and what differed), ...
     info["tactics"] = getattr(cfg, "tactics_info", None)
     return engine, info
+
+
+@contextmanager
+def serving_choices():
+    """What the engine chooses for a server, on this (the loading) thread: its compute threads leave a core to
+    the server's own (``cpu_target.serving``), and a table this host lacks is timed after /ready, the engine
+    serving on the default meanwhile (``tactics.deferred``)."""
+    from kiln.engine.cpu_target import serving
+    from kiln.engine.tactics.deferred import in_background
+
+    with serving(), in_background():
+        yield
+
+
+def checkpoint_threads() -> dict[str, Any]:
+    """A checkpoint directory has no build to take the thread count from: chosen here as for an artifact
+    (``cpu_target.choose_threads``: ``$OMP_NUM_THREADS``, ``$KILN_CPU_THREADS``, the cgroup quota, the cores)."""
+    import torch
+    from kiln.engine.cpu_target import choose_threads
+
+    threads, why = choose_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return {"threads": torch.get_num_threads(), "threads_from": why}
 
 
 async def warm_up(engine: Any) -> None:

@@ -33,9 +33,11 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 class EngineStatsCollector(Collector):
     """Reads the engine's counters at scrape time; empty until the engine is loaded."""
 
-    def __init__(self, stats: Callable[[], Any | None], labels: dict[str, str]) -> None:
+    def __init__(self, stats: Callable[[], Any | None], labels: dict[str, str],
+                 lora_info: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
         self._stats = stats
         self._labels = labels
+        self._lora_info = lora_info  # the engine's running/waiting adapters (LLMEngine.lora_info), None: off
 
     def collect(self) -> Iterator[Any]:
         stats = self._stats()
@@ -68,7 +70,7 @@ class EngineStatsCollector(Collector):
                       getattr(stats, "num_preemptions", 0))
         yield _batch_histogram(stats, names, values)
         yield from _spec_decode_metrics(stats, names, values)
-        yield from _endpoint_picker_metrics(stats, names, values)
+        yield from _endpoint_picker_metrics(stats, names, values, self._lora_info())
 
 
 def _spec_decode_metrics(stats: Any, names: list[str], values: list[str]) -> Iterator[Any]:
@@ -97,11 +99,13 @@ def _spec_decode_metrics(stats: Any, names: list[str], values: list[str]) -> Ite
     yield rate
 
 
-def _endpoint_picker_metrics(stats: Any, names: list[str], values: list[str]) -> Iterator[Any]:
+def _endpoint_picker_metrics(stats: Any, names: list[str], values: list[str],
+                             lora: dict[str, Any] | None = None) -> Iterator[Any]:
     """The series the Gateway API Inference Extension's endpoint picker scrapes by default
     (its model-server protocol speaks vLLM's names), so an InferencePool over kiln pods
     needs no metric flags: queue depth, running requests, KV-cache usage, the cache's block
-    size and size, and LoRA (kiln serves none: no adapters, max 0)."""
+    size and size, and LoRA as vLLM exports it (adapters with running / waiting requests, comma-joined, and
+    ``max_lora``; 0 with LoRA off; the value is the scrape time)."""
     for name, doc, value in (
         ("vllm:num_requests_waiting", "Same as kiln:num_requests_waiting (endpoint-picker name).", stats.num_waiting),
         ("vllm:num_requests_running", "Same as kiln:num_requests_running (endpoint-picker name).", stats.num_running),
@@ -115,10 +119,12 @@ def _endpoint_picker_metrics(stats: Any, names: list[str], values: list[str]) ->
     cache.add_metric([*values, str(getattr(stats, "block_size", 0)), str(stats.num_total_blocks),
                       PREFIX_HASH_SCHEME], 1.0)
     yield cache
-    lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters (kiln serves none); value: scrape time.",
-                             labels=[*names, "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-    lora.add_metric([*values, "", "", "0"], time.time())
-    yield lora
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters; value: scrape time.",
+                               labels=[*names, "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    lora = lora or {"running": [], "waiting": [], "max_lora": 0}
+    family.add_metric([*values, ",".join(lora["running"]), ",".join(lora["waiting"]), str(lora["max_lora"])],
+                      time.time())
+    yield family
 
 
 def _batch_histogram(stats: Any, names: list[str], values: list[str]) -> HistogramMetricFamily:
@@ -147,7 +153,8 @@ def _batch_histogram(stats: Any, names: list[str], values: list[str]) -> Histogr
 class ServingMetrics:
     """The app's registry plus the request-level series the server records."""
 
-    def __init__(self, model_name: str, stats: Callable[[], Any | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], Any | None],
+                 lora_info: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self.labels = labels
@@ -168,7 +175,14 @@ class ServingMetrics:
                              names, buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("kiln:request_queue_time_seconds", "Arrival until first scheduled.",
                                     names, buckets=_LATENCY_BUCKETS, registry=r)
-        r.register(EngineStatsCollector(stats, labels))
+        # Per LoRA adapter (label lora_name): requests finished and tokens generated; adapter load times.
+        self.lora_requests = Counter("kiln:lora_requests", "Requests finished under each LoRA adapter.",
+                                     names + ["lora_name"], registry=r)
+        self.lora_generation_tokens = Counter("kiln:lora_generation_tokens", "Tokens generated under each LoRA "
+                                              "adapter.", names + ["lora_name"], registry=r)
+        self.lora_load_time = Histogram("kiln:lora_load_seconds", "Reading and checking a LoRA adapter into host "
+                                        "memory.", names, buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(EngineStatsCollector(stats, labels, lora_info))
         # Create every series up front, so dashboards and rate() see zeros rather than gaps.
         for metric in (
             self.prompt_tokens,
@@ -188,15 +202,19 @@ class ServingMetrics:
     def rejected(self, reason: str) -> None:
         self.requests_rejected.labels(**self.labels, reason=reason).inc()
 
-    def timer(self) -> RequestTimer:
-        return RequestTimer(self)
+    def timer(self, lora_name: str | None = None) -> RequestTimer:
+        return RequestTimer(self, lora_name)
+
+    def lora_loaded(self, seconds: float) -> None:
+        self.lora_load_time.labels(**self.labels).observe(seconds)
 
 
 class RequestTimer:
     """Latency bookkeeping of one engine request (one choice), fed as deltas arrive."""
 
-    def __init__(self, metrics: ServingMetrics) -> None:
+    def __init__(self, metrics: ServingMetrics, lora_name: str | None = None) -> None:
         self.metrics = metrics
+        self.lora_name = lora_name
         self.arrival = time.monotonic()
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -229,3 +247,6 @@ class RequestTimer:
         m.generation_tokens.labels(**labels).inc(self.num_output_tokens)
         m.request_success.labels(**labels, finished_reason=finish_reason).inc()
         m.e2e.labels(**labels).observe(time.monotonic() - self.arrival)
+        if self.lora_name is not None:
+            m.lora_requests.labels(**labels, lora_name=self.lora_name).inc()
+            m.lora_generation_tokens.labels(**labels, lora_name=self.lora_name).inc(self.num_output_tokens)

@@ -56,7 +56,8 @@ async def prefix_cache_keys(request: Request) -> dict[str, Any]:
         req = KeysRequest.model_validate(parse_json_body(await read_body(request, ctx.config.body_read_timeout)))
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    if req.model not in ctx.model_names:
+    adapter = req.model if ctx.loras.get(req.model) is not None else None  # an adapter's keys are its own
+    if req.model not in ctx.model_names and adapter is None:
         raise APIError(404, f"The model {req.model!r} does not exist on this server; it serves "
                        f"{ctx.served_model_name!r}", param="model", code="model_not_found")
     if (req.prompt is None) == (req.messages is None):
@@ -70,5 +71,5 @@ async def prefix_cache_keys(request: Request) -> dict[str, Any]:
         ids = list(req.prompt or [])
     scheme = _scheme(engine)
     size = scheme["block_size"]
-    keys = block_keys(ids, size, limit=max(0, len(ids) - 1) // size)  # the last token is always computed
+    keys = block_keys(ids, size, limit=max(0, len(ids) - 1) // size, adapter=adapter)  # last token: computed
     return {**scheme, "num_prompt_tokens": len(ids), "keys": [k.hex() for k in keys]}

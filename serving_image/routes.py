@@ -27,12 +27,18 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from kiln.engine.errors import RequestError, RequestFailedError
 from kiln.serving.constraints import compile_constraint, output_constraint
-from kiln.serving.errors import APIError, from_validation_error, parse_json_body
-from kiln.serving.generation import Generation
+from kiln.serving.errors import (
+    APIError,
+    engine_dead_error,
+    engine_died,
+    from_validation_error,
+    parse_json_body,
+)
 from kiln.serving.inputs import chat_inputs, completion_inputs
-from kiln.serving.outputs import collect, events
+from kiln.serving.openai_bodies import Builder
 from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, check_supported
-from kiln.serving.responses import Builder
+from kiln.serving.request_fanout import Generation
+from kiln.serving.response_stream import collect, events
 from pydantic import ValidationError
 
 log = logging.getLogger("kiln.serving")
@@ -111,7 +117,8 @@ async def _serve(request: Request, kind: str) -> Response:
     # A big body takes a while to parse and tokenize: keep the event loop (probes, other streams) free.
     inline = len(raw) <= _INLINE_BYTES
     req = parse() if inline else await asyncio.to_thread(parse)
-    if req.model not in ctx.model_names:
+    lora = ctx.loras.get(req.model) if req.model not in ctx.model_names else None  # "model": an adapter's name
+    if req.model not in ctx.model_names and lora is None:
         raise APIError(
             404,
             f"The model {req.model!r} does not exist on this server; it serves "
@@ -126,6 +133,8 @@ async def _serve(request: Request, kind: str) -> Response:
     # Slots are taken before tokenizing, so a flood of big bodies is refused before it costs anything.
     admission = _counting_rejections(ctx, state.admit, req.num_prompts() * req.n)
     try:
+        if lora is not None:  # read into host memory off the event loop if it is not there (docs/lora.md)
+            await ctx.loras.ensure_loaded(lora)
         if constraint is not None:  # off the event loop and the engine thread; a 400 if it cannot compile
             await compile_constraint(engine, constraint)
         inputs = (make_inputs(req, engine, constraint, plan) if inline
@@ -134,7 +143,7 @@ async def _serve(request: Request, kind: str) -> Response:
         admission.release()
         raise
     request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-    gen = Generation(engine, ctx.metrics, request_id, inputs)
+    gen = Generation(engine, ctx.metrics, request_id, inputs, lora)
     state.generations.add(gen)
     if isinstance(req, ChatCompletionRequest):
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -166,6 +175,12 @@ async def _serve(request: Request, kind: str) -> Response:
     except ClientGone:
         log.info("client left before %s started; aborted", request_id)
         return Response(status_code=499)
+    except Exception as exc:
+        if not engine_died(engine):
+            raise
+        # The group broke mid-request (a rank died): an expected failure, answered as /health says it.
+        log.error("%s failed: the engine's step loop failed: %s", request_id, exc)
+        raise engine_dead_error() from None
     finally:
         if not handed_off:
             await cleanup()

@@ -21,6 +21,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # make test: two workers share the co
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # (set before torch loads; children inherit it)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a CUDA device the Triton kernels run under Triton's interpreter, and it must be on before any module
+# defines a @triton.jit function (a kernel module imported earlier would compile-mode its helpers, and the
+# interpreted kernels calling them fail), whichever test file a worker happens to import first.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # The longest modules, run first: under pytest-xdist (make test) whole files go to the workers in collection
@@ -83,7 +88,7 @@ def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     made: dict[tuple, Path] = {}
 
     def make(preset: str = "llama-tiny", seed: int = 0, dtype: str = "float32", **overrides) -> Path:
-        from kiln.engine.toy import make_random_model
+        from kiln.engine.random_checkpoint import make_random_model
 
         key = (preset, seed, dtype, tuple(sorted(overrides.items())))
         if key not in made:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from kiln.engine import parallel
 from kiln.engine.kernels.candidates import run
+from kiln.engine.kernels.gguf_blocks import gguf_linear
 from kiln.engine.kernels.quant_linear import quantized_linear
 from kiln.engine.layers.quant import QUANT_DTYPES, quantize_weight
 from torch import nn
@@ -60,15 +61,18 @@ def born_quantized(method: str | None) -> Iterator[None]:
 
 
 class LinearBase(nn.Module):
-    """y = x W^T + b over this rank's shard of W."""
+    """y = x W^T + b over this rank's shard of W (plus, with LoRA on, the step's adapter deltas)."""
+
+    lora = None  # kiln.engine.lora.layers.LoRASlots when the engine serves adapters (set by the runner)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = parallel.tp_rank(), parallel.tp_size()
         self.input_size, self.output_size = input_size, output_size
         method = _born_quantized
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=QUANT_DTYPES[method] if method else None),
-                                   requires_grad=False)
+        # gguf: the file's blocks (uint8, sized at load by weights.load_engine_state, gguf_blocks.py)
+        self.weight = nn.Parameter(torch.empty(output_size, 0 if method == "gguf" else input_size,
+                                               dtype=QUANT_DTYPES[method] if method else None), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -76,7 +80,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.weight_scale: nn.Parameter | None = None
-        if method:
+        if method and method != "gguf":
             self.weight_scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32), requires_grad=False)
         self.packed_weight = None  # a packed copy on CPU, set by kiln.engine.tactics.bind (the plain one is dropped)
 
@@ -85,6 +89,8 @@ class LinearBase(nn.Module):
 
     @property
     def quantization(self) -> str | None:
+        if self.weight.dtype == torch.uint8:
+            return "gguf"
         if self.weight_scale is None:
             return None
         return "int8" if self.weight.dtype == torch.int8 else "fp8"
@@ -105,12 +111,15 @@ class LinearBase(nn.Module):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
+        if self.weight.dtype == torch.uint8:  # GGUF blocks without kiln's kernels: dequantized per call
+            return gguf_linear(x, self.weight, self.weight.gguf_type, bias)
         if self.weight_scale is None:
             return F.linear(x, self.weight, bias)
         return quantized_linear(x, self.weight, self.weight_scale, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
+        y = self._linear(x, self.bias)
+        return y if self.lora is None else self.lora.add_to(y, x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -168,7 +177,10 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = parallel.all_reduce(self._linear(x, None))
+        y = self._linear(x, None)
+        if self.lora is not None:  # this rank's partial LoRA delta, summed by the same all-reduce
+            y = self.lora.add_to(y, x)
+        y = parallel.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

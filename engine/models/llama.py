@@ -19,6 +19,7 @@ from kiln.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.engine.layers.norm import RMSNorm
 from kiln.engine.layers.rotary import RotaryEmbedding, apply_rotary_qk
+from kiln.engine.lora.layers import lora_step_active
 from kiln.engine.rope_config import rope_parameters
 from torch import nn
 
@@ -94,7 +95,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_ops is not None and x.dim() == 2:
-            if x.shape[0] > self.mlp_rows:  # a prefill step: keep the [rows, 2 x intermediate] output in cache
+            if x.shape[0] > self.mlp_rows and not lora_step_active():  # LoRA groups index the whole step  # a prefill step: keep the [rows, 2 x intermediate] output in cache
                 return torch.cat([self._native(part) for part in x.split(self.mlp_rows)])
             return self._native(x)
         gate_up = self.gate_up_proj(x)
@@ -198,7 +199,7 @@ class LlamaModel(nn.Module):
     def _native_step(self, hidden: torch.Tensor):
         """This step's attention metadata when the native stack runs it (its kernels serve the step), else None."""
         if (self.native_stack is None or hidden.dim() != 2 or hidden.dtype != self.native_stack.dtype
-                or not self.native_stack.can_run(hidden.shape[0])):
+                or not self.native_stack.can_run(hidden.shape[0]) or lora_step_active()):  # adapters: per module
             return None
         md = get_attention_metadata()
         return md if md.native is not None and md.native_row_starts is not None else None

@@ -7,7 +7,7 @@ model of the same tokenizer proposes its greedy continuation, run over the targe
 once the step's blocks exist (``draft_model.py``). ``k`` comes from the running batch's bucket in
 ``config.by_batch`` (the build's measured table), shortened for a request whose drafts are rarely
 accepted. The scheduler gives its row ``1 + k`` tokens: the last committed token and the drafts,
-computed like a prefill chunk over the cached context, with logits at every position (``rows.py``). Each position is sampled as if the drafts before it were output (penalties,
+computed like a prefill chunk over the cached context, with logits at every position (``verify_rows.py``). Each position is sampled as if the drafts before it were output (penalties,
 min_tokens and logprobs see them), and the longest prefix of drafts equal to the sampled targets
 is committed, plus the target at the first mismatch (or after the last draft). For a point-mass
 draft this *is* rejection sampling: the target ``y ~ p`` equals the draft with probability

@@ -15,6 +15,7 @@ length shrinks in proportion, down to one token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kiln.engine.spec_decode.config import SpeculativeConfig
 
@@ -123,3 +124,15 @@ class NgramProposer(Proposer):
         if state.index is None:  # a request that began under another draft source
             state.index = self.new_state().index
         return state.index.propose(req.token_ids, k) if k > 0 else []
+
+
+def speculation_stats(scheduler: Any) -> dict[str, Any]:
+    """What ``LLMEngine.stats()`` reports of speculation ({} when it is off)."""
+    proposer = scheduler.proposer
+    if proposer is None:
+        return {}
+    s = proposer.stats
+    return dict(num_speculative_tokens=proposer.config.num_speculative_tokens, spec_num_drafts=s.num_drafts,
+                spec_num_draft_tokens=s.num_draft_tokens, spec_num_accepted_tokens=s.num_accepted_tokens,
+                spec_accepted_per_position=list(s.accepted_per_position),
+                spec_steps_off_by_batch=scheduler.num_steps_speculation_off)

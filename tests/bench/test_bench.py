@@ -149,7 +149,7 @@ def test_the_gpu_preset_is_a_billion_parameter_llama():
     """`kiln bench --device cuda` defaults to llama-1b: a GPU figure on a 100M model would measure launch
     overhead, not the HBM-bound decode a GPU user serves."""
     import torch
-    from kiln.engine.toy import PRESETS
+    from kiln.engine.random_checkpoint import PRESETS
     from kiln_bench.model import DEFAULT_GPU_PRESET
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -33,7 +33,7 @@ def test_speculative_bench_prints_with_and_without(tmp_path):
 
 def test_speculative_bench_with_a_draft_model(toy_model, tmp_path):
     """--draft-layers N: the model's first N layers as the draft (written once beside it), same tokens."""
-    from kiln.engine.toy import make_random_model
+    from kiln.engine.random_checkpoint import make_random_model
     from kiln_bench.speculative import draft_for, run, text
 
     model_dir = make_random_model(tmp_path / "model", "llama-tiny", num_hidden_layers=3)

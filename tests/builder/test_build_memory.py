@@ -67,7 +67,7 @@ print(json.dumps({"memory": report.memory, "metrics": metrics}))
 
 
 def random_llama(tmp_path_factory, layers: int) -> tuple[Path, int]:
-    from kiln.engine.toy import make_random_model
+    from kiln.engine.random_checkpoint import make_random_model
 
     model = make_random_model(tmp_path_factory.mktemp(f"layers{layers}"), "llama-tiny", hidden_size=512,
                               intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=8,

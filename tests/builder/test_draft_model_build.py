@@ -16,7 +16,7 @@ from builder_helpers import manifest_dict
 from click.testing import CliRunner
 from kiln.builder.cli import build
 from kiln.engine import LLM, SamplingParams
-from kiln.engine.toy import make_random_model, make_truncated_draft
+from kiln.engine.random_checkpoint import make_random_model, make_truncated_draft
 
 
 def _build(tmp: Path, target: Path, draft: Path) -> tuple[int, str, Path]:

@@ -6,8 +6,8 @@ import random
 
 import pytest
 from kiln.engine.detokenizer import DetokenizerStep, IncrementalDetokenizer, raw_decoder
+from kiln.engine.random_checkpoint import make_tokenizer
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.toy import make_tokenizer
 
 REPLACEMENT = "\ufffd"
 TEXT = "héllo wörld, 漢字 and 😀 again: the end. éé 漢漢漢 😀😀 done"

@@ -18,8 +18,8 @@ import pytest
 from engine_testlib import random_prompts
 from kiln.engine import LLM, ConfigError, SamplingParams
 from kiln.engine.artifact import save_rank_weights, shard_checkpoint
-from kiln.engine.model_runner import split_batch
 from kiln.engine.parallel import stage_layers
+from kiln.engine.step_inputs import split_batch
 from safetensors import safe_open
 
 KWARGS = dict(num_kv_blocks=24, block_size=4, max_num_tokens=12, max_batch_size=6)
@@ -202,8 +202,8 @@ def _posted(rank: int, num_batches: int, monkeypatch) -> list[tuple[str, int]]:
         return torch.zeros(n, 8) if rank == 1 else (torch.zeros(n, 4), torch.zeros(n, 4))
 
     runner = SimpleNamespace(device="cpu", config=cfg, execute=execute)
-    batches = [SimpleNamespace(input_ids=torch.zeros(3, dtype=torch.long), logits_indices=torch.arange(3))
-               for _ in range(num_batches)]
+    batches = [SimpleNamespace(input_ids=torch.zeros(3, dtype=torch.long), logits_indices=torch.arange(3),
+                               lora_loads=[]) for _ in range(num_batches)]
     with parallel.shard_context(rank, 1, 2):
         ModelRunner.run_stage(runner, batches)
     return ops

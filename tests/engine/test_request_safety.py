@@ -124,8 +124,8 @@ def test_async_stream_of_a_failed_request_raises_and_others_finish(toy_model):
         engine = AsyncLLM(toy_model("llama-tiny"), num_kv_blocks=64, block_size=8)
         make_request = engine.engine.make_request
 
-        def breaking(prompt, params, request_id):
-            req = make_request(prompt, params, request_id)
+        def breaking(prompt, params, request_id, lora_request=None):
+            req = make_request(prompt, params, request_id, lora_request)
             if request_id == "bad":
                 req.detokenizer.append = None  # calling it fails
             return req

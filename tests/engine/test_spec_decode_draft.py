@@ -13,8 +13,8 @@ import pytest
 from engine_testlib import random_prompts
 from kiln.engine import SamplingParams
 from kiln.engine.errors import ConfigError
+from kiln.engine.random_checkpoint import make_random_model, make_truncated_draft
 from kiln.engine.spec_decode.draft_model import DraftModel
-from kiln.engine.toy import make_random_model, make_truncated_draft
 from test_spec_decode import assert_blocks_exact, check_hf, repetitive_prompts, spec_stats
 
 

@@ -11,7 +11,7 @@ import json
 import httpx
 from kiln.serving.app import create_app
 from kiln.serving.config import ServeConfig
-from kiln.serving.state import READY
+from kiln.serving.server_state import READY
 
 BODY = {"model": "tiny", "prompt": "Hello there", "max_tokens": 50, "ignore_eos": True}
 

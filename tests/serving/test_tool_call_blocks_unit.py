@@ -8,7 +8,7 @@ import json
 
 import pytest
 from kiln.serving.constraints import ToolPlan
-from kiln.serving.outputs import _ChoiceStream
+from kiln.serving.response_stream import _ChoiceStream
 from kiln.serving.tool_calls import AutoToolStream, finish_reason_with, parse_auto, read_calls
 
 ARGS = {"city": "Paris", "days": 2}

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.serving.errors import APIError
+from kiln.serving.errors import APIError, engine_dead_error
 
 log = logging.getLogger("kiln.serving")
 
@@ -49,8 +49,7 @@ class ServerState:
             raise APIError(503, "The server is shutting down; retry on another replica",
                            code="draining", headers={"Retry-After": str(self.retry_after_s)})
         if self.phase == READY and not getattr(self.engine, "is_running", True):
-            raise APIError(503, "The engine's step loop failed; this replica needs a restart (see /health)",
-                           code="engine_dead")
+            raise engine_dead_error()
         if self.phase != READY:
             raise APIError(503, f"The model is not ready yet (phase: {self.phase}); retry shortly",
                            code="not_ready", headers={"Retry-After": str(self.retry_after_s)})

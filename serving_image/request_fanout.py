@@ -26,13 +26,16 @@ _DONE = object()
 
 class Generation:
     def __init__(
-        self, engine: Any, metrics: ServingMetrics, request_id: str, inputs: list[EngineInput]
+        self, engine: Any, metrics: ServingMetrics, request_id: str, inputs: list[EngineInput],
+        lora_request: Any = None,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.inputs = inputs
+        self.lora_request = lora_request  # kiln.engine.lora.LoRARequest: the adapter every choice runs under
         self.engine_ids = [f"{request_id}-{item.index}" for item in inputs]
-        self.timers = [metrics.timer() for _ in inputs]
+        lora_name = lora_request.lora_name if lora_request is not None else None
+        self.timers = [metrics.timer(lora_name) for _ in inputs]
         self.num_prompt_tokens = [len(item.prompt_token_ids) for item in inputs]
         self.num_cached_tokens = [0 for _ in inputs]
         self.finish_reasons: list[str | None] = [None for _ in inputs]
@@ -46,8 +49,9 @@ class Generation:
         streams = []
         try:
             for slot, item in enumerate(self.inputs):
+                extra = {} if self.lora_request is None else {"lora_request": self.lora_request}
                 streams.append(self.engine.generate(item.prompt_token_ids, item.params,
-                                                    request_id=self.engine_ids[slot]))
+                                                    request_id=self.engine_ids[slot], **extra))
         except BaseException:
             for slot in range(len(streams)):
                 self.engine.abort(self.engine_ids[slot])

@@ -16,9 +16,9 @@ from typing import Any
 
 from kiln.engine.errors import RequestError
 from kiln.serving.constraints import ToolPlan
-from kiln.serving.errors import APIError
-from kiln.serving.generation import Generation
-from kiln.serving.responses import SSE_DONE, Builder, ChoiceText, sse
+from kiln.serving.errors import APIError, engine_dead_error, engine_died
+from kiln.serving.openai_bodies import SSE_DONE, Builder, ChoiceText, sse
+from kiln.serving.request_fanout import Generation
 from kiln.serving.tool_calls import AutoToolStream, Call, finish_reason_with, read_calls
 
 log = logging.getLogger("kiln.serving")
@@ -135,10 +135,14 @@ async def events(builder: Builder, gen: Generation, include_usage: bool, continu
                 yield chunk(slot, text=None if chat else "", finish_reason=reason)
     except RequestError as exc:
         yield sse(APIError(400, str(exc), param=exc.param).body())
-    except Exception:
-        log.exception("generation %s failed mid-stream", gen.request_id)
-        yield sse(APIError(500, "Internal server error during generation; the server log has the details",
-                           type="server_error").body())
+    except Exception as exc:
+        if engine_died(gen.engine):  # the group broke mid-stream (a rank died): one line, the probes' answer
+            log.error("generation %s failed mid-stream: the engine's step loop failed: %s", gen.request_id, exc)
+            yield sse(engine_dead_error(type="server_error").body())
+        else:
+            log.exception("generation %s failed mid-stream", gen.request_id)
+            yield sse(APIError(500, "Internal server error during generation; the server log has the details",
+                               type="server_error").body())
     else:
         if include_usage:
             yield sse(builder.usage_chunk(usage(gen, num_output)))

@@ -1,0 +1,168 @@
+"""Read a PEFT LoRA adapter directory and check it against the base model.
+
+A PEFT adapter is ``adapter_config.json`` + ``adapter_model.safetensors`` (``save_pretrained``); its
+tensors are named ``base_model.model.model.layers.{i}.{self_attn|mlp}.{q_proj..down_proj}.lora_{A|B}.weight``
+(``lora_A`` is ``[r, in]``, ``lora_B`` ``[out, r]``). The checks, each refusing with a message that names the
+field: ``peft_type`` LORA; ``r`` (and each tensor's rank) <= ``max_lora_rank``; ``fan_in_fan_out`` false
+(Llama's projections are ``Linear``); no ``modules_to_save``, ``use_dora``, ``bias``, ``lora_bias``,
+``rank_pattern``/``alpha_pattern``; every target module one the engine has (q/k/v/o, gate/up/down); every
+tensor's shape the base's (an adapter trained for another base fails on its hidden sizes); a file size
+within what a rank-``max_lora_rank`` adapter of this base can be (checked before reading it, so a huge file
+is refused, never loaded). ``adapter_model.bin`` (a pickle) is refused: nothing untrusted is unpickled.
+
+The scaling (``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``) is folded into ``B`` here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from kiln.engine.errors import RequestError
+
+# PEFT module name -> (kiln's linear, the part of a fused linear, or None)
+MODULES: dict[str, tuple[str, Any]] = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "o_proj": ("o_proj", None),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None),
+}
+_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$")
+_UNSUPPORTED = ("modules_to_save", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern")
+
+
+def module_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Each PEFT module's full (in, out) features in the base model described by ``cfg`` (config.json)."""
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+            "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def max_adapter_bytes(cfg: dict[str, Any], max_rank: int) -> int:
+    """The most a rank-``max_rank`` float32 adapter on every module of every layer can hold (+ header room)."""
+    per_layer = sum(max_rank * (i + o) for i, o in module_shapes(cfg).values())
+    return per_layer * cfg["num_hidden_layers"] * 4 + (1 << 20)
+
+
+@dataclass
+class LoRAAdapter:
+    """A loaded adapter in host memory: per (layer, kiln linear) its parts' ``(A [r, in], B [out, r] * scaling)``."""
+
+    name: str
+    path: str
+    int_id: int
+    rank: int
+    scaling: float
+    target_modules: list[str]
+    weights: dict[tuple[int, str], dict[Any, tuple[torch.Tensor, torch.Tensor]]] = field(repr=False)
+    nbytes: int = 0
+    load_seconds: float = 0.0
+
+
+def _fail(message: str) -> RequestError:
+    return RequestError("lora_path", message, code="invalid_lora_adapter")
+
+
+def read_adapter_config(path: Path, max_rank: int) -> dict[str, Any]:
+    cfg_path = path / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise _fail(f"LoRA adapter {path} has no adapter_config.json (a PEFT adapter directory is expected)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError as exc:
+        raise _fail(f"LoRA adapter {path}: adapter_config.json is not JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise _fail(f"LoRA adapter {path}: adapter_config.json must be a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise _fail(f"LoRA adapter {path}: peft_type is {cfg.get('peft_type')!r}; only LORA adapters are served")
+    for key in _UNSUPPORTED:
+        if cfg.get(key):
+            raise _fail(f"LoRA adapter {path}: {key} = {cfg[key]!r} is not supported (kiln serves plain LoRA on "
+                        "the attention and MLP projections); retrain without it")
+    if cfg.get("bias", "none") != "none":
+        raise _fail(f"LoRA adapter {path}: bias = {cfg['bias']!r} is not supported (only 'none')")
+    if cfg.get("fan_in_fan_out"):
+        raise _fail(f"LoRA adapter {path}: fan_in_fan_out = true is for GPT-2-style Conv1D layers; this base's "
+                    "projections are Linear")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        other = sorted(t for t in targets if t.rsplit(".", 1)[-1] not in MODULES)
+        if other:
+            raise _fail(f"LoRA adapter {path}: target module {other[0]!r} is not one this engine adapts "
+                        f"({', '.join(MODULES)})")
+    r = cfg.get("r")
+    if not isinstance(r, int) or r < 1:
+        raise _fail(f"LoRA adapter {path}: r must be a positive integer, got {r!r}")
+    if r > max_rank:
+        raise _fail(f"LoRA adapter {path}: r = {r} is over --max-lora-rank {max_rank}; serve with a larger "
+                    "--max-lora-rank")
+    return cfg
+
+
+def load_adapter(path: str | Path, name: str, int_id: int, base_cfg: dict[str, Any], max_rank: int,
+                 dtype: torch.dtype) -> LoRAAdapter:
+    """Read and check the adapter at ``path`` for the base described by ``base_cfg``; raises ``RequestError``
+    (param ``lora_path``) naming the field that is wrong."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_dir():
+        raise _fail(f"LoRA adapter path {str(path)!r} is not a directory")
+    cfg = read_adapter_config(path, max_rank)
+    file = path / "adapter_model.safetensors"
+    if not file.is_file():
+        extra = " (adapter_model.bin is a pickle and is never loaded: save with safe_serialization)" \
+            if (path / "adapter_model.bin").exists() else ""
+        raise _fail(f"LoRA adapter {path} has no adapter_model.safetensors{extra}")
+    limit = max_adapter_bytes(base_cfg, max_rank)
+    if file.stat().st_size > limit:
+        raise _fail(f"LoRA adapter {path}: adapter_model.safetensors is {file.stat().st_size} bytes, more than a "
+                    f"rank-{max_rank} adapter of this base can hold ({limit}); it is not for this base")
+    r = cfg["r"]
+    scaling = cfg.get("lora_alpha", r) / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    shapes, layers = module_shapes(base_cfg), base_cfg["num_hidden_layers"]
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(str(file), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            m = _NAME.search(key)
+            if m is None:
+                raise _fail(f"LoRA adapter {path}: tensor {key!r} is not a LoRA weight of a decoder layer's "
+                            "projection (target_modules may name only q/k/v/o_proj and gate/up/down_proj)")
+            layer, module, half = int(m.group(1)), m.group(3), m.group(4)
+            if module not in MODULES:
+                raise _fail(f"LoRA adapter {path}: target module {module!r} is not one this engine adapts "
+                            f"({', '.join(MODULES)})")
+            if layer >= layers:
+                raise _fail(f"LoRA adapter {path}: layer {layer} does not exist in the base ({layers} layers)")
+            halves.setdefault((layer, module), {})[half] = f.get_tensor(key)
+    weights: dict[tuple[int, str], dict[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+    nbytes, targets = 0, set()
+    for (layer, module), ab in sorted(halves.items()):
+        a, b = ab.get("A"), ab.get("B")
+        where = f"layers.{layer}.{module}"
+        if a is None or b is None:
+            raise _fail(f"LoRA adapter {path}: {where} has lora_{'A' if a is None else 'B'} missing")
+        fan_in, fan_out = shapes[module]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape[0] != fan_out or a.shape[0] != b.shape[1]:
+            raise _fail(f"LoRA adapter {path}: {where} has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, but "
+                        f"the base's {module} maps {fan_in} -> {fan_out} features: the adapter is for another base")
+        if a.shape[0] > max_rank:
+            raise _fail(f"LoRA adapter {path}: {where} has rank {a.shape[0]}, over --max-lora-rank {max_rank}")
+        kiln_module, part = MODULES[module]
+        a = a.to(dtype).contiguous()
+        b = (b.float() * scaling).to(dtype).contiguous()
+        weights.setdefault((layer, kiln_module), {})[part] = (a, b)
+        nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
+        targets.add(module)
+    if not weights:
+        raise _fail(f"LoRA adapter {path}: adapter_model.safetensors holds no LoRA weights")
+    return LoRAAdapter(name=name, path=str(path), int_id=int_id, rank=r, scaling=scaling,
+                       target_modules=sorted(targets), weights=weights, nbytes=nbytes)

@@ -1,0 +1,84 @@
+"""The engine's side of LoRA: loaded adapters (``store``), device-slot policy (``slots``), and what the server
+shows of them. ``LLMEngine`` holds one when ``enable_lora`` is set."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kiln.engine.errors import RequestError
+from kiln.engine.lora.adapter import LoRAAdapter
+from kiln.engine.lora.request import LoRARequest
+from kiln.engine.lora.slots import SlotTable
+from kiln.engine.lora.store import AdapterStore
+from kiln.engine.prefix_hash import root_key
+
+
+class LoRAManager:
+    def __init__(self, config: Any, in_use: Callable[[], set[int]]) -> None:
+        self.config = config
+        self.store = AdapterStore(config.hf_config, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
+                                  config.torch_dtype, in_use)
+        self.slots = SlotTable(config.max_loras)
+
+    def resolve(self, lora: Any) -> LoRAAdapter:
+        """The loaded adapter a request asks for (read from disk if it is not in host memory)."""
+        if not isinstance(lora, LoRARequest):
+            raise RequestError("lora_request", f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        return self.store.load(lora)
+
+    def remove(self, name: str, block_manager: Any) -> bool:
+        """Forget an adapter: new requests cannot name it, its prefix-cache blocks are dropped; requests
+        already under it finish with it. Call on the thread that steps the engine."""
+        adapter = self.store.remove(name)
+        if adapter is None:
+            return False
+        block_manager.forget_root(root_key(name))
+        return True
+
+    def info(self, running: list[Any], waiting: list[Any]) -> dict[str, Any]:
+        """vLLM's ``lora_requests_info`` labels plus the adapters loaded in host memory."""
+        def names(reqs: list[Any]) -> list[str]:
+            return sorted({r.lora.name for r in reqs if r.lora is not None})
+
+        return {"running": names(running), "waiting": names(waiting), "max_lora": self.config.max_loras,
+                "loaded": [{"name": a.name, "path": a.path, "rank": a.rank, "target_modules": a.target_modules,
+                            "bytes": a.nbytes, "load_seconds": round(a.load_seconds, 4)}
+                           for a in self.store.adapters()]}
+
+
+def lora_disabled() -> RequestError:
+    return RequestError("model", "this engine serves no LoRA adapters: start it with enable_lora=True "
+                                 "(kiln serve --enable-lora)", code="lora_disabled")
+
+
+class LoRAEngineMixin:
+    """``LLMEngine``'s adapter methods, vLLM's names (``self.lora``: a LoRAManager or None)."""
+
+    lora: LoRAManager | None
+    block_manager: Any
+    scheduler: Any
+    requests: dict[str, Any]
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter into host memory (any thread); raises RequestError naming the field."""
+        if self.lora is None:
+            raise lora_disabled()
+        self.lora.resolve(lora_request)
+        return True
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload an adapter (call on the thread that steps); requests under it finish with it."""
+        return self.lora is not None and self.lora.remove(name, self.block_manager)
+
+    def list_loras(self) -> list[str]:
+        return [] if self.lora is None else self.lora.store.names()
+
+    def lora_info(self) -> dict[str, Any] | None:
+        """Running/waiting adapters and those loaded (metrics, /v1/models); None with LoRA off."""
+        if self.lora is None:
+            return None
+        return self.lora.info(list(self.scheduler.running), list(self.scheduler.waiting))
+
+    def _adapters_in_use(self) -> set[int]:
+        return {r.lora.int_id for r in list(self.requests.values()) if r.lora is not None}
