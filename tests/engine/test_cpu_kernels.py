@@ -328,7 +328,12 @@ def test_decoder_stack_equals_the_module_path(fresh, toy_model, make_llm, monkey
         rest = llm.generate(prompts[1:], params[1:])
         assert rest[0].num_cached_tokens == 32
         outs[name] = [(o.token_ids, o.logprobs) for o in first + rest]
-    assert outs["stack"] == outs["modules"]
+    if gemm == "kiln-w8a8":  # tokens exact; logprobs to float32 rounding: seen once differing in the 7th digit
+        for (s_ids, s_lps), (m_ids, m_lps) in zip(outs["stack"], outs["modules"], strict=True):
+            assert s_ids == m_ids and [sorted(a) for a in s_lps] == [sorted(b) for b in m_lps]
+            assert all(abs(a[t] - b[t]) < 1e-5 for a, b in zip(s_lps, m_lps, strict=True) for t in a)
+    else:
+        assert outs["stack"] == outs["modules"]
     assert calls and max(calls) > CPU_MLP_ROWS
 
 
