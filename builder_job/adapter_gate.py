@@ -6,8 +6,9 @@ which is what a LoRA slot computes (``W x + B A x * alpha / r``) up to rounding.
 over the calibration prompts (:func:`kiln.builder.quality.teacher_forced_metrics`: mean KL and greedy
 agreement), and judged by ``spec.build.qualityGate``.
 
-The runtime half (kiln's own engine, ``LLM(..., enable_lora=True)`` with a per-request ``LoRARequest``) is
-being built beside this; until the gate runs it, the report records ``runtime: pending``.
+The runtime half: kiln's own engine (``LLM(..., enable_lora=True)``, the converted adapter as a per-request
+``LoRARequest``) continues each prompt greedily, and its tokens must agree with the reference's argmax, as
+the engine's gate checks the runtime (:func:`kiln.builder.quality.runtime_agreement`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import torch
 from kiln.builder.errors import QualityGateFailed
 from kiln.builder.quality import (
     CALIBRATION_PROMPTS,
+    RUNTIME_NEW_TOKENS,
     failure_message,
     judge,
+    runtime_agreement,
+    runtime_continuations,
     teacher_forced_metrics,
     thresholds,
     tokenize_prompts,
@@ -66,8 +70,40 @@ def adapter_metrics(base_dir: Path, original: Path, converted: Path, spec) -> di
     vocab = reference.config.vocab_size
     token_lists = _token_lists(base_dir, spec, vocab)
     metrics = teacher_forced_metrics(_HFLogProbs(reference), _HFLogProbs(candidate), token_lists, vocab)
+    del candidate
+    continuations = _runtime_continuations(base_dir, converted, spec, token_lists)
+    metrics.update(runtime_agreement(_HFArgmax(reference), token_lists, continuations))
     return {**metrics, "reference": "transformers+peft (float32, unmerged)",
-            "candidate": f"transformers ({spec.dtype}, converted adapter merged)", "runtime": "pending"}
+            "candidate": f"transformers ({spec.dtype}, converted adapter merged)",
+            "runtime": f"kiln LLM ({spec.dtype}, the converted adapter in a LoRA slot)"}
+
+
+class _HFArgmax:
+    """A transformers model as :func:`kiln.builder.quality.runtime_agreement`'s ``argmax(token_lists)``."""
+
+    def __init__(self, model) -> None:
+        self.model = model.eval()
+
+    @torch.no_grad()
+    def argmax(self, token_lists: list[list[int]]) -> list[list[int]]:
+        return [self.model(input_ids=torch.tensor([ids])).logits[0].argmax(-1).tolist() for ids in token_lists]
+
+
+def _runtime_continuations(base_dir: Path, converted: Path, spec, token_lists: list[list[int]]) -> list[list[int]]:
+    """Greedy continuations of each prompt by kiln's engine with the converted adapter."""
+    from kiln.engine import LLM  # deferred: the engine (torch) only when an adapter is gated
+    from kiln.engine.lora import LoRARequest
+
+    longest = max(len(ids) for ids in token_lists) + RUNTIME_NEW_TOKENS
+    llm = LLM(str(base_dir), dtype=spec.dtype, enable_lora=True, max_loras=1, max_lora_rank=spec.lora.max_lora_rank,
+              max_seq_len=longest + 1, max_input_len=longest, max_batch_size=len(token_lists),
+              max_num_tokens=max(256, len(token_lists)), num_kv_blocks=len(token_lists) * (longest // 16 + 2),
+              device=None if spec.gpu_spec.arch != "cpu" else "cpu")
+    try:
+        lora = LoRARequest("gate", 1, str(converted))
+        return runtime_continuations(llm, token_lists, lora_request=lora)
+    finally:
+        llm.shutdown()
 
 
 def gate_adapter(base_dir: Path, original: Path, converted: Path, spec, name: str) -> dict[str, Any]:

@@ -112,11 +112,13 @@ def teacher_forced_metrics(source, converted, token_lists: list[list[int]], voca
     }
 
 
-def runtime_continuations(llm, token_lists: list[list[int]], max_new_tokens: int = RUNTIME_NEW_TOKENS
-                          ) -> list[list[int]]:
-    """Greedy continuations of each prompt by the runtime (``ignore_eos``: always ``max_new_tokens``)."""
+def runtime_continuations(llm, token_lists: list[list[int]], max_new_tokens: int = RUNTIME_NEW_TOKENS,
+                          lora_request=None) -> list[list[int]]:
+    """Greedy continuations of each prompt by the runtime (``ignore_eos``: always ``max_new_tokens``), under
+    ``lora_request`` when given (an adapter's gate)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-    return [list(out.token_ids) for out in llm.generate(token_lists, params)]
+    extra = {"lora_request": lora_request} if lora_request is not None else {}
+    return [list(out.token_ids) for out in llm.generate(token_lists, params, **extra)]
 
 
 def runtime_agreement(source, token_lists: list[list[int]], continuations: list[list[int]]) -> dict[str, Any]:

@@ -113,7 +113,8 @@ class ModelRunner:
                 log.info("kiln CPU kernels: decoder layers run module by module (%s)", why)
         self.lora = None  # lora.layers.LoRAModel: this rank's adapter slots (enable_lora)
         if config.enable_lora:
-            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, config.torch_dtype, self.device)
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, config.torch_dtype, self.device,
+                                  self.native)
         self.sampler = Sampler()
         self.workspace: dict[str, torch.Tensor] = {}  # attention's gather buffers, reused every step
         self.graphs = self.compiled = None
@@ -145,7 +146,8 @@ class ModelRunner:
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
         """Pack the step; returns the inputs and, in row order, the requests that get a token (a
         request verifying ``k`` drafts once per position: ``k + 1`` times in a row)."""
-        order = sorted(scheduled, key=lambda rn: rn[1] > 1)  # single-token rows first
+        # single-token rows first; then by adapter slot, so each adapter's tokens are one run (lora/layers.py)
+        order = sorted(scheduled, key=lambda rn: (rn[1] > 1, -1 if rn[0].lora_slot is None else rn[0].lora_slot))
         reqs = [r for r, _ in order]
         nums = [n for _, n in order]
         starts = [r.num_computed_tokens for r in reqs]
@@ -256,7 +258,8 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, intermediate: Intermediate | None = None):
         """One forward pass of this rank's stage: logits on the last stage, else (hidden, residual)."""
         n = inputs.input_ids.shape[0]
-        lora_step = make_lora_step(inputs.token_lora_slots, self.device) if self.lora is not None else None
+        lora_step = (make_lora_step(inputs.token_lora_slots, self.device, self.lora.max_loras)
+                     if self.lora is not None else None)
         if (self.graphs is not None and inputs.num_decodes == n and inputs.logits_indices.shape[0] == n
                 and self.graphs.can_run(n) and lora_step is None):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -61,9 +62,34 @@ def read_engine_json(store_uri: str, version: str) -> dict:
         return {}
 
 
-def run_foreground(cmd: list[str]) -> int:
+def build_adapters(engine, store_uri: str, work_dir: str | None, signing_key: Path, base_version: str
+                   ) -> Path | None:
+    """Each adapter of ``spec.lora`` built into the store as its own artifact (``kiln build-adapter``), listed
+    in a file the server follows as a pod follows its ConfigMap (docs/lora.md). An adapter whose build fails
+    is reported and left out; the base engine serves all the same, as on a cluster."""
+    lora = engine.spec.lora
+    if lora is None or not lora.adapters:
+        return None
+    from kiln.builder.adapter_build import build_adapter
+
+    entries = []
+    for adapter in lora.adapters:
+        outcome = build_adapter(engine, adapter.name, store_uri, work_dir, signing_key=signing_key)
+        if outcome.exit_code:
+            click.echo(f"error: adapter {adapter.name!r} is not served: {outcome.message}", err=True)
+            continue
+        click.echo(f"adapter {adapter.name}: {outcome.message}")
+        entries.append({"name": adapter.name, "artifactURI": outcome.artifact_uri, "version": outcome.version,
+                        "baseEngineVersion": base_version})
+    path = Path(work_dir or tempfile.mkdtemp(prefix="kiln-up-")) / "adapters.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": 1, "adapters": entries}, indent=1))
+    return path
+
+
+def run_foreground(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run ``cmd``, forwarding SIGINT/SIGTERM to it, and return its exit code."""
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env=env)
 
     def forward(signum, _frame) -> None:
         if proc.poll() is None:
@@ -126,6 +152,8 @@ def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_
     report = outcome.build_report or read_engine_json(store_uri, outcome.version).get("build_report")
     for line in summary_lines(report) if report else []:
         click.echo(line)
+    adapters = build_adapters(engine, store_uri, work_dir, signing_key, outcome.version)
     port = engine.spec.serving.port if port is None else port
     click.echo(f"serving {outcome.artifact_uri} on http://{host}:{port}/v1 (Ctrl-C to stop)")
-    sys.exit(run_foreground(serve_command(outcome.artifact_uri, engine, host, port, verify_key)))
+    env = {**os.environ, "KILN_LORA_ADAPTERS_FILE": str(adapters)} if adapters is not None else None
+    sys.exit(run_foreground(serve_command(outcome.artifact_uri, engine, host, port, verify_key), env))

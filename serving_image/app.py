@@ -44,6 +44,8 @@ class ServingContext:
         self.served_model_name = config.model_name
         self.model_names = {self.served_model_name}
         self.loras = LoRARegistry(self)  # adapters served by name ("model": NAME), docs/lora.md
+        path = adapters_file()  # the adapters an operator (or kiln up) lists, followed while serving
+        self.adapter_sync = AdapterSync(self, path) if path is not None else None
         self.metrics = ServingMetrics(self.served_model_name, self._engine_stats, self._lora_info)
         self.created = int(time.time())
         self.exit_code = 0
@@ -70,6 +72,8 @@ class ServingContext:
             await warm_up(engine)
             for module in self.config.lora_modules:  # --lora-modules: each read and checked before ready
                 await self.loras.add(module["name"], module["path"], module.get("base_model_name"))
+            if self.adapter_sync is not None:  # the listed adapters too (one that fails is logged, not fatal)
+                await self.adapter_sync.sync(info.get("engine_version"))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -227,8 +231,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         load = asyncio.create_task(ctx.load(), name="kiln-load")
         watch = asyncio.create_task(ctx.watch_group(_group_failure_grace()), name="kiln-watch-group")
         tasks = [load, watch]
-        if (path := adapters_file()) is not None:  # the operator's adapter list (docs/lora.md, "On a cluster")
-            tasks.append(asyncio.create_task(AdapterSync(ctx, path).run(), name="kiln-lora-sync"))
+        if ctx.adapter_sync is not None:  # the operator's adapter list (docs/lora.md, "On a cluster")
+            tasks.append(asyncio.create_task(ctx.adapter_sync.run(), name="kiln-lora-sync"))
         try:
             yield
         finally:

@@ -57,21 +57,24 @@ class AdapterSync:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(POLL_S)
-            if self.ctx.state.engine_info is None:  # not loaded yet
-                continue
-            try:
-                raw = self.path.read_bytes()
-            except OSError:
-                raw = b""  # an optional ConfigMap not created yet: hold none
-            if raw == self._last and not self._retry_due():
-                continue
-            self._last = raw
-            try:
-                document = json.loads(raw) if raw.strip() else {}
-            except ValueError as exc:
-                log.warning("%s is not JSON (%s): keeping the adapters held", self.path, exc)
-                continue
-            await self.apply(wanted(document, self.ctx.state.engine_info.get("engine_version")))
+            if self.ctx.state.engine_info is not None:  # loaded (the first pass ran before /ready)
+                await self.sync(self.ctx.state.engine_info.get("engine_version"))
+
+    async def sync(self, engine_version: str | None) -> None:
+        """One pass: read the file and, if it changed (or a failed adapter is due again), apply it."""
+        try:
+            raw = self.path.read_bytes()
+        except OSError:
+            raw = b""  # an optional ConfigMap not created yet: hold none
+        if raw == self._last and not self._retry_due():
+            return
+        self._last = raw
+        try:
+            document = json.loads(raw) if raw.strip() else {}
+        except ValueError as exc:
+            log.warning("%s is not JSON (%s): keeping the adapters held", self.path, exc)
+            return
+        await self.apply(wanted(document, engine_version))
 
     def _retry_due(self) -> bool:
         return any(time.monotonic() - at > RETRY_S for at in self.failed.values())

@@ -1,4 +1,4 @@
-"""Device slots of LoRA weights per linear, and the grouped shrink/expand matmul over a step's tokens.
+"""Device slots of LoRA weights per linear, and the shrink/expand matmuls over a step's tokens.
 
 Each adaptable linear (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) gets a ``LoRASlots`` with
 two preallocated, zero-padded stacks: ``A [max_loras, parts * max_rank, in]`` and ``Bt [max_loras, parts *
@@ -7,28 +7,47 @@ linear's parts (q/k/v, gate/up) are packed one after another along the rank axis
 its slice of the fused output (zeros elsewhere), so one shrink and one expand serve every part. Tensor
 parallel: a column-parallel linear keeps ``A`` whole and this rank's output rows of ``B``; a row-parallel one
 keeps this rank's input columns of ``A`` and all of ``B``: its partial ``x_r A_r^T B^T`` is summed by the
-same all-reduce as the base's partial product.
+same all-reduce as the base's partial product. On CPU with kiln's kernels, each slot's ``A`` and ``B`` (and
+all slots' together) are also packed for kiln's GEMM in the model's dtype, repacked when a slot is filled.
 
-A step's tokens are grouped by slot once (``LoRAStep``, built by the runner from the per-token slots, -1 =
-no adapter); each linear then runs, per group, ``y[idx] += (x[idx] @ A_s[:used]^T) @ Bt_s[:used]`` (Punica's
-SGMV idea without a custom kernel: one pair of GEMMs per adapter group). With no adapter row in a step there
-is no ``LoRAStep`` and the linears do no LoRA work at all.
+Per step (``LoRAStep``, built once by the runner from the per-token slots, -1 = no adapter) the tokens form
+runs of one slot (the runner orders a step's rows by slot, so there is one run per adapter and kind of
+row). Each linear then adds, per run, ``y[a:b] += (x[a:b] @ A_s^T) @ Bt_s``: slices, no gather or scatter
+(Punica's SGMV without a custom kernel). A small step with several runs (decode) takes the slot-dense path
+instead (the BGMV idea): one shrink over every slot, ``h = x @ [A_0; ...; A_L]^T``, each token's columns of
+the other slots zeroed by the step's ``[tokens, max_loras]`` mask (a base token's by all), one expand ``y +=
+h @ [Bt_0; ...; Bt_L]``: four ops per linear whatever the number of adapters. With no adapter row in a step
+there is no ``LoRAStep`` and the linears do no LoRA work at all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from kiln.engine import parallel
 
+# A step with several runs takes the slot-dense path when tokens x max_loras is at most this (it multiplies
+# every slot for every token; the crossover measured ~16 tokens at 3 slots on a Zen 4 core, bf16).
+DENSE_WORK = 64
+
 
 @dataclass
 class LoRAStep:
-    """The step's adapter groups: ``(slot, token indices)``; indices None = every token of the step."""
+    """The step's runs ``(slot, start, end)`` of adapter tokens, and for the slot-dense path the mask."""
 
-    groups: list[tuple[int, torch.Tensor | None]]
+    runs: list[tuple[int, int, int]]
+    tokens: int
+    mask: torch.Tensor | None = None  # [tokens, max_loras], 1 at each token's slot; None: run by run
+    _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def mask_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as ``[tokens, max_loras, 1]`` in ``dtype`` (converted once per step)."""
+        if dtype not in self._masks:
+            self._masks[dtype] = self.mask.to(dtype).unsqueeze(2)
+        return self._masks[dtype]
 
 
 _step: LoRAStep | None = None
@@ -43,25 +62,36 @@ def lora_step_active() -> bool:
     return _step is not None
 
 
-def make_lora_step(token_slots: torch.Tensor | None, device: torch.device) -> LoRAStep | None:
-    """Group a step's tokens by adapter slot; None when no token has one (the base path, no LoRA work)."""
+def make_lora_step(token_slots: torch.Tensor | None, device: torch.device, max_loras: int) -> LoRAStep | None:
+    """Split a step's tokens into runs of one slot; None when no token has one (the base path, no LoRA work)."""
     if token_slots is None or token_slots.numel() == 0:
         return None
-    slots = [s for s in torch.unique(token_slots).tolist() if s >= 0]
-    if not slots:
+    slots = token_slots.tolist()
+    runs, start, n = [], 0, len(slots)
+    for i in range(1, n + 1):
+        if i == n or slots[i] != slots[start]:
+            if slots[start] >= 0:
+                runs.append((slots[start], start, i))
+            start = i
+    if not runs:
         return None
-    if len(slots) == 1 and bool((token_slots == slots[0]).all()):
-        return LoRAStep([(slots[0], None)])
-    return LoRAStep([(s, (token_slots == s).nonzero().squeeze(1).to(device)) for s in slots])
+    step = LoRAStep(runs, n)
+    if len(runs) > 1 and n * max_loras <= DENSE_WORK:
+        mask = torch.zeros(n, max_loras + 1)  # column max_loras: the base tokens' (dropped)
+        mask[torch.arange(n), token_slots.long().where(token_slots >= 0, max_loras)] = 1
+        step.mask = mask[:, :max_loras].to(device)
+    return step
 
 
 class LoRASlots:
     """The adapter slots of one linear (see the module docstring)."""
 
     def __init__(self, linear: Any, parts: list[tuple[Any, int, int]], row_parallel: bool, max_loras: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_rank: int, dtype: torch.dtype, device: torch.device, kernels: Any = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         """``parts``: (part key, offset, size) of each part in this rank's output (one part, key None, if not
-        fused); ``dtype``: the model's compute dtype (the base weight may be quantized)."""
+        fused); ``dtype``: the stacks'; ``kernels``: kiln's CPU kernels, to pack the slots for in
+        ``compute_dtype`` (the model's: the base weight may be quantized), or None (torch matmuls)."""
         self.parts, self.row_parallel, self.max_rank = parts, row_parallel, max_rank
         self.in_features, self.out_features = linear.input_size, linear.output_size
         self.tp_rank = parallel.tp_rank()
@@ -69,6 +99,9 @@ class LoRASlots:
         self.A = torch.zeros(max_loras, width, self.in_features, dtype=dtype, device=device)
         self.Bt = torch.zeros(max_loras, width, self.out_features, dtype=dtype, device=device)
         self.used = [0] * max_loras  # rank rows of each slot in use (0: this adapter does not touch the linear)
+        self.kernels, self.compute_dtype = kernels, compute_dtype
+        self.packed: list[tuple[Any, Any] | None] = [None] * max_loras  # per slot: (A_s, Bt_s^T) packed
+        self.packed_all: tuple[Any, Any] | None = None  # every slot's, for the dense path (packed on first use)
 
     def set_slot(self, slot: int, weights: dict[Any, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """Put an adapter's (full, unsharded) weights for this linear in ``slot``; None empties it."""
@@ -88,22 +121,50 @@ class LoRASlots:
             self.A[slot, col:col + r].copy_(a)
             col += r
         self.used[slot] = col
+        self.packed[slot] = self._pack(self.A[slot, :col], self.Bt[slot, :col]) if col and self.kernels else None
+        self.packed_all = None
+
+    def _pack(self, a: torch.Tensor, bt: torch.Tensor) -> tuple[Any, Any]:
+        dt = self.compute_dtype
+        return self.kernels.pack_linear(a.to(dt)), self.kernels.pack_linear(bt.t().to(dt))
+
+    def _mm(self, x: torch.Tensor, packed: Any) -> torch.Tensor:
+        """``x @ W^T`` by kiln's GEMM (what ``Kernels.linear`` calls, without its checks: ~6 us a call, two
+        thirds of a decode token's shrink; the packs run the FMA kernel at every row count, no bias)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        n = packed.out_features
+        y = x.new_empty((x.shape[0], n))
+        if x.shape[0]:
+            self.kernels._gemm(ctypes.byref(packed.weight), x.data_ptr(), 0, y.data_ptr(), x.shape[0], x.stride(0), n)
+        return y
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``y`` (the base linear's output for ``x``) plus each adapter group's LoRA delta, in place."""
+        """``y`` (the base linear's output for ``x``) plus each adapter token's LoRA delta, in place."""
         step = _step
         if step is None:
             return y
-        for slot, idx in step.groups:
+        kiln = self.kernels is not None and x.dtype == self.compute_dtype
+        if step.mask is not None:  # the slot-dense path: every slot at once, the others' columns masked
+            if kiln:
+                if self.packed_all is None:
+                    self.packed_all = self._pack(self.A.flatten(0, 1), self.Bt.flatten(0, 1))
+                h = self._mm(x, self.packed_all[0])
+            else:
+                h = torch.mm(x.to(self.A.dtype), self.A.flatten(0, 1).t())
+            h.view(step.tokens, len(self.used), -1).mul_(step.mask_as(h.dtype))
+            return y.add_(self._mm(h, self.packed_all[1]) if kiln
+                          else torch.mm(h, self.Bt.flatten(0, 1)))
+        for slot, start, end in step.runs:
             used = self.used[slot]
             if not used:
                 continue
-            a, bt = self.A[slot, :used], self.Bt[slot, :used]
-            if idx is None:
-                y.add_(torch.mm(torch.mm(x.to(a.dtype), a.t()), bt).to(y.dtype))
+            xs, ys = (x, y) if end - start == step.tokens else (x[start:end], y[start:end])
+            if kiln:
+                a, bt = self.packed[slot]
+                ys.add_(self._mm(self._mm(xs, a), bt))
             else:
-                xs = x.index_select(0, idx).to(a.dtype)
-                y.index_add_(0, idx, torch.mm(torch.mm(xs, a.t()), bt).to(y.dtype))
+                ys.add_(torch.mm(torch.mm(xs.to(self.A.dtype), self.A[slot, :used].t()), self.Bt[slot, :used]))
         return y
 
 
@@ -133,15 +194,19 @@ class LoRAModel:
     """This rank's slots over the model's adaptable linears; ``load(slot, adapter)`` fills one slot."""
 
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kernels: Any = None) -> None:
+        """``kernels``: kiln's CPU kernels (the runner's, None without them): the slots' GEMMs run on them, in
+        the model's dtype, when it is one they multiply."""
         self.max_loras = max_loras
-        # On CPU the slots and the two small GEMMs are float32 whatever the model's dtype: torch's bf16 GEMM at
+        if kernels is None or dtype not in kernels.linear_dtypes:
+            kernels = None
+        # Without kiln's kernels the stacks are float32 on CPU whatever the model's dtype: torch's bf16 GEMM at
         # LoRA's shapes ([tokens, 16] products) measured ~5x slower than float32 on a Zen 4 core.
-        dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
+        stack_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         for layer, name, lin in lora_targets(model):
             lin.lora = LoRASlots(lin, _parts(name, lin), name in ("o_proj", "down_proj"), max_loras,
-                                  max_rank, dtype, device)
+                                  max_rank, stack_dtype, device, kernels, dtype)
             self.slots[(layer, name)] = lin.lora
         self.loaded: list[int | None] = [None] * max_loras  # the adapter (int_id) each slot holds
         self._read: dict[int, Any] = {}  # ranks other than 0: adapters read from disk, by int_id (LRU)
