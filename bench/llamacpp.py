@@ -7,8 +7,12 @@ runner (``peer_llamacpp.py``) imports nothing of kiln. kiln runs the same GGUF a
 engine (the checkpoint directory and per-rank weights a build's fetch and shard stages write).
 
     python -P -m kiln_bench.llamacpp decode --gguf F.gguf --kiln-ckpt DIR --kiln-weights DIR [--make-env]
+    python -P -m kiln_bench.llamacpp serve --gguf F.gguf --artifact URI [--concurrency 16]
 
-One thread each; kiln and llama.cpp alternate, the medians are reported.
+One compute thread each; kiln and llama.cpp alternate, the medians are reported. ``serve`` runs
+``kiln serve --artifact`` (a ``quantization: gguf`` engine of the same file, whose default threads leave the
+server one core) and ``python -m llama_cpp.server --n_threads 1`` in turn, each under the same requests
+(greedy, EOS masked by ``logit_bias`` so every request makes its tokens), many at once and one at a time.
 """
 
 from __future__ import annotations
@@ -95,6 +99,83 @@ def decode(gguf, kiln_ckpt, kiln_weights, tokens, rounds, env, make_env) -> None
     doc = {"gguf": str(gguf), "kiln_decode_tok_s": statistics.median(kiln),
            "llamacpp_decode_tok_s": statistics.median(peer), "kiln_rounds": kiln, "llamacpp_rounds": peer}
     doc["ratio"] = doc["kiln_decode_tok_s"] / doc["llamacpp_decode_tok_s"]
+    click.echo(json.dumps(doc, indent=1))
+
+
+def _wait(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise click.ClickException(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise click.ClickException(f"{url} was not ready in {timeout:.0f}s")
+
+
+def _load(url: str, requests: int, concurrency: int, tokens: int) -> float:
+    """Output tokens/s of ``requests`` completions of ``tokens`` each, ``concurrency`` at a time."""
+    import asyncio
+
+    import httpx
+
+    body = {"model": "model", "max_tokens": tokens, "temperature": 0,
+            "logit_bias": {str(t): -100 for t in (0, 1, 2)}}  # no end of text: every request makes its tokens
+
+    async def run() -> float:
+        sem = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(timeout=600) as client:
+            async def one(i: int) -> int:
+                async with sem:
+                    r = await client.post(f"{url}/v1/completions", json={**body, "prompt": f"{PROMPT} ({i})"})
+                    r.raise_for_status()
+                    return r.json()["usage"]["completion_tokens"]
+            await one(-1)  # warm up
+            t0 = time.perf_counter()
+            made = await asyncio.gather(*(one(i) for i in range(requests)))
+            return sum(made) / (time.perf_counter() - t0)
+
+    return asyncio.run(run())
+
+
+@main.command()
+@click.option("--gguf", type=click.Path(exists=True, path_type=Path), required=True)
+@click.option("--artifact", required=True, help="the kiln engine of the same file (quantization: gguf)")
+@click.option("--concurrency", default=16, show_default=True)
+@click.option("--tokens", default=64, show_default=True)
+@click.option("--rounds", default=2, show_default=True)
+@click.option("--env", type=click.Path(path_type=Path), default=None, help="llama.cpp's environment")
+@click.option("--make-env", is_flag=True, help="create the llama.cpp environment if missing (compiles llama.cpp)")
+def serve(gguf, artifact, concurrency, tokens, rounds, env, make_env) -> None:
+    """Both servers over HTTP, in turn: out tok/s at --concurrency and at 1, medians of the rounds."""
+    python = ensure_env(env or default_env(), make_env)
+    servers = {
+        "kiln": ([sys.executable, "-P", "-m", "kiln", "serve", "--artifact", artifact, "--port", "18801",
+                  "--served-model-name", "model"], "http://127.0.0.1:18801", "/ready", None),
+        "llama.cpp": ([str(python), "-P", "-m", "llama_cpp.server", "--model", str(gguf.absolute()), "--n_threads",
+                       "1", "--n_ctx", "4096", "--port", "18802"], "http://127.0.0.1:18802", "/v1/models", "/tmp"),
+    }
+    rates: dict[str, dict[int, list[float]]] = {name: {concurrency: [], 1: []} for name in servers}
+    for _ in range(rounds):
+        for name, (cmd, url, probe, cwd) in servers.items():
+            proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                _wait(url + probe, proc)
+                for c in (concurrency, 1):
+                    rates[name][c].append(_load(url, concurrency if c > 1 else 4, c, tokens))
+                click.echo(f"round: {name} {rates[name][concurrency][-1]:.1f} tok/s at {concurrency}, "
+                           f"{rates[name][1][-1]:.1f} at 1")
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    doc = {name: {f"c{c}": statistics.median(v) for c, v in by_c.items()} for name, by_c in rates.items()}
+    for c in (concurrency, 1):
+        doc[f"ratio_c{c}"] = doc["kiln"][f"c{c}"] / doc["llama.cpp"][f"c{c}"]
     click.echo(json.dumps(doc, indent=1))
 
 
