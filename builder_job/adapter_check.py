@@ -13,28 +13,15 @@ which costs nothing at these sizes, so no per-rank files are written. Only the d
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from kiln.builder.errors import InvalidSpec
+from kiln.engine.lora.adapter import MODULES, TENSOR_NAME, module_shapes
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# A tensor of a PEFT LoRA checkpoint: base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
-TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$")
+TARGETS = tuple(MODULES)  # the PEFT modules the engine serves LoRA on
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
-
-def module_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """Each target module's (in, out) features in the base model ``cfg`` (its config.json) describes."""
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or hidden // heads
-    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
-            "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
 
 def read_adapter_config(adapter_dir: Path, field: str) -> dict[str, Any]:
@@ -80,11 +67,11 @@ def tensor_problems(shapes: dict[str, list[int]], base_cfg: dict[str, Any]) -> l
     layers, modules = base_cfg["num_hidden_layers"], module_shapes(base_cfg)
     problems = []
     for name, shape in sorted(shapes.items()):
-        match = TENSOR.search(name)
+        match = TENSOR_NAME.search(name)
         if match is None:
             problems.append(f"tensor {name}: not a LoRA A/B weight of a layer's q/k/v/o/gate/up/down projection")
             continue
-        layer, module, which = int(match[1]), match[2], match[3]
+        layer, module, which = int(match[1]), match[3], match[4]
         if module not in modules:
             problems.append(f"tensor {name}: the engine has no module {module}")
         elif layer >= layers:

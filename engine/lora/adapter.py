@@ -31,7 +31,8 @@ MODULES: dict[str, tuple[str, Any]] = {
     "o_proj": ("o_proj", None),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None),
 }
-_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$")
+# A tensor of a PEFT LoRA checkpoint: ...layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
+TENSOR_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$")
 _UNSUPPORTED = ("modules_to_save", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern")
 
 
@@ -132,7 +133,7 @@ def load_adapter(path: str | Path, name: str, int_id: int, base_cfg: dict[str, A
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(file), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            m = _NAME.search(key)
+            m = TENSOR_NAME.search(key)
             if m is None:
                 raise _fail(f"LoRA adapter {path}: tensor {key!r} is not a LoRA weight of a decoder layer's "
                             "projection (target_modules may name only q/k/v/o_proj and gate/up/down_proj)")
