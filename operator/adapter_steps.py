@@ -26,10 +26,10 @@ from kiln.operator.adapters import (
 )
 from kiln.operator.apply import apply
 from kiln.operator.decide import World
+from kiln.operator.job_pods import job_failure
 from kiln.operator.kube import ApiError, api_path
 from kiln.operator.naming import owner_reference
-from kiln.operator.retry import Failure
-from kiln.operator.status import job_state, last_termination
+from kiln.operator.status import job_state
 from kiln.operator.trust import artifact_problem
 
 KeyPairGetter = Callable[[], Awaitable[keys.KeyPair]]
@@ -72,17 +72,8 @@ async def read_view(ctx: Any, world: World, adapter: Any, base: str, version: st
     job = await ctx.kube.get(api_path("batch/v1", "jobs", world.namespace, adapter_job_name(version)))
     failure = ""
     if job is not None and job_state(job).state == "failed":
-        failure = (await termination(ctx, world.namespace, job)).detail
+        failure = (await job_failure(ctx.kube, world.namespace, job)).detail
     return AdapterView(adapter, base, version, uri, built=False, job=job, failure=failure)
-
-
-async def termination(ctx: Any, namespace: str, job: dict[str, Any]) -> Failure:
-    selector = f"batch.kubernetes.io/job-name={job['metadata']['name']}"
-    try:
-        pods = await ctx.kube.list(api_path("v1", "pods", namespace), label_selector=selector)
-    except ApiError:
-        return Failure()
-    return Failure(*last_termination(pods))
 
 
 async def create_adapter_job(ctx: Any, world: World, view: AdapterView, logger: logging.Logger,

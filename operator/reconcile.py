@@ -43,6 +43,7 @@ from kiln.operator.decide import (
     observation,
     retirement,
 )
+from kiln.operator.job_pods import job_failure
 from kiln.operator.jobs import build_job
 from kiln.operator.kube import ApiError, KubeClient, api_path
 from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, lws_name, owner_reference
@@ -55,7 +56,6 @@ from kiln.operator.status import (
     compose_status,
     job_duration_seconds,
     job_state,
-    last_termination,
     same_status,
     transitions,
 )
@@ -132,7 +132,7 @@ async def observe(ctx: Context, namespace: str, name: str) -> World | None:
     # The Job: to get or create it, or to time the build that just published the version.
     wants_job = manifest is None or (untrusted is None and (body.get("status") or {}).get("phase") == "Building")
     job = await ctx.kube.get(job_path(namespace, version)) if wants_job else None
-    failure = await job_failure(ctx, namespace, job) if job and job_state(job).state == "failed" else Failure()
+    failure = await job_failure(ctx.kube, namespace, job) if job and job_state(job).state == "failed" else Failure()
     return World(**seen, manifest=manifest, untrusted=untrusted, job=job, failure=failure, now=datetime.now(UTC))
 
 
@@ -230,16 +230,6 @@ async def create_job(ctx: Context, world: World, logger: logging.Logger) -> dict
     metrics.BUILDS_STARTED.inc()
     logger.info(f"created build Job {job_name(world.version)} for {world.version}")
     return job
-
-
-async def job_failure(ctx: Context, namespace: str, job: dict[str, Any]) -> Failure:
-    """The builder's termination message and exit code; empty when pods are gone or not readable (RBAC)."""
-    selector = f"batch.kubernetes.io/job-name={job['metadata']['name']}"
-    try:
-        pods = await ctx.kube.list(api_path("v1", "pods", namespace), label_selector=selector)
-    except ApiError:
-        return Failure()
-    return Failure(*last_termination(pods))
 
 
 async def key_pair(ctx: Context) -> keys.KeyPair:
