@@ -146,7 +146,7 @@ class Verifier:
 def signer_from(path: str | Path | None, env: Mapping[str, str] = os.environ) -> Signer | None:
     """The flag's key, else ``$KILN_SIGNING_KEY``'s, else None (publish unsigned)."""
     path = path or env.get(SIGNING_KEY_ENV, "").strip() or None
-    return Signer.from_pem(path, "--signing-key" if path else SIGNING_KEY_ENV) if path else None
+    return Signer.from_pem(path) if path else None
 
 
 def verifier_from(path: str | Path | None, env: Mapping[str, str] = os.environ) -> Verifier | None:
