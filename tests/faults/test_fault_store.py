@@ -24,6 +24,21 @@ from conftest import REPO, child_env, fresh_version, kiln, make_artifact_dir, me
 KiB = 1024
 
 
+
+def serves_again(uri: str, cache, log) -> float:
+    """Seconds from now until a restarted `kiln serve` answers a completion (the time to recover)."""
+    started = time.monotonic()
+    proc, port = start_serve(uri, cache, log)
+    try:
+        wait_ready(proc, port, log)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "The kiln", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return time.monotonic() - started
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
 def test_store_unreachable_mid_publish_exits_3_publishes_nothing_and_a_rerun_publishes(
         proxied_store, toy_manifest, tmp_path):
     manifest, version = toy_manifest
@@ -109,17 +124,7 @@ def test_store_unreachable_mid_fetch_exits_1_in_one_line_leaves_no_engine_dir_an
     assert left == [], left  # and the fetch's temp folder is gone too
 
     proxy.restore()
-    restored = time.monotonic()
-    proc, port = start_serve(uri, cache, tmp_path / "serve-2.log")
-    try:
-        wait_ready(proc, port, tmp_path / "serve-2.log")
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       json={"model": "tiny", "prompt": "The kiln", "max_tokens": 4, "temperature": 0})
-        assert r.status_code == 200, r.text
-        recovered = time.monotonic() - restored
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    recovered = serves_again(uri, cache, tmp_path / "serve-2.log")
     assert sorted(p.name for p in cache.iterdir()) == [version]
     measured("store unreachable mid-fetch", saw=f"exit {failed.code}: {errors[0].split(' ERROR ', 1)[1]}",
              failure_reported_within_s=round(seen_after_cut, 1), recover_s=round(recovered, 1),
@@ -149,17 +154,7 @@ def test_pod_killed_mid_fetch_leaves_no_engine_dir_and_a_restart_serves(proxied_
 
     proxied_store.proxy.cut()
     proxied_store.proxy.restore()
-    restored = time.monotonic()
-    proc, port = start_serve(uri, cache, tmp_path / "serve-2.log")
-    try:
-        wait_ready(proc, port, tmp_path / "serve-2.log")
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       json={"model": "tiny", "prompt": "The kiln", "max_tokens": 4, "temperature": 0})
-        assert r.status_code == 200, r.text
-        recovered = time.monotonic() - restored
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    recovered = serves_again(uri, cache, tmp_path / "serve-2.log")
     after = sorted(p.name for p in cache.iterdir())
     stale = [name for name in after if name != version]
     measured("serving pod SIGKILL mid-fetch", saw="exit -9; restart fetched and served", recover_s=round(recovered, 1),
