@@ -289,7 +289,15 @@ static const gg_vfn gg_vtiles[3][2][5] = {{GG_VROW(2, 1), GG_VROW(2, 2)}, {GG_VR
 static __thread void *gg_buf;
 static __thread size_t gg_cap;
 
-static void *gg_scratch(size_t need) { return kiln_scratch(&gg_buf, &gg_cap, need); }
+static void *gg_scratch(size_t need) {
+    if (need > gg_cap) {
+        free(gg_buf);
+        need = (need + 4095) / 4096 * 4096;
+        gg_buf = aligned_alloc(64, need);
+        gg_cap = gg_buf ? need : 0;
+    }
+    return gg_buf;
+}
 
 /* K rows [k0, k0 + kn) (whole blocks) of the column groups of one KILN_PANEL-wide panel, dequantized into a
  * float32 panel [kn][KILN_PANEL] (groups past n: zero) */

@@ -21,7 +21,15 @@
 static __thread void *i8_buf;
 static __thread size_t i8_cap;
 
-static void *i8_scratch(size_t need) { return kiln_scratch(&i8_buf, &i8_cap, need); }
+static void *i8_scratch(size_t need) {
+    if (need > i8_cap) {
+        free(i8_buf);
+        need = (need + 4095) / 4096 * 4096;
+        i8_buf = aligned_alloc(64, need);
+        i8_cap = i8_buf ? need : 0;
+    }
+    return i8_buf;
+}
 
 /* w [N, K] int8 (row stride ldw) -> packed [ceil(N / KILN_PANEL)][i8_quads(K)][KILN_PANEL][4] (K in groups of 4
  * per column: what vpdpbusd multiplies, gemm_w8a8.c; zero past N and K), and sums [ceil(N / KILN_PANEL) *

@@ -24,10 +24,18 @@
 #define W8_MR 6
 #define W8_MC 192
 
-static __thread void *w8_buf;
+static __thread uint8_t *w8_buf;
 static __thread size_t w8_cap;
 
-static uint8_t *w8_scratch(size_t need) { return kiln_scratch(&w8_buf, &w8_cap, need); }
+static uint8_t *w8_scratch(size_t need) {
+    if (need > w8_cap) {
+        free(w8_buf);
+        need = (need + 4095) / 4096 * 4096;
+        w8_buf = aligned_alloc(64, need);
+        w8_cap = w8_buf ? need : 0;
+    }
+    return w8_buf;
+}
 
 #if !(defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10))
 /* The scalar form of the quantization (the vector one below computes the same bits): row r of x -> xq + 128
