@@ -4,7 +4,7 @@ Per linear (``linears``): at each shape and row count, the candidates of ``kiln.
 timed interleaved (one sample of each in turn, the order rotating each round; the median of the rounds),
 so a neighbour's burst on a shared host slows them all alike:
 
-- ``kiln-w8a8``: int8 weight x int8 activations quantized per token, on vpdpbusd;
+- ``kiln-w8a8``: int8 weight x int8 activations quantized per row and 32-block of K, on vpdpbusd;
 - ``torch-w8a8``: torch's dynamic int8 linear (x86 engine), activations quantized per call;
 - ``int8-fma`` / ``int8-amx``: today's weight-only int8 (kiln's panels widened per call), and ``int8-aten``
   (torch's int8 x bf16 kernel);

@@ -166,6 +166,11 @@ class EngineConfig:
         None, flag=True, reported=True,
         help="Candidates the tactic table may not use: names, or 'w8a8' for every one that quantizes "
              "activations (a build sets it when its quality gate refuses W8A8 for the model).")
+    lm_head_int8: str = setting(
+        "auto", flag=True, reported=True, choices=("auto", "off"),
+        help="An int8 CPU engine's LM head: 'auto' packs an int8 copy where a W8A8 candidate may run (the "
+             "build's quality gate measured W8A8 so); 'off' keeps it in the engine's dtype (a build sets it "
+             "when W8A8 passes the gate only with the head kept).")
     tactics_info: dict[str, Any] | None = setting(None, repr=False, help="Set at load: where the table came from.")
     speculative_config: Any = setting(
         None, flag=True, json=True,

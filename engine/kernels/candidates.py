@@ -16,10 +16,10 @@ candidate             layout    what runs
 ``aten``              plain     ``torch.nn.functional.linear`` on the plain weight (MKL's sgemm for
                                 float32; oneDNN with a reorder on every call for bf16); for an int8
                                 weight torch's int8 path (``kernels.quant_linear.quantized_linear``)
-``kiln-w8a8``         kiln      int8 weights only: the activations quantized per token on each call and
-                                multiplied int8 x int8 on vpdpbusd (AVX512-VNNI), same int8 panels
+``kiln-w8a8``         kiln      int8 weights only: the activations quantized per row and 32-block on each
+                                call and multiplied int8 x int8 on vpdpbusd (AVX512-VNNI), same int8 panels
 ``torch-w8a8``        qlinear   int8 weights only: torch's ``quantized.linear_dynamic`` (x86 engine:
-                                FBGEMM / oneDNN), activations quantized per call (``torch_w8a8.py``)
+                                FBGEMM / oneDNN), activations quantized per call, one 7-bit scale (``torch_w8a8.py``)
 ``kiln-gguf``         kiln      GGUF block weights only (Q8_0 / Q4_0 / Q4_1, ``gguf_blocks.py``): the
                                 activations quantized per 32-block, int8 dot products (VNNI / AVX2)
 ``kiln-gguf-f32``     kiln      GGUF block weights only: a panel dequantized to float32 per call, FMA

@@ -165,11 +165,12 @@ class Kernels:
         return PackedLinear(self, weight, tactics, scales, dtype, share_onednn)
 
     def w8a8_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int8 [rows, k], float32 scales [rows]): the activations W8A8 multiplies, as the kernel quantizes them
-        (per row, symmetric: round(x * (127 / max|x|)) in float32, scale max|x| / 127)."""
+        """(int8 [rows, k], float32 scales [rows, ceil(k / 32)]): the activations W8A8 multiplies, as the kernel
+        quantizes them (per row and 32-block of K, symmetric: round(x * (127 / max|x_b|)) in float32, scale
+        max|x_b| / 127)."""
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         q = torch.empty(x2.shape, dtype=torch.int8)
-        sx = torch.empty(x2.shape[0], dtype=torch.float32)
+        sx = torch.empty(x2.shape[0], -(-x2.shape[1] // 32), dtype=torch.float32)
         self._w8a8_quantize(x2.data_ptr(), q.data_ptr(), sx.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), _bf16(x2))
         return q, sx
 

@@ -3,7 +3,7 @@
 Panels of P output columns (P = the library's ``kiln_linear_panel``, the last panel zero-padded):
 [ceil(out / P), in, P] in float32, [ceil(out / P), pairs, P, 2] in bfloat16 (K in pairs, padded to whole AMX
 tiles: ``kiln_bf16_panel_pairs``), and [ceil(out / P), pairs / 2, P, 4] int8 (K in quads, what vpdpbusd
-reads) for int8 weights with their float32 scales and int32 column sums: one copy serves weight-only int8
+reads) for int8 weights with their float32 scales and int16 column sums per 32-block of K: one copy serves weight-only int8
 (widened per panel into the bf16 layout) and W8A8 (``"w8a8"``). A decode step streams each panel once.
 
 bf16 panels are byte for byte the blocked layout oneDNN itself chooses for a bf16 weight on the hosts
@@ -48,7 +48,7 @@ class Kernels(Protocol):
 class KilnWeight(ctypes.Structure):
     """``struct kiln_weight``: a packed weight and, per row bucket, the GEMM kernel that multiplies it."""
 
-    _fields_ = [("panels", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("sums", ctypes.c_void_p),
+    _fields_ = [("panels", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bsums", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bf16", ctypes.c_int32),
                 ("kernel", ctypes.c_uint8 * ROW_BUCKETS), ("qtype", ctypes.c_int32)]
 
@@ -89,9 +89,9 @@ class PackedLinear:
     [ceil(out / P), pairs, P, 2] in bfloat16 (K in pairs, padded to whole AMX tiles: ``kiln_bf16_panel_pairs``;
     one copy serves the vdpbf16ps and AMX kernels), so a
     decode step streams each panel once; calling it is ``F.linear(x, weight, bias)``. An int8 weight is packed
-    with K in quads, [ceil(out / P), pairs / 2, P, 4], with its float32 scales and int32 column sums (``dtype``
+    with K in quads, [ceil(out / P), pairs / 2, P, 4], with its float32 scales and int16 block column sums (``dtype``
     is the activations'): ``kiln_linear_i8`` widens a panel at a time (weight-only), and buckets that run
-    ``"w8a8"`` quantize the activations per row and multiply int8 by int8 (``csrc/gemm_w8a8.c``). ``weight``
+    ``"w8a8"`` quantize the activations per row and 32-block and multiply int8 by int8 (``csrc/gemm_w8a8.c``). ``weight``
     is the C side's record of it, with the GEMM kernel per row bucket (``set_tactics``)."""
 
     def __init__(self, kernels: Kernels, weight: torch.Tensor, tactics: Sequence[str] | None = None,
@@ -116,20 +116,20 @@ class PackedLinear:
             self.onednn = onednn_panels(kernels, weight)
         if self.onednn is not None:  # one copy: kiln's kernels read oneDNN's buffer
             self.panels, ptr = self.onednn, torch.ops.mkldnn.data_ptr(self.onednn)
-        self.scales = self.sums = None
-        if self.int8:  # padded to whole panels: the kernels read a panel's scales (and sums) as vectors
+        self.scales = self.bsums = None
+        if self.int8:  # padded to whole panels: the kernels read a panel's scales (and block sums) as vectors
             self.scales = torch.zeros(panels * panel, dtype=torch.float32)
             self.scales[:self.out_features] = scales.float()
-            self.sums = torch.zeros(panels * panel, dtype=torch.int32)
+            self.bsums = torch.zeros((panels, pairs // 16, panel), dtype=torch.int16)  # per 32-block of K
         if self.onednn is None:
             self.panels = weight.new_empty((panels, *per_panel))
-            extra = (self.sums.data_ptr(),) if self.int8 else ()
+            extra = (self.bsums.data_ptr(),) if self.int8 else ()
             kernels._pack_linear[weight.dtype](weight.data_ptr(), self.panels.data_ptr(), *extra, self.out_features,
                                                k, weight.stride(0))
             ptr = self.panels.data_ptr()
         self._kernels = kernels
         self.weight = KilnWeight(ptr, 0 if self.scales is None else self.scales.data_ptr(),
-                                 0 if self.sums is None else self.sums.data_ptr(), self.out_features, k,
+                                 0 if self.bsums is None else self.bsums.data_ptr(), self.out_features, k,
                                  int(self.dtype == torch.bfloat16))
         self.set_tactics(tactics or ["fma"] * ROW_BUCKETS)
 

@@ -4,8 +4,9 @@ The int8 weight (kiln's per-channel values and scales, ``layers/quant.py``) is p
 ``x86`` quantized engine (FBGEMM or oneDNN inside, its choice); each call quantizes the activations
 dynamically, per tensor (one scale for the whole call, 7-bit with ``reduce_range`` so that hosts without
 VNNI cannot saturate), multiplies int8 by int8 into int32 and dequantizes. That is coarser than kiln's
-per-token W8A8 (``csrc/gemm_w8a8.c``), and it takes float32 activations only: bf16 ones are widened and the
-output rounded back. It is timed beside kiln's kernels where torch has the op; the table picks.
+per-32-block W8A8 (``csrc/gemm_w8a8.c``), and it takes float32 activations only: bf16 ones are widened and the
+output rounded back. It is timed beside kiln's kernels where torch has the op; the table picks, where the build's
+quality gate measured it and let it (``builder_job/stages/quality_runtime.py``).
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary (all-gathered from each rank's slice)."""
 
     packed_weight = None  # a packed copy on CPU (kiln.engine.tactics.bind)
+    weight_int8 = weight_scale = None  # an int8 engine's head, quantized to be packed (tactics.bind.quantize_head)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.packed_weight is not None:

@@ -24,6 +24,7 @@ from kiln.engine.kernels import candidates, gguf_blocks
 from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead
 from kiln.engine.layers.linear import LinearBase
+from kiln.engine.layers.quant import quantize_weight
 from kiln.engine.models.llama import MLP_ROWS_CHOICES
 from kiln.engine.tactics.resolve import packing, persist, resolve
 from kiln.engine.tactics.table import TacticTable
@@ -54,7 +55,7 @@ def linear_modules(model: nn.Module, max_num_tokens: int, max_batch_size: int,
         if isinstance(m, LinearBase) and m.weight.dim() == 2 and (quant or m.quantization in (None, "int8")):
             rows, quant = min(max_num_tokens, caps.get(id(m), max_num_tokens)), quant or m.quantization
         elif isinstance(m, ParallelLMHead) and m.weight.dim() == 2:
-            rows = max_batch_size
+            rows, quant = max_batch_size, "int8" if getattr(m, "weight_int8", None) is not None else None
         else:
             continue
         n, k = m.weight.shape[0], gguf_blocks.in_features(m.weight, m.weight.gguf_type) if quant in \
@@ -106,20 +107,42 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
         if layout == "plain":
             continue
         scale = getattr(m, "weight_scale", None) if site.quant else None
+        weight = getattr(m, "weight_int8", None) if isinstance(m, ParallelLMHead) and site.quant else m.weight
         try:
-            packed = candidates.pack(layout, m.weight, native, batch_hint, kernels, scale, site.dtype)
+            packed = candidates.pack(layout, weight, native, batch_hint, kernels, scale, site.dtype)
         except ValueError as exc:  # oneDNN packed this weight otherwise than the timed one of its shape
             if "onednn" not in (kernels or []):
                 raise
             log.warning("tactics: %s (%s); its buckets run kiln's C kernels instead", exc, site.key)
             _, kernels = packing(table.linear[site.key], site, native, "kiln", float("inf"))
-            packed = candidates.pack(layout, m.weight, native, batch_hint, kernels, scale, site.dtype)
+            packed = candidates.pack(layout, weight, native, batch_hint, kernels, scale, site.dtype)
         m.packed_weight = packed
         tied = isinstance(m, ParallelLMHead) and any(
             p is m.weight for other in model.modules() if other is not m for p in other.parameters(recurse=False))
         if not tied:  # a tied head's weight is the embedding's, which keeps it for lookups
             m.weight.data = torch.empty(0, dtype=m.weight.dtype, device=m.weight.device)
+        if isinstance(m, ParallelLMHead):
+            m.weight_int8 = m.weight_scale = None  # packed, or (plain layout) the float weight runs
     return counts
+
+
+def quantize_head(model: nn.Module, dtype: torch.dtype, native) -> str:
+    """An int8 engine's LM head gets an int8 copy (per vocabulary row, as its linears) where a W8A8
+    candidate may run here: at batch 1 the head is a third of a small model's weight bytes (SmolLM2: 28 M
+    of 134 M parameters), so keeping it in bf16 keeps a third of the step at bf16's speed. Only where W8A8
+    may run, because that is what the build's quality gate measured with the head quantized (W8A8 forced),
+    and where its verdict excluded W8A8 the head stays as it was built. The table then times the head's
+    int8 candidates like any int8 linear. Returns what ``/version`` says about the head."""
+    head = next((m for m in model.modules() if isinstance(m, ParallelLMHead)), None)
+    if head is None or head.weight.dim() != 2 or head.weight.dtype not in (torch.float32, torch.bfloat16):
+        return "as built"
+    if not any(isinstance(m, LinearBase) and m.quantization == "int8" for m in model.modules()):
+        return "as built"
+    runs = [n for n in candidates.ACTIVATION_QUANT if candidates.why_not(n, dtype, native, "int8") is None]
+    if not runs:
+        return "as built: no W8A8 candidate may run here"
+    head.weight_int8, head.weight_scale = quantize_weight(head.weight.detach(), "int8")
+    return f"int8 (W8A8 may run here: {', '.join(runs)})"
 
 
 def attention_shape(model: nn.Module, config) -> dict[str, Any] | None:
@@ -134,6 +157,8 @@ def apply(model: nn.Module, config, native, stack: bool = True
           ) -> tuple[TacticTable, dict[str, Any], list[LinearSite]]:
     """Resolve the table for this model and host (``resolve.resolve``) and pack the model by it; returns the
     table, what ``/version`` says of it, and the model's linear sites (what a build times)."""
+    head = quantize_head(model, config.torch_dtype, native) if config.lm_head_int8 == "auto" else \
+        "as built (lm_head_int8: off)"
     modules = linear_modules(model, config.max_num_tokens, config.max_batch_size, config.torch_dtype)
     sites = linear_sites(modules)
     table, info = resolve(config.tactics, sites, native, config.tactics_cache,
@@ -160,6 +185,6 @@ def apply(model: nn.Module, config, native, stack: bool = True
     for m in mlps if rows else ():  # the MLP's prefill slice timed fastest
         m.mlp_rows = int(rows)
     counts = bind(model, modules, table, native, config.max_batch_size, stack)
-    info["layouts"] = counts
+    info["layouts"], info["lm_head"] = counts, head
     log.info("tactics (%s): %s", info["source"], ", ".join(f"{n} linear(s) {k}" for k, n in sorted(counts.items())))
     return table, info, sites

@@ -132,7 +132,10 @@ def test_quantized_builds_load_and_pass_the_gate(method, qdtype, shapes, toy_mod
     assert all(len(o) == NEW_TOKENS for o in outs)
     if method == "int8":  # W8A8 gated separately: allowed, or excluded from every host's tactic table
         w8a8 = doc["build_report"]["w8a8_gate"]
-        assert doc["engine_config"].get("tactics_exclude") == (None if w8a8["allowed"] else ["w8a8"]), w8a8
+        refused = w8a8["excluded"]  # each W8A8 candidate measured on its own
+        assert set(refused) | set(w8a8["allowed_candidates"]) == set(w8a8["candidates"]) == {"kiln-w8a8", "torch-w8a8"}
+        want = None if not refused else ["w8a8"] if not w8a8["allowed"] else refused
+        assert doc["engine_config"].get("tactics_exclude") == want, w8a8
 
 
 def test_an_int8_build_whose_w8a8_fails_the_gate_ships_without_it(toy_model, write_manifest, kiln_build, tmp_path,
@@ -143,7 +146,7 @@ def test_an_int8_build_whose_w8a8_fails_the_gate_ships_without_it(toy_model, wri
 
     def w8a8_drifts(ctx, overrides):  # W8A8 on this model flips every other token
         out = real(ctx, overrides)
-        if overrides.get("tactics") == quality_runtime.W8A8_FORCED:
+        if overrides.get("tactics") in ("kiln-w8a8", "torch-w8a8"):
             out = [[t if i % 2 else t + 1 for i, t in enumerate(seq)] for seq in out]
         return out
 
@@ -155,7 +158,55 @@ def test_an_int8_build_whose_w8a8_fails_the_gate_ships_without_it(toy_model, wri
     assert result.exit_code == 0, result.output
     artifact, doc = engine_json(store, version_of(manifest), tmp_path / "fetched")
     gate = doc["build_report"]["w8a8_gate"]
-    assert not gate["allowed"] and gate["runtime_token_agreement"] < 0.8 and doc["build_report"]["quality"]["passed"]
+    assert not gate["allowed"] and doc["build_report"]["quality"]["passed"]
+    assert all(not v["allowed"] and v.get("runtime_token_agreement", 0) < 0.8 for v in gate["candidates"].values())
     assert doc["engine_config"]["tactics_exclude"] == ["w8a8"]
     tactics = json.loads((artifact / "tactics.json").read_text())
     assert "w8a8" not in json.dumps(tactics.get("linear", {}))  # the build's table never timed or picked it
+
+
+def test_a_w8a8_candidate_the_build_host_cannot_run_is_excluded_not_assumed(toy_model, write_manifest, kiln_build,
+                                                                           tmp_path, monkeypatch):
+    """Forcing a candidate the host cannot run would time the others instead and measure weight-only int8: the
+    gate refuses it unmeasured, so a serving host that can run it never picks it untested."""
+    from kiln.engine.kernels import candidates
+
+    real = candidates.why_not
+    monkeypatch.setattr(candidates, "why_not", lambda name, *a, **k: "no such unit here" if name == "torch-w8a8"
+                        else real(name, *a, **k))
+    manifest = write_manifest(f"file://{toy_model('llama-tiny')}", quantization="int8",
+                              build={"qualityGate": {"maxKLDivergence": 0.01, "minTokenAgreement": 0.8}})
+    store = f"file://{tmp_path / 'store'}"
+    result = kiln_build("-f", str(manifest), "--store", store)
+    assert result.exit_code == 0, result.output
+    _, doc = engine_json(store, version_of(manifest), tmp_path / "fetched")
+    torch_gate = doc["build_report"]["w8a8_gate"]["candidates"]["torch-w8a8"]
+    assert not torch_gate["allowed"] and "no such unit here" in torch_gate["why"]
+    assert "torch-w8a8" in doc["engine_config"]["tactics_exclude"] or doc["engine_config"]["tactics_exclude"] == ["w8a8"]
+
+
+def test_w8a8_that_passes_only_with_the_lm_head_kept_ships_lm_head_int8_off(toy_model, write_manifest, kiln_build,
+                                                                           tmp_path, monkeypatch):
+    """The gate measures W8A8 with the int8 engine's LM head in int8 first; where that fails and W8A8 with the
+    head kept in the engine's dtype passes, the engine ships W8A8 allowed and lm_head_int8: off."""
+    from kiln.builder.stages import quality_runtime
+
+    real = quality_runtime._continuations
+
+    def head_drifts(ctx, overrides):  # an int8 LM head flips every other token; kept, W8A8 is exact enough
+        out = real(ctx, overrides)
+        if overrides.get("tactics") in ("kiln-w8a8", "torch-w8a8") and overrides.get("lm_head_int8") != "off":
+            out = [[t if i % 2 else t + 1 for i, t in enumerate(seq)] for seq in out]
+        return out
+
+    monkeypatch.setattr(quality_runtime, "_continuations", head_drifts)
+    manifest = write_manifest(f"file://{toy_model('llama-tiny')}", quantization="int8",
+                              build={"qualityGate": {"maxKLDivergence": 0.01, "minTokenAgreement": 0.8}})
+    store = f"file://{tmp_path / 'store'}"
+    result = kiln_build("-f", str(manifest), "--store", store)
+    assert result.exit_code == 0, result.output
+    _, doc = engine_json(store, version_of(manifest), tmp_path / "fetched")
+    gate = doc["build_report"]["w8a8_gate"]
+    kept = [v for v in gate["candidates"].values() if v.get("lm_head") == "kept"]
+    assert kept and all(not v["with_int8_head"]["allowed"] for v in kept)
+    assert doc["engine_config"]["lm_head_int8"] == "off"

@@ -26,7 +26,7 @@ int kiln_gemm(const struct kiln_weight *w, const void *x, const float *bias, voi
         return kiln_linear_gguf(x, w->panels, w->qtype, bias, y, m, w->n, w->k, ldx, ldy, w->bf16,
                                 kernel == KILN_GEMM_GGUF_F32);
     if (w->scales && kernel == KILN_GEMM_W8A8) {
-        const int rc = kiln_linear_w8a8(x, w->panels, w->scales, w->sums, bias, y, m, w->n, w->k, ldx, ldy, w->bf16);
+        const int rc = kiln_linear_w8a8(x, w->panels, w->scales, w->bsums, bias, y, m, w->n, w->k, ldx, ldy, w->bf16);
         if (rc <= 0) return rc; /* 1: not in this library: weight-only below */
     }
     if (w->scales) return kiln_linear_i8(x, w->panels, w->scales, bias, y, m, w->n, w->k, ldx, ldy, w->bf16, amx);

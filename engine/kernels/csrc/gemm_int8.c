@@ -3,7 +3,7 @@
  * The weights stay int8 in memory (half of bf16's bytes, a quarter of float32's: a decode step streams that
  * much less), packed in panels with K in groups of 4, [ceil(N / 64)][i8_quads(K)][64][4] int8 (the layout
  * W8A8's vpdpbusd reads, gemm_w8a8.c: one copy serves both), with one float32 scale per output column
- * (zero-padded to whole panels). A call widens each panel into a per-thread copy in the activations' own
+ * (zero-padded to whole panels) and W8A8's block sums. A call widens each panel into a per-thread copy in the activations' own
  * layout (bf16 pairs, exact: |q| <= 127 is a bf16 integer; or float32 [K][64]
  * in blocks of I8_KC rows of K) and runs that layout's kernel on it -- AMX tiles, vdpbf16ps or float32 FMA
  * tiles -- with the scale applied to the float32 sums, once (float32: once per K block, which is the same
@@ -32,25 +32,19 @@ static void *i8_scratch(size_t need) {
 }
 
 /* w [N, K] int8 (row stride ldw) -> packed [ceil(N / KILN_PANEL)][i8_quads(K)][KILN_PANEL][4] (K in groups of 4
- * per column: what vpdpbusd multiplies, gemm_w8a8.c; zero past N and K), and sums [ceil(N / KILN_PANEL) *
- * KILN_PANEL] = each column's sum of its int8 values (W8A8's epilogue), zero past N */
-void kiln_pack_linear_i8(const int8_t *w, int8_t *packed, int32_t *sums, int64_t n, int64_t k, int64_t ldw) {
+ * per column: what vpdpbusd multiplies, gemm_w8a8.c; zero past N and K), and bsums = each column's sum of its
+ * int8 values per 32-block of K (W8A8's epilogue: kiln_w8a8_block_sums), zero past N */
+void kiln_pack_linear_i8(const int8_t *w, int8_t *packed, int16_t *bsums, int64_t n, int64_t k, int64_t ldw) {
     const int64_t panels = (n + KILN_PANEL - 1) / KILN_PANEL, kq = i8_quads(k);
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
+    for (int64_t p = 0; p < panels; p++)
         for (int64_t i = 0; i < kq; i++)
             for (int64_t j = 0; j < KILN_PANEL; j++)
                 for (int64_t e = 0; e < 4; e++) {
                     const int64_t col = p * KILN_PANEL + j, kk = 4 * i + e;
                     packed[(p * kq + i) * 4 * KILN_PANEL + 4 * j + e] = col < n && kk < k ? w[col * ldw + kk] : 0;
                 }
-        for (int64_t j = 0; j < KILN_PANEL; j++) {
-            const int64_t col = p * KILN_PANEL + j;
-            int32_t sum = 0;
-            for (int64_t kk = 0; col < n && kk < k; kk++) sum += w[col * ldw + kk];
-            sums[col] = sum;
-        }
-    }
+    kiln_w8a8_block_sums(packed, bsums, n, k);
 }
 
 /* A quad panel (kq K quads) widened to the bf16 pair panel the FMA and AMX kernels read, [2 kq][KILN_PANEL][2]:

@@ -1,28 +1,31 @@
 /* ---- W8A8: int8 weights x int8 activations, int32 sums on the int8 units (AVX512-VNNI vpdpbusd) ----
  *
- * y = (sum_k xq[m, k] q[n, k]) * sx[m] * s[n] + bias[n], where xq are the activations quantized on each call,
- * per row (token), symmetric: sx[m] = max|x[m, :]| / 127, xq = round_half_even(x * (127 / max|x[m, :]|)) in
- * float32, clamped to +-127; q and s are the weight's per-channel int8 values and scales (weight-only int8's).
- * This changes what the linear computes (the activations lose bits), which is why a tactic table may be told
- * not to pick it (kiln.engine.tactics.resolve.EXCLUDE_ENV) where a quality gate says so.
+ * y[m, n] = s[n] * sum_b dx[m, b] (sum_{k in b} xq[m, k] q[n, k]) + bias[n]: the activations are quantized on
+ * each call per row and per 32-block of K (llama.cpp's Q8_0 activations), symmetric: dx = max|x_b| / 127,
+ * xq = round_half_even(x * (127 / max|x_b|)) in float32, clamped to +-127; q and s are the weight's per-channel
+ * int8 values and scales (weight-only int8's). A block scale keeps an outlier channel from flattening the rest
+ * of its token (one scale per token lost a third of SmolLM2's greedy agreement; per block it is within a point
+ * of weight-only int8). This still changes what the linear computes, which is why a tactic table may be told
+ * not to pick it (kiln.engine.kernels.candidates.EXCLUDE_ENV) where a quality gate says so.
  *
  * The weight is the int8 weight-only kernel's copy, same bytes (gemm_int8.c): panels of 64 output columns with
  * K in groups of 4, [ceil(N / 64)][K quads][64][4], so one 64-byte load is 16 columns x 4 K values: what
  * vpdpbusd multiplies against 4 bytes of one activation row broadcast, adding the four products into each
  * column's int32 lane. vpdpbusd takes unsigned x signed bytes: the activations are stored as xq + 128 (0..255)
- * and 128 * sum_k q[n, k] (``sums``, made at pack time) is subtracted in the epilogue; K past the weight is
- * zero in the panels, so whatever the activations hold there adds nothing. The sums are exact in int32 while
- * K < 2^31 / (255 * 127) = 66,000.
+ * and 128 * (each column's sum of q over the block) is subtracted before the block's scale: ``bsums``
+ * [ceil(N / 64)][K quads / 8][64] int16, made at pack time (|sum| <= 32 x 127). The K quads are a multiple of
+ * 8 (i8_quads), so the blocks are whole; K past the weight is zero in the panels and its blocks' scales are 0.
  *
- * A register tile of up to W8_MR rows x 64 columns (4 zmm accumulators a row) runs the whole K (a panel is
- * K x 64 bytes: L2 for any K a model has); rows are split into tiles of near-equal height, chunks of W8_MC
- * rows and the panels shared out between threads as gemm.c does. Compiled into the x86-64-v4 library, the
- * VNNI parts under their own target: kiln_w8a8_available() says the library has it, and the caller checks
- * the CPU's avx512_vnni flag (kernels/isa.py) before running it. */
+ * A register tile of up to W8_MR rows x 64 columns (4 zmm int32 accumulators for a block, 4 float32 ones for
+ * the row) runs the whole K (a panel is K x 64 bytes: L2 for any K a model has); rows are split into tiles of
+ * near-equal height, chunks of W8_MC rows and the panels shared out between threads as gemm.c does. Compiled
+ * into the x86-64-v4 library, the VNNI parts under their own target: kiln_w8a8_available() says the library
+ * has it, and the caller checks the CPU's avx512_vnni flag (kernels/isa.py) before running it. */
 #include "kiln_cpu.h"
 
-#define W8_MR 6
+#define W8_MR 3
 #define W8_MC 192
+#define W8_BLOCK 32 /* K per activation scale */
 
 static __thread uint8_t *w8_buf;
 static __thread size_t w8_cap;
@@ -37,23 +40,42 @@ static uint8_t *w8_scratch(size_t need) {
     return w8_buf;
 }
 
+/* K quads -> activation blocks of one row */
+static inline int64_t w8_blocks(int64_t kq) { return kq / (W8_BLOCK / 4); }
+
+/* the block column sums W8A8 subtracts: packed int8 panels (kq quads) -> bsums [panels][kq / 8][KILN_PANEL] */
+void kiln_w8a8_block_sums(const int8_t *packed, int16_t *bsums, int64_t n, int64_t k) {
+    const int64_t kq = i8_quads(k), nb = w8_blocks(kq), panels = (n + KILN_PANEL - 1) / KILN_PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t j = 0; j < KILN_PANEL; j++) {
+                int32_t sum = 0;
+                for (int64_t i = 8 * b; i < 8 * b + 8; i++)
+                    for (int e = 0; e < 4; e++) sum += packed[(p * kq + i) * 4 * KILN_PANEL + 4 * j + e];
+                bsums[(p * nb + b) * KILN_PANEL + j] = (int16_t)sum;
+            }
+}
+
 #if !(defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10))
 /* The scalar form of the quantization (the vector one below computes the same bits): row r of x -> xq + 128
- * into q [kq4] (the bytes past k: 128, i.e. zero), its scale into *sx. */
+ * into q [kq4] (the bytes past k: 128, i.e. zero), each block's scale into sx [kq4 / 32]. */
 static void w8_quantize_row(const void *x, int64_t k, int64_t kq4, int bf16, uint8_t *q, float *sx) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < k; i++) {
-        const float a = fabsf(ld(x, i, bf16));
-        amax = a > amax ? a : amax;
+    for (int64_t b0 = 0; b0 < kq4; b0 += W8_BLOCK) {
+        const int64_t end = b0 + W8_BLOCK < k ? b0 + W8_BLOCK : k;
+        float amax = 0.0f;
+        for (int64_t i = b0; i < end; i++) {
+            const float a = fabsf(ld(x, i, bf16));
+            amax = a > amax ? a : amax;
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        sx[b0 / W8_BLOCK] = amax / 127.0f;
+        for (int64_t i = b0; i < b0 + W8_BLOCK; i++) {
+            float v = i < end ? nearbyintf(ld(x, i, bf16) * inv) : 0.0f;
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+            q[i] = (uint8_t)((int)v + 128);
+        }
     }
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    *sx = amax / 127.0f;
-    for (int64_t i = 0; i < k; i++) {
-        float v = nearbyintf(ld(x, i, bf16) * inv);
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        q[i] = (uint8_t)((int)v + 128);
-    }
-    for (int64_t i = k; i < kq4; i++) q[i] = 128;
 }
 #endif
 
@@ -96,79 +118,88 @@ W8_QTARGET static inline __m512 w8_load(const void *x, int64_t i, int bf16, __mm
     return _mm512_maskz_loadu_ps(mask, (const float *)x + i);
 }
 
+static inline __mmask16 w8_mask(int64_t left) { return left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1); }
+
 W8_QTARGET static void w8_quantize_row_vec(const void *x, int64_t k, int64_t kq4, int bf16, uint8_t *q, float *sx) {
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 16) {
-        const __mmask16 mask = k - i >= 16 ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(w8_load(x, i, bf16, mask)));
+    const __m512 lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
+    for (int64_t b0 = 0; b0 < kq4; b0 += W8_BLOCK) {
+        const __mmask16 m0 = w8_mask(k - b0), m1 = w8_mask(k - b0 - 16);
+        const __m512 v0 = w8_load(x, b0, bf16, m0), v1 = w8_load(x, b0 + 16, bf16, m1);
+        const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 vinv = _mm512_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+        sx[b0 / W8_BLOCK] = a / 127.0f;
+        const __m512 h[2] = {v0, v1};
+        for (int j = 0; j < 2; j++) {
+            __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(h[j], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_max_ps(_mm512_min_ps(v, lim), nlim);
+            const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
+            _mm_storeu_si128((__m128i *)(q + b0 + 16 * j), _mm512_cvtepi32_epi8(u));
+        }
     }
-    const float a = _mm512_reduce_max_ps(amax);
-    const float inv = a > 0.0f ? 127.0f / a : 0.0f;
-    *sx = a / 127.0f;
-    const __m512 vinv = _mm512_set1_ps(inv), lim = _mm512_set1_ps(127.0f);
-    for (int64_t i = 0; i < k; i += 16) {
-        const __mmask16 mask = k - i >= 16 ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
-        __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(w8_load(x, i, bf16, mask), vinv),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm512_max_ps(_mm512_min_ps(v, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
-        const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
-        _mm_mask_storeu_epi8(q + i, mask, _mm512_cvtepi32_epi8(u));
-    }
-    for (int64_t i = k; i < kq4; i++) q[i] = 128;
 }
 
-/* rows [0, R) of xq (row stride ldq) x one panel w (kq quads): y = (acc - 128 sums) * sx[r] * s + bias */
+/* rows [0, R) of xq (row stride ldq, block scales sx with row stride nb) x one panel w (nb blocks of 8 quads,
+ * block sums bs): y = s * sum_b (acc_b - 128 bsum_b) dx_b + bias */
 #define W8_TILE(R)                                                                                            \
     W8_TARGET static void w8_tile##R(const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *w,        \
-                                     int64_t kq, const int32_t *sums, const float *scale, const float *bias, \
+                                     int64_t nb, const int16_t *bs, const float *scale, const float *bias,   \
                                      void *y, int64_t ldy, int bf16, int ncols) {                            \
-        __v16si acc[R][4];                                                                                    \
+        __m512 f[R][4];                                                                                       \
         for (int r = 0; r < R; r++)                                                                           \
-            for (int c = 0; c < 4; c++) acc[r][c] = (__v16si){0};                                             \
-        for (int64_t i = 0; i < kq; i++) {                                                                    \
-            __m512i wv[4];                                                                                    \
-            for (int c = 0; c < 4; c++) wv[c] = _mm512_loadu_si512(w + i * W8_QUAD + 64 * c);                 \
-            for (int r = 0; r < R; r++) {                                                                     \
-                int32_t quad;                                                                                 \
-                memcpy(&quad, xq + r * ldq + 4 * i, sizeof quad);                                             \
-                const __m512i xb = _mm512_set1_epi32(quad);                                                   \
-                for (int c = 0; c < 4; c++) W8_DPBUSD(acc[r][c], xb, wv[c]);                                  \
+            for (int c = 0; c < 4; c++) f[r][c] = _mm512_setzero_ps();                                        \
+        for (int64_t b = 0; b < nb; b++) {                                                                    \
+            __v16si acc[R][4];                                                                                \
+            for (int r = 0; r < R; r++)                                                                       \
+                for (int c = 0; c < 4; c++) acc[r][c] = (__v16si){0};                                         \
+            for (int64_t i = 8 * b; i < 8 * b + 8; i++) {                                                     \
+                __m512i wv[4];                                                                                \
+                for (int c = 0; c < 4; c++) wv[c] = _mm512_loadu_si512(w + i * W8_QUAD + 64 * c);             \
+                for (int r = 0; r < R; r++) {                                                                 \
+                    int32_t quad;                                                                             \
+                    memcpy(&quad, xq + r * ldq + 4 * i, sizeof quad);                                         \
+                    const __m512i xb = _mm512_set1_epi32(quad);                                               \
+                    for (int c = 0; c < 4; c++) W8_DPBUSD(acc[r][c], xb, wv[c]);                              \
+                }                                                                                             \
+            }                                                                                                 \
+            for (int c = 0; c < 4; c++) {                                                                     \
+                const __m512i off = _mm512_slli_epi32(                                                        \
+                    _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(bs + b * KILN_PANEL + 16 * c))), 7); \
+                for (int r = 0; r < R; r++)                                                                   \
+                    f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][c], off)),  \
+                                              _mm512_set1_ps(sx[r * nb + b]), f[r][c]);                       \
             }                                                                                                 \
         }                                                                                                     \
         for (int r = 0; r < R; r++)                                                                           \
             for (int c = 0; c < 4 && 16 * c < ncols; c++) {                                                   \
-                const int left = ncols - 16 * c;                                                              \
-                const __mmask16 mask = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);                   \
-                const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(sums + 16 * c), 7);                  \
-                __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][c], off));                              \
-                v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(sx[r])), _mm512_loadu_ps(scale + 16 * c));  \
+                const __mmask16 mask = w8_mask(ncols - 16 * c);                                               \
+                __m512 v = _mm512_mul_ps(f[r][c], _mm512_loadu_ps(scale + 16 * c));                           \
                 if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + 16 * c));                   \
                 w8_store(y, r * ldy + 16 * c, v, mask, bf16);                                                 \
             }                                                                                                 \
     }
-W8_TILE(1) W8_TILE(2) W8_TILE(3) W8_TILE(4) W8_TILE(5) W8_TILE(6)
-typedef void (*w8_tile_fn)(const uint8_t *, int64_t, const float *, const int8_t *, int64_t, const int32_t *,
+W8_TILE(1) W8_TILE(2) W8_TILE(3)
+typedef void (*w8_tile_fn)(const uint8_t *, int64_t, const float *, const int8_t *, int64_t, const int16_t *,
                            const float *, const float *, void *, int64_t, int, int);
-static const w8_tile_fn w8_tiles[W8_MR + 1] = {0, w8_tile1, w8_tile2, w8_tile3, w8_tile4, w8_tile5, w8_tile6};
+static const w8_tile_fn w8_tiles[W8_MR + 1] = {0, w8_tile1, w8_tile2, w8_tile3};
 
 int kiln_w8a8_available(void) { return 1; }
 
 /* y [m, n] (bf16 or float32 as x, row stride ldy) = W8A8 of x [m, k] (row stride ldx) and the int8 panels
- * (gemm_int8.c's layout) with their scales and column sums (padded to whole panels), + bias (float32 or NULL).
+ * (gemm_int8.c's layout) with their scales and block sums (kiln_w8a8_block_sums), + bias (float32 or NULL).
  * Returns 0, -1 when the quantized activations could not be allocated, or 1 on a CPU without AVX512-VNNI. */
-int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int32_t *sums,
+int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16) {
     static int vnni = -1; /* the CPU's, asked once: a caller that skipped isa.py's check gets the fallback */
     if (vnni < 0) vnni = __builtin_cpu_supports("avx512vnni");
     if (!vnni) return 1;
-    const int64_t kq = i8_quads(k), ldq = 4 * kq, panels = (n + KILN_PANEL - 1) / KILN_PANEL;
-    uint8_t *xq = w8_scratch((size_t)m * ldq + (size_t)m * sizeof(float));
+    const int64_t kq = i8_quads(k), ldq = 4 * kq, nb = w8_blocks(kq), panels = (n + KILN_PANEL - 1) / KILN_PANEL;
+    uint8_t *xq = w8_scratch((size_t)m * ldq + (size_t)m * nb * sizeof(float));
     if (!xq) return -1;
     float *sx = (float *)(xq + (size_t)m * ldq); /* ldq is a multiple of 32: aligned */
     const size_t esize = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (m * k > 65536)
     for (int64_t r = 0; r < m; r++)
-        w8_quantize_row_vec((const char *)x + r * ldx * esize, k, ldq, bf16, xq + r * ldq, sx + r);
+        w8_quantize_row_vec((const char *)x + r * ldx * esize, k, ldq, bf16, xq + r * ldq, sx + r * nb);
     const int64_t chunks = (m + W8_MC - 1) / W8_MC, mc = (m + chunks - 1) / chunks;
 #pragma omp parallel for collapse(2) schedule(static) if (panels > 1)
     for (int64_t ch = 0; ch < chunks; ch++)
@@ -179,34 +210,36 @@ int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, c
             const int8_t *wp = packed + p * kq * W8_QUAD;
             for (int64_t t = 0, m0 = m0c, mr; t < tiles; t++, m0 += mr) {
                 mr = rows / tiles + (t < rows % tiles);
-                w8_tiles[mr](xq + m0 * ldq, ldq, sx + m0, wp, kq, sums + col, scales + col, bias ? bias + col : 0,
-                             (char *)y + (m0 * ldy + col) * esize, ldy, bf16, ncols);
+                w8_tiles[mr](xq + m0 * ldq, ldq, sx + m0 * nb, wp, nb, bsums + p * nb * KILN_PANEL, scales + col,
+                             bias ? bias + col : 0, (char *)y + (m0 * ldy + col) * esize, ldy, bf16, ncols);
             }
         }
     return 0;
 }
 #else
 int kiln_w8a8_available(void) { return 0; }
-int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int32_t *sums,
+int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16) {
-    (void)x, (void)packed, (void)scales, (void)sums, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)ldx;
+    (void)x, (void)packed, (void)scales, (void)bsums, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)ldx;
     (void)ldy, (void)bf16, (void)w8_scratch;
     return 1;
 }
 #endif
 
 /* The quantized activations kiln_linear_w8a8 multiplies, for tests and references: x [m, k] (row stride ldx)
- * -> q [m, k] int8 (xq, without the +128) and sx [m]; the vector form where the library has it. */
+ * -> q [m, k] int8 (xq, without the +128) and sx [m, ceil(k / 32)] (each block's scale); the vector form where
+ * the library has it. */
 void kiln_w8a8_quantize(const void *x, int8_t *q, float *sx, int64_t m, int64_t k, int64_t ldx, int bf16) {
     const size_t esize = bf16 ? 2 : 4;
-    uint8_t *row = malloc((size_t)k + 64);
+    const int64_t kb = (k + W8_BLOCK - 1) / W8_BLOCK * W8_BLOCK;
+    uint8_t *row = malloc((size_t)kb + 64);
     if (!row) return;
     for (int64_t r = 0; r < m; r++) {
         const void *xr = (const char *)x + r * ldx * esize;
 #if defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
-        w8_quantize_row_vec(xr, k, k, bf16, row, sx + r);
+        w8_quantize_row_vec(xr, k, kb, bf16, row, sx + r * (kb / W8_BLOCK));
 #else
-        w8_quantize_row(xr, k, k, bf16, row, sx + r);
+        w8_quantize_row(xr, k, kb, bf16, row, sx + r * (kb / W8_BLOCK));
 #endif
         for (int64_t i = 0; i < k; i++) q[r * k + i] = (int8_t)(row[i] - 128);
     }

@@ -11,7 +11,7 @@
  *   gemm.c       linears over weights packed once into panels: float32 and bf16 (vdpbf16ps) FMA tiles
  *   gemm_amx.c   the bf16 linear on AMX tiles, over the same panels
  *   gemm_int8.c  int8 weights (weight-only quantization) through the kernels above, widened panel by panel
- *   gemm_w8a8.c  int8 weights x int8 activations quantized per token (W8A8) on AVX512-VNNI, same int8 panels
+ *   gemm_w8a8.c  int8 weights x int8 activations quantized per 32-block (W8A8) on AVX512-VNNI, same int8 panels
  *   gemm_gguf.c  GGUF block weights (Q8_0, Q4_0, Q4_1) x activations quantized per 32-block, VNNI / AVX2
  *   gemm_dispatch.c  kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count:
  *                over the four GEMM files above, which never call it (gemm_int8.c calls down into gemm.c, gemm_amx.c)
@@ -99,7 +99,7 @@ enum kiln_gemm_kernel { KILN_GEMM_FMA = 0, KILN_GEMM_AMX = 1, KILN_GEMM_W8A8 = 2
 struct kiln_weight {
     const void *panels;   /* kiln_pack_linear_f32 / _bf16 / _i8 */
     const float *scales;  /* int8 weights: one float32 scale per output column (padded to whole panels); else NULL */
-    const int32_t *sums;  /* int8 weights: each column's sum of its int8 values (padded alike), for W8A8 */
+    const int16_t *bsums; /* int8 weights: each column's sum per 32-block of K [panels][quads / 8][KILN_PANEL] */
     int64_t n, k;         /* output and input features */
     int32_t bf16;         /* the activations (and outputs) are bf16, else float32 */
     uint8_t kernel[KILN_ROW_BUCKETS]; /* enum kiln_gemm_kernel */
@@ -117,8 +117,9 @@ int kiln_linear_amx(const uint16_t *x, const uint16_t *packed, const float *bias
 int kiln_amx_ready(void);
 int kiln_linear_i8(const void *x, const int8_t *packed, const float *scales, const float *bias, void *y, int64_t m,
                    int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16, int amx);
-int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int32_t *sums,
+int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16);
+void kiln_w8a8_block_sums(const int8_t *packed, int16_t *bsums, int64_t n, int64_t k);
 int kiln_linear_gguf(const void *x, const uint8_t *w, int qt, const float *bias, void *y, int64_t m, int64_t n,
                      int64_t k, int64_t ldx, int64_t ldy, int bf16, int dequant);
 /* one panel's rows through each kernel, for the int8 kernels (gemm_int8.c) over a widened copy of the panel */
