@@ -22,7 +22,6 @@ import logging
 from typing import Any
 
 import torch
-
 from kiln.builder import quality
 from kiln.builder.context import BuildContext
 from kiln.engine import ConfigError
