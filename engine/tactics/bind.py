@@ -55,7 +55,8 @@ def linear_modules(model: nn.Module, max_num_tokens: int, max_batch_size: int,
         if isinstance(m, LinearBase) and m.weight.dim() == 2 and (quant or m.quantization in (None, "int8")):
             rows, quant = min(max_num_tokens, caps.get(id(m), max_num_tokens)), quant or m.quantization
         elif isinstance(m, ParallelLMHead) and m.weight.dim() == 2:
-            rows, quant = max_batch_size, "int8" if getattr(m, "weight_int8", None) is not None else None
+            rows = max_batch_size  # GGUF blocks keep their type; an int8 engine's head may have an int8 copy
+            quant = quant or ("int8" if getattr(m, "weight_int8", None) is not None else None)
         else:
             continue
         n, k = m.weight.shape[0], gguf_blocks.in_features(m.weight, m.weight.gguf_type) if quant in \
@@ -107,7 +108,7 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
         if layout == "plain":
             continue
         scale = getattr(m, "weight_scale", None) if site.quant else None
-        weight = getattr(m, "weight_int8", None) if isinstance(m, ParallelLMHead) and site.quant else m.weight
+        weight = m.weight if getattr(m, "weight_int8", None) is None else m.weight_int8  # an int8 engine's head
         try:
             packed = candidates.pack(layout, weight, native, batch_hint, kernels, scale, site.dtype)
         except ValueError as exc:  # oneDNN packed this weight otherwise than the timed one of its shape

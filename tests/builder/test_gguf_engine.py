@@ -77,7 +77,7 @@ class Spec:
 def _engine(ckpt: Path, weights: Path | None):
     from kiln.engine import LLM
 
-    kw = dict(dtype="float32", max_num_tokens=64, max_batch_size=4, max_seq_len=128)
+    kw = dict(dtype="float32", max_num_tokens=64, max_batch_size=8, max_seq_len=128)
     return LLM(str(ckpt), weights_dir=str(weights), quantization="gguf", **kw) if weights else LLM(str(ckpt), **kw)
 
 
@@ -100,13 +100,15 @@ def test_toy_gguf_builds_runs_and_agrees(toy_model, tmp_path, kind):
     for key in keys:
         for b in table.linear[key].buckets:
             assert b["runs"] in ("kiln-gguf", "kiln-gguf-f32") and set(b["us"]) <= {"kiln-gguf", "kiln-gguf-f32"}
-    prompts = [[1, 5, 9, 200, 31], [7, 7, 300, 12]]
+    # six prompts: with two, one early divergence on the random toy's flat logits moved the share by 0.2
+    # (the timed table picks kiln-gguf, activations quantized per block, or kiln-gguf-f32 by host and load)
+    prompts = [[1, 5, 9, 200, 31], [7, 7, 300, 12], [40, 2, 77, 901, 5, 6], [600, 3], [11, 12, 13, 14], [999, 1]]
     sp = SamplingParams(max_tokens=12, temperature=0.0)
     got = [o.token_ids for o in engine.generate(prompts, sp)]
     del engine
     ref = [o.token_ids for o in _engine(ckpt, None).generate(prompts, sp)]
     same = sum(a == b for x, y in zip(got, ref, strict=True) for a, b in zip(x, y, strict=False)) / sum(len(x) for x in ref)
-    assert same >= 0.8, (got, ref)
+    assert same >= 0.8, (got, ref, {k: [b["runs"] for b in table.linear[k].buckets] for k in keys})
 
 
 def test_a_type_kiln_cannot_run_is_refused_naming_the_tensor(toy_model, tmp_path):
