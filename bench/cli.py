@@ -53,7 +53,8 @@ def _resolve_device(device: str) -> str:
                    "in two processes with / without micro-batches in flight (--threads each).")
 @click.option("--baselines", default="", help="Comma-separated peer engines to add as systems, each in its own "
               "environment under .kiln-work/baselines (created on first use): openvino (OpenVINO GenAI "
-              "ContinuousBatchingPipeline), vllm (vLLM's CPU backend). Not part of make test.")
+              "ContinuousBatchingPipeline), vllm (vLLM's CPU backend); llamacpp (llama.cpp, with --gguf). Not "
+              "part of make test.")
 @click.option("--max-batch-size", type=int, default=64, show_default=True,
               help="kiln max_batch_size and transformers' max_requests_per_batch.")
 @click.option("--max-num-tokens", type=int, default=2048, show_default=True,
@@ -73,6 +74,11 @@ def _resolve_device(device: str) -> str:
 @click.option("--lora", "lora", type=click.IntRange(1, 16), default=None,
               help="Instead of the suite: greedy throughput at batch 1/4/16 with requests spread over N LoRA "
                    "adapters (rank 16, every projection) against all on the base, interleaved --repeats times.")
+@click.option("--gguf", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="Instead of the suite: kiln against llama.cpp (--baselines llamacpp, the default here) on this GGUF "
+                   "file: kiln builds it as a quantization: gguf engine; one request at one thread (decode tok/s) and "
+                   "the largest --concurrency over HTTP (kiln serve vs llama_cpp.server), --repeats interleaved "
+                   "rounds. llama.cpp's environment (.kiln-work/llamacpp-venv) compiles on first use: minutes.")
 @click.option("--server", is_flag=True,
               help="Instead of the suite: kiln serve against vLLM's OpenAI server (--baselines vllm), both driven "
                    "over HTTP by NVIDIA's aiperf with the same seeded synthetic prompts, --repeats interleaved runs.")
@@ -94,7 +100,7 @@ def _resolve_device(device: str) -> str:
                    "same-family draft would (smaller: more agreement).")
 def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
           baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict,
-          structured, lora, server, concurrency, isl, osl, speculative, draft_model, draft_layers, pair_scale) -> None:
+          structured, lora, gguf, server, concurrency, isl, osl, speculative, draft_model, draft_layers, pair_scale) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     import os
     import platform
@@ -125,6 +131,9 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
     from kiln_bench import peers
 
     peer_names = [b.strip() for b in baselines.split(",") if b.strip()]
+    if gguf is not None or "llamacpp" in peer_names:  # bench/llamacpp.py: the GGUF baseline, on the same file
+        _gguf(gguf, peer_names, concurrency, repeats, json_out)
+        return
     bad = [b for b in peer_names if b not in peers.PEERS]
     if bad:
         raise click.UsageError(f"--baselines: unknown {', '.join(bad)}; choose from {', '.join(peers.PEERS)}")
@@ -282,6 +291,24 @@ def _text(doc: dict) -> str:
     if doc.get("ceiling"):
         lines += report.ceiling_lines(doc["ceiling"])
     return "\n".join(lines)
+
+
+def _gguf(gguf, peer_names, concurrency, repeats, json_out) -> None:
+    from kiln_bench import llamacpp
+
+    if gguf is None:
+        raise click.UsageError("--baselines llamacpp runs on a GGUF file: give --gguf FILE")
+    if set(peer_names) - {"llamacpp"}:
+        raise click.UsageError(f"--gguf compares with llama.cpp only (--baselines llamacpp), not "
+                               f"{', '.join(sorted(set(peer_names) - {'llamacpp'}))}")
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    except ValueError:
+        raise click.UsageError(f"--concurrency: comma-separated integers, got {concurrency!r}") from None
+    doc = llamacpp.compare(gguf, max(levels or [16]), 64, repeats, lambda m: click.echo(m, err=True))
+    click.echo(json.dumps(doc, indent=2) if json_out == "-" else llamacpp.text(doc))
+    if json_out and json_out != "-":
+        Path(json_out).write_text(json.dumps(doc, indent=2))
 
 
 def _server(model_dir, dtype, threads, device, concurrency, peer_names, repeats, isl, osl, seed, max_batch_size,

@@ -91,15 +91,20 @@ def decode(gguf, kiln_ckpt, kiln_weights, tokens, rounds, env, make_env) -> None
     torch.set_num_threads(1)
     llm = LLM(str(kiln_ckpt), weights_dir=str(kiln_weights), quantization="gguf", dtype="float32",
               max_num_tokens=512, max_batch_size=16, max_seq_len=1024)
+    click.echo(json.dumps(decode_rounds(python, llm, gguf, tokens, rounds, click.echo), indent=1))
+
+
+def decode_rounds(python: Path, llm, gguf: Path, tokens: int, rounds: int, say) -> dict:
+    """One request, one thread, kiln's ``llm`` and llama.cpp alternating ``rounds`` times: medians."""
     kiln, peer = [], []
     for _ in range(rounds):
         kiln.append(kiln_decode(llm, tokens))
         peer.append(llamacpp_decode(python, gguf, tokens, 1))
-        click.echo(f"round: kiln {kiln[-1]:.1f} tok/s, llama.cpp {peer[-1]:.1f} tok/s")
+        say(f"round: kiln {kiln[-1]:.1f} tok/s, llama.cpp {peer[-1]:.1f} tok/s")
     doc = {"gguf": str(gguf), "kiln_decode_tok_s": statistics.median(kiln),
            "llamacpp_decode_tok_s": statistics.median(peer), "kiln_rounds": kiln, "llamacpp_rounds": peer}
     doc["ratio"] = doc["kiln_decode_tok_s"] / doc["llamacpp_decode_tok_s"]
-    click.echo(json.dumps(doc, indent=1))
+    return doc
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -154,6 +159,12 @@ def _load(url: str, requests: int, concurrency: int, tokens: int) -> float:
 def serve(gguf, artifact, concurrency, tokens, rounds, env, make_env) -> None:
     """Both servers over HTTP, in turn: out tok/s at --concurrency and at 1, medians of the rounds."""
     python = ensure_env(env or default_env(), make_env)
+    click.echo(json.dumps(serve_rounds(python, gguf, artifact, concurrency, tokens, rounds, click.echo), indent=1))
+
+
+def serve_rounds(python: Path, gguf: Path, artifact: str, concurrency: int, tokens: int, rounds: int, say) -> dict:
+    """``kiln serve --artifact`` and ``llama_cpp.server`` on the same file, in turn ``rounds`` times: output
+    tok/s at ``concurrency`` and at 1, medians."""
     servers = {
         "kiln": ([sys.executable, "-P", "-m", "kiln", "serve", "--artifact", artifact, "--port", "18801",
                   "--served-model-name", "model"], "http://127.0.0.1:18801", "/ready", None),
@@ -168,15 +179,90 @@ def serve(gguf, artifact, concurrency, tokens, rounds, env, make_env) -> None:
                 _wait(url + probe, proc)
                 for c in (concurrency, 1):
                     rates[name][c].append(_load(url, concurrency if c > 1 else 4, c, tokens))
-                click.echo(f"round: {name} {rates[name][concurrency][-1]:.1f} tok/s at {concurrency}, "
-                           f"{rates[name][1][-1]:.1f} at 1")
+                say(f"round: {name} {rates[name][concurrency][-1]:.1f} tok/s at {concurrency}, "
+                    f"{rates[name][1][-1]:.1f} at 1")
             finally:
                 proc.terminate()
                 proc.wait(60)
     doc = {name: {f"c{c}": statistics.median(v) for c, v in by_c.items()} for name, by_c in rates.items()}
     for c in (concurrency, 1):
         doc[f"ratio_c{c}"] = doc["kiln"][f"c{c}"] / doc["llama.cpp"][f"c{c}"]
-    click.echo(json.dumps(doc, indent=1))
+    return doc
+
+
+MANIFEST = """apiVersion: serving.kiln.dev/v1alpha1
+kind: LLMEngine
+metadata: {{name: bench-gguf}}
+spec:
+  model: {{source: "file://{path}", revision: "{sha}"}}
+  gpu: cpu
+  dtype: float32
+  quantization: gguf
+  maxBatchSize: 16
+  maxInputLen: 1024
+  maxSeqLen: 2048
+  maxNumTokens: 1024
+"""
+
+
+def write_manifest(gguf: Path, dest: Path) -> Path:
+    """The LLMEngine manifest of ``gguf`` as a ``quantization: gguf`` CPU engine (its sha256 pinned)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    dest.write_text(MANIFEST.format(path=gguf.resolve(), sha=digest.hexdigest()))
+    return dest
+
+
+def build_artifact(gguf: Path, store: Path, say) -> Path:
+    """The ``quantization: gguf`` engine of ``gguf``, built by ``kiln build`` into the local ``store`` (a cache
+    hit when built before): its directory."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-gguf-") as work:
+        manifest = write_manifest(gguf, Path(work) / "engine.yaml")
+        say(f"building {gguf.name} as a quantization: gguf engine into {store} ...")
+        out = subprocess.run([sys.executable, "-P", "-m", "kiln", "build", "-f", str(manifest), "--store",
+                              f"file://{store.resolve()}"], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise click.ClickException(f"kiln build of {gguf} failed:\n{(out.stdout + out.stderr)[-2000:]}")
+    uri = next(line.split(":", 1)[1].strip() for line in out.stdout.splitlines() if line.startswith("artifact:"))
+    return Path(uri.removeprefix("file://"))
+
+
+def compare(gguf: Path, concurrency: int, tokens: int, repeats: int, say) -> dict:
+    """``kiln bench --gguf``: kiln against llama.cpp on the same GGUF file, one request (decode tok/s, one
+    thread each, interleaved) and ``concurrency`` over HTTP (each server in turn); llama.cpp's environment is
+    made on first use (it compiles llama.cpp: minutes)."""
+    import torch
+    from kiln.engine import LLM
+
+    python = ensure_env(default_env(), make=True)
+    artifact = build_artifact(gguf, default_env().parent / "bench-store", say)
+    torch.set_num_threads(1)
+    llm = LLM.from_artifact(artifact)
+    try:
+        one = decode_rounds(python, llm, gguf, tokens, repeats, say)
+    finally:
+        llm.shutdown()
+    many = serve_rounds(python, gguf, f"file://{artifact}", concurrency, tokens, repeats, say)
+    return {"gguf": str(gguf), "artifact": str(artifact), "one_request": one, "served": many}
+
+
+def text(doc: dict) -> str:
+    one, many = doc["one_request"], doc["served"]
+    c = next(k for k in many["kiln"] if k != "c1")
+    rows = [f"kiln vs llama.cpp on {Path(doc['gguf']).name} (one thread each; medians of interleaved rounds)",
+            "| case | kiln | llama.cpp | kiln / llama.cpp |", "|---|---:|---:|---:|",
+            f"| one request, decode tok/s | {one['kiln_decode_tok_s']:.1f} | {one['llamacpp_decode_tok_s']:.1f} | "
+            f"{one['ratio']:.2f} |"]
+    for key in (c, "c1"):
+        rows.append(f"| served, {key[1:]} concurrent, out tok/s | {many['kiln'][key]:.1f} | "
+                    f"{many['llama.cpp'][key]:.1f} | {many[f'ratio_{key}']:.2f} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,13 @@ def convert_gguf(path: Path, info: GGUFInfo, dest: Path) -> Path:
              ", ".join(f"{n} {k}" for k, n in sorted(info.tensor_types.items())))
     folder, name = str(path.parent), path.name
     with _memoized_gguf_parsing(path, info.reader):
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        except Exception as exc:  # noqa: BLE001 - transformers fails in many ways on missing/odd metadata
+            shutil.rmtree(dest, ignore_errors=True)
+            raise FetchError(f"spec.model.source: {info.file} carries no tokenizer kiln can read "
+                             f"(tokenizer.ggml.* metadata; {type(exc).__name__}: {str(exc)[:200]}); export the "
+                             "GGUF with its tokenizer (llama.cpp's convert_hf_to_gguf.py writes it)") from None
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # transformers will not save_pretrained a GGUF-loaded model (it counts as quantized): write the
     # dequantized tensors, the config without its GGUF quantization note, and the generation config.

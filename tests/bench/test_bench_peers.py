@@ -303,3 +303,39 @@ def test_a_peer_that_crashes_is_reported_and_the_others_still_run(tmp_path, monk
     out = suite.run_suite(cfg, workload, {})
     assert set(out["systems"]) == {"kiln", "vllm"} and set(out["ratios"]) == {"vllm"}
     assert len(out["failed"]["openvino"]) == 2 and "exit -8" in out["failed"]["openvino"][0]
+
+
+def test_llamacpp_is_the_gguf_baseline_and_needs_a_gguf_file(tmp_path, monkeypatch):
+    from kiln_bench import llamacpp
+    from kiln_bench.cli import bench
+
+    result = CliRunner().invoke(bench, ["--baselines", "llamacpp"])
+    assert result.exit_code == 2 and "--gguf FILE" in result.output
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    result = CliRunner().invoke(bench, ["--gguf", str(model), "--baselines", "llamacpp,vllm"])
+    assert result.exit_code == 2 and "not vllm" in result.output
+    seen = {}
+
+    def fake(gguf, concurrency, tokens, repeats, say):
+        seen.update(gguf=gguf, concurrency=concurrency, repeats=repeats)
+        return {"gguf": str(gguf), "artifact": "x",
+                "one_request": {"kiln_decode_tok_s": 90.0, "llamacpp_decode_tok_s": 75.0, "ratio": 1.2},
+                "served": {"kiln": {"c16": 480.0, "c1": 80.0}, "llama.cpp": {"c16": 70.0, "c1": 65.0},
+                           "ratio_c16": 480 / 70, "ratio_c1": 80 / 65}}
+
+    monkeypatch.setattr(llamacpp, "compare", fake)
+    result = CliRunner().invoke(bench, ["--gguf", str(model), "--repeats", "2", "--concurrency", "1,4,16"])
+    assert result.exit_code == 0, result.output
+    assert seen == {"gguf": model, "concurrency": 16, "repeats": 2}
+    assert "| one request, decode tok/s | 90.0 | 75.0 | 1.20 |" in result.output
+    assert "| served, 16 concurrent, out tok/s | 480.0 | 70.0 | 6.86 |" in result.output
+
+
+def test_the_llamacpp_runner_imports_nothing_of_kiln():
+    from kiln_bench import llamacpp
+
+    tree = ast.parse(llamacpp.RUNNER.read_text())
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m and m.split(".")[0] == "kiln" for m in modules), modules

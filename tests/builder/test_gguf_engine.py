@@ -127,3 +127,35 @@ def test_the_api_refuses_gguf_without_a_gguf_source():
     with pytest.raises(ValueError, match="quantization: gguf"):
         LLMEngineSpec(model={"source": "hf://org/model"}, gpu="cpu", quantization="gguf")
     LLMEngineSpec(model={"source": "file:///m/x.Q4_1.gguf"}, gpu="cpu", quantization="gguf")
+
+
+def test_kiln_bench_writes_the_gguf_baselines_file_as_a_gguf_engine(toy_model, tmp_path):
+    """``kiln bench --gguf``'s kiln side: the manifest it builds (``kiln build``) is a ``quantization: gguf``
+    CPU engine of that very file, its sha256 pinned (``kiln plan`` accepts it)."""
+    import subprocess
+    import sys
+
+    from kiln_bench import llamacpp
+
+    path, _ = make_gguf(toy_model("llama-tiny"), tmp_path, "Q8_0")
+    manifest = llamacpp.write_manifest(path, tmp_path / "engine.yaml")
+    out = subprocess.run([sys.executable, "-P", "-m", "kiln", "plan", "-f", str(manifest)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    assert "gguf" in out.stdout and str(path.resolve()) in manifest.read_text()
+
+
+def test_a_gguf_without_a_tokenizer_is_refused_in_one_line(toy_model, tmp_path):
+    """A GGUF whose metadata carries no tokenizer (the toy's) stops the build at fetch naming the file and the
+    fix, not with transformers' traceback."""
+    import subprocess
+    import sys
+
+    from kiln_bench import llamacpp
+
+    path, _ = make_gguf(toy_model("llama-tiny"), tmp_path, "Q8_0")
+    manifest = llamacpp.write_manifest(path, tmp_path / "engine.yaml")
+    out = subprocess.run([sys.executable, "-P", "-m", "kiln", "build", "-f", str(manifest), "--store",
+                          f"file://{tmp_path / 'store'}"], capture_output=True, text=True)
+    assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr, out.stderr[-2000:]
+    assert f"{path.name} carries no tokenizer kiln can read" in out.stdout + out.stderr
