@@ -13,8 +13,10 @@ where that is not enough.
 
 from __future__ import annotations
 
+import math
 import os
 
+import numpy as np
 import torch
 from kiln.engine.config import EngineConfig
 from kiln.engine.layers.attention import Attention
@@ -44,12 +46,22 @@ def plan_num_blocks(config: EngineConfig, block_bytes: int) -> int:
     return max(1, min(useful, affordable))
 
 
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A zero tensor; on CPU from calloc (numpy's zeros): the OS hands out zero pages on first touch, so a pool
+    of gigabytes costs nothing at start-up (torch.zeros writes every page before the first request: 0.2-2 s
+    of the bench model's start) and each page is paid for when a block first fills."""
+    if device != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def allocate_kv_cache(model: nn.Module, config: EngineConfig, num_blocks: int) -> torch.Tensor:
     """Allocate the pool and bind each attention layer's views of it."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     a = layers[0]
-    cache = torch.zeros(2, len(layers), a.num_kv_heads, num_blocks, config.block_size, a.head_dim,
-                        dtype=config.kv_torch_dtype, device=config.device)
+    shape = (2, len(layers), a.num_kv_heads, num_blocks, config.block_size, a.head_dim)
+    cache = _zeroed(shape, config.kv_torch_dtype, config.device)
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
     return cache

@@ -9,6 +9,7 @@ request that could never run fails its caller and never blocks the queue.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -61,13 +62,19 @@ class LLMEngine(LoRAEngineMixin):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)  # unseeded sampling draws from the default generator (as vLLM's seed=)
-        self.tokenizer = load_tokenizer(config.model)
-        self.eos_token_ids = config.eos_token_ids(self.tokenizer)
-        self.vocab_size = int(config.hf_config["vocab_size"])
         speculative = SpeculativeConfig.parse(config.speculative_config)
         drafted = speculative is not None and speculative.method == "draft_model"
-        if drafted and (why := tokenizer_mismatch(self.tokenizer, speculative.model)):
-            raise ConfigError(f"speculative_config.model {speculative.model}: {why}")
+        # The tokenizer (transformers' import, most of its 1-1.5 s) loads beside the weights, which spend
+        # their time in C without the GIL; a draft model's check needs it first.
+        pool = concurrent.futures.ThreadPoolExecutor(1, "kiln-tokenizer")
+        pending = pool.submit(load_tokenizer, config.model)
+        pool.shutdown(wait=False)  # the load runs on; the thread ends with it
+        self.tokenizer = None
+        if drafted:
+            self._take_tokenizer(pending)
+            if why := tokenizer_mismatch(self.tokenizer, speculative.model):
+                raise ConfigError(f"speculative_config.model {speculative.model}: {why}")
+        self.vocab_size = int(config.hf_config["vocab_size"])
         self.group = None  # the other ranks (tensor / pipeline parallel), driven from here
         if config.world_size > 1:
             from kiln.engine.workers import RankGroup
@@ -78,6 +85,7 @@ class LLMEngine(LoRAEngineMixin):
             # The draft model runs on this rank alone, over the target's block tables (spec_decode.draft_model).
             self.draft = DraftModel(config, speculative.model, self.runner.num_blocks, self.vocab_size) \
                 if drafted else None
+            self._take_tokenizer(pending)
         except BaseException:
             if self.group is not None:  # they may wait on a collective rank 0 never joins
                 self.group.fail("rank 0 failed to load its shard")
@@ -96,6 +104,11 @@ class LLMEngine(LoRAEngineMixin):
         self.sum_running = 0
         self.sum_kv_usage = 0.0
         self.batch_size_histogram: dict[int, int] = {}
+
+    def _take_tokenizer(self, pending: concurrent.futures.Future) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = pending.result()  # its error, if it failed, raised here as load_tokenizer's own
+            self.eos_token_ids = self.config.eos_token_ids(self.tokenizer)
 
     def set_speculative(self, speculative: SpeculativeConfig | dict | None) -> None:
         """Speculate with these settings from now on (None: off), counters fresh; a draft model must be
