@@ -32,7 +32,7 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 
 def default_env() -> Path:
-    return Path(os.environ.get("KILN_WORK", ".kiln-work")) / "llamacpp-venv"
+    return (Path(os.environ.get("KILN_WORK", ".kiln-work")) / "llamacpp-venv").absolute()  # servers run elsewhere
 
 
 def ensure_env(env: Path, make: bool) -> Path:
