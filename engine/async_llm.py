@@ -47,6 +47,7 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._error: BaseException | None = None
+        self.thread_governor = None  # thread_governor.ThreadGovernor: a server's compute threads, from its steps
 
     @classmethod
     def from_artifact(cls, artifact_dir: str | Path, **overrides: Any) -> AsyncLLM:
@@ -151,8 +152,14 @@ class AsyncLLM:
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
+                governor = self.thread_governor
+                if governor is not None:
+                    governor.before_step()
+                made = self.engine.num_generated_tokens
                 for update in self.engine.step():
                     self._publish(update)
+                if governor is not None:
+                    governor.after_step(self.engine.num_generated_tokens - made)
         except BaseException as e:  # noqa: BLE001 - every stream must learn the loop died
             self._error = e
             err = EngineDeadError(f"the engine loop failed: {e!r}")

@@ -146,6 +146,12 @@ def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
     info["engine_config"] = reported_settings(cfg)  # the settings EngineConfig marks reported
     # Artifact vs compute dtype, the native-dtype probe, the int8 path, the host and the thread choice.
     info["cpu_target"] = getattr(cfg, "cpu_target", None) or (threads if path is None else None)
+    if cfg.device == "cpu" and cfg.world_size == 1 and info["cpu_target"] is not None:
+        from kiln.engine.thread_governor import for_server  # the count, re-chosen from the serving steps
+
+        engine.thread_governor = for_server(torch.get_num_threads())
+        if engine.thread_governor is not None:
+            info["cpu_target"] = {**info["cpu_target"], "governor": engine.thread_governor.state}
     # Which tactic table runs the linears: the artifact's, one re-timed on this host (and what differed), ...
     info["tactics"] = getattr(cfg, "tactics_info", None)
     return engine, info

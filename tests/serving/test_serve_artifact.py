@@ -8,7 +8,7 @@ import shutil
 import httpx
 from kiln.engine import SamplingParams
 from kiln.engine.artifact import FORMAT_VERSION, save_rank_weights, shard_checkpoint
-from kiln.engine.cpu_target import cgroup_cpu_quota, describe_host
+from kiln.engine.cpu_target import available_cpus, cgroup_cpu_quota, describe_host
 
 from kiln.artifacts import ArtifactStore
 
@@ -48,6 +48,12 @@ def test_serves_an_artifact_from_a_store(start_server, model_dir, offline, tmp_p
     if cgroup_cpu_quota() is None:  # a container's quota outranks the build's measurement
         assert version["torch_num_threads"] == 1
     assert version["cpu_target"]["threads"] == version["torch_num_threads"]
+    governor = version["cpu_target"].get("governor")  # the count re-chosen from the serving steps
+    if available_cpus() > version["torch_num_threads"] and cgroup_cpu_quota() is None:
+        assert governor["threads"] == version["torch_num_threads"] and governor["choices"] == sorted(
+            {version["torch_num_threads"], available_cpus()}) and governor["trials"] == 0
+    else:
+        assert governor is None
     assert (tmp_path / "cache" / VERSION / "engine.json").is_file()
 
     want = offline.generate(["From the store"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[
