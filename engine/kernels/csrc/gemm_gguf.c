@@ -25,72 +25,12 @@
  * (|q| x sign(xq, q)) and off is 0. Register tiles of up to 4 rows x 32 columns (VNNI) / 2 x 16 (AVX2); the
  * column tiles are shared out between threads, as gemm.c does.
  *
- * kiln_linear_gguf's second mode (tactic kiln-gguf-f32, float32 activations): no activation quantization; a
- * 64-column panel is dequantized to float32 per call and multiplied by gemm.c's FMA tiles (weight-only
- * semantics, for prefill-sized calls where one dequantization serves many rows). */
-#include "kiln_cpu.h"
-
-#define GG_Q4_0 2
-#define GG_Q4_1 3
-#define GG_Q8_0 8
-#define GG_COLS 16
-#define GG_KC 1024 /* K rows of a panel dequantized at a time (f32 mode) */
+ * The records are laid out and packed, and dequantized for the kiln-gguf-f32 mode, in gguf_pack.c
+ * (gguf_layout.h: the record sizes both read). */
+#include "gguf_layout.h"
 
 static int gg_vnni = 1; /* kiln_gguf_set_vnni: $KILN_CPU_ISA / the CPU may run vpdpbusd */
 void kiln_gguf_set_vnni(int on) { gg_vnni = on; }
-
-static int64_t gg_record(int qt) { return qt == GG_Q8_0 ? 544 : qt == GG_Q4_0 ? 288 : 320; }
-static int64_t gg_file_block(int qt) { return qt == GG_Q8_0 ? 34 : qt == GG_Q4_0 ? 18 : 20; }
-static int64_t gg_qbytes(int qt) { return qt == GG_Q8_0 ? 512 : 256; }
-
-static inline float gg_h2f(uint16_t h) { /* IEEE half -> float */
-    const uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    uint32_t u;
-    if (e == 0) {
-        if (!m) u = s;
-        else {
-            float f = (float)m * (1.0f / 16777216.0f);
-            memcpy(&u, &f, 4);
-            u |= s;
-        }
-    } else if (e == 31) u = s | 0x7f800000u | (m << 13);
-    else u = s | ((e + 112) << 23) | (m << 13);
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-int64_t kiln_gguf_packed_bytes(int64_t n, int64_t k, int qt) { return (n + GG_COLS - 1) / GG_COLS * (k / 32) * gg_record(qt); }
-
-/* src: the file's [n][k / 32] blocks -> dst (kiln_gguf_packed_bytes); columns past n are zero (d = 0) */
-void kiln_pack_gguf(const uint8_t *src, uint8_t *dst, int64_t n, int64_t k, int qt) {
-    const int64_t nb = k / 32, groups = (n + GG_COLS - 1) / GG_COLS, rec = gg_record(qt), fb = gg_file_block(qt);
-    const int64_t qb = gg_qbytes(qt);
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *r = dst + (g * nb + b) * rec;
-            memset(r, 0, rec);
-            uint16_t *d = (uint16_t *)(r + qb), *mm = d + GG_COLS;
-            for (int c = 0; c < GG_COLS; c++) {
-                const int64_t col = g * GG_COLS + c;
-                if (col >= n) {
-                    if (qt == GG_Q8_0)
-                        for (int j = 0; j < 32; j++) r[(j / 4) * 64 + 4 * c + j % 4] = 128;
-                    continue;
-                }
-                const uint8_t *blk = src + (col * nb + b) * fb;
-                memcpy(&d[c], blk, 2);
-                if (qt == GG_Q8_0) {
-                    for (int j = 0; j < 32; j++) r[(j / 4) * 64 + 4 * c + j % 4] = (uint8_t)((int8_t)blk[2 + j] + 128);
-                } else {
-                    const uint8_t *qs = blk + (qt == GG_Q4_1 ? 4 : 2);
-                    if (qt == GG_Q4_1) memcpy(&mm[c], blk + 2, 2);
-                    for (int j = 0; j < 16; j++) r[(j / 4) * 64 + 4 * c + j % 4] = qs[j];
-                }
-            }
-        }
-}
 
 /* one row of x (k floats or bf16) -> xq [k] int8, and per block dx, c2, sx (see the top) */
 static void gg_quantize_row(const void *x, int64_t k, int bf16, int qt, int off, int8_t *xq, float *dx, float *c2,
@@ -286,76 +226,6 @@ static const gg_vfn gg_vtiles[3][2][5] = {{GG_VROW(2, 1), GG_VROW(2, 2)}, {GG_VR
 #define GG_HAVE_VNNI 0
 #endif
 
-static __thread void *gg_buf;
-static __thread size_t gg_cap;
-
-static void *gg_scratch(size_t need) {
-    if (need > gg_cap) {
-        free(gg_buf);
-        need = (need + 4095) / 4096 * 4096;
-        gg_buf = aligned_alloc(64, need);
-        gg_cap = gg_buf ? need : 0;
-    }
-    return gg_buf;
-}
-
-/* K rows [k0, k0 + kn) (whole blocks) of the column groups of one KILN_PANEL-wide panel, dequantized into a
- * float32 panel [kn][KILN_PANEL] (groups past n: zero) */
-static void gg_dequant_panel(const uint8_t *w, int64_t nb, int qt, int64_t g0, int64_t groups, int64_t k0, int64_t kn,
-                             float *dst) {
-    const int64_t rec = gg_record(qt), qb = gg_qbytes(qt);
-    for (int64_t gi = 0; gi < KILN_PANEL / GG_COLS; gi++) {
-        const int64_t g = g0 + gi;
-        for (int64_t b = k0 / 32; b < (k0 + kn) / 32; b++) {
-            float *row0 = dst + (32 * b - k0) * KILN_PANEL + gi * GG_COLS;
-            if (g >= groups) {
-                for (int j = 0; j < 32; j++) memset(row0 + j * KILN_PANEL, 0, GG_COLS * sizeof(float));
-                continue;
-            }
-            const uint8_t *r = w + (g * nb + b) * rec;
-            const uint16_t *d = (const uint16_t *)(r + qb), *mm = d + GG_COLS;
-            for (int c = 0; c < GG_COLS; c++) {
-                const float dc = gg_h2f(d[c]), mc = qt == GG_Q4_1 ? gg_h2f(mm[c]) : 0.0f;
-                for (int j = 0; j < 32; j++) {
-                    const uint8_t u = r[((j % 16) / 4) * 64 + 4 * c + j % 4];
-                    float v;
-                    if (qt == GG_Q8_0) v = (float)((int)r[(j / 4) * 64 + 4 * c + j % 4] - 128) * dc;
-                    else if (qt == GG_Q4_0) v = (float)((j < 16 ? u & 15 : u >> 4) - 8) * dc;
-                    else v = (float)(j < 16 ? u & 15 : u >> 4) * dc + mc;
-                    row0[j * KILN_PANEL + c] = v;
-                }
-            }
-        }
-    }
-}
-
-static int gg_linear_f32(const float *x, const uint8_t *w, int qt, const float *bias, float *y, int64_t m, int64_t n,
-                         int64_t k, int64_t ldx, int64_t ldy) {
-    const int64_t nb = k / 32, groups = (n + GG_COLS - 1) / GG_COLS, panels = (n + KILN_PANEL - 1) / KILN_PANEL;
-    const int64_t kc = GG_KC < k ? GG_KC : k;
-    int failed = 0;
-#pragma omp parallel if (panels > 1)
-    {
-        float *buf = gg_scratch((size_t)kc * KILN_PANEL * sizeof(float));
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            if (!buf) continue;
-            const int ncols = n - p * KILN_PANEL < KILN_PANEL ? (int)(n - p * KILN_PANEL) : KILN_PANEL;
-            for (int64_t k0 = 0; k0 < k; k0 += kc) {
-                const int64_t kn = k - k0 < kc ? k - k0 : kc;
-                gg_dequant_panel(w, nb, qt, p * (KILN_PANEL / GG_COLS), groups, k0, kn, buf);
-                kiln_panel_f32(x, ldx, buf, k0, kn, y + p * KILN_PANEL, ldy, 0, bias ? bias + p * KILN_PANEL : 0,
-                               ncols, m);
-            }
-        }
-    }
-    return failed ? -1 : 0;
-}
-
 #define GG_MC 64 /* rows per chunk of a thread's work */
 #define GG_MR 4
 
@@ -363,7 +233,7 @@ static int gg_linear_f32(const float *x, const uint8_t *w, int qt, const float *
  * kiln-gguf-f32 mode (float32 x only). Returns 0, -1 when scratch memory could not be allocated. */
 int kiln_linear_gguf(const void *x, const uint8_t *w, int qt, const float *bias, void *y, int64_t m, int64_t n,
                      int64_t k, int64_t ldx, int64_t ldy, int bf16, int dequant) {
-    if (dequant && !bf16) return gg_linear_f32(x, w, qt, bias, y, m, n, k, ldx, ldy);
+    if (dequant && !bf16) return kiln_gguf_linear_f32(x, w, qt, bias, y, m, n, k, ldx, ldy);
     const int64_t nb = k / 32, groups = (n + GG_COLS - 1) / GG_COLS, rec = gg_record(qt);
 #if GG_HAVE_VNNI
     static int cpu_vnni = -1;

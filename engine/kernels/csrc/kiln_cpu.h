@@ -13,6 +13,7 @@
  *   gemm_int8.c  int8 weights (weight-only quantization) through the kernels above, widened panel by panel
  *   gemm_w8a8.c  int8 weights x int8 activations quantized per 32-block (W8A8) on AVX512-VNNI, same int8 panels
  *   gemm_gguf.c  GGUF block weights (Q8_0, Q4_0, Q4_1) x activations quantized per 32-block, VNNI / AVX2
+ *   gguf_pack.c  GGUF block weights packed into kiln's records (gguf_layout.h), and dequantized (kiln-gguf-f32)
  *   gemm_dispatch.c  kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count:
  *                over the four GEMM files above, which never call it (gemm_int8.c calls down into gemm.c, gemm_amx.c)
  *   stack.c      a pipeline stage's decoder layers in one call
@@ -120,6 +121,8 @@ int kiln_linear_i8(const void *x, const int8_t *packed, const float *scales, con
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16);
 void kiln_w8a8_block_sums(const int8_t *packed, int16_t *bsums, int64_t n, int64_t k);
+KILN_HIDDEN int kiln_gguf_linear_f32(const float *x, const uint8_t *w, int qt, const float *bias, float *y,
+                                     int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy);
 int kiln_linear_gguf(const void *x, const uint8_t *w, int qt, const float *bias, void *y, int64_t m, int64_t n,
                      int64_t k, int64_t ldx, int64_t ldy, int bf16, int dequant);
 /* one panel's rows through each kernel, for the int8 kernels (gemm_int8.c) over a widened copy of the panel */
