@@ -9,11 +9,11 @@ request that could never run fails its caller and never blocks the queue.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from kiln.engine.spec_decode.draft_model import (
 from kiln.engine.spec_decode.proposer import speculation_stats
 from kiln.engine.spec_decode.verify import num_accepted, rewind_generator
 from kiln.engine.stopping import make_detokenizer, stop_reason
-from kiln.engine.tokenizer import load_tokenizer
+from kiln.engine.tokenizer import load_tokenizer_beside
 
 log = logging.getLogger("kiln.engine")
 
@@ -64,12 +64,8 @@ class LLMEngine(LoRAEngineMixin):
         torch.manual_seed(config.seed)  # unseeded sampling draws from the default generator (as vLLM's seed=)
         speculative = SpeculativeConfig.parse(config.speculative_config)
         drafted = speculative is not None and speculative.method == "draft_model"
-        # The tokenizer (transformers' import, most of its 1-1.5 s) loads beside the weights, which spend
-        # their time in C without the GIL; a draft model's check needs it first.
-        pool = concurrent.futures.ThreadPoolExecutor(1, "kiln-tokenizer")
-        pending = pool.submit(load_tokenizer, config.model)
-        pool.shutdown(wait=False)  # the load runs on; the thread ends with it
-        self.tokenizer = None
+        # the tokenizer loads while the weights do (a draft model's check needs it first)
+        pending, self.tokenizer = load_tokenizer_beside(config.model), None
         if drafted:
             self._take_tokenizer(pending)
             if why := tokenizer_mismatch(self.tokenizer, speculative.model):
@@ -101,11 +97,10 @@ class LLMEngine(LoRAEngineMixin):
         self.set_speculative(speculative)
         self._ids = itertools.count()
         self.num_steps = self.num_computed_tokens = self.num_generated_tokens = 0
-        self.sum_running = 0
-        self.sum_kv_usage = 0.0
+        self.sum_running, self.sum_kv_usage = 0, 0.0
         self.batch_size_histogram: dict[int, int] = {}
 
-    def _take_tokenizer(self, pending: concurrent.futures.Future) -> None:
+    def _take_tokenizer(self, pending: Future) -> None:
         if self.tokenizer is None:
             self.tokenizer = pending.result()  # its error, if it failed, raised here as load_tokenizer's own
             self.eos_token_ids = self.config.eos_token_ids(self.tokenizer)

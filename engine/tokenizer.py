@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 
@@ -43,3 +44,13 @@ def load_tokenizer(model_dir: str) -> Any:
     hint = tokenizer_config_hint(model_dir)
     extra = {} if hint is None else {"config": hint}
     return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False, **extra)
+
+
+def load_tokenizer_beside(model_dir: str) -> Future:
+    """:func:`load_tokenizer` on a thread of its own: most of its 1-1.5 s is transformers' import, Python that
+    runs beside a model load spending its time in C without the GIL (the engine takes the result after)."""
+    pool = ThreadPoolExecutor(1, "kiln-tokenizer")
+    try:
+        return pool.submit(load_tokenizer, model_dir)
+    finally:
+        pool.shutdown(wait=False)  # the load runs on; the thread ends with it
