@@ -206,14 +206,11 @@ spec:
 
 
 def write_manifest(gguf: Path, dest: Path) -> Path:
-    """The LLMEngine manifest of ``gguf`` as a ``quantization: gguf`` CPU engine (its sha256 pinned)."""
-    import hashlib
+    """The LLMEngine manifest of ``gguf`` as a ``quantization: gguf`` CPU engine (its sha256 pinned, as the
+    build checks it)."""
+    from kiln.builder.gguf import sha256_file
 
-    digest = hashlib.sha256()
-    with gguf.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    dest.write_text(MANIFEST.format(path=gguf.resolve(), sha=digest.hexdigest()))
+    dest.write_text(MANIFEST.format(path=gguf.resolve(), sha=sha256_file(gguf)))
     return dest
 
 

@@ -11,8 +11,8 @@ int8 linear, and each that fails the model's thresholds (or cannot run on the bu
 measured) goes into the engine's ``tactics_exclude``, out of every tactic table, the build's and each serving
 host's (docs/quantization.md). Where W8A8 runs, an int8 engine's LM head runs int8 too (``lm_head_int8:
 auto``, ``tactics.bind.quantize_head``); a candidate that fails so is measured again with the head kept, and
-where that passes the engine ships ``lm_head_int8: off``. The gated engine itself runs without W8A8. The source model is freed after
-this stage.
+where that passes the engine ships ``lm_head_int8: off``. The gated engine itself runs without W8A8. The
+source model is freed after this stage.
 """
 
 from __future__ import annotations

@@ -122,8 +122,8 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
             p is m.weight for other in model.modules() if other is not m for p in other.parameters(recurse=False))
         if not tied:  # a tied head's weight is the embedding's, which keeps it for lookups
             m.weight.data = torch.empty(0, dtype=m.weight.dtype, device=m.weight.device)
-        if isinstance(m, ParallelLMHead):
-            m.weight_int8 = m.weight_scale = None  # packed, or (plain layout) the float weight runs
+        if isinstance(m, ParallelLMHead):  # its int8 copy lives in the packing now (a head left plain keeps
+            m.weight_int8 = m.weight_scale = None  # the copy for a later swap, its float weight running meanwhile)
     return counts
 
 
