@@ -208,9 +208,9 @@ spec:
 def write_manifest(gguf: Path, dest: Path) -> Path:
     """The LLMEngine manifest of ``gguf`` as a ``quantization: gguf`` CPU engine (its sha256 pinned, as the
     build checks it)."""
-    from kiln.builder.gguf import sha256_file
+    from kiln.artifact_manifest import file_sha256
 
-    dest.write_text(MANIFEST.format(path=gguf.resolve(), sha=sha256_file(gguf)))
+    dest.write_text(MANIFEST.format(path=gguf.resolve(), sha=file_sha256(gguf)))
     return dest
 
 

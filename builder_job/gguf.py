@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import shutil
@@ -31,6 +30,8 @@ from pathlib import Path
 
 from kiln.builder.errors import FetchError
 from kiln.builder.model_facts import supported_architectures as runtime_architectures
+
+from kiln.artifact_manifest import file_sha256
 
 log = logging.getLogger("kiln.build.gguf")
 
@@ -65,14 +66,6 @@ class GGUFInfo:
         return {"file": self.file, "sha256": self.sha256, "bytes": self.num_bytes,
                 "architecture": self.architecture, "tensor_types": dict(sorted(self.tensor_types.items())),
                 "name": self.name}
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def supported_tensor_types() -> tuple[str, ...]:
@@ -125,7 +118,7 @@ def inspect_gguf(path: Path, source: str, expected_sha256: str | None = None) ->
     if unknown:
         raise FetchError(f"spec.model.source: {source} has GGUF tensor types kiln cannot dequantize: "
                          f"{', '.join(unknown)}; re-export it with one of {', '.join(sorted(known))}")
-    digest = sha256_file(path)
+    digest = file_sha256(path)
     if expected_sha256 and digest != expected_sha256.lower():
         raise FetchError(f"spec.model.revision: {source} has sha256 {digest}, not {expected_sha256}; point "
                          "spec.model.source at the intended file, or set spec.model.revision to its sha256")
