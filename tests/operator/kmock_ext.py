@@ -173,11 +173,14 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
     async def _create(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         body = copy.deepcopy(request.data or {})
         meta = body.setdefault("metadata", {})
-        if not meta.get("name") and meta.get("generateName"):
-            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        namespace = request.namespace or meta.get("namespace")
+        if not meta.get("name") and meta.get("generateName"):  # 5 random characters, as the apiserver's; one
+            while True:  # not taken (a test posts hundreds of kopf events: a collision's 409 broke one)
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+                if self._live((request.resource, namespace, meta["name"])) is None:
+                    break
         if not meta.get("name"):
             raise kmock.KubernetesError(status=422, reason="Invalid", message="metadata.name: Required value")
-        namespace = request.namespace or meta.get("namespace")
         if request.namespace:
             meta["namespace"] = request.namespace
         key = (request.resource, namespace, meta["name"])
