@@ -149,6 +149,8 @@ class AsyncLLM:
                 self._drain_commands()
                 if not self.engine.has_unfinished():
                     self.engine.check_ranks()  # a lost rank fails the loop even while idle (/health)
+                    if self.thread_governor is not None:
+                        self.thread_governor.idle()
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue

@@ -7,8 +7,10 @@ same two beside a test run on both cores served 0.5x. No load-time measurement o
 which; the serving path can. So a server starts on ``cpu_target``'s choice and :class:`ThreadGovernor` times
 its busy steps in windows and, every so often, tries the other candidate counts interleaved with the current
 one, A B A B (a neighbour's burst falls on both), switching where one makes output tokens faster by
-``SWITCH_MARGIN``. Only busy steps count (time per generated token over a window's steps), so idle time and
-bursts of arrivals do not read as a slow thread count.
+``SWITCH_MARGIN``. A window's time is its steps and the loop's time between them while it stays busy (the
+server's other threads compete there too: on llama-bench two threads made the steps 4-8 % faster and the
+served tokens 13 %), not the time the loop idles, so quiet spells and bursts of arrivals do not read as a
+slow thread count.
 
 Thread counts do not change what kiln's kernels compute (each output is summed by one thread in one order);
 ``$OMP_NUM_THREADS`` or ``$KILN_CPU_THREADS`` pin the count and turn the governor off (``for_server``).
@@ -22,7 +24,7 @@ from typing import Any
 
 WINDOW_STEPS = 24  # busy steps per timed window
 SETTLE_WINDOWS = 12  # windows on the chosen count between two trials
-SWITCH_MARGIN = 1.10  # a trial count must make tokens this much faster to take over
+SWITCH_MARGIN = 1.05  # a trial count must make tokens this much faster to take over
 FIRST_TRIAL_AFTER = 2  # windows served before the first trial: the first steps pay for lazy set-up
 
 
@@ -45,6 +47,7 @@ class ThreadGovernor:
         self._steps = self._tokens = 0
         self._seconds = 0.0
         self._t0 = 0.0
+        self._last_end: float | None = None  # when the previous busy step ended (None: the loop idled since)
         self.state: dict[str, Any] = {"threads": start, "choices": self.choices, "trials": 0, "last_trial": None}
         if first_trial_after <= 0:
             self._start_trial()
@@ -58,10 +61,17 @@ class ThreadGovernor:
             self._set(want)
             self._applied = want
         self._t0 = time.perf_counter()
+        if self._last_end is not None:  # the loop's own time between two busy steps counts too
+            self._seconds += self._t0 - self._last_end
+
+    def idle(self) -> None:
+        """The loop had nothing to run: the wait until the next step is not the thread count's."""
+        self._last_end = None
 
     def after_step(self, generated_tokens: int) -> None:
         """``generated_tokens``: the tokens the step just made (0: it only prefilled; still timed)."""
-        self._seconds += time.perf_counter() - self._t0
+        self._last_end = time.perf_counter()
+        self._seconds += self._last_end - self._t0
         self._tokens += generated_tokens
         self._steps += 1
         if self._steps >= self.window:
@@ -71,7 +81,7 @@ class ThreadGovernor:
         rate = self._tokens / self._seconds if self._seconds > 0 else 0.0
         threads = self._threads_now()
         self._steps = self._tokens = 0
-        self._seconds = 0.0
+        self._seconds, self._last_end = 0.0, None  # the gap before the next window's first step is its own
         if not self._plan:
             self._settled += 1
             if self._settled >= self.settle:

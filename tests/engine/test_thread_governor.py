@@ -22,13 +22,20 @@ class Clock:
         return self.now
 
 
-def drive(gov: ThreadGovernor, clock: Clock, steps: int, tokens: int = 4) -> list[int]:
+def drive(gov: ThreadGovernor, clock: Clock, steps: int, tokens: int = 4, gap: dict | None = None,
+          idle_every: int = 0) -> list[int]:
+    """``gap``: seconds the loop spends between two busy steps, per thread count; every ``idle_every`` steps
+    the loop idles for 100 s (a quiet spell)."""
     used = []
-    for _ in range(steps):
+    for i in range(steps):
         gov.before_step()
         used.append(clock.threads)
         clock.now += clock.cost[clock.threads] * tokens
         gov.after_step(tokens)
+        clock.now += (gap or {}).get(clock.threads, 0.0)
+        if idle_every and i % idle_every == idle_every - 1:
+            gov.idle()
+            clock.now += 100.0
     return used
 
 
@@ -54,7 +61,7 @@ def test_it_switches_to_the_count_that_makes_tokens_faster(clock):
     assert c.sets.count(2) >= 3  # set on each change only, not per step
 
 
-@pytest.mark.parametrize("cost", [{1: 1.0, 2: 1.3}, {1: 1.0, 2: 0.95}])
+@pytest.mark.parametrize("cost", [{1: 1.0, 2: 1.3}, {1: 1.0, 2: 0.98}])
 def test_it_keeps_the_count_where_the_other_is_slower_or_not_clearly_faster(clock, cost):
     c = clock(cost)
     gov = ThreadGovernor([1, 2], start=1, set_threads=c.set, window=4, settle=3, first_trial_after=0)
@@ -90,3 +97,14 @@ def test_pinned_counts_and_single_cores_have_no_governor(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setenv(cpu_target.THREADS_ENV, "1")
     assert thread_governor.for_server(1) is None
+
+
+def test_the_loops_time_between_busy_steps_counts_and_idle_time_does_not(clock):
+    """Equal steps, but with two threads the loop's time between steps is shorter (the server's own threads
+    get their core back sooner): two win. Long idle spells between requests change nothing."""
+    c = clock({1: 1.0, 2: 1.0})
+    gov = ThreadGovernor([1, 2], start=1, set_threads=c.set, window=4, settle=3, first_trial_after=0)
+    drive(gov, c, 16, gap={1: 2.0, 2: 1.0}, idle_every=3)
+    assert gov.current == 2
+    rates = gov.state["last_trial"]["tokens_per_s"]
+    assert rates["2"] > 1.1 * rates["1"] and max(rates.values()) < 1.0  # never diluted by the 100 s spells
