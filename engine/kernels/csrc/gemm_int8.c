@@ -21,16 +21,6 @@
 static __thread void *i8_buf;
 static __thread size_t i8_cap;
 
-static void *i8_scratch(size_t need) {
-    if (need > i8_cap) {
-        free(i8_buf);
-        need = (need + 4095) / 4096 * 4096;
-        i8_buf = aligned_alloc(64, need);
-        i8_cap = i8_buf ? need : 0;
-    }
-    return i8_buf;
-}
-
 /* w [N, K] int8 (row stride ldw) -> packed [ceil(N / KILN_PANEL)][i8_quads(K)][KILN_PANEL][4] (K in groups of 4
  * per column: what vpdpbusd multiplies, gemm_w8a8.c; zero past N and K), and bsums = each column's sum of its
  * int8 values per 32-block of K (W8A8's epilogue: kiln_w8a8_block_sums), zero past N */
@@ -100,7 +90,7 @@ int kiln_linear_i8(const void *x, const int8_t *packed, const float *scales, con
     int failed = 0;
 #pragma omp parallel if (panels > 1)
     {
-        void *buf = i8_scratch(need);
+        void *buf = kiln_scratch(&i8_buf, &i8_cap, need);
         int cfg[2] = {-1, -1}; /* the AMX tile rows this thread configured (kiln_panel_amx) */
         if (!buf) {
 #pragma omp atomic write

@@ -27,19 +27,6 @@
 #define W8_MC 192
 #define W8_BLOCK 32 /* K per activation scale */
 
-static __thread uint8_t *w8_buf;
-static __thread size_t w8_cap;
-
-static uint8_t *w8_scratch(size_t need) {
-    if (need > w8_cap) {
-        free(w8_buf);
-        need = (need + 4095) / 4096 * 4096;
-        w8_buf = aligned_alloc(64, need);
-        w8_cap = w8_buf ? need : 0;
-    }
-    return w8_buf;
-}
-
 /* K quads -> activation blocks of one row */
 static inline int64_t w8_blocks(int64_t kq) { return kq / (W8_BLOCK / 4); }
 
@@ -182,6 +169,9 @@ typedef void (*w8_tile_fn)(const uint8_t *, int64_t, const float *, const int8_t
                            const float *, const float *, void *, int64_t, int, int);
 static const w8_tile_fn w8_tiles[W8_MR + 1] = {0, w8_tile1, w8_tile2, w8_tile3};
 
+static __thread void *w8_buf; /* the quantized activations (kiln_scratch) */
+static __thread size_t w8_cap;
+
 int kiln_w8a8_available(void) { return 1; }
 
 /* y [m, n] (bf16 or float32 as x, row stride ldy) = W8A8 of x [m, k] (row stride ldx) and the int8 panels
@@ -193,7 +183,7 @@ int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, c
     if (vnni < 0) vnni = __builtin_cpu_supports("avx512vnni");
     if (!vnni) return 1;
     const int64_t kq = i8_quads(k), ldq = 4 * kq, nb = w8_blocks(kq), panels = (n + KILN_PANEL - 1) / KILN_PANEL;
-    uint8_t *xq = w8_scratch((size_t)m * ldq + (size_t)m * nb * sizeof(float));
+    uint8_t *xq = (uint8_t *)kiln_scratch(&w8_buf, &w8_cap, (size_t)m * ldq + (size_t)m * nb * sizeof(float));
     if (!xq) return -1;
     float *sx = (float *)(xq + (size_t)m * ldq); /* ldq is a multiple of 32: aligned */
     const size_t esize = bf16 ? 2 : 4;
@@ -221,7 +211,7 @@ int kiln_w8a8_available(void) { return 0; }
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16) {
     (void)x, (void)packed, (void)scales, (void)bsums, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)ldx;
-    (void)ldy, (void)bf16, (void)w8_scratch;
+    (void)ldy, (void)bf16;
     return 1;
 }
 #endif

@@ -43,16 +43,6 @@ void kiln_pack_gguf(const uint8_t *src, uint8_t *dst, int64_t n, int64_t k, int 
 static __thread void *gg_buf;
 static __thread size_t gg_cap;
 
-static void *gg_scratch(size_t need) {
-    if (need > gg_cap) {
-        free(gg_buf);
-        need = (need + 4095) / 4096 * 4096;
-        gg_buf = aligned_alloc(64, need);
-        gg_cap = gg_buf ? need : 0;
-    }
-    return gg_buf;
-}
-
 /* K rows [k0, k0 + kn) (whole blocks) of the column groups of one KILN_PANEL-wide panel, dequantized into a
  * float32 panel [kn][KILN_PANEL] (groups past n: zero) */
 static void gg_dequant_panel(const uint8_t *w, int64_t nb, int qt, int64_t g0, int64_t groups, int64_t k0, int64_t kn,
@@ -90,7 +80,7 @@ KILN_HIDDEN int kiln_gguf_linear_f32(const float *x, const uint8_t *w, int qt, c
     int failed = 0;
 #pragma omp parallel if (panels > 1)
     {
-        float *buf = gg_scratch((size_t)kc * KILN_PANEL * sizeof(float));
+        float *buf = kiln_scratch(&gg_buf, &gg_cap, (size_t)kc * KILN_PANEL * sizeof(float));
         if (!buf) {
 #pragma omp atomic write
             failed = 1;

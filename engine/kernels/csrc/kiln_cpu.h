@@ -91,6 +91,18 @@ static inline int64_t bf16_panel_pairs(int64_t k) { return ((k + 1) / 2 + 15) / 
 /* K quads per int8 panel (gemm_int8.c, gemm_w8a8.c): half the bf16 pairs, so a widened panel is a bf16 one */
 static inline int64_t i8_quads(int64_t k) { return bf16_panel_pairs(k) / 2; }
 
+/* A per-thread scratch buffer (64-byte aligned, grown in 4 KiB steps, kept across calls so a decode step
+ * allocates nothing): each file passes its own __thread buffer and capacity. NULL when allocation fails. */
+static inline void *kiln_scratch(void **buf, size_t *cap, size_t need) {
+    if (need > *cap) {
+        free(*buf);
+        need = (need + 4095) / 4096 * 4096;
+        *buf = aligned_alloc(64, need);
+        *cap = *buf ? need : 0;
+    }
+    return *buf;
+}
+
 /* Row buckets of a tactic table: bucket b holds calls of (2^(b-1), 2^b] rows (b = 0: one row). */
 #define KILN_ROW_BUCKETS 16
 enum kiln_gemm_kernel { KILN_GEMM_FMA = 0, KILN_GEMM_AMX = 1, KILN_GEMM_W8A8 = 2 /* int8 weights only */,
