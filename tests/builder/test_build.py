@@ -9,6 +9,7 @@ from pathlib import Path
 import boto3
 import pytest
 from builder_helpers import PROMPTS, engine_json, hf_greedy, version_of
+from kiln.engine.kernels.candidates import ACTIVATION_QUANT
 from safetensors import safe_open
 
 NEW_TOKENS = 8
@@ -133,30 +134,15 @@ def test_quantized_builds_load_and_pass_the_gate(method, qdtype, shapes, toy_mod
     if method == "int8":  # W8A8 gated separately: allowed, or excluded from every host's tactic table
         w8a8 = doc["build_report"]["w8a8_gate"]
         refused = w8a8["excluded"]  # each W8A8 candidate measured on its own
-        assert set(refused) | set(w8a8["allowed_candidates"]) == set(w8a8["candidates"]) == {"kiln-w8a8", "torch-w8a8"}
+        assert set(refused) | set(w8a8["allowed_candidates"]) == set(w8a8["candidates"]) == set(ACTIVATION_QUANT)
         want = None if not refused else ["w8a8"] if not w8a8["allowed"] else refused
         assert doc["engine_config"].get("tactics_exclude") == want, w8a8
 
 
 def test_an_int8_build_whose_w8a8_fails_the_gate_ships_without_it(toy_model, write_manifest, kiln_build, tmp_path,
                                                                  monkeypatch):
-    from kiln.builder.stages import quality_runtime
-
-    real = quality_runtime._continuations
-
-    def w8a8_drifts(ctx, overrides):  # W8A8 on this model flips every other token
-        out = real(ctx, overrides)
-        if overrides.get("tactics") in ("kiln-w8a8", "torch-w8a8"):
-            out = [[t if i % 2 else t + 1 for i, t in enumerate(seq)] for seq in out]
-        return out
-
-    monkeypatch.setattr(quality_runtime, "_continuations", w8a8_drifts)
-    manifest = write_manifest(f"file://{toy_model('llama-tiny')}", quantization="int8",
-                              build={"qualityGate": {"maxKLDivergence": 0.01, "minTokenAgreement": 0.8}})
-    store = f"file://{tmp_path / 'store'}"
-    result = kiln_build("-f", str(manifest), "--store", store)
-    assert result.exit_code == 0, result.output
-    artifact, doc = engine_json(store, version_of(manifest), tmp_path / "fetched")
+    _w8a8_drifts(monkeypatch)
+    artifact, doc = _int8_toy_build(toy_model, write_manifest, kiln_build, tmp_path)
     gate = doc["build_report"]["w8a8_gate"]
     assert not gate["allowed"] and doc["build_report"]["quality"]["passed"]
     assert all(not v["allowed"] and v.get("runtime_token_agreement", 0) < 0.8 for v in gate["candidates"].values())
@@ -174,12 +160,7 @@ def test_a_w8a8_candidate_the_build_host_cannot_run_is_excluded_not_assumed(toy_
     real = candidates.why_not
     monkeypatch.setattr(candidates, "why_not", lambda name, *a, **k: "no such unit here" if name == "torch-w8a8"
                         else real(name, *a, **k))
-    manifest = write_manifest(f"file://{toy_model('llama-tiny')}", quantization="int8",
-                              build={"qualityGate": {"maxKLDivergence": 0.01, "minTokenAgreement": 0.8}})
-    store = f"file://{tmp_path / 'store'}"
-    result = kiln_build("-f", str(manifest), "--store", store)
-    assert result.exit_code == 0, result.output
-    _, doc = engine_json(store, version_of(manifest), tmp_path / "fetched")
+    _, doc = _int8_toy_build(toy_model, write_manifest, kiln_build, tmp_path)
     torch_gate = doc["build_report"]["w8a8_gate"]["candidates"]["torch-w8a8"]
     assert not torch_gate["allowed"] and "no such unit here" in torch_gate["why"]
     assert "torch-w8a8" in doc["engine_config"]["tactics_exclude"] or doc["engine_config"]["tactics_exclude"] == ["w8a8"]
@@ -189,24 +170,35 @@ def test_w8a8_that_passes_only_with_the_lm_head_kept_ships_lm_head_int8_off(toy_
                                                                            tmp_path, monkeypatch):
     """The gate measures W8A8 with the int8 engine's LM head in int8 first; where that fails and W8A8 with the
     head kept in the engine's dtype passes, the engine ships W8A8 allowed and lm_head_int8: off."""
-    from kiln.builder.stages import quality_runtime
+    _w8a8_drifts(monkeypatch, lambda overrides: overrides.get("lm_head_int8") != "off")  # an int8 head drifts
+    _, doc = _int8_toy_build(toy_model, write_manifest, kiln_build, tmp_path)
+    gate = doc["build_report"]["w8a8_gate"]
+    kept = [v for v in gate["candidates"].values() if v.get("lm_head") == "kept"]
+    assert kept and all(not v["with_int8_head"]["allowed"] for v in kept)
+    assert doc["engine_config"]["lm_head_int8"] == "off"
 
-    real = quality_runtime._continuations
 
-    def head_drifts(ctx, overrides):  # an int8 LM head flips every other token; kept, W8A8 is exact enough
-        out = real(ctx, overrides)
-        if overrides.get("tactics") in ("kiln-w8a8", "torch-w8a8") and overrides.get("lm_head_int8") != "off":
-            out = [[t if i % 2 else t + 1 for i, t in enumerate(seq)] for seq in out]
-        return out
-
-    monkeypatch.setattr(quality_runtime, "_continuations", head_drifts)
+def _int8_toy_build(toy_model, write_manifest, kiln_build, tmp_path):
+    """The toy built ``quantization: int8`` under a 0.8 agreement gate: (artifact dir, engine.json)."""
     manifest = write_manifest(f"file://{toy_model('llama-tiny')}", quantization="int8",
                               build={"qualityGate": {"maxKLDivergence": 0.01, "minTokenAgreement": 0.8}})
     store = f"file://{tmp_path / 'store'}"
     result = kiln_build("-f", str(manifest), "--store", store)
     assert result.exit_code == 0, result.output
-    _, doc = engine_json(store, version_of(manifest), tmp_path / "fetched")
-    gate = doc["build_report"]["w8a8_gate"]
-    kept = [v for v in gate["candidates"].values() if v.get("lm_head") == "kept"]
-    assert kept and all(not v["with_int8_head"]["allowed"] for v in kept)
-    assert doc["engine_config"]["lm_head_int8"] == "off"
+    return engine_json(store, version_of(manifest), tmp_path / "fetched")
+
+
+def _w8a8_drifts(monkeypatch, when=lambda overrides: True) -> None:
+    """The gate's continuations with a W8A8 candidate forced (and ``when`` the overrides say so) flip every other
+    token, as a model W8A8 does not suit would."""
+    from kiln.builder.stages import quality_runtime
+
+    real = quality_runtime._continuations
+
+    def drifting(ctx, overrides):
+        out = real(ctx, overrides)
+        if overrides.get("tactics") in ACTIVATION_QUANT and when(overrides):
+            out = [[t if i % 2 else t + 1 for i, t in enumerate(seq)] for seq in out]
+        return out
+
+    monkeypatch.setattr(quality_runtime, "_continuations", drifting)
