@@ -177,22 +177,37 @@ def measure_threads(candidates: list[int] | None = None) -> dict[int, float]:
     return {t: round(_rate(torch.float32, THREADS_SHAPE, threads=t), 2) for t in candidates}
 
 
+def pinned_threads() -> tuple[int | None, str] | None:
+    """The user's thread count, where one is set: ``$OMP_NUM_THREADS`` (None: torch's setting is left alone)
+    or ``$KILN_CPU_THREADS`` (capped at the CPUs), with why; None where neither pins it."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None, f"$OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    forced = os.environ.get(THREADS_ENV, "").strip()
+    if forced.isdigit() and int(forced) >= 1:
+        return min(int(forced), available_cpus()), f"${THREADS_ENV}={forced}"
+    return None
+
+
+def usable_cores() -> int:
+    """The cores this process may keep busy: the cgroup CPU quota floored (at least 1), else its CPUs."""
+    quota = cgroup_cpu_quota()
+    return max(1, min(available_cpus(), math.floor(quota))) if quota is not None else available_cpus()
+
+
 def choose_threads(hint: int | None = None, built_on: dict[str, Any] | None = None,
                    reserve: int | None = None) -> tuple[int | None, str]:
     """(threads, why); threads None means leave torch's setting alone (``$OMP_NUM_THREADS`` is set).
     ``reserve``: cores left to the process's other threads (a server's HTTP and detokenizer); by default
     the :func:`serving` context's (none outside it)."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None, f"$OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    pin = pinned_threads()
+    if pin is not None:
+        return pin
     cpus = available_cpus()
-    forced = os.environ.get(THREADS_ENV, "").strip()
-    if forced.isdigit() and int(forced) >= 1:
-        return min(int(forced), cpus), f"${THREADS_ENV}={forced}"
     reserve = getattr(_serving, "reserve", 0) if reserve is None else reserve
     left = f", {reserve} core(s) left to the server's own threads" if reserve else ""
     quota = cgroup_cpu_quota()
     if quota is not None:
-        return max(1, min(cpus, math.floor(quota)) - reserve), f"cgroup CPU quota {quota:g}{left}"
+        return max(1, usable_cores() - reserve), f"cgroup CPU quota {quota:g}{left}"
     if hint and same_machine_type(built_on):
         return max(1, min(int(hint), cpus - reserve)), f"the build's measurement (same CPU type){left}"
     if cpus - reserve <= 1:

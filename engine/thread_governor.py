@@ -114,14 +114,9 @@ def for_server(threads: int) -> ThreadGovernor | None:
     """The governor of a CPU server that starts on ``threads``, trying it against every core it may use (the
     cgroup quota's, else the CPUs'); None where the count is pinned (``$OMP_NUM_THREADS``,
     ``$KILN_CPU_THREADS``) or there is nothing to choose."""
-    import math
-    import os
+    from kiln.engine.cpu_target import pinned_threads, usable_cores
 
-    from kiln.engine.cpu_target import THREADS_ENV, available_cpus, cgroup_cpu_quota
-
-    if os.environ.get("OMP_NUM_THREADS") or os.environ.get(THREADS_ENV, "").strip():
+    if pinned_threads() is not None:
         return None
-    quota = cgroup_cpu_quota()
-    most = max(1, min(available_cpus(), math.floor(quota) if quota else available_cpus()))
-    choices = sorted({threads, most})
+    choices = sorted({threads, usable_cores()})
     return ThreadGovernor(choices, threads) if len(choices) > 1 else None
