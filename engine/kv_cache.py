@@ -52,7 +52,7 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Te
     of the bench model's start) and each page is paid for when a block first fills."""
     if device != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
