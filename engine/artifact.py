@@ -41,6 +41,15 @@ log = logging.getLogger("kiln.engine.artifact")
 # Mirrors kiln.envelope.ARTIFACT_FORMAT_VERSION (the engine imports nothing of kiln core).
 FORMAT_VERSION = 1
 TACTICS_FILE = "tactics.json"  # the build's tactic table (kiln.engine.tactics), beside engine.json
+# What ``engine.json``'s ``engine_config`` may set: the settings a build decides (``ENGINE_SETTINGS`` in
+# builder_job/engine_settings.py and its stages' overrides). Paths the engine loads code from or writes to
+# (compile_cache, tactics, tactics_cache, weights_dir, model), devices and where ranks meet come from the
+# caller, never from the store (docs/operator-trust.md).
+ARTIFACT_SETTINGS = frozenset({
+    "dtype", "quantization", "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size", "max_batch_size",
+    "max_input_len", "max_seq_len", "max_num_tokens", "block_size", "enable_prefix_caching", "num_kv_blocks",
+    "kv_memory_fraction", "cuda_graph_batch_sizes", "enforce_eager", "enable_lora", "max_loras", "max_lora_rank",
+    "max_cpu_loras", "compile", "attention_backend", "speculative_config", "tactics_exclude", "lm_head_int8"})
 
 
 def weights_file_name(rank: int, size: int) -> str:
@@ -80,16 +89,12 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
         sku = (doc.get("gpu") or {}).get("sku", "?")
         raise ConfigError(f"artifact {root} was built for GPU arch {built_arch} ({sku}) but this machine's device "
                           f"is {here}; build the engine for {here} (spec.gpu) or run it on a {built_arch} GPU")
-    known = {f.name for f in fields(EngineConfig)}
-    stored = doc.get("engine_config") or {}
-    ignored = sorted(set(stored) - known)
-    if ignored:
-        log.warning("engine.json engine_config keys this runtime does not know, ignored: %s", ", ".join(ignored))
     adapt = overrides.pop("adapt_to_cpu", True)
-    # Native code shipped in the artifact (CPU kernel libraries, compiled GPU kernels) is loaded only when the
-    # caller verified the artifact's signature (kiln serve --verify-key); else this host compiles its own.
+    # Code shipped in the artifact (CPU kernel libraries, compiled GPU kernels, the Inductor cache's pickled
+    # graphs and .so kernels) is loaded only when the caller verified the artifact's signature (kiln serve
+    # --verify-key); else this host compiles its own.
     trusted = overrides.pop("trust_shipped_code", False)
-    kwargs = {k: v for k, v in stored.items() if k in known}
+    kwargs = stored_settings(root, doc)
     kwargs.update(overrides)
     kwargs.setdefault("device", "cpu" if built_arch == "cpu" else "cuda")
     kwargs["quantization"] = canonical_quantization(kwargs.get("quantization"))
@@ -98,7 +103,7 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
     if kwargs["device"] == "cpu":
         from kiln.engine.compile import shipped_compile
 
-        shipped_compile(root, doc, kwargs)
+        shipped_compile(root, doc, kwargs, trusted)
         from kiln.engine.kernels.cpu_library import install_from_artifact
 
         install_from_artifact(root, doc, trusted)
@@ -124,9 +129,37 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
         kwargs["weights_dir"] = str(weights)
     kwargs["model"] = str(root)
     speculative = kwargs.get("speculative_config")
-    if isinstance(speculative, dict) and speculative.get("model"):  # the artifact's draft folder
-        kwargs["speculative_config"] = {**speculative, "model": str(root / speculative["model"])}
+    if isinstance(speculative, dict) and speculative.get("model") and "speculative_config" not in overrides:
+        kwargs["speculative_config"] = {**speculative, "model": str(_inside(root, speculative["model"]))}
     return EngineConfig(**kwargs)
+
+
+def stored_settings(root: Path, doc: dict[str, Any]) -> dict[str, Any]:
+    """``engine.json``'s ``engine_config``: the :data:`ARTIFACT_SETTINGS` it sets. Refuses a known setting outside
+    that list (a path the engine writes, a code cache); warns about and ignores one this runtime does not know."""
+    known = {f.name for f in fields(EngineConfig)}
+    stored = doc.get("engine_config") or {}
+    if not isinstance(stored, dict):
+        raise ConfigError(f"{root / 'engine.json'}: engine_config must be an object of settings, got "
+                          f"{type(stored).__name__}; rebuild the engine with this kiln version")
+    ignored = sorted(set(stored) - known)
+    if ignored:
+        log.warning("engine.json engine_config keys this runtime does not know, ignored: %s", ", ".join(ignored))
+    refused = sorted(set(stored) & known - ARTIFACT_SETTINGS)
+    if refused:
+        raise ConfigError(f"{root / 'engine.json'}: engine_config sets {', '.join(refused)}, which an artifact may "
+                          f"not set (paths and code caches come from the runtime, not the store); rebuild the engine "
+                          f"with this kiln version, or pass them as LLM(...) keywords / kiln serve flags")
+    return {k: v for k, v in stored.items() if k in ARTIFACT_SETTINGS}
+
+
+def _inside(root: Path, relative: Any) -> Path:
+    """``root / relative`` for a path an artifact names, refused when it leaves the artifact's folder."""
+    path = (root / str(relative)).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise ConfigError(f"{root / 'engine.json'}: speculative_config.model {relative!r} is outside the artifact; "
+                          f"an artifact's draft model is a folder inside it: rebuild the engine with this kiln version")
+    return path
 
 
 def _adapt_to_cpu(kwargs: dict[str, Any], doc: dict[str, Any], dtype_forced: bool) -> None:

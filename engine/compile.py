@@ -89,12 +89,19 @@ def missing_requirements(record: dict[str, Any], threads: int | None = None) -> 
     return missing
 
 
-def shipped_compile(root: Path, doc: dict[str, Any], kwargs: dict[str, Any]) -> None:
+def shipped_compile(root: Path, doc: dict[str, Any], kwargs: dict[str, Any], trusted: bool = False) -> None:
     """Point an artifact's engine kwargs at its shipped compile (``tuning.compile``), or turn compiling
     off with one warning when this host cannot use it: compiling here instead would take minutes
-    (``artifact_engine_config`` calls this)."""
+    (``artifact_engine_config`` calls this). The cache holds pickled graphs and compiled ``.so`` kernels,
+    so it is used only from a ``trusted`` artifact (its signature verified); the path is always the
+    artifact's :data:`CACHE_DIR`, never one ``engine.json`` names."""
     record = (doc.get("tuning") or {}).get("compile")
-    if kwargs.get("compile", "off") == "off" or not record:
+    if kwargs.get("compile", "off") == "off" or not record or kwargs.get("compile_cache"):
+        return
+    if not trusted:
+        log.warning("artifact %s ships a compiled model but its signature was not verified (serve it with "
+                    "--verify-key): its Inductor cache is code, not loaded; running eager (compile='off')", root)
+        kwargs["compile"] = "off"
         return
     missing = missing_requirements(record, (kwargs.get("cpu_target") or {}).get("threads"))
     if missing:
@@ -102,8 +109,8 @@ def shipped_compile(root: Path, doc: dict[str, Any], kwargs: dict[str, Any]) -> 
                     root, record.get("vec_isa") or "another CPU", ", ".join(missing))
         kwargs["compile"] = "off"
         return
-    cache = root / record.get("cache", CACHE_DIR)
-    if cache.is_dir():
+    cache = root / CACHE_DIR
+    if cache.is_dir() and not cache.is_symlink():
         kwargs["compile_cache"] = str(cache)
 
 

@@ -57,7 +57,7 @@ def test_compile_option_is_checked(toy_model):
 
 def test_shipped_compile_used_when_host_matches(toy_model, tmp_path):
     art = make_artifact(toy_model(), tmp_path / "art", host_record())
-    config = artifact_engine_config(art)
+    config = artifact_engine_config(art, trust_shipped_code=True)
     assert config.compile == "inductor" and config.compile_cache == str(art / kcompile.CACHE_DIR)
 
 
@@ -70,7 +70,7 @@ def test_host_without_the_compile_runs_eager_with_a_warning(toy_model, tmp_path,
     model_dir = toy_model()
     art = make_artifact(model_dir, tmp_path / "art", host_record(**change))
     with caplog.at_level(logging.WARNING, logger="kiln.engine.compile"):
-        config = artifact_engine_config(art)
+        config = artifact_engine_config(art, trust_shipped_code=True)
     assert config.compile == "off" and config.compile_cache is None
     [warning] = [r.getMessage() for r in caplog.records if r.name == "kiln.engine.compile"]
     assert lacks in warning and "running eager" in warning
@@ -92,7 +92,7 @@ def test_host_lacking_the_isa_flags_falls_back(toy_model, tmp_path, monkeypatch,
     art = make_artifact(toy_model(), tmp_path / "art", host_record(cpu_flags=["avx2", "fma"]))
     monkeypatch.setattr(cpu_target, "cpu_flags", lambda: frozenset({"sse4_2"}))
     with caplog.at_level(logging.WARNING, logger="kiln.engine.compile"):
-        assert artifact_engine_config(art).compile == "off"
+        assert artifact_engine_config(art, trust_shipped_code=True).compile == "off"
     assert "lacks CPU flag avx2, CPU flag fma" in caplog.text
 
 
@@ -123,7 +123,7 @@ def test_compiled_greedy_equals_eager_and_shipped_cache_serves(toy_model, tmp_pa
     art = make_artifact(model_dir, tmp_path / "art", host_record())
     shutil.rmtree(art / kcompile.CACHE_DIR)
     shutil.copytree(tmp_path / "build-cache", art / kcompile.CACHE_DIR)
-    shipped = LLM.from_artifact(art)
+    shipped = LLM.from_artifact(art, trust_shipped_code=True)
     try:
         assert shipped.engine_config.compile_cache == str(art / kcompile.CACHE_DIR)
         assert os.environ[kcompile.CACHE_ENV] != str(tmp_path / "build-cache")  # a private copy
