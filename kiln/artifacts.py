@@ -162,7 +162,7 @@ class ArtifactStore:
                 local = tmp / f.path
                 local.parent.mkdir(parents=True, exist_ok=True)
                 key = f"engines/{version}/{f.path}"
-                self.backend.download(key, local, _file_progress(progress, f.path, f.size))
+                self.backend.download(key, local, _file_progress(progress, f.path, f.size), size=f.size)
                 size = local.stat().st_size
                 digest = file_sha256(local)
                 if size != f.size or digest != f.sha256:

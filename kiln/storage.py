@@ -15,6 +15,9 @@ from typing import NamedTuple, Protocol
 
 # Called with the number of bytes moved since the previous call.
 ByteCallback = Callable[[int], None]
+# The most ``read`` returns: the objects read whole (manifests, claims, engine.json) are a few KB, and a store
+# writer must not make a reader hold more in memory before its signature is checked.
+MAX_READ_BYTES = 16 * 1024 * 1024
 
 
 class ObjectInfo(NamedTuple):
@@ -34,10 +37,12 @@ class Backend(Protocol):
     def promote(self, src_key: str, dst_key: str) -> None:
         """Move (or copy) a verified staging object to its published key, replacing any object there."""
 
-    def download(self, key: str, local: Path, progress: ByteCallback | None) -> None: ...
+    def download(self, key: str, local: Path, progress: ByteCallback | None, size: int | None = None) -> None:
+        """Copy the object to ``local``; with ``size`` (the manifest's), refuse (ArtifactCorrupt) an object of
+        another size before writing, and never write more than ``size`` bytes. Never follows a symlink."""
 
-    def read(self, key: str) -> bytes | None:
-        """The object's bytes, or None when it does not exist."""
+    def read(self, key: str, limit: int = MAX_READ_BYTES) -> bytes | None:
+        """The object's bytes, or None when it does not exist; ArtifactCorrupt when it holds more than ``limit``."""
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
         """Create the object with ``data`` only if no object exists there; False if one does."""

@@ -5,19 +5,24 @@ to the final name: ``link`` fails if the name exists, so a manifest is either
 absent or whole, and two publishers cannot both create it. On filesystems
 without hard links it falls back to ``O_CREAT | O_EXCL`` (whole-or-absent then
 relies on readers treating a partial manifest as invalid, which they do).
+
+Reads open regular files only, never through a symlink (``O_NOFOLLOW``, and the resolved path must
+stay under the root): a store writer's link to ``/dev/zero`` or another tree is refused, not read.
+They take the size from ``fstat`` before copying, and copy no more than the size they expect.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from kiln.artifact_manifest import HASH_CHUNK, ArtifactCorrupt, StoreError, file_sha256
-from kiln.storage import ByteCallback, ObjectInfo
+from kiln.storage import MAX_READ_BYTES, ByteCallback, ObjectInfo
 
 
 class FileBackend:
@@ -80,11 +85,17 @@ class FileBackend:
         except OSError as exc:
             raise self._err(exc, f"move {src_key} to {dst_key}") from None
 
-    def download(self, key: str, local: Path, progress: ByteCallback | None) -> None:
+    def download(self, key: str, local: Path, progress: ByteCallback | None, size: int | None = None) -> None:
         try:
-            with open(self._path(key), "rb") as src, open(local, "wb") as out:
-                while chunk := src.read(HASH_CHUNK):
+            with self._open(key) as src, open(local, "wb") as out:
+                have = os.fstat(src.fileno()).st_size
+                if size is not None and have != size:
+                    raise ArtifactCorrupt(f"{self.uri}/{key}: {have} bytes in the store, the manifest says {size}: "
+                                          "not downloaded; re-publish it (`kiln cache rm` and a rebuild)")
+                left = have
+                while left > 0 and (chunk := src.read(min(HASH_CHUNK, left))):
                     out.write(chunk)
+                    left -= len(chunk)
                     if progress:
                         progress(len(chunk))
         except FileNotFoundError:
@@ -92,13 +103,32 @@ class FileBackend:
         except OSError as exc:
             raise self._err(exc, f"read {key}") from None
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, limit: int = MAX_READ_BYTES) -> bytes | None:
         try:
-            return self._path(key).read_bytes()
+            with self._open(key) as src:
+                have = os.fstat(src.fileno()).st_size
+                if have > limit:
+                    raise ArtifactCorrupt(f"{self.uri}/{key}: {have} bytes, more than the {limit} a store object "
+                                          "read whole may hold; not read (remove it: `kiln cache rm`)")
+                return src.read(limit)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
             raise self._err(exc, f"read {key}") from None
+
+    def _open(self, key: str):
+        """``key`` opened for reading: a regular file under the root, reached without following a symlink."""
+        path = self._path(key)
+        real = Path(os.path.realpath(path))
+        if real != Path(os.path.realpath(self.root)).joinpath(*key.split("/")):
+            raise ArtifactCorrupt(f"{self.uri}/{key}: reached through a symlink ({real}); the store holds only "
+                                  "regular files: not read (remove it: `kiln cache rm`)")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ArtifactCorrupt(f"{self.uri}/{key}: not a regular file (a device, pipe or directory); not read "
+                                  "(remove it: `kiln cache rm`)")
+        return os.fdopen(fd, "rb")
 
     def create_exclusive(self, key: str, data: bytes) -> bool:
         dst = self._path(key)

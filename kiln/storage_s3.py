@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,7 +35,7 @@ from botocore.config import Config
 from s3transfer.utils import ChunksizeAdjuster
 
 from kiln.artifact_manifest import HASH_CHUNK, ArtifactCorrupt, StoreError
-from kiln.storage import ByteCallback, ObjectInfo
+from kiln.storage import MAX_READ_BYTES, ByteCallback, ObjectInfo
 
 MiB = 1024 * 1024
 _ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden", "403",
@@ -153,8 +154,17 @@ class S3Backend:
                    {"Bucket": self.bucket, "Key": self._key(src_key)}, self.bucket, self._key(dst_key),
                    Config=self.transfer)
 
-    def download(self, key: str, local: Path, progress: ByteCallback | None) -> None:
+    def download(self, key: str, local: Path, progress: ByteCallback | None, size: int | None = None) -> None:
+        """With ``size``: the object's size from a HEAD first (another size: refused before any byte is
+        written), and a transfer that stops as soon as it has moved more than ``size`` bytes (the object was
+        replaced meanwhile), so no more than ``size`` and one part reach the disk."""
         try:
+            if size is not None:
+                have = self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"]
+                if have != size:
+                    raise ArtifactCorrupt(f"{self.uri}/{key}: {have} bytes in the store, the manifest says {size}: "
+                                          "not downloaded; re-publish it (`kiln cache rm` and a rebuild)")
+                progress = _bounded(progress, size, f"{self.uri}/{key}")
             self.client.download_file(self.bucket, self._key(key), str(local), Config=self.transfer,
                                       Callback=progress)
         except bex.ClientError as exc:
@@ -165,9 +175,14 @@ class S3Backend:
         except (bex.BotoCoreError, boto3.exceptions.Boto3Error) as exc:
             raise self._error(exc, f"download {key}") from None
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, limit: int = MAX_READ_BYTES) -> bytes | None:
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            obj = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            if obj["ContentLength"] > limit:
+                obj["Body"].close()
+                raise ArtifactCorrupt(f"{self.uri}/{key}: {obj['ContentLength']} bytes, more than the {limit} a "
+                                      "store object read whole may hold; not read (remove it: `kiln cache rm`)")
+            return obj["Body"].read(limit)
         except bex.ClientError as exc:
             if exc.response.get("Error", {}).get("Code") == "NoSuchKey":
                 return None
@@ -252,6 +267,23 @@ def _upload_started(key: str, initiated: datetime) -> datetime:
     if m is None:
         return initiated
     return max(initiated, datetime.strptime(m.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC))
+
+
+def _bounded(progress: ByteCallback | None, size: int, where: str) -> ByteCallback:
+    """``progress``, raising ArtifactCorrupt once more than ``size`` bytes have moved (the transfer stops)."""
+    moved = [0]
+    lock = threading.Lock()
+
+    def step(n: int) -> None:
+        with lock:
+            moved[0] += n
+            over = moved[0] > size
+        if over:
+            raise ArtifactCorrupt(f"{where}: more than the manifest's {size} bytes arrived (the object was replaced "
+                                  "during the download); not kept")
+        if progress:
+            progress(n)
+    return step
 
 
 def _b64(hex_digest: str) -> str:

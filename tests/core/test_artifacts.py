@@ -186,7 +186,7 @@ def test_fetch_reuses_a_verified_local_copy_and_repairs_a_bad_one(store: Artifac
     dest = store.fetch(VERSION, tmp_path / "out")
     calls = []
     real_download = store.backend.download
-    store.backend.download = lambda *a: (calls.append(a[0]), real_download(*a))
+    store.backend.download = lambda *a, **k: (calls.append(a[0]), real_download(*a, **k))
     store.fetch(VERSION, dest)
     assert calls == []
     (dest / "config.json").write_text('{"tampered": true}')
