@@ -1,4 +1,4 @@
-"""Optional API-key auth: ``Authorization: Bearer <key>`` on the ``/v1`` endpoints.
+"""Optional API-key auth: ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) on the ``/v1`` endpoints.
 
 The key comes from ``--api-key-file`` or ``$KILN_API_KEY`` and is compared in
 constant time. It is never logged or echoed; probes and ``/metrics`` stay
@@ -18,6 +18,9 @@ async def require_api_key(request: Request) -> None:
     if key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "Missing or incorrect API key; send the header 'Authorization: Bearer <key>'",
+    if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+        token = request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "Missing or incorrect API key; send the header 'Authorization: Bearer <key>' "
+                       "(or 'x-api-key: <key>')",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

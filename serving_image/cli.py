@@ -15,6 +15,9 @@ from typing import Any
 import click
 from kiln.engine.cpu_target import configure_openmp
 from kiln.serving.config import ServeConfig
+from kiln.serving.reasoning import PARSERS
+
+REASONING_PARSERS = list(PARSERS)
 
 configure_openmp()  # before torch loads (the engine flags below import it): OpenMP threads wait passively
 
@@ -178,13 +181,23 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 @click.option("--allow-runtime-lora-updating", is_flag=True, default=False,
               help="Offer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
                    "KILN_ALLOW_RUNTIME_LORA_UPDATING=1); off, they are 404.")
+@click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None, envvar="KILN_REASONING_PARSER",
+              help="Keep a thinking model's <think>...</think> apart from its answer (vLLM's names): reasoning_content "
+                   "in chat, thinking blocks in Messages, reasoning items in Responses [env KILN_REASONING_PARSER].")
+@click.option("--responses-store-size", type=click.IntRange(min=0), default=1000, show_default=True,
+              envvar="KILN_RESPONSES_STORE_SIZE",
+              help="Responses kept for previous_response_id and GET /v1/responses/{id}, per process; 0 keeps none "
+                   "[env KILN_RESPONSES_STORE_SIZE].")
+@click.option("--responses-store-ttl", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,
+              envvar="KILN_RESPONSES_STORE_TTL", help="Seconds a stored response is kept [env KILN_RESPONSES_STORE_TTL].")
 @_engine_options
 def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, verify_key: Path | None, host: str,
           port: int,
           served_model_name: str | None, api_key_file: Path | None, max_queue_len: int, drain_timeout: float,
           max_connections: int, header_timeout: float, body_timeout: float, log_level: str, access_log: bool,
           rank: int | None, world_size: int | None, leader_address: str | None, leader_port: int,
-          lora_modules: list[dict[str, Any]], allow_runtime_lora_updating: bool, **engine: Any) -> None:
+          lora_modules: list[dict[str, Any]], allow_runtime_lora_updating: bool, reasoning_parser: str | None,
+          responses_store_size: int, responses_store_ttl: float, **engine: Any) -> None:
     """Serve a model directory or engine artifact over an OpenAI-compatible API.
 
     The port opens at once; /health answers 200 and /ready 503 until the engine
@@ -218,6 +231,8 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
         drain_timeout=drain_timeout, engine_kwargs=engine_kwargs, log_level=log_level, access_log=access_log,
         max_connections=max_connections, header_read_timeout=header_timeout, body_read_timeout=body_timeout,
         placement=placement, lora_modules=lora_modules, allow_runtime_lora_updating=allow_runtime_lora_updating,
+        reasoning_parser=reasoning_parser, responses_store_size=responses_store_size,
+        responses_store_ttl=responses_store_ttl,
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kiln.serving")

@@ -36,6 +36,11 @@ class ServeConfig:
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
     lora_modules: list[dict[str, Any]] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
+    # Thinking kept apart from the answer (kiln.serving.reasoning: deepseek_r1, qwen3), None: off; and the
+    # Responses API's stored responses (kiln.serving.responses_store): how many, and for how long.
+    reasoning_parser: str | None = None
+    responses_store_size: int = 1000
+    responses_store_ttl: float = 3600.0
 
     @property
     def model_name(self) -> str:

@@ -182,6 +182,9 @@ class ServingMetrics:
                                               "adapter.", names + ["lora_name"], registry=r)
         self.lora_load_time = Histogram("kiln:lora_load_seconds", "Reading and checking a LoRA adapter into host "
                                         "memory.", names, buckets=_LATENCY_BUCKETS, registry=r)
+        self.endpoint_requests = Counter("kiln:endpoint_requests", "Generation requests received, by endpoint "
+                                         "(/v1/chat/completions, /v1/messages, /v1/responses...).",
+                                         names + ["endpoint"], registry=r)
         r.register(EngineStatsCollector(stats, labels, lora_info))
         # Create every series up front, so dashboards and rate() see zeros rather than gaps.
         for metric in (
@@ -198,6 +201,9 @@ class ServingMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def received(self, endpoint: str) -> None:
+        self.endpoint_requests.labels(**self.labels, endpoint=endpoint).inc()
 
     def rejected(self, reason: str) -> None:
         self.requests_rejected.labels(**self.labels, reason=reason).inc()

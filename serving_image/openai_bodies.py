@@ -9,7 +9,8 @@ chunk carries ``"usage": null`` and one extra chunk with no choices carries
 the totals, just before ``data: [DONE]``; with ``continuous_usage_stats`` too
 (vLLM's), every chunk carries its choice's usage so far instead of null.
 Tool calls are ``message.tool_calls`` / ``delta.tool_calls`` (OpenAI's shapes:
-a delta per call with its ``index``, ``id``, ``type`` and ``function``).
+a delta per call with its ``index``, ``id``, ``type`` and ``function``); with a reasoning parser the
+thinking is ``message.reasoning_content`` / ``delta.reasoning_content`` (vLLM's name).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ChoiceText:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # chat: the calls read from `text` (then content is `text`)
+    reasoning: str | None = None  # chat with a reasoning parser: the thinking split from `text` (reasoning.py)
 
 
 def _finite(logprob: float | None) -> float:
@@ -46,6 +48,8 @@ def _finite(logprob: float | None) -> float:
 
 def _message(c: ChoiceText) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+    if c.reasoning is not None:
+        message["reasoning_content"] = c.reasoning
     if c.tool_calls:
         message["content"] = c.text or None
         message["tool_calls"] = c.tool_calls
@@ -158,6 +162,7 @@ class Builder:
         include_usage: bool = False,
         usage: dict[str, Any] | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
         """One chunk; with ``include_usage`` it carries ``usage`` (None but on the last chunk, unless
         ``continuous_usage_stats`` asked for it on every one)."""
@@ -166,6 +171,8 @@ class Builder:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text is not None:
                 delta["content"] = text
             if tool_calls:

@@ -4,7 +4,8 @@ Per choice, what the client sees depends on the chat request's tool plan: plain 
 tool_choice's arguments streamed as ``delta.tool_calls[0].function.arguments`` pieces; a
 ``required`` choice's calls when it ends (the grammar's JSON array parses only whole); an
 ``auto`` choice's content as it comes and its calls (read in the model family's format) when
-it ends. Usage: with ``include_usage`` the totals in a last chunk; with
+it ends. With a reasoning parser, the thinking is split off first (``reasoning_content``) and only the
+answer is read for tool calls. Usage: with ``include_usage`` the totals in a last chunk; with
 ``continuous_usage_stats`` too, every chunk carries its choice's usage so far (vLLM's).
 """
 
@@ -18,6 +19,7 @@ from kiln.engine.errors import RequestError
 from kiln.serving.constraints import ToolPlan
 from kiln.serving.errors import APIError, engine_dead_error, engine_died
 from kiln.serving.openai_bodies import SSE_DONE, Builder, ChoiceText, sse
+from kiln.serving.reasoning import Reasoning
 from kiln.serving.request_fanout import Generation
 from kiln.serving.tool_calls import AutoToolStream, Call, finish_reason_with, read_calls
 
@@ -35,7 +37,8 @@ def usage(gen: Generation, num_output_tokens: list[int]) -> dict[str, Any]:
     return Builder.usage(sum(seen.values()), sum(num_output_tokens), cached)
 
 
-async def collect(builder: Builder, gen: Generation, plan: ToolPlan | None = None) -> dict[str, Any]:
+async def collect(builder: Builder, gen: Generation, plan: ToolPlan | None = None,
+                  reasoning: Reasoning | None = None) -> dict[str, Any]:
     choices = [ChoiceText(text=item.prompt_text or "") for item in gen.inputs]
     async for slot, delta in gen.deltas():
         choice = choices[slot]
@@ -45,6 +48,9 @@ async def collect(builder: Builder, gen: Generation, plan: ToolPlan | None = Non
             choice.logprobs += delta.logprobs
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
+    if reasoning is not None:  # the thinking first: tool calls are read from the answer only
+        for choice in choices:
+            choice.reasoning, choice.text = reasoning.split(choice.text)
     if plan is not None:
         for choice in choices:
             choice.text, calls = read_calls(choice.text, choice.finish_reason, plan)
@@ -101,17 +107,27 @@ def _delta(index: int, arguments: str, id: str | None = None, type: str | None =
 
 
 async def events(builder: Builder, gen: Generation, include_usage: bool, continuous: bool = False,
-                 plan: ToolPlan | None = None) -> AsyncIterator[str]:
+                 plan: ToolPlan | None = None, reasoning: Reasoning | None = None) -> AsyncIterator[str]:
+    async for body in chunks(builder, gen, include_usage, continuous, plan, reasoning):
+        yield sse(body)
+    yield SSE_DONE
+
+
+async def chunks(builder: Builder, gen: Generation, include_usage: bool, continuous: bool = False,
+                 plan: ToolPlan | None = None, reasoning: Reasoning | None = None) -> AsyncIterator[dict[str, Any]]:
+    """The stream's chunk bodies (an ``{"error": ...}`` body last if it fails); the Messages and Responses
+    dialects render these in their own events (:mod:`anthropic_stream`, :mod:`responses_stream`)."""
     chat = builder.kind == "chat"
     started: set[int] = set()
     num_output = [0 for _ in gen.inputs]
     streams = [_ChoiceStream(plan if chat else None) for _ in gen.inputs]
+    thinking = [reasoning.stream() if reasoning is not None and chat else None for _ in gen.inputs]
 
-    def chunk(slot: int, **fields: Any) -> str:
+    def chunk(slot: int, **fields: Any) -> dict[str, Any]:
         running = None
         if continuous and include_usage:
             running = Builder.usage(gen.num_prompt_tokens[slot], num_output[slot], gen.num_cached_tokens[slot])
-        return sse(builder.chunk(slot, include_usage=include_usage, usage=running, **fields))
+        return builder.chunk(slot, include_usage=include_usage, usage=running, **fields)
 
     try:
         async for slot, delta in gen.deltas():
@@ -125,25 +141,28 @@ async def events(builder: Builder, gen: Generation, include_usage: bool, continu
             num_output[slot] += len(delta.new_token_ids)
             prefix = len(gen.inputs[slot].prompt_text or "")
             logprobs = builder.logprobs(slot, delta.new_token_ids, delta.logprobs, prefix)
+            thought, text = thinking[slot].feed(text) if thinking[slot] is not None else ("", text)
+            if delta.finish_reason is not None and thinking[slot] is not None:
+                more_thought, more_text = thinking[slot].finish()
+                thought, text = thought + more_thought, text + more_text
             content, calls = streams[slot].content(text) if chat else (text, None)
-            if content or logprobs or calls:
-                yield chunk(slot, text=content, logprobs=logprobs, tool_calls=calls)
+            if content or logprobs or calls or thought:
+                yield chunk(slot, text=content, logprobs=logprobs, tool_calls=calls, reasoning=thought or None)
             if delta.finish_reason is not None:
                 content, calls, reason = streams[slot].finish(delta.finish_reason)
                 if content or calls:
                     yield chunk(slot, text=content, tool_calls=calls)
                 yield chunk(slot, text=None if chat else "", finish_reason=reason)
     except RequestError as exc:
-        yield sse(APIError(400, str(exc), param=exc.param).body())
+        yield APIError(400, str(exc), param=exc.param).body()
     except Exception as exc:
         if engine_died(gen.engine):  # the group broke mid-stream (a rank died): one line, the probes' answer
             log.error("generation %s failed mid-stream: the engine's step loop failed: %s", gen.request_id, exc)
-            yield sse(engine_dead_error(type="server_error").body())
+            yield engine_dead_error(type="server_error").body()
         else:
             log.exception("generation %s failed mid-stream", gen.request_id)
-            yield sse(APIError(500, "Internal server error during generation; the server log has the details",
-                               type="server_error").body())
+            yield APIError(500, "Internal server error during generation; the server log has the details",
+                           type="server_error").body()
     else:
         if include_usage:
-            yield sse(builder.usage_chunk(usage(gen, num_output)))
-    yield SSE_DONE
+            yield builder.usage_chunk(usage(gen, num_output))

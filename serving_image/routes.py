@@ -1,220 +1,146 @@
-"""``POST /v1/completions`` and ``POST /v1/chat/completions``.
+"""The generating endpoints, in three dialects over one request path (:mod:`request_path`).
 
-Both run the same steps: refuse unless ready, parse and validate the body
-(400s naming the parameter), check the model name (404), tokenize and check
-the engine's limits (400), admit (429 when full), then generate. The engine
-validates at submission (``Generation.start``), before any response starts,
-so its errors are proper 400s; only a failure after that (the engine loop
-dying) reaches a client as an error event inside the stream.
+- OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``, as they are;
+- Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (:mod:`anthropic_translate`,
+  :mod:`anthropic_stream`; errors in Anthropic's shape, :mod:`anthropic_errors`);
+- OpenAI's ``POST /v1/responses`` and ``GET``/``DELETE /v1/responses/{id}`` (:mod:`responses_translate`,
+  :mod:`responses_stream`, the store :mod:`responses_store`).
 
-Disconnects: for a non-streamed request a watcher task waits on the ASGI
-``http.disconnect`` message; for a stream, Starlette cancels the body
-iterator when the client goes. Either way the request's :class:`Generation`
-is closed, which aborts its engine requests so their KV blocks are freed
-within a step, and its admission slots are released.
+Each handler reads the body (bounded in size and time), parses its dialect, translates it into the chat
+request kiln runs, and hands that to :func:`request_path.generate` with the dialect's renderers. The
+requests each endpoint receives are counted on ``/metrics`` (``kiln:endpoint_requests_total``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
-from kiln.engine.errors import RequestError, RequestFailedError
-from kiln.serving.constraints import compile_constraint, output_constraint
-from kiln.serving.errors import (
-    APIError,
-    engine_dead_error,
-    engine_died,
-    from_validation_error,
-    parse_json_body,
-)
-from kiln.serving.inputs import chat_inputs, completion_inputs
-from kiln.serving.openai_bodies import Builder
+from kiln.serving.anthropic_errors import AnthropicRoute
+from kiln.serving.anthropic_protocol import CountTokensRequest, MessagesRequest
+from kiln.serving.anthropic_stream import message_events
+from kiln.serving.anthropic_translate import to_chat as messages_to_chat
+from kiln.serving.anthropic_translate import to_message
+from kiln.serving.chat import render_chat
+from kiln.serving.constraints import output_constraint
 from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, check_supported
-from kiln.serving.request_fanout import Generation
-from kiln.serving.response_stream import collect, events
-from pydantic import ValidationError
+from kiln.serving.request_path import (
+    INLINE_BYTES,
+    MAX_BODY_BYTES,
+    Dialect,
+    counting_rejections,
+    generate,
+    parse_request,
+    read_body,
+    resolve_model,
+)
+from kiln.serving.responses_protocol import ResponsesRequest
+from kiln.serving.responses_store import ResponseStore
+from kiln.serving.responses_stream import response_events
+from kiln.serving.responses_translate import assistant_turn, not_stored, to_response
+from kiln.serving.responses_translate import to_chat as responses_to_chat
 
-log = logging.getLogger("kiln.serving")
+__all__ = ["MAX_BODY_BYTES", "read_body", "router"]
+_INLINE_BYTES = INLINE_BYTES  # prefix.py's name for it
+
 router = APIRouter()
-
-MAX_BODY_BYTES = 16 * 2**20
-_INLINE_BYTES = 64 * 2**10  # bodies up to this size are parsed and tokenized on the event loop
-
-
-class ClientGone(Exception):
-    """The client disconnected before a response started."""
+messages_router = APIRouter(route_class=AnthropicRoute)
+responses_router = APIRouter()
 
 
-class SSEResponse(StreamingResponse):
-    """A text/event-stream response that always runs ``on_close``, however the stream ends."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
-                 request_id: str) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={
-            "Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with contextlib.suppress(RuntimeError):  # the iterator may still be running if cancelled mid-step
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            await self._on_close()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Await ``work``; if the client disconnects first, cancel it and raise :class:`ClientGone`."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_wait_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, watcher):
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task in done and not task.cancelled():
-        return task.result()
-    raise ClientGone
+async def _body(request: Request, endpoint: str) -> bytes:
+    """The raw body of a generating request, once the server takes requests (counted by endpoint)."""
+    ctx = request.app.state.kiln
+    ctx.metrics.received(endpoint)
+    counting_rejections(ctx, ctx.state.check_accepting)
+    return await read_body(request, ctx.config.body_read_timeout)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    return await _serve(request, "completion")
+    raw = await _body(request, "/v1/completions")
+    req = await parse_request(raw, CompletionRequest)
+    return await generate(request, req, "completion", inline=len(raw) <= INLINE_BYTES)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    return await _serve(request, "chat")
+    raw = await _body(request, "/v1/chat/completions")
+    req = await parse_request(raw, ChatCompletionRequest)
+    return await generate(request, req, "chat", inline=len(raw) <= INLINE_BYTES)
 
 
-async def _serve(request: Request, kind: str) -> Response:
-    ctx = request.app.state.kiln
-    state = ctx.state
-    _counting_rejections(ctx, state.check_accepting)
-    model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-    raw = await read_body(request, ctx.config.body_read_timeout)
-
-    def parse() -> CompletionRequest | ChatCompletionRequest:
-        try:
-            return model_cls.model_validate(parse_json_body(raw))
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
-
-    # A big body takes a while to parse and tokenize: keep the event loop (probes, other streams) free.
-    inline = len(raw) <= _INLINE_BYTES
-    req = parse() if inline else await asyncio.to_thread(parse)
-    lora = ctx.loras.get(req.model) if req.model not in ctx.model_names else None  # "model": an adapter's name
-    if req.model not in ctx.model_names and lora is None:
-        raise APIError(
-            404,
-            f"The model {req.model!r} does not exist on this server; it serves "
-            f"{ctx.served_model_name!r} (see GET /v1/models)",
-            param="model",
-            code="model_not_found",
-        )
-    check_supported(req)
-    engine = state.engine
-    constraint, plan = output_constraint(req, (state.engine_info or {}).get("tool_call_format", "json"))
-    make_inputs = chat_inputs if kind == "chat" else completion_inputs
-    # Slots are taken before tokenizing, so a flood of big bodies is refused before it costs anything.
-    admission = _counting_rejections(ctx, state.admit, req.num_prompts() * req.n)
-    try:
-        if lora is not None:  # read into host memory off the event loop if it is not there (docs/lora.md)
-            await ctx.loras.ensure_loaded(lora)
-        if constraint is not None:  # off the event loop and the engine thread; a 400 if it cannot compile
-            await compile_constraint(engine, constraint)
-        inputs = (make_inputs(req, engine, constraint, plan) if inline
-                  else await asyncio.to_thread(make_inputs, req, engine, constraint, plan))
-    except BaseException:
-        admission.release()
-        raise
-    request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-    gen = Generation(engine, ctx.metrics, request_id, inputs, lora)
-    state.generations.add(gen)
-    if isinstance(req, ChatCompletionRequest):
-        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        top_logprobs = req.logprobs
-    builder = Builder(kind, request_id, req.model, engine.tokenizer, top_logprobs)
-
-    async def cleanup() -> None:
-        await gen.close()
-        admission.release()
-        state.generations.discard(gen)
-
-    handed_off = False
-    try:
-        gen.start()
-        if req.stream:
-            options = req.stream_options
-            stream = events(builder, gen, bool(options and options.include_usage),
-                            bool(options and options.continuous_usage_stats), plan)
-            handed_off = True
-            return SSEResponse(stream, on_close=cleanup, request_id=request_id)
-        body = await _unless_disconnected(request, collect(builder, gen, plan))
-        return JSONResponse(body, headers={"X-Request-Id": request_id})
-    except RequestError as exc:
-        raise APIError(400, str(exc), param=exc.param) from None
-    except RequestFailedError as exc:  # this request failed alone; the engine serves the others
-        raise APIError(500, f"Generation failed: {exc}; the server log has the details",
-                       type="server_error") from None
-    except ClientGone:
-        log.info("client left before %s started; aborted", request_id)
-        return Response(status_code=499)
-    except Exception as exc:
-        if not engine_died(engine):
-            raise
-        # The group broke mid-request (a rank died): an expected failure, answered as /health says it.
-        log.error("%s failed: the engine's step loop failed: %s", request_id, exc)
-        raise engine_dead_error() from None
-    finally:
-        if not handed_off:
-            await cleanup()
+@messages_router.post("/v1/messages")
+async def messages(request: Request) -> Response:
+    raw = await _body(request, "/v1/messages")
+    req, chat = await parse_request(raw, MessagesRequest, lambda r: (r, messages_to_chat(r)))
+    message_id = "msg_" + uuid.uuid4().hex
+    stops = req.stop_sequences
+    dialect = Dialect(message_id, lambda body: to_message(body, message_id, stops),
+                      lambda chunks: message_events(chunks, message_id, req.model, stops))
+    return await generate(request, chat, "chat", dialect, inline=len(raw) <= INLINE_BYTES)
 
 
-async def read_body(request: Request, timeout: float) -> bytes:
-    """The body, refused with 413 past MAX_BODY_BYTES before it is all in memory, and with 408
-    when it takes over ``timeout`` seconds to arrive (a slow sender holds a connection)."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _too_large()
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    raise _too_large()
-                chunks.append(chunk)
-    except TimeoutError:
-        raise APIError(408, f"The request body did not arrive within {timeout:g}s; send it at once",
-                       code="request_timeout", headers={"Connection": "close"}) from None
-    return b"".join(chunks)
+@messages_router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> dict[str, Any]:
+    """The prompt's tokens as ``/v1/messages`` would render it (system, tools and all)."""
+    raw = await _body(request, "/v1/messages/count_tokens")
+    chat = await parse_request(raw, CountTokensRequest, messages_to_chat)
+    state = request.app.state.kiln.state
+    resolve_model(request.app.state.kiln, chat.model)
+    check_supported(chat)
+    _, plan = output_constraint(chat, (state.engine_info or {}).get("tool_call_format", "json"))
+    return {"input_tokens": len(render_chat(chat, state.engine.tokenizer, plan))}
 
 
-def _too_large() -> APIError:
-    return APIError(413, f"The request body is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter prompt",
-                    code="request_too_large")
+def _store(request: Request) -> ResponseStore:
+    """This process's stored responses (made on first use, sized by ``--responses-store-size/-ttl``)."""
+    app_state = request.app.state
+    store = getattr(app_state, "responses_store", None)
+    if store is None:
+        config = app_state.kiln.config
+        store = app_state.responses_store = ResponseStore(config.responses_store_size, config.responses_store_ttl)
+    return store
 
 
-def _counting_rejections(ctx: Any, check: Callable[..., Any], *args: Any) -> Any:
-    try:
-        return check(*args)
-    except APIError as exc:
-        if exc.code in ("queue_full", "draining", "not_ready"):
-            ctx.metrics.rejected(exc.code)
-        raise
+@responses_router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    raw = await _body(request, "/v1/responses")
+    store = _store(request)
+    req, run = await parse_request(raw, ResponsesRequest, lambda r: (r, responses_to_chat(r, store)))
+    response_id, created = "resp_" + uuid.uuid4().hex, int(time.time())
+    tokenizer = request.app.state.kiln.state.engine.tokenizer
+
+    def keep(body: dict[str, Any], message: dict[str, Any]) -> None:
+        if req.store:
+            store.put(response_id, body, [*run.conversation, assistant_turn(message)])
+
+    def whole(chat: dict[str, Any]) -> dict[str, Any]:
+        body = to_response(req, response_id, chat, tokenizer)
+        keep(body, chat["choices"][0]["message"])
+        return body
+
+    dialect = Dialect(response_id, whole, lambda chunks: response_events(chunks, req, response_id, created, keep,
+                                                                         tokenizer))
+    return await generate(request, run.chat, "chat", dialect, inline=len(raw) <= INLINE_BYTES)
+
+
+@responses_router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+    stored = _store(request).get(response_id)
+    if stored is None:
+        raise not_stored(response_id, "response_id")
+    return stored.response
+
+
+@responses_router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    if not _store(request).delete(response_id):
+        raise not_stored(response_id, "response_id")
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+router.include_router(messages_router)
+router.include_router(responses_router)

@@ -1,0 +1,51 @@
+"""Errors of the Messages API in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
+
+The status codes are kiln's everywhere else (400, 401, 404, 413, 429 with ``Retry-After``, 503); the
+error ``type`` is Anthropic's name for each. :class:`AnthropicRoute` renders every :class:`APIError`
+its endpoints raise (the API-key check included) this way, so an Anthropic SDK reads the message
+and raises its own exception class for the status.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from kiln.serving.errors import APIError
+
+log = logging.getLogger("kiln.serving")
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+         503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(exc: APIError) -> dict[str, Any]:
+    kind = TYPES.get(exc.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
+
+
+class AnthropicRoute(APIRoute):
+    """A route whose errors are Anthropic-shaped (its dependencies' errors too: they run inside the handler)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def anthropic_errors(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as exc:
+                return error_response(exc)
+            except Exception:
+                log.exception("internal error on %s %s", request.method, request.url.path)
+                return error_response(APIError(500, "Internal server error; the server log has the details"))
+
+        return anthropic_errors

@@ -1,0 +1,160 @@
+"""A Messages API request as the chat request kiln runs, and the chat answer as a Messages API reply.
+
+Request: ``system`` becomes the system message; each message's blocks become chat messages in
+order (``tool_result`` blocks become ``tool`` messages ahead of the user's text, as chat templates
+expect them right after the assistant's calls; ``tool_use`` blocks become the assistant's
+``tool_calls``; ``thinking`` blocks of earlier turns are dropped, as thinking templates drop them).
+``tools`` / ``tool_choice`` map onto chat's (``any`` is ``required``, ``tool`` a named choice,
+``disable_parallel_tool_use`` is ``parallel_tool_calls: false``), ``output_config.format`` onto
+``response_format``, ``stop_sequences`` onto ``stop``. The stop strings are kept in the chat output
+(``include_stop_str_in_output``) so the reply can say which one ended it; they are cut off here.
+
+Reply: ``thinking`` (with a reasoning parser), ``text`` and ``tool_use`` blocks; ``stop_reason`` from
+the finish reason; ``usage`` as Anthropic counts it: ``input_tokens`` excludes the prompt tokens read
+from the prefix cache, which are ``cache_read_input_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kiln.serving.anthropic_protocol import BLOCKS, CountTokensRequest, MessagesRequest, Tool
+from kiln.serving.errors import APIError, from_validation_error
+from kiln.serving.protocol import ChatCompletionRequest
+from kiln.serving.request_path import validated
+from pydantic import ValidationError
+
+ALLOWED = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+
+
+def _text_of(content: Any, param: str) -> str:
+    """A tool result's content (a string or text blocks) as text."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise APIError(400, f"{param}[{j}]: a tool result holds text blocks here; kiln serves text models",
+                           param=f"{param}[{j}]")
+        parts.append(validated(BLOCKS["text"], block, f"{param}[{j}]").text)
+    return "\n".join(parts)
+
+
+def _blocks(i: int, role: str, content: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One Messages API message's blocks as chat messages."""
+    tool_results: list[dict[str, Any]] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, raw in enumerate(content):
+        param = f"messages[{i}].content[{j}]"
+        kind = raw.get("type")
+        if kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue
+        if kind not in ALLOWED[role]:
+            raise APIError(400, f"{param}: a {kind!r} block is not served here; {role} messages take "
+                           f"{' and '.join(ALLOWED[role])} blocks (kiln serves text models)", param=f"{param}.type")
+        block = validated(BLOCKS[kind], raw, param)
+        if kind == "text":
+            texts.append(block.text)
+        elif kind == "tool_use":
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
+        else:
+            text = _text_of(block.content, f"{param}.content")
+            tool_results.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                                 "content": f"Error: {text}" if block.is_error else text})
+    out = list(tool_results)
+    if texts or calls or not tool_results:
+        message: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if calls:
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as chat messages."""
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else "\n".join(b.text for b in req.system)
+        messages.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            messages.append({"role": m.role, "content": m.content})
+        else:
+            messages += _blocks(i, m.role, m.content)
+    return messages
+
+
+def _tools(req: CountTokensRequest) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    tools = []
+    for i, raw in enumerate(req.tools or []):
+        if isinstance(raw, dict):  # not a custom tool's shape: say why
+            if raw.get("type") not in (None, "custom"):
+                raise APIError(400, f"tools[{i}]: {raw.get('type')!r} is one of Anthropic's server tools; kiln "
+                               "serves custom tools ({name, description, input_schema})", param=f"tools[{i}].type")
+            raw = validated(Tool, raw, f"tools[{i}]")
+        tools.append({"type": "function", "function": {"name": raw.name, "description": raw.description,
+                                                       "parameters": raw.input_schema, "strict": raw.strict}})
+    if tools:
+        fields["tools"] = tools
+    choice = req.tool_choice
+    if choice is not None:
+        if choice.type == "tool" and not choice.name:
+            raise APIError(400, "tool_choice of type tool needs name: the tool to call", param="tool_choice.name")
+        fields["tool_choice"] = ({"type": "function", "function": {"name": choice.name}} if choice.type == "tool"
+                                 else {"auto": "auto", "any": "required", "none": "none"}[choice.type])
+        if choice.disable_parallel_tool_use:
+            fields["parallel_tool_calls"] = False
+    if req.output_config is not None and req.output_config.format is not None:
+        fields["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": req.output_config.format.schema_, "strict": True}}
+    return fields
+
+
+def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat request that runs ``req``: a Messages request, or a count_tokens one (which only renders)."""
+    body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req), **_tools(req)}
+    if isinstance(req, MessagesRequest):
+        body.update(max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
+                    top_k=req.top_k, stop=req.stop_sequences, include_stop_str_in_output=bool(req.stop_sequences))
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:  # a shape Anthropic's rules allow and chat's do not: name chat's field
+        raise from_validation_error(exc) from None
+
+
+def cut_stop_sequence(text: str, finish_reason: str | None, stops: list[str] | None) -> tuple[str, str | None]:
+    """(text without the stop sequence that ended it, that sequence or None)."""
+    if finish_reason == "stop":
+        for stop in stops or ():
+            if text.endswith(stop):
+                return text[: len(text) - len(stop)], stop
+    return text, None
+
+
+def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"] - cached, "output_tokens": chat_usage["completion_tokens"],
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def to_message(chat: dict[str, Any], message_id: str, stops: list[str] | None) -> dict[str, Any]:
+    """The chat completion ``chat`` as a Messages API reply."""
+    choice = chat["choices"][0]
+    message = choice["message"]
+    text, stop = cut_stop_sequence(message.get("content") or "", choice["finish_reason"], stops)
+    content: list[dict[str, Any]] = []
+    if message.get("reasoning_content") is not None:
+        content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+    if text or not message.get("tool_calls"):
+        content.append({"type": "text", "text": text})
+    for call in message.get("tool_calls") or []:
+        content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                        "input": json.loads(call["function"]["arguments"])})
+    reason = "stop_sequence" if stop is not None else STOP_REASONS.get(choice["finish_reason"], "end_turn")
+    return {"id": message_id, "type": "message", "role": "assistant", "content": content, "model": chat["model"],
+            "stop_reason": reason, "stop_sequence": stop, "usage": usage(chat["usage"])}

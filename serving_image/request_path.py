@@ -1,0 +1,240 @@
+"""The one request path every generating endpoint runs, whichever dialect asked.
+
+Chat and completions requests come here as they are; the Messages and Responses APIs first
+translate theirs into a chat request (:mod:`anthropic_translate`, :mod:`responses_translate`) and
+render what comes back (:mod:`anthropic_stream`, :mod:`responses_stream`): nothing here knows
+which dialect asked. The steps: refuse unless ready, check the model name (404), tokenize and
+check the engine's limits (400), admit (429 when full), then generate. The engine validates at
+submission (``Generation.start``), before any response starts, so its errors are proper 400s;
+only a failure after that (the engine loop dying) reaches a client as an error event inside the
+stream.
+
+Disconnects: for a non-streamed request a watcher task waits on the ASGI ``http.disconnect``
+message; for a stream, Starlette cancels the body iterator when the client goes. Either way the
+request's :class:`Generation` is closed, which aborts its engine requests so their KV blocks are
+freed within a step, and its admission slots are released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from kiln.engine.errors import RequestError, RequestFailedError
+from kiln.serving.constraints import compile_constraint, output_constraint
+from kiln.serving.errors import (
+    APIError,
+    engine_dead_error,
+    engine_died,
+    from_validation_error,
+    parse_json_body,
+)
+from kiln.serving.inputs import chat_inputs, completion_inputs
+from kiln.serving.openai_bodies import Builder
+from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, check_supported
+from kiln.serving.reasoning import reasoning_parser
+from kiln.serving.request_fanout import Generation
+from kiln.serving.response_stream import chunks, collect, events
+from pydantic import BaseModel, ValidationError
+
+log = logging.getLogger("kiln.serving")
+
+MAX_BODY_BYTES = 16 * 2**20
+INLINE_BYTES = 64 * 2**10  # bodies up to this size are parsed and tokenized on the event loop
+
+
+@dataclass
+class Dialect:
+    """How a translated request's answer goes back: ``body`` renders the chat completion body, ``stream``
+    the chat chunk bodies as the dialect's own SSE events; ``request_id`` is the id its reply carries."""
+
+    request_id: str
+    body: Callable[[dict[str, Any]], dict[str, Any]]
+    stream: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[str]]
+
+
+class ClientGone(Exception):
+    """The client disconnected before a response started."""
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always runs ``on_close``, however the stream ends."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
+                 request_id: str) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={
+            "Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the iterator may still be running if cancelled mid-step
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._on_close()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it and raise :class:`ClientGone`."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task in done and not task.cancelled():
+        return task.result()
+    raise ClientGone
+
+
+async def parse_request(raw: bytes, model_cls: type[BaseModel], translate: Callable[[Any], Any] | None = None) -> Any:
+    """``raw`` validated as ``model_cls`` (then ``translate``d): a 400 naming the field if it is not. A big body
+    takes a while to parse: off the event loop (probes and other streams go on)."""
+    def parse() -> Any:
+        try:
+            req = model_cls.model_validate(parse_json_body(raw))
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+        return translate(req) if translate is not None else req
+
+    return parse() if len(raw) <= INLINE_BYTES else await asyncio.to_thread(parse)
+
+
+def validated(cls: type[BaseModel], value: dict[str, Any], param: str) -> Any:
+    """``value`` (a part of a body: a block, an item) validated as ``cls``; a 400 naming the field under ``param``."""
+    try:
+        return cls.model_validate(value)
+    except ValidationError as exc:
+        err = from_validation_error(exc)
+        raise APIError(400, f"{param}: {err.message}", param=f"{param}.{err.param}" if err.param else param) from None
+
+
+def resolve_model(ctx: Any, model: str) -> Any:
+    """The LoRA adapter ``model`` names (None: the base model); a 404 for a name this server does not serve."""
+    lora = ctx.loras.get(model) if model not in ctx.model_names else None  # "model": an adapter's name
+    if model not in ctx.model_names and lora is None:
+        raise APIError(404, f"The model {model!r} does not exist on this server; it serves "
+                       f"{ctx.served_model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
+    return lora
+
+
+async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str,
+                   dialect: Dialect | None = None, inline: bool = True) -> Response:
+    """Run ``req`` (``kind``: "chat" or "completion") and answer it, in ``dialect`` when one translated it."""
+    ctx = request.app.state.kiln
+    state = ctx.state
+    lora = resolve_model(ctx, req.model)
+    check_supported(req)
+    engine = state.engine
+    constraint, plan = output_constraint(req, (state.engine_info or {}).get("tool_call_format", "json"))
+    make_inputs = chat_inputs if kind == "chat" else completion_inputs
+    # Slots are taken before tokenizing, so a flood of big bodies is refused before it costs anything.
+    admission = counting_rejections(ctx, state.admit, req.num_prompts() * req.n)
+    try:
+        if lora is not None:  # read into host memory off the event loop if it is not there (docs/lora.md)
+            await ctx.loras.ensure_loaded(lora)
+        if constraint is not None:  # off the event loop and the engine thread; a 400 if it cannot compile
+            await compile_constraint(engine, constraint)
+        inputs = (make_inputs(req, engine, constraint, plan) if inline
+                  else await asyncio.to_thread(make_inputs, req, engine, constraint, plan))
+    except BaseException:
+        admission.release()
+        raise
+    request_id = dialect.request_id if dialect is not None else (
+        ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex)
+    gen = Generation(engine, ctx.metrics, request_id, inputs, lora)
+    state.generations.add(gen)
+    parser = reasoning_parser(ctx.config.reasoning_parser) if kind == "chat" else None
+    reasoning = parser.for_request(inputs[0].prompt_token_ids, engine.tokenizer, constraint) if parser else None
+    if isinstance(req, ChatCompletionRequest):
+        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        top_logprobs = req.logprobs
+    builder = Builder(kind, request_id, req.model, engine.tokenizer, top_logprobs)
+
+    async def cleanup() -> None:
+        await gen.close()
+        admission.release()
+        state.generations.discard(gen)
+
+    handed_off = False
+    try:
+        gen.start()
+        if req.stream:
+            options = req.stream_options
+            if dialect is not None:  # the dialects report usage as they go: each chunk carries it
+                stream = dialect.stream(chunks(builder, gen, True, True, plan, reasoning))
+            else:
+                stream = events(builder, gen, bool(options and options.include_usage),
+                                bool(options and options.continuous_usage_stats), plan, reasoning)
+            handed_off = True
+            return SSEResponse(stream, on_close=cleanup, request_id=request_id)
+        body = await _unless_disconnected(request, collect(builder, gen, plan, reasoning))
+        return JSONResponse(dialect.body(body) if dialect is not None else body, headers={"X-Request-Id": request_id})
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    except RequestFailedError as exc:  # this request failed alone; the engine serves the others
+        raise APIError(500, f"Generation failed: {exc}; the server log has the details",
+                       type="server_error") from None
+    except ClientGone:
+        log.info("client left before %s started; aborted", request_id)
+        return Response(status_code=499)
+    except Exception as exc:
+        if not engine_died(engine):
+            raise
+        # The group broke mid-request (a rank died): an expected failure, answered as /health says it.
+        log.error("%s failed: the engine's step loop failed: %s", request_id, exc)
+        raise engine_dead_error() from None
+    finally:
+        if not handed_off:
+            await cleanup()
+
+
+async def read_body(request: Request, timeout: float) -> bytes:
+    """The body, refused with 413 past MAX_BODY_BYTES before it is all in memory, and with 408
+    when it takes over ``timeout`` seconds to arrive (a slow sender holds a connection)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large()
+    chunks_, size = [], 0
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise _too_large()
+                chunks_.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout:g}s; send it at once",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    return b"".join(chunks_)
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"The request body is over {MAX_BODY_BYTES // 2**20} MiB; send a shorter prompt",
+                    code="request_too_large")
+
+
+def counting_rejections(ctx: Any, check: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return check(*args)
+    except APIError as exc:
+        if exc.code in ("queue_full", "draining", "not_ready"):
+            ctx.metrics.rejected(exc.code)
+        raise

@@ -1,0 +1,212 @@
+"""A Responses API request as the chat request kiln runs, and the chat answer as a Response.
+
+Request: ``instructions`` become the system message (for this response only, as OpenAI has it: a
+follow-up does not inherit them); ``previous_response_id`` puts the stored conversation first;
+``input`` items become chat messages (``message`` items by role, ``function_call`` items the
+assistant's ``tool_calls``, ``function_call_output`` items ``tool`` messages; ``reasoning`` items
+are dropped, as thinking templates drop earlier thinking). Function ``tools``, ``tool_choice``,
+``parallel_tool_calls`` and ``text.format`` map onto chat's fields of the same meaning.
+
+Reply: ``output`` items in order: ``reasoning`` (with a reasoning parser), ``message`` with one
+``output_text`` part, then one ``function_call`` per call. A reply cut at ``max_output_tokens`` is
+``incomplete``. Item ids derive from the response id (``msg_``/``rs_`` + its hex), so a streamed
+reply and its stored copy name the same items.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.serving.errors import APIError, from_validation_error
+from kiln.serving.protocol import ChatCompletionRequest
+from kiln.serving.request_path import validated
+from kiln.serving.responses_protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    MessageItem,
+)
+from kiln.serving.responses_protocol import ResponsesRequest as Request
+from kiln.serving.responses_store import ResponseStore
+from pydantic import ValidationError
+
+ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem}
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+@dataclass
+class Translated:
+    """What ``POST /v1/responses`` runs: the chat request, and the conversation it continues (to store)."""
+
+    chat: ChatCompletionRequest
+    conversation: list[dict[str, Any]]  # the chat messages, instructions aside
+
+
+def _text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{param}[{j}]: a {kind!r} part is not served here; kiln serves text models: send "
+                           "input_text parts", param=f"{param}[{j}]")
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+def _item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for i, raw in enumerate(items):
+        kind = raw.get("type", "message")
+        if kind == "reasoning":
+            continue
+        if kind not in ITEMS:
+            raise APIError(400, f"input[{i}]: a {kind!r} item is not served here; send message, function_call "
+                           "and function_call_output items", param=f"input[{i}].type")
+        item = validated(ITEMS[kind], raw, f"input[{i}]")
+        if kind == "message":
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": _text(item.content, f"input[{i}].content")})
+        elif kind == "function_call":
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # calls of one turn: one assistant message
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _text(item.output, f"input[{i}].output")})
+    return messages
+
+
+def _fields(req: Request) -> dict[str, Any]:
+    """Chat's fields for the request's tools, tool choice and text format."""
+    fields: dict[str, Any] = {}
+    tools = []
+    for i, raw in enumerate(req.tools or []):
+        if raw.get("type") != "function":
+            raise APIError(400, f"tools[{i}]: {raw.get('type')!r} tools are OpenAI's hosted tools; kiln serves "
+                           "function tools", param=f"tools[{i}].type")
+        tool = validated(FunctionTool, raw, f"tools[{i}]")
+        tools.append({"type": "function", "function": tool.model_dump(exclude={"type"})})
+    if tools:
+        fields["tools"] = tools
+    if req.tool_choice is not None:
+        choice = req.tool_choice
+        fields["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
+                                                                       "function": {"name": choice.name}}
+    if req.parallel_tool_calls is not None:
+        fields["parallel_tool_calls"] = req.parallel_tool_calls
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise APIError(400, "text.format of type json_schema needs schema (a JSON Schema)", param="text.format.schema")
+        fields["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.name or "output", "schema": fmt.schema_, "strict": fmt.strict}}
+    elif fmt is not None and fmt.type == "json_object":
+        fields["response_format"] = {"type": "json_object"}
+    return fields
+
+
+def not_stored(response_id: str, param: str) -> APIError:
+    return APIError(404, f"No response {response_id!r} is stored on this server: it was never stored (store: false), "
+                    "was deleted, expired, or is kept by another replica (docs/serving.md, \"Responses API\"); send "
+                    "the whole conversation as input instead", param=param, code="response_not_found")
+
+
+def to_chat(req: Request, store: ResponseStore) -> Translated:
+    """The chat request that runs ``req``, after the stored conversation it continues."""
+    if req.background:
+        raise APIError(400, "background responses are not served by kiln; send background: false and stream "
+                       "instead", param="background")
+    earlier: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        stored = store.get(req.previous_response_id)
+        if stored is None:
+            raise not_stored(req.previous_response_id, "previous_response_id")
+        earlier = [dict(m) for m in stored.conversation]
+    new = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else _item_messages(req.input)
+    conversation = earlier + new
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    body = {"model": req.model, "messages": system + conversation, "max_tokens": req.max_output_tokens,
+            "stream": req.stream, "temperature": req.temperature, "top_p": req.top_p, **_fields(req)}
+    try:
+        return Translated(ChatCompletionRequest.model_validate(body), conversation)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def output_items(response_id: str, message: dict[str, Any], done: bool = True) -> list[dict[str, Any]]:
+    """A chat message (content, reasoning_content, tool_calls) as Responses output items."""
+    hex_id, status = response_id.removeprefix("resp_"), "completed" if done else "incomplete"
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning_content") is not None:
+        items.append({"id": f"rs_{hex_id}", "type": "reasoning", "summary": [], "status": status,
+                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+    calls = message.get("tool_calls") or []
+    if message.get("content") or not calls:
+        items.append({"id": f"msg_{hex_id}", "type": "message", "status": status, "role": "assistant",
+                      "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": [],
+                                   "logprobs": []}]})
+    for call in calls:
+        items.append({"id": f"fc_{call['id'].removeprefix('call_')}", "type": "function_call", "status": status,
+                      "call_id": call["id"], "name": call["function"]["name"],
+                      "arguments": call["function"]["arguments"]})
+    return items
+
+
+def usage(chat_usage: dict[str, Any] | None, num_reasoning_tokens: int = 0) -> dict[str, Any] | None:
+    if chat_usage is None:
+        return None
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+def response_body(req: Request, response_id: str, created_at: int, status: str = "in_progress",
+                  output: list[dict[str, Any]] | None = None, chat_usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A Response object: the request's settings echoed, with ``status``, ``output`` and ``usage``."""
+    fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"type": "text"}
+    tools = [dict(t, strict=t.get("strict")) for t in req.tools or []]
+    choice = req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None \
+        else req.tool_choice.model_dump()
+    return {"id": response_id, "object": "response", "created_at": created_at, "status": status,
+            "background": False, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
+            "output": output or [], "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "store": req.store, "temperature": req.temperature, "text": {"format": fmt},
+            "tool_choice": choice or "auto", "tools": tools, "top_p": req.top_p, "truncation": "disabled",
+            "usage": usage(chat_usage), "user": req.user, "metadata": req.metadata or {}}
+
+
+def to_response(req: Request, response_id: str, chat: dict[str, Any], tokenizer: Any = None) -> dict[str, Any]:
+    """The chat completion ``chat`` as a Response."""
+    choice = chat["choices"][0]
+    done = choice["finish_reason"] != "length"
+    body = response_body(req, response_id, int(time.time()), "completed" if done else "incomplete",
+                         output_items(response_id, choice["message"], done), chat["usage"])
+    count_reasoning(body, choice["message"], tokenizer)
+    return body
+
+
+def count_reasoning(body: dict[str, Any], message: dict[str, Any], tokenizer: Any) -> None:
+    """``usage.output_tokens_details.reasoning_tokens``: the thinking's tokens, as the tokenizer counts its text."""
+    thought = message.get("reasoning_content")
+    if thought and tokenizer is not None and body.get("usage"):
+        body["usage"]["output_tokens_details"]["reasoning_tokens"] = len(tokenizer.encode(thought, add_special_tokens=False))
+
+
+def assistant_turn(message: dict[str, Any]) -> dict[str, Any]:
+    """The reply as the chat message a follow-up's conversation holds (its thinking dropped)."""
+    turn: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        turn["tool_calls"] = message["tool_calls"]
+    return turn

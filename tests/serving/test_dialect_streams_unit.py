@@ -1,0 +1,125 @@
+"""The Messages and Responses renderers over chat chunk bodies made by the chat builder itself: the event
+sequences each SDK accumulates, thinking then text then tool calls, stop sequences held back and cut."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import anthropic
+import openai
+from anthropic.lib.streaming._messages import accumulate_event
+from kiln.serving.anthropic_stream import message_events
+from kiln.serving.openai_bodies import Builder
+from kiln.serving.responses_protocol import ResponsesRequest
+from kiln.serving.responses_stream import response_events
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+from pydantic import TypeAdapter
+
+
+def _chunks(pieces, finish="stop", prompt=7, cached=0):
+    """Chat chunk bodies: ``pieces`` are dicts of reasoning / text / tool_calls per chunk."""
+    builder = Builder("chat", "chatcmpl-x", "tiny", None, None)
+    out, num = [], 0
+
+    def usage():
+        return Builder.usage(prompt, num, cached)
+
+    out.append(builder.chunk(0, text="", role=True, include_usage=True, usage=usage()))
+    for piece in pieces:
+        num += 1
+        out.append(builder.chunk(0, include_usage=True, usage=usage(), **piece))
+    out.append(builder.chunk(0, text=None, finish_reason=finish, include_usage=True, usage=usage()))
+    out.append(builder.usage_chunk(usage()))
+    return out
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
+
+
+def _sse(lines):
+    events = []
+    for line in lines:
+        name, data = line.split("\n")[:2]
+        events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return events
+
+
+def _run(gen):
+    async def take():
+        return [line async for line in gen]
+
+    return asyncio.run(take())
+
+
+CALL = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":'}}
+MORE = {"index": 0, "function": {"arguments": ' "Paris"}'}}
+PIECES = [{"reasoning": "Let me"}, {"reasoning": " think."}, {"text": "Hello"}, {"text": " there"},
+          {"tool_calls": [CALL]}, {"tool_calls": [MORE]}]
+
+
+def test_messages_events_accumulate_into_the_message_the_sdk_builds():
+    events = _sse(_run(message_events(_aiter(_chunks(PIECES, "tool_calls", cached=3)), "msg_1", "tiny", None)))
+    names = [name for name, _ in events]
+    assert names[:2] == ["message_start", "ping"]
+    assert names[-2:] == ["message_delta", "message_stop"]
+    assert [b["content_block"]["type"] for n, b in events if n == "content_block_start"] == ["thinking", "text", "tool_use"]
+    assert names.count("content_block_stop") == 3
+    message, bufs = None, {}
+    adapter = TypeAdapter(anthropic.types.RawMessageStreamEvent)
+    for name, body in events:
+        if name != "ping":
+            message = accumulate_event(event=adapter.validate_python(body), current_snapshot=message, json_bufs=bufs)
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    assert message.content[0].thinking == "Let me think." and message.content[1].text == "Hello there"
+    assert message.content[2].input == {"city": "Paris"} and message.stop_reason == "tool_use"
+    assert message.usage.input_tokens == 4 and message.usage.cache_read_input_tokens == 3
+
+
+def test_messages_stream_holds_back_and_cuts_the_stop_sequence():
+    pieces = [{"text": "one two E"}, {"text": "N"}, {"text": "D"}]
+    events = _sse(_run(message_events(_aiter(_chunks(pieces)), "msg_1", "tiny", ["END", "ENOUGH"])))
+    text = "".join(b["delta"]["text"] for n, b in events if n == "content_block_delta")
+    assert text == "one two "
+    delta = next(b for n, b in events if n == "message_delta")["delta"]
+    assert delta == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+
+
+def test_messages_stream_error_is_an_error_event():
+    chunks = _chunks([{"text": "partial"}])[:2] + [{"error": {"message": "engine died", "type": "server_error"}}]
+    events = _sse(_run(message_events(_aiter(chunks), "msg_1", "tiny", None)))
+    assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "engine died"}})
+
+
+def _responses(pieces, finish="stop"):
+    req = ResponsesRequest(model="tiny", input="hi")
+    stored = []
+    lines = _run(response_events(_aiter(_chunks(pieces, finish)), req, "resp_ab12", 1, lambda b, m: stored.append(b)))
+    return _sse(lines), stored
+
+
+def test_responses_events_accumulate_in_the_openai_stream_helper():
+    events, stored = _responses(PIECES, "tool_calls")
+    assert [b["sequence_number"] for _, b in events] == list(range(len(events)))
+    assert events[0][0] == "response.created" and events[-1][0] == "response.completed"
+    adapter = TypeAdapter(ResponseStreamEvent)
+    state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
+    for _, body in events:
+        state.handle_event(adapter.validate_python(body))
+    final = adapter.validate_python(events[-1][1]).response
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output_text == "Hello there"
+    assert final.output[0].content[0].text == "Let me think."
+    assert json.loads(final.output[2].arguments) == {"city": "Paris"}
+    assert stored == [events[-1][1]["response"]]
+
+
+def test_responses_cut_at_max_output_tokens_is_incomplete():
+    events, _ = _responses([{"text": "abc"}], "length")
+    name, body = events[-1]
+    assert name == "response.incomplete"
+    assert body["response"]["status"] == "incomplete"
+    assert body["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
