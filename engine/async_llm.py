@@ -129,15 +129,22 @@ class AsyncLLM:
         return await asyncio.to_thread(self.engine.add_lora, lora_request)
 
     async def remove_lora(self, name: str) -> bool:
-        """Unload an adapter on the step thread (its prefix blocks are dropped between steps)."""
-        if name not in self.engine.list_loras():
-            return False
-        self._commands.put(("remove_lora", name))
+        """Unload an adapter on the step thread, between steps, resident in host memory or not; returns once
+        its prefix blocks are dropped and its idle slots emptied (False: nothing was loaded under ``name``)."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._error!r}")
+        if self._thread is None:  # not started: no step runs, so this thread may change the engine
+            return self.engine.remove_lora(name)
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("remove_lora", (name, done)))
         self._wakeup.set()
-        return True
+        return await done
 
     def list_loras(self) -> list[str]:
         return self.engine.list_loras()
+
+    def lora_digest(self, name: str) -> str | None:
+        return self.engine.lora_digest(name)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -180,12 +187,23 @@ class AsyncLLM:
             if kind == "add":
                 self.engine.add(arg)
             elif kind == "remove_lora":
-                self.engine.remove_lora(arg)
+                name, done = arg
+                self._settle(done, self.engine.remove_lora, name)
             elif kind == "abort":
                 req = self.engine.abort(arg)
                 if req is not None:  # with no token streamed yet, this is the request's first delta
                     queue_time = req.queue_time if req.first_token_time is None else None
                     self._post(arg, self._delta(req, [], req.abort_text, None, "abort", queue_time))
+
+    def _settle(self, done: asyncio.Future, fn: Any, *args: Any) -> None:
+        """Run ``fn`` here (the step thread) and hand its result or error to ``done`` on the event loop."""
+        try:
+            result: Any = fn(*args)
+            setter = done.set_result
+        except Exception as exc:  # noqa: BLE001 - the awaiting caller gets it
+            result, setter = exc, done.set_exception
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(lambda: done.done() or setter(result))
 
     def _publish(self, u: StepUpdate) -> None:
         if u.error is not None:

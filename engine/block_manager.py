@@ -19,14 +19,14 @@ from kiln.engine.sequence import Request
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "root")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "adapter")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
-        self.root: bytes | None = None  # the key chain's root (a LoRA adapter's, or the base's)
+        self.adapter: str | None = None  # the content digest of the LoRA adapter it was computed under
 
 
 class BlockManager:
@@ -112,28 +112,30 @@ class BlockManager:
         num_full = min(req.num_computed_tokens, req.num_tokens) // bs
         parent = self.blocks[req.block_table[req.num_hashed_blocks - 1]].hash if req.num_hashed_blocks else None
         root = req.prefix_root
-        if req.num_hashed_blocks and parent is None:  # its chain was dropped (forget_root): cache no more of it
+        adapter = None if req.lora is None else req.lora.digest
+        # Its chain was dropped (forget_adapter), or its adapter unloaded: cache no more of it.
+        if (req.num_hashed_blocks and parent is None) or (req.lora is not None and req.lora.removed):
             req.num_hashed_blocks = max(req.num_hashed_blocks, num_full)
             return
         for i in range(req.num_hashed_blocks, num_full):
             block = self.blocks[req.block_table[i]]
             tokens = tuple(req.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens, root)
-            block.hash, block.token_ids, block.root = h, tokens, root
+            block.hash, block.token_ids, block.adapter = h, tokens, adapter
             self.hash_to_block.setdefault(h, block.block_id)
             parent = h
         req.num_hashed_blocks = max(req.num_hashed_blocks, num_full)
 
-    def forget_root(self, root: bytes) -> int:
-        """Drop every cached block whose key chain starts at ``root`` (an adapter unloaded: a later adapter
-        of the same name must not hit its KV); returns how many. Blocks in use keep their contents."""
+    def forget_adapter(self, digest: str) -> int:
+        """Drop every cached block computed under the LoRA adapter version ``digest`` (salted or not: an
+        adapter unloaded); returns how many. Blocks in use keep their contents."""
         dropped = 0
         for block in self.blocks:
-            if block.hash is None or block.root != root:
+            if block.hash is None or block.adapter != digest:
                 continue
             if self.hash_to_block.get(block.hash) == block.block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids, block.root = None, (), None
+            block.hash, block.token_ids, block.adapter = None, (), None
             if block.ref_count == 0:
                 self.free_block_ids.move_to_end(block.block_id, last=False)
             dropped += 1

@@ -167,8 +167,8 @@ class ModelRunner:
         inputs = [b for b, _ in batches]
         for slot, adapter in lora_loads:
             self.lora.load(slot, adapter)
-        if lora_loads and inputs:
-            inputs[0].lora_loads = [(slot, a.int_id, a.path) for slot, a in lora_loads]
+        if lora_loads and inputs:  # int_id 0: an emptied slot
+            inputs[0].lora_loads = [(slot, 0, "") if a is None else (slot, a.int_id, a.path) for slot, a in lora_loads]
         if parallel.world_size() > 1:
             parallel.send_message(parallel.STEPS, encode_steps(inputs))
         parts = self.run_stage(inputs)

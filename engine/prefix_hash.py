@@ -8,9 +8,17 @@ by ``GET /v1/prefix_cache``). Block ``i``'s key is::
     key[i]  = SHA-256(key[i-1] || token ids of block i as uint32 little-endian)
 
 A request under a LoRA adapter (docs/lora.md) starts its chain from the adapter's own root, so a
-prefix computed under one adapter (or the base) is never reused by another::
+prefix computed under one adapter (or the base) is never reused by another. The root names the
+adapter's content (its ``digest``, hex: SHA-256 of its files), not its served name, so a new version
+loaded under an old name never hits the old one's KV::
 
-    key[-1] = SHA-256(b"kiln-prefix-v1" || b"\x00lora\x00" || adapter name as UTF-8)
+    key[-1] = SHA-256(b"kiln-prefix-v1" || b"\x00lora\x00" || adapter digest as ASCII hex)
+
+A request with a ``cache_salt`` (vLLM's field: one per tenant) salts that root, so only requests with
+the same salt share blocks, and no client learns from ``cached_tokens`` or latency whether another
+tenant's prompt is cached::
+
+    key[-1] = SHA-256(root || b"\x00salt\x00" || cache_salt as UTF-8)
 
 A request reuses the cached KV of its longest run of leading blocks whose keys the engine
 holds, except that the prompt's last token is always computed: a prompt of ``n`` tokens
@@ -30,11 +38,14 @@ PREFIX_HASH_SCHEME = "kiln-prefix-v1"
 ROOT_KEY = hashlib.sha256(PREFIX_HASH_SCHEME.encode()).digest()
 
 
-def root_key(adapter: str | None = None) -> bytes:
-    """``key[-1]``: the scheme's root, or a LoRA adapter's (by its served name)."""
-    if adapter is None:
-        return ROOT_KEY
-    return hashlib.sha256(PREFIX_HASH_SCHEME.encode() + b"\x00lora\x00" + adapter.encode()).digest()
+def root_key(adapter: str | None = None, cache_salt: str | None = None) -> bytes:
+    """``key[-1]``: the scheme's root, or a LoRA adapter's (by its content digest), salted by ``cache_salt``."""
+    root = ROOT_KEY
+    if adapter is not None:
+        root = hashlib.sha256(PREFIX_HASH_SCHEME.encode() + b"\x00lora\x00" + adapter.encode()).digest()
+    if cache_salt:
+        root = hashlib.sha256(root + b"\x00salt\x00" + cache_salt.encode()).digest()
+    return root
 
 
 def chain_hash(parent: bytes | None, token_ids: Sequence[int], root: bytes = ROOT_KEY) -> bytes:
@@ -44,11 +55,12 @@ def chain_hash(parent: bytes | None, token_ids: Sequence[int], root: bytes = ROO
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, limit: int | None = None,
-               adapter: str | None = None) -> list[bytes]:
-    """Keys of the full blocks of ``token_ids`` (at most ``limit`` of them), under ``adapter`` if given."""
+               adapter: str | None = None, cache_salt: str | None = None) -> list[bytes]:
+    """Keys of the full blocks of ``token_ids`` (at most ``limit`` of them), under the adapter whose content
+    digest is ``adapter`` and the ``cache_salt`` if given."""
     count = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
     keys: list[bytes] = []
-    parent, root = None, root_key(adapter)
+    parent, root = None, root_key(adapter, cache_salt)
     for i in range(count):
         parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size], root)
         keys.append(parent)

@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; vLLM no limit. Each is searched in eve
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI documents no count, only the value range
+MAX_CACHE_SALT_CHARS = 256
 LOGIT_BIAS_RANGE = 100.0  # OpenAI: values in [-100, 100]
 # torch.Generator.manual_seed takes exactly this range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -48,6 +49,8 @@ class SamplingParams:
     (OpenAI's rule); ``allowed_token_ids`` restricts sampling to those ids (vLLM's).
     ``structured_outputs`` constrains the output to a JSON Schema, any JSON object, a regex,
     one of some strings or a grammar (``kiln.engine.structured``; the engine compiles it).
+    ``cache_salt`` (vLLM's request field) salts the request's prefix-cache root: only requests with
+    the same salt share cached blocks (``prefix_hash.root_key``).
     """
 
     temperature: float = 1.0
@@ -69,6 +72,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -126,6 +130,9 @@ class SamplingParams:
             ("structured_outputs", self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputsParams),
              "must be a kiln.engine.structured.StructuredOutputsParams"),
+            ("cache_salt", self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                                        and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS),
+             f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"),
             ("allowed_token_ids", self.allowed_token_ids is None or (
                 len(self.allowed_token_ids) > 0 and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
              "must be a non-empty list of non-negative integer token ids"),

@@ -118,7 +118,7 @@ class Scheduler:
             self._admit(budget, scheduled)
         by_id = {r.request_id: r for r in self.running}
         out.scheduled = [(by_id[rid], n) for rid, n in scheduled.items()]
-        if self.lora_slots is not None:
+        if self.lora_slots is not None and out.scheduled:  # else they wait for a step that runs
             out.lora_loads = self.lora_slots.take_loads()
         return out
 

@@ -75,8 +75,9 @@ class Request:
 
     @property
     def prefix_root(self) -> bytes:
-        """The root of its prefix-cache key chain: the adapter's own, so no prefix is shared across adapters."""
-        return root_key(None if self.lora is None else self.lora.name)
+        """The root of its prefix-cache key chain: its adapter version's own (by content digest) and its
+        ``cache_salt``'s, so no prefix is shared across adapters, versions of one, or salts."""
+        return root_key(None if self.lora is None else self.lora.digest, self.params.cache_salt)
 
     @property
     def num_tokens(self) -> int:

@@ -75,7 +75,7 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
-        allowed_token_ids=req.allowed_token_ids, structured_outputs=constraint,
+        allowed_token_ids=req.allowed_token_ids, structured_outputs=constraint, cache_salt=req.cache_salt,
     )
     try:
         return SamplingParams(**kwargs)

@@ -60,10 +60,19 @@ class LoRARegistry:
         return self.adapters.get(name)
 
     async def ensure_loaded(self, lora: Any) -> None:
-        """The adapter in the engine's host memory, read in a worker thread if it was evicted (LRU)."""
+        """The adapter in the engine's host memory, read in a worker thread if it was evicted (LRU). The read
+        runs under the registry's lock, as ``add`` and ``remove`` do, and only while ``lora`` is still the
+        adapter registered under its name: an unload (or an unload and a reload of a new version) between a
+        request's lookup and its load never brings the old version back."""
         engine = self.ctx.state.engine
-        if lora.lora_name not in engine.list_loras():
-            await self._load(lora)
+        if lora.lora_name in engine.list_loras():
+            return
+        async with self._lock:
+            if self.adapters.get(lora.lora_name) is not lora:
+                raise APIError(404, f"The lora adapter '{lora.lora_name}' was unloaded; list the adapters served "
+                               "with GET /v1/models", param="model", code="model_not_found")
+            if lora.lora_name not in engine.list_loras():
+                await self._load(lora)
 
     async def _load(self, lora: Any) -> None:
         from kiln.engine.errors import RequestError

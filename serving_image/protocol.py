@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from kiln.engine.sampling_params import (
     LOGIT_BIAS_RANGE,
+    MAX_CACHE_SALT_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
@@ -93,6 +94,8 @@ class _SamplingFields(GuidedFields):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # vLLM's: salts the prefix cache, so only requests with the same salt (a tenant's) share cached blocks.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
     def num_prompts(self) -> int:
         return 1

@@ -10,13 +10,22 @@ tensor's shape the base's (an adapter trained for another base fails on its hidd
 within what a rank-``max_lora_rank`` adapter of this base can be (checked before reading it, so a huge file
 is refused, never loaded). ``adapter_model.bin`` (a pickle) is refused: nothing untrusted is unpickled.
 
-The scaling (``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``) is folded into ``B`` here.
+The scaling (``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``) is folded into ``B`` here. ``lora_alpha``
+must be a positive number giving a scaling of at most :data:`MAX_SCALING`, and every weight must be finite in
+the engine's dtype after scaling: the slot-dense path multiplies every slot for every token, so one inf or NaN
+would reach every row of a step, the base model's included.
+
+The files are read once into memory and hashed as read: ``digest`` (SHA-256 of ``adapter_config.json`` and
+``adapter_model.safetensors``) names this version of the adapter's weights, and the prefix cache keys its
+blocks by it, never by the served name (``prefix_hash.root_key``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +43,9 @@ MODULES: dict[str, tuple[str, Any]] = {
 # A tensor of a PEFT LoRA checkpoint: ...layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
 TENSOR_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$")
 _UNSUPPORTED = ("modules_to_save", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern")
+# The largest scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) served: PEFT's defaults give 1-2, published
+# adapters stay under 16; a larger one is a mistake or an attempt to overflow the activations.
+MAX_SCALING = 64.0
 
 
 def module_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -66,6 +78,8 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], dict[Any, tuple[torch.Tensor, torch.Tensor]]] = field(repr=False)
     nbytes: int = 0
     load_seconds: float = 0.0
+    digest: str = ""  # SHA-256 of its files: this version's identity (prefix-cache root)
+    removed: bool = False  # unloaded: requests still under it finish, and publish no prefix blocks
 
 
 def _fail(message: str) -> RequestError:
@@ -105,16 +119,28 @@ def read_adapter_config(path: Path, max_rank: int) -> dict[str, Any]:
     if r > max_rank:
         raise _fail(f"LoRA adapter {path}: r = {r} is over --max-lora-rank {max_rank}; serve with a larger "
                     "--max-lora-rank")
+    cfg["scaling"] = _scaling(path, cfg, r)
     return cfg
 
 
-def load_adapter(path: str | Path, name: str, int_id: int, base_cfg: dict[str, Any], max_rank: int,
-                 dtype: torch.dtype) -> LoRAAdapter:
-    """Read and check the adapter at ``path`` for the base described by ``base_cfg``; raises ``RequestError``
-    (param ``lora_path``) naming the field that is wrong."""
-    from safetensors import safe_open
+def _scaling(path: Path, cfg: dict[str, Any], r: int) -> float:
+    alpha = cfg.get("lora_alpha", r)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise _fail(f"LoRA adapter {path}: lora_alpha must be a positive number, got {alpha!r}; fix "
+                    "adapter_config.json (PEFT's default is 8)")
+    scaling = alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    if scaling > MAX_SCALING:
+        raise _fail(f"LoRA adapter {path}: lora_alpha {alpha!r} gives a scaling of {scaling:g} (lora_alpha / "
+                    f"{'sqrt(r)' if cfg.get('use_rslora') else 'r'}), over the {MAX_SCALING:g} kiln serves; "
+                    "fix lora_alpha in adapter_config.json")
+    return scaling
 
-    path = Path(path)
+
+def read_adapter_files(path: Path, max_rank: int, base_cfg: dict[str, Any]) -> tuple[dict, dict, str]:
+    """(adapter config, its tensors by name, the content digest) of the PEFT directory ``path``: each file
+    read once, size-checked before the read, hashed as read (what is checked is what is loaded)."""
+    from safetensors.torch import load as load_safetensors
+
     if not path.is_dir():
         raise _fail(f"LoRA adapter path {str(path)!r} is not a directory")
     cfg = read_adapter_config(path, max_rank)
@@ -124,29 +150,52 @@ def load_adapter(path: str | Path, name: str, int_id: int, base_cfg: dict[str, A
             if (path / "adapter_model.bin").exists() else ""
         raise _fail(f"LoRA adapter {path} has no adapter_model.safetensors{extra}")
     limit = max_adapter_bytes(base_cfg, max_rank)
-    if file.stat().st_size > limit:
-        raise _fail(f"LoRA adapter {path}: adapter_model.safetensors is {file.stat().st_size} bytes, more than a "
-                    f"rank-{max_rank} adapter of this base can hold ({limit}); it is not for this base")
-    r = cfg["r"]
-    scaling = cfg.get("lora_alpha", r) / (math.sqrt(r) if cfg.get("use_rslora") else r)
-    shapes, layers = module_shapes(base_cfg), base_cfg["num_hidden_layers"]
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise _fail(f"LoRA adapter {path}: adapter_model.safetensors is {size} bytes, more than a "
+                        f"rank-{max_rank} adapter of this base can hold ({limit}); it is not for this base")
+        data = f.read(limit + 1)
+    digest = hashlib.sha256(b"kiln-lora-v1\x00")
+    digest.update(json.dumps(cfg, sort_keys=True).encode())  # the config as parsed, not re-read
+    digest.update(b"\x00")
+    digest.update(data)
+    try:
+        tensors = load_safetensors(data)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for a bad header
+        raise _fail(f"LoRA adapter {path}: adapter_model.safetensors is not a safetensors file: {exc}") from None
+    return cfg, tensors, digest.hexdigest()
+
+
+def _pairs(path: Path, tensors: dict[str, torch.Tensor], layers: int) -> dict[tuple[int, str], dict[str, Any]]:
+    """The adapter's tensors as (layer, PEFT module) -> {"A": ..., "B": ...}, refusing any other tensor."""
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(str(file), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            m = TENSOR_NAME.search(key)
-            if m is None:
-                raise _fail(f"LoRA adapter {path}: tensor {key!r} is not a LoRA weight of a decoder layer's "
-                            "projection (target_modules may name only q/k/v/o_proj and gate/up/down_proj)")
-            layer, module, half = int(m.group(1)), m.group(3), m.group(4)
-            if module not in MODULES:
-                raise _fail(f"LoRA adapter {path}: target module {module!r} is not one this engine adapts "
-                            f"({', '.join(MODULES)})")
-            if layer >= layers:
-                raise _fail(f"LoRA adapter {path}: layer {layer} does not exist in the base ({layers} layers)")
-            halves.setdefault((layer, module), {})[half] = f.get_tensor(key)
+    for key, tensor in tensors.items():
+        m = TENSOR_NAME.search(key)
+        if m is None:
+            raise _fail(f"LoRA adapter {path}: tensor {key!r} is not a LoRA weight of a decoder layer's "
+                        "projection (target_modules may name only q/k/v/o_proj and gate/up/down_proj)")
+        layer, module, half = int(m.group(1)), m.group(3), m.group(4)
+        if module not in MODULES:
+            raise _fail(f"LoRA adapter {path}: target module {module!r} is not one this engine adapts "
+                        f"({', '.join(MODULES)})")
+        if layer >= layers:
+            raise _fail(f"LoRA adapter {path}: layer {layer} does not exist in the base ({layers} layers)")
+        halves.setdefault((layer, module), {})[half] = tensor
+    return halves
+
+
+def load_adapter(path: str | Path, name: str, int_id: int, base_cfg: dict[str, Any], max_rank: int,
+                 dtype: torch.dtype) -> LoRAAdapter:
+    """Read and check the adapter at ``path`` for the base described by ``base_cfg``; raises ``RequestError``
+    (param ``lora_path``) naming the field that is wrong."""
+    path = Path(path)
+    cfg, tensors, digest = read_adapter_files(path, max_rank, base_cfg)
+    r, scaling = cfg["r"], cfg["scaling"]
+    shapes = module_shapes(base_cfg)
     weights: dict[tuple[int, str], dict[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
     nbytes, targets = 0, set()
-    for (layer, module), ab in sorted(halves.items()):
+    for (layer, module), ab in sorted(_pairs(path, tensors, base_cfg["num_hidden_layers"]).items()):
         a, b = ab.get("A"), ab.get("B")
         where = f"layers.{layer}.{module}"
         if a is None or b is None:
@@ -160,10 +209,16 @@ def load_adapter(path: str | Path, name: str, int_id: int, base_cfg: dict[str, A
         kiln_module, part = MODULES[module]
         a = a.to(dtype).contiguous()
         b = (b.float() * scaling).to(dtype).contiguous()
+        for half, t in (("A", a), ("B", b)):
+            if not torch.isfinite(t).all():
+                raise _fail(f"LoRA adapter {name!r} ({path}): {where}.lora_{half} holds inf or NaN"
+                            f"{' once scaled and cast to ' + str(dtype).removeprefix('torch.') if half == 'B' else ''}"
+                            "; it is not loaded (one such weight would reach every row of a batch): retrain or "
+                            "re-export the adapter with finite weights")
         weights.setdefault((layer, kiln_module), {})[part] = (a, b)
         nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
         targets.add(module)
     if not weights:
         raise _fail(f"LoRA adapter {path}: adapter_model.safetensors holds no LoRA weights")
     return LoRAAdapter(name=name, path=str(path), int_id=int_id, rank=r, scaling=scaling,
-                       target_modules=sorted(targets), weights=weights, nbytes=nbytes)
+                       target_modules=sorted(targets), weights=weights, nbytes=nbytes, digest=digest)

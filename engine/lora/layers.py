@@ -23,7 +23,8 @@ there is no ``LoRAStep`` and the linears do no LoRA work at all.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,13 +42,11 @@ class LoRAStep:
     runs: list[tuple[int, int, int]]
     tokens: int
     mask: torch.Tensor | None = None  # [tokens, max_loras], 1 at each token's slot; None: run by run
-    _masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
-    def mask_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """The mask as ``[tokens, max_loras, 1]`` in ``dtype`` (converted once per step)."""
-        if dtype not in self._masks:
-            self._masks[dtype] = self.mask.to(dtype).unsqueeze(2)
-        return self._masks[dtype]
+    @functools.cached_property
+    def others(self) -> torch.Tensor:
+        """``[tokens, max_loras, 1]``, True at the slots a token does not use (their columns are zeroed)."""
+        return (self.mask == 0).unsqueeze(2)
 
 
 _step: LoRAStep | None = None
@@ -152,7 +151,9 @@ class LoRASlots:
                 h = self._mm(x, self.packed_all[0])
             else:
                 h = torch.mm(x.to(self.A.dtype), self.A.flatten(0, 1).t())
-            h.view(step.tokens, len(self.used), -1).mul_(step.mask_as(h.dtype))
+            # Zeroed by a fill, not a multiply: an overflow in another slot's columns (inf * 0 = NaN) must not
+            # reach a row that does not use that slot (a base row least of all).
+            h.view(step.tokens, len(self.used), -1).masked_fill_(step.others, 0)
             return y.add_(self._mm(h, self.packed_all[1]) if kiln
                           else torch.mm(h, self.Bt.flatten(0, 1)))
         for slot, start, end in step.runs:
@@ -212,15 +213,19 @@ class LoRAModel:
         self._read: dict[int, Any] = {}  # ranks other than 0: adapters read from disk, by int_id (LRU)
 
     def load(self, slot: int, adapter: Any) -> None:
+        """Put ``adapter`` in ``slot``; None empties it (its adapter was unloaded)."""
         for key, lin_slots in self.slots.items():
-            lin_slots.set_slot(slot, adapter.weights.get(key))
-        self.loaded[slot] = adapter.int_id
+            lin_slots.set_slot(slot, None if adapter is None else adapter.weights.get(key))
+        self.loaded[slot] = None if adapter is None else adapter.int_id
 
     def load_path(self, slot: int, int_id: int, path: str, config: Any) -> None:
         """On a rank other than 0: read the adapter rank 0 put in ``slot`` (the same path on every node),
         keeping up to ``max_cpu_loras`` read adapters in memory."""
         from kiln.engine.lora.adapter import load_adapter
 
+        if not int_id:  # rank 0 emptied the slot
+            self.load(slot, None)
+            return
         adapter = self._read.pop(int_id, None) or load_adapter(
             path, f"#{int_id}", int_id, config.hf_config, config.max_lora_rank, config.torch_dtype)
         self._read[int_id] = adapter  # most recent last

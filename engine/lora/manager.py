@@ -11,7 +11,6 @@ from kiln.engine.lora.adapter import LoRAAdapter
 from kiln.engine.lora.request import LoRARequest
 from kiln.engine.lora.slots import SlotTable
 from kiln.engine.lora.store import AdapterStore
-from kiln.engine.prefix_hash import root_key
 
 
 class LoRAManager:
@@ -27,14 +26,20 @@ class LoRAManager:
             raise RequestError("lora_request", f"lora_request must be a LoRARequest, got {type(lora).__name__}")
         return self.store.load(lora)
 
-    def remove(self, name: str, block_manager: Any) -> bool:
-        """Forget an adapter: new requests cannot name it, its prefix-cache blocks are dropped; requests
-        already under it finish with it. Call on the thread that steps the engine."""
-        adapter = self.store.remove(name)
-        if adapter is None:
-            return False
-        block_manager.forget_root(root_key(name))
-        return True
+    def remove(self, name: str, block_manager: Any, held: list[LoRAAdapter]) -> bool:
+        """Forget an adapter, resident in host memory or not: new requests cannot name it, the prefix-cache
+        blocks of every version loaded under the name are dropped, its idle device slots are emptied;
+        requests already under it (``held``: the adapters of waiting and running requests) finish with it
+        and publish no more blocks. Call on the thread that steps the engine."""
+        adapter, digests = self.store.remove(name)
+        versions = [a for a in held if a.name == name] + ([adapter] if adapter is not None else [])
+        for version in versions:
+            version.removed = True
+            digests.add(version.digest)
+        for digest in digests:
+            block_manager.forget_adapter(digest)
+        self.slots.forget({a.int_id for a in versions})
+        return bool(versions) or bool(digests)
 
     def info(self, running: list[Any], waiting: list[Any]) -> dict[str, Any]:
         """vLLM's ``lora_requests_info`` labels plus the adapters loaded in host memory."""
@@ -69,10 +74,18 @@ class LoRAEngineMixin:
 
     def remove_lora(self, name: str) -> bool:
         """Unload an adapter (call on the thread that steps); requests under it finish with it."""
-        return self.lora is not None and self.lora.remove(name, self.block_manager)
+        if self.lora is None:
+            return False
+        held = [r.lora for r in list(self.requests.values()) if r.lora is not None]
+        return self.lora.remove(name, self.block_manager, held)
 
     def list_loras(self) -> list[str]:
         return [] if self.lora is None else self.lora.store.names()
+
+    def lora_digest(self, name: str) -> str | None:
+        """The content digest of the adapter loaded as ``name`` now (its prefix-cache root), or None."""
+        adapter = None if self.lora is None else self.lora.store.get(name)
+        return None if adapter is None else adapter.digest
 
     def lora_info(self) -> dict[str, Any] | None:
         """Running/waiting adapters and those loaded (metrics, /v1/models); None with LoRA off."""

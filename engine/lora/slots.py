@@ -5,6 +5,8 @@ empty slot, else the least recently used slot whose adapter no running request u
 pinned until it finishes or is preempted; a slot held by a running request's adapter is never taken.
 Requests that cannot get a slot stay in the waiting queue (others behind them go on, as vLLM's scheduler
 does). A newly assigned slot is a pending load the runner applies before the step runs (on every rank).
+An unloaded adapter's slots are emptied the same way (a pending load of None), at once when idle, else when
+their last request releases them: no unloaded adapter's weights stay on the device.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ class SlotTable:
         self.users = [0] * max_loras   # running requests per slot
         self.last_used = [0] * max_loras
         self._clock = itertools.count(1)
-        self.pending: list[tuple[int, Any]] = []  # (slot, adapter) to load before the next step
+        self.pending: list[tuple[int, Any]] = []  # (slot, adapter or None: empty it) to load before the next step
+        self.retired: set[int] = set()  # int_ids of unloaded adapters whose slots still have running requests
 
     def _find(self, adapter: Any) -> int | None:
         for s, held in enumerate(self.holder):
@@ -52,6 +55,22 @@ class SlotTable:
     def release(self, slot: int) -> None:
         self.users[slot] -= 1
         assert self.users[slot] >= 0
+        if self.users[slot] == 0 and self.holder[slot] in self.retired:
+            self._empty(slot)
+
+    def forget(self, int_ids: set[int]) -> None:
+        """Empty the slots of these (unloaded) adapters: now where no request runs under them, else at release."""
+        for slot, held in enumerate(self.holder):
+            if held in int_ids:
+                if self.users[slot]:
+                    self.retired.add(held)
+                else:
+                    self._empty(slot)
+
+    def _empty(self, slot: int) -> None:
+        self.retired.discard(self.holder[slot])
+        self.holder[slot] = None
+        self.pending = [(s, a) for s, a in self.pending if s != slot] + [(slot, None)]
 
     def take_loads(self) -> list[tuple[int, Any]]:
         loads, self.pending = self.pending, []

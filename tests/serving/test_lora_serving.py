@@ -151,14 +151,21 @@ def test_runtime_updating_is_off_by_default(server):
     assert all(c["parent"] is None for c in httpx.get(f"{server.url}/v1/models").json()["data"])
 
 
-def test_prefix_keys_of_an_adapter_are_its_own(lora_server):
+def test_prefix_keys_of_an_adapter_are_its_own(lora_server, adapter_dirs, model_dir):
+    """Rooted at the content digest of the adapter loaded under the name, not at the name."""
+    import json
+
+    from kiln.engine.lora.adapter import read_adapter_files
     from kiln.engine.prefix_hash import block_keys
 
     ids = list(range(5, 60))
     keys = {m: httpx.post(f"{lora_server.url}/v1/prefix_cache/keys", json={"model": m, "prompt": ids}).json()["keys"]
             for m in (MODEL_NAME, "one")}
     size = httpx.get(f"{lora_server.url}/v1/prefix_cache").json()["block_size"]
-    assert keys["one"] == [k.hex() for k in block_keys(ids, size, limit=(len(ids) - 1) // size, adapter="one")]
+    base = json.loads((Path(model_dir) / "config.json").read_text())
+    digest = read_adapter_files(adapter_dirs["one"], 8, base)[2]
+    assert keys["one"] == [k.hex() for k in block_keys(ids, size, limit=(len(ids) - 1) // size, adapter=digest)]
+    assert keys["one"] != [k.hex() for k in block_keys(ids, size, limit=(len(ids) - 1) // size, adapter="one")]
     assert keys["one"][0] != keys[MODEL_NAME][0]
 
 

@@ -76,3 +76,40 @@ def test_keys_of_a_conversation_use_the_chat_template(server):
     assert body["num_prompt_tokens"] == chat["usage"]["prompt_tokens"]
     bad = httpx.post(f"{server.url}/v1/prefix_cache/keys", json={"model": M}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+
+
+def salted_keys(ids: list[int], block_size: int, salt: str) -> list[bytes]:
+    """A cache_salt salts the root (docs/prefix-routing.md): SHA-256(root || 0 "salt" 0 || salt)."""
+    keys = []
+    parent = hashlib.sha256(hashlib.sha256(b"kiln-prefix-v1").digest() + b"\x00salt\x00" + salt.encode()).digest()
+    for i in range(len(ids) // block_size):
+        parent = hashlib.sha256(parent + struct.pack(f"<{block_size}I", *ids[i * block_size:(i + 1) * block_size])).digest()
+        keys.append(parent)
+    return keys
+
+
+def test_cache_salt_keeps_tenants_apart_on_both_endpoints(server):
+    """vLLM's cache_salt: a tenant's prompt is a hit only for requests with the same salt, so cached_tokens (and
+    latency) tell no other tenant whether it is cached."""
+    size = httpx.get(f"{server.url}/v1/prefix_cache", timeout=10).json()["block_size"]
+    ids = [random.Random(11).randrange(5, 1000) for _ in range(3 * size + 1)]
+
+    def cached(salt: str | None, chat: bool = False) -> int:
+        body = {"model": M, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+        if chat:
+            body["messages"] = [{"role": "user", "content": "kilns and salts " * 10}]
+        else:
+            body["prompt"] = ids
+        r = httpx.post(f"{server.url}/v1/{'chat/completions' if chat else 'completions'}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0 and cached("tenant-a") == 3 * size
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached("tenant-a", chat=True) == 0 and cached("tenant-b", chat=True) == 0
+    assert cached("tenant-a", chat=True) > 0
+    keys = httpx.post(f"{server.url}/v1/prefix_cache/keys", json={"model": M, "prompt": ids, "cache_salt": "t"},
+                      timeout=10).json()["keys"]
+    assert keys == [k.hex() for k in salted_keys(ids, size, "t")[:3]]
+    bad = httpx.post(f"{server.url}/v1/completions", json={"model": M, "prompt": ids, "cache_salt": ""}, timeout=10)
+    assert bad.status_code == 400 and "cache_salt" in bad.text
