@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # make test's worker processes (pytest-xdist): each test file runs whole in one worker; 1 runs in this process.
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-slow lint crds demo bench gpu-check gpu-wheels clean
+.PHONY: install test test-slow lint crds demo bench gpu-check gpu-wheels clean cluster cluster-down cluster-bins
 
 # -I / -P: never put the repo root on sys.path, where operator/ would shadow the
 # standard library's `operator` module (docs/architecture.md: why the folder keeps that name).
@@ -18,9 +18,9 @@ $(BIN)/python:
 
 # torch goes in first and alone: 2.13.0 is the local CPU build, and the package
 # only asks for torch>=2.4, which it satisfies, so pip never pulls CUDA wheels.
-$(STAMP): pyproject.toml bench/pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml bench/pyproject.toml cluster/pyproject.toml | $(BIN)/python
 	$(BIN)/python -P -m pip install -q torch==2.13.0
-	$(BIN)/python -P -m pip install -q -e ".[all,test]" -e ./bench
+	$(BIN)/python -P -m pip install -q -e ".[all,test]" -e ./bench -e ./cluster
 	$(BIN)/python -P -m pip check
 	touch $@
 
@@ -80,6 +80,20 @@ gpu-wheels: install
 		--platform manylinux2014_x86_64 --platform any -r $(GPU_WHEELS)/requirements.txt || exit 1; done
 	rm -f $(GPU_WHEELS)/numpy-*.whl
 	du -sh $(GPU_WHEELS)
+
+# The local Kubernetes control plane (docs/local-cluster.md): etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubectl, helm and LeaderWorkerSet's controller built from their Go modules (pinned in
+# cluster/versions.env, cached under ~/.cache/kiln/cluster: the first build takes 15-25 minutes on 2 cores),
+# then started on 127.0.0.1 with a node agent that runs pods as local processes, and moto's S3.
+CLUSTER_DIR := .kiln-work/cluster
+cluster-bins:
+	bash cluster/build.sh $(CLUSTER_DIR)/bin
+
+cluster: install cluster-bins
+	$(BIN)/python -P -m kiln_cluster up --dir $(CLUSTER_DIR)
+
+cluster-down:
+	@if [ -x $(BIN)/python ]; then $(BIN)/python -P -m kiln_cluster down --dir $(CLUSTER_DIR); fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

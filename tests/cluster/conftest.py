@@ -1,0 +1,61 @@
+"""The real-cluster suite's fixtures: one control plane for the whole session (built by cluster/build.sh,
+cached, started by kiln_cluster under .kiln-work/cluster-test), kiln installed into it with helm exactly as
+docs/local-cluster.md tells a user, and the SmolLM2 GGUF in the cluster's S3."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from clusterlib import ROOT, Kube, secret, store_env
+
+sys.path.insert(0, str(ROOT / "examples"))
+from smollm2 import GGUF_NAME, ensure_gguf  # noqa: E402
+
+TEST_ROOT = ROOT / ".kiln-work" / "cluster-test"
+OPERATOR_NS = "kiln-system"
+ENGINE_NS = "kiln-e2e"
+MODELS_BUCKET = "models"
+SMOLLM2_KEY = f"smollm2/{GGUF_NAME}"
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Kube]:
+    from kiln_cluster import control_plane
+
+    subprocess.run(["bash", str(ROOT / "cluster" / "build.sh"), str(TEST_ROOT / "bin")], check=True)
+    c = control_plane.up(TEST_ROOT)
+    try:
+        yield Kube(bin=TEST_ROOT / "bin", kubeconfig=c.kubeconfig, s3_endpoint=c.s3_endpoint,
+                   node_root=TEST_ROOT / "node")
+    finally:
+        control_plane.down(TEST_ROOT)
+
+
+@pytest.fixture(scope="session")
+def smollm2_s3(cluster: Kube) -> tuple[str, str]:
+    """The SmolLM2 GGUF as an object of the cluster's S3: (s3 URI, sha256)."""
+    path = ensure_gguf(quiet=True)
+    s3 = cluster.s3()
+    for bucket in (MODELS_BUCKET, "kiln-artifacts"):
+        s3.create_bucket(Bucket=bucket)
+    s3.upload_file(str(path), MODELS_BUCKET, SMOLLM2_KEY)
+    return f"s3://{MODELS_BUCKET}/{SMOLLM2_KEY}", hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def installed(cluster: Kube, smollm2_s3) -> Kube:
+    """kiln as docs/local-cluster.md installs it: the CRDs server-side, the store Secrets, helm install."""
+    cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/llmengines.serving.kiln.dev")
+    env = store_env(cluster.s3_endpoint)
+    for ns in (OPERATOR_NS, ENGINE_NS):
+        cluster.kubectl("create", "namespace", ns)
+        cluster.apply([secret("kiln-store", ns, env), secret("kiln-store-read", ns, env),
+                       secret("models", ns, env)])
+    cluster.helm("install", "kiln", str(ROOT / "helm" / "kiln"), "-n", OPERATOR_NS,
+                 "-f", str(ROOT / "examples" / "local-cluster" / "values.yaml"), "--wait", "--timeout", "5m")
+    return cluster

@@ -1,0 +1,126 @@
+"""An engine's life on the real control plane, as a user lives it: kubectl apply the SmolLM2 GGUF from S3,
+a build Job signs and publishes it, a Deployment serves it, the Service's endpoint answers; scaling does not
+rebuild; a revision bump builds once and reverting it is a cache hit; kubectl delete lets the garbage
+collector take what the engine owned, and the artifact stays.
+
+The tests run in file order and share one engine (a user's session is one long story too)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from clusterlib import GROUP, Kube, endpoint_addresses
+from conftest import ENGINE_NS
+
+NAME = "smollm2-e2e"
+BUILD_TIMEOUT = 900
+
+
+def manifest(source: str, revision: str, replicas: int = 1) -> dict:
+    return {"apiVersion": f"{GROUP}/v1alpha1", "kind": "LLMEngine",
+            "metadata": {"name": NAME, "namespace": ENGINE_NS},
+            "spec": {"model": {"source": source, "revision": revision, "credentialsSecret": "models"},
+                     "gpu": "cpu", "dtype": "float32", "quantization": "none", "tensorParallel": 1,
+                     "maxBatchSize": 4, "maxInputLen": 512, "maxSeqLen": 1024, "maxNumTokens": 512,
+                     "serving": {"replicas": replicas, "port": 8000}}}
+
+
+def ready_engine(kube: Kube, timeout: float = BUILD_TIMEOUT) -> dict:
+    def check():
+        eng = kube.engine(NAME, ENGINE_NS)
+        status = (eng or {}).get("status") or {}
+        if status.get("phase") == "Failed":
+            pytest.fail(f"the engine failed: {json.dumps(status)[:2000]}")
+        return eng if kube.condition(eng, "Ready").get("status") == "True" else None
+
+    return kube.wait_for(f"LLMEngine {NAME} Ready", check, timeout=timeout, every=2)
+
+
+def ask(address: tuple[str, int], question: str = "What is the capital of France?") -> str:
+    body = {"model": NAME, "messages": [{"role": "user", "content": question}], "max_tokens": 16,
+            "temperature": 0}
+    req = urllib.request.Request(f"http://{address[0]}:{address[1]}/v1/chat/completions",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())["choices"][0]["message"]["content"]
+
+
+def build_jobs(kube: Kube) -> list[dict]:
+    return [j for j in kube.jobs(ENGINE_NS) if NAME in json.dumps(j["metadata"].get("ownerReferences") or [])
+            or j["metadata"]["name"].startswith(NAME)]
+
+
+def test_the_operator_runs_in_a_pod_as_its_own_service_account(installed: Kube):
+    pods = installed.get("pods", ns="kiln-system", selector="app.kubernetes.io/component=operator")
+    assert len(pods) == 1
+    assert pods[0]["spec"]["serviceAccountName"] == "kiln"
+    assert installed.condition(pods[0], "Ready")["status"] == "True"
+    crd = installed.get("crd", "llmengines.serving.kiln.dev")
+    assert installed.condition(crd, "Established")["status"] == "True"
+    assert "Traceback" not in installed.pod_logs(pods[0])
+
+
+def test_an_engine_from_s3_is_built_by_a_job_signed_and_served(installed: Kube, smollm2_s3):
+    source, sha = smollm2_s3
+    installed.apply(manifest(source, sha))
+    eng = ready_engine(installed)
+    status = eng["status"]
+    jobs = build_jobs(installed)
+    assert len(jobs) == 1 and jobs[0]["status"].get("succeeded") == 1
+    version = status["engineVersion"]
+    keys = {o["Key"] for o in installed.s3().list_objects_v2(Bucket="kiln-artifacts",
+                                                             Prefix=f"engines/{version}/")["Contents"]}
+    assert f"engines/{version}/manifest.json" in keys
+    assert any(k.endswith(".sig") or "signature" in k for k in keys), sorted(keys)
+    assert status["artifact"]["digest"]
+    deploy = installed.get("deployment", NAME, ENGINE_NS)
+    assert deploy["status"].get("readyReplicas") == 1
+    addresses = endpoint_addresses(installed, NAME, ENGINE_NS)
+    assert len(addresses) == 1
+    assert ask(addresses[0]).strip()
+
+
+def test_scaling_to_two_replicas_runs_no_new_job(installed: Kube, smollm2_s3):
+    before = len(build_jobs(installed))
+    installed.apply(manifest(*smollm2_s3, replicas=2))
+    installed.wait_for("two ready endpoints", lambda: len(endpoint_addresses(installed, NAME, ENGINE_NS)) == 2,
+                       timeout=300, every=2)
+    assert len(build_jobs(installed)) == before
+    answers = {ask(a) for a in endpoint_addresses(installed, NAME, ENGINE_NS)}
+    assert len(answers) == 1  # greedy: both replicas serve the same engine
+
+
+def test_a_revision_bump_builds_once_and_reverting_is_a_cache_hit(installed: Kube, smollm2_s3):
+    source, sha = smollm2_s3
+    first = installed.engine(NAME, ENGINE_NS)["status"]["engineVersion"]
+    before = len(build_jobs(installed))
+    installed.apply(manifest(source, "v2", replicas=2))
+    installed.wait_for("the bumped version", lambda: (installed.engine(NAME, ENGINE_NS)["status"]
+                                                      .get("engineVersion") not in (None, first)), timeout=60)
+    eng = ready_engine(installed)
+    assert eng["status"]["engineVersion"] != first
+    assert len(build_jobs(installed)) == before + 1
+    installed.apply(manifest(source, sha, replicas=2))
+    eng = installed.wait_for("the reverted version served", lambda: (
+        (e := installed.engine(NAME, ENGINE_NS)) and e["status"].get("engineVersion") == first
+        and installed.condition(e, "Ready").get("status") == "True" and e), timeout=300, every=2)
+    assert len(build_jobs(installed)) == before + 1, "reverting to a built version must not build"
+
+
+def test_delete_collects_everything_the_engine_owned_and_keeps_the_artifact(installed: Kube):
+    version = installed.engine(NAME, ENGINE_NS)["status"]["engineVersion"]
+    installed.kubectl("delete", f"llmengines.{GROUP}", NAME, "-n", ENGINE_NS, "--wait=true", "--timeout=120s")
+
+    def leftovers():
+        left = []
+        for kind in ("deployments", "services", "jobs", "configmaps", "networkpolicies", "pods"):
+            for obj in installed.get(kind, ns=ENGINE_NS) or []:
+                if NAME in obj["metadata"]["name"]:
+                    left.append(f"{kind}/{obj['metadata']['name']}")
+        return left
+
+    installed.wait_for("the garbage collector", lambda: not leftovers() or None, timeout=180, every=2)
+    head = installed.s3().head_object(Bucket="kiln-artifacts", Key=f"engines/{version}/manifest.json")
+    assert head["ContentLength"] > 0
