@@ -1,7 +1,8 @@
 """JSON read as it arrives: whether the value at a position of a growing output is whole, cut short, or
 cannot be a tool call, so a call still coming is told apart from text that cannot be one
 (:mod:`kiln.serving.tool_calls`). A value is read on from where it stopped, so a long call is read once,
-not once a token.
+not once a token: inside a string cut short too (a 16 k-character argument streamed a few characters at a
+time is read in time linear in its length), and so are the searches a reader repeats (:meth:`Values.find`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ def skip(text: str, pos: int, chars: str) -> int:
     return pos
 
 
-_STR = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*'
-_STRING = re.compile(_STR + '"')
-_STRING_CUT = re.compile(_STR + r"(?:\\|\\u[0-9a-fA-F]{0,3})?\Z")
+_STRING_BODY = re.compile(r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')  # whole characters
+_ESCAPE_CUT = re.compile(r"(?:\\|\\u[0-9a-fA-F]{0,3})?\Z")  # an escape cut short at the end, or nothing
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUMBER_CUT = re.compile(r"-?(?:0|[1-9][0-9]*)?(?:\.[0-9]*)?(?:[eE][+-]?[0-9]*)?\Z")
 _WORDS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")  # what the decoder reads
@@ -39,6 +39,7 @@ class PartialValue:
     def __init__(self, at: int, first: str) -> None:
         self.at, self.first = at, first
         self.i, self.stack, self.expect, self.closable = at, [], "value", False  # closable: just opened
+        self.string_at: int | None = None  # inside a string cut short: where its whole characters end
         self.open = True
         self.value: Any = None
         self.end = 0
@@ -78,10 +79,10 @@ class PartialValue:
                     return False
                 self.i, self.expect = i + 1, "value"
             elif self.expect == "key" or c == '"':
-                string = _STRING.match(text, i)
-                if string is None:
-                    return None if _STRING_CUT.match(text, i) else False
-                self.i, self.expect = string.end(), "colon" if self.expect == "key" else "next"
+                end = self._string(text, i)
+                if end is None or end is False:
+                    return end
+                self.i, self.expect = end, "colon" if self.expect == "key" else "next"
             else:
                 allowed = self.first if not stack else "{" if stack == ["["] else None
                 if allowed is not None and c not in allowed:
@@ -99,8 +100,35 @@ class PartialValue:
                     return None if any(w.startswith(text[i:]) for w in _WORDS) else False
 
 
-# Each reader's values by where they begin: the text before a position never changes as it grows.
-Values = dict[int, PartialValue]
+    def _string(self, text: str, i: int) -> int | bool | None:
+        """Where the string opening at ``i`` ends, None while cut short (read on from there next time), False
+        when it is not a JSON string."""
+        if text[i] != '"':
+            return False
+        k = _STRING_BODY.match(text, self.string_at or i + 1).end()
+        if k < len(text) and text[k] == '"':
+            self.string_at = None
+            return k + 1
+        if _ESCAPE_CUT.match(text, k):
+            self.string_at = k
+            return None
+        return False
+
+
+class Values(dict[int, PartialValue]):
+    """A reader's values by where they begin (the text before a position never changes as it grows), and
+    how far each of its searches got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.searched: dict[tuple[str, int], int] = {}
+
+    def find(self, text: str, needle: str, start: int) -> int:
+        """``text.find(needle, start)``, searching only the text added since the last call that missed."""
+        key = (needle, start)
+        at = text.find(needle, self.searched.get(key, start))
+        self.searched[key] = at if at >= 0 else max(start, len(text) - len(needle) + 1)
+        return at
 
 
 def value_at(text: str, at: int, first: str, final: bool, values: Values | None) -> PartialValue:

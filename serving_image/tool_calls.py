@@ -162,7 +162,7 @@ _Block = tuple[int, list[Call]] | None
 
 def _hermes_block(text: str, at: int, plan: ToolPlan, final: bool, values: Values) -> _Block:
     body = at + len("<tool_call>")
-    close, following = text.find(_HERMES_END, body), text.find("<tool_call>", body)
+    close, following = values.find(text, _HERMES_END, body), values.find(text, "<tool_call>", body)
     if close >= 0:
         end, calls, _ = _take_calls(text[:close], body, plan)
         if calls and not text[end:close].strip(_SEP):
@@ -229,15 +229,21 @@ class _Reader:
         self.search = 0  # where the next marker may be
         self.content = ""
         self.calls: list[Call] = []
-        self.values: Values = {}
+        self.values = Values()
 
     def read(self, text: str, final: bool) -> str:
         """The content after ``self.content`` that no call can take any more (all of it when
         ``final``: the output is whole)."""
+        upto = self.decide(text, final)  # first: it moves self.pos past the calls it decides
+        return text[self.pos:upto]
+
+    def decide(self, text: str, final: bool) -> int:
+        """Where the content that no call can take any more ends: it is ``self.content`` and
+        ``text[self.pos:]`` up to there."""
         if self.leading:
             end, calls, still = _take_calls(text, 0, self.plan, self.leading, final, self.values)
             if still:
-                return ""
+                return self.pos
             self.leading = ""
             if calls:
                 self.calls += calls
@@ -247,11 +253,11 @@ class _Reader:
             if not found:
                 upto = len(text) if final else max(self.pos, len(text) - _partial_marker(text, self.plan.format))
                 self.search = max(self.search, upto)
-                return text[self.pos:upto]
+                return upto
             at, marker = min(found)
             block = _marker_block(text, at, self.plan, final, self.values)
             if block is None:
-                return text[self.pos:at]
+                return at
             end, calls = block
             if not calls:  # the marker is text
                 self.search = at + len(marker)
@@ -279,15 +285,28 @@ class AutoToolStream:
         self.text = ""
         self.reader = _Reader(plan)
         self.sent = 0  # characters of the content already sent
+        self.blank = 0  # characters of the content known to be whitespace while none is sent
 
     def feed(self, delta: str) -> str:
-        self.text += delta
-        rest = self.reader.read(self.text, final=False)  # first: it may add to reader.content
-        content = self.reader.content + rest
-        if not self.sent and not content.strip():
+        """The content to send for ``delta``, in time proportional to ``delta`` (amortized): nothing already
+        read or sent is read or copied again."""
+        text, self.text = self.text, ""
+        text += delta  # in place: ``text`` holds the only reference
+        self.text = text
+        upto = self.reader.decide(text, final=False)  # first: it may add to reader.content
+        head, pos = self.reader.content, self.reader.pos
+
+        def content(start: int) -> str:  # the content from ``start`` to ``upto``
+            return head[start:] + text[pos + max(0, start - len(head)):upto]
+
+        total = len(head) + upto - pos
+        if self.sent + self.blank >= total:
+            return ""
+        if not self.sent and not content(self.blank).strip():
+            self.blank = total
             return ""  # no whitespace-only content: a call may follow
-        out = content[self.sent:]
-        self.sent = len(content)
+        out = content(self.sent)
+        self.sent, self.blank = total, 0
         return out
 
     def finish(self) -> tuple[str, list[Call]]:

@@ -112,3 +112,28 @@ def test_malformed_output_is_content_never_an_error(fmt):
         stream = AutoToolStream(plan(fmt))
         sent = "".join(stream.feed(text[i:i + 4096]) for i in range(0, len(text), 4096))
         assert sent + stream.finish()[0] == text
+
+
+@pytest.mark.parametrize("fmt, head, tail", [
+    ("hermes", '<tool_call>{"name": "get", "arguments": {"q": "', '"}}</tool_call>'),
+    ("json", '[{"name": "get", "arguments": {"q": "', '"}}]'),
+    ("mistral", '[TOOL_CALLS]get[ARGS]{"q": "', '"}'),
+])
+def test_streamed_auto_parsing_is_linear_in_the_output(fmt, head, tail):
+    """A 64 k-character argument streamed 4 characters at a time (issue 38, Med 7): each delta is read from
+    where the last one stopped, inside a string too, so the whole stream costs about one parse of it. Quadratic
+    parsing took seconds for 16 k characters, on the event loop that serves every other stream."""
+    import time
+
+    from kiln.serving.constraints import ToolPlan
+    from kiln.serving.tool_calls import AutoToolStream
+
+    body = "a\\u00e9b\\\"c " * 4600  # 64 k characters, escapes included
+    text = head + body + tail
+    stream = AutoToolStream(ToolPlan("auto", [], fmt, True, None, {"get"}))
+    started = time.process_time()
+    sent = "".join(stream.feed(text[i:i + 4]) for i in range(0, len(text), 4))
+    rest, calls = stream.finish()
+    elapsed = time.process_time() - started
+    assert sent + rest == "" and len(calls) == 1 and json.loads(calls[0].arguments)["q"] == json.loads(f"\"{body}\"")
+    assert elapsed < 3.0, f"{elapsed:.2f}s of CPU for 16 k deltas"
