@@ -104,7 +104,8 @@ def _tools(req: CountTokensRequest) -> dict[str, Any]:
     choice = req.tool_choice
     if choice is not None:
         if choice.type == "tool" and not choice.name:
-            raise APIError(400, "tool_choice of type tool needs name: the tool to call", param="tool_choice.name")
+            raise APIError(400, "tool_choice.name is required with type tool: name the tool to call",
+                           param="tool_choice.name")
         fields["tool_choice"] = ({"type": "function", "function": {"name": choice.name}} if choice.type == "tool"
                                  else {"auto": "auto", "any": "required", "none": "none"}[choice.type])
         if choice.disable_parallel_tool_use:

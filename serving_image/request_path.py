@@ -122,7 +122,9 @@ def validated(cls: type[BaseModel], value: dict[str, Any], param: str) -> Any:
         return cls.model_validate(value)
     except ValidationError as exc:
         err = from_validation_error(exc)
-        raise APIError(400, f"{param}: {err.message}", param=f"{param}.{err.param}" if err.param else param) from None
+        full = f"{param}.{err.param}" if err.param else param
+        message = f"{param}.{err.message}" if err.param and err.message.startswith(err.param) else f"{param}: {err.message}"
+        raise APIError(400, message, param=full) from None
 
 
 def resolve_model(ctx: Any, model: str) -> Any:

@@ -1,0 +1,116 @@
+"""`kiln serve --reasoning-parser deepseek_r1` on a random-weight model whose chat template thinks (its
+generation prompt opens ``<think>``, as DeepSeek-R1's does): the thinking comes back apart from the answer
+in all three APIs, streamed or not, and is exactly the raw output before ``</think>`` (read here from a
+plain completion of the same prompt tokens, without the parser)."""
+
+from __future__ import annotations
+
+import shutil
+
+import anthropic
+import openai
+import pytest
+
+M = "tiny"
+THINKING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}"
+)
+ASK = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
+SPLIT = "[a-z]{3,8}</think>[a-z]{3,8}"  # a regex that makes even a random model close its thinking
+
+
+@pytest.fixture(scope="module")
+def thinking_model(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("thinking-model") / "model"
+    shutil.copytree(model_dir, out)
+    (out / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def srv(start_server, thinking_model):
+    s = start_server("--max-seq-len", "256", "--max-input-len", "128", "--num-kv-blocks", "256",
+                     "--reasoning-parser", "deepseek_r1", source=["--model", str(thinking_model)])
+    s.wait_ready()
+    return s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def raw(client, thinking_model):
+    """The greedy output of the rendered prompt, as plain text (a completion: no parser applies)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    ids = tok.encode(tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    return client.completions.create(model=M, prompt=ids, max_tokens=12, temperature=0).choices[0].text
+
+
+def _split(text: str) -> tuple[str, str]:
+    thought, marker, answer = text.partition("</think>")
+    return thought, answer if marker else ""
+
+
+def test_chat_returns_the_thinking_apart_streamed_or_not(client, raw):
+    thought, answer = _split(raw)
+    got = client.chat.completions.create(model=M, messages=ASK, max_tokens=12, temperature=0).choices[0].message
+    assert got.model_extra["reasoning_content"] == thought and got.content == answer
+    stream = client.chat.completions.create(model=M, messages=ASK, max_tokens=12, temperature=0, stream=True)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == answer
+
+
+def test_messages_returns_thinking_blocks_streamed_or_not(srv, raw):
+    thought, answer = _split(raw)
+    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    kw = dict(model=M, messages=ASK, max_tokens=12, extra_body={"temperature": 0},
+              thinking={"type": "enabled", "budget_tokens": 1024})
+    got = client.messages.create(**kw)
+    assert got.content[0].type == "thinking" and got.content[0].thinking == thought
+    assert "".join(b.text for b in got.content if b.type == "text") == answer
+    with client.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta"
+                   and e.delta.type == "thinking_delta") == thought
+    assert final.content[0].thinking == thought
+
+
+def test_responses_returns_a_reasoning_item_streamed_or_not(client, raw):
+    thought, answer = _split(raw)
+    got = client.responses.create(model=M, input=ASK[0]["content"], max_output_tokens=12, temperature=0)
+    assert got.output[0].type == "reasoning" and got.output[0].content[0].text == thought
+    assert got.output_text == answer
+    assert got.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(client.responses.create(model=M, input=ASK[0]["content"], max_output_tokens=12, temperature=0,
+                                          stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert events[-1].response.output[0].content[0].text == thought
+
+
+def test_thinking_and_answer_split_at_the_marker(client):
+    extra = {"structured_outputs": {"regex": SPLIT}}
+    got = client.chat.completions.create(model=M, messages=ASK, max_tokens=40, extra_body=extra).choices[0].message
+    thought, answer = got.model_extra["reasoning_content"], got.content
+    assert 3 <= len(thought) <= 8 and thought.isalpha() and 3 <= len(answer) <= 8 and answer.isalpha()
+    stream = client.chat.completions.create(model=M, messages=ASK, max_tokens=40, extra_body=extra, stream=True,
+                                            seed=5, temperature=1.0)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    streamed_thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    streamed_answer = "".join(d.content or "" for d in deltas)
+    assert streamed_thought.isalpha() and streamed_answer.isalpha()  # the marker went to neither
+
+
+def test_a_json_answer_is_constrained_from_the_first_token(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    got = client.chat.completions.create(model=M, messages=ASK, max_tokens=30, response_format={
+        "type": "json_schema", "json_schema": {"name": "r", "schema": schema}}).choices[0].message
+    assert got.model_extra.get("reasoning_content") is None and got.content.startswith("{")
