@@ -49,11 +49,15 @@ def _json_or_empty(raw: bytes) -> dict:
 def rendezvous(store: dist.Store, rank_: int, world: int, token: str, deadline: float) -> None:
     """Return once every rank of ``world`` proved it holds ``token``, by ``deadline`` (``time.monotonic``).
 
-    The store is unauthenticated, so nothing in it counts by itself: rank 0 writes a fresh nonce; rank
-    ``r`` writes ``{nonce: n_r, proof: HMAC(token, nonce, world, r, n_r)}`` (``n_r`` its own fresh nonce)
-    at ``kiln/auth/proof/r``; rank 0 admits ``r`` only for a proof it verifies (a wrong one is logged and
-    answered ``refused``), and once all ``world - 1`` are admitted writes each rank's verdict, an
-    ``HMAC(token, "admit", ...)`` over that rank's ``n_r``, which the rank checks before it goes on.
+    The store is unauthenticated, so nothing in it counts by itself: rank 0 writes a fresh nonce ``N`` with
+    ``HMAC(token, "nonce", N, world)`` (and writes it again if another process replaces it); rank ``r`` writes
+    ``{nonce: n_r, proof: HMAC(token, "join", N, world, r, n_r)}`` (``n_r`` its own fresh nonce) at
+    ``kiln/auth/proof/r``; rank 0 admits ``r`` only for a proof it verifies, and answers each with a verdict
+    MAC'd over ``n_r``: ``admit`` once all ``world - 1`` are admitted, or ``refuse`` (logged). A rank whose
+    token differs cannot verify the nonce (for ``NONCE_GRACE_S``: a replaced one is written back) and exits
+    at once, naming the token; one that verified it acts only on a verdict whose MAC verifies: a refusal (its
+    proof was overwritten, or made over a replaced nonce) makes it prove again, and a verdict it cannot verify
+    is a forgery and is ignored. So no process without the token can admit a rank, nor turn a real one away.
     """
     if rank_ == 0:
         _admit(store, world, token, deadline)
@@ -63,11 +67,14 @@ def rendezvous(store: dist.Store, rank_: int, world: int, token: str, deadline: 
 
 def _admit(store: dist.Store, world: int, token: str, deadline: float) -> None:
     nonce = secrets.token_hex(16)
-    store.set(_NONCE, nonce)
+    signed = json.dumps({"nonce": nonce, "mac": _mac(token, "nonce", nonce, world)}).encode()
+    store.set(_NONCE, signed)
     admitted: dict[int, str] = {}
     seen: dict[int, bytes] = {}
     refused = 0
     while len(admitted) < world - 1:
+        if store.get(_NONCE) != signed:  # another process replaced it: ranks would prove over the wrong one
+            store.set(_NONCE, signed)
         for r in range(1, world):
             key = _PROOF.format(r)
             if r in admitted or not store.check([key]) or (raw := store.get(key)) == seen.get(r):
@@ -81,7 +88,8 @@ def _admit(store: dist.Store, world: int, token: str, deadline: float) -> None:
             refused += 1
             log.warning("refused a process joining as rank %d of %d: its proof of $%s does not match this "
                         "leader's (a rank with another token, or not a rank of this group)", r, world, TOKEN_ENV)
-            store.set(_VERDICT.format(r), json.dumps({"nonce": theirs, "refused": "1"}))
+            mac = _mac(token, "refuse", nonce, world, r, theirs)
+            store.set(_VERDICT.format(r), json.dumps({"nonce": theirs, "refused": "1", "mac": mac}))
         if len(admitted) < world - 1 and time.monotonic() > deadline:
             missing = [r for r in range(1, world) if r not in admitted]
             raise TimeoutError(f"{len(admitted) + 1} of {world} ranks joined (missing: ranks {missing})"
@@ -92,25 +100,51 @@ def _admit(store: dist.Store, world: int, token: str, deadline: float) -> None:
         store.set(_VERDICT.format(r), json.dumps({"nonce": theirs, "mac": mac}))
 
 
-def _prove(store: dist.Store, rank_: int, world: int, token: str, deadline: float) -> None:
+NONCE_GRACE_S = 3.0  # how long a rank waits for a nonce it can verify (the leader restores a replaced one)
+_REFUSED = (f"the leader refused this rank: its ${TOKEN_ENV} differs from the leader's (the leader's nonce is not "
+            f"signed with it; every rank of a group needs the same ${TOKEN_ENV})")
+
+
+def _leader_nonce(store: dist.Store, world: int, token: str, deadline: float) -> tuple[str, bool]:
+    """The leader's nonce, and whether its MAC verified within NONCE_GRACE_S of the first read (another process
+    may replace it; the leader writes it back)."""
     while not store.check([_NONCE]):
         if time.monotonic() > deadline:
             raise TimeoutError("the leader's store is up but it has not started the rendezvous")
         time.sleep(0.05)
-    nonce, mine = store.get(_NONCE).decode(), secrets.token_hex(16)
-    proof = _mac(token, "join", nonce, world, rank_, mine)
-    store.set(_PROOF.format(rank_), json.dumps({"nonce": mine, "proof": proof}))
-    key = _VERDICT.format(rank_)
+    grace = min(deadline, time.monotonic() + NONCE_GRACE_S)
     while True:
-        verdict = _json_or_empty(store.get(key)) if store.check([key]) else {}
-        if verdict.get("nonce") == mine:
-            if verdict.get("refused"):
-                raise JoinRefusedError(f"the leader refused this rank: its ${TOKEN_ENV} differs from the "
-                                       f"leader's (every rank of a group needs the same ${TOKEN_ENV})")
-            if _same(verdict.get("mac", ""), _mac(token, "admit", nonce, world, rank_, mine)):
-                return
-            raise JoinRefusedError(f"the leader did not prove it holds this rank's ${TOKEN_ENV}: the tokens "
-                                   "differ, or another process answered at the leader's address")
-        if time.monotonic() > deadline:
-            raise TimeoutError("the leader has not admitted every rank")
+        signed = _json_or_empty(store.get(_NONCE))
+        nonce = signed.get("nonce", "")
+        if nonce and _same(signed.get("mac", ""), _mac(token, "nonce", nonce, world)):
+            return nonce, True
+        if time.monotonic() > grace:
+            return nonce, False
         time.sleep(0.05)
+
+
+def _prove(store: dist.Store, rank_: int, world: int, token: str, deadline: float) -> None:
+    while True:
+        nonce, verified = _leader_nonce(store, world, token, deadline)
+        mine = secrets.token_hex(16)
+        proof = _mac(token, "join", nonce, world, rank_, mine)
+        store.set(_PROOF.format(rank_), json.dumps({"nonce": mine, "proof": proof}))
+        key = _VERDICT.format(rank_)
+        if not verified:  # proved anyway, and its answer awaited a moment: the leader logs the refusal, naming it
+            until = min(deadline, time.monotonic() + NONCE_GRACE_S)
+            while time.monotonic() < until and _json_or_empty(store.get(key) if store.check([key]) else b"") \
+                    .get("nonce") != mine:
+                time.sleep(0.05)
+            raise JoinRefusedError(_REFUSED)
+        while True:
+            verdict = _json_or_empty(store.get(key)) if store.check([key]) else {}
+            if verdict.get("nonce") == mine:
+                kind = "refuse" if verdict.get("refused") else "admit"
+                # One whose MAC does not verify is not the leader's (that holds this token: its nonce verified).
+                if _same(verdict.get("mac", ""), _mac(token, kind, nonce, world, rank_, mine)):
+                    if kind == "admit":
+                        return
+                    break  # the leader refused that proof (overwritten, or over a replaced nonce): prove again
+            if time.monotonic() > deadline:
+                raise TimeoutError("the leader has not admitted every rank")
+            time.sleep(0.05)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import json
 import multiprocessing as mp
 import os
 import re
@@ -205,3 +206,37 @@ def test_tp2_on_separately_started_ranks_never_unpickles_and_equals_tp1(toy_mode
             llm.shutdown()
         if rank1.is_alive():
             rank1.kill()
+
+
+def test_a_forged_refusal_or_nonce_never_turns_a_real_rank_away():
+    """Anyone reaching the store's port could once write a rank's refusal (its nonce is in its proof, readable by
+    all) or replace the leader's nonce, and every real rank exited on "token differs" (issue 38, Med 8). A
+    verdict or nonce now counts only with the token's MAC: a forged one is ignored, a replaced nonce restored."""
+    port = free_port()
+    leader, result = run_leader(port, 3, seconds=20)
+    stranger = store(port, False)
+    joined: dict[int, Exception | None] = {}
+
+    def join(rank: int) -> None:
+        try:
+            rendezvous.rendezvous(store(port, False), rank, 3, TOKEN, time.monotonic() + 15)
+            joined[rank] = None
+        except Exception as exc:
+            joined[rank] = exc
+
+    first = threading.Thread(target=join, args=(1,), daemon=True)
+    first.start()
+    for _ in range(200):  # rank 1's proof is up; rank 2 has not come, so the leader has not answered
+        if stranger.check(["kiln/auth/proof/1"]):
+            break
+        time.sleep(0.02)
+    theirs = json.loads(stranger.get("kiln/auth/proof/1"))["nonce"]
+    stranger.set("kiln/auth/verdict/1", json.dumps({"nonce": theirs, "refused": "1", "mac": "0" * 64}))
+    stranger.set("kiln/auth/nonce", json.dumps({"nonce": "f" * 32, "mac": "0" * 64}))
+    time.sleep(0.3)  # rank 1 sees the forged refusal, and waits on
+    assert 1 not in joined
+    second = threading.Thread(target=join, args=(2,), daemon=True)
+    second.start()
+    for thread in (first, second, leader):
+        thread.join(20)
+    assert joined == {1: None, 2: None} and "error" not in result
