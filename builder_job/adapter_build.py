@@ -26,7 +26,7 @@ from typing import Any
 
 import click
 from kiln.builder.adapter_fetch import fetch_adapter
-from kiln.builder.cli import BuildOutcome, _publisher
+from kiln.builder.cli import BuildOutcome, _publisher, check_hit
 from kiln.builder.errors import EXIT_OK, BuildError, InvalidSpec, StorageFailure
 from kiln.builder.manifest_input import check_expected_version, resolve_manifest
 from kiln.builder.report import setup_logging, write_termination_message
@@ -96,7 +96,8 @@ def build_adapter(engine, name: str, store_uri: str, work_dir: str | Path | None
         built_by, signer = _publisher(signing_key)
         try:
             store = ArtifactStore.from_uri(store_uri)
-            if store.exists(version):
+            if (hit := store.read_manifest(version)) is not None:
+                check_hit(store, version, hit.envelope, adapter_envelope(base, adapter))
                 return BuildOutcome(EXIT_OK, version, store.artifact_uri(version), cache_hit=True,
                                     message=f"cache hit: {version}")
             base_cfg = base_config(store, base, signer)

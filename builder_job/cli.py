@@ -34,14 +34,21 @@ from pathlib import Path
 from typing import Any
 
 import click
-from kiln.builder.errors import EXIT_OK, EXIT_UNEXPECTED, BuildError, InvalidSpec, StorageFailure
+from kiln.builder.errors import (
+    EXIT_OK,
+    EXIT_UNEXPECTED,
+    ArtifactMismatch,
+    BuildError,
+    InvalidSpec,
+    StorageFailure,
+)
 from kiln.builder.manifest_input import check_expected_version, resolve_manifest
 from kiln.builder.prefetch import fetch_only, load_fetched, load_fetched_draft
 from kiln.builder.report import BuildReport, setup_logging, write_termination_message
 
 from kiln.artifact_manifest import StoreError, built_by_from_env
 from kiln.artifacts import ArtifactStore
-from kiln.envelope import build_envelope, engine_version
+from kiln.envelope import build_envelope, engine_version, envelope_mismatch
 from kiln.signing import SigningError, signer_from
 
 log = logging.getLogger("kiln.build")
@@ -87,6 +94,14 @@ def _publisher(signing_key: str | Path | None) -> tuple[Any, Any]:
         raise InvalidSpec(str(exc)) from None
 
 
+def check_hit(store: ArtifactStore, version: str, stored: dict[str, Any], expected: dict[str, Any]) -> None:
+    """A cache hit is one only when the whole envelope matches, not the version's short digest."""
+    if (problem := envelope_mismatch(stored, expected)) is not None:
+        raise ArtifactMismatch(f"{store.artifact_uri(version)} holds another engine under this version: {problem}; "
+                               f"it is not reused. Remove it (`kiln cache rm {version} --store {store.uri}`) and "
+                               "build again")
+
+
 def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, keep_work_dir: bool = False,
                  prefetched: bool = False, signing_key: str | Path | None = None) -> BuildOutcome:
     """Build ``engine`` (an ``LLMEngine``) into ``store_uri`` unless it is there; never raises for user errors.
@@ -108,10 +123,11 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
             draft_checkpoint = load_fetched_draft(engine, Path(work_dir))
         try:
             store = ArtifactStore.from_uri(store_uri)
-            hit = store.exists(version)
+            hit = store.read_manifest(version)
         except StoreError as exc:
             raise StorageFailure(str(exc)) from None
-        if hit:
+        if hit is not None:
+            check_hit(store, version, hit.envelope, build_envelope(engine.spec))
             uri = store.artifact_uri(version)
             return BuildOutcome(EXIT_OK, version, uri, cache_hit=True, message=f"cache hit: {version}")
         made_tmp = work_dir is None

@@ -41,6 +41,12 @@ class InvalidSpec(BuildError):
     reason = "InvalidSpec"
 
 
+class ArtifactMismatch(InvalidSpec):
+    """The store holds this version, built from another envelope (a hash-prefix collision or a rewrite)."""
+
+    reason = "ArtifactUntrusted"
+
+
 class StorageFailure(BuildError):
     """The artifact store could not be read or written."""
 

@@ -156,6 +156,18 @@ def envelope_digest(envelope: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(envelope).encode()).hexdigest()
 
 
+def envelope_mismatch(stored: dict[str, Any], expected: dict[str, Any]) -> str | None:
+    """Why a published manifest's envelope is not the one a spec hashes, or None. A version names only
+    HASH_CHARS hex digits of the envelope's digest, for display and Kubernetes names: a cache hit must
+    compare the whole envelope, or a crafted prefix collision would serve one engine as another."""
+    if envelope_digest(stored) == envelope_digest(expected):
+        return None
+    keys = sorted(set(stored) | set(expected))
+    key = next((k for k in keys if canonical_json(stored.get(k)) != canonical_json(expected.get(k))), "?")
+    return (f"its envelope's {key} is {stored.get(key)!r} where this spec's is {expected.get(key)!r} (envelope "
+            f"sha256 {envelope_digest(stored)}, expected {envelope_digest(expected)})")
+
+
 def engine_version(spec: LLMEngineSpec | LLMEngine) -> str:
     """``<model-slug>-<12 hex>``: a DNS-1123 label of at most 45 characters."""
     spec = spec.spec if isinstance(spec, LLMEngine) else spec
