@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -127,6 +128,18 @@ def validated(cls: type[BaseModel], value: dict[str, Any], param: str) -> Any:
         raise APIError(400, message, param=full) from None
 
 
+def in_terms_of(exc: APIError, names: list[tuple[str, str]]) -> APIError:
+    """``exc`` (raised about the translated chat request) naming the dialect's own fields: the first
+    ``(pattern, replacement)`` of ``names`` that matches the start of ``param`` rewrites it, and its first
+    mention in the message (``messages`` -> ``input``, ``tools[0].function.parameters`` -> ``tools[0].input_schema``)."""
+    for pattern, own in names:
+        if exc.param and re.match(pattern, exc.param):
+            exc.param = re.sub(pattern, own, exc.param, count=1)
+            exc.message = re.sub(pattern, own, exc.message, count=1)
+            break
+    return exc
+
+
 def resolve_model(ctx: Any, model: str) -> Any:
     """The LoRA adapter ``model`` names (None: the base model); a 404 for a name this server does not serve."""
     lora = ctx.loras.get(model) if model not in ctx.model_names else None  # "model": an adapter's name
@@ -136,17 +149,13 @@ def resolve_model(ctx: Any, model: str) -> Any:
     return lora
 
 
-async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str,
-                   dialect: Dialect | None = None, inline: bool = True) -> Response:
-    """Run ``req`` (``kind``: "chat" or "completion") and answer it, in ``dialect`` when one translated it."""
-    ctx = request.app.state.kiln
+async def _admitted_inputs(ctx: Any, req: Any, kind: str, lora: Any, inline: bool) -> tuple[Any, ...]:
+    """(admission, inputs, constraint, plan): slots taken first, so a flood of big bodies is refused before it
+    costs anything; then the adapter loaded, the constraint compiled and the prompt tokenized."""
     state = ctx.state
-    lora = resolve_model(ctx, req.model)
-    check_supported(req)
     engine = state.engine
     constraint, plan = output_constraint(req, (state.engine_info or {}).get("tool_call_format", "json"))
     make_inputs = chat_inputs if kind == "chat" else completion_inputs
-    # Slots are taken before tokenizing, so a flood of big bodies is refused before it costs anything.
     admission = counting_rejections(ctx, state.admit, req.num_prompts() * req.n)
     try:
         if lora is not None:  # read into host memory off the event loop if it is not there (docs/lora.md)
@@ -158,6 +167,18 @@ async def generate(request: Request, req: CompletionRequest | ChatCompletionRequ
     except BaseException:
         admission.release()
         raise
+    return admission, inputs, constraint, plan
+
+
+async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str,
+                   dialect: Dialect | None = None, inline: bool = True) -> Response:
+    """Run ``req`` (``kind``: "chat" or "completion") and answer it, in ``dialect`` when one translated it."""
+    ctx = request.app.state.kiln
+    state = ctx.state
+    lora = resolve_model(ctx, req.model)
+    check_supported(req)
+    engine = state.engine
+    admission, inputs, constraint, plan = await _admitted_inputs(ctx, req, kind, lora, inline)
     request_id = dialect.request_id if dialect is not None else (
         ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex)
     gen = Generation(engine, ctx.metrics, request_id, inputs, lora)

@@ -104,7 +104,8 @@ def _fields(req: Request) -> dict[str, Any]:
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_schema":
         if fmt.schema_ is None:
-            raise APIError(400, "text.format of type json_schema needs schema (a JSON Schema)", param="text.format.schema")
+            raise APIError(400, "text.format.schema is required with type json_schema: send a JSON Schema",
+                           param="text.format.schema")
         fields["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt.name or "output", "schema": fmt.schema_, "strict": fmt.strict}}
     elif fmt is not None and fmt.type == "json_object":
@@ -113,7 +114,7 @@ def _fields(req: Request) -> dict[str, Any]:
 
 
 def not_stored(response_id: str, param: str) -> APIError:
-    return APIError(404, f"No response {response_id!r} is stored on this server: it was never stored (store: false), "
+    return APIError(404, f"{param}: no response {response_id!r} is stored on this server: it was never stored (store: false), "
                     "was deleted, expired, or is kept by another replica (docs/serving.md, \"Responses API\"); send "
                     "the whole conversation as input instead", param=param, code="response_not_found")
 

@@ -25,6 +25,7 @@ from kiln.serving.anthropic_translate import to_chat as messages_to_chat
 from kiln.serving.anthropic_translate import to_message
 from kiln.serving.chat import render_chat
 from kiln.serving.constraints import output_constraint
+from kiln.serving.errors import APIError
 from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, check_supported
 from kiln.serving.request_path import (
     INLINE_BYTES,
@@ -32,6 +33,7 @@ from kiln.serving.request_path import (
     Dialect,
     counting_rejections,
     generate,
+    in_terms_of,
     parse_request,
     read_body,
     resolve_model,
@@ -44,6 +46,14 @@ from kiln.serving.responses_translate import to_chat as responses_to_chat
 
 __all__ = ["MAX_BODY_BYTES", "read_body", "router"]
 _INLINE_BYTES = INLINE_BYTES  # prefix.py's name for it
+
+# What a refusal of the translated chat request names, in each dialect's own fields.
+_TOOL_CHOICE = (r"tool_choice\.function\.name", "tool_choice.name")
+MESSAGES_NAMES = [(r"response_format(\.json_schema)?", "output_config.format"),
+                  (r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"), _TOOL_CHOICE]
+RESPONSES_NAMES = [(r"messages", "input"), (r"max_tokens", "max_output_tokens"),
+                   (r"response_format(\.json_schema)?", "text.format"),
+                   (r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].parameters"), _TOOL_CHOICE]
 
 router = APIRouter()
 messages_router = APIRouter(route_class=AnthropicRoute)
@@ -75,12 +85,15 @@ async def chat_completions(request: Request) -> Response:
 @messages_router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     raw = await _body(request, "/v1/messages")
-    req, chat = await parse_request(raw, MessagesRequest, lambda r: (r, messages_to_chat(r)))
-    message_id = "msg_" + uuid.uuid4().hex
-    stops = req.stop_sequences
-    dialect = Dialect(message_id, lambda body: to_message(body, message_id, stops),
-                      lambda chunks: message_events(chunks, message_id, req.model, stops))
-    return await generate(request, chat, "chat", dialect, inline=len(raw) <= INLINE_BYTES)
+    try:
+        req, chat = await parse_request(raw, MessagesRequest, lambda r: (r, messages_to_chat(r)))
+        message_id = "msg_" + uuid.uuid4().hex
+        stops = req.stop_sequences
+        dialect = Dialect(message_id, lambda body: to_message(body, message_id, stops),
+                          lambda chunks: message_events(chunks, message_id, req.model, stops))
+        return await generate(request, chat, "chat", dialect, inline=len(raw) <= INLINE_BYTES)
+    except APIError as exc:
+        raise in_terms_of(exc, MESSAGES_NAMES) from None
 
 
 @messages_router.post("/v1/messages/count_tokens")
@@ -109,7 +122,16 @@ def _store(request: Request) -> ResponseStore:
 async def create_response(request: Request) -> Response:
     raw = await _body(request, "/v1/responses")
     store = _store(request)
-    req, run = await parse_request(raw, ResponsesRequest, lambda r: (r, responses_to_chat(r, store)))
+    try:
+        req, run = await parse_request(raw, ResponsesRequest, lambda r: (r, responses_to_chat(r, store)))
+        return await generate(request, run.chat, "chat", _responses_dialect(request, req, run, store),
+                              inline=len(raw) <= INLINE_BYTES)
+    except APIError as exc:
+        raise in_terms_of(exc, RESPONSES_NAMES) from None
+
+
+def _responses_dialect(request: Request, req: ResponsesRequest, run: Any, store: ResponseStore) -> Dialect:
+    """How a Response goes back, and into the store (``store: true``) with the conversation it ends."""
     response_id, created = "resp_" + uuid.uuid4().hex, int(time.time())
     tokenizer = request.app.state.kiln.state.engine.tokenizer
 
@@ -122,9 +144,8 @@ async def create_response(request: Request) -> Response:
         keep(body, chat["choices"][0]["message"])
         return body
 
-    dialect = Dialect(response_id, whole, lambda chunks: response_events(chunks, req, response_id, created, keep,
-                                                                         tokenizer))
-    return await generate(request, run.chat, "chat", dialect, inline=len(raw) <= INLINE_BYTES)
+    return Dialect(response_id, whole,
+                   lambda chunks: response_events(chunks, req, response_id, created, keep, tokenizer))
 
 
 @responses_router.get("/v1/responses/{response_id}")

@@ -131,7 +131,7 @@ def test_stored_responses_are_got_deleted_and_bounded(client, srv):
     made = client.responses.create(model=M, input=ASK, max_output_tokens=4)
     assert client.responses.retrieve(made.id).output_text == made.output_text
     client.responses.delete(made.id)
-    with pytest.raises(openai.NotFoundError, match="No response"):
+    with pytest.raises(openai.NotFoundError, match="no response"):
         client.responses.retrieve(made.id)
     unstored = client.responses.create(model=M, input=ASK, max_output_tokens=4, store=False)
     with pytest.raises(openai.NotFoundError):
