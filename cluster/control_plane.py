@@ -99,6 +99,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -218,8 +227,10 @@ def up(root: Path, *, lws: bool = True) -> Cluster:
     network = Network.free()
     network.up()
     ensure_pki(root / "pki", NODE_NAME, network.gateway)
-    c = Cluster(root=root, network=network,
-                ports={n: free_port() for n in [*ORDER, "etcd-peer", "etcd-metrics"]})
+    # The same ports as last time where they are free: a restarted cluster keeps its kubeconfig and S3 URL.
+    ports = {n: p if _port_free(p) else free_port() for n, p in c.ports.items()}
+    ports |= {n: free_port() for n in [*ORDER, "etcd-peer", "etcd-metrics"] if n not in ports}
+    c = Cluster(root=root, network=network, ports=ports)
     c.save()
     _start_etcd(c)
     _start_apiserver(c)

@@ -19,7 +19,7 @@ import aiohttp
 import kopf
 from kiln.operator import metrics
 from kiln.operator.keys import KeyPairMissing
-from kiln.operator.kube import ApiError, KubeClient
+from kiln.operator.kube import ApiError, KubeClient, in_cluster_server
 from kiln.operator.reconcile import Context, Result, reconcile
 from kiln.operator.settings import ConfigError, OperatorConfig, reconcile_interval_from_env
 
@@ -77,7 +77,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
 def login(memo: kopf.Memo, logger: logging.Logger, settings: kopf.OperatorSettings,
           **kwargs: Any) -> kopf.ConnectionInfo | None:
     # In a pod: the service account. Elsewhere: kubeconfig via the client library (exec plugins work).
-    info = kopf.login_with_service_account(settings=settings, **kwargs) or kopf.login_via_client(
+    info = in_cluster_server(kopf.login_with_service_account(settings=settings, **kwargs)) or kopf.login_via_client(
         logger=logger, settings=settings, **kwargs)
     if "ctx" in memo:
         memo.ctx.kube.connection = info  # the same server and credentials for our own client

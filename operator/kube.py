@@ -10,12 +10,30 @@ no model classes, so an object is the dict the renderers return.
 from __future__ import annotations
 
 import base64
+import dataclasses
+import json
+import os
 import ssl
 import tempfile
 from typing import Any
 
 import aiohttp
 import kopf
+
+
+def in_cluster_server(info: kopf.ConnectionInfo | None) -> kopf.ConnectionInfo | None:
+    """The service account's connection, addressed as client-go's InClusterConfig addresses it.
+
+    kopf's service-account login names ``https://kubernetes.default.svc`` (port 443), which needs cluster
+    DNS and a Service proxy; the kubelet gives every pod the apiserver's address in
+    ``KUBERNETES_SERVICE_HOST``/``_PORT``, which client-go and the official clients use. A real cluster whose
+    pods cannot resolve the name (DNS down, or none: the local cluster, docs/local-cluster.md) still works.
+    """
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+    if info is None or not host or not port:
+        return info
+    host = f"[{host}]" if ":" in host else host
+    return dataclasses.replace(info, server=f"https://{host}:{port}")
 
 
 class ApiError(Exception):
@@ -76,11 +94,16 @@ class KubeClient:
         session, _ = await self._get_session()
         headers = {"Content-Type": content_type} if body is not None else {}
         async with session.request(method, path.lstrip("/"), json=body, params=params, headers=headers) as resp:
-            data = await resp.json(content_type=None) if resp.content_length != 0 else None
-            if resp.status >= 400:
-                data = data if isinstance(data, dict) else {}
-                raise ApiError(resp.status, data.get("reason") or resp.reason or "", data.get("message") or "")
-            return data
+            raw = await resp.read()
+        try:
+            data = json.loads(raw) if raw else None
+        except ValueError:  # the apiserver answers a path no API serves with text ("404 page not found")
+            data = None
+        if resp.status >= 400:
+            found = data if isinstance(data, dict) else {}
+            raise ApiError(resp.status, found.get("reason") or resp.reason or "",
+                           found.get("message") or raw.decode(errors="replace").strip()[:200])
+        return data
 
     async def get(self, path: str) -> dict[str, Any] | None:
         try:

@@ -149,8 +149,9 @@ class Agent:
     def _confirm_delete(self, pod: dict) -> None:
         meta = pod["metadata"]
         try:
-            self.api.core.delete_namespaced_pod(meta["name"], meta["namespace"], grace_period_seconds=0,
-                                                body={"preconditions": {"uid": meta["uid"]}})
+            # the grace period in the body: with a body, the apiserver does not read it from the query
+            self.api.core.delete_namespaced_pod(meta["name"], meta["namespace"], body={
+                "gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}})
         except ApiException as exc:
             if exc.status not in (404, 409):
                 log.warning("delete %s: %s", meta["name"], exc.reason)

@@ -39,6 +39,7 @@ class Container:
     startup: ProbeState | None = None
     liveness: ProbeState | None = None
     readiness: ProbeState | None = None
+    _reaped: subprocess.Popen | None = None  # the process whose exit is recorded
 
     @property
     def name(self) -> str:
@@ -70,9 +71,6 @@ class Container:
         if not self.spec.get("command"):
             raise ValueError(f"container {self.name}: the node agent needs `command` (it has no image CMD)")
         prefix = sandbox.nsenter() + [f"--wd={self.spec.get('workingDir') or '/'}"]
-        user = _user(self.spec, sandbox)
-        if user:
-            prefix += [f"--setuid={user[0]}", f"--setgid={user[1]}"]
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen([*prefix, "--", *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -87,8 +85,9 @@ class Container:
 
     def reap(self) -> bool:
         """Record the exit of a process that ended; True when it just ended."""
-        if self.proc is None or self.proc.poll() is None or self.terminated:
+        if self.proc is None or self.proc.poll() is None or self.proc is self._reaped:
             return False
+        self._reaped = self.proc
         code = _exit_code(self.proc.returncode)
         self.state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
                                      "startedAt": self.state.get("running", {}).get("startedAt"),
@@ -154,10 +153,3 @@ class Container:
         return {"name": self.name, "image": self.spec.get("image", ""), "imageID": image_id,
                 "containerID": self.container_id, "ready": self.ready, "started": self.started,
                 "restartCount": self.restarts, "state": self.state, "lastState": self.last_state}
-
-
-def _user(spec: dict, sandbox: Sandbox) -> tuple[int, int] | None:
-    ctx = {**(sandbox.pod_security or {}), **(spec.get("securityContext") or {})}
-    if ctx.get("runAsUser") is None:
-        return None
-    return int(ctx["runAsUser"]), int(ctx.get("runAsGroup", ctx["runAsUser"]))

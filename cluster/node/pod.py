@@ -115,7 +115,7 @@ class PodWorker(threading.Thread):
         netns, ip = self.agent.network.add_pod(self.number)
         return Sandbox(uid=self.uid, root=self.root, ip=ip, netns=netns, hostname=spec.get("hostname") or meta["name"],
                        mounts=list(mounts.values()), read_only_root=read_only_root,
-                       pod_security=spec.get("securityContext") or {}, keep_visible=self.agent.program_paths)
+                       keep_visible=self.agent.program_paths)
 
     # --- running -----------------------------------------------------------------------------------
     def _start(self, c: Container) -> bool:

@@ -35,7 +35,6 @@ class Sandbox:
     hostname: str
     mounts: list[Mount] = field(default_factory=list)
     read_only_root: bool = False
-    pod_security: dict = field(default_factory=dict)
     # Host paths the pod's programs live in (the checkout, its virtual environment, the Python install): a
     # volume mounted over one of them (a pod's /tmp over a checkout under /tmp) would hide kiln itself, so
     # such a path is bound back on top of the volume, as an image's files would still be there.
@@ -56,27 +55,9 @@ class Sandbox:
         """Start the holder and wait until its mounts are in place (raises with its stderr if they fail)."""
         for m in self.mounts:
             _ensure_mountpoint(m)
-        lines = ["set -e", f"hostname {shlex.quote(self.hostname)}"]
-        shadowed = [p for p in self.keep_visible if any(_under(p, m.target) for m in self.mounts)]
-        if shadowed:
-            KEEP.mkdir(exist_ok=True)
-            lines.append(f"mount -t tmpfs tmpfs {KEEP}")
-            lines += [f"mkdir {KEEP}/{i} && mount --rbind {shlex.quote(p)} {KEEP}/{i}" for i, p in enumerate(shadowed)]
-        if self.read_only_root:
-            lines.append("mount -o remount,bind,ro /")
-        for m in self.mounts:
-            t = shlex.quote(m.target)
-            if m.tmpfs:
-                lines.append(f"mount -t tmpfs -o mode=1777 tmpfs {t}")
-                continue
-            lines.append(f"mount --bind {shlex.quote(str(m.source))} {t}")
-            if m.read_only:
-                lines.append(f"mount -o remount,bind,ro {t}")
-        lines += [f"mkdir -p {shlex.quote(p)} && mount --rbind {KEEP}/{i} {shlex.quote(p)}"
-                  for i, p in enumerate(shadowed)]
-        lines += ["echo ready", "exec sleep infinity"]
+        KEEP.mkdir(exist_ok=True)
         script = self.root / "sandbox.sh"
-        script.write_text("\n".join(lines) + "\n")
+        script.write_text("\n".join(self._script()) + "\n")
         self.holder = subprocess.Popen(
             ["nsenter", f"--net={self.netns}", "unshare", "--mount", "--uts", "--propagation", "private",
              "sh", str(script)],
@@ -87,6 +68,33 @@ class Sandbox:
             err = self.holder.stderr.read().decode(errors="replace") if self.holder.stderr else ""
             self.stop()
             raise RuntimeError(f"pod sandbox failed to mount its volumes: {err.strip() or 'no output'}")
+
+    def _script(self) -> list[str]:
+        """The holder's shell script. Every source is first bound under a private tmpfs (KEEP), then onto
+        its target, parents before children: a volume mounted at /tmp cannot hide the sources of the
+        volumes after it (or the programs) when the cluster's folder is itself under /tmp."""
+        q = shlex.quote
+        mounts = sorted(self.mounts, key=lambda m: m.target.rstrip("/").count("/"))
+        shadowed = [p for p in self.keep_visible if any(_under(p, m.target) for m in mounts)]
+        lines = ["set -e", f"hostname {q(self.hostname)}", f"mount -t tmpfs tmpfs {KEEP}"]
+        for i, m in enumerate(mounts):
+            if not m.tmpfs:
+                make = "touch" if m.source.is_file() else "mkdir"
+                lines.append(f"{make} {KEEP}/v{i} && mount --rbind {q(str(m.source))} {KEEP}/v{i}")
+        lines += [f"mkdir {KEEP}/p{i} && mount --rbind {q(p)} {KEEP}/p{i}" for i, p in enumerate(shadowed)]
+        if self.read_only_root:
+            lines.append("mount -o remount,bind,ro /")
+        for i, m in enumerate(mounts):
+            t = q(m.target)
+            if m.tmpfs:
+                lines.append(f"[ -e {t} ] || mkdir -p {t}; mount -t tmpfs -o mode=1777 tmpfs {t}")
+                continue
+            make = "touch" if m.source.is_file() else "mkdir -p"
+            lines.append(f"[ -e {t} ] || {make} {t}; mount --rbind {KEEP}/v{i} {t}")
+            if m.read_only:
+                lines.append(f"mount -o remount,bind,ro {t}")
+        lines += [f"mkdir -p {q(p)} && mount --rbind {KEEP}/p{i} {q(p)}" for i, p in enumerate(shadowed)]
+        return [*lines, "echo ready", "exec sleep infinity"]
 
     def stop(self) -> None:
         if self.holder is not None and self.holder.poll() is None:

@@ -87,7 +87,6 @@ class Volumes:
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(data)
             dest.chmod(mode)
-            self._chown(dest)
         tmp = path / "..data_tmp"
         tmp.unlink(missing_ok=True)
         tmp.symlink_to(stamp.name)
@@ -100,11 +99,6 @@ class Volumes:
         if old:
             shutil.rmtree(path / old, ignore_errors=True)
         self._contents[vol["name"]] = files
-
-    def _chown(self, path: Path) -> None:
-        ctx = self.pod["spec"].get("securityContext") or {}
-        if ctx.get("runAsUser") is not None:
-            os.chown(path, ctx["runAsUser"], ctx.get("fsGroup", ctx.get("runAsGroup", 0)))
 
     def _render(self, vol: dict) -> dict[str, tuple[bytes, int]]:
         if "configMap" in vol:

@@ -123,7 +123,8 @@ NEEDED = {
     ("serving.kiln.dev", "llmengines"): {"get", "list", "watch", "patch"},
     ("serving.kiln.dev", "llmengines/status"): {"get", "patch"},
     ("serving.kiln.dev", "llmengines/finalizers"): {"update"},
-    ("batch", "jobs"): {"get", "create", "patch"},
+    # delete: a build that failed on a storage error is deleted and run again (found on the real apiserver)
+    ("batch", "jobs"): {"get", "create", "patch", "delete"},
     ("", "pods"): {"get", "list"},
     ("apps", "deployments"): {"get", "create", "patch"},
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},

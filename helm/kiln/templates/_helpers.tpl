@@ -46,10 +46,11 @@ app.kubernetes.io/component: operator
 - apiGroups: [serving.kiln.dev]
   resources: [llmengines/finalizers]
   verbs: [update]
-# One build Job per engine version; engines add themselves as owners (patch).
+# One build Job per engine version; engines add themselves as owners (patch); delete: a build that failed
+# on a storage error is deleted and started again (build.retries).
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, create, patch]
+  verbs: [get, create, patch, delete]
 # The builder's termination message, shown in status when a build fails.
 - apiGroups: [""]
   resources: [pods]
