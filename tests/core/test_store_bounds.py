@@ -84,3 +84,16 @@ def test_the_file_store_reads_only_regular_files(tmp_path):
     os.mkfifo(path)  # a read would block forever
     with pytest.raises(ArtifactCorrupt, match="not a regular file"):
         store.backend.read(key)
+
+
+def test_an_s3_download_stops_once_more_than_the_manifests_size_arrives():
+    """The object replaced between the HEAD and the transfer: the progress callback ends the transfer."""
+    from kiln.storage_s3 import _bounded
+
+    seen: list[int] = []
+    step = _bounded(seen.append, 10, "s3://b/k")
+    step(6)
+    step(4)
+    with pytest.raises(ArtifactCorrupt, match="more than the manifest's 10 bytes arrived"):
+        step(1)
+    assert seen == [6, 4]
