@@ -163,11 +163,15 @@ def _load_gguf(model: nn.Module, name: str, param: nn.Parameter, tensor: torch.T
     from kiln.engine.kernels.gguf_blocks import GGUF_TYPES, in_features
 
     rows = param.shape[0]
-    if kind not in GGUF_TYPES or tensor.dtype != torch.uint8 or tensor.dim() != 2 or tensor.shape[0] != rows or (
-            param.dtype != torch.uint8 and in_features(tensor, kind) != param.shape[1]):
-        raise ConfigError(f"{path.name}: {name} is GGUF {kind} {tuple(tensor.shape)} {tensor.dtype}, the model "
-                          f"expects {tuple(param.shape)} ({', '.join(GGUF_TYPES)} blocks)")
     owner = model.get_submodule(name.rpartition(".")[0])
+    # The features each row's blocks must hold: an embedding's row width, a linear's K (its placeholder is
+    # [out, 0]); a K the layer does not have would make the kernels read past the blocks' buffer.
+    k = param.shape[1] if param.dtype != torch.uint8 else getattr(owner, "input_size", None)
+    if kind not in GGUF_TYPES or tensor.dtype != torch.uint8 or tensor.dim() != 2 or tensor.shape[0] != rows or (
+            k is not None and in_features(tensor, kind) != k):
+        raise ConfigError(f"{path.name}: {name} is GGUF {kind} {tuple(tensor.shape)} {tensor.dtype}, the model "
+                          f"expects {rows} rows of {k} features ({', '.join(GGUF_TYPES)} blocks); rebuild the "
+                          "engine from the GGUF file")
     if param.dtype != torch.uint8 and hasattr(owner, "dtype"):
         owner.dtype = param.dtype  # an embedding's rows come out in the engine's dtype
     param.data = tensor.to(param.device)

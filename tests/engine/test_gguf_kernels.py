@@ -90,3 +90,24 @@ def test_avx2_library_agrees():
     env = {**os.environ, "KILN_CPU_ISA": "x86-64-v3"}
     out = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_gguf_linear_whose_k_is_not_the_layers_is_refused():
+    """A linear's placeholder is [out, 0]: its K was never checked, and the C stack read past the blocks of a
+    weight with fewer features than the layer (issue 38, low)."""
+    from pathlib import Path
+
+    from kiln.engine import ConfigError
+    from kiln.engine.weights import _load_gguf
+    from torch import nn
+
+    model = nn.Module()
+    model.lin = nn.Module()
+    model.lin.input_size = 64
+    param = nn.Parameter(torch.empty(4, 0, dtype=torch.uint8), requires_grad=False)
+    model.lin.weight = param
+    per_block = gguf_blocks.GGUF_TYPES["Q8_0"][1]
+    with pytest.raises(ConfigError, match=r"lin.weight is GGUF Q8_0 \(4, 34\).*expects 4 rows of 64 features"):
+        _load_gguf(model, "lin.weight", param, torch.zeros(4, per_block, dtype=torch.uint8), "Q8_0", Path("w"))
+    _load_gguf(model, "lin.weight", param, torch.zeros(4, 2 * per_block, dtype=torch.uint8), "Q8_0", Path("w"))
+    assert param.gguf_type == "Q8_0" and param.shape == (4, 68)
