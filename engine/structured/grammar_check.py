@@ -1,9 +1,10 @@
 """A grammar checker process (``kiln.engine.structured.pool``): lowers and checks grammars with llguidance,
 so that a compile past its time limit can be stopped by killing this process.
 
-Run by path, ``python -P grammar_check.py LIMITS_JSON`` (it imports llguidance only, not kiln nor torch):
-reads one JSON-encoded grammar a line on stdin and answers each with one line, ``{"error": "..."}``
-(empty when the grammar is valid).
+Run by path, ``python -P grammar_check.py LIMITS_JSON [MEMORY_BYTES]`` (it imports llguidance only, not kiln
+nor torch): reads one JSON-encoded grammar a line on stdin and answers each with one line, ``{"error": "..."}``
+(empty when the grammar is valid). With ``MEMORY_BYTES`` its address space is capped there (``RLIMIT_AS``): a
+grammar that would take more fails its allocation, and the process with it, instead of the host's memory.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import sys
 
 
 def main() -> None:
+    if len(sys.argv) > 2:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]), int(sys.argv[2])))
     import llguidance
 
     limits = llguidance.LLParserLimits(**json.loads(sys.argv[1]))

@@ -36,6 +36,7 @@ from kiln.engine.errors import RequestError
 _SCRIPT = Path(__file__).with_name("grammar_check.py")
 _PROBE = 'start: "a"'
 _START_TIMEOUT_S = 60.0  # a checker's first answer: Python and llguidance imported, on a busy machine
+CHECKER_MEMORY_BYTES = 2 << 30  # a checker's address space: Python and llguidance need ~0.3 GiB of it
 
 
 class GrammarBusy(RequestError):
@@ -50,7 +51,7 @@ class _Checker:
     """One checker process, serving one compile at a time."""
 
     def __init__(self, limits: dict[str, Any]) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-P", str(_SCRIPT), json.dumps(limits)],
+        self._proc = subprocess.Popen([sys.executable, "-P", str(_SCRIPT), json.dumps(limits), str(CHECKER_MEMORY_BYTES)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
     def check(self, grammar: str, timeout: float) -> str:

@@ -99,3 +99,21 @@ def test_past_the_pools_bound_a_compile_is_refused_as_busy(make_compiler):
     wait(running, timeout=LIMIT_S * 4)
     assert all(f.done() for f in running)
     assert_nothing_compiles()
+
+
+def test_the_checker_runs_under_a_memory_limit(make_compiler):
+    """A grammar checker's address space is capped (issue 38, low): a lowering that multiplies out fails its
+    allocations in the checker, not the host's memory."""
+    from kiln.engine.structured.pool import CHECKER_MEMORY_BYTES
+
+    compiler = make_compiler()
+    assert compiler.compile(Constraint(regex="[0-9]+")).new_state().validate([]) == 0
+    me, limits = str(os.getpid()), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[1] == me and "grammar_check" in \
+                    (stat.parent / "cmdline").read_text():
+                limits.append((stat.parent / "limits").read_text())
+        except OSError:
+            continue
+    assert limits and all(f"Max address space         {CHECKER_MEMORY_BYTES}" in text for text in limits), limits
