@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPWISE = ("builder_job", "operator", "engine/config.py")
-COMPONENTS = ("kiln", "operator", "builder_job", "engine", "serving_image", "bench")
+COMPONENTS = ("kiln", "operator", "builder_job", "engine", "serving_image", "bench", "cluster")
 
 
 def _sources(place: str) -> list[Path]:

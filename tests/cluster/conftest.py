@@ -5,6 +5,7 @@ docs/local-cluster.md tells a user, and the SmolLM2 GGUF in the cluster's S3."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ SMOLLM2_KEY = f"smollm2/{GGUF_NAME}"
 def cluster() -> Iterator[Kube]:
     from kiln_cluster import control_plane
 
+    control_plane.down(TEST_ROOT, quiet=True)  # a cluster a killed run left, and its data: start afresh
+    shutil.rmtree(TEST_ROOT, ignore_errors=True)
     subprocess.run(["bash", str(ROOT / "cluster" / "build.sh"), str(TEST_ROOT / "bin")], check=True)
     c = control_plane.up(TEST_ROOT)
     try:
@@ -44,6 +47,27 @@ def smollm2_s3(cluster: Kube) -> tuple[str, str]:
         s3.create_bucket(Bucket=bucket)
     s3.upload_file(str(path), MODELS_BUCKET, SMOLLM2_KEY)
     return f"s3://{MODELS_BUCKET}/{SMOLLM2_KEY}", hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def tiny_s3(cluster: Kube, smollm2_s3, tmp_path_factory) -> str:
+    """A two-layer random-weight Llama checkpoint directory in the cluster's S3 (builds in seconds)."""
+    from kiln.engine.random_checkpoint import make_random_model
+
+    out = make_random_model(tmp_path_factory.mktemp("tiny"), "llama-tiny", seed=3)
+    s3 = cluster.s3()
+    for path in out.iterdir():
+        s3.upload_file(str(path), MODELS_BUCKET, f"tiny/{path.name}")
+    return f"s3://{MODELS_BUCKET}/tiny"
+
+
+def engine_manifest(name: str, source: str, revision: str | None = None, **spec) -> dict:
+    """An LLMEngine in the suite's namespace, sized for a 2-core machine."""
+    model = {"source": source, "credentialsSecret": "models", **({"revision": revision} if revision else {})}
+    return {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEngine",
+            "metadata": {"name": name, "namespace": ENGINE_NS},
+            "spec": {"model": model, "gpu": "cpu", "dtype": "float32", "maxBatchSize": 4, "maxInputLen": 256,
+                     "maxSeqLen": 512, "maxNumTokens": 256, **spec}}
 
 
 @pytest.fixture(scope="session")

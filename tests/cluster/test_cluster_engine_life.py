@@ -22,7 +22,7 @@ def manifest(source: str, revision: str, replicas: int = 1) -> dict:
     return {"apiVersion": f"{GROUP}/v1alpha1", "kind": "LLMEngine",
             "metadata": {"name": NAME, "namespace": ENGINE_NS},
             "spec": {"model": {"source": source, "revision": revision, "credentialsSecret": "models"},
-                     "gpu": "cpu", "dtype": "float32", "quantization": "none", "tensorParallel": 1,
+                     "gpu": "cpu", "dtype": "float32", "quantization": "gguf", "tensorParallel": 1,
                      "maxBatchSize": 4, "maxInputLen": 512, "maxSeqLen": 1024, "maxNumTokens": 512,
                      "serving": {"replicas": replicas, "port": 8000}}}
 
@@ -69,12 +69,11 @@ def test_an_engine_from_s3_is_built_by_a_job_signed_and_served(installed: Kube, 
     status = eng["status"]
     jobs = build_jobs(installed)
     assert len(jobs) == 1 and jobs[0]["status"].get("succeeded") == 1
-    version = status["engineVersion"]
-    keys = {o["Key"] for o in installed.s3().list_objects_v2(Bucket="kiln-artifacts",
-                                                             Prefix=f"engines/{version}/")["Contents"]}
-    assert f"engines/{version}/manifest.json" in keys
-    assert any(k.endswith(".sig") or "signature" in k for k in keys), sorted(keys)
-    assert status["artifact"]["digest"]
+    bucket, _, prefix = status["artifactURI"].removeprefix("s3://").partition("/")
+    manifest_doc = json.loads(installed.s3().get_object(Bucket=bucket, Key=f"{prefix.rstrip('/')}/manifest.json")
+                              ["Body"].read())
+    assert manifest_doc["signature"], "the build Job signs what it publishes"
+    assert status["artifact"]["contentDigest"]
     deploy = installed.get("deployment", NAME, ENGINE_NS)
     assert deploy["status"].get("readyReplicas") == 1
     addresses = endpoint_addresses(installed, NAME, ENGINE_NS)
@@ -110,17 +109,19 @@ def test_a_revision_bump_builds_once_and_reverting_is_a_cache_hit(installed: Kub
 
 
 def test_delete_collects_everything_the_engine_owned_and_keeps_the_artifact(installed: Kube):
-    version = installed.engine(NAME, ENGINE_NS)["status"]["engineVersion"]
+    uri = installed.engine(NAME, ENGINE_NS)["status"]["artifactURI"]
     installed.kubectl("delete", f"llmengines.{GROUP}", NAME, "-n", ENGINE_NS, "--wait=true", "--timeout=120s")
 
     def leftovers():
         left = []
         for kind in ("deployments", "services", "jobs", "configmaps", "networkpolicies", "pods"):
             for obj in installed.get(kind, ns=ENGINE_NS) or []:
-                if NAME in obj["metadata"]["name"]:
+                if NAME in obj["metadata"]["name"] or any(NAME == o.get("name") for o in
+                                                          obj["metadata"].get("ownerReferences") or []):
                     left.append(f"{kind}/{obj['metadata']['name']}")
         return left
 
     installed.wait_for("the garbage collector", lambda: not leftovers() or None, timeout=180, every=2)
-    head = installed.s3().head_object(Bucket="kiln-artifacts", Key=f"engines/{version}/manifest.json")
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    head = installed.s3().head_object(Bucket=bucket, Key=f"{prefix.rstrip('/')}/manifest.json")
     assert head["ContentLength"] > 0

@@ -19,7 +19,8 @@ correctness depends on API-server behaviour it lacks, so this subclass adds:
 - ``/api/v1/namespaces`` (kmock 0.8's path parser fails on it): lists the namespaces that
   hold objects plus ``extra_namespaces``; a watch on it stays open until ``timeoutSeconds``;
 - 404 ``NotFound`` for any resource type not declared in ``resources`` or listed in ``uninstalled`` (a CRD
-  that is not installed);
+  that is not installed), and, as the real apiserver does, a plain-text ``404 page not found`` when no
+  resource of that API group and version is served at all;
 - finalizers (deletionTimestamp until the last one is removed) and the garbage collector:
   when an object is gone, dependents lose that ownerReference and are deleted once no owner
   is left (``propagationPolicy: Orphan`` only strips the reference).
@@ -159,7 +160,12 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
         if res is None or res.plural is None:
             return await super()._handle(request)
         if self.unknown_resources_404 and (res not in self._get_resources() or res.plural in self.uninstalled):
-            # An API server answers 404 for a resource type it does not serve (a CRD that is not installed).
+            # An API server answers 404 for a resource type it does not serve (a CRD that is not installed):
+            # as plain text, not a Status, when no resource of that group and version is served at all (what
+            # the real apiserver sends, and the operator once failed to parse: docs/local-cluster.md).
+            served = [r for r in self._get_resources() if r.plural not in self.uninstalled]
+            if not any(r.group == res.group and r.version == res.version for r in served):
+                return aiohttp.web.Response(status=404, text="404 page not found\n")
             raise _not_found_resource()
         method = request.method.value if request.method else ""
         if method == "POST" and request.name is None:

@@ -151,7 +151,11 @@ def test_a_resource_type_the_server_does_not_serve_is_404(kube: Kube, emulator):
     assert kube.create(pools, {"metadata": {"name": "p"}, "spec": {}})["metadata"]["name"] == "p"
     missing = "/apis/example.com/v1/namespaces/ns/widgets"
     resp = kube.call("POST", missing, {"metadata": {"name": "w"}}, ok=(404,), content_type="application/json")
-    assert resp.status_code == 404 and resp.json()["reason"] == "NotFound"
+    # no resource of example.com/v1 is served: the real apiserver answers in plain text, not with a Status
+    assert resp.status_code == 404 and resp.text.strip() == "404 page not found"
     assert kube.get(f"{missing}/w") is None and kube.delete(f"{missing}/w").status_code == 404
-    emulator.handler.uninstalled.add("inferencepools")  # the CRD removed: its type is gone too
-    assert kube.call("GET", f"{pools}/p", ok=(404,)).json()["message"] == "the server could not find the requested resource"
+    emulator.handler.uninstalled.add("inferencepools")  # the CRD removed: its type (and here its group) is gone
+    assert kube.call("GET", f"{pools}/p", ok=(404,)).text.strip() == "404 page not found"
+    deployments = "/apis/apps/v1/namespaces/ns/widgets"  # a served group, an unknown type: a Status
+    assert kube.call("GET", f"{deployments}/w", ok=(404,)).json()["message"] == (
+        "the server could not find the requested resource")
