@@ -30,6 +30,7 @@ from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk, set_at
 from kiln.engine.layers.linear import LinearBase
 from kiln.engine.layers.paged_metadata import build_paged_metadata, token_rows
 from kiln.engine.lora.layers import LoRAModel, make_lora_step, set_lora_step
+from kiln.engine.lora.wire import send_slot
 from kiln.engine.models.llama import Intermediate, head_dim_of, kv_heads_of
 from kiln.engine.models.registry import create_model
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow, merge_rows
@@ -167,8 +168,8 @@ class ModelRunner:
         inputs = [b for b, _ in batches]
         for slot, adapter in lora_loads:
             self.lora.load(slot, adapter)
-        if lora_loads and inputs:  # int_id 0: an emptied slot
-            inputs[0].lora_loads = [(slot, 0, "") if a is None else (slot, a.int_id, a.path) for slot, a in lora_loads]
+            if parallel.world_size() > 1:  # the other ranks get the weights, not a path (lora/wire.py)
+                send_slot(slot, adapter)
         if parallel.world_size() > 1:
             parallel.send_message(parallel.STEPS, encode_steps(inputs))
         parts = self.run_stage(inputs)
@@ -209,9 +210,6 @@ class ModelRunner:
         deadlock PP=2 (gloo matches by tag and did not mind). Every wait is bounded by
         ``distributed_timeout_s``.
         """
-        if parallel.rank() != 0:  # rank 0 loaded its slots in run(); the others read the adapters from disk
-            for slot, int_id, path in (load for b in batches for load in b.lora_loads):
-                self.lora.load_path(slot, int_id, path, self.config)
         if parallel.pp_size() == 1:
             return [self.execute(b) for b in batches]
         dev, dtype = self.device, self.config.torch_dtype

@@ -166,8 +166,10 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- rank 0's messages: a typed header, then a typed payload (nothing received is unpickled) --------
-JSON, STEPS = 1, 2  # message kinds: a JSON value (uint8 UTF-8), the steps' inputs (int64 words)
-_PAYLOAD_DTYPES = {JSON: torch.uint8, STEPS: torch.int64}
+# message kinds: a JSON value (uint8 UTF-8), the steps' inputs (int64 words), raw bytes of typed tensors a
+# JSON header described (an adapter's weights: lora/wire.py)
+JSON, STEPS, BYTES = 1, 2, 3
+_PAYLOAD_DTYPES = {JSON: torch.uint8, STEPS: torch.int64, BYTES: torch.uint8}
 MAX_MESSAGE_ELEMENTS = 1 << 30
 
 

@@ -9,7 +9,7 @@ is attended like a prefill chunk over its cached context. The target's step
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +28,6 @@ class StepInputs:
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (q_start, q_len, ctx_len, block_ids)
     logits_indices: torch.Tensor       # packed rows whose logits are sampled
     token_lora_slots: torch.Tensor | None = None  # per token, its adapter's device slot (-1: none); None: no adapter
-    lora_loads: list[tuple[int, int, str]] = field(default_factory=list)  # (slot, adapter int_id, path) to load first
 
 
 def pack_rows(rows: list[tuple[list[int], int, list[int]]], block_size: int,
@@ -67,10 +66,10 @@ def pack_rows(rows: list[tuple[list[int], int, list[int]]], block_size: int,
 
 # -- on the wire: rank 0 sends a step's micro-batches to the other ranks as one int64 tensor ------------
 # [num_batches] then, per batch, the header [tokens, num_decodes, decode_width, num_prefills, logits,
-# has_lora_slots, num_lora_loads] and input_ids, positions, slot_mapping (tokens each), decode_block_tables
+# has_lora_slots] and input_ids, positions, slot_mapping (tokens each), decode_block_tables
 # (num_decodes x decode_width), decode_ctx_lens (num_decodes), per prefill [q_start, q_len, ctx_len, blocks] +
-# its block ids, logits_indices, the token LoRA slots (tokens, if has_lora_slots), and per LoRA load
-# [slot, int_id, path bytes] + the path's UTF-8 bytes one per word. Every field is an int64 tensor or an int:
+# its block ids, logits_indices, the token LoRA slots (tokens, if has_lora_slots). (An adapter's weights
+# travel in messages of their own: lora/wire.py.) Every field is an int64 tensor or an int:
 # no Python objects cross ranks.
 def encode_steps(batches: list[StepInputs]) -> torch.Tensor:
     parts: list[torch.Tensor] = [torch.tensor([len(batches)], dtype=torch.long)]
@@ -78,7 +77,7 @@ def encode_steps(batches: list[StepInputs]) -> torch.Tensor:
         tokens, dec = b.input_ids.numel(), b.num_decodes
         width = b.decode_block_tables.shape[1] if b.decode_block_tables.dim() == 2 else 0
         heads = [tokens, dec, width, len(b.prefills), b.logits_indices.numel(),
-                 int(b.token_lora_slots is not None), len(b.lora_loads)]
+                 int(b.token_lora_slots is not None)]
         for q_start, q_len, ctx_len, blocks in b.prefills:
             heads += [q_start, q_len, ctx_len, blocks.numel()]
         parts += [torch.tensor(heads, dtype=torch.long), b.input_ids, b.positions, b.slot_mapping,
@@ -87,9 +86,6 @@ def encode_steps(batches: list[StepInputs]) -> torch.Tensor:
         parts.append(b.logits_indices)
         if b.token_lora_slots is not None:
             parts.append(b.token_lora_slots)
-        for slot, int_id, path in b.lora_loads:
-            raw = list(path.encode())
-            parts.append(torch.tensor([slot, int_id, len(raw), *raw], dtype=torch.long))
     return torch.cat([p.reshape(-1).to(torch.long) for p in parts])
 
 
@@ -113,8 +109,8 @@ def decode_steps(words: torch.Tensor) -> list[StepInputs]:
     (num_batches,) = r.ints(1)
     batches = []
     for _ in range(num_batches):
-        heads = r.ints(7)
-        tokens, dec, width, num_prefills, num_logits, has_slots, num_loads = heads
+        heads = r.ints(6)
+        tokens, dec, width, num_prefills, num_logits, has_slots = heads
         meta = [r.ints(4) for _ in range(num_prefills)]
         if min(heads + [v for m in meta for v in m], default=0) < 0:
             raise ValueError("malformed step message: a negative count")
@@ -124,18 +120,9 @@ def decode_steps(words: torch.Tensor) -> list[StepInputs]:
         prefills = [(q_start, q_len, ctx_len, r.take(n)) for q_start, q_len, ctx_len, n in meta]
         logits_indices = r.take(num_logits)
         token_slots = r.take(tokens) if has_slots else None
-        loads = []
-        for _ in range(num_loads):
-            slot, int_id, n = r.ints(3)
-            try:
-                path = bytes(r.ints(n)).decode()
-            except ValueError as exc:
-                raise ValueError(f"malformed step message: a LoRA path: {exc}") from None
-            loads.append((slot, int_id, path))
         batches.append(StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
                                   num_decodes=dec, decode_block_tables=tables, decode_ctx_lens=ctx_lens,
-                                  prefills=prefills, logits_indices=logits_indices, token_lora_slots=token_slots,
-                                  lora_loads=loads))
+                                  prefills=prefills, logits_indices=logits_indices, token_lora_slots=token_slots))
     if r.at != words.numel():
         raise ValueError(f"malformed step message: {words.numel() - r.at} words left over")
     return batches

@@ -219,6 +219,7 @@ def spawn_local_ranks(config: EngineConfig, address: str, token: str) -> list[mp
 def rank_main(config: EngineConfig, rank: int, address: str, local_index: int, token: str,
               spawned: bool = True) -> None:
     """One non-driver rank: join, load this rank's shard, run the steps rank 0 broadcasts."""
+    from kiln.engine.lora import wire as lora_wire
     from kiln.engine.model_runner import ModelRunner
 
     _set_local_device(config, local_index, spawned)
@@ -235,6 +236,9 @@ def rank_main(config: EngineConfig, rank: int, address: str, local_index: int, t
             if msg is None:
                 clean = True
                 break
+            if isinstance(msg, dict) and lora_wire.SLOT_KEY in msg and runner.lora is not None:
+                runner.lora.load_weights(msg[lora_wire.SLOT_KEY], msg.get("int_id", 0), lora_wire.recv_slot(msg))
+                continue
             if msg != PING:
                 raise RuntimeError(f"rank 0 sent an unknown control message {msg!r}")
     finally:

@@ -210,7 +210,6 @@ class LoRAModel:
                                   max_rank, stack_dtype, device, kernels, dtype)
             self.slots[(layer, name)] = lin.lora
         self.loaded: list[int | None] = [None] * max_loras  # the adapter (int_id) each slot holds
-        self._read: dict[int, Any] = {}  # ranks other than 0: adapters read from disk, by int_id (LRU)
 
     def load(self, slot: int, adapter: Any) -> None:
         """Put ``adapter`` in ``slot``; None empties it (its adapter was unloaded)."""
@@ -218,20 +217,12 @@ class LoRAModel:
             lin_slots.set_slot(slot, None if adapter is None else adapter.weights.get(key))
         self.loaded[slot] = None if adapter is None else adapter.int_id
 
-    def load_path(self, slot: int, int_id: int, path: str, config: Any) -> None:
-        """On a rank other than 0: read the adapter rank 0 put in ``slot`` (the same path on every node),
-        keeping up to ``max_cpu_loras`` read adapters in memory."""
-        from kiln.engine.lora.adapter import load_adapter
-
-        if not int_id:  # rank 0 emptied the slot
-            self.load(slot, None)
-            return
-        adapter = self._read.pop(int_id, None) or load_adapter(
-            path, f"#{int_id}", int_id, config.hf_config, config.max_lora_rank, config.torch_dtype)
-        self._read[int_id] = adapter  # most recent last
-        while len(self._read) > (config.max_cpu_loras or config.max_loras):
-            del self._read[next(iter(self._read))]
-        self.load(slot, adapter)
+    def load_weights(self, slot: int, int_id: int, weights: dict[tuple[int, str], Any]) -> None:
+        """On a rank other than 0: fill ``slot`` with the weights rank 0 sent (``lora/wire.py``); int_id 0
+        and no weights: empty it."""
+        for key, lin_slots in self.slots.items():
+            lin_slots.set_slot(slot, weights.get(key))
+        self.loaded[slot] = int_id or None
 
     @property
     def nbytes(self) -> int:

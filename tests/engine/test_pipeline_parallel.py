@@ -206,8 +206,7 @@ def _posted(rank: int, num_batches: int, monkeypatch) -> list[tuple[str, int]]:
         return torch.zeros(n, 8) if rank == 1 else (torch.zeros(n, 4), torch.zeros(n, 4))
 
     runner = SimpleNamespace(device="cpu", config=cfg, execute=execute)
-    batches = [SimpleNamespace(input_ids=torch.zeros(3, dtype=torch.long), logits_indices=torch.arange(3),
-                               lora_loads=[]) for _ in range(num_batches)]
+    batches = [SimpleNamespace(input_ids=torch.zeros(3, dtype=torch.long), logits_indices=torch.arange(3)) for _ in range(num_batches)]
     with parallel.shard_context(rank, 1, 2):
         ModelRunner.run_stage(runner, batches)
     return ops
