@@ -1,6 +1,7 @@
 """An engine's life on the real control plane, as a user lives it: kubectl apply the SmolLM2 GGUF from S3,
 a build Job signs and publishes it, a Deployment serves it, the Service's endpoint answers; scaling does not
-rebuild; a revision bump builds once and reverting it is a cache hit; kubectl delete lets the garbage
+rebuild; a revision bump builds once (its Job adopted by the next operator when the operator's pod is deleted
+mid-build) and reverting it is a cache hit; kubectl delete lets the garbage
 collector take what the engine owned, and the artifact stays.
 
 The tests run in file order and share one engine (a user's session is one long story too)."""
@@ -12,7 +13,7 @@ import urllib.request
 
 import pytest
 from clusterlib import GROUP, Kube, endpoint_addresses
-from conftest import ENGINE_NS
+from conftest import ENGINE_NS, OPERATOR_NS
 
 NAME = "smollm2-e2e"
 BUILD_TIMEOUT = 900
@@ -91,18 +92,29 @@ def test_scaling_to_two_replicas_runs_no_new_job(installed: Kube, smollm2_s3):
     assert len(answers) == 1  # greedy: both replicas serve the same engine
 
 
-def test_a_revision_bump_builds_once_and_reverting_is_a_cache_hit(installed: Kube, smollm2_s3):
+def restart_operator_pod(kube: Kube) -> None:
+    """Delete the operator's pod and wait for its Deployment's next one to be Ready."""
+    (old,) = kube.get("pods", ns=OPERATOR_NS, selector="app.kubernetes.io/component=operator")
+    kube.kubectl("delete", "pod", "-n", OPERATOR_NS, old["metadata"]["name"], "--wait=false")
+    kube.wait_for("a new operator pod Ready", lambda: any(
+        p["metadata"]["uid"] != old["metadata"]["uid"] and kube.condition(p, "Ready").get("status") == "True"
+        for p in kube.get("pods", ns=OPERATOR_NS, selector="app.kubernetes.io/component=operator") or []),
+        timeout=180)
+
+
+def test_a_bump_builds_once_the_operator_deleted_mid_build_adopts_it_and_reverting_is_a_cache_hit(
+        installed: Kube, smollm2_s3):
     source, sha = smollm2_s3
     first = installed.engine(NAME, ENGINE_NS)["status"]["engineVersion"]
     before = len(build_jobs(installed))
     installed.apply(manifest(source, "v2", replicas=2))
-    installed.wait_for("the bumped version", lambda: (installed.engine(NAME, ENGINE_NS)["status"]
-                                                      .get("engineVersion") not in (None, first)), timeout=60)
+    installed.wait_for("the bump's build Job", lambda: len(build_jobs(installed)) == before + 1, timeout=120)
+    restart_operator_pod(installed)  # mid-build: the next operator finds the Job and adopts it
     eng = ready_engine(installed)
     assert eng["status"]["engineVersion"] != first
-    assert len(build_jobs(installed)) == before + 1
+    assert len(build_jobs(installed)) == before + 1, "the bump built once, in the Job the new operator adopted"
     installed.apply(manifest(source, sha, replicas=2))
-    eng = installed.wait_for("the reverted version served", lambda: (
+    installed.wait_for("the reverted version served", lambda: (
         (e := installed.engine(NAME, ENGINE_NS)) and e["status"].get("engineVersion") == first
         and installed.condition(e, "Ready").get("status") == "True" and e), timeout=300, every=2)
     assert len(build_jobs(installed)) == before + 1, "reverting to a built version must not build"
