@@ -36,7 +36,8 @@ def kubectl(c: Cluster, *args: str, input: str | None = None) -> str:
 
 
 def install(c: Cluster, *, lws: bool) -> None:
-    kubectl(c, "apply", "--server-side", "--force-conflicts", "-f", str(c.root / "third-party-crds"))
+    crds = sorted((c.root / "third-party-crds").resolve().glob("*.yaml"))
+    kubectl(c, "apply", "--server-side", "--force-conflicts", *(f"--filename={p}" for p in crds))
     wait_established(c)
     if lws:
         _start_lws(c)

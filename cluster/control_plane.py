@@ -232,6 +232,16 @@ def up(root: Path, *, lws: bool = True) -> Cluster:
     ports |= {n: free_port() for n in [*ORDER, "etcd-peer", "etcd-metrics"] if n not in ports}
     c = Cluster(root=root, network=network, ports=ports)
     c.save()
+    try:
+        _start_all(c, lws)
+    except BaseException:
+        down(root, quiet=True)  # nothing half-started is left behind
+        raise
+    print(f"cluster: up at {c.server}; export KUBECONFIG={c.kubeconfig}; S3 at {c.s3_endpoint}")
+    return c
+
+
+def _start_all(c: Cluster, lws: bool) -> None:
     _start_etcd(c)
     _start_apiserver(c)
     c.kubeconfig.write_text(kubeconfig(c.pki, "admin", c.server))
@@ -242,8 +252,6 @@ def up(root: Path, *, lws: bool = True) -> Cluster:
     addons.install(c, lws=lws)
     _start_node_agent(c)
     addons.wait_ready(c)
-    print(f"cluster: up at {c.server}; export KUBECONFIG={c.kubeconfig}; S3 at {c.s3_endpoint}")
-    return c
 
 
 def stop_pid(pid: int, grace: float = 10.0) -> None:
