@@ -31,12 +31,12 @@ from kiln.builder.errors import EXIT_OK, BuildError, InvalidSpec, StorageFailure
 from kiln.builder.manifest_input import check_expected_version, resolve_manifest
 from kiln.builder.report import setup_logging, write_termination_message
 
-from kiln.artifact_manifest import StoreError, file_sha256
+from kiln.adapter_list import ADAPTER_VERSION_ENV
+from kiln.artifact_manifest import StoreError, bytes_sha256
 from kiln.artifacts import ArtifactStore
 from kiln.envelope import adapter_envelope, adapter_version, engine_version
 
 log = logging.getLogger("kiln.build.adapter")
-ADAPTER_VERSION_ENV = "KILN_ADAPTER_VERSION"
 
 
 def find_adapter(engine, name: str) -> tuple[int, Any]:
@@ -68,21 +68,16 @@ def base_config(store: ArtifactStore, base: str, signer) -> dict[str, Any]:
     if signer is not None:
         from kiln.signing import Verifier
 
-        with tempfile.NamedTemporaryFile("wb", suffix=".pem") as pem:
-            pem.write(signer.public_pem())
-            pem.flush()
-            if (problem := Verifier.from_pem(pem.name).problem(document)) is not None:
-                raise StorageFailure(f"{store.artifact_uri(base)}: the base's manifest is not signed by this "
-                                     f"build's key: {problem}")
+        verifier = Verifier(signer.key.public_key(), signer.key_id, signer.algorithm)  # the signer's own key
+        if (problem := verifier.problem(document)) is not None:
+            raise StorageFailure(f"{store.artifact_uri(base)}: the base's manifest is not signed by this "
+                                 f"build's key: {problem}")
     entry = next((f for f in manifest.files if f.path == "config.json"), None)
     data = store.backend.read(f"engines/{base}/config.json") if entry else None
     if data is None or entry is None:
         raise StorageFailure(f"{store.artifact_uri(base)}: no config.json in the base artifact")
-    with tempfile.NamedTemporaryFile("wb") as tmp:
-        tmp.write(data)
-        tmp.flush()
-        if file_sha256(Path(tmp.name)) != entry.sha256:
-            raise StorageFailure(f"{store.artifact_uri(base)}/config.json: digest differs from its manifest")
+    if bytes_sha256(data) != entry.sha256:
+        raise StorageFailure(f"{store.artifact_uri(base)}/config.json: digest differs from its manifest")
     return json.loads(data)
 
 

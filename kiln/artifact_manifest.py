@@ -174,6 +174,11 @@ class Manifest(BaseModel):
                 and self.content_digest == self.digest_of(self.files))
 
 
+def bytes_sha256(data: bytes) -> str:
+    """The digest :func:`file_sha256` gives a file holding ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import click
 
+from kiln import adapter_list
+
 EXIT_INVALID_SPEC = 2
 
 
@@ -79,12 +81,8 @@ def build_adapters(engine, store_uri: str, work_dir: str | None, signing_key: Pa
             click.echo(f"error: adapter {adapter.name!r} is not served: {outcome.message}", err=True)
             continue
         click.echo(f"adapter {adapter.name}: {outcome.message}")
-        entries.append({"name": adapter.name, "artifactURI": outcome.artifact_uri, "version": outcome.version,
-                        "baseEngineVersion": base_version})
-    path = Path(work_dir or tempfile.mkdtemp(prefix="kiln-up-")) / "adapters.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": 1, "adapters": entries}, indent=1))
-    return path
+        entries.append(adapter_list.entry(adapter.name, outcome.artifact_uri, outcome.version, base_version))
+    return adapter_list.write(Path(work_dir or tempfile.mkdtemp(prefix="kiln-up-")) / "adapters.json", entries)
 
 
 def run_foreground(cmd: list[str], env: dict[str, str] | None = None) -> int:
@@ -155,5 +153,5 @@ def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_
     adapters = build_adapters(engine, store_uri, work_dir, signing_key, outcome.version)
     port = engine.spec.serving.port if port is None else port
     click.echo(f"serving {outcome.artifact_uri} on http://{host}:{port}/v1 (Ctrl-C to stop)")
-    env = {**os.environ, "KILN_LORA_ADAPTERS_FILE": str(adapters)} if adapters is not None else None
+    env = {**os.environ, adapter_list.ADAPTERS_FILE_ENV: str(adapters)} if adapters is not None else None
     sys.exit(run_foreground(serve_command(outcome.artifact_uri, engine, host, port, verify_key), env))
