@@ -99,8 +99,10 @@ gpu-wheels: install
 # cluster/versions.env, cached under ~/.cache/kiln/cluster: the first build takes 15-25 minutes on 2 cores),
 # then started on 127.0.0.1 with a node agent that runs pods as local processes, and moto's S3.
 CLUSTER_DIR := .kiln-work/cluster
+# Go's usual home is added to PATH: a non-interactive shell (CI) may not have it.
+GO_PATH_ENV := PATH="$$PATH:/usr/local/go/bin"
 cluster-bins:
-	bash cluster/build.sh $(CLUSTER_DIR)/bin
+	$(GO_PATH_ENV) bash cluster/build.sh $(CLUSTER_DIR)/bin
 
 cluster: install cluster-bins
 	$(BIN)/python -P -m kiln_cluster up --dir $(CLUSTER_DIR)

@@ -5,6 +5,7 @@ docs/local-cluster.md tells a user, and the SmolLM2 GGUF in the cluster's S3."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def cluster() -> Iterator[Kube]:
 
     control_plane.down(TEST_ROOT, quiet=True)  # a cluster a killed run left, and its data: start afresh
     shutil.rmtree(TEST_ROOT, ignore_errors=True)
-    subprocess.run(["bash", str(ROOT / "cluster" / "build.sh"), str(TEST_ROOT / "bin")], check=True)
+    env = {**os.environ, "PATH": os.environ.get("PATH", "") + ":/usr/local/go/bin"}  # as make cluster-bins
+    subprocess.run(["bash", str(ROOT / "cluster" / "build.sh"), str(TEST_ROOT / "bin")], check=True, env=env)
     c = control_plane.up(TEST_ROOT)
     try:
         yield Kube(bin=TEST_ROOT / "bin", kubeconfig=c.kubeconfig, s3_endpoint=c.s3_endpoint,
