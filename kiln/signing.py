@@ -113,15 +113,19 @@ class Verifier:
 
     @classmethod
     def from_pem(cls, path: str | Path, flag: str = "--verify-key") -> Verifier:
-        data = _read_pem(path, "public key", flag, VERIFY_KEY_ENV)
+        return cls.from_pem_data(_read_pem(path, "public key", flag, VERIFY_KEY_ENV), f"{flag} {path}")
+
+    @classmethod
+    def from_pem_data(cls, data: bytes, source: str) -> Verifier:
+        """The key in PEM ``data``; ``source`` names where it came from in an error (a flag and path, a Secret)."""
         try:
             key = serialization.load_pem_public_key(data)
         except (ValueError, TypeError) as exc:
-            raise SigningError(f"{flag} {path}: not a PEM public key ({exc}); derive it from the signing key "
+            raise SigningError(f"{source}: not a PEM public key ({exc}); derive it from the signing key "
                                "with `openssl pkey -in key.pem -pubout -out key.pub`") from None
         algorithm = _algorithm(key)
         if not algorithm:
-            raise SigningError(f"{flag} {path}: kiln verifies Ed25519 or ECDSA P-256 keys")
+            raise SigningError(f"{source}: kiln verifies Ed25519 or ECDSA P-256 keys")
         return cls(key, _key_id(key), algorithm)
 
     def problem(self, document: dict[str, Any]) -> str | None:

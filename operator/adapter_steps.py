@@ -21,6 +21,7 @@ from kiln.operator.adapters import (
     build_adapter_job,
     build_configmap,
     configmap_name,
+    pinned_digests,
     wanted_views,
     wants_job,
 )
@@ -30,7 +31,9 @@ from kiln.operator.job_pods import job_failure
 from kiln.operator.kube import ApiError, api_path
 from kiln.operator.naming import owner_reference
 from kiln.operator.status import job_state
-from kiln.operator.trust import artifact_problem
+from kiln.operator.trust import manifest_problem
+
+from kiln.envelope import adapter_envelope
 
 KeyPairGetter = Callable[[], Awaitable[keys.KeyPair]]
 
@@ -47,7 +50,10 @@ async def converge_adapters(ctx: Any, world: World, logger: logging.Logger,
         return None
     serving = world.old.get("servingVersion")
     bases = list(dict.fromkeys(v for v in (world.version, serving) if v))
-    views = [await read_view(ctx, world, adapter, base, version)
+    path = api_path("v1", "configmaps", world.namespace, configmap_name(world.name))
+    pins = pinned_digests(await ctx.kube.get(path))
+    verify_pem = (await key_pair()).verify_pem
+    views = [await read_view(ctx, world, adapter, base, version, verify_pem, pins.get(version))
              for adapter, base, version in wanted_views(spec, bases)]
     for i, view in enumerate(views):
         if view.base_version == world.version and wants_job(view):
@@ -60,13 +66,23 @@ async def converge_adapters(ctx: Any, world: World, logger: logging.Logger,
     return adapter_statuses([v for v in views if v.base_version == world.version])
 
 
-async def read_view(ctx: Any, world: World, adapter: Any, base: str, version: str) -> AdapterView:
-    """One adapter's artifact (trusted or not) and, while it is not built, its Job and why that failed."""
-    manifest = await asyncio.to_thread(ctx.store.read_manifest, version)
+async def read_view(ctx: Any, world: World, adapter: Any, base: str, version: str, verify_pem: bytes,
+                    pinned: str | None) -> AdapterView:
+    """One adapter's artifact (trusted or not: its signature, builder, envelope and ``pinned`` digest) and, while
+    it is not built, its Job and why that failed."""
+    manifest, document = await asyncio.to_thread(ctx.store.read_signed_manifest, version)
     uri = ctx.store.artifact_uri(version)
+    pin_place = (f"ConfigMap {configmap_name(world.name)}, contentDigest; a new revision of the adapter builds "
+                 "a new version")
     if manifest is not None:
-        problem = artifact_problem(manifest, ctx.config)
-        return AdapterView(adapter, base, version, uri, built=problem is None, untrusted=problem)
+        problem = manifest_problem(manifest, document, verify_pem=verify_pem, config=ctx.config,
+                                   envelope=adapter_envelope(base, adapter), pinned=pinned, pinned_at=pin_place)
+        digest = pinned or (manifest.content_digest if problem is None else None)
+        return AdapterView(adapter, base, version, uri, built=problem is None, untrusted=problem,
+                           content_digest=digest)
+    if pinned is not None:  # the pin outlives its manifest: what is published there next is compared with it
+        return AdapterView(adapter, base, version, uri, built=False, content_digest=pinned,
+                           untrusted=f"its manifest is gone from the store after this operator pinned it ({pin_place})")
     if base != world.version:  # the old base's adapters are listed if built, never built again
         return AdapterView(adapter, base, version, uri, built=False)
     job = await ctx.kube.get(api_path("batch/v1", "jobs", world.namespace, adapter_job_name(version)))

@@ -21,15 +21,14 @@ from kiln.operator.naming import COMMON_LABELS, GROUP, bounded_name, object_meta
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import job_state
 
+from kiln import adapter_list
+from kiln.adapter_list import ADAPTER_VERSION_ENV, ADAPTERS_FILE_ENV
 from kiln.api import LLMEngineSpec
 from kiln.envelope import adapter_version
 from kiln.lora_options import LoraAdapter
 
 ADAPTERS_DIR = "/etc/kiln/lora"
 ADAPTERS_FILE_KEY = "adapters.json"
-ADAPTERS_FILE_ENV = "KILN_LORA_ADAPTERS_FILE"
-ADAPTERS_FORMAT = 1
-ADAPTER_VERSION_ENV = "KILN_ADAPTER_VERSION"
 LABEL_ADAPTER = f"{GROUP}/adapter"
 BUILDING, READY, FAILED = "Building", "Ready", "Failed"
 
@@ -70,6 +69,7 @@ class AdapterView:
     untrusted: str | None = None  # why a manifest in the store is not served
     job: dict[str, Any] | None = None
     failure: str = ""  # the failed Job's termination message
+    content_digest: str | None = None  # the digest pinned (listed in the ConfigMap): trusted at first sight
 
 
 def adapter_phase(view: AdapterView) -> tuple[str, str | None]:
@@ -103,10 +103,12 @@ def wants_job(view: AdapterView) -> bool:
 
 
 def adapters_document(views: list[AdapterView]) -> dict[str, Any]:
-    """The file pods read (docs/lora.md): every built adapter, for each base version still served."""
+    """The file pods read (docs/lora.md): every pinned adapter (built, and trusted when first read), for each
+    base version still served, with the content digest pods must find (they refuse any other)."""
     listed = [{"name": v.adapter.name, "artifactURI": v.artifact_uri, "version": v.version,
-               "baseEngineVersion": v.base_version} for v in views if v.built]
-    return {"format": ADAPTERS_FORMAT, "adapters": sorted(listed, key=lambda e: (e["baseEngineVersion"], e["name"]))}
+               "baseEngineVersion": v.base_version, "contentDigest": v.content_digest}
+              for v in views if v.content_digest]
+    return adapter_list.document(listed)
 
 
 def build_configmap(engine: str, namespace: str, views: list[AdapterView], owner: dict[str, Any] | None
@@ -165,3 +167,15 @@ def _mount_adapter_claim(pod: dict[str, Any], adapter: LoraAdapter) -> None:
     for container in (pod["initContainers"][0], pod["containers"][0]):
         container["volumeMounts"].append({"name": "adapter", "mountPath": f"{PVC_MOUNT_ROOT}/{claim}",
                                           "readOnly": True})
+
+
+def pinned_digests(configmap: dict[str, Any] | None) -> dict[str, str]:
+    """Adapter version -> the content digest this operator pinned, from the ConfigMap it wrote (it is the pin:
+    a store rewritten later is compared with it, never re-pinned). An unreadable document pins nothing."""
+    try:
+        document = json.loads(((configmap or {}).get("data") or {}).get(ADAPTERS_FILE_KEY) or "{}")
+        entries = document.get("adapters") or [] if isinstance(document, dict) else []
+        return {e["version"]: e["contentDigest"] for e in entries
+                if isinstance(e, dict) and isinstance(e.get("version"), str) and isinstance(e.get("contentDigest"), str)}
+    except (ValueError, TypeError, AttributeError):
+        return {}

@@ -59,13 +59,13 @@ from kiln.operator.status import (
     same_status,
     transitions,
 )
-from kiln.operator.trust import artifact_problem, expectation, pin_problem, pinned_digest
+from kiln.operator.trust import expectation, manifest_problem, pinned_digest
 from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
 from kiln.operator.workloads import build_pdb, build_service, build_workload
 
 from kiln.api import API_VERSION, PLURAL
 from kiln.artifacts import ArtifactStore
-from kiln.envelope import engine_version
+from kiln.envelope import build_envelope, engine_version
 
 
 @dataclass
@@ -124,11 +124,12 @@ async def observe(ctx: Context, namespace: str, name: str) -> World | None:
                 deployment=deployment, lws=lws)
     if spec.replica_shape.multi_node and not await ctx.kube.serves(LWS_API_VERSION, LWS_PLURAL):
         return World(**seen, lws_served=False)
-    manifest = await asyncio.to_thread(ctx.store.read_manifest, version)
+    manifest, document = await asyncio.to_thread(ctx.store.read_signed_manifest, version)
     untrusted = None
-    if manifest is not None:
-        pinned = pinned_digest(body.get("status") or {}, version)
-        untrusted = artifact_problem(manifest, ctx.config) or pin_problem(manifest, pinned)
+    if manifest is not None:  # nothing is pinned or served before its signature and envelope check out
+        untrusted = manifest_problem(manifest, document, verify_pem=(await key_pair(ctx)).verify_pem,
+                                     config=ctx.config, envelope=build_envelope(spec),
+                                     pinned=pinned_digest(body.get("status") or {}, version))
     # The Job: to get or create it, or to time the build that just published the version.
     wants_job = manifest is None or (untrusted is None and (body.get("status") or {}).get("phase") == "Building")
     job = await ctx.kube.get(job_path(namespace, version)) if wants_job else None

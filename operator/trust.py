@@ -9,7 +9,10 @@ identity); the operator serves only artifacts it built with a trusted image, pin
 the manifest's content digest when the build finishes (``status.artifact``), and
 tells the serving pods exactly that build (``$KILN_EXPECT_ARTIFACT``) so they refuse
 anything else. A store whose manifest later differs from the pin is not trusted:
-the pin is never re-read from the store. docs/operator-trust.md explains the whole model.
+the pin is never re-read from the store. Before any of that, a manifest must be signed
+by the operator's own verify key, and its whole envelope must be the spec's (a version
+names only 12 hex digits of the envelope's SHA-256): engines and adapters alike
+(:func:`manifest_problem`). docs/operator-trust.md explains the whole model.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from kiln.operator.settings import OperatorConfig
 
 from kiln.api import LLMEngineSpec
 from kiln.artifact_manifest import ArtifactExpectation, BuiltBy, Manifest
+from kiln.envelope import envelope_mismatch
+from kiln.signing import Verifier
 
 ALLOWLIST_HINT = "the chart value allowedImages (KILN_ALLOWED_IMAGES)"
 
@@ -93,12 +98,30 @@ def pinned_digest(status: dict[str, Any], version: str) -> str | None:
     return entry.get("contentDigest")
 
 
-def pin_problem(manifest: Manifest, pinned: str | None) -> str | None:
-    """Why the store's manifest is not the build this engine pinned; None when it is (or nothing is pinned)."""
+def pin_problem(manifest: Manifest, pinned: str | None, where: str = "status.artifact.contentDigest") -> str | None:
+    """Why the store's manifest is not the build this engine pinned (at ``where``); None when it is (or nothing
+    is pinned)."""
     if pinned is None or manifest.content_digest == pinned:
         return None
     return (f"its manifest changed after this operator pinned the build (content digest "
-            f"{manifest.content_digest[:19]}..., pinned {pinned[:19]}...: status.artifact.contentDigest)")
+            f"{manifest.content_digest[:19]}..., pinned {pinned[:19]}...: {where})")
+
+
+def signature_problem(document: dict[str, Any] | None, verify_pem: bytes) -> str | None:
+    """Why a manifest as stored is not signed by the operator's verify key; None when it is."""
+    problem = Verifier.from_pem_data(verify_pem, "the operator's verify key (signing.secretName)").problem(
+        document or {})
+    return None if problem is None else f"{problem}; this operator serves only what its own key signed"
+
+
+def manifest_problem(manifest: Manifest, document: dict[str, Any] | None, *, verify_pem: bytes,
+                     config: OperatorConfig, envelope: dict[str, Any], pinned: str | None,
+                     pinned_at: str = "status.artifact.contentDigest") -> str | None:
+    """Why this operator will neither serve nor pin a manifest read from the store; None when it trusts it.
+    The signature first (nothing the manifest says is believed before it), then who built it, the pin, and the
+    whole envelope against ``envelope`` (what the spec hashes): a version names only 12 hex digits of it."""
+    return (signature_problem(document, verify_pem) or artifact_problem(manifest, config)
+            or pin_problem(manifest, pinned, pinned_at) or envelope_mismatch(manifest.envelope, envelope))
 
 
 def expectation(manifest: Manifest, pinned: str | None = None) -> ArtifactExpectation:

@@ -5,12 +5,13 @@ lists the built ones in a ConfigMap the serving pods mount (``$KILN_LORA_ADAPTER
 rewrites the file in place, so the pod template never changes and no pod restarts)::
 
     {"format": 1, "adapters": [{"name": ..., "artifactURI": ..., "version": ...,
-                                "baseEngineVersion": ...}, ...]}
+                                "baseEngineVersion": ..., "contentDigest": ...}, ...]}
 
 :class:`AdapterSync` reads it every few seconds and makes the server hold exactly the listed adapters whose
 ``baseEngineVersion`` is the engine it serves (during a base rollout the file lists both): a new entry is
 fetched like an engine (signature checked with ``--verify-key`` before any file is downloaded, every file
-against its digest) and loaded in the background; a removed one is unloaded. Adapters given by
+against its digest, and the manifest's content digest against the ``contentDigest`` the operator pinned) and
+loaded in the background; a removed one is unloaded. Adapters given by
 ``--lora-modules`` or loaded through the API are not its to touch. A failed fetch or load is logged once
 and tried again at the next change of the file or after a back-off; the rest keep serving.
 """
@@ -25,24 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kiln.adapter_list import ADAPTERS_FILE_ENV, wanted
+
 log = logging.getLogger("kiln.serving")
 
-ADAPTERS_FILE_ENV = "KILN_LORA_ADAPTERS_FILE"
-FORMAT = 1
 POLL_S = 2.0
 RETRY_S = 30.0
-
-
-def wanted(document: Any, engine_version: str | None) -> dict[str, dict[str, str]]:
-    """The file's adapters for ``engine_version``, by name ({} for a file of another format or none)."""
-    if not isinstance(document, dict) or document.get("format") != FORMAT:
-        return {}
-    out = {}
-    for entry in document.get("adapters") or []:
-        if isinstance(entry, dict) and entry.get("baseEngineVersion") == engine_version \
-                and isinstance(entry.get("name"), str) and isinstance(entry.get("artifactURI"), str):
-            out[entry["name"]] = entry
-    return out
 
 
 class AdapterSync:
@@ -86,7 +75,7 @@ class AdapterSync:
                 await self._unload(name)
         for name, entry in want.items():
             if name not in self.held:
-                await self._load(name, entry["artifactURI"])
+                await self._load(name, entry["artifactURI"], entry.get("contentDigest"))
 
     async def _unload(self, name: str) -> None:
         from kiln.serving.errors import APIError
@@ -98,7 +87,9 @@ class AdapterSync:
         except APIError as exc:
             log.warning("LoRA adapter %r could not be unloaded: %s", name, exc.message)
 
-    async def _load(self, name: str, uri: str) -> None:
+    async def _load(self, name: str, uri: str, digest: str | None = None) -> None:
+        """Fetch and load one adapter; ``digest``: the content digest the operator pinned (listed in the file),
+        any other refused."""
         from kiln.serving.errors import APIError
         from kiln.serving.loader import fetch_artifact, in_daemon_thread
 
@@ -109,6 +100,7 @@ class AdapterSync:
         try:
             path = await in_daemon_thread(lambda: fetch_artifact(uri, config.cache_dir, config.verify_key,
                                                                     pinned=False))
+            pinned_problem(path, digest)
             await self.ctx.loras.add(name, str(path))
         except APIError as exc:
             self.failed[key] = time.monotonic()
@@ -121,6 +113,19 @@ class AdapterSync:
         self.failed.pop(key, None)
         self.held[name] = uri
         log.info("LoRA adapter %r loaded from %s", name, uri)
+
+
+def pinned_problem(path: Path, digest: str | None) -> None:
+    """Raise when the fetched (signed, checksummed) artifact at ``path`` is not the build the operator pinned."""
+    if digest is None:  # a file from an operator that pinned no digest
+        return
+    from kiln.artifact_manifest import MANIFEST_NAME, ArtifactUntrusted, Manifest
+
+    got = Manifest.model_validate_json((path / MANIFEST_NAME).read_bytes()).content_digest
+    if got != digest:
+        raise ArtifactUntrusted(f"its content digest is {got[:16]}..., the operator pinned {digest[:16]}... (the "
+                                "adapter was replaced in the store after the operator checked it); the LLMEngine's "
+                                "status.adapters says what the operator found")
 
 
 def adapters_file(env: dict[str, str] | os._Environ = os.environ) -> Path | None:

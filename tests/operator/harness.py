@@ -9,6 +9,7 @@ pod failure, as kubernetes-sigs/lws v0.10 reports it).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import json
@@ -17,13 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from conftest import Kube, wait_for
+from conftest import OPERATOR_NS, Kube, wait_for
 from kopf.testing import KopfRunner
 
 from kiln.api import LLMEngineSpec
 from kiln.artifact_manifest import BUILT_BY_ENV, BuiltBy
 from kiln.artifacts import ArtifactStore
 from kiln.envelope import build_envelope
+from kiln.signing import Signer
 
 NS = "ml"
 ENGINES = f"/apis/serving.kiln.dev/v1alpha1/namespaces/{NS}/llmengines"
@@ -111,12 +113,23 @@ class Cluster:
             return jobs[0] if jobs else None
         return wait_for(check, what=f"a build Job for {version or 'any version'}")
 
+    def signer(self) -> Signer | None:
+        """The operator's signing key, as its build Jobs get it (None before the operator made its pair)."""
+        pair = self.kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/secrets/kiln-signing-key")
+        if pair is None:
+            return None
+        key = self.tmp / "operator-signing-key.pem"
+        key.write_bytes(base64.b64decode(pair["data"]["signing-key.pem"]))
+        return Signer.from_pem(key)
+
     def publish(self, version: str, spec: dict[str, Any], built_by: BuiltBy | None) -> None:
+        """Publish as a build Job does: signed by the operator's key."""
         src = self.tmp / f"artifact-{version}"
         (src / "weights").mkdir(parents=True, exist_ok=True)
         (src / "engine.json").write_text(json.dumps({"format_version": 1, "engine_version": version}))
         (src / "weights" / "rank-0-of-1.safetensors").write_bytes(version.encode() * 64)
-        self.store.publish(version, src, build_envelope(LLMEngineSpec.model_validate(spec)), built_by=built_by)
+        self.store.publish(version, src, build_envelope(LLMEngineSpec.model_validate(spec)), built_by=built_by,
+                           signer=self.signer())
 
     def build(self, job: dict[str, Any], spec: dict[str, Any]) -> str:
         """Be the builder: publish the artifact of the Job's version, recording who built it as the Job's build

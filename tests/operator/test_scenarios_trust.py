@@ -10,7 +10,7 @@ import pytest
 from conftest import OPERATOR_NS, wait_for
 from harness import DEPLOYMENTS, ENGINES, NS, SPEC, Cluster, manifest, running_operator
 
-from kiln.artifact_manifest import EXPECT_ENV, ArtifactExpectation, BuiltBy
+from kiln.artifact_manifest import BUILT_BY_ENV, EXPECT_ENV, ArtifactExpectation, BuiltBy
 from kiln.signing import SIGNING_KEY_ENV, VERIFY_KEY_ENV, Signer, Verifier
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,7 +77,7 @@ def test_a_consistent_rewrite_of_the_store_is_not_re_pinned_nor_rolled_out(clust
         assert c.status("demo")["artifact"] == {"engineVersion": version, "contentDigest": pinned}
         assert expected_digest(c, "demo") == pinned
         # Someone with the store's write credentials republishes the version: other weights, a consistent
-        # manifest, even this operator's own built_by.
+        # manifest, even this operator's own built_by and signature (a leaked signing key).
         built_by = c.store.read_manifest(version).built_by
         c.store.delete(version)
         time.sleep(0.8)  # reconciles while the version is missing: the pin must survive them (the Job is the same)
@@ -87,7 +87,7 @@ def test_a_consistent_rewrite_of_the_store_is_not_re_pinned_nor_rolled_out(clust
         from kiln.envelope import build_envelope
 
         c.store.publish(version, src, build_envelope(LLMEngineSpec.model_validate(SPEC)),
-                        built_by=BuiltBy.model_validate(built_by.model_dump()))
+                        built_by=BuiltBy.model_validate(built_by.model_dump()), signer=c.signer())
         assert c.store.read_manifest(version).content_digest != pinned
         wait_for(lambda: c.condition("demo", "Built").get("reason") == "ArtifactUntrusted", what="ArtifactUntrusted")
         built = c.condition("demo", "Built")
@@ -125,3 +125,46 @@ def test_a_storage_error_is_retried_and_a_permanent_failure_is_not(cluster: Clus
         assert third["metadata"]["uid"] not in {first["metadata"]["uid"], second["metadata"]["uid"]}
         wait_for(lambda: (c.status("demo").get("build") or {}).get("attempts") == 1, what="attempts start over")
         assert c.kube.list(DEPLOYMENTS) == []
+
+
+def test_a_cache_hit_compares_the_whole_envelope(cluster: Cluster):
+    """Issue 38, Med 5: a manifest under this spec's version whose envelope is another spec's (a ground 48-bit
+    prefix collision, signed by the operator's own key) is not served: ArtifactUntrusted naming the field."""
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        c.build(c.wait_job(), {**SPEC, "dtype": "bfloat16"})  # the Job's version, another spec's envelope
+        wait_for(lambda: c.condition("demo", "Built").get("reason") == "ArtifactUntrusted", what="ArtifactUntrusted")
+        message = c.condition("demo", "Built")["message"]
+        assert "envelope's dtype is 'bfloat16' where this spec's is 'float32'" in message and "kiln cache rm" in message
+        assert c.deployment("demo") is None and "contentDigest" not in (c.status("demo").get("artifact") or {})  # nothing pinned, nothing served
+
+
+@pytest.mark.parametrize("signed", ["unsigned", "another key"])
+def test_a_manifest_not_signed_by_the_operators_key_is_never_pinned(signed, cluster: Cluster, tmp_path):
+    """Issue 38, Med 4: the operator verifies the signature before it pins anything (a store writer's squat of
+    a version, with this operator's own built_by)."""
+    c = cluster
+    other = None
+    if signed == "another key":
+        from kiln.signing import generate_key_pair
+
+        other = Signer.from_pem(generate_key_pair(tmp_path)[0])
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        job = c.wait_job()
+        version = job["metadata"]["labels"]["serving.kiln.dev/engine-version"]
+        env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+        src = c.tmp / "squat"
+        src.mkdir()
+        (src / "engine.json").write_text("{}")
+        from kiln.api import LLMEngineSpec
+        from kiln.envelope import build_envelope
+
+        c.store.publish(version, src, build_envelope(LLMEngineSpec.model_validate(SPEC)),
+                        built_by=BuiltBy.model_validate_json(env[BUILT_BY_ENV]), signer=other)
+        wait_for(lambda: c.condition("demo", "Built").get("reason") == "ArtifactUntrusted", what="ArtifactUntrusted")
+        message = c.condition("demo", "Built")["message"]
+        assert ("is not signed" if other is None else "not by the verify key") in message, message
+        assert "serves only what its own key signed" in message
+        assert c.deployment("demo") is None and "contentDigest" not in (c.status("demo").get("artifact") or {})
