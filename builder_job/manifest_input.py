@@ -1,9 +1,9 @@
 """The build's input manifest: where ``kiln build`` gets it: ``-f FILE``, ``--spec-file FILE`` or
 ``$KILN_SPEC``.
 
-A build Job passes the ``LLMEngine`` as JSON in ``KILN_SPEC`` (CONTRACTS.md, "Build Job
-contract"); people pass ``-f manifest.yaml``. Either way the result is validated by
-:func:`kiln.manifest.load_manifest`, and a problem becomes :class:`InvalidSpec` (exit 2)
+A build Job passes the ``LLMEngine`` as JSON in ``KILN_SPEC`` (the Job the operator renders in
+:mod:`kiln.operator.jobs`; docs/build.md); people pass ``-f manifest.yaml``. Either way the result is
+validated by :func:`kiln.manifest.load_manifest`, and a problem becomes :class:`InvalidSpec` (exit 2)
 naming the field.
 """
 

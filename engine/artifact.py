@@ -1,6 +1,6 @@
 """Engine artifacts: what the builder writes and ``LLM.from_artifact`` loads.
 
-Layout (CONTRACTS.md): ``engine.json`` (format version, GPU arch, the
+Layout (docs/artifacts.md, "The engine artifact"): ``engine.json`` (format version, GPU arch, the
 ``engine_config`` kwargs for ``LLM``), config.json and tokenizer files, and
 ``weights/rank-{r}-of-{n}.safetensors``: each rank's shard of the model (``n`` =
 tensor_parallel_size x pipeline_parallel_size, ``r = pp_stage * tp_size + tp_rank``: a
