@@ -20,9 +20,11 @@ from kiln.serving.anthropic_errors import error_body
 from kiln.serving.anthropic_translate import STOP_REASONS, cut_stop_sequence, usage
 from kiln.serving.errors import APIError
 
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
 
 def event(name: str, body: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"event: {name}\ndata: {_encode(body)}\n\n"
 
 
 class _Blocks:

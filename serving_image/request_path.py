@@ -201,8 +201,8 @@ async def generate(request: Request, req: CompletionRequest | ChatCompletionRequ
         gen.start()
         if req.stream:
             options = req.stream_options
-            if dialect is not None:  # the dialects report usage as they go: each chunk carries it
-                stream = dialect.stream(chunks(builder, gen, True, True, plan, reasoning))
+            if dialect is not None:  # the dialects report the prompt's usage first and the totals last
+                stream = dialect.stream(chunks(builder, gen, True, False, plan, reasoning, first_usage=True))
             else:
                 stream = events(builder, gen, bool(options and options.include_usage),
                                 bool(options and options.continuous_usage_stats), plan, reasoning)

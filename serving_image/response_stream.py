@@ -114,9 +114,11 @@ async def events(builder: Builder, gen: Generation, include_usage: bool, continu
 
 
 async def chunks(builder: Builder, gen: Generation, include_usage: bool, continuous: bool = False,
-                 plan: ToolPlan | None = None, reasoning: Reasoning | None = None) -> AsyncIterator[dict[str, Any]]:
+                 plan: ToolPlan | None = None, reasoning: Reasoning | None = None,
+                 first_usage: bool = False) -> AsyncIterator[dict[str, Any]]:
     """The stream's chunk bodies (an ``{"error": ...}`` body last if it fails); the Messages and Responses
-    dialects render these in their own events (:mod:`anthropic_stream`, :mod:`responses_stream`)."""
+    dialects render these in their own events (:mod:`anthropic_stream`, :mod:`responses_stream`), with
+    ``first_usage``: a choice's first chunk carries its usage so far (the prompt's, for ``message_start``)."""
     chat = builder.kind == "chat"
     started: set[int] = set()
     num_output = [0 for _ in gen.inputs]
@@ -125,7 +127,7 @@ async def chunks(builder: Builder, gen: Generation, include_usage: bool, continu
 
     def chunk(slot: int, **fields: Any) -> dict[str, Any]:
         running = None
-        if continuous and include_usage:
+        if (continuous or (first_usage and fields.get("role"))) and include_usage:
             running = Builder.usage(gen.num_prompt_tokens[slot], num_output[slot], gen.num_cached_tokens[slot])
         return builder.chunk(slot, include_usage=include_usage, usage=running, **fields)
 

@@ -92,6 +92,7 @@ class ResponsesRequest(_Body):
     store: StrictBool = True
     previous_response_id: str | None = None
     stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None  # {"include_obfuscation": ...}: accepted, ignored (no obfuscation here)
     background: StrictBool | None = None
     truncation: Literal["disabled", "auto"] | None = None
     include: list[str] | None = None

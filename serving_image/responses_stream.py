@@ -18,6 +18,8 @@ from typing import Any
 
 from kiln.serving.responses_translate import count_reasoning, output_items, response_body
 
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
 
 class _Writer:
     """Numbers and renders events; tracks the one output item open."""
@@ -28,11 +30,12 @@ class _Writer:
         self.message: dict[str, Any] = {"content": "", "reasoning_content": None, "tool_calls": []}
         self.open: str | None = None  # "reasoning" | "message" | "function_call"
         self.index = -1  # the open item's output_index
+        self.item_id = ""  # the open item's id
 
     def event(self, kind: str, **body: Any) -> str:
         data = {"type": kind, "sequence_number": self.seq, **body}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {_encode(data)}\n\n"
 
     def _item(self, kind: str, done: bool) -> dict[str, Any]:
         """The open item as it stands, from the message so far."""
@@ -51,6 +54,7 @@ class _Writer:
         out = self.stop()
         self.open, self.index = kind, self.index + 1
         item = self._item(kind, done=False)
+        self.item_id = item["id"]
         out.append(self.event("response.output_item.added", output_index=self.index, item=item))
         if kind != "function_call":
             part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else \
@@ -61,8 +65,7 @@ class _Writer:
 
     def delta(self, kind: str, piece: str) -> list[str]:
         out = self.start(kind) if self.open != kind else []
-        item_id = self._item(kind, done=False)["id"]
-        where = {"item_id": item_id, "output_index": self.index}
+        where = {"item_id": self.item_id, "output_index": self.index}
         if kind == "function_call":
             self.message["tool_calls"][-1]["function"]["arguments"] += piece
             out.append(self.event("response.function_call_arguments.delta", **where, delta=piece))

@@ -123,3 +123,28 @@ def test_responses_cut_at_max_output_tokens_is_incomplete():
     assert name == "response.incomplete"
     assert body["response"]["status"] == "incomplete"
     assert body["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_the_response_store_is_bounded_by_count_size_and_time(monkeypatch):
+    from kiln.serving import responses_store
+    from kiln.serving.responses_store import ResponseStore
+
+    now = [100.0]
+    monkeypatch.setattr(responses_store.time, "monotonic", lambda: now[0])
+    store = ResponseStore(max_entries=3, ttl_s=10, max_chars=100)
+    turn = [{"role": "user", "content": "x" * 40}]
+    for rid in ("a", "b", "c"):
+        store.put(rid, {"id": rid}, turn)
+    assert store.get("a") is None and len(store) == 2  # 3 x 40 characters > 100: the oldest went first
+    store.get("b")  # used: "c" is now the least recently used
+    store.put("d", {"id": "d"}, turn)
+    assert store.get("c") is None and store.get("b") is not None and store.get("d") is not None
+    now[0] += 11
+    assert store.get("b") is None and store.get("d") is None and len(store) == 0  # expired
+    counted = ResponseStore(max_entries=2, ttl_s=10)
+    for rid in ("x", "y", "z"):
+        counted.put(rid, {"id": rid}, [{"role": "user", "content": "short"}])
+    assert counted.get("x") is None and counted.get("z") is not None
+    kept_none = ResponseStore(max_entries=0, ttl_s=10)
+    kept_none.put("e", {}, turn)
+    assert kept_none.get("e") is None

@@ -77,3 +77,18 @@ def test_unknown_parser_names_the_choices():
     assert reasoning_parser(None) is None
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         reasoning_parser("granite")
+
+
+def test_serve_takes_the_parser_and_store_flags(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+    from kiln.serving import cli
+
+    result = CliRunner().invoke(cli.serve, ["--model", str(tmp_path), "--reasoning-parser", "granite"])
+    assert result.exit_code == 2 and "deepseek_r1" in result.output and "qwen3" in result.output
+    seen = {}
+    monkeypatch.setattr("kiln.serving.server.run_server", lambda config: seen.update(vars(config)) or 0)
+    monkeypatch.setattr(cli, "_exit", lambda code: None)
+    result = CliRunner().invoke(cli.serve, ["--model", str(tmp_path), "--reasoning-parser", "qwen3",
+                                            "--responses-store-size", "7", "--responses-store-ttl", "60"])
+    assert result.exit_code == 0, result.output
+    assert (seen["reasoning_parser"], seen["responses_store_size"], seen["responses_store_ttl"]) == ("qwen3", 7, 60)
