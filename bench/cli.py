@@ -85,6 +85,10 @@ def _resolve_device(device: str) -> str:
 @click.option("--concurrency", default="1,4,16", show_default=True, help="--server: concurrent requests swept.")
 @click.option("--isl", type=click.IntRange(min=1), default=128, show_default=True, help="--server: prompt tokens.")
 @click.option("--osl", type=click.IntRange(min=1), default=64, show_default=True, help="--server: output tokens.")
+@click.option("--endpoints", default="completions", show_default=True,
+              help="--server: the kiln endpoints aiperf drives, among completions, chat, messages (Anthropic's) and "
+                   "responses (OpenAI's), each a system of the table; with several, all run greedy (temperature 0, "
+                   "no ignore_eos) and the table gives each one's throughput over the first's (translation overhead).")
 @click.option("--speculative", is_flag=True,
               help="Instead of the suite: kiln greedy with prompt-lookup speculation (on with the load rule, and "
                    "always on) against without, at batch 1 and 32, on rewrite-this-text prompts, --repeats rotated "
@@ -100,7 +104,8 @@ def _resolve_device(device: str) -> str:
                    "same-family draft would (smaller: more agreement).")
 def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
           baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict,
-          structured, lora, gguf, server, concurrency, isl, osl, speculative, draft_model, draft_layers, pair_scale) -> None:
+          structured, lora, gguf, server, concurrency, isl, osl, endpoints, speculative, draft_model, draft_layers,
+          pair_scale) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     import os
     import platform
@@ -197,7 +202,7 @@ def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dt
         return
     if server:  # bench/server.py: the serving path under an external client
         _server(model_dir, dtype, threads, device, concurrency, peer_names, repeats, isl, osl, seed, max_batch_size,
-                max_num_tokens, json_out, log)
+                max_num_tokens, json_out, log, endpoints)
         return
     if speculative:  # bench/speculative.py: what prompt-lookup speculation gains, and where it stops
         from kiln_bench.speculative import damped_pair, draft_for
@@ -312,7 +317,7 @@ def _gguf(gguf, peer_names, concurrency, repeats, json_out) -> None:
 
 
 def _server(model_dir, dtype, threads, device, concurrency, peer_names, repeats, isl, osl, seed, max_batch_size,
-            max_num_tokens, json_out, log) -> None:
+            max_num_tokens, json_out, log, endpoints="completions") -> None:
     from kiln_bench import server
 
     try:
@@ -324,8 +329,11 @@ def _server(model_dir, dtype, threads, device, concurrency, peer_names, repeats,
     if device != "cpu" or set(peer_names) - {"vllm"}:
         raise click.UsageError("--server runs on CPU against vLLM's OpenAI server only: --device cpu, "
                                "--baselines vllm (or none, for kiln alone)")
+    dialects = [e.strip() for e in endpoints.split(",") if e.strip()]
+    if not dialects or set(dialects) - {"completions", "chat", "messages", "responses"}:
+        raise click.UsageError(f"--endpoints {endpoints!r}: choose among completions, chat, messages, responses")
     doc = server.run(model_dir, dtype, threads, levels, "vllm" if peer_names else None, repeats, isl, osl, seed,
-                     max_batch_size, max_num_tokens, log)
+                     max_batch_size, max_num_tokens, log, endpoints=dialects)
     click.echo(json.dumps(doc, indent=2) if json_out == "-" else server.text(doc))
     if json_out and json_out != "-":
         Path(json_out).write_text(json.dumps(doc, indent=2))

@@ -96,14 +96,18 @@ def vllm_command(python: Path, model_dir: Path, name: str, dtype: str, port: int
 
 
 def aiperf_command(exe: Path, url: str, name: str, tokenizer: Path, concurrency: int, isl: int, osl: int,
-                   seed: int, requests_per_user: int, out: Path) -> list[str]:
+                   seed: int, requests_per_user: int, out: Path, endpoint: str = "completions",
+                   greedy: bool = False) -> list[str]:
     """One seeded run at one concurrency: the same prompts for every system (aiperf synthesizes them from
     ``seed``). One run per concurrency, since aiperf sweeps lists of concurrencies and request counts as
-    their cross product."""
+    their cross product. ``endpoint``: aiperf's endpoint type (kiln's dialects: completions, chat, messages,
+    responses). ``greedy``: temperature 0 instead of vLLM's ``ignore_eos``, which the Messages and Responses
+    APIs do not take: every dialect then generates the same tokens for the same prompt."""
+    fixed = ["--extra-inputs", "temperature:0"] if greedy else ["--extra-inputs", "ignore_eos:true"]
     return [str(exe), "profile", "-m", name, "--tokenizer", str(tokenizer), "--url", url,
-            "--endpoint-type", "completions", "--streaming", "--use-server-token-count",
+            "--endpoint-type", endpoint, "--streaming", "--use-server-token-count",
             "--synthetic-input-tokens-mean", str(isl), "--synthetic-input-tokens-stddev", "0",
-            "--output-tokens-mean", str(osl), "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
+            "--output-tokens-mean", str(osl), "--output-tokens-stddev", "0", *fixed,
             "--random-seed", str(seed), "--concurrency", str(concurrency),
             "--request-count", str(max(8, concurrency * requests_per_user)),
             "--warmup-request-count", "2", "--artifact-dir", str(out), "--ui-type", "none"]
@@ -140,6 +144,9 @@ def text(doc: dict) -> str:
                          + f" | {m.get('errors', '-')} |")
     for c, ratio in doc["ratios"].items():
         lines.append(f"\nconcurrency {c}: kiln / {doc['baseline']} output tok/s = {ratio:.2f}x")
+    for pair, by in (doc.get("dialect_ratios") or {}).items():
+        for c, ratio in by.items():
+            lines.append(f"\nconcurrency {c}: kiln {pair} output tok/s = {ratio:.3f}x")
     return "\n".join(lines)
 
 
@@ -160,10 +167,11 @@ def _host() -> str:
 
 def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[int], baseline: str | None,
         repeats: int, isl: int, osl: int, seed: int, max_batch_size: int, max_num_tokens: int,
-        say: Callable[[str], None], requests_per_user: int = 4) -> dict:
+        say: Callable[[str], None], requests_per_user: int = 4, endpoints: list[str] | None = None) -> dict:
     """Both servers up, then ``repeats`` alternating aiperf sweeps; the document ``text`` prints."""
     from kiln_bench import peer_vllm
 
+    endpoints = endpoints or ["completions"]
     root = peers.work_root()
     exe = ensure_aiperf(root, say)
     name, threads_n = model_dir.name, threads or os.cpu_count() or 1
@@ -191,14 +199,19 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
                                        env, port, scratch / f"{baseline}.log", scratch, "/health")
         for s in servers.values():
             s.wait_ready(s.ready_path, 900)
+        # Each system: (server, aiperf endpoint type); kiln once per --endpoints dialect, named by it when several.
+        targets = {("kiln" if len(endpoints) == 1 else f"kiln {e}"): ("kiln", e) for e in endpoints}
+        targets.update({b: (b, "completions") for b in servers if b != "kiln"})
+        greedy = endpoints != ["completions"]
         for r in range(repeats):
-            order = list(servers) if r % 2 == 0 else list(reversed(servers))
+            order = list(targets) if r % 2 == 0 else list(reversed(targets))
             for s in order:
                 for c in concurrencies:
-                    out = scratch / f"{s}-{r}-c{c}"
+                    out = scratch / f"{s.replace(' ', '-')}-{r}-c{c}"
                     say(f"run {r + 1}/{repeats}: aiperf against {s}, concurrency {c} ...")
-                    cmd = aiperf_command(exe, servers[s].url, name, model_dir, c, isl, osl, seed, requests_per_user,
-                                         out)
+                    host, endpoint = targets[s]
+                    cmd = aiperf_command(exe, servers[host].url, name, model_dir, c, isl, osl, seed, requests_per_user,
+                                         out, endpoint, greedy)
                     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=scratch, timeout=3600)
                     export = next(out.rglob("profile_export_aiperf.json"), None)
                     if proc.returncode or export is None:
@@ -210,11 +223,16 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
         for s in servers.values():
             s.stop()
     table = {s: {str(c): medians(rs) for c, rs in by.items()} for s, by in runs.items()}
-    ratios = {}
+    ratios, first = {}, "kiln" if len(endpoints) == 1 else f"kiln {endpoints[0]}"
     for c in concurrencies:
-        k, b = (table.get("kiln") or {}).get(str(c)), (table.get(baseline or "") or {}).get(str(c))
+        k, b = (table.get(first) or {}).get(str(c)), (table.get(baseline or "") or {}).get(str(c))
         if k and b and b.get("out_tok_s"):
             ratios[str(c)] = round(k["out_tok_s"] / b["out_tok_s"], 3)
+    dialects = {f"{e} / {endpoints[0]}": {str(c): round(table[f"kiln {e}"][str(c)]["out_tok_s"]
+                                                        / table[first][str(c)]["out_tok_s"], 3)
+                                          for c in concurrencies if str(c) in table.get(f"kiln {e}", {})
+                                          and str(c) in table.get(first, {})}
+                for e in endpoints[1:]}
     version = subprocess.run([str(exe.with_name("python")), "-I", "-c", "import aiperf; print(aiperf.__version__)"],
                              capture_output=True, text=True, cwd=scratch).stdout.strip()
     if not failed:  # kept, with the servers' logs, when something failed
@@ -222,4 +240,4 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
     return {"model": name, "dtype": dtype, "isl": isl, "osl": osl, "threads": threads_n, "repeats": repeats,
             "concurrencies": concurrencies, "client": version or AIPERF_PIN, "host": _host(), "baseline": baseline,
             "systems": table, "runs": {s: {str(c): v for c, v in by.items()} for s, by in runs.items()},
-            "ratios": ratios, "failed": failed, "logs": str(scratch) if failed else None}
+            "ratios": ratios, "dialect_ratios": dialects, "failed": failed, "logs": str(scratch) if failed else None}
