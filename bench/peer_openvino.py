@@ -25,6 +25,31 @@ def run(job: dict) -> dict:
 
     workload = json.loads(open(job["workload"]).read())
     requests = workload["requests"]
+    started = time.perf_counter()
+    pipe, precision = _pipeline(job, genai)
+
+    def prompt(token_ids: list[int]):
+        return ov.Tensor(np.array([token_ids], dtype=np.int64))
+
+    def config(max_new_tokens: int):
+        return _greedy(genai, max_new_tokens)
+
+    warm = pipe.add_request(10**9, prompt(requests[0]["prompt_token_ids"][:16]), config(4))
+    while pipe.has_non_finished_requests():
+        pipe.step()
+    del warm
+    load_s = time.perf_counter() - started
+    records, steps = _replay(pipe, genai, requests, prompt, config)
+    duration = max(r["finished"] for r in records.values())
+    return {"system": "openvino", "duration_s": duration, "num_steps": steps,
+            "requests": [records[i] for i in sorted(records)],
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "load_s": load_s,
+            "notes": [f"openvino-genai {genai.__version__} ContinuousBatchingPipeline, {precision}"],
+            "extra": {"threads": job["threads"]}}
+
+
+def _pipeline(job: dict, genai):
+    """(the pipeline, its precision name): kiln's scheduler budgets, one stream, the bench's threads."""
     scheduler = genai.SchedulerConfig()
     scheduler.max_num_batched_tokens = job["max_num_tokens"]
     scheduler.max_num_seqs = job["max_batch_size"]
@@ -34,24 +59,20 @@ def run(job: dict) -> dict:
     precision = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[job["dtype"]]
     properties = {"INFERENCE_NUM_THREADS": job["threads"], "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": precision,
                   "KV_CACHE_PRECISION": precision}
-    started = time.perf_counter()
-    pipe = genai.ContinuousBatchingPipeline(job["peer_model_dir"], scheduler, "CPU", properties)
+    return genai.ContinuousBatchingPipeline(job["peer_model_dir"], scheduler, "CPU", properties), precision
 
-    def config(max_new_tokens: int):
-        cfg = genai.GenerationConfig()
-        cfg.max_new_tokens = max_new_tokens
-        cfg.min_new_tokens = max_new_tokens
-        cfg.ignore_eos = True
-        cfg.do_sample = False
-        return cfg
 
-    warm = pipe.add_request(10**9, ov.Tensor(np.array([requests[0]["prompt_token_ids"][:16]], dtype=np.int64)),
-                            config(4))
-    while pipe.has_non_finished_requests():
-        pipe.step()
-    del warm
-    load_s = time.perf_counter() - started
+def _greedy(genai, max_new_tokens: int):
+    cfg = genai.GenerationConfig()
+    cfg.max_new_tokens = max_new_tokens
+    cfg.min_new_tokens = max_new_tokens
+    cfg.ignore_eos = True
+    cfg.do_sample = False
+    return cfg
 
+
+def _replay(pipe, genai, requests: list[dict], prompt, config) -> tuple[dict[int, dict], int]:
+    """Each request added at its arrival time, steps run until all finish: (records by index, steps run)."""
     t0 = time.perf_counter()
     pending = sorted(requests, key=lambda r: r["arrival_time"])
     handles: dict[int, object] = {}
@@ -61,8 +82,7 @@ def run(job: dict) -> dict:
         now = time.perf_counter() - t0
         while pending and pending[0]["arrival_time"] <= now:
             r = pending.pop(0)
-            ids = ov.Tensor(np.array([r["prompt_token_ids"]], dtype=np.int64))
-            handles[r["index"]] = pipe.add_request(r["index"], ids, config(r["output_len"]))
+            handles[r["index"]] = pipe.add_request(r["index"], prompt(r["prompt_token_ids"]), config(r["output_len"]))
             records[r["index"]] = {"index": r["index"], "arrival": r["arrival_time"], "first_token": None,
                                    "finished": None, "output_token_ids": []}
         if not pipe.has_non_finished_requests():
@@ -81,12 +101,7 @@ def run(job: dict) -> dict:
             if handle.get_status() != genai.GenerationStatus.RUNNING and not handle.can_read():
                 record["finished"] = now
                 del handles[index]
-    duration = max(r["finished"] for r in records.values())
-    return {"system": "openvino", "duration_s": duration, "num_steps": steps,
-            "requests": [records[i] for i in sorted(records)],
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "load_s": load_s,
-            "notes": [f"openvino-genai {genai.__version__} ContinuousBatchingPipeline, {precision}"],
-            "extra": {"threads": job["threads"]}}
+    return records, steps
 
 
 def main(argv: list[str]) -> int:

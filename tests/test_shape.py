@@ -1,17 +1,26 @@
-"""The house stays readable (docs/architecture.md): the orchestrators read as steps, so no function in the
-builder, the operator or the engine's settings runs over 60 lines (def line through body, docstring
-included), and no module of any component passes 350 lines: split by concern, not by size."""
+"""The house stays readable (docs/architecture.md): the orchestrators read as steps, so no function of any
+component runs over 60 lines (def line through body, docstring included), and no module of any component
+passes 350 lines: split by concern, not by size.
+
+``LONG_FUNCTIONS`` names the functions still over 60 lines, each with its length today: a list that only
+shrinks. A listed function may not grow, and once it is split (or gone) its row must go too."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPWISE = ("builder_job", "operator", "engine/config.py")
 COMPONENTS = ("kiln", "operator", "builder_job", "engine", "serving_image", "bench", "cluster")
+MAX_FUNCTION_LINES = 60
+LONG_FUNCTIONS = {  # "path qualified.name": its length today (issue 39: split each by concern)
+    "engine/model_runner.py ModelRunner.__init__": 71,
+    "bench/cli.py bench": 159,  # its 30 options become a settings object, like the engine's
+    "bench/server.py run": 76,
+}
 
 
 def _sources(place: str) -> list[Path]:
@@ -19,15 +28,35 @@ def _sources(place: str) -> list[Path]:
     return [path] if path.is_file() else sorted(p for p in path.rglob("*.py") if "__pycache__" not in p.parts)
 
 
-@pytest.mark.parametrize("place", STEPWISE)
-def test_no_function_is_over_60_lines(place):
-    long = []
+def _functions(node: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.AST]]:
+    """(qualified name, node) of every function under ``node``, nested ones and methods included."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            name = f"{prefix}{child.name}"
+            if not isinstance(child, ast.ClassDef):
+                yield name, child
+            yield from _functions(child, f"{name}.")
+        else:
+            yield from _functions(child, prefix)
+
+
+def _lengths(place: str) -> dict[str, int]:
+    out = {}
     for path in _sources(place):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 60:
-                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
-                            f"({node.end_lineno - node.lineno + 1} lines)")
-    assert long == [], "split these by concern"
+        for name, node in _functions(ast.parse(path.read_text(), str(path))):
+            out[f"{path.relative_to(ROOT)} {name}"] = node.end_lineno - node.lineno + 1
+    return out
+
+
+@pytest.mark.parametrize("place", COMPONENTS)
+def test_no_function_is_over_60_lines(place):
+    lengths = _lengths(place)
+    long = [f"{name} ({n} lines)" for name, n in lengths.items()
+            if n > LONG_FUNCTIONS.get(name, MAX_FUNCTION_LINES)]
+    assert long == [], "split these by concern (a function on LONG_FUNCTIONS may not grow)"
+    done = [name for name in LONG_FUNCTIONS
+            if name.startswith(f"{place}/") and lengths.get(name, 0) <= MAX_FUNCTION_LINES]
+    assert done == [], "split or gone: drop these from LONG_FUNCTIONS"
 
 
 @pytest.mark.parametrize("place", COMPONENTS)

@@ -154,53 +154,75 @@ def resolve(source: str, sites: list[LinearSite], native, cache_dir: str | None 
         return table, {**info, "source": f"forced {source}", "origin": "forced", "seconds": round(table.seconds, 2),
                        "why": f"the engine's tactics setting names {source}"}
     if source != "auto":
-        built = TacticTable.load(Path(source))
-        missing = [s for s in sites if s.key not in built.linear]
-        if len(missing) == len(sites):
-            _check_covers(built, sites, f"tactic table {source}")
-        cannot = runnable(built, [s for s in sites if s not in missing], native)
-        if host_signature.signature_key(built.host) == key and cannot is None:
-            if not missing:
-                return built, {**info, "source": "artifact", "origin": "artifact", "table": source,
-                               "why": "this host's signature is the one the table was measured on"}
-            # a pipeline stage's own linears (the build timed the first stage's): timed here, the rest as built
-            extra = measure(missing, native, budget())
-            built.linear.update(extra.linear)
-            log.info("tactics: %s has no entry for %d linear shape(s) of this stage; timed them here in %.1fs",
-                     source, len(missing), extra.seconds)
-            return built, {**info, "source": f"artifact (+{len(missing)} shape(s) timed here)", "origin": "artifact",
-                           "table": source, "why": f"this host's signature matches; {len(missing)} linear shape(s) "
-                                                   "the build did not load were timed here"}
-        diffs = host_signature.differences(built.host, here) + ([cannot] if cannot else [])
-        cached_path = Path(cache_dir or _cache_dir()) / f"{key}-{_sites_hash(sites)}.json"
-        cached = _load_cached(cached_path, sites)
-        if cached is not None and runnable(cached, sites, native) is None:
-            cached.model = {**built.model, **_host_model(cached)}
-            log.info("tactics: this host differs from the build's (%s): using the table re-timed here before, %s",
-                     "; ".join(diffs), cached_path)
-            return cached, {**info, "source": "re-timed (cached)", "origin": "cache", "table": str(cached_path),
-                            "differs": diffs, "why": "this host differs from the build's: the table re-timed here "
-                                                     "at an earlier start"}
-        why = "this host differs from the build's"
-        if deferred.wanted():
-            def retime() -> TacticTable:
-                table = measure(sites, native, budget(), attention=attention)
-                table.model = {**{k: v for k, v in built.model.items() if k not in HOST_MODEL_OPS}, **table.model}
-                return table
-            log.warning("tactics: %s was measured on %s; this host is %s (%s): serving on the default table while "
-                        "its linears are re-timed in the background", source, host_signature.describe(built.host),
-                        host_signature.describe(here), "; ".join(diffs))
-            return _defer(sites, native, retime, {**info, "source": "re-timed", "differs": diffs, "why_timed": why},
-                          cached_path)
-        log.warning("tactics: %s was measured on %s; this host is %s (%s): re-timing its linears here",
-                    source, host_signature.describe(built.host), host_signature.describe(here), "; ".join(diffs))
-        table = measure(sites, native, budget(), attention=attention)
-        table.model = {**{k: v for k, v in built.model.items() if k not in HOST_MODEL_OPS}, **table.model}
-        saved = _save(table, cached_path)
-        log.warning("tactics: re-timed %d linear shapes in %.1fs%s", len(table.linear), table.seconds,
-                    f", cached in {saved}" if saved else "")
-        return table, {**info, "source": "re-timed", "origin": "timed-here", "seconds": round(table.seconds, 2),
-                       "differs": diffs, "table": str(saved) if saved else None, "why": f"{why}: re-timed at load"}
+        return _from_artifact(source, sites, native, cache_dir, attention, info, here)
+    return _this_hosts(sites, native, attention, info)
+
+
+def _from_artifact(source: str, sites: list[LinearSite], native, cache_dir: str | None,
+                   attention: dict[str, Any] | None, info: dict[str, Any], here) -> tuple[TacticTable, dict[str, Any]]:
+    """The artifact's table at ``source``: as built on the host it was measured on, else re-timed here."""
+    key = info["host_key"]
+    built = TacticTable.load(Path(source))
+    missing = [s for s in sites if s.key not in built.linear]
+    if len(missing) == len(sites):
+        _check_covers(built, sites, f"tactic table {source}")
+    cannot = runnable(built, [s for s in sites if s not in missing], native)
+    if host_signature.signature_key(built.host) == key and cannot is None:
+        if not missing:
+            return built, {**info, "source": "artifact", "origin": "artifact", "table": source,
+                           "why": "this host's signature is the one the table was measured on"}
+        # a pipeline stage's own linears (the build timed the first stage's): timed here, the rest as built
+        extra = measure(missing, native, budget())
+        built.linear.update(extra.linear)
+        log.info("tactics: %s has no entry for %d linear shape(s) of this stage; timed them here in %.1fs",
+                 source, len(missing), extra.seconds)
+        return built, {**info, "source": f"artifact (+{len(missing)} shape(s) timed here)", "origin": "artifact",
+                       "table": source, "why": f"this host's signature matches; {len(missing)} linear shape(s) "
+                                               "the build did not load were timed here"}
+    diffs = host_signature.differences(built.host, here) + ([cannot] if cannot else [])
+    cached_path = Path(cache_dir or _cache_dir()) / f"{key}-{_sites_hash(sites)}.json"
+    cached = _load_cached(cached_path, sites)
+    if cached is not None and runnable(cached, sites, native) is None:
+        cached.model = {**built.model, **_host_model(cached)}
+        log.info("tactics: this host differs from the build's (%s): using the table re-timed here before, %s",
+                 "; ".join(diffs), cached_path)
+        return cached, {**info, "source": "re-timed (cached)", "origin": "cache", "table": str(cached_path),
+                        "differs": diffs, "why": "this host differs from the build's: the table re-timed here "
+                                                 "at an earlier start"}
+    return _retime(source, built, sites, native, attention, info, here, diffs, cached_path)
+
+
+def _retime(source: str, built: TacticTable, sites: list[LinearSite], native, attention: dict[str, Any] | None,
+            info: dict[str, Any], here, diffs: list[str], cached_path: Path) -> tuple[TacticTable, dict[str, Any]]:
+    """The artifact's table measured on another host: re-timed here (in the background when wanted), the
+    build's model entries that are not host-bound kept."""
+    why = "this host differs from the build's"
+    if deferred.wanted():
+        def retime() -> TacticTable:
+            table = measure(sites, native, budget(), attention=attention)
+            table.model = {**{k: v for k, v in built.model.items() if k not in HOST_MODEL_OPS}, **table.model}
+            return table
+        log.warning("tactics: %s was measured on %s; this host is %s (%s): serving on the default table while "
+                    "its linears are re-timed in the background", source, host_signature.describe(built.host),
+                    host_signature.describe(here), "; ".join(diffs))
+        return _defer(sites, native, retime, {**info, "source": "re-timed", "differs": diffs, "why_timed": why},
+                      cached_path)
+    log.warning("tactics: %s was measured on %s; this host is %s (%s): re-timing its linears here",
+                source, host_signature.describe(built.host), host_signature.describe(here), "; ".join(diffs))
+    table = measure(sites, native, budget(), attention=attention)
+    table.model = {**{k: v for k, v in built.model.items() if k not in HOST_MODEL_OPS}, **table.model}
+    saved = _save(table, cached_path)
+    log.warning("tactics: re-timed %d linear shapes in %.1fs%s", len(table.linear), table.seconds,
+                f", cached in {saved}" if saved else "")
+    return table, {**info, "source": "re-timed", "origin": "timed-here", "seconds": round(table.seconds, 2),
+                   "differs": diffs, "table": str(saved) if saved else None, "why": f"{why}: re-timed at load"}
+
+
+def _this_hosts(sites: list[LinearSite], native, attention: dict[str, Any] | None,
+                info: dict[str, Any]) -> tuple[TacticTable, dict[str, Any]]:
+    """No table came with the model: this process's, this host's cached one, or timed now (or in the
+    background)."""
+    key = info["host_key"]
     memo_key = (key, _sites_key(sites))
     if memo_key in _memo:
         return _memo[memo_key], {**info, "source": "measured (this process)", "origin": "cache",
