@@ -69,6 +69,25 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         self.model = build_model(config)
+        self._bind_kernels(config)
+        self._allocate_kv_pool(config, extra_block_bytes)
+        if self.native is not None and config.compile == "off":  # the layers in one C call per step
+            stack = (self.tactics.model.get("decoder_stack") or {}).get("winner") if self.tactics else None
+            why = "the tactic table timed the modules faster" if stack == "modules" else \
+                self.model.bind_native_stack(self.native)
+            if why:
+                log.info("kiln CPU kernels: decoder layers run module by module (%s)", why)
+        self.lora = None  # lora.layers.LoRAModel: this rank's adapter slots (enable_lora)
+        if config.enable_lora:
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, config.torch_dtype, self.device,
+                                  self.native)
+        self.sampler = Sampler()
+        self.workspace: dict[str, torch.Tensor] = {}  # attention's gather buffers, reused every step
+        self._compile(config)
+
+    def _bind_kernels(self, config: EngineConfig) -> None:
+        """The kernels the model runs: the build's autotuned GPU configs, kiln's native CPU kernels, and the
+        tactic table that picks each linear's implementation (CPU, eager)."""
         if config.device == "cuda":  # the build's autotuned configs (kernels/cache.py), before graphs run kernels
             from kiln.engine.kernels.cache import seed_from_environment
 
@@ -94,6 +113,9 @@ class ModelRunner:
             self.tactics, config.tactics_info, self.tactic_sites = apply(self.model, config, gemm,
                                                                          stack=self.native is not None)
             self.tactics_job = prepare_deferred(self.tactics, self.model, config, gemm)
+
+    def _allocate_kv_pool(self, config: EngineConfig, extra_block_bytes: int) -> None:
+        """This rank's KV pool: planned from the memory left after the load, the same size on every rank."""
         cfg = config.hf_config
         kv_heads = kv_heads_of(cfg) // parallel.tp_size()
         self.num_kv_heads = kv_heads  # this rank's
@@ -106,18 +128,9 @@ class ModelRunner:
         self.num_blocks = parallel.min_over_ranks(plan_num_blocks(config, block_bytes))
         # One block more than the block manager hands out: CUDA-graph padding rows write there.
         self.kv_cache = allocate_kv_cache(self.model, config, self.num_blocks + 1)
-        if self.native is not None and config.compile == "off":  # the layers in one C call per step
-            stack = (self.tactics.model.get("decoder_stack") or {}).get("winner") if self.tactics else None
-            why = "the tactic table timed the modules faster" if stack == "modules" else \
-                self.model.bind_native_stack(self.native)
-            if why:
-                log.info("kiln CPU kernels: decoder layers run module by module (%s)", why)
-        self.lora = None  # lora.layers.LoRAModel: this rank's adapter slots (enable_lora)
-        if config.enable_lora:
-            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, config.torch_dtype, self.device,
-                                  self.native)
-        self.sampler = Sampler()
-        self.workspace: dict[str, torch.Tensor] = {}  # attention's gather buffers, reused every step
+
+    def _compile(self, config: EngineConfig) -> None:
+        """Inductor (``compile``) and CUDA graphs (``enforce_eager`` off), once the pool exists."""
         self.graphs = self.compiled = None
         if config.compile != "off":
             from kiln.engine.compile import CompiledModel, use_shipped_cache, warm_up
@@ -130,7 +143,7 @@ class ModelRunner:
             from kiln.engine.cuda_graphs import CUDAGraphRunner, default_batch_sizes
 
             sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_batch_size)
-            paged = kv_heads if self.attention_backend == "triton" else None
+            paged = self.num_kv_heads if self.attention_backend == "triton" else None
             self.graphs = CUDAGraphRunner(self.model, self.block_size, -(-config.max_seq_len // self.block_size),
                                           self.num_blocks, sizes, self.device, paged_kv_heads=paged)
 
