@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import click
+from kiln_bench import modes
+from kiln_bench.options import BenchOptions
 from kiln_bench.suite import ALL_SYSTEMS, ISA_CAPS, SYSTEMS
 
 
@@ -102,164 +104,148 @@ def _resolve_device(device: str) -> str:
               help="--draft-layers on a random-weight model: benchmark a copy whose layers past N add this times "
                    "their output to the residual stream, so the N-layer draft agrees with it as a trained "
                    "same-family draft would (smaller: more agreement).")
-def bench(num_requests, seed, arrival_rate, shared_prefix, preset, model_dir, dtype, threads, device, repeats, systems,
-          baselines, max_batch_size, max_num_tokens, check_requests, max_isa, json_out, quick, strict,
-          structured, lora, gguf, server, concurrency, isl, osl, endpoints, speculative, draft_model, draft_layers,
-          pair_scale) -> None:
+def bench(**options) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
-    import os
-    import platform
-
-    if max_isa:
-        if platform.machine() != "x86_64":
-            raise click.UsageError(f"--max-isa {max_isa}: an x86-64 cap, and this host is {platform.machine()}")
-        # Before any torch op: ATen, oneDNN and MKL read these once, at their first kernel dispatch. The
-        # systems' processes inherit them.
-        os.environ.update(ISA_CAPS[max_isa])
-    from kiln.engine.random_checkpoint import PRESETS
-    from kiln_bench import report
-    from kiln_bench.model import (
-        DEFAULT_GPU_PRESET,
-        DEFAULT_PRESET,
-        QUICK_PRESET,
-        ensure_model,
-        model_facts,
-    )
-    from kiln_bench.suite import SuiteConfig, run_suite
-    from kiln_bench.workload import WorkloadSpec, make_workload
-
-    chosen = [s.strip() for s in systems.split(",") if s.strip()]
+    opts = BenchOptions(**options)
+    if opts.max_isa:
+        _cap_isa(opts.max_isa)
+    chosen = [s.strip() for s in opts.systems.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in ALL_SYSTEMS]
     if unknown or not chosen:
         raise click.UsageError(f"--systems: unknown {', '.join(unknown) or '(none given)'}; "
                                f"choose from {', '.join(ALL_SYSTEMS)}")
-    from kiln_bench import peers
-
-    peer_names = [b.strip() for b in baselines.split(",") if b.strip()]
-    if gguf is not None or "llamacpp" in peer_names:  # bench/llamacpp.py: the GGUF baseline, on the same file
-        _gguf(gguf, peer_names, concurrency, repeats, json_out)
+    peer_names = opts.peer_names
+    if opts.gguf is not None or "llamacpp" in peer_names:  # bench/llamacpp.py: the GGUF baseline, on the same file
+        modes.gguf(opts, peer_names)
         return
+    chosen, spec = _resolve(opts, chosen, peer_names)
+    model_dir = _model(opts)
+    if opts.structured:  # bench/structured.py: what constrained decoding costs
+        modes.structured(opts, model_dir)
+    elif opts.lora is not None:  # bench/lora.py: what serving N adapters in mixed batches costs
+        modes.lora(opts, model_dir)
+    elif opts.server:  # bench/server.py: the serving path under an external client
+        modes.server(opts, model_dir, peer_names)
+    elif opts.speculative:  # bench/speculative.py: what prompt-lookup speculation gains, and where it stops
+        modes.speculative(opts, model_dir)
+    elif opts.draft_model is not None or opts.draft_layers is not None or opts.pair_scale is not None:
+        raise click.UsageError("--draft-model / --draft-layers / --pair-scale go with --speculative")
+    else:
+        _suite(opts, chosen, peer_names, spec, model_dir)
+
+
+def _cap_isa(max_isa: str) -> None:
+    import os
+    import platform
+
+    if platform.machine() != "x86_64":
+        raise click.UsageError(f"--max-isa {max_isa}: an x86-64 cap, and this host is {platform.machine()}")
+    # Before any torch op: ATen, oneDNN and MKL read these once, at their first kernel dispatch. The
+    # systems' processes inherit them.
+    os.environ.update(ISA_CAPS[max_isa])
+
+
+def _resolve(opts: BenchOptions, chosen: list[str], peer_names: list[str]):
+    """Check the options and resolve their defaults in ``opts`` (device, preset, threads, check requests):
+    (the systems to run, the workload's spec)."""
+    from kiln.engine.random_checkpoint import PRESETS
+    from kiln_bench import peers
+    from kiln_bench.model import DEFAULT_GPU_PRESET, DEFAULT_PRESET, QUICK_PRESET
+    from kiln_bench.workload import WorkloadSpec
+
     bad = [b for b in peer_names if b not in peers.PEERS]
     if bad:
         raise click.UsageError(f"--baselines: unknown {', '.join(bad)}; choose from {', '.join(peers.PEERS)}")
-    device = _resolve_device(device)  # auto -> cuda on a GPU host: the peers would not share kiln's device
-    if peer_names and device != "cpu":
+    opts.device = _resolve_device(opts.device)  # auto -> cuda on a GPU host: the peers would not share kiln's device
+    if peer_names and opts.device != "cpu":
         raise click.UsageError("--baselines: the peer baselines run on CPU only; use --device cpu")
-    chosen += [b for b in peer_names if b not in chosen]
-    preset = preset or (QUICK_PRESET if quick else DEFAULT_GPU_PRESET if device == "cuda" else DEFAULT_PRESET)
-    if preset not in PRESETS:
-        raise click.UsageError(f"--preset {preset!r} is unknown; choose from {', '.join(sorted(PRESETS))}")
-    for name, value, low in (("--repeats", repeats, 1), ("--max-batch-size", max_batch_size, 1),
-                             ("--max-num-tokens", max_num_tokens, 1)):
+    chosen = chosen + [b for b in peer_names if b not in chosen]
+    opts.preset = opts.preset or (QUICK_PRESET if opts.quick else DEFAULT_GPU_PRESET if opts.device == "cuda"
+                                  else DEFAULT_PRESET)
+    if opts.preset not in PRESETS:
+        raise click.UsageError(f"--preset {opts.preset!r} is unknown; choose from {', '.join(sorted(PRESETS))}")
+    for name, value, low in (("--repeats", opts.repeats, 1), ("--max-batch-size", opts.max_batch_size, 1),
+                             ("--max-num-tokens", opts.max_num_tokens, 1)):
         if value < low:
             raise click.UsageError(f"{name} must be >= {low}, got {value}")
-    if threads is not None and threads < 1:
-        raise click.UsageError(f"--threads must be >= 1, got {threads}")
-    threads = threads or _default_threads()
+    if opts.threads is not None and opts.threads < 1:
+        raise click.UsageError(f"--threads must be >= 1, got {opts.threads}")
+    opts.threads = opts.threads or _default_threads()
     spec_kw = {}
-    if quick:
+    if opts.quick:
         spec_kw = dict(prompt_len_min=8, prompt_len_max=48, short_output=(4, 12), long_output=(24, 40))
-    spec = WorkloadSpec(num_requests=num_requests if num_requests is not None else (6 if quick else 64), seed=seed,
-                        arrival_rate=arrival_rate, shared_prefix_len=shared_prefix, **spec_kw)
+    num_requests = opts.num_requests if opts.num_requests is not None else (6 if opts.quick else 64)
+    spec = WorkloadSpec(num_requests=num_requests, seed=opts.seed, arrival_rate=opts.arrival_rate,
+                        shared_prefix_len=opts.shared_prefix, **spec_kw)
     try:
         spec.check()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    if check_requests is None:
-        check_requests = 4 if quick else 8
+    if opts.check_requests is None:
+        opts.check_requests = 4 if opts.quick else 8
+    return chosen, spec
 
-    def log(msg: str) -> None:
-        click.echo(msg, err=True)
 
-    log(f"model: {model_dir if model_dir and (model_dir / 'config.json').is_file() else preset} ({dtype}) ...")
+def _model(opts: BenchOptions) -> Path:
+    """The checkpoint every system runs: ``--model-dir``'s, or the preset's toy model written there."""
+    from kiln_bench.model import ensure_model
+
+    model_dir = opts.model_dir
+    modes.log(f"model: {model_dir if model_dir and (model_dir / 'config.json').is_file() else opts.preset} "
+         f"({opts.dtype}) ...")
     try:
         # Absolute: every system runs in its own process from a scratch directory.
-        model_dir = ensure_model(preset, dtype, seed=0, model_dir=model_dir.resolve() if model_dir else None)
+        return ensure_model(opts.preset, opts.dtype, seed=0, model_dir=model_dir.resolve() if model_dir else None)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    if structured:  # bench/structured.py: what constrained decoding costs
-        from kiln_bench.structured import run as run_structured
-        from kiln_bench.structured import text as structured_text
 
-        doc = run_structured(model_dir, dtype, threads, device, batch=num_requests or 32,
-                             max_tokens=16 if quick else 128, repeats=repeats, log=log)
-        click.echo(json.dumps(doc, indent=2) if json_out == "-" else structured_text(doc))
-        if json_out and json_out != "-":
-            Path(json_out).write_text(json.dumps(doc, indent=2))
-        return
-    if lora is not None:  # bench/lora.py: what serving N adapters in mixed batches costs
-        import tempfile
 
-        from kiln_bench.lora import run as run_lora
-        from kiln_bench.lora import text as lora_text
+def _suite(opts: BenchOptions, chosen: list[str], peer_names: list[str], spec, model_dir: Path) -> None:
+    """The suite: every chosen system on one workload, the table, the equality check (exit 1 per --strict)."""
+    from kiln_bench import peers, report
+    from kiln_bench.model import model_facts
+    from kiln_bench.suite import SuiteConfig, run_suite
+    from kiln_bench.workload import make_workload
 
-        with tempfile.TemporaryDirectory(prefix="kiln-bench-lora-") as work:
-            doc = run_lora(model_dir, dtype, threads, device, lora, Path(work), max_tokens=8 if quick else 64,
-                           repeats=repeats, log=log)
-        click.echo(json.dumps(doc, indent=2) if json_out == "-" else lora_text(doc))
-        if json_out and json_out != "-":
-            Path(json_out).write_text(json.dumps(doc, indent=2))
-        return
-    if server:  # bench/server.py: the serving path under an external client
-        _server(model_dir, dtype, threads, device, concurrency, peer_names, repeats, isl, osl, seed, max_batch_size,
-                max_num_tokens, json_out, log, endpoints)
-        return
-    if speculative:  # bench/speculative.py: what prompt-lookup speculation gains, and where it stops
-        from kiln_bench.speculative import damped_pair, draft_for
-        from kiln_bench.speculative import main as run_speculative
-
-        if draft_model is not None and draft_layers is not None:
-            raise click.UsageError("--draft-model and --draft-layers each name the draft; give one")
-        if pair_scale is not None and draft_layers is None:
-            raise click.UsageError("--pair-scale goes with --draft-layers (the draft's layers)")
-        try:
-            if pair_scale is not None:
-                model_dir, draft_dir = damped_pair(model_dir, draft_layers, pair_scale)
-            else:
-                draft_dir = draft_for(model_dir, draft_model, draft_layers)
-        except ValueError as exc:
-            raise click.UsageError(f"--draft-layers: {exc}") from None
-        run_speculative(model_dir, dtype, threads, device, quick, repeats, json_out, click.echo, log, draft_dir)
-        return
-    if draft_model is not None or draft_layers is not None or pair_scale is not None:
-        raise click.UsageError("--draft-model / --draft-layers / --pair-scale go with --speculative")
     facts = model_facts(model_dir)
     peer_models = {}
     for name in peer_names:
         try:
-            peer_models[name] = str(peers.ensure_model(name, model_dir, dtype, say=log))
+            peer_models[name] = str(peers.ensure_model(name, model_dir, opts.dtype, say=modes.log))
         except RuntimeError as exc:
             click.echo(f"kiln bench: the {name} baseline: {exc}", err=True)
             sys.exit(1)
     workload = make_workload(spec, facts["vocab_size"], set(facts["special_ids"]))
-    cfg = SuiteConfig(model_dir=model_dir, dtype=dtype, threads=threads, device=device, systems=chosen, repeats=repeats,
-                      max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, check_requests=check_requests,
-                      check_max_tokens=16 if quick else 32, ceiling_buffer_mib=64 if quick else 512, log=log,
-                      partial_json=Path(json_out) if json_out and json_out != "-" else None, peer_models=peer_models)
-    machine = report.machine_info(threads)  # before the run: the commit benchmarked, not the one after
+    cfg = SuiteConfig(model_dir=model_dir, dtype=opts.dtype, threads=opts.threads, device=opts.device,
+                      systems=chosen, repeats=opts.repeats, max_batch_size=opts.max_batch_size,
+                      max_num_tokens=opts.max_num_tokens, check_requests=opts.check_requests,
+                      check_max_tokens=16 if opts.quick else 32, ceiling_buffer_mib=64 if opts.quick else 512,
+                      log=modes.log, partial_json=opts.json_file, peer_models=peer_models)
+    machine = report.machine_info(opts.threads)  # before the run: the commit benchmarked, not the one after
     try:
         results = run_suite(cfg, workload, facts)
     except RuntimeError as exc:
         click.echo(f"kiln bench: {exc}", err=True)
         sys.exit(1)
     doc = {
-        "config": {"preset": preset, "model_dir": str(model_dir), "dtype": dtype, "threads": threads, "device": device,
-                   "repeats": repeats, "systems": chosen, "max_batch_size": max_batch_size,
-                   "max_num_tokens": max_num_tokens, "max_isa": max_isa, "quick": quick, "workload_spec": workload.to_json()["spec"]},
+        "config": {"preset": opts.preset, "model_dir": str(model_dir), "dtype": opts.dtype, "threads": opts.threads,
+                   "device": opts.device, "repeats": opts.repeats, "systems": chosen,
+                   "max_batch_size": opts.max_batch_size, "max_num_tokens": opts.max_num_tokens,
+                   "max_isa": opts.max_isa, "quick": opts.quick, "workload_spec": workload.to_json()["spec"]},
         "machine": machine,
         "model": facts,
         "workload": workload.summary(),
         **results,
     }
-    if json_out == "-":
+    if opts.json_out == "-":
         click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(_text(doc))
-        if json_out:
-            Path(json_out).write_text(json.dumps(doc, indent=2))
-            click.echo(f"\nJSON written to {json_out}")
+        if opts.json_out:
+            Path(opts.json_out).write_text(json.dumps(doc, indent=2))
+            click.echo(f"\nJSON written to {opts.json_out}")
     eq = results.get("equality")
-    if results.get("failed") or (strict and eq is not None and not eq["passed"]):
+    if results.get("failed") or (opts.strict and eq is not None and not eq["passed"]):
         sys.exit(1)
 
 
@@ -296,48 +282,3 @@ def _text(doc: dict) -> str:
     if doc.get("ceiling"):
         lines += report.ceiling_lines(doc["ceiling"])
     return "\n".join(lines)
-
-
-def _gguf(gguf, peer_names, concurrency, repeats, json_out) -> None:
-    from kiln_bench import llamacpp
-
-    if gguf is None:
-        raise click.UsageError("--baselines llamacpp runs on a GGUF file: give --gguf FILE")
-    if set(peer_names) - {"llamacpp"}:
-        raise click.UsageError(f"--gguf compares with llama.cpp only (--baselines llamacpp), not "
-                               f"{', '.join(sorted(set(peer_names) - {'llamacpp'}))}")
-    try:
-        levels = [int(c) for c in concurrency.split(",") if c.strip()]
-    except ValueError:
-        raise click.UsageError(f"--concurrency: comma-separated integers, got {concurrency!r}") from None
-    doc = llamacpp.compare(gguf, max(levels or [16]), 64, repeats, lambda m: click.echo(m, err=True))
-    click.echo(json.dumps(doc, indent=2) if json_out == "-" else llamacpp.text(doc))
-    if json_out and json_out != "-":
-        Path(json_out).write_text(json.dumps(doc, indent=2))
-
-
-def _server(model_dir, dtype, threads, device, concurrency, peer_names, repeats, isl, osl, seed, max_batch_size,
-            max_num_tokens, json_out, log, endpoints="completions") -> None:
-    from kiln_bench import server
-
-    try:
-        levels = sorted({int(c) for c in concurrency.split(",") if c.strip()})
-    except ValueError:
-        levels = []
-    if not levels or min(levels) < 1:
-        raise click.UsageError(f"--concurrency {concurrency!r}: give positive integers, e.g. 1,4,16")
-    if device != "cpu" or set(peer_names) - {"vllm"}:
-        raise click.UsageError("--server runs on CPU against vLLM's OpenAI server only: --device cpu, "
-                               "--baselines vllm (or none, for kiln alone)")
-    dialects = [e.strip() for e in endpoints.split(",") if e.strip()]
-    if not dialects or set(dialects) - {"completions", "chat", "messages", "responses"}:
-        raise click.UsageError(f"--endpoints {endpoints!r}: choose among completions, chat, messages, responses")
-    doc = server.run(model_dir, dtype, threads, levels, "vllm" if peer_names else None, repeats, isl, osl, seed,
-                     max_batch_size, max_num_tokens, log, endpoints=dialects)
-    click.echo(json.dumps(doc, indent=2) if json_out == "-" else server.text(doc))
-    if json_out and json_out != "-":
-        Path(json_out).write_text(json.dumps(doc, indent=2))
-    for name, why in doc["failed"].items():
-        click.echo(f"kiln bench --server: {name} failed: {' | '.join(why)} (logs in {doc['logs']})", err=True)
-    if doc["failed"]:
-        raise SystemExit(1)

@@ -169,8 +169,6 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
         repeats: int, isl: int, osl: int, seed: int, max_batch_size: int, max_num_tokens: int,
         say: Callable[[str], None], requests_per_user: int = 4, endpoints: list[str] | None = None) -> dict:
     """Both servers up, then ``repeats`` alternating aiperf sweeps; the document ``text`` prints."""
-    from kiln_bench import peer_vllm
-
     endpoints = endpoints or ["completions"]
     root = peers.work_root()
     exe = ensure_aiperf(root, say)
@@ -186,17 +184,8 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
                                  {"OMP_NUM_THREADS": str(threads_n), "TOKENIZERS_PARALLELISM": "false"},
                                  port, scratch / "kiln.log", scratch, "/ready")
         if baseline:
-            python = peers.ensure_env(baseline, say, root)
-            config = json.loads((model_dir / "config.json").read_text())
-            fill = [{"prompt_token_ids": [0] * isl, "output_len": osl}] * max(max(concurrencies), max_batch_size)
-            env = peer_vllm.engine_env({"threads": threads_n}, peer_vllm.kv_cache_gib(config, fill, dtype),
-                                       python.parent.parent)
-            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server runs its engine core as vLLM deploys it
-            say(f"starting vLLM's OpenAI server ({dtype}, {threads_n} thread(s)) ...")
-            port = _free_port()
-            servers[baseline] = Server(baseline, vllm_command(python, model_dir, name, dtype, port, isl + osl + 64,
-                                                              max_batch_size, max_num_tokens),
-                                       env, port, scratch / f"{baseline}.log", scratch, "/health")
+            servers[baseline] = _vllm_server(baseline, model_dir, dtype, threads_n, isl, osl, concurrencies,
+                                             max_batch_size, max_num_tokens, scratch, root, say)
         for s in servers.values():
             s.wait_ready(s.ready_path, 900)
         # Each system: (server, aiperf endpoint type); kiln once per --endpoints dialect, named by it when several.
@@ -223,6 +212,39 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
         for s in servers.values():
             s.stop()
     table = {s: {str(c): medians(rs) for c, rs in by.items()} for s, by in runs.items()}
+    ratios, dialects = _ratios(table, concurrencies, endpoints, baseline)
+    version = subprocess.run([str(exe.with_name("python")), "-I", "-c", "import aiperf; print(aiperf.__version__)"],
+                             capture_output=True, text=True, cwd=scratch).stdout.strip()
+    if not failed:  # kept, with the servers' logs, when something failed
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"model": name, "dtype": dtype, "isl": isl, "osl": osl, "threads": threads_n, "repeats": repeats,
+            "concurrencies": concurrencies, "client": version or AIPERF_PIN, "host": _host(), "baseline": baseline,
+            "systems": table, "runs": {s: {str(c): v for c, v in by.items()} for s, by in runs.items()},
+            "ratios": ratios, "dialect_ratios": dialects, "failed": failed, "logs": str(scratch) if failed else None}
+
+
+def _vllm_server(baseline: str, model_dir: Path, dtype: str, threads_n: int, isl: int, osl: int,
+                 concurrencies: list[int], max_batch_size: int, max_num_tokens: int, scratch: Path, root: Path,
+                 say: Callable[[str], None]) -> Server:
+    """vLLM's OpenAI server in its own environment, its KV cache sized for the sweep (started, not yet ready)."""
+    from kiln_bench import peer_vllm
+
+    python = peers.ensure_env(baseline, say, root)
+    config = json.loads((model_dir / "config.json").read_text())
+    fill = [{"prompt_token_ids": [0] * isl, "output_len": osl}] * max(max(concurrencies), max_batch_size)
+    env = peer_vllm.engine_env({"threads": threads_n}, peer_vllm.kv_cache_gib(config, fill, dtype),
+                               python.parent.parent)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server runs its engine core as vLLM deploys it
+    say(f"starting vLLM's OpenAI server ({dtype}, {threads_n} thread(s)) ...")
+    port = _free_port()
+    return Server(baseline, vllm_command(python, model_dir, model_dir.name, dtype, port, isl + osl + 64,
+                                         max_batch_size, max_num_tokens),
+                  env, port, scratch / f"{baseline}.log", scratch, "/health")
+
+
+def _ratios(table: dict, concurrencies: list[int], endpoints: list[str], baseline: str | None
+            ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(kiln's first endpoint over the baseline, each other endpoint over the first), per concurrency."""
     ratios, first = {}, "kiln" if len(endpoints) == 1 else f"kiln {endpoints[0]}"
     for c in concurrencies:
         k, b = (table.get(first) or {}).get(str(c)), (table.get(baseline or "") or {}).get(str(c))
@@ -233,11 +255,4 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
                                           for c in concurrencies if str(c) in table.get(f"kiln {e}", {})
                                           and str(c) in table.get(first, {})}
                 for e in endpoints[1:]}
-    version = subprocess.run([str(exe.with_name("python")), "-I", "-c", "import aiperf; print(aiperf.__version__)"],
-                             capture_output=True, text=True, cwd=scratch).stdout.strip()
-    if not failed:  # kept, with the servers' logs, when something failed
-        shutil.rmtree(scratch, ignore_errors=True)
-    return {"model": name, "dtype": dtype, "isl": isl, "osl": osl, "threads": threads_n, "repeats": repeats,
-            "concurrencies": concurrencies, "client": version or AIPERF_PIN, "host": _host(), "baseline": baseline,
-            "systems": table, "runs": {s: {str(c): v for c, v in by.items()} for s, by in runs.items()},
-            "ratios": ratios, "dialect_ratios": dialects, "failed": failed, "logs": str(scratch) if failed else None}
+    return ratios, dialects
