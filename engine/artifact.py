@@ -129,8 +129,13 @@ def artifact_engine_config(artifact_dir: str | Path, **overrides: Any) -> Engine
         kwargs["weights_dir"] = str(weights)
     kwargs["model"] = str(root)
     speculative = kwargs.get("speculative_config")
-    if isinstance(speculative, dict) and speculative.get("model") and "speculative_config" not in overrides:
-        kwargs["speculative_config"] = {**speculative, "model": str(_inside(root, speculative["model"]))}
+    if isinstance(speculative, dict) and speculative.get("model"):
+        model = Path(str(speculative["model"]))
+        if "speculative_config" not in overrides:  # the artifact's: a folder inside it, nowhere else
+            model = _inside(root, str(speculative["model"]))
+        elif not model.is_absolute():  # the caller's: a relative draft is the artifact's, as the artifact names it
+            model = root / model
+        kwargs["speculative_config"] = {**speculative, "model": str(model)}
     return EngineConfig(**kwargs)
 
 

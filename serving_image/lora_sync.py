@@ -41,7 +41,7 @@ class AdapterSync:
         self.ctx, self.path = ctx, path
         self.held: dict[str, str] = {}  # name -> artifact URI, the adapters this sync loaded
         self.failed: dict[str, float] = {}  # "name@uri" -> when it last failed
-        self._last: bytes | None = None
+        self._last: tuple[bytes, str | None] | None = None
 
     async def run(self) -> None:
         while True:
@@ -55,9 +55,11 @@ class AdapterSync:
             raw = self.path.read_bytes()
         except OSError:
             raw = b""  # an optional ConfigMap not created yet: hold none
-        if raw == self._last and not self._retry_due():
+        # The engine's version is part of what was applied: a pass that ran before the engine was known (the
+        # follower's first tick can race the load) must not make the file look handled for the real version.
+        if (raw, engine_version) == self._last and not self._retry_due():
             return
-        self._last = raw
+        self._last = (raw, engine_version)
         try:
             document = json.loads(raw) if raw.strip() else {}
         except ValueError as exc:
