@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln_cluster.node.containers import Container, now_rfc3339
@@ -217,8 +216,3 @@ class PodWorker(threading.Thread):
             self.agent.ips.give_back(self.number)
         self.agent.finished(self)
 
-
-def clean_pod_dir(root: Path) -> None:
-    import shutil
-
-    shutil.rmtree(root, ignore_errors=True)
