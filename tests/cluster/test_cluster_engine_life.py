@@ -15,6 +15,8 @@ import pytest
 from clusterlib import GROUP, Kube, endpoint_addresses
 from conftest import ENGINE_NS, OPERATOR_NS
 
+pytestmark = pytest.mark.timeout(1800)  # builds and rollouts on a busy 2-core machine
+
 NAME = "smollm2-e2e"
 BUILD_TIMEOUT = 900
 

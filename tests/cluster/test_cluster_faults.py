@@ -8,6 +8,8 @@ import pytest
 from clusterlib import GROUP, Kube, KubectlError
 from conftest import ENGINE_NS, OPERATOR_NS, engine_manifest
 
+pytestmark = pytest.mark.timeout(1800)  # builds and rollouts on a busy 2-core machine
+
 SA = f"system:serviceaccount:{OPERATOR_NS}:kiln"
 
 BAD = [

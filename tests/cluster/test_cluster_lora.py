@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import pytest
 from clusterlib import GROUP, Kube, endpoint_addresses
 from conftest import ENGINE_NS, MODELS_BUCKET, engine_manifest
+
+pytestmark = pytest.mark.timeout(1800)  # builds and rollouts on a busy 2-core machine
 
 NAME = "tiny-lora"
 LORA = {"maxLoras": 1, "maxLoraRank": 8}

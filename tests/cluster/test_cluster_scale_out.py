@@ -10,9 +10,12 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
 import yaml
 from clusterlib import GROUP, ROOT, Kube, endpoint_addresses
 from conftest import ENGINE_NS, engine_manifest
+
+pytestmark = pytest.mark.timeout(1800)  # builds and rollouts on a busy 2-core machine
 
 NAME = "tiny-pp2"
 
