@@ -70,7 +70,13 @@ def test_the_build_measures_and_ships_the_table(built):
             assert config["by_batch"][b] == (row["best_k"] if gains else 0)
         else:
             assert config["by_batch"][b] == 0
-    assert record["batches"]["1"]["measured"] and record["batches"]["4"]["measured"]
+    assert record["batches"]["1"]["measured"]
+    # Batch 4 is timed unless the stage's documented rules skip it: STOP_AFTER_OFF buckets in a row below it did
+    # not pay (measured speedups: under load they may not), or its estimated rounds outrun the budget left.
+    four = record["batches"]["4"]
+    offs_below = sum(config["by_batch"][b] == 0 for b in ("1", "2"))
+    if not four["measured"]:
+        assert four["why"] == ("no gain below" if offs_below >= speculative_stage.STOP_AFTER_OFF else "budget"), four
     assert "speculative" in doc["build_report"]["stage_seconds"]
     lines = summary_lines(doc["build_report"])
     start = next(i for i, line in enumerate(lines) if line.startswith("  speculative (ngram"))
