@@ -16,8 +16,9 @@ $(BIN)/python:
 	$(PY) -I -m venv $(VENV)
 	$(BIN)/python -P -m pip install -q --upgrade pip
 
-# torch goes in first and alone: 2.13.0 is the local CPU build, and the package
-# only asks for torch>=2.4, which it satisfies, so pip never pulls CUDA wheels.
+# torch goes in first and alone, pinned: the package only asks for torch>=2.4, which it satisfies, so nothing
+# upgrades it. Where the index has a CPU build of 2.13.0 that is what comes; PyPI's is the CUDA build, which
+# runs on the CPU but does not import without its CUDA libraries, so pip brings them (.venv ~6 GB).
 $(STAMP): pyproject.toml bench/pyproject.toml cluster/pyproject.toml | $(BIN)/python
 	$(BIN)/python -P -m pip install -q torch==2.13.0
 	$(BIN)/python -P -m pip install -q -e ".[all,test]" -e ./bench -e ./cluster
@@ -96,8 +97,8 @@ gpu-wheels: install
 
 # The local Kubernetes control plane (docs/local-cluster.md): etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler, kubectl, helm and LeaderWorkerSet's controller built from their Go modules (pinned in
-# cluster/versions.env, cached under ~/.cache/kiln/cluster: the first build takes 15-25 minutes on 2 cores),
-# then started on 127.0.0.1 with a node agent that runs pods as local processes, and moto's S3.
+# cluster/versions.env, cached under ~/.cache/kiln/cluster: the first build took 33 minutes on 2 busy cores),
+# then started on this machine with a node agent that runs pods as local processes, and moto's S3.
 CLUSTER_DIR := .kiln-work/cluster
 # Go's usual home is added to PATH: a non-interactive shell (CI) may not have it.
 GO_PATH_ENV := PATH="$$PATH:/usr/local/go/bin"
