@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln_cluster.network import Network
-from kiln_cluster.pki import SERVICE_IP, Pki, ensure_pki, kubeconfig
+from kiln_cluster.pki import Pki, ensure_pki, kubeconfig
 
 NODE_NAME = "kiln-node-0"
 SERVICE_RANGE = "10.96.0.0/16"
@@ -93,9 +93,9 @@ class Cluster:
                    pids=data.get("pids", {}))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port() -> int:
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
@@ -286,5 +286,3 @@ def down(root: Path, *, quiet: bool = False) -> None:
     elif not quiet:
         print("cluster: nothing running")
 
-
-__all__ = ["Cluster", "NODE_NAME", "SERVICE_IP", "down", "running", "up", "stop_pid", "alive"]
