@@ -11,7 +11,10 @@ rewrites the file in place, so the pod template never changes and no pod restart
 ``baseEngineVersion`` is the engine it serves (during a base rollout the file lists both): a new entry is
 fetched like an engine (signature checked with ``--verify-key`` before any file is downloaded, every file
 against its digest, and the manifest's content digest against the ``contentDigest`` the operator pinned) and
-loaded in the background; a removed one is unloaded. Adapters given by
+loaded in the background; a removed one is unloaded. Passes run one at a time (the load's first pass and the
+follower's ticks, which start once the engine's version is known): an engine's removal is queued on its step
+thread, and a pass that overlapped one still waiting could act on a file read before it and leave the server
+holding what the file no longer lists (issue 38, the update race). Adapters given by
 ``--lora-modules`` or loaded through the API are not its to touch. A failed fetch or load is logged once
 and tried again at the next change of the file or after a back-off; the rest keep serving.
 """
@@ -42,15 +45,22 @@ class AdapterSync:
         self.held: dict[str, str] = {}  # name -> artifact URI, the adapters this sync loaded
         self.failed: dict[str, float] = {}  # "name@uri" -> when it last failed
         self._last: tuple[bytes, str | None] | None = None
+        self._pass = asyncio.Lock()  # one pass at a time
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(POLL_S)
-            if self.ctx.state.engine_info is not None:  # loaded (the first pass ran before /ready)
-                await self.sync(self.ctx.state.engine_info.get("engine_version"))
+            info = self.ctx.state.engine_info  # {} while loading: the first pass runs in the load, before /ready
+            if info:
+                await self.sync(info.get("engine_version"))
 
     async def sync(self, engine_version: str | None) -> None:
-        """One pass: read the file and, if it changed (or a failed adapter is due again), apply it."""
+        """One pass: read the file and, if it changed (or a failed adapter is due again), apply it; a pass
+        waits for the one running, then reads the file as it is by then."""
+        async with self._pass:
+            await self._sync(engine_version)
+
+    async def _sync(self, engine_version: str | None) -> None:
         try:
             raw = self.path.read_bytes()
         except OSError:
