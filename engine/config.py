@@ -159,8 +159,9 @@ class EngineConfig:
     compile_cache: str | None = setting(None, help="The artifact's shipped Inductor cache dir, used for compiling.")
     cpu_target: dict[str, Any] | None = setting(
         None, repr=False, help="How an artifact was adapted to this CPU at load (cpu_target.plan_cpu_load).")
-    tactics: str = setting("auto", help="Where a CPU engine's tactic table comes from (tactics.resolve): 'auto', "
-                                        "a tactics.json or a candidate name.")
+    tactics: str = setting("auto", flag=True, reported=True,
+                           help="Where a CPU engine's tactic table comes from (tactics.resolve): 'auto', "
+                                "a tactics.json or a candidate name (every linear runs it, untimed).")
     tactics_cache: str | None = setting(None, help="Where a table re-timed on another kind of host is cached.")
     tactics_exclude: list[str] | None = setting(
         None, flag=True, reported=True,

@@ -28,7 +28,10 @@ from kiln.serving.ranks import PlacementError, resolve_placement
 from netutil import free_port
 
 PROMPTS = ["The kiln", "Once upon a time the", "fire and clay", "a b c d e f g h i j k l m n o p"]
-FLAGS = ["--max-seq-len", "256", "--max-input-len", "128", "--num-kv-blocks", "256"]
+# One pinned kernel in every rank and in the offline engine: a served engine on 'auto' starts on the untimed
+# default and swaps in a table timed in the background, the offline one times at load, and under load the two
+# can pick different kernels (tokens then differ on a random-weight model's near-ties).
+FLAGS = ["--max-seq-len", "256", "--max-input-len", "128", "--num-kv-blocks", "256", "--tactics", "aten"]
 GROUP = {"KILN_GROUP_TOKEN": "multiprocess-test-group-token", "KILN_INSECURE_GROUP": None}
 
 
@@ -56,6 +59,16 @@ def complete_all(url: str) -> list[dict]:
 
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # one engine batch, micro-batched
         return list(pool.map(one, PROMPTS))
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir: Path):
+    """The offline reference on the served flags' limits and their pinned kernel (FLAGS)."""
+    from kiln.engine import LLM
+
+    llm = LLM(model_dir, max_seq_len=256, max_input_len=128, num_kv_blocks=256, tactics="aten")
+    yield llm
+    llm.shutdown()
 
 
 def expected(offline) -> list[str]:
