@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kiln-installed
 PYTEST_ARGS ?=
+# The slowest tests of each run are listed at its end, so a run's time can be read, not guessed.
+DURATIONS ?= --durations=20
 # make test's worker processes (pytest-xdist): each test file runs whole in one worker; 1 runs in this process.
 TEST_WORKERS ?= 2
 
@@ -52,7 +54,7 @@ test:
 	$(MAKE) --no-print-directory lint
 	@mkdir -p .kiln-work; nice -n 10 $(BIN)/python -P -m pytest -q $(PYTEST_ARGS) tests/cluster > $(CLUSTER_LOG) 2>&1 & \
 	cluster=$$!; \
-	$(BIN)/python -P -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS) tests --ignore=tests/cluster; \
+	$(BIN)/python -P -m pytest -q $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(DURATIONS) $(PYTEST_ARGS) tests --ignore=tests/cluster; \
 	main=$$?; wait $$cluster; real=$$?; \
 	echo "--- the real-cluster suite (tests/cluster, log $(CLUSTER_LOG)) ---"; cat $(CLUSTER_LOG); \
 	test $$main -eq 0 -a $$real -eq 0
