@@ -25,13 +25,14 @@ import torch
 from kiln.engine.compile import COMPILE_MODES, check_compile
 from kiln.engine.errors import ConfigError
 from kiln.engine.kernels import native
-from kiln.engine.kernels.candidates import LINEAR, configure_exclusions, expand
+from kiln.engine.kernels.candidates import LINEAR, expand
+from kiln.engine.kernels.formats import BY_QUANTIZATION
 from kiln.engine.rope_config import max_positions
 from kiln.engine.settings import field_rules, setting
 from kiln.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "int8", "fp8", "gguf")
+QUANTIZATIONS = tuple(BY_QUANTIZATION)  # the format table's (kernels/formats.py)
 # "auto": the Triton paged kernels on CUDA when triton is installed, else the torch path (docs/gpu.md).
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "native")
 PARALLEL_SIZES = (1, 2, 4, 8)
@@ -292,7 +293,6 @@ class EngineConfig:
     def _check_features(self) -> None:
         """Can what was asked for run here: speculation, compiling, the attention backend."""
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        configure_exclusions(self.tactics_exclude)
         why = check_compile(self.compile, self.device, self.world_size)
         if why:
             raise ConfigError(why)

@@ -261,6 +261,7 @@ def plan_cpu_load(dtype: str, quantization: str | None, kv_cache_dtype: str = "a
                   apply_threads: bool = True) -> dict[str, Any]:
     """How an artifact of ``dtype``/``quantization`` should run on this CPU (see the module doc)."""
     import torch
+    from kiln.engine.kernels import formats  # imports torch: kept out of this module's torch-free import
 
     plan: dict[str, Any] = {"artifact_dtype": dtype, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
                             "host": {"model": cpu_model(), "flags": sorted(f for f in RELEVANT_FLAGS
@@ -279,7 +280,7 @@ def plan_cpu_load(dtype: str, quantization: str | None, kv_cache_dtype: str = "a
                         else f"{native['gflops']} vs {native['float32_gflops']} GFLOP/s float32, one thread")
     if kv_cache_dtype in OVERRIDE_ENV and kv_cache_dtype != dtype and not probe(kv_cache_dtype)["native"]:
         plan["kv_cache_dtype"] = "float32"
-    if quantization == "int8":  # the candidates; the tactic table picks per linear and row bucket
+    if formats.storage(quantization) == torch.int8:  # the candidates; the tactic table picks per bucket
         torch_path = ("int8-weight x bf16 kernel (torch._weight_int8pack_mm)"
                       if plan["dtype"] == "bfloat16" and hasattr(torch, "_weight_int8pack_mm")
                       else f"dequantize to {plan['dtype']} per matmul")

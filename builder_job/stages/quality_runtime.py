@@ -79,8 +79,8 @@ def _w8a8_verdict(ctx: BuildContext) -> dict[str, Any]:
 def _candidate_verdict(ctx: BuildContext, name: str, head: dict[str, str]) -> dict[str, Any]:
     _, min_agreement = quality.thresholds(ctx.spec)
     dtype = getattr(torch, str(ctx.config.get("dtype", "float32")))
-    candidates.configure_exclusions(())  # as the forced engine will load: nothing excluded but by the host
-    why = candidates.why_not(name, dtype, native.kernels(), "int8")  # forced where it cannot run, it would not run
+    # as the forced engine loads (tactics_exclude: []): forced where it cannot run, it would not run
+    why = candidates.why_not(name, dtype, native.kernels(), "int8", exclude=())
     try:
         if why:
             raise ConfigError(why)

@@ -125,7 +125,8 @@ def _time_linears(load_llm) -> tuple[TacticTable, bool]:
         runner = llm.engine.runner
         native = runner.native is not None
         attention = attention_shape(runner.model, llm.engine.config) if native else None
-        table = measure(runner.tactic_sites, runner.native, budget(BUDGET_S), attention=attention)
+        table = measure(runner.tactic_sites, runner.native, budget(BUDGET_S), attention=attention,
+                        exclude=llm.engine.config.tactics_exclude or ())
     finally:
         llm.shutdown()
     del llm, runner

@@ -50,8 +50,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kiln.engine.kernels import gguf_blocks, torch_w8a8
+from kiln.engine.kernels import formats, torch_w8a8
 from kiln.engine.kernels.quant_linear import quantized_linear
+
+_FLOAT_INT8 = ("float", "int8")
+_BLOCKS = tuple(f.name for f in formats.FORMATS.values() if f.gguf_type)
 
 
 @dataclass(frozen=True)
@@ -59,53 +62,49 @@ class Candidate:
     name: str
     layout: str
     gemm_kernel: str | None = None  # kiln's C kernel (native.GEMM_KERNELS) for the kiln layout
-    quantizes_activations: bool = False  # W8A8: int8 activations, not the weight-only semantics (int8 only)
+    accepts: tuple[str, ...] = _FLOAT_INT8  # the weight formats (formats.FORMATS) it multiplies
+    quantizes_activations: bool = False  # multiplies int8 activations, quantized per call
+
+    @property
+    def changes_semantics(self) -> bool:
+        """It quantizes the activations of a format defined without (W8A8 on int8 weights): what a quality
+        gate measures and may exclude."""
+        return self.quantizes_activations and not all(formats.FORMATS[f].activations_quantized for f in self.accepts)
 
 
 LINEAR: dict[str, Candidate] = {c.name: c for c in (
     Candidate("kiln-fma", "kiln", "fma"),
     Candidate("kiln-amx", "kiln", "amx"),
-    Candidate("onednn-panels", "kiln", "onednn"),
-    Candidate("onednn", "onednn"),
-    Candidate("aten", "plain"),
-    Candidate("kiln-w8a8", "kiln", "w8a8", quantizes_activations=True),
-    Candidate("torch-w8a8", "qlinear", quantizes_activations=True),
-    Candidate("kiln-gguf", "kiln", "gguf"),
-    Candidate("kiln-gguf-f32", "kiln", "gguf_f32"),
+    Candidate("onednn-panels", "kiln", "onednn", accepts=("float",)),
+    Candidate("onednn", "onednn", accepts=("float",)),
+    Candidate("aten", "plain", accepts=tuple(f for f in formats.FORMATS if f not in _BLOCKS)),
+    Candidate("kiln-w8a8", "kiln", "w8a8", accepts=("int8",), quantizes_activations=True),
+    Candidate("torch-w8a8", "qlinear", accepts=("int8",), quantizes_activations=True),
+    Candidate("kiln-gguf", "kiln", "gguf", accepts=_BLOCKS, quantizes_activations=True),
+    Candidate("kiln-gguf-f32", "kiln", "gguf_f32", accepts=_BLOCKS),
 )}
 LAYOUTS = ("kiln", "onednn", "plain", "qlinear")
-# the candidates that quantize activations (W8A8): what a quality gate turns off
-ACTIVATION_QUANT = tuple(c.name for c in LINEAR.values() if c.quantizes_activations)
+# the candidates that quantize activations where the format does not (W8A8): what a quality gate turns off
+ACTIVATION_QUANT = tuple(c.name for c in LINEAR.values() if c.changes_semantics)
 EXCLUDE_ENV = "KILN_TACTICS_EXCLUDE"
 ALIASES = {"w8a8": ACTIVATION_QUANT}
-
-
-_configured: frozenset[str] = frozenset()  # EngineConfig.tactics_exclude of the engine loaded last
 
 
 def expand(names) -> frozenset[str]:
     """Candidate names with the aliases (``w8a8``) spelled out; raises ValueError naming an unknown one."""
     out: set[str] = set()
-    for name in names:
+    for name in names or ():
         if name not in ALIASES and name not in LINEAR:
             raise ValueError(f"{name!r} is not a candidate ({', '.join(LINEAR)}) or {' or '.join(ALIASES)}")
         out.update(ALIASES.get(name, (name,)))
     return frozenset(out)
 
 
-def configure_exclusions(names) -> None:
-    """What the engine being loaded may not run (``EngineConfig.tactics_exclude``: the build sets it when the
-    quality gate refuses W8A8 for the model). The table is one per process, so is this: the engine loaded
-    last sets it."""
-    global _configured
-    _configured = expand(names or ())
-
-
-def excluded() -> frozenset[str]:
-    """The candidates taken out of every table: the loaded engine's ``tactics_exclude``, plus
-    ``$KILN_TACTICS_EXCLUDE``'s (names, or ``w8a8``: every candidate that quantizes activations; an unknown
-    name is warned about and ignored)."""
-    names: set[str] = set(_configured)
+def excluded(configured=()) -> frozenset[str]:
+    """The candidates taken out of a table: ``configured`` (an engine's ``tactics_exclude``, passed by whoever
+    loads it) plus ``$KILN_TACTICS_EXCLUDE``'s (names, or ``w8a8``: every candidate that quantizes activations;
+    an unknown name is warned about and ignored)."""
+    names: set[str] = set(expand(configured))
     for token in os.environ.get(EXCLUDE_ENV, "").replace(",", " ").split():
         if token in ALIASES or token in LINEAR:
             names.update(ALIASES.get(token, (token,)))
@@ -128,38 +127,35 @@ def onednn_unavailable(dtype: torch.dtype) -> str | None:
     return None
 
 
-def why_not(name: str, dtype: torch.dtype, native, quant: str | None = None) -> str | None:
-    """Why candidate ``name`` cannot run a linear with ``dtype`` activations (and a ``quant`` weight) on this
-    host (``native``: kiln's loaded CPU kernels, or None)."""
-    cand = LINEAR[name]
-    if name in excluded():
+def why_not(name: str, dtype: torch.dtype, native, quant: str | None = None,
+            exclude: frozenset[str] | tuple = ()) -> str | None:
+    """Why candidate ``name`` cannot run a linear with ``dtype`` activations (and a ``quant`` weight, a format
+    key) on this host (``native``: kiln's loaded CPU kernels, or None; ``exclude``: the engine's
+    ``tactics_exclude``)."""
+    cand, fmt = LINEAR[name], formats.of(quant)
+    if name in excluded(exclude):
         return f"tactics_exclude or ${EXCLUDE_ENV} excludes it"
-    if (quant in gguf_blocks.QUANTS) != (cand.gemm_kernel in gguf_blocks.GGUF_KERNELS):
-        return ("GGUF block weights run kiln's GGUF kernels only" if quant in gguf_blocks.QUANTS
-                else "the GGUF kernels multiply GGUF block weights (quantization: gguf)")
-    if cand.quantizes_activations and quant != "int8":
-        return "W8A8 multiplies int8 weights (quantization: int8), not float ones"
-    if cand.layout == "qlinear":
-        return torch_w8a8.unavailable()
-    if quant not in (None, "int8", *gguf_blocks.QUANTS):
-        return None if cand.layout == "plain" else f"{quant} weights run torch's path only"
-    if quant and (cand.layout == "onednn" or cand.gemm_kernel == "onednn"):
-        return "oneDNN's packed linear takes float weights, not int8"
+    if fmt.name not in cand.accepts:
+        return f"{name} multiplies {' / '.join(cand.accepts)} weights, not {fmt.name} ones"
     if cand.layout == "kiln":
-        if native is None:
-            return "kiln's CPU kernels are not loaded"
-        why = native.gemm_kernels.get(dtype, {}).get(cand.gemm_kernel, f"kiln's GEMM takes no {dtype}")
-        if why is None and cand.gemm_kernel == "fma" and dtype not in native.linear_dtypes:
-            why = f"kiln's GEMM does not pack {dtype} here"
-        return why
-    if cand.layout == "onednn":
-        return onednn_unavailable(dtype)
-    return None
+        return _kiln_why_not(cand, dtype, native)
+    return {"qlinear": torch_w8a8.unavailable, "onednn": lambda: onednn_unavailable(dtype)}.get(
+        cand.layout, lambda: None)()
+
+
+def _kiln_why_not(cand: Candidate, dtype: torch.dtype, native) -> str | None:
+    if native is None:
+        return "kiln's CPU kernels are not loaded"
+    why = native.gemm_kernels.get(dtype, {}).get(cand.gemm_kernel, f"kiln's GEMM takes no {dtype}")
+    if why is None and cand.gemm_kernel == "fma" and dtype not in native.linear_dtypes:
+        why = f"kiln's GEMM does not pack {dtype} here"
+    return why
 
 
 def stack_candidate(quant: str | None) -> str:
     """The kiln candidate whose runnability says a linear of ``quant`` weights can join the decoder stack."""
-    return "kiln-gguf" if quant in gguf_blocks.QUANTS else "kiln-fma"
+    fmt = formats.of(quant)
+    return next(c.name for c in LINEAR.values() if c.layout == "kiln" and fmt.name in c.accepts)
 
 
 def pack(layout: str, weight: torch.Tensor, native, batch_hint: int = 64, tactics=None,
@@ -170,7 +166,7 @@ def pack(layout: str, weight: torch.Tensor, native, batch_hint: int = 64, tactic
     ``torch_w8a8.QLinear``), or the weight itself (plain)."""
     if layout == "qlinear":
         return torch_w8a8.QLinear(weight, scale)
-    if layout == "kiln":  # a GGUF block weight carries its type (gguf_blocks.site_quant)
+    if layout == "kiln":  # a GGUF block weight carries its type (formats.of_weight)
         return native.pack_linear(weight.detach(), tactics, scale, dtype, share_onednn,
                                   getattr(weight, "gguf_type", None))
     if layout == "onednn":

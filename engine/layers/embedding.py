@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from kiln.engine import parallel
-from kiln.engine.kernels import gguf_blocks
+from kiln.engine.kernels import formats, gguf_blocks
 from kiln.engine.layers.linear import packed_linear
 from torch import nn
 
@@ -30,8 +30,9 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.uint8:  # GGUF blocks (quantization gguf): the rows dequantized
-            return self._gguf_rows(input_ids)
+        kind = formats.of_weight(self.weight).gguf_type
+        if kind:  # GGUF blocks: the rows dequantized
+            return self._gguf_rows(input_ids, kind)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
@@ -40,10 +41,10 @@ class VocabParallelEmbedding(nn.Module):
         return parallel.all_reduce(out)
 
 
-    def _gguf_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _gguf_rows(self, input_ids: torch.Tensor, kind: str) -> torch.Tensor:
         local = input_ids - self.vocab_start
         mask = (local >= 0) & (local < self.shard_size)
-        out = gguf_blocks.embedding(local.clamp(0, self.shard_size - 1), self.weight, self.weight.gguf_type,
+        out = gguf_blocks.embedding(local.clamp(0, self.shard_size - 1), self.weight, kind,
                                     torch.get_default_dtype() if self.dtype is None else self.dtype)
         return out if self.tp_size == 1 else parallel.all_reduce(out * mask.unsqueeze(-1).to(out.dtype))
 
@@ -59,7 +60,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if self.packed_weight is not None:
             logits = packed_linear(hidden, self.packed_weight, None)
-        elif self.weight.dtype == torch.uint8:
+        elif formats.of_weight(self.weight).gguf_type:
             logits = gguf_blocks.gguf_linear(hidden, self.weight, self.weight.gguf_type, None)
         else:
             logits = F.linear(hidden, self.weight)

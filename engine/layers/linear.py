@@ -25,14 +25,15 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from kiln.engine import parallel
+from kiln.engine.kernels import formats
 from kiln.engine.kernels.candidates import run
 from kiln.engine.kernels.gguf_blocks import gguf_linear
 from kiln.engine.kernels.quant_linear import quantized_linear
-from kiln.engine.layers.quant import QUANT_DTYPES, quantize_weight
+from kiln.engine.layers.quant import quantize_weight
 from torch import nn
 
 __all__ = ["ColumnParallelLinear", "LinearBase", "MergedColumnParallelLinear", "QKVParallelLinear",
-           "QUANT_DTYPES", "RowParallelLinear", "packed_linear", "quantize_weight"]
+           "RowParallelLinear", "packed_linear", "quantize_weight"]
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -70,9 +71,9 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = parallel.tp_rank(), parallel.tp_size()
         self.input_size, self.output_size = input_size, output_size
         method = _born_quantized
-        # gguf: the file's blocks (uint8, sized at load by weights.load_engine_state, gguf_blocks.py)
-        self.weight = nn.Parameter(torch.empty(output_size, 0 if method == "gguf" else input_size,
-                                               dtype=QUANT_DTYPES[method] if method else None), requires_grad=False)
+        # block formats: the file's blocks (uint8, sized at load by weights.load_engine_state, gguf_blocks.py)
+        self.weight = nn.Parameter(torch.empty(output_size, 0 if formats.is_blocks(method) else input_size,
+                                               dtype=formats.storage(method)), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -80,7 +81,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.weight_scale: nn.Parameter | None = None
-        if method and method != "gguf":
+        if method and not formats.is_blocks(method):
             self.weight_scale = nn.Parameter(torch.empty(output_size, dtype=torch.float32), requires_grad=False)
         self.packed_weight = None  # a packed copy on CPU, set by kiln.engine.tactics.bind (the plain one is dropped)
 
@@ -88,12 +89,14 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     @property
+    def weight_format(self) -> formats.WeightFormat:
+        """The row of the format table this linear's weight is held in."""
+        return formats.of_weight(self.weight, self.weight_scale)
+
+    @property
     def quantization(self) -> str | None:
-        if self.weight.dtype == torch.uint8:
-            return "gguf"
-        if self.weight_scale is None:
-            return None
-        return "int8" if self.weight.dtype == torch.int8 else "fp8"
+        """The engine quantization that makes this linear's weight (None: float)."""
+        return self.weight_format.quantization
 
     def quantize_(self, method: str) -> None:
         """Replace the loaded float weight by its quantized form (runtime quantization)."""
@@ -105,15 +108,17 @@ class LinearBase(nn.Module):
         """Empty quantized parameters to receive a pre-quantized (artifact) state dict, on the device of
         the float weight they replace (a model built on CUDA keeps its quantized weights there)."""
         shape, device = self.weight.shape, self.weight.device
-        self.weight = nn.Parameter(torch.empty(shape, dtype=QUANT_DTYPES[method], device=device), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=formats.storage(method), device=device),
+                                   requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(shape[0], dtype=torch.float32, device=device), requires_grad=False)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
-        if self.weight.dtype == torch.uint8:  # GGUF blocks without kiln's kernels: dequantized per call
-            return gguf_linear(x, self.weight, self.weight.gguf_type, bias)
-        if self.weight_scale is None:
+        fmt = self.weight_format
+        if fmt.gguf_type:  # GGUF blocks without kiln's kernels: dequantized per call
+            return gguf_linear(x, self.weight, fmt.gguf_type, bias)
+        if not fmt.scaled:
             return F.linear(x, self.weight, bias)
         return quantized_linear(x, self.weight, self.weight_scale, bias)
 

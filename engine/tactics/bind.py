@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from kiln.engine import parallel
-from kiln.engine.kernels import candidates, gguf_blocks
+from kiln.engine.kernels import candidates, formats
 from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead
 from kiln.engine.layers.linear import LinearBase
@@ -51,18 +51,19 @@ def linear_modules(model: nn.Module, max_num_tokens: int, max_batch_size: int,
     stacked = {id(child) for m in model.modules() if getattr(m, "stack_member", False) for child in m.modules()}
     out = []
     for m in model.modules():
-        quant = gguf_blocks.site_quant(m.weight) if hasattr(m, "weight") else None  # "q4_1": GGUF blocks
-        if isinstance(m, LinearBase) and m.weight.dim() == 2 and (quant or m.quantization in (None, "int8")):
-            rows, quant = min(max_num_tokens, caps.get(id(m), max_num_tokens)), quant or m.quantization
-        elif isinstance(m, ParallelLMHead) and m.weight.dim() == 2:
-            rows = max_batch_size  # GGUF blocks keep their type; an int8 engine's head may have an int8 copy
-            quant = quant or ("int8" if getattr(m, "weight_int8", None) is not None else None)
-        else:
+        if not isinstance(m, (LinearBase, ParallelLMHead)) or m.weight.dim() != 2:
             continue
-        n, k = m.weight.shape[0], gguf_blocks.in_features(m.weight, m.weight.gguf_type) if quant in \
-            gguf_blocks.QUANTS else m.weight.shape[1]
-        out.append((m, LinearSite(dtype if quant else m.weight.dtype, n, k, max(1, rows), stacked=id(m) in stacked,
-                                  quant=quant)))
+        fmt = formats.of_weight(m.weight, getattr(m, "weight_scale", None))
+        if isinstance(m, LinearBase):
+            rows = min(max_num_tokens, caps.get(id(m), max_num_tokens))
+        else:  # the head: an int8 engine's may have a quantized copy to be packed (quantize_head)
+            rows = max_batch_size
+            copy = getattr(m, "weight_int8", None)
+            fmt = formats.of_weight(copy, m.weight_scale) if copy is not None and fmt.key is None else fmt
+        if not fmt.tactic_site:
+            continue
+        out.append((m, LinearSite(dtype if fmt.key else m.weight.dtype, m.weight.shape[0], fmt.in_features(m.weight),
+                                  max(1, rows), stacked=id(m) in stacked, quant=fmt.key)))
     return out
 
 
@@ -76,12 +77,13 @@ def linear_sites(modules: list[tuple[nn.Module, LinearSite]]) -> list[LinearSite
     return list(by_key.values())
 
 
-def stack_layout(table: TacticTable, modules: list[tuple[nn.Module, LinearSite]], native) -> tuple[bool, str]:
+def stack_layout(table: TacticTable, modules: list[tuple[nn.Module, LinearSite]], native,
+                 exclude=()) -> tuple[bool, str]:
     """(pack the layers' linears in kiln's layout, why) by the table's ``decoder_stack`` entry or the margin."""
     layer_sites = {site.key: site for _, site in modules if site.stacked}
     if native is None or not layer_sites:
         return False, "no decoder stack: kiln's attention kernels do not run here"
-    kiln_ok = all(candidates.why_not(candidates.stack_candidate(s.quant), s.dtype, native, s.quant) is None
+    kiln_ok = all(candidates.why_not(candidates.stack_candidate(s.quant), s.dtype, native, s.quant, exclude) is None
                   for s in layer_sites.values())
     entry = (table.model.get("decoder_stack") or {}).get("winner")
     if entry is not None:
@@ -94,16 +96,17 @@ def stack_layout(table: TacticTable, modules: list[tuple[nn.Module, LinearSite]]
 
 
 def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: TacticTable, native,
-         batch_hint: int, stack: bool = True) -> dict[str, int]:
+         batch_hint: int, stack: bool = True, exclude=()) -> dict[str, int]:
     """Pack every module of ``model`` by its table entry; returns how many linears went to each layout.
-    ``stack``: the decoder stack can run here (kiln's attention kernels serve the model)."""
-    fuse, why = stack_layout(table, modules, native if stack else None)
+    ``stack``: the decoder stack can run here (kiln's attention kernels serve the model); ``exclude``: the
+    engine's ``tactics_exclude``."""
+    fuse, why = stack_layout(table, modules, native if stack else None, exclude)
     log.info("tactics: decoder layers %s (%s)", "in kiln's layout for the stack" if fuse else "per shape", why)
     counts: dict[str, int] = {}
     for m, site in modules:
         stacked = fuse and site.stacked  # kiln's layout; oneDNN (from Python) only where it beats the stack's saving
         layout, kernels = packing(table.linear[site.key], site, native, "kiln" if stacked else None,
-                                  STACK_MARGIN if stacked else None)
+                                  STACK_MARGIN if stacked else None, exclude)
         counts[layout] = counts.get(layout, 0) + 1
         if layout == "plain":
             continue
@@ -115,7 +118,7 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
             if "onednn" not in (kernels or []):
                 raise
             log.warning("tactics: %s (%s); its buckets run kiln's C kernels instead", exc, site.key)
-            _, kernels = packing(table.linear[site.key], site, native, "kiln", float("inf"))
+            _, kernels = packing(table.linear[site.key], site, native, "kiln", float("inf"), exclude)
             packed = candidates.pack(layout, weight, native, batch_hint, kernels, scale, site.dtype)
         m.packed_weight = packed
         tied = isinstance(m, ParallelLMHead) and any(
@@ -127,7 +130,7 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
     return counts
 
 
-def quantize_head(model: nn.Module, dtype: torch.dtype, native) -> str:
+def quantize_head(model: nn.Module, dtype: torch.dtype, native, exclude=()) -> str:
     """An int8 engine's LM head gets an int8 copy (per vocabulary row, as its linears) where a W8A8
     candidate may run here: at batch 1 the head is a third of a small model's weight bytes (SmolLM2: 28 M
     of 134 M parameters), so keeping it in bf16 keeps a third of the step at bf16's speed. Only where W8A8
@@ -137,12 +140,15 @@ def quantize_head(model: nn.Module, dtype: torch.dtype, native) -> str:
     head = next((m for m in model.modules() if isinstance(m, ParallelLMHead)), None)
     if head is None or head.weight.dim() != 2 or head.weight.dtype not in (torch.float32, torch.bfloat16):
         return "as built"
-    if not any(isinstance(m, LinearBase) and m.quantization == "int8" for m in model.modules()):
+    quant = {m.weight_format for m in model.modules() if isinstance(m, LinearBase)}
+    fmt = next((f for f in quant if any(f.name in candidates.LINEAR[n].accepts for n in candidates.ACTIVATION_QUANT)),
+               None)
+    if fmt is None:
         return "as built"
-    runs = [n for n in candidates.ACTIVATION_QUANT if candidates.why_not(n, dtype, native, "int8") is None]
+    runs = [n for n in candidates.ACTIVATION_QUANT if candidates.why_not(n, dtype, native, fmt.key, exclude) is None]
     if not runs:
         return "as built: no W8A8 candidate may run here"
-    head.weight_int8, head.weight_scale = quantize_weight(head.weight.detach(), "int8")
+    head.weight_int8, head.weight_scale = quantize_weight(head.weight.detach(), fmt.quantization)
     return f"int8 (W8A8 may run here: {', '.join(runs)})"
 
 
@@ -158,12 +164,13 @@ def apply(model: nn.Module, config, native, stack: bool = True
           ) -> tuple[TacticTable, dict[str, Any], list[LinearSite]]:
     """Resolve the table for this model and host (``resolve.resolve``) and pack the model by it; returns the
     table, what ``/version`` says of it, and the model's linear sites (what a build times)."""
-    head = quantize_head(model, config.torch_dtype, native) if config.lm_head_int8 == "auto" else \
+    exclude = config.tactics_exclude or ()
+    head = quantize_head(model, config.torch_dtype, native, exclude) if config.lm_head_int8 == "auto" else \
         "as built (lm_head_int8: off)"
     modules = linear_modules(model, config.max_num_tokens, config.max_batch_size, config.torch_dtype)
     sites = linear_sites(modules)
     table, info = resolve(config.tactics, sites, native, config.tactics_cache,
-                          attention_shape(model, config) if stack else None)
+                          attention_shape(model, config) if stack else None, exclude)
     if native is not None:  # prefill groups on AMX tiles where the table timed that faster
         native.attention_amx_queries = (table.model.get("attention_tiles") or {}).get("min_queries", 0) if stack else 0
     mlps = [m for m in model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
@@ -185,7 +192,7 @@ def apply(model: nn.Module, config, native, stack: bool = True
             table.model["mlp_rows"] = agreed
     for m in mlps if rows else ():  # the MLP's prefill slice timed fastest
         m.mlp_rows = int(rows)
-    counts = bind(model, modules, table, native, config.max_batch_size, stack)
+    counts = bind(model, modules, table, native, config.max_batch_size, stack, exclude)
     info["layouts"], info["lm_head"] = counts, head
     log.info("tactics (%s): %s", info["source"], ", ".join(f"{n} linear(s) {k}" for k, n in sorted(counts.items())))
     return table, info, sites

@@ -68,18 +68,16 @@ def wanted() -> bool:
     return mode == "background" and parallel.world_size() == 1
 
 
-def fallback(site: LinearSite, native) -> str:
-    for name in FALLBACK:
-        if name in candidates.LINEAR and candidates.why_not(name, site.dtype, native, site.quant) is None:
-            return name
-    return next(n for n in candidates.LINEAR if candidates.why_not(n, site.dtype, native, site.quant) is None)
+def fallback(site: LinearSite, native, exclude=()) -> str:
+    runs = [n for n in candidates.LINEAR if candidates.why_not(n, site.dtype, native, site.quant, exclude) is None]
+    return next((n for n in FALLBACK if n in runs), runs[0])
 
 
-def default_table(sites: list[LinearSite], native) -> TacticTable:
-    """Every site on its :func:`fallback`, untimed."""
-    table = TacticTable(host=host_signature.cpu_signature(), model=copy.deepcopy(DEFAULT_MODEL))
+def default_table(sites: list[LinearSite], native, exclude=()) -> TacticTable:
+    """Every site on its :func:`fallback`, untimed (``exclude``: the engine's ``tactics_exclude``)."""
+    table = TacticTable(host=host_signature.cpu_signature(exclude=exclude), model=copy.deepcopy(DEFAULT_MODEL))
     for site in sites:
-        name = fallback(site, native)
+        name = fallback(site, native, exclude)
         table.linear[site.key] = LinearChoice(site.key, candidates.LINEAR[name].layout, [
             {"rows": rows, "runs": name, "winner": name, "runner_up": None, "us": {}, "pruned": [],
              "inferred_from": None} for rows in bucket_rows(site.max_rows)])

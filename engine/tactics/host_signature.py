@@ -3,7 +3,8 @@
 Everything that changes which kernel is fastest is in it: the CPU model and the flags that decide the
 matmul kernels (``cpu_target.RELEVANT_FLAGS``), the thread count the timings ran at, the ISA caps in the
 environment, the kiln kernel library (level and source), torch's version (oneDNN comes with it) and the
-candidates ``$KILN_TACTICS_EXCLUDE`` takes out (``kernels.candidates.excluded``; only when set). The CPU count
+candidates the engine's ``tactics_exclude`` and ``$KILN_TACTICS_EXCLUDE`` take out (``kernels.candidates.excluded``;
+only when set). The CPU count
 is not: a pod with the same CPU type and the same threads times the same.
 """
 
@@ -21,10 +22,11 @@ from kiln.engine.kernels.cpu_library import source_digest
 from kiln.engine.kernels.isa import caps_in_effect
 
 
-def cpu_signature(threads: int | None = None) -> dict[str, Any]:
+def cpu_signature(threads: int | None = None, exclude=()) -> dict[str, Any]:
+    """This host's signature for timings at ``threads`` without the candidates ``exclude`` names."""
     kernels = native.kernels()
     flags = cpu_target.cpu_flags()
-    excluded = candidates.excluded()  # a table measured without some candidates is not one measured with them
+    excluded = candidates.excluded(exclude)  # a table measured without some candidates is not one measured with them
     return {**({"excluded": sorted(excluded)} if excluded else {}), "device": "cpu", "machine": platform.machine(), "model": cpu_target.cpu_model(),
             "flags": sorted(f for f in cpu_target.RELEVANT_FLAGS if f in flags),
             "threads": int(threads or torch.get_num_threads()), "caps": caps_in_effect(),

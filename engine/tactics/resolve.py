@@ -60,17 +60,19 @@ def measure_attention(native, attention: dict[str, Any] | None) -> dict[str, Any
 
 
 def measure(sites: list[LinearSite], native, budget_s: float, only: str | None = None,
-            attention: dict[str, Any] | None = None) -> TacticTable:
+            attention: dict[str, Any] | None = None, exclude=()) -> TacticTable:
     """Time every runnable candidate for every site; the table of choices. ``only``: that candidate runs
     every site it can run, untimed (the rest are timed). ``attention`` (heads, kv_heads, head_dim,
-    block_size, dtype of the KV cache): also how a prefill group attends (``measure_attention``)."""
+    block_size, dtype of the KV cache): also how a prefill group attends (``measure_attention``); ``exclude``:
+    the engine's ``tactics_exclude``."""
     started = time.monotonic()
     deadline = started + budget_s
-    table = TacticTable(host=host_signature.cpu_signature())
+    table = TacticTable(host=host_signature.cpu_signature(exclude=exclude))
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for site in sorted(sites, key=lambda s: s.n * s.k):
-            names = [n for n in candidates.LINEAR if candidates.why_not(n, site.dtype, native, site.quant) is None]
+            names = [n for n in candidates.LINEAR
+                     if candidates.why_not(n, site.dtype, native, site.quant, exclude) is None]
             if only in names:  # forced: nothing to time
                 table.linear[site.key] = LinearChoice(site.key, candidates.LINEAR[only].layout, [
                     {"rows": rows, "runs": only, "winner": only, "runner_up": None, "us": {}, "pruned": [],
@@ -143,36 +145,37 @@ def _save(table: TacticTable, path: Path) -> Path | None:
 
 
 def resolve(source: str, sites: list[LinearSite], native, cache_dir: str | None = None,
-            attention: dict[str, Any] | None = None) -> tuple[TacticTable, dict[str, Any]]:
+            attention: dict[str, Any] | None = None, exclude=()) -> tuple[TacticTable, dict[str, Any]]:
     """The table to run ``sites`` with, and what ``/version`` and the log say about where it came from
-    (``attention``: as ``measure`` takes it)."""
-    here = host_signature.cpu_signature()
+    (``attention``, ``exclude``: as ``measure`` takes them)."""
+    here = host_signature.cpu_signature(exclude=exclude)
     key = host_signature.signature_key(here)
     info: dict[str, Any] = {"host": host_signature.describe(here), "host_key": key}
     if source in candidates.LINEAR:
-        table = measure(sites, native, budget(), only=source, attention=attention)
+        table = measure(sites, native, budget(), only=source, attention=attention, exclude=exclude)
         return table, {**info, "source": f"forced {source}", "origin": "forced", "seconds": round(table.seconds, 2),
                        "why": f"the engine's tactics setting names {source}"}
     if source != "auto":
-        return _from_artifact(source, sites, native, cache_dir, attention, info, here)
-    return _this_hosts(sites, native, attention, info)
+        return _from_artifact(source, sites, native, cache_dir, attention, info, here, exclude)
+    return _this_hosts(sites, native, attention, info, exclude)
 
 
 def _from_artifact(source: str, sites: list[LinearSite], native, cache_dir: str | None,
-                   attention: dict[str, Any] | None, info: dict[str, Any], here) -> tuple[TacticTable, dict[str, Any]]:
+                   attention: dict[str, Any] | None, info: dict[str, Any], here,
+                   exclude=()) -> tuple[TacticTable, dict[str, Any]]:
     """The artifact's table at ``source``: as built on the host it was measured on, else re-timed here."""
     key = info["host_key"]
     built = TacticTable.load(Path(source))
     missing = [s for s in sites if s.key not in built.linear]
     if len(missing) == len(sites):
         _check_covers(built, sites, f"tactic table {source}")
-    cannot = runnable(built, [s for s in sites if s not in missing], native)
+    cannot = runnable(built, [s for s in sites if s not in missing], native, exclude)
     if host_signature.signature_key(built.host) == key and cannot is None:
         if not missing:
             return built, {**info, "source": "artifact", "origin": "artifact", "table": source,
                            "why": "this host's signature is the one the table was measured on"}
         # a pipeline stage's own linears (the build timed the first stage's): timed here, the rest as built
-        extra = measure(missing, native, budget())
+        extra = measure(missing, native, budget(), exclude=exclude)
         built.linear.update(extra.linear)
         log.info("tactics: %s has no entry for %d linear shape(s) of this stage; timed them here in %.1fs",
                  source, len(missing), extra.seconds)
@@ -182,34 +185,35 @@ def _from_artifact(source: str, sites: list[LinearSite], native, cache_dir: str 
     diffs = host_signature.differences(built.host, here) + ([cannot] if cannot else [])
     cached_path = Path(cache_dir or _cache_dir()) / f"{key}-{_sites_hash(sites)}.json"
     cached = _load_cached(cached_path, sites)
-    if cached is not None and runnable(cached, sites, native) is None:
+    if cached is not None and runnable(cached, sites, native, exclude) is None:
         cached.model = {**built.model, **_host_model(cached)}
         log.info("tactics: this host differs from the build's (%s): using the table re-timed here before, %s",
                  "; ".join(diffs), cached_path)
         return cached, {**info, "source": "re-timed (cached)", "origin": "cache", "table": str(cached_path),
                         "differs": diffs, "why": "this host differs from the build's: the table re-timed here "
                                                  "at an earlier start"}
-    return _retime(source, built, sites, native, attention, info, here, diffs, cached_path)
+    return _retime(source, built, sites, native, attention, info, here, diffs, cached_path, exclude)
 
 
 def _retime(source: str, built: TacticTable, sites: list[LinearSite], native, attention: dict[str, Any] | None,
-            info: dict[str, Any], here, diffs: list[str], cached_path: Path) -> tuple[TacticTable, dict[str, Any]]:
+            info: dict[str, Any], here, diffs: list[str], cached_path: Path,
+            exclude=()) -> tuple[TacticTable, dict[str, Any]]:
     """The artifact's table measured on another host: re-timed here (in the background when wanted), the
     build's model entries that are not host-bound kept."""
     why = "this host differs from the build's"
     if deferred.wanted():
         def retime() -> TacticTable:
-            table = measure(sites, native, budget(), attention=attention)
+            table = measure(sites, native, budget(), attention=attention, exclude=exclude)
             table.model = {**{k: v for k, v in built.model.items() if k not in HOST_MODEL_OPS}, **table.model}
             return table
         log.warning("tactics: %s was measured on %s; this host is %s (%s): serving on the default table while "
                     "its linears are re-timed in the background", source, host_signature.describe(built.host),
                     host_signature.describe(here), "; ".join(diffs))
         return _defer(sites, native, retime, {**info, "source": "re-timed", "differs": diffs, "why_timed": why},
-                      cached_path)
+                      cached_path, exclude)
     log.warning("tactics: %s was measured on %s; this host is %s (%s): re-timing its linears here",
                 source, host_signature.describe(built.host), host_signature.describe(here), "; ".join(diffs))
-    table = measure(sites, native, budget(), attention=attention)
+    table = measure(sites, native, budget(), attention=attention, exclude=exclude)
     table.model = {**{k: v for k, v in built.model.items() if k not in HOST_MODEL_OPS}, **table.model}
     saved = _save(table, cached_path)
     log.warning("tactics: re-timed %d linear shapes in %.1fs%s", len(table.linear), table.seconds,
@@ -219,7 +223,7 @@ def _retime(source: str, built: TacticTable, sites: list[LinearSite], native, at
 
 
 def _this_hosts(sites: list[LinearSite], native, attention: dict[str, Any] | None,
-                info: dict[str, Any]) -> tuple[TacticTable, dict[str, Any]]:
+                info: dict[str, Any], exclude=()) -> tuple[TacticTable, dict[str, Any]]:
     """No table came with the model: this process's, this host's cached one, or timed now (or in the
     background)."""
     key = info["host_key"]
@@ -229,18 +233,18 @@ def _this_hosts(sites: list[LinearSite], native, attention: dict[str, Any] | Non
                                  "why": "timed by an earlier engine of this process"}
     path = _cache_dir() / f"{key}-{_sites_hash(sites)}.json"
     table = _load_cached(path, sites)
-    if table is not None and runnable(table, sites, native) is None:
+    if table is not None and runnable(table, sites, native, exclude) is None:
         _memo[memo_key] = table
         return table, {**info, "source": "measured (cached)", "origin": "cache", "table": str(path),
                        "why": "no table came with the model: the one timed on this host at an earlier start"}
     if deferred.wanted():
         def timed() -> TacticTable:
-            table = measure(sites, native, budget(), attention=attention)
+            table = measure(sites, native, budget(), attention=attention, exclude=exclude)
             _memo[memo_key] = table
             return table
         return _defer(sites, native, timed, {**info, "source": "measured", "why_timed": "no table for this host"},
-                      path)
-    table = measure(sites, native, budget(), attention=attention)
+                      path, exclude)
+    table = measure(sites, native, budget(), attention=attention, exclude=exclude)
     _memo[memo_key] = table
     saved = _save(table, path)
     log.info("tactics: timed %d linear shapes in %.1fs on %s", len(table.linear), table.seconds, info["host"])
@@ -248,9 +252,10 @@ def _this_hosts(sites: list[LinearSite], native, attention: dict[str, Any] | Non
                    "table": str(saved) if saved else None, "why": "no table for this host: timed at load"}
 
 
-def _defer(sites: list[LinearSite], native, timed, final: dict[str, Any], path: Path) -> tuple[TacticTable, dict]:
+def _defer(sites: list[LinearSite], native, timed, final: dict[str, Any], path: Path,
+           exclude=()) -> tuple[TacticTable, dict]:
     """The default table now, with the job that times the real one (``deferred.py``) on it as ``pending``."""
-    table = deferred.default_table(sites, native)
+    table = deferred.default_table(sites, native, exclude)
     table.pending = deferred.Deferred(timed, final, path)
     names = sorted({c.buckets[0]["runs"] for c in table.linear.values()})
     return table, {**{k: v for k, v in final.items() if k != "why_timed"}, "source": "default-until-timed",
@@ -268,14 +273,14 @@ def persist(table: TacticTable, info: dict[str, Any]) -> None:
 
 
 def packing(choice: LinearChoice, site: LinearSite, native, layout: str | None = None,
-            python_margin: float | None = None) -> tuple[str, list[str] | None]:
+            python_margin: float | None = None, exclude=()) -> tuple[str, list[str] | None]:
     """(layout, kiln GEMM kernel per row bucket or None) for ``site``, which the table chose ``choice`` for (in
     ``layout`` when given: the decoder stack needs kiln's; ``python_margin``: see ``LinearChoice.kernels``);
     ``TacticsError`` if a bucket names a candidate this host cannot run."""
     layout = layout or choice.layout
     runs = choice.kernels(layout, python_margin)
     for name in set(runs):
-        why = candidates.why_not(name, site.dtype, native, site.quant)
+        why = candidates.why_not(name, site.dtype, native, site.quant, exclude)
         if why:
             raise TacticsError(f"tactic table entry {choice.key} runs {name}, which cannot run here ({why}); "
                                f"delete the table so that this host measures its own")
@@ -285,11 +290,11 @@ def packing(choice: LinearChoice, site: LinearSite, native, layout: str | None =
     return "kiln", [candidates.LINEAR[n].gemm_kernel for n in names]
 
 
-def runnable(table: TacticTable, sites: list[LinearSite], native) -> str | None:
+def runnable(table: TacticTable, sites: list[LinearSite], native, exclude=()) -> str | None:
     """Why some entry of ``table`` cannot run here (None: every one can)."""
     for site in sites:
         try:
-            packing(table.linear[site.key], site, native)
+            packing(table.linear[site.key], site, native, exclude=exclude)
         except TacticsError as exc:
             return str(exc)
     return None

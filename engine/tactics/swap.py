@@ -55,7 +55,7 @@ def swap(model, config, native, stack: bool, job: Deferred) -> tuple[TacticTable
     for m in model.modules() if rows else ():
         if hasattr(m, "mlp_rows") and m.rows_per_call:
             m.mlp_rows = int(rows)
-    counts = bind(model, modules, table, native, config.max_batch_size, stack)
+    counts = bind(model, modules, table, native, config.max_batch_size, stack, config.tactics_exclude or ())
     stacked = "not bound"
     if native is not None and stack and (table.model.get("decoder_stack") or {}).get("winner") != "modules":
         why = model.bind_native_stack(native)

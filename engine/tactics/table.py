@@ -24,12 +24,11 @@ from typing import Any
 
 from kiln.engine.errors import ConfigError
 from kiln.engine.kernels.candidates import LAYOUTS, LINEAR
-from kiln.engine.kernels.gguf_blocks import QUANTS as GGUF_QUANTS
+from kiln.engine.kernels.formats import SITE_KEYS as QUANT_KEYS
 from kiln.engine.tactics.timing import BucketTiming
 
 FORMAT = "kiln-tactics/1"
 DTYPES = ("float32", "bfloat16")
-QUANT_KEYS = ("int8", *GGUF_QUANTS)  # a quantized weight's key: <dtype>+<quant>:<n>x<k>
 
 
 class TacticsError(ConfigError):

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 from kiln.engine import parallel
-from kiln.engine.kernels import candidates, gguf_blocks
+from kiln.engine.kernels import candidates, formats
 from kiln.engine.kernels.native import ROW_BUCKETS
-from kiln.engine.layers.quant import quantize_weight
 
 MIN_SAMPLE_S = 2e-3
 MIN_ROUNDS, MAX_ROUNDS = 3, 7
@@ -39,7 +38,7 @@ class LinearSite:
     k: int
     max_rows: int
     stacked: bool = False  # a decoder layer's linear (the stack runs it in kiln's layout, bind.stack_layout)
-    quant: str | None = None  # "int8": int8 with one float32 scale per output channel; "q4_1" etc.: GGUF blocks
+    quant: str | None = None  # the weight's format key (kernels.formats: int8, a GGUF block type), None: float
 
     @property
     def key(self) -> str:
@@ -102,10 +101,7 @@ def time_site(site: LinearSite, names: list[str], native, deadline: float,
     """Every bucket of ``site`` for the candidates ``names`` (each runnable here), until ``deadline``."""
     n = min(site.n, TIMED_COLUMNS)
     weight, scale = (torch.randn(n, site.k, generator=generator) * 0.02).to(site.dtype), None
-    if site.quant in gguf_blocks.QUANTS:  # GGUF blocks of the site's type (the weight carries it)
-        weight = gguf_blocks.quantize(weight, gguf_blocks.QUANTS[site.quant])
-    elif site.quant:
-        weight, scale = quantize_weight(weight, site.quant)
+    weight, scale = formats.of(site.quant).quantize(weight)  # a GGUF block weight carries its type
     packed = {}
     for name in names:
         layout = candidates.LINEAR[name].layout

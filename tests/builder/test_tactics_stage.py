@@ -79,7 +79,7 @@ def test_another_host_kind_retimes_caches_and_says_so(built, tmp_path, monkeypat
     from kiln.engine.tactics import resolve
 
     real = host_signature.cpu_signature
-    monkeypatch.setattr(host_signature, "cpu_signature", lambda threads=None: {**real(threads), "model": "Another CPU 9000"})
+    monkeypatch.setattr(host_signature, "cpu_signature", lambda threads=None, **k: {**real(threads, **k), "model": "Another CPU 9000"})
     timed = []
     measure = resolve.measure
     monkeypatch.setattr(resolve, "measure", lambda *a, **k: timed.append(1) or measure(*a, **k))

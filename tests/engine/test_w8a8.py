@@ -211,18 +211,24 @@ def test_an_int8_engine_on_w8a8_follows_the_float_engine(vnni, toy_model, make_l
     assert agree("w8a8") >= max(0.8, agree("int8") - 0.1), (agree("w8a8"), agree("int8"))
 
 
-def test_tactics_exclude_is_an_engine_setting(toy_model):
-    """What the build writes into engine.json when its quality gate refuses W8A8 for a model: every host
-    that loads the artifact leaves W8A8 out of its table (and the next engine loaded sets its own)."""
+def test_tactics_exclude_is_an_engine_setting_passed_not_global(toy_model, fresh):
+    """What the build writes into engine.json when its quality gate refuses W8A8 for a model: the engine that
+    loads it passes its ``tactics_exclude`` to the tactics (a parameter), so its tables leave W8A8 out and
+    their host signature says so, while another engine of the same process, or a second config, is not
+    touched (it was a process-global set by the config loaded last)."""
     from kiln.engine import ConfigError
     from kiln.engine.config import EngineConfig
 
     model = str(toy_model("llama-tiny"))
-    EngineConfig(model=model, device="cpu", tactics_exclude="w8a8")  # as the serve flag spells it
-    assert set(candidates.ACTIVATION_QUANT) <= candidates.excluded()
-    assert "tactics_exclude" in candidates.why_not("kiln-w8a8", torch.bfloat16, None, "int8")
-    EngineConfig(model=model, device="cpu")
-    assert not set(candidates.ACTIVATION_QUANT) & candidates.excluded()
+    cfg = EngineConfig(model=model, device="cpu", tactics_exclude="w8a8")  # as the serve flag spells it
+    assert not set(candidates.ACTIVATION_QUANT) & candidates.excluded()  # nothing process-wide
+    assert set(candidates.ACTIVATION_QUANT) <= candidates.excluded(cfg.tactics_exclude)
+    assert "tactics_exclude" in candidates.why_not("kiln-w8a8", torch.bfloat16, None, "int8", cfg.tactics_exclude)
+    site = LinearSite(torch.float32, 64, 64, max_rows=2, quant="int8")
+    table = measure([site], native.kernels(), budget_s=2.0, exclude=cfg.tactics_exclude)
+    assert not {name for b in table.linear[site.key].buckets for name in b["us"]} & set(candidates.ACTIVATION_QUANT)
+    assert table.host["excluded"] == sorted(candidates.ACTIVATION_QUANT)
+    assert "excluded" not in host_signature.cpu_signature()
     with pytest.raises(ConfigError, match=r"^tactics_exclude must list candidates .*got \['int4'\]"):
         EngineConfig(model=model, device="cpu", tactics_exclude=["int4"])
 
