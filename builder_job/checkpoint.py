@@ -1,6 +1,7 @@
-"""The build's ``fetch`` stage: a checkpoint from its source into a local directory, pinned and
-safetensors-only. The draft model's (:mod:`kiln.builder.draft_model`) and ``kiln build --fetch-only``
-(:mod:`kiln.builder.prefetch`) fetch with it too.
+"""A checkpoint from its source into a local directory, pinned and safetensors-only: :class:`Checkpoint` and
+:func:`fetch_checkpoint`, the library the build's ``fetch`` stage (:mod:`kiln.builder.stages.fetch`), the draft
+model's (:mod:`kiln.builder.draft_model`), ``kiln build --fetch-only`` (:mod:`kiln.builder.prefetch`) and the
+adapter build's base checkpoint (:mod:`kiln.builder.adapter.source`) fetch with.
 
 Sources (``spec.model.source``):
 
@@ -46,7 +47,6 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from kiln.builder import gguf
-from kiln.builder.context import BuildContext
 from kiln.builder.errors import FetchError
 from kiln.builder.local_source import check_local_path, local_hint, refuse_linked_files
 
@@ -282,16 +282,3 @@ def fetch_checkpoint(source: str, revision: str | None, work_dir: Path, *, file:
         return _fetch_hf(source, revision, dest, file)
     raise FetchError(f"spec.model.source: unsupported scheme in {source!r}; use hf://, s3://, file:// or pvc://")
 
-
-def run(ctx: BuildContext) -> None:
-    """The target's checkpoint (already there with ``--prefetched``), its provenance into the report."""
-    spec = ctx.spec
-    if ctx.checkpoint is None:
-        ctx.checkpoint = fetch_checkpoint(spec.model.source, spec.model.revision, ctx.work_dir,
-                                          file=spec.model.file)
-    ckpt = ctx.checkpoint
-    ctx.report.record("source", ckpt.provenance())
-    if ckpt.resolved_revision and ckpt.resolved_revision != spec.model.revision:
-        log.warning("spec.model.revision %s can move; this build used commit %s (recorded in engine.json); "
-                    "pin that sha so the version names one set of weights", spec.model.revision or "main",
-                    ckpt.resolved_revision)

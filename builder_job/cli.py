@@ -29,41 +29,22 @@ import shutil
 import sys
 import tempfile
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import click
-from kiln.builder.errors import (
-    EXIT_OK,
-    EXIT_UNEXPECTED,
-    ArtifactMismatch,
-    BuildError,
-    InvalidSpec,
-    StorageFailure,
-)
+from kiln.builder.errors import EXIT_OK, EXIT_UNEXPECTED, BuildError, InvalidSpec, StorageFailure
 from kiln.builder.manifest_input import check_expected_version, resolve_manifest
+from kiln.builder.outcome import BuildOutcome, check_hit, publisher
 from kiln.builder.prefetch import fetch_only, load_fetched, load_fetched_draft
 from kiln.builder.report import BuildReport, setup_logging, write_termination_message
 
-from kiln.artifact_manifest import StoreError, built_by_from_env
+from kiln.artifact_manifest import StoreError
 from kiln.artifacts import ArtifactStore
-from kiln.envelope import build_envelope, engine_version, envelope_mismatch
-from kiln.signing import SigningError, signer_from
+from kiln.envelope import build_envelope, engine_version
 
 log = logging.getLogger("kiln.build")
 WORK_DIR_ENV = "KILN_WORK_DIR"
 STORE_ENV = "KILN_STORE_URI"
-
-
-@dataclass
-class BuildOutcome:
-    exit_code: int
-    version: str | None = None
-    artifact_uri: str | None = None
-    cache_hit: bool = False
-    message: str = ""
-    build_report: dict = field(default_factory=dict)
 
 
 def fetch_engine(engine, work_dir: str | Path) -> BuildOutcome:
@@ -86,22 +67,6 @@ def fetch_engine(engine, work_dir: str | Path) -> BuildOutcome:
                             message=f"FetchFailed: unexpected {exc_type.__name__}: {exc_value} (see the log)")
 
 
-def _publisher(signing_key: str | Path | None) -> tuple[Any, Any]:
-    """Who publishes: ``built_by`` (``$KILN_BUILT_BY``) and the signer (``--signing-key``, ``$KILN_SIGNING_KEY``)."""
-    try:
-        return built_by_from_env(os.environ), signer_from(signing_key)
-    except (StoreError, SigningError) as exc:
-        raise InvalidSpec(str(exc)) from None
-
-
-def check_hit(store: ArtifactStore, version: str, stored: dict[str, Any], expected: dict[str, Any]) -> None:
-    """A cache hit is one only when the whole envelope matches, not the version's short digest."""
-    if (problem := envelope_mismatch(stored, expected)) is not None:
-        raise ArtifactMismatch(f"{store.artifact_uri(version)} holds another engine under this version: {problem}; "
-                               f"it is not reused. Remove it (`kiln cache rm {version} --store {store.uri}`) and "
-                               "build again")
-
-
 def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, keep_work_dir: bool = False,
                  prefetched: bool = False, signing_key: str | Path | None = None) -> BuildOutcome:
     """Build ``engine`` (an ``LLMEngine``) into ``store_uri`` unless it is there; never raises for user errors.
@@ -113,7 +78,7 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
     try:
         version = engine_version(engine.spec)
         check_expected_version(version)
-        built_by, signer = _publisher(signing_key)
+        built_by, signer = publisher(signing_key)
         checkpoint = draft_checkpoint = None
         if prefetched:
             if work_dir is None:

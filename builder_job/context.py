@@ -31,7 +31,7 @@ class BuildContext:
     report: BuildReport
     built_by: Any = None  # kiln.artifact_manifest.BuiltBy, recorded in the published manifest
     signer: Any = None  # kiln.signing.Signer that signs the published manifest; None: unsigned
-    checkpoint: Any = None  # kiln.builder.stages.fetch.Checkpoint: given (--prefetched) or fetched
+    checkpoint: Any = None  # kiln.builder.checkpoint.Checkpoint: given (--prefetched) or fetched
     draft_checkpoint: Any = None  # the draft model's, with spec.speculative.draftModel
     device: str = "cpu"  # where the build runs the artifact: "cuda" or "cpu"
     facts: Any = None  # kiln.builder.model_facts.ModelFacts of the target

@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from kiln.builder.checkpoint import Checkpoint, fetch_checkpoint
 from kiln.builder.errors import FetchError, InvalidSpec
 from kiln.builder.model_facts import ModelFacts, model_facts, supported_architectures
 from kiln.builder.sizing import DTYPE_BYTES, kv_dtype_name
-from kiln.builder.stages.fetch import Checkpoint, fetch_checkpoint
 from kiln.builder.stages.package import copy_model_files
 from kiln.engine.errors import ConfigError
 

@@ -7,7 +7,8 @@ spec.speculative on: where drafts pay per batch bucket, the table shipped) -> ke
 autotuned, packed) -> package -> publish.
 
 Each stage is the module ``kiln.builder.stages.<name>``, ``<name>`` being what the build report calls it
-(``stage_seconds``), and runs as ``stage.run(ctx)`` inside ``report.stage(name)`` (progress log + timing).
+(``stage_seconds``), and runs as ``stage.run(ctx)`` inside ``report.stage(name)`` (progress log + timing):
+the loop is :func:`kiln.builder.stage_loop.run_stages`, which runs an adapter's stages too.
 Nothing reaches the store until the last stage, and the store's publish is atomic, so a
 build that fails or is killed at any point leaves no visible version. The
 quality gate runs twice: first on the converted weights in a reference model
@@ -28,9 +29,11 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from kiln.builder.checkpoint import Checkpoint
 from kiln.builder.context import BuildContext
 from kiln.builder.errors import InvalidSpec
 from kiln.builder.report import BuildReport
+from kiln.builder.stage_loop import always, run_stages
 from kiln.builder.stages import (
     check,
     fetch,
@@ -47,36 +50,25 @@ from kiln.builder.stages import (
     tune,
 )
 from kiln.builder.stages import compile as compile_stage  # `compile` would hide the builtin
-from kiln.builder.stages.fetch import Checkpoint
 from kiln.engine.artifact import current_arch
-
-
-def _always(ctx: BuildContext) -> bool:
-    return True
-
 
 # The build, in order: (stage module, whether it runs for this build).
 STAGES: tuple[tuple[ModuleType, Callable[[BuildContext], bool]], ...] = (
-    (fetch, _always),
+    (fetch, always),
     (fetch_draft, lambda ctx: ctx.has_draft_model),
-    (check, _always),
-    (quality_reference, _always),
-    (shard, _always),
-    (plan, _always),
-    (quality_runtime, _always),
-    (tune, _always),
-    (tactics, _always),
-    (compile_stage, _always),
+    (check, always),
+    (quality_reference, always),
+    (shard, always),
+    (plan, always),
+    (quality_runtime, always),
+    (tune, always),
+    (tactics, always),
+    (compile_stage, always),
     (speculative, lambda ctx: ctx.speculates),
-    (kernels, _always),
-    (package, _always),
-    (publish, _always),
+    (kernels, always),
+    (package, always),
+    (publish, always),
 )
-
-
-def stage_name(stage: ModuleType) -> str:
-    """The name the report gives a stage: its module's (``kiln.builder.stages.tune`` -> ``tune``)."""
-    return stage.__name__.rpartition(".")[2]
 
 
 @dataclass
@@ -99,10 +91,7 @@ def run_build(engine, store, version: str, envelope: dict, work_dir: Path, repor
                        report=report, built_by=built_by, checkpoint=checkpoint,
                        draft_checkpoint=draft_checkpoint, signer=signer)
     _prepare(ctx)
-    for stage, runs in STAGES:
-        if runs(ctx):
-            with report.stage(stage_name(stage)):
-                stage.run(ctx)
+    run_stages(STAGES, ctx)
     return BuildResult(version=version, artifact_uri=store.artifact_uri(version), engine_json=ctx.document)
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kiln.builder.checkpoint import Checkpoint, fetch_checkpoint
 from kiln.builder.draft_model import fetch_draft
 from kiln.builder.errors import InvalidSpec
-from kiln.builder.stages.fetch import Checkpoint, fetch_checkpoint
 
 FETCHED_RECORD = "fetched-checkpoint.json"
 DRAFT_RECORD = "draft/fetched-checkpoint.json"  # a speculative draft model's (kiln.builder.draft_model)

@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                "Print the Kubernetes objects the operator would create for a manifest (YAML)."),
     "cache": ("kiln.cache_cli:cache", "List, show, remove and garbage-collect built engines in a store."),
     "build": ("kiln.builder.cli:build", "Build an engine artifact for a manifest into a store."),
-    "build-adapter": ("kiln.builder.adapter_build:build_adapter_command",
+    "build-adapter": ("kiln.builder.adapter.command:build_adapter_command",
                       "Build a LoRA adapter of spec.lora.adapters for the engine's base into a store."),
     "up": ("kiln.up:up", "Build (if missing) and serve a manifest on this machine, no Kubernetes."),
     "serve": ("kiln.serving.cli:serve", "Serve a model directory or engine artifact over an OpenAI-compatible API."),

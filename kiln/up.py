@@ -72,7 +72,7 @@ def build_adapters(engine, store_uri: str, work_dir: str | None, signing_key: Pa
     lora = engine.spec.lora
     if lora is None or not lora.adapters:
         return None
-    from kiln.builder.adapter_build import build_adapter
+    from kiln.builder.adapter.command import build_adapter
 
     entries = []
     for adapter in lora.adapters:

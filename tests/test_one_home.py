@@ -21,10 +21,11 @@ def test_greedy_means_the_same_to_the_request_and_the_sampler(temperature):
 
 
 def test_the_files_packaged_are_the_files_fetched():
-    from kiln.builder.stages import fetch, package
+    from kiln.builder import checkpoint
+    from kiln.builder.stages import package
 
-    assert package.COPIED_FILES is fetch.MODEL_FILES
-    assert set(fetch.MODEL_FILES) <= set(fetch.ALLOW_PATTERNS)
+    assert package.COPIED_FILES is checkpoint.MODEL_FILES
+    assert set(checkpoint.MODEL_FILES) <= set(checkpoint.ALLOW_PATTERNS)
 
 
 def test_the_build_job_sets_the_pvc_root_the_builder_reads(monkeypatch, tmp_path):

@@ -2,10 +2,10 @@
 the spec builds to (docs/lora.md).
 
 \b
-fetch the PEFT adapter (and, for the gate, the base checkpoint) -> read the base artifact's config.json from
-the store (verified against the signing key's public half) -> check the adapter against it and maxLoraRank ->
-cast to the engine's dtype (PEFT layout kept) -> quality gate -> publish as
-<base version>-<name>-<hash>, signed like engines, with an adapter.json of provenance.
+Stages (the build report's names): base (the base artifact's config.json, its manifest verified against the
+signing key's public half) -> fetch (the PEFT adapter) -> check (against the base and maxLoraRank) -> convert
+(to the engine's dtype, PEFT layout kept) -> fetch_base (the base checkpoint) -> gate (quality) -> package
+(adapter.json: provenance, gate, stage timings) -> publish as <base version>-<name>-<hash>, signed like engines.
 
 \b
 Exit codes: as `kiln build` (0 built or cache hit, 2 the adapter does not fit the engine: the message names
@@ -16,7 +16,6 @@ the base engine, which keeps serving.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -25,14 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import click
-from kiln.builder.adapter_fetch import fetch_adapter
-from kiln.builder.cli import BuildOutcome, _publisher, check_hit
+from kiln.builder.adapter.source import fetch_adapter
 from kiln.builder.errors import EXIT_OK, BuildError, InvalidSpec, StorageFailure
 from kiln.builder.manifest_input import check_expected_version, resolve_manifest
-from kiln.builder.report import setup_logging, write_termination_message
+from kiln.builder.outcome import BuildOutcome, check_hit, publisher
+from kiln.builder.report import BuildReport, setup_logging, write_termination_message
 
 from kiln.adapter_list import ADAPTER_VERSION_ENV
-from kiln.artifact_manifest import StoreError, bytes_sha256
+from kiln.artifact_manifest import StoreError
 from kiln.artifacts import ArtifactStore
 from kiln.envelope import adapter_envelope, adapter_version, engine_version
 
@@ -59,28 +58,6 @@ def versions(engine, adapter) -> tuple[str, str]:
     return base, version
 
 
-def base_config(store: ArtifactStore, base: str, signer) -> dict[str, Any]:
-    """The base artifact's config.json, after its manifest's signature (the signer's own key) and digest."""
-    manifest, document = store.read_signed_manifest(base)
-    if manifest is None:
-        raise InvalidSpec(f"spec: the base engine {base} is not in {store.uri}; build it first (`kiln build`), then "
-                          "its adapters")
-    if signer is not None:
-        from kiln.signing import Verifier
-
-        verifier = Verifier(signer.key.public_key(), signer.key_id, signer.algorithm)  # the signer's own key
-        if (problem := verifier.problem(document)) is not None:
-            raise StorageFailure(f"{store.artifact_uri(base)}: the base's manifest is not signed by this "
-                                 f"build's key: {problem}")
-    entry = next((f for f in manifest.files if f.path == "config.json"), None)
-    data = store.backend.read(f"engines/{base}/config.json") if entry else None
-    if data is None or entry is None:
-        raise StorageFailure(f"{store.artifact_uri(base)}: no config.json in the base artifact")
-    if bytes_sha256(data) != entry.sha256:
-        raise StorageFailure(f"{store.artifact_uri(base)}/config.json: digest differs from its manifest")
-    return json.loads(data)
-
-
 def build_adapter(engine, name: str, store_uri: str, work_dir: str | Path | None = None, prefetched: bool = False,
                   signing_key: str | Path | None = None) -> BuildOutcome:
     """Build adapter ``name`` of ``engine`` into ``store_uri`` unless it is there; never raises for user errors."""
@@ -88,25 +65,25 @@ def build_adapter(engine, name: str, store_uri: str, work_dir: str | Path | None
     try:
         index, adapter = find_adapter(engine, name)
         base, version = versions(engine, adapter)
-        built_by, signer = _publisher(signing_key)
+        built_by, signer = publisher(signing_key)
+        envelope = adapter_envelope(base, adapter)
         try:
             store = ArtifactStore.from_uri(store_uri)
-            if (hit := store.read_manifest(version)) is not None:
-                check_hit(store, version, hit.envelope, adapter_envelope(base, adapter))
-                return BuildOutcome(EXIT_OK, version, store.artifact_uri(version), cache_hit=True,
-                                    message=f"cache hit: {version}")
-            base_cfg = base_config(store, base, signer)
+            hit = store.read_manifest(version)
         except StoreError as exc:
             raise StorageFailure(str(exc)) from None
-        work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="kiln-adapter-"))
-        from kiln.builder.adapter_steps import make_artifact  # deferred: torch, peft
+        if hit is not None:
+            check_hit(store, version, hit.envelope, envelope)
+            return BuildOutcome(EXIT_OK, version, store.artifact_uri(version), cache_hit=True,
+                                message=f"cache hit: {version}")
+        from kiln.builder.adapter.context import AdapterContext
+        from kiln.builder.adapter.pipeline import run_adapter_build  # deferred: torch, peft
 
-        out, report = make_artifact(engine, index, adapter, base, base_cfg, work, prefetched)
-        (out / "adapter.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
-        try:
-            store.publish(version, out, adapter_envelope(base, adapter), built_by=built_by, signer=signer)
-        except StoreError as exc:
-            raise StorageFailure(str(exc)) from None
+        work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="kiln-adapter-"))
+        ctx = AdapterContext(engine=engine, index=index, adapter=adapter, base=base, version=version,
+                             envelope=envelope, store=store, work_dir=work, report=BuildReport(version),
+                             built_by=built_by, signer=signer, prefetched=prefetched)
+        report = run_adapter_build(ctx)
         return BuildOutcome(EXIT_OK, version, store.artifact_uri(version), message=f"built: {version}",
                             build_report=report)
     except BuildError as exc:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from kiln.builder.checkpoint import Checkpoint
 from kiln.builder.errors import FetchError
 from kiln.builder.local_source import check_local_path
 from kiln.builder.prefetch import fetch_only, load_fetched
-from kiln.builder.stages.fetch import Checkpoint
 
 log = logging.getLogger("kiln.build.adapter")
 WANTED = ("adapter_config.json", "adapter_model.safetensors")

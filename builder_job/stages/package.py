@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from kiln.builder.checkpoint import MODEL_FILES
 from kiln.builder.context import BuildContext
-from kiln.builder.stages.fetch import MODEL_FILES
 from kiln.engine.structured.tool_format import detect_tool_call_format
 
 import kiln

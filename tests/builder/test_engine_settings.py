@@ -7,7 +7,8 @@ from dataclasses import fields
 
 import kiln.builder.stages
 from kiln.builder.engine_settings import ENGINE_SETTINGS, engine_config, spec_value
-from kiln.builder.pipeline import STAGES, stage_name
+from kiln.builder.pipeline import STAGES
+from kiln.builder.stage_loop import stage_name
 from kiln.engine.config import EngineConfig
 
 from kiln.api import LLMEngineSpec
@@ -50,3 +51,15 @@ def test_the_pipeline_is_every_stage_module_once_in_report_order():
     assert sorted(names) == sorted(modules) and len(names) == len(set(names))
     assert names[0] == "fetch" and names[-2:] == ["package", "publish"]
     assert all(callable(stage.run) for stage, _ in STAGES)
+
+
+def test_the_adapter_build_is_its_stage_modules_then_the_engines_publish_on_the_same_loop():
+    import kiln.builder.adapter.stages
+    from kiln.builder.adapter import pipeline as adapter_pipeline
+    from kiln.builder.stages import publish
+
+    modules = {info.name for info in pkgutil.iter_modules(kiln.builder.adapter.stages.__path__)}
+    names = [stage_name(stage) for stage, _ in adapter_pipeline.STAGES]
+    assert sorted(names[:-1]) == sorted(modules) and len(names) == len(set(names))
+    assert names[0] == "base" and names[-2:] == ["package", "publish"] and adapter_pipeline.STAGES[-1][0] is publish
+    assert adapter_pipeline.run_stages is kiln.builder.pipeline.run_stages

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import huggingface_hub
 import pytest
+from kiln.builder.checkpoint import ALLOW_PATTERNS, fetch_checkpoint
 from kiln.builder.errors import FetchError
-from kiln.builder.stages.fetch import ALLOW_PATTERNS, fetch_checkpoint
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kiln.builder.checkpoint import fetch_checkpoint
 from kiln.builder.errors import FetchError
 from kiln.builder.gguf import inspect_gguf, supported_architectures, supported_tensor_types
-from kiln.builder.stages.fetch import fetch_checkpoint
 
 
 def write_gguf(path: Path, arch: str = "llama", raw_type: str | None = None) -> Path:

@@ -58,7 +58,7 @@ def setup(tmp_path: Path, toy_model):
 
 
 def run(path: Path, name: str, store_uri: str, key: Path, work: Path):
-    from kiln.builder.adapter_build import build_adapter_command
+    from kiln.builder.adapter.command import build_adapter_command
 
     return CliRunner().invoke(build_adapter_command, ["-f", str(path), "--adapter", name, "--store", store_uri,
                                                       "--signing-key", str(key), "--work-dir", str(work)])
@@ -80,6 +80,8 @@ def test_adapter_builds_into_its_own_signed_version_and_hits_the_cache(setup, mo
     assert report["quality"]["passed"] and report["quality"]["token_agreement"] >= 0.99
     q = report["quality"]  # kiln's engine with the converted adapter agrees with transformers + PEFT
     assert q["runtime"].startswith("kiln LLM") and q["runtime_token_agreement"] >= 0.99 and report["rank"] == 8
+    assert set(report["stage_seconds"]) == {"base", "fetch", "check", "convert", "fetch_base", "gate"}
+    assert report["kind"] == "lora-adapter" and report["base_engine_version"] == engine_version(engine.spec)
     from peft import PeftModel  # the published files are a PEFT directory
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +100,7 @@ def test_rank_above_max_lora_rank_fails_naming_the_field(setup, monkeypatch):
 
 
 def test_modules_the_engine_lacks_and_foreign_shapes_fail(setup, toy_model, tmp_path):
-    from kiln.builder.adapter_check import check_adapter
+    from kiln.builder.adapter.peft_files import check_adapter
     from kiln.builder.errors import InvalidSpec
 
     _, engine, _, _, tmp = setup

@@ -36,8 +36,8 @@ def _example():
 @pytest.fixture(scope="session")
 def smollm2():
     """(GGUF path, fetched Checkpoint, the GGUF's own chat template)."""
+    from kiln.builder.checkpoint import fetch_checkpoint
     from kiln.builder.gguf import _field_str
-    from kiln.builder.stages.fetch import fetch_checkpoint
 
     example = _example()
     gguf_file = example.ensure_gguf(WORK, quiet=True)

@@ -1,0 +1,42 @@
+"""What a build command answers and who publishes, shared by ``kiln build`` (:mod:`kiln.builder.cli`) and
+``kiln build-adapter`` (:mod:`kiln.builder.adapter.command`): the :class:`BuildOutcome`, the publisher (who
+built it, the signer) and the cache-hit check. Imports no torch: the cache-hit path answers in seconds."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.builder.errors import ArtifactMismatch, InvalidSpec
+
+from kiln.artifact_manifest import BuiltBy, StoreError, built_by_from_env
+from kiln.envelope import envelope_mismatch
+from kiln.signing import Signer, SigningError, signer_from
+
+
+@dataclass
+class BuildOutcome:
+    exit_code: int
+    version: str | None = None
+    artifact_uri: str | None = None
+    cache_hit: bool = False
+    message: str = ""
+    build_report: dict = field(default_factory=dict)
+
+
+def publisher(signing_key: str | Path | None) -> tuple[BuiltBy | None, Signer | None]:
+    """Who publishes: ``built_by`` (``$KILN_BUILT_BY``) and the signer (``--signing-key``, ``$KILN_SIGNING_KEY``)."""
+    try:
+        return built_by_from_env(os.environ), signer_from(signing_key)
+    except (StoreError, SigningError) as exc:
+        raise InvalidSpec(str(exc)) from None
+
+
+def check_hit(store: Any, version: str, stored: dict[str, Any], expected: dict[str, Any]) -> None:
+    """A cache hit is one only when the whole envelope matches, not the version alone."""
+    if (problem := envelope_mismatch(stored, expected)) is not None:
+        raise ArtifactMismatch(f"{store.artifact_uri(version)} holds another engine under this version: {problem}; "
+                               f"it is not reused. Remove it (`kiln cache rm {version} --store {store.uri}`) and "
+                               "build again")
