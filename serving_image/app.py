@@ -26,8 +26,10 @@ from kiln.serving.constraints import close_compiler
 from kiln.serving.errors import APIError, install_error_handlers
 from kiln.serving.loader import build_engine, in_daemon_thread, warm_up
 from kiln.serving.lora import LoRARegistry, runtime_updating_allowed
-from kiln.serving.lora_sync import AdapterSync, adapters_file
+from kiln.serving.lora_sync import POLL_S, AdapterSync, adapters_file
 from kiln.serving.metrics import CONTENT_TYPE, ServingMetrics
+from kiln.serving.pool.follow import start_pool
+from kiln.serving.pool.pool import EnginePool, PoolSettings
 from kiln.serving.server_state import DRAINING, FAILED, LOADING, READY, ServerState
 
 from kiln import __version__
@@ -38,15 +40,19 @@ log = logging.getLogger("kiln.serving")
 class ServingContext:
     """Everything a request handler needs, hung on ``app.state.kiln``."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: ServeConfig, pool: PoolSettings | None = None) -> None:
         self.config = config
         self.state = ServerState(max_queue_len=config.max_queue_len)
         self.served_model_name = config.model_name
         self.model_names = {self.served_model_name}
         self.loras = LoRARegistry(self)  # adapters served by name ("model": NAME), docs/lora.md
         path = adapters_file()  # the adapters an operator (or kiln up) lists, followed while serving
-        self.adapter_sync = AdapterSync(self, path) if path is not None else None
+        # A pool's engines follow the list each for itself (kiln.serving.pool.slot).
+        self.adapter_sync = AdapterSync(self, path) if path is not None and pool is None else None
         self.metrics = ServingMetrics(self.served_model_name, self._engine_stats, self._lora_info)
+        # Several engines (docs/pools.md): requests are placed by their model; None: this one engine serves all.
+        self.pool = EnginePool(pool, config, self.metrics) if pool is not None else None
+        self.pool_follower: Any = None
         self.created = int(time.time())
         self.exit_code = 0
         self.on_fatal: Callable[[], None] | None = None  # set by the server: stop after a failed load
@@ -63,7 +69,25 @@ class ServingContext:
             return None
         return engine.engine.lora_info()
 
+    async def serving_for(self, model: str) -> Any:
+        """The context a request for ``model`` runs in (``state``, ``loras``, ``metrics``...): this server's own,
+        or a pool's engine for that model, loaded (404 for a model it does not serve, 503 when it cannot be
+        placed). Nothing between this and the request's admission may yield to the loop (kiln.serving.pool.pool)."""
+        return self if self.pool is None else await self.pool.acquire(model)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Nothing in flight (a pool: on any of its engines) within ``timeout``."""
+        return await (self.pool or self.state).wait_idle(timeout)
+
+    def in_flight(self) -> tuple[int, list[Any]]:
+        """Requests in flight and their generations, on this engine or every engine of the pool."""
+        if self.pool is not None:
+            return self.pool.num_in_flight, self.pool.generations()
+        return self.state.num_in_flight, list(self.state.generations)
+
     async def load(self) -> None:
+        if self.pool is not None:
+            return await self._start_pool()
         started = time.monotonic()
         try:
             engine, info = await in_daemon_thread(lambda: build_engine(self.config))
@@ -79,21 +103,39 @@ class ServingContext:
         except Exception as exc:
             if isinstance(exc, APIError):  # a --lora-modules adapter refused: say why as a load error
                 exc = ValueError(f"--lora-modules: {exc.message}")
-            self.state.phase, self.state.load_error = FAILED, str(exc)
-            self.exit_code = 1
-            if _is_user_error(exc):
-                log.error("kiln serve: could not load the model: %s", exc)
-            else:
-                log.exception("kiln serve: could not load the model")
-            if self.on_fatal is not None:
-                self.on_fatal()
-            return
+            return self._failed(exc)
         self.state.engine_info = info
         if self.state.phase == LOADING:
             self.state.phase = READY
         log.info("model %r ready in %.1fs (max_batch_size=%d, max_queue_len=%d)", self.served_model_name,
                  time.monotonic() - started, engine.engine_config.max_batch_size, self.config.max_queue_len)
 
+
+    async def _start_pool(self) -> None:
+        """A pool is ready once its engines are listed and each fits the budget; each loads on demand."""
+        assert self.pool is not None
+        try:
+            self.pool_follower = await start_pool(self.pool)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return self._failed(exc)
+        self.state.engine_info = {"pool": {"engines": sorted(self.pool.slots), "memory_budget_bytes": self.pool.budget,
+                                           "memory_budget_from": self.pool.budget_source}}
+        if self.state.phase == LOADING:
+            self.state.phase = READY
+        log.info("pool ready: %d engine(s), budget %d bytes (%s), at most %s loaded", len(self.pool.slots),
+                 self.pool.budget, self.pool.budget_source, self.pool.settings.max_loaded_engines or "any number")
+
+    def _failed(self, exc: Exception) -> None:
+        self.state.phase, self.state.load_error = FAILED, str(exc)
+        self.exit_code = 1
+        if _is_user_error(exc):
+            log.error("kiln serve: could not load the model: %s", exc)
+        else:
+            log.exception("kiln serve: could not load the model")
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     async def watch_group(self, grace_s: float) -> None:
         """A parallel engine whose group broke (a rank died, a collective timed out) cannot heal:
@@ -179,12 +221,19 @@ def _model_card(ctx: ServingContext) -> dict[str, Any]:
 @models.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     ctx = request.app.state.kiln
+    if ctx.pool is not None:  # every engine of the pool, with its state (loaded, loading, unloaded)
+        return {"object": "list", "data": ctx.pool.cards(ctx.created)}
     return {"object": "list", "data": [_model_card(ctx), *ctx.loras.cards(ctx.created, ctx.served_model_name)]}
 
 
 @models.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     ctx = request.app.state.kiln
+    if ctx.pool is not None:
+        card = next((c for c in ctx.pool.cards(ctx.created) if c["id"] == model_id), None)
+        if card is None:
+            raise ctx.pool.not_found(model_id)
+        return card
     for card in ctx.loras.cards(ctx.created, ctx.served_model_name):
         if card["id"] == model_id:
             return card
@@ -215,6 +264,24 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+async def _follow_pool(ctx: ServingContext) -> None:
+    """Once the pool started: idle unloads, the engines file and each loaded engine's adapters."""
+    while ctx.state.phase == LOADING:
+        await asyncio.sleep(0.1)
+    assert ctx.pool is not None
+    idle = asyncio.create_task(ctx.pool.run_idle_unloads())
+    try:
+        while True:
+            await asyncio.sleep(POLL_S)
+            if ctx.pool_follower is not None:
+                await ctx.pool_follower.sync()
+            for slot in list(ctx.pool.slots.values()):
+                if slot.adapter_sync is not None and slot.state.engine is not None:
+                    await slot.adapter_sync.sync(slot.state.engine_info.get("engine_version"))
+    finally:
+        idle.cancel()
+
+
 def _group_failure_grace() -> float:
     """Seconds a leader whose engine group broke keeps answering 503 before it exits 1."""
     try:
@@ -223,8 +290,8 @@ def _group_failure_grace() -> float:
         return 10.0
 
 
-def create_app(config: ServeConfig) -> FastAPI:
-    ctx = ServingContext(config)
+def create_app(config: ServeConfig, pool: PoolSettings | None = None) -> FastAPI:
+    ctx = ServingContext(config, pool)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -233,6 +300,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         tasks = [load, watch]
         if ctx.adapter_sync is not None:  # the operator's adapter list (docs/lora.md, "On a cluster")
             tasks.append(asyncio.create_task(ctx.adapter_sync.run(), name="kiln-lora-sync"))
+        if ctx.pool is not None:
+            tasks.append(asyncio.create_task(_follow_pool(ctx), name="kiln-pool"))
         try:
             yield
         finally:
@@ -240,6 +309,8 @@ def create_app(config: ServeConfig) -> FastAPI:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+            if ctx.pool is not None:
+                await ctx.pool.shutdown()
             if ctx.state.engine is not None:
                 await ctx.state.engine.shutdown()
                 close_compiler(ctx.state.engine)
@@ -252,7 +323,8 @@ def create_app(config: ServeConfig) -> FastAPI:
     app.include_router(probes)
     app.include_router(models, dependencies=[Depends(require_api_key)])
     app.include_router(routes.router, dependencies=[Depends(require_api_key)])
-    app.include_router(prefix.router, dependencies=[Depends(require_api_key)])
+    if pool is None:  # the prefix-cache keys are one engine's (a pool's engines: not yet, docs/pools.md)
+        app.include_router(prefix.router, dependencies=[Depends(require_api_key)])
     if runtime_updating_allowed(config.allow_runtime_lora_updating):  # else 404, as vLLM
         app.include_router(lora.router, dependencies=[Depends(require_api_key)])
     return app

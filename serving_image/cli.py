@@ -127,6 +127,49 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
     return os.environ.get("KILN_API_KEY", "").strip() or None
 
 
+def _pool_engines(ctx: Any, param: Any, value: Any) -> list[Any]:
+    from kiln.serving.pool.engine_list import parse_engine_flag
+
+    try:
+        return [parse_engine_flag(v) for v in value or ()]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _pool_settings(engines: list[Any], engines_file: Path | None, max_loaded: int | None, budget: str | None,
+                   idle: float | None, queue_size: int, load_timeout: float) -> Any:
+    """The pool's settings when --engine or --engines-file is given, else None (one engine, as before)."""
+    if not engines and engines_file is None:
+        for flag, value in (("--max-loaded-engines", max_loaded), ("--memory-budget", budget),
+                            ("--idle-unload-after", idle)):
+            if value is not None:
+                raise click.UsageError(f"{flag} sets a pool: give its engines with --engine NAME=URI or "
+                                       "--engines-file PATH, or drop it")
+        return None
+    from kiln.serving.pool.budget import parse_quantity
+    from kiln.serving.pool.engine_list import unique
+    from kiln.serving.pool.pool import PoolSettings
+
+    try:
+        return PoolSettings(engines=unique(engines, "--engine"), engines_file=engines_file,
+                            max_loaded_engines=max_loaded, idle_unload_after=idle, queue_size=queue_size,
+                            memory_budget=parse_quantity(budget) if budget is not None else None,
+                            load_timeout=load_timeout)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _check_pool_flags(model: Path | None, artifact: str | None, lora_modules: list[Any], runtime_lora: bool,
+                      rank: int | None, world_size: int | None) -> None:
+    """What a pool does not take (yet): say which flag, and what to do instead."""
+    for flag, given in (("--model", model is not None), ("--artifact", artifact is not None),
+                        ("--lora-modules", bool(lora_modules)), ("--allow-runtime-lora-updating", runtime_lora),
+                        ("--rank/--world-size", rank is not None or world_size is not None)):
+        if given:
+            raise click.UsageError(f"{flag} is not taken with --engine/--engines-file (a pool): serve the engine "
+                                   "as a pool member (--engine NAME=URI), its adapters through the adapter list "
+                                   "(docs/pools.md), or drop the flag")
+
 @click.command("serve")
 @click.option("--model", type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="A Hugging Face checkpoint directory to serve.")
@@ -190,6 +233,23 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
                    "[env KILN_RESPONSES_STORE_SIZE].")
 @click.option("--responses-store-ttl", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True,
               envvar="KILN_RESPONSES_STORE_TTL", help="Seconds a stored response is kept [env KILN_RESPONSES_STORE_TTL].")
+@click.option("--engine", "pool_engines", multiple=True, metavar="NAME=ARTIFACT_URI", callback=_pool_engines,
+              help="Serve several engines from one process, each loaded on its first request (\"model\": NAME); "
+                   "repeat it (docs/pools.md). Not with --model/--artifact.")
+@click.option("--engines-file", type=click.Path(dir_okay=False, path_type=Path), envvar="KILN_ENGINES_FILE",
+              help="A file listing the pool's engines ({\"format\": 1, \"engines\": [{\"name\", \"artifactURI\"}]}), "
+                   "re-read while serving: engines join and leave without a restart [env KILN_ENGINES_FILE].")
+@click.option("--max-loaded-engines", type=click.IntRange(min=1), default=None,
+              help="A pool's engines loaded at once at most; the least recently used idle one makes room.")
+@click.option("--memory-budget", default=None, metavar="QUANTITY",
+              help="Memory a pool's loaded engines may count, as Kubernetes writes it (6Gi) [default: the cgroup "
+                   "memory limit, else the host's memory, less a margin].")
+@click.option("--idle-unload-after", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="Unload a pool's engine after this many seconds without a request [default: never].")
+@click.option("--pool-queue-size", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait for a pool's engine to be placed; past it they get 503 with Retry-After.")
+@click.option("--load-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="Seconds a request waits for its pool engine to be placed and loaded before a 503.")
 @_engine_options
 def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, verify_key: Path | None, host: str,
           port: int,
@@ -197,7 +257,9 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
           max_connections: int, header_timeout: float, body_timeout: float, log_level: str, access_log: bool,
           rank: int | None, world_size: int | None, leader_address: str | None, leader_port: int,
           lora_modules: list[dict[str, Any]], allow_runtime_lora_updating: bool, reasoning_parser: str | None,
-          responses_store_size: int, responses_store_ttl: float, **engine: Any) -> None:
+          responses_store_size: int, responses_store_ttl: float, pool_engines: list[Any], engines_file: Path | None,
+          max_loaded_engines: int | None, memory_budget: str | None, idle_unload_after: float | None,
+          pool_queue_size: int, load_timeout: float, **engine: Any) -> None:
     """Serve a model directory or engine artifact over an OpenAI-compatible API.
 
     The port opens at once; /health answers 200 and /ready 503 until the engine
@@ -205,8 +267,14 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
     With ranks started separately (--rank/--world-size/--leader-address, or a
     LeaderWorkerSet's LWS_* environment), rank 0 serves and the others only compute.
     """
-    if (model is None) == (artifact is None):
-        raise click.UsageError("give exactly one of --model DIR or --artifact URI")
+    pool = _pool_settings(pool_engines, engines_file, max_loaded_engines, memory_budget, idle_unload_after,
+                          pool_queue_size, load_timeout)
+    if pool is not None:
+        _check_pool_flags(model, artifact, lora_modules, allow_runtime_lora_updating, rank, world_size)
+        served_model_name = served_model_name or "kiln-pool"
+    elif (model is None) == (artifact is None):
+        raise click.UsageError("give exactly one of --model DIR or --artifact URI (or --engine NAME=URI ... for a "
+                               "pool)")
     if verify_key is not None and model is not None:
         raise click.UsageError("--verify-key checks a signed engine artifact; --model DIR is served as it is: "
                                "serve an --artifact URI, or drop --verify-key")
@@ -217,8 +285,8 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
     distributed_timeout, join_timeout = engine.get("distributed_timeout_s"), engine.get("join_timeout_s")
     from kiln.serving.ranks import resolve_placement
 
-    placement = resolve_placement(rank, world_size, leader_address, leader_port, os.environ,
-                                  distributed_timeout, join_timeout)
+    placement = None if pool is not None else resolve_placement(
+        rank, world_size, leader_address, leader_port, os.environ, distributed_timeout, join_timeout)
     if placement is not None:
         engine_kwargs.pop("distributed_timeout_s", None)
         engine_kwargs.pop("join_timeout_s", None)
@@ -243,12 +311,13 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
         _exit(run_worker(config))
     if placement is not None:
         log.info("kiln serve: leader, %s", placement.describe())
-    log.info("serving %s as %r on %s:%d (auth %s)", artifact or model, config.model_name, host, port,
+    log.info("serving %s as %r on %s:%d (auth %s)", artifact or model or "a pool", config.model_name, host, port,
              "on" if config.api_key else "off")
 
     from kiln.serving.server import run_server
 
-    _exit(run_server(config))
+    _exit(run_server(config, pool))
+
 
 
 def _exit(code: int) -> None:

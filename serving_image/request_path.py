@@ -173,7 +173,7 @@ async def _admitted_inputs(ctx: Any, req: Any, kind: str, lora: Any, inline: boo
 async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str,
                    dialect: Dialect | None = None, inline: bool = True) -> Response:
     """Run ``req`` (``kind``: "chat" or "completion") and answer it, in ``dialect`` when one translated it."""
-    ctx = request.app.state.kiln
+    ctx = await request.app.state.kiln.serving_for(req.model)  # this server, or a pool's engine (docs/pools.md)
     state = ctx.state
     lora = resolve_model(ctx, req.model)
     check_supported(req)

@@ -101,8 +101,9 @@ async def count_tokens(request: Request) -> dict[str, Any]:
     """The prompt's tokens as ``/v1/messages`` would render it (system, tools and all)."""
     raw = await _body(request, "/v1/messages/count_tokens")
     chat = await parse_request(raw, CountTokensRequest, messages_to_chat)
-    state = request.app.state.kiln.state
-    resolve_model(request.app.state.kiln, chat.model)
+    ctx = await request.app.state.kiln.serving_for(chat.model)  # this server, or a pool's engine
+    state = ctx.state
+    resolve_model(ctx, chat.model)
     check_supported(chat)
     _, plan = output_constraint(chat, (state.engine_info or {}).get("tool_call_format", "json"))
     return {"input_tokens": len(render_chat(chat, state.engine.tokenizer, plan))}
@@ -124,16 +125,16 @@ async def create_response(request: Request) -> Response:
     store = _store(request)
     try:
         req, run = await parse_request(raw, ResponsesRequest, lambda r: (r, responses_to_chat(r, store)))
-        return await generate(request, run.chat, "chat", _responses_dialect(request, req, run, store),
+        return await generate(request, run.chat, "chat", await _responses_dialect(request, req, run, store),
                               inline=len(raw) <= INLINE_BYTES)
     except APIError as exc:
         raise in_terms_of(exc, RESPONSES_NAMES) from None
 
 
-def _responses_dialect(request: Request, req: ResponsesRequest, run: Any, store: ResponseStore) -> Dialect:
+async def _responses_dialect(request: Request, req: ResponsesRequest, run: Any, store: ResponseStore) -> Dialect:
     """How a Response goes back, and into the store (``store: true``) with the conversation it ends."""
     response_id, created = "resp_" + uuid.uuid4().hex, int(time.time())
-    tokenizer = request.app.state.kiln.state.engine.tokenizer
+    tokenizer = (await request.app.state.kiln.serving_for(run.chat.model)).state.engine.tokenizer
 
     def keep(body: dict[str, Any], message: dict[str, Any]) -> None:
         if req.store:

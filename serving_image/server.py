@@ -23,6 +23,7 @@ from types import FrameType
 import uvicorn
 from kiln.serving.app import ServingContext, create_app
 from kiln.serving.config import ServeConfig
+from kiln.serving.pool.pool import PoolSettings
 from kiln.serving.server_state import DRAINING, READY
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -68,14 +69,14 @@ class KilnServer(uvicorn.Server):
             self.should_exit = True
             return
         state.phase = DRAINING
-        log.info("received %s: draining %d in-flight request(s), up to %.0fs", signame, state.num_in_flight,
+        log.info("received %s: draining %d in-flight request(s), up to %.0fs", signame, self.ctx.in_flight()[0],
                  self.drain_timeout)
-        if not await state.wait_idle(self.drain_timeout):
-            log.warning("drain timeout (%.0fs) passed; aborting %d request(s)", self.drain_timeout,
-                        state.num_in_flight)
-            for generation in list(state.generations):
+        if not await self.ctx.wait_idle(self.drain_timeout):
+            num_in_flight, generations = self.ctx.in_flight()
+            log.warning("drain timeout (%.0fs) passed; aborting %d request(s)", self.drain_timeout, num_in_flight)
+            for generation in generations:
                 generation.abort()
-            await state.wait_idle(_ABORT_GRACE_S)
+            await self.ctx.wait_idle(_ABORT_GRACE_S)
         log.info("drained; shutting down")
         self.should_exit = True
 
@@ -131,9 +132,10 @@ def make_protocol(header_read_timeout: float) -> type[HeaderTimeoutH11Protocol]:
     return type("KilnH11Protocol", (HeaderTimeoutH11Protocol,), {"header_read_timeout": header_read_timeout})
 
 
-def run_server(config: ServeConfig) -> int:
-    """Serve until drained; returns the process exit code (0, or 1 when the model failed to load)."""
-    app = create_app(config)
+def run_server(config: ServeConfig, pool: PoolSettings | None = None) -> int:
+    """Serve until drained; returns the process exit code (0, or 1 when the model failed to load).
+    ``pool``: serve several engines (docs/pools.md)."""
+    app = create_app(config, pool)
     ctx: ServingContext = app.state.kiln
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, access_log=config.access_log,

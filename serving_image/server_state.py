@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ class ServerState:
     engine_info: dict[str, Any] = field(default_factory=dict)
     # Every live HTTP generation, so a drain that times out can abort them.
     generations: set[Any] = field(default_factory=set)
+    # Told when the last request in flight finishes (a pool's engine: it may be evicted now).
+    on_idle: Callable[[], None] | None = None
     _idle: asyncio.Event | None = None
 
     @property
@@ -75,6 +78,8 @@ class ServerState:
         self.num_in_flight -= num_requests
         if self.num_in_flight == 0 and self._idle is not None:
             self._idle.set()
+        if self.num_in_flight == 0 and self.on_idle is not None:
+            self.on_idle()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is in flight; False if ``timeout`` passed first."""

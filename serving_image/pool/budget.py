@@ -1,0 +1,85 @@
+"""What a pool may fill and what each engine counts against it.
+
+The budget is ``--memory-budget`` (a Kubernetes quantity, ``6Gi``), else the container's cgroup memory limit,
+else the host's memory, less a margin for the server itself (:data:`SERVER_MARGIN_BYTES`) and a fraction for
+what a load touches beyond its steady state (:data:`MARGIN_FRACTION`).
+
+An engine counts its *measured* memory: the build's ``tune`` stage loads the artifact through the runtime and
+measures it (``build_report.memory.stages.tune``: the CUDA allocator's peak on a GPU, the RSS the load added on a
+CPU). An artifact without that record counts its KV plan instead (weights + KV pool + activation reserve), and
+says so (``source``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+MARGIN_FRACTION = 0.1
+SERVER_MARGIN_BYTES = 512 * 2**20  # the server, torch and the tokenizers, beside the engines
+CGROUP_V2_MEMORY = Path("/sys/fs/cgroup/memory.max")
+CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+_UNLIMITED_V1 = 2**60  # cgroup v1 spells "no limit" as a huge number
+
+_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kMGTPE]i?|)\s*$")
+
+
+def parse_quantity(text: str, name: str = "--memory-budget") -> int:
+    """Bytes of a Kubernetes memory quantity (``6Gi``, ``512Mi``, ``8G``, ``1000000``); ValueError naming ``name``."""
+    match = _QUANTITY.match(str(text))
+    if match is None or match.group(2) == "ki":
+        raise ValueError(f"{name} {text!r} is not a memory quantity; write it as Kubernetes does, e.g. 6Gi, 512Mi "
+                         "or 8G")
+    value = int(float(match.group(1)) * _SUFFIXES[match.group(2)])
+    if value <= 0:
+        raise ValueError(f"{name} {text!r} must be more than zero bytes; e.g. 6Gi")
+    return value
+
+
+def human(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def cgroup_memory_limit(v2: Path = CGROUP_V2_MEMORY, v1: Path = CGROUP_V1_MEMORY) -> int | None:
+    """The container's memory limit in bytes (cgroup v2 ``memory.max`` or v1), None when unlimited or unknown."""
+    for path in (v2, v1):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < _UNLIMITED_V1:
+            return int(text)
+        return None
+    return None
+
+
+def host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_budget(limit: int | None = None, host: int | None = None) -> tuple[int, str]:
+    """(bytes, where from): the cgroup limit, else the host's memory, less the margins."""
+    limit = cgroup_memory_limit() if limit is None else limit
+    total, source = (limit, "the cgroup memory limit") if limit else (host or host_memory(), "the host's memory")
+    budget = int(total * (1 - MARGIN_FRACTION)) - SERVER_MARGIN_BYTES
+    return max(budget, 0), f"{source} ({human(total)}) less {MARGIN_FRACTION:.0%} and {human(SERVER_MARGIN_BYTES)}"
+
+
+def engine_memory(engine_json: dict[str, Any]) -> tuple[int, str]:
+    """(bytes, source) an engine counts against the budget, from its artifact's ``engine.json``."""
+    tune = (((engine_json.get("build_report") or {}).get("memory") or {}).get("stages") or {}).get("tune") or {}
+    device = ((engine_json.get("tuning") or {}).get("device")) or "cpu"
+    measured = tune.get("cuda_peak_allocated_bytes") if device == "cuda" else tune.get("host_extra_bytes")
+    if isinstance(measured, int) and measured > 0:
+        return measured, "measured by the build (build_report.memory.stages.tune)"
+    plan = engine_json.get("kv_plan") or {}
+    parts = [plan.get(k) for k in ("weight_bytes_per_rank", "kv_pool_bytes", "activation_reserve_bytes")]
+    if all(isinstance(p, int) for p in parts[:2]):
+        return sum(p or 0 for p in parts), "not measured by its build: weights + KV pool of its kv_plan"
+    cfg = engine_json.get("engine_config") or {}
+    raise ValueError(f"engine {engine_json.get('engine_version') or cfg} records neither a measured memory "
+                     "(build_report.memory.stages.tune) nor a kv_plan; rebuild it with this kiln")

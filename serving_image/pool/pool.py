@@ -1,0 +1,278 @@
+"""Several engines behind one server: each loaded on the first request that names it, evicted least recently
+used when another needs its room, unloaded when idle (docs/pools.md).
+
+Placement, in one place (:meth:`EnginePool._room_for`): the engines loaded, loading or unloading count their
+memory against the budget (``--memory-budget``) and their number against ``--max-loaded-engines``; a request
+for an engine that is not loaded evicts the least recently used idle engines until the new one fits. An engine
+with requests in flight, or waiting for it, is never evicted: when nothing can make room the request waits in a
+bounded queue (``--pool-queue-size``) for a change (a request finishing, a load or unload ending) until
+``--load-timeout``; past either it gets 503 with Retry-After. Loads and unloads run as tasks that every request
+waiting on the engine shares; the decisions are made on the event loop, so no two of them race.
+
+A request's engine is returned loaded and the request path admits the request (``ServerState.admit``) before it
+next yields to the loop: from then on its admission is what keeps the engine from being evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.serving.config import ServeConfig
+from kiln.serving.errors import APIError
+from kiln.serving.pool.budget import default_budget, human
+from kiln.serving.pool.engine_list import EngineEntry
+from kiln.serving.pool.metrics import PoolMetrics
+from kiln.serving.pool.slot import LOADED, UNLOADED, UNLOADING, EngineSlot
+from kiln.serving.server_state import LOADING
+
+log = logging.getLogger("kiln.serving")
+
+
+@dataclass
+class PoolSettings:
+    """``kiln serve``'s pool flags (docs/pools.md)."""
+
+    engines: dict[str, EngineEntry] = field(default_factory=dict)  # --engine NAME=URI
+    engines_file: Path | None = None  # --engines-file, followed while serving
+    max_loaded_engines: int | None = None
+    memory_budget: int | None = None  # bytes; None: default_budget()
+    idle_unload_after: float | None = None  # seconds; None: never
+    queue_size: int = 64
+    load_timeout: float = 300.0
+    retry_after_s: int = 1
+
+
+class EnginePool:
+    def __init__(self, settings: PoolSettings, base: ServeConfig, metrics: Any) -> None:
+        self.settings, self.base, self.metrics = settings, base, metrics
+        self.slots: dict[str, EngineSlot] = {}
+        if settings.memory_budget is not None:
+            self.budget, self.budget_source = settings.memory_budget, "--memory-budget"
+        else:
+            self.budget, self.budget_source = default_budget()
+        self.num_queued = 0
+        self.leaving: list[EngineSlot] = []  # removed from the list, not yet unloaded: their memory still counts
+        self._changed = asyncio.Event()
+        self.pool_metrics = PoolMetrics(metrics.registry, self)
+
+    # -- the engines ---------------------------------------------------------------------------------------
+    def make_slot(self, entry: EngineEntry) -> EngineSlot:
+        """A slot for ``entry`` with its memory read; ValueError when it cannot fit the budget on its own."""
+        slot = EngineSlot(entry, self.base, self.metrics)
+        slot.state.on_idle = lambda: self._released(slot)
+        slot.read_memory()
+        if slot.memory_bytes > self.budget:
+            raise ValueError(f"engine {entry.name!r} needs {human(slot.memory_bytes)} ({slot.memory_source}) but the "
+                             f"pool's memory budget is {human(self.budget)} ({self.budget_source}); raise "
+                             "--memory-budget (or the pod's memory limit) or serve this engine elsewhere")
+        log.info("pool: engine %r (%s) counts %s, %s", entry.name, entry.artifact_uri, human(slot.memory_bytes),
+                 slot.memory_source)
+        return slot
+
+    def add(self, slot: EngineSlot) -> None:
+        self.slots[slot.name] = slot
+        self.notify()
+
+    def slot_for(self, model: str) -> EngineSlot | None:
+        """The engine ``model`` names, or the loaded engine that serves the LoRA adapter of that name."""
+        slot = self.slots.get(model)
+        if slot is None:
+            slot = next((s for s in self.slots.values() if s.status == LOADED and s.loras.get(model)), None)
+        return slot
+
+    def not_found(self, model: str) -> APIError:
+        names = ", ".join(repr(n) for n in sorted(self.slots)) or "no engines yet"
+        return APIError(404, f"The model {model!r} does not exist on this server; the pool serves {names} (see "
+                        "GET /v1/models)", param="model", code="model_not_found")
+
+    # -- placing a request ---------------------------------------------------------------------------------
+    async def acquire(self, model: str) -> EngineSlot:
+        """The loaded engine for ``model``: 404 for a name the pool does not serve, 503 when it cannot be placed."""
+        slot = self.slot_for(model)
+        if slot is None:
+            raise self.not_found(model)
+        slot.last_used = time.monotonic()
+        if slot.status == LOADED:
+            return slot
+        slot.num_waiting += 1
+        try:
+            async with asyncio.timeout(self.settings.load_timeout):
+                await self._place(slot)
+        except TimeoutError:
+            raise self._busy(f"the engine {slot.name!r} could not be loaded within --load-timeout "
+                             f"{self.settings.load_timeout:g}s", "load_timeout") from None
+        finally:
+            slot.num_waiting -= 1
+        if self.slots.get(slot.name) is not slot:
+            raise self.not_found(model)  # removed from the engines file while this request waited
+        slot.last_used = time.monotonic()
+        return slot
+
+    async def _place(self, slot: EngineSlot) -> None:
+        while slot.status != LOADED:
+            if slot.task is not None:  # a load or unload under way: wait for it with the others
+                try:
+                    await asyncio.shield(slot.task)
+                except Exception as exc:
+                    if slot.status == UNLOADED and slot.load_error is not None:
+                        raise APIError(503, f"The engine {slot.name!r} could not be loaded: {exc}; the server log "
+                                       "has the details", code="engine_load_failed",
+                                       headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+                continue
+            victims = self._room_for(slot)
+            if victims is not None:
+                self._start_load(slot, victims)
+                continue
+            if self.num_queued >= self.settings.queue_size:
+                raise self._busy(f"the engine {slot.name!r} is not loaded, every loaded engine is busy and the pool's "
+                                 f"queue is full ({self.num_queued} waiting, --pool-queue-size)", "queue_full")
+            self.num_queued += 1
+            try:
+                await self._changed.wait()
+            finally:
+                self.num_queued -= 1
+
+    def _busy(self, why: str, code: str) -> APIError:
+        self.metrics.rejected(code)
+        return APIError(503, f"{why}; retry after {self.settings.retry_after_s}s", code=code,
+                        headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def _fits(self, used: int, count: int, slot: EngineSlot) -> bool:
+        cap = self.settings.max_loaded_engines
+        return used + slot.memory_bytes <= self.budget and (cap is None or count + 1 <= cap)
+
+    def _room_for(self, slot: EngineSlot) -> list[EngineSlot] | None:
+        """The engines to evict (least recently used first, idle ones only) so ``slot`` fits; None: it cannot now."""
+        resident = [s for s in self.slots.values() if s.status != UNLOADED and s is not slot]
+        resident += [s for s in self.leaving if s.status != UNLOADED]
+        used, count = sum(s.memory_bytes for s in resident), len(resident)
+        victims: list[EngineSlot] = []
+        for s in sorted((s for s in resident if s.status == LOADED and not s.is_busy), key=lambda s: s.last_used):
+            if self._fits(used, count, slot):
+                break
+            victims.append(s)
+            used, count = used - s.memory_bytes, count - 1
+        return victims if self._fits(used, count, slot) else None
+
+    def _start_load(self, slot: EngineSlot, victims: list[EngineSlot]) -> None:
+        unloads = [self.start_unload(v, "lru") for v in victims]
+        slot.status = LOADING
+        slot.task = _task(self._load(slot, unloads), f"kiln-pool-load-{slot.name}")
+
+    def start_unload(self, slot: EngineSlot, reason: str) -> asyncio.Task[None]:
+        slot.status = UNLOADING
+        slot.task = _task(self._unload(slot, reason), f"kiln-pool-unload-{slot.name}")
+        return slot.task
+
+    async def _load(self, slot: EngineSlot, unloads: list[asyncio.Task[None]]) -> None:
+        await asyncio.gather(*unloads, return_exceptions=True)
+        started = time.monotonic()
+        try:
+            await slot.load()
+        except BaseException as exc:
+            slot.status, slot.load_error = UNLOADED, str(exc) or type(exc).__name__
+            log.error("pool: engine %r could not be loaded: %s", slot.name, slot.load_error)
+            raise
+        else:
+            slot.status, slot.load_error = LOADED, None
+            seconds = time.monotonic() - started
+            self.pool_metrics.loaded(slot.name, seconds)
+            log.info("pool: engine %r loaded in %.2fs (%d loaded, %s of %s)", slot.name, seconds, self.num_loaded,
+                     human(self.memory_in_use), human(self.budget))
+        finally:
+            slot.task = None
+            self.notify()
+
+    async def _unload(self, slot: EngineSlot, reason: str) -> None:
+        try:
+            await slot.unload()
+        finally:
+            slot.status, slot.task = UNLOADED, None
+            if slot in self.leaving:
+                self.leaving.remove(slot)
+            self.pool_metrics.evicted(slot.name, reason)
+            log.info("pool: engine %r unloaded (%s)", slot.name, reason)
+            self.notify()
+
+    # -- changes -------------------------------------------------------------------------------------------
+    def notify(self) -> None:
+        """Wake every queued request to try again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _released(self, slot: EngineSlot) -> None:
+        slot.last_used = time.monotonic()
+        self.notify()
+
+    async def run_idle_unloads(self) -> None:
+        """Unload every engine idle for ``--idle-unload-after`` seconds."""
+        idle = self.settings.idle_unload_after
+        if idle is None:
+            return
+        while True:
+            await asyncio.sleep(min(1.0, max(idle / 4, 0.05)))
+            now = time.monotonic()
+            for slot in list(self.slots.values()):
+                if slot.status == LOADED and not slot.is_busy and now - slot.last_used >= idle:
+                    self.start_unload(slot, "idle")
+
+    async def remove(self, name: str) -> None:
+        """Stop serving ``name``: new requests get 404 at once; it is unloaded once its requests finish."""
+        slot = self.slots.pop(name, None)
+        if slot is None:
+            return
+        self.leaving.append(slot)
+        while slot.is_busy or slot.task is not None:
+            await self._changed.wait()
+        if slot.status == LOADED:
+            await self.start_unload(slot, "removed")
+        elif slot in self.leaving:
+            self.leaving.remove(slot)
+
+    # -- what the server reports and waits for -------------------------------------------------------------
+    @property
+    def num_loaded(self) -> int:
+        return sum(1 for s in self.slots.values() if s.status == LOADED)
+
+    @property
+    def memory_in_use(self) -> int:
+        return sum(s.memory_bytes for s in [*self.slots.values(), *self.leaving] if s.status != UNLOADED)
+
+    def cards(self, created: int) -> list[dict[str, Any]]:
+        cards = [s.card(created) for s in self.slots.values()]
+        for slot in self.slots.values():
+            cards += slot.loras.cards(created, slot.name)
+        return cards
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(s.state.num_in_flight for s in self.slots.values())
+
+    def generations(self) -> list[Any]:
+        return [g for s in self.slots.values() for g in s.state.generations]
+
+    async def wait_idle(self, timeout: float) -> bool:
+        results = await asyncio.gather(*(s.state.wait_idle(timeout) for s in self.slots.values()))
+        return all(results)
+
+    async def shutdown(self) -> None:
+        for slot in list(self.slots.values()) + self.leaving:
+            if slot.task is not None:
+                slot.task.cancel()
+                with contextlib.suppress(BaseException):
+                    await slot.task
+            if slot.state.engine is not None:
+                with contextlib.suppress(Exception):
+                    await slot.unload()
+
+
+def _task(coro: Any, name: str) -> asyncio.Task[Any]:
+    task = asyncio.get_running_loop().create_task(coro, name=name)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # waiters see it; never "not retrieved"
+    return task

@@ -1,0 +1,135 @@
+"""One engine of a pool, shaped as the request path sees a server (``ctx.state``, ``ctx.loras``...).
+
+The request path (:mod:`kiln.serving.request_path`) asks the app for the serving context of a request's
+``model`` (``ServingContext.serving_for``): a single-engine server answers itself, a pool answers the
+:class:`EngineSlot` of that engine, loaded. Each slot has its own :class:`ServerState`, so its admissions are
+its requests in flight (what eviction must never cut), and its own LoRA registry and adapter follower (the
+adapter list names each adapter's ``baseEngineVersion``, so one list serves every engine of the pool).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from kiln.serving.config import ServeConfig
+from kiln.serving.lora import LoRARegistry
+from kiln.serving.lora_sync import AdapterSync, adapters_file, pinned_problem
+from kiln.serving.pool.budget import engine_memory
+from kiln.serving.pool.engine_list import EngineEntry
+from kiln.serving.server_state import LOADING, READY, ServerState
+
+log = logging.getLogger("kiln.serving")
+
+UNLOADED, LOADED, UNLOADING = "unloaded", "loaded", "unloading"  # and LOADING, the server's own word
+
+
+class EngineSlot:
+    def __init__(self, entry: EngineEntry, base: ServeConfig, metrics: Any) -> None:
+        self.entry = entry
+        self.name = self.served_model_name = entry.name
+        self.model_names = {entry.name}
+        self.config = replace(base, model=None, artifact=entry.artifact_uri, served_model_name=entry.name,
+                              lora_modules=[])
+        self.metrics = metrics
+        self.state = ServerState(max_queue_len=base.max_queue_len)
+        self.loras = LoRARegistry(self)
+        self.adapter_sync: AdapterSync | None = None
+        self.status = UNLOADED
+        self.task: Any = None  # the load or unload under way (an asyncio.Task)
+        self.memory_bytes = 0
+        self.memory_source = ""
+        self.last_used = time.monotonic()
+        self.num_waiting = 0  # requests that asked for this engine and wait for it to load
+        self.load_error: str | None = None
+
+    @property
+    def is_busy(self) -> bool:
+        """Requests in flight or waiting for it: never evicted."""
+        return self.state.num_in_flight > 0 or self.num_waiting > 0
+
+    def read_memory(self) -> None:
+        """What this engine counts against the budget, from its ``engine.json`` (the local cache's, else the
+        store's; the load verifies the whole artifact before it runs)."""
+        from kiln.serving.loader import default_cache_dir
+
+        from kiln.artifacts import parse_artifact_uri
+
+        store, version = parse_artifact_uri(self.entry.artifact_uri)
+        cached = (self.config.cache_dir or default_cache_dir()) / version / "engine.json"
+        try:
+            raw = cached.read_bytes() if cached.is_file() else store.backend.read(f"engines/{version}/engine.json")
+        except Exception as exc:  # a store error: say which engine and where
+            raise ValueError(f"engine {self.name!r} ({self.entry.artifact_uri}): its engine.json cannot be read: "
+                             f"{exc}") from None
+        if not raw:
+            raise ValueError(f"engine {self.name!r}: no artifact at {self.entry.artifact_uri} (no engine.json); "
+                             "check the URI, or build it with kiln build")
+        self.memory_bytes, self.memory_source = engine_memory(json.loads(raw))
+
+    def build(self) -> tuple[Any, dict[str, Any]]:
+        """Fetch (from the local cache when there, verified) and build the engine: blocking, for a thread."""
+        from kiln.serving.loader import build_engine, default_cache_dir
+
+        from kiln.artifacts import parse_artifact_uri
+
+        engine, info = build_engine(self.config)
+        if self.entry.content_digest is not None:  # the verified copy must be the build a controller pinned
+            _, version = parse_artifact_uri(self.entry.artifact_uri)
+            try:
+                pinned_problem((self.config.cache_dir or default_cache_dir()) / version, self.entry.content_digest)
+            except Exception:
+                del engine  # built, never started: dropping it frees it
+                gc.collect()
+                raise
+        return engine, info
+
+    async def load(self) -> None:
+        from kiln.serving.loader import in_daemon_thread, warm_up
+
+        engine, info = await in_daemon_thread(self.build)
+        self.state.engine = engine
+        try:
+            await engine.start()
+            await warm_up(engine)
+        except BaseException:
+            await self._close(engine)
+            raise
+        self.state.engine_info, self.state.phase = info, READY
+        self.loras = LoRARegistry(self)
+        path = adapters_file()
+        if path is not None:  # this engine's adapters of the list; one that fails is logged, not fatal
+            self.adapter_sync = AdapterSync(self, path)
+            await self.adapter_sync.sync(info.get("engine_version"))
+
+    async def unload(self) -> None:
+        engine = self.state.engine
+        self.state.engine, self.state.engine_info, self.state.phase = None, {}, LOADING
+        self.adapter_sync = None
+        self.loras = LoRARegistry(self)
+        if engine is not None:
+            await self._close(engine)
+
+    async def _close(self, engine: Any) -> None:
+        from kiln.serving.constraints import close_compiler
+
+        self.state.engine = None
+        await engine.shutdown()
+        close_compiler(engine)
+        del engine
+        gc.collect()  # the weights go now, not at some later collection: the budget counts on it
+
+    def card(self, created: int) -> dict[str, Any]:
+        state = LOADING if self.status == LOADING else LOADED if self.status == LOADED else UNLOADED
+        card: dict[str, Any] = {"id": self.name, "object": "model", "created": created, "owned_by": "kiln",
+                                "root": self.entry.artifact_uri, "parent": None, "state": state,
+                                "memory_bytes": self.memory_bytes}
+        if self.state.engine is not None:
+            card["max_model_len"] = self.state.engine.engine_config.max_seq_len
+        if self.load_error:
+            card["load_error"] = self.load_error
+        return card

@@ -1,0 +1,241 @@
+"""The pool's placement without engines: budgets, the engine list, LRU eviction, the queue, idle unloads.
+
+Each slot's load and unload are replaced by fakes that record the order; everything else (the budget, the
+LRU choice, admissions as what keeps an engine in place, the queue and its 503) is the pool's own code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from kiln.serving.config import ServeConfig
+from kiln.serving.errors import APIError
+from kiln.serving.metrics import ServingMetrics
+from kiln.serving.pool import budget as budget_mod
+from kiln.serving.pool.budget import default_budget, engine_memory, parse_quantity
+from kiln.serving.pool.engine_list import EngineEntry, parse_document, parse_engine_flag, read_file
+from kiln.serving.pool.pool import EnginePool, PoolSettings
+from kiln.serving.pool.slot import LOADED, UNLOADED, EngineSlot
+from kiln.serving.server_state import READY
+
+MIB = 2**20
+
+
+def test_memory_quantities_as_kubernetes_writes_them():
+    assert parse_quantity("6Gi") == 6 * 2**30
+    assert parse_quantity("512Mi") == 512 * MIB
+    assert parse_quantity("8G") == 8 * 10**9
+    assert parse_quantity("1.5Gi") == int(1.5 * 2**30)
+    assert parse_quantity("1000") == 1000
+    for bad in ("6GB", "lots", "-1Gi", "0", "6 gi"):
+        with pytest.raises(ValueError, match=r"--memory-budget .*6Gi"):
+            parse_quantity(bad)
+
+
+def test_default_budget_is_the_cgroup_limit_else_host_memory_less_margins(tmp_path):
+    limited = tmp_path / "memory.max"
+    limited.write_text(str(8 * 2**30))
+    unlimited = tmp_path / "unlimited"
+    unlimited.write_text("max\n")
+    assert budget_mod.cgroup_memory_limit(limited, tmp_path / "none") == 8 * 2**30
+    assert budget_mod.cgroup_memory_limit(unlimited, tmp_path / "none") is None
+    got, why = default_budget(limit=8 * 2**30)
+    assert got == int(8 * 2**30 * 0.9) - budget_mod.SERVER_MARGIN_BYTES and "cgroup" in why
+    got, why = default_budget(limit=0, host=4 * 2**30)
+    assert got == int(4 * 2**30 * 0.9) - budget_mod.SERVER_MARGIN_BYTES and "host" in why
+
+
+def test_an_engine_counts_its_measured_memory_else_its_kv_plan_and_says_which():
+    measured = {"build_report": {"memory": {"stages": {"tune": {"host_extra_bytes": 300 * MIB}}}},
+                "kv_plan": {"weight_bytes_per_rank": 1, "kv_pool_bytes": 2}}
+    assert engine_memory(measured) == (300 * MIB, "measured by the build (build_report.memory.stages.tune)")
+    cuda = {"tuning": {"device": "cuda"}, "build_report": {"memory": {"stages": {"tune": {
+        "host_extra_bytes": 1, "cuda_peak_allocated_bytes": 5 * 2**30}}}}}
+    assert engine_memory(cuda)[0] == 5 * 2**30
+    planned = {"kv_plan": {"weight_bytes_per_rank": 100, "kv_pool_bytes": 20, "activation_reserve_bytes": 3}}
+    got, why = engine_memory(planned)
+    assert got == 123 and "not measured" in why and "kv_plan" in why
+    with pytest.raises(ValueError, match="rebuild"):
+        engine_memory({"engine_version": "v1"})
+
+
+def test_the_engine_list_from_flags_and_file(tmp_path):
+    assert parse_engine_flag("chat=file:///s/engines/v1") == EngineEntry("chat", "file:///s/engines/v1")
+    for bad in ("chat", "=file:///x", "chat=", "bad name=file:///x"):
+        with pytest.raises(ValueError, match="--engine"):
+            parse_engine_flag(bad)
+    path = tmp_path / "engines.json"
+    assert read_file(path) == {}  # not created yet: none
+    path.write_text(json.dumps({"format": 1, "engines": [{"name": "a", "artifactURI": "file:///s/engines/a",
+                                                          "contentDigest": "d"}]}))
+    assert read_file(path) == {"a": EngineEntry("a", "file:///s/engines/a", "d")}
+    with pytest.raises(ValueError, match=r"engines\[0\].*artifactURI"):
+        parse_document({"format": 1, "engines": [{"name": "a"}]}, "f")
+    with pytest.raises(ValueError, match="given twice"):
+        parse_document({"format": 1, "engines": [{"name": "a", "artifactURI": "x"}] * 2}, "f")
+    with pytest.raises(ValueError, match="format"):
+        parse_document({"engines": []}, "f")
+
+
+class FakeEngine:
+    class engine_config:  # noqa: N801 - what ServerState reads of an engine
+        max_batch_size = 4
+
+
+class Recorder:
+    """Fake loads and unloads: each marks the engine ready (or not) and records what happened, in order."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.sizes, self.events = sizes, []
+        self.gate: asyncio.Event | None = None  # set: loads wait for it
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        recorder = self
+
+        def read_memory(slot: EngineSlot) -> None:
+            slot.memory_bytes, slot.memory_source = recorder.sizes[slot.name], "test"
+
+        async def load(slot: EngineSlot) -> None:
+            if recorder.gate is not None:
+                await recorder.gate.wait()
+            recorder.events.append(("load", slot.name))
+            slot.state.engine, slot.state.phase = FakeEngine(), READY
+
+        async def unload(slot: EngineSlot) -> None:
+            recorder.events.append(("unload", slot.name))
+            slot.state.engine = None
+
+        monkeypatch.setattr(EngineSlot, "read_memory", read_memory)
+        monkeypatch.setattr(EngineSlot, "load", load)
+        monkeypatch.setattr(EngineSlot, "unload", unload)
+
+
+def make_pool(monkeypatch, sizes: dict[str, int], **settings) -> tuple[EnginePool, Recorder]:
+    recorder = Recorder(sizes)
+    recorder.install(monkeypatch)
+    config = ServeConfig(served_model_name="pool")
+    pool = EnginePool(PoolSettings(**settings), config, ServingMetrics("pool", lambda: None))
+    for name in sizes:
+        pool.add(pool.make_slot(EngineEntry(name, f"file:///store/engines/{name}")))
+    return pool, recorder
+
+
+def samples(pool: EnginePool) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(pool.metrics.render().decode()) for s in family.samples}
+
+
+def test_lru_eviction_keeps_the_budget_and_evicts_the_least_recently_used(monkeypatch):
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 100 * MIB, "b": 100 * MIB, "c": 100 * MIB, "d": 200 * MIB},
+                              memory_budget=250 * MIB)
+        for name in ("a", "b", "a", "c"):  # a used after b: b is the least recently used when c comes
+            await pool.acquire(name)
+        assert rec.events == [("load", "a"), ("load", "b"), ("unload", "b"), ("load", "c")]
+        await pool.acquire("d")  # 200 MiB: both a and c must go, a first (older)
+        assert rec.events[4:] == [("unload", "a"), ("unload", "c"), ("load", "d")]
+        assert pool.memory_in_use == 200 * MIB <= pool.budget
+        metrics = samples(pool)
+        assert metrics[("kiln:pool_engine_evictions_total", (("engine", "b"), ("reason", "lru")))] == 1
+        assert metrics[("kiln:pool_engine_loads_total", (("engine", "a"),))] == 1
+        assert metrics[("kiln:pool_engines_loaded", ())] == 1
+        assert metrics[("kiln:pool_memory_in_use_bytes", ())] == 200 * MIB
+
+    asyncio.run(run())
+
+
+def test_max_loaded_engines_counts_engines(monkeypatch):
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 1, "b": 1, "c": 1}, memory_budget=2**30, max_loaded_engines=2)
+        for name in ("a", "b", "c"):
+            await pool.acquire(name)
+        assert rec.events[-2:] == [("unload", "a"), ("load", "c")] and pool.num_loaded == 2
+
+    asyncio.run(run())
+
+
+def test_an_engine_with_requests_in_flight_is_never_evicted_and_a_full_queue_gets_503(monkeypatch):
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 100, "b": 100, "c": 100}, memory_budget=200, queue_size=1,
+                              load_timeout=5)
+        admissions = [(await pool.acquire(name)).state.admit(1) for name in ("a", "b")]  # both in flight
+        waiting = asyncio.create_task(pool.acquire("c"))  # queued: nothing can be evicted
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and pool.num_queued == 1
+        with pytest.raises(APIError) as refused:  # the queue (size 1) is full
+            await pool.acquire("c")
+        assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
+        assert refused.value.code == "queue_full" and "--pool-queue-size" in refused.value.message
+        assert ("unload", "a") not in rec.events and ("unload", "b") not in rec.events
+        admissions[1].release()  # b finishes: it is evicted for c, a (still in flight) stays
+        slot = await asyncio.wait_for(waiting, 5)
+        assert slot.name == "c" and rec.events[-2:] == [("unload", "b"), ("load", "c")]
+        assert pool.slots["a"].status == LOADED
+
+    asyncio.run(run())
+
+
+def test_a_request_that_cannot_be_placed_in_time_gets_503(monkeypatch):
+    async def run() -> None:
+        pool, _ = make_pool(monkeypatch, {"a": 100, "b": 100}, memory_budget=100, load_timeout=0.2)
+        (await pool.acquire("a")).state.admit(1)
+        with pytest.raises(APIError) as refused:
+            await pool.acquire("b")
+        assert refused.value.status == 503 and "--load-timeout" in refused.value.message
+        assert refused.value.headers == {"Retry-After": "1"}
+
+    asyncio.run(run())
+
+
+def test_idle_engines_are_unloaded(monkeypatch):
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 1, "b": 1}, memory_budget=10, idle_unload_after=0.2)
+        idle = asyncio.create_task(pool.run_idle_unloads())
+        held = (await pool.acquire("a")).state.admit(1)  # in flight: not idle however long it runs
+        await pool.acquire("b")
+        await asyncio.sleep(0.6)
+        assert pool.slots["b"].status == UNLOADED and pool.slots["a"].status == LOADED
+        held.release()
+        await asyncio.sleep(0.6)
+        assert pool.slots["a"].status == UNLOADED
+        assert rec.events[-2:] == [("unload", "b"), ("unload", "a")]
+        assert samples(pool)[("kiln:pool_engine_evictions_total", (("engine", "a"), ("reason", "idle")))] == 1
+        idle.cancel()
+
+    asyncio.run(run())
+
+
+def test_unknown_model_is_a_404_naming_the_pools_models_and_too_big_is_refused_naming_both(monkeypatch):
+    async def run() -> None:
+        pool, _ = make_pool(monkeypatch, {"a": 1, "b": 1}, memory_budget=100 * MIB)
+        with pytest.raises(APIError) as missing:
+            await pool.acquire("nope")
+        assert missing.value.status == 404 and missing.value.code == "model_not_found"
+        assert "'nope'" in missing.value.message and "'a', 'b'" in missing.value.message
+        Recorder({"huge": 300 * MIB}).install(monkeypatch)
+        with pytest.raises(ValueError) as refused:
+            pool.make_slot(EngineEntry("huge", "file:///store/engines/huge"))
+        assert "300.0 MiB" in str(refused.value) and "100.0 MiB" in str(refused.value)
+        assert "--memory-budget" in str(refused.value)
+
+    asyncio.run(run())
+
+
+def test_a_removed_engine_answers_404_and_is_unloaded_when_its_requests_finish(monkeypatch):
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 1, "b": 1}, memory_budget=10)
+        held = (await pool.acquire("a")).state.admit(1)
+        removal = asyncio.create_task(pool.remove("a"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError, match="'b'"):
+            await pool.acquire("a")
+        assert ("unload", "a") not in rec.events and pool.memory_in_use == 1  # still counted until unloaded
+        held.release()
+        await asyncio.wait_for(removal, 5)
+        assert rec.events[-1] == ("unload", "a") and pool.memory_in_use == 0
+
+    asyncio.run(run())
