@@ -19,7 +19,8 @@ Only used when ``device == "cuda"`` and not ``enforce_eager``; prefill and mixed
 from __future__ import annotations
 
 import torch
-from kiln.engine.layers.attention import AttentionMetadata, set_attention_metadata
+from kiln.engine.forward_context import set_forward_context
+from kiln.engine.layers.attention import AttentionMetadata
 from kiln.engine.layers.paged_metadata import PagedMetadata, num_splits
 from torch import nn
 
@@ -84,12 +85,9 @@ class CUDAGraphRunner:
                                  decode_block_tables=self.block_tables[:bs, :nblocks], decode_mask=mask)
 
     def _forward(self, bs: int, nblocks: int) -> torch.Tensor:
-        set_attention_metadata(self.attention_metadata(bs, nblocks))
-        try:
+        with set_forward_context(self.attention_metadata(bs, nblocks)):
             hidden = self.model(self.input_ids[:bs], self.positions[:bs])
             return self.model.compute_logits(hidden)
-        finally:
-            set_attention_metadata(None)
 
     @torch.inference_mode()
     def _capture(self) -> None:

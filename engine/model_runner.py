@@ -25,11 +25,12 @@ from typing import Any
 import torch
 from kiln.engine import parallel
 from kiln.engine.config import EngineConfig
+from kiln.engine.forward_context import set_forward_context
 from kiln.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_blocks
-from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
+from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk
 from kiln.engine.layers.linear import LinearBase
 from kiln.engine.layers.paged_metadata import build_paged_metadata, token_rows
-from kiln.engine.lora.layers import LoRAModel, make_lora_step, set_lora_step
+from kiln.engine.lora.layers import LoRAModel, make_lora_step
 from kiln.engine.lora.wire import send_slot
 from kiln.engine.models.llama import Intermediate, head_dim_of, kv_heads_of
 from kiln.engine.models.registry import create_model
@@ -276,18 +277,13 @@ class ModelRunner:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
                                    inputs.decode_block_tables, inputs.decode_ctx_lens)
         dev = self.device
-        set_attention_metadata(self.attention_metadata(inputs))
-        set_lora_step(lora_step)
-        try:
+        with set_forward_context(self.attention_metadata(inputs), lora_step):
             if self.compiled is not None:
                 return self.compiled(inputs.input_ids, inputs.positions, inputs.logits_indices)
             out = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), intermediate)
             if not parallel.is_last_stage():
                 return out
             return self.model.compute_logits(out[inputs.logits_indices.to(dev)])
-        finally:
-            set_attention_metadata(None)
-            set_lora_step(None)
 
     def attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         """The step's attention metadata on this rank's device, built once for every layer."""

@@ -26,53 +26,13 @@ Triton decode launch (+ its split combine) and one prefill launch over the pool,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+from kiln.engine.forward_context import get_forward_context
+from kiln.engine.layers.attention_metadata import AttentionMetadata, DecodeGroup, PrefillChunk
 from kiln.engine.layers.paged_metadata import PagedMetadata
 from torch import nn
-
-
-@dataclass
-class PrefillChunk:
-    q_start: int           # offset of the chunk's first token in the packed batch
-    q_len: int             # tokens computed this step
-    ctx_len: int           # tokens in the cache after this step (cached + chunk)
-    block_ids: torch.Tensor  # the blocks holding the first ctx_len tokens
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when q_len == ctx_len (plain causal)
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor                 # [num_tokens] cache slot of each new token
-    num_decode_tokens: int = 0                 # leading single-token rows
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, max_blocks * block_size]
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    decode_pad_mask: torch.Tensor | None = None  # ~decode_mask as [1, num_decodes, 1, ctx] (CPU decode path)
-    # Reusable gather buffers (name -> flat tensor), owned by the runner and grown on demand: every
-    # layer gathers the same amount, so one buffer serves all layers and every step after the first.
-    workspace: dict[str, torch.Tensor] | None = None
-    decode_groups: list[DecodeGroup] | None = None  # CPU decode rows grouped by context; built by the first layer
-    paged: PagedMetadata | None = None  # set: the Triton kernels run this step (decode/prefill fields unused)
-    # native (kernels.native.Kernels): every token is a row of kiln's C kernel; num_decode_tokens counts them all,
-    # decode_block_tables / decode_ctx_lens are int32 per token, native_row_starts groups rows sharing a table
-    native: Any = None
-    decode_ctx_lens: torch.Tensor | None = None
-    native_row_starts: torch.Tensor | None = None
-
-
-@dataclass
-class DecodeGroup:
-    """Decode rows of similar context length, attended together over only as many blocks as the
-    longest of them holds (CPU path)."""
-
-    rows: torch.Tensor          # indices into the step's decode rows
-    block_tables: torch.Tensor  # [len(rows), width]
-    pad: torch.Tensor           # [1, len(rows), 1, width * block_size], True past each row's context
-
 
 # Cost model for grouping: one more group costs about as much as this many (row x context token)
 # pairs of attention (measured on CPU: ~55 us per group call against ~0.5 us per row-token).
@@ -110,19 +70,10 @@ def decode_groups(block_tables: torch.Tensor, pad: torch.Tensor, block_size: int
     return groups
 
 
-_metadata: AttentionMetadata | None = None
 # CPU decode attention gathers at most about this many bytes of K+V at a time (see Attention._decode_cpu).
 _CHUNK_BYTES = 4 << 20
 
-
-def set_attention_metadata(md: AttentionMetadata | None) -> None:
-    global _metadata
-    _metadata = md
-
-
-def get_attention_metadata() -> AttentionMetadata:
-    assert _metadata is not None, "model called outside ModelRunner.run (no attention metadata)"
-    return _metadata
+__all__ = ["Attention", "AttentionMetadata", "DecodeGroup", "PrefillChunk", "decode_groups"]
 
 
 class Attention(nn.Module):
@@ -143,7 +94,7 @@ class Attention(nn.Module):
         return self.attend(q, k, v)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        md = get_attention_metadata()
+        md = get_forward_context().attention
         kvh, num_blocks, block_size, d = self.k_cache.shape
         if md.native is not None:  # its own layout (K blocks transposed): always written by its kernel
             k = k if k.stride()[1:] == (d, 1) else k.contiguous()

@@ -23,64 +23,14 @@ there is no ``LoRAStep`` and the linears do no LoRA work at all.
 from __future__ import annotations
 
 import ctypes
-import functools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from kiln.engine import parallel
+from kiln.engine.forward_context import get_forward_context
+from kiln.engine.lora.step import LoRAStep, make_lora_step
 
-# A step with several runs takes the slot-dense path when tokens x max_loras is at most this (it multiplies
-# every slot for every token; the crossover measured ~16 tokens at 3 slots on a Zen 4 core, bf16).
-DENSE_WORK = 64
-
-
-@dataclass
-class LoRAStep:
-    """The step's runs ``(slot, start, end)`` of adapter tokens, and for the slot-dense path the mask."""
-
-    runs: list[tuple[int, int, int]]
-    tokens: int
-    mask: torch.Tensor | None = None  # [tokens, max_loras], 1 at each token's slot; None: run by run
-
-    @functools.cached_property
-    def others(self) -> torch.Tensor:
-        """``[tokens, max_loras, 1]``, True at the slots a token does not use (their columns are zeroed)."""
-        return (self.mask == 0).unsqueeze(2)
-
-
-_step: LoRAStep | None = None
-
-
-def set_lora_step(step: LoRAStep | None) -> None:
-    global _step
-    _step = step
-
-
-def lora_step_active() -> bool:
-    return _step is not None
-
-
-def make_lora_step(token_slots: torch.Tensor | None, device: torch.device, max_loras: int) -> LoRAStep | None:
-    """Split a step's tokens into runs of one slot; None when no token has one (the base path, no LoRA work)."""
-    if token_slots is None or token_slots.numel() == 0:
-        return None
-    slots = token_slots.tolist()
-    runs, start, n = [], 0, len(slots)
-    for i in range(1, n + 1):
-        if i == n or slots[i] != slots[start]:
-            if slots[start] >= 0:
-                runs.append((slots[start], start, i))
-            start = i
-    if not runs:
-        return None
-    step = LoRAStep(runs, n)
-    if len(runs) > 1 and n * max_loras <= DENSE_WORK:
-        mask = torch.zeros(n, max_loras + 1)  # column max_loras: the base tokens' (dropped)
-        mask[torch.arange(n), token_slots.long().where(token_slots >= 0, max_loras)] = 1
-        step.mask = mask[:, :max_loras].to(device)
-    return step
-
+__all__ = ["LoRASlots", "LoRAStep", "make_lora_step"]
 
 class LoRASlots:
     """The adapter slots of one linear (see the module docstring)."""
@@ -140,7 +90,7 @@ class LoRASlots:
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y`` (the base linear's output for ``x``) plus each adapter token's LoRA delta, in place."""
-        step = _step
+        step = get_forward_context().lora
         if step is None:
             return y
         kiln = self.kernels is not None and x.dtype == self.compute_dtype

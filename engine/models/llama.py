@@ -14,12 +14,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from kiln.engine import parallel
-from kiln.engine.layers.attention import Attention, get_attention_metadata
+from kiln.engine.forward_context import get_forward_context, step_has_lora
+from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kiln.engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.engine.layers.norm import RMSNorm
 from kiln.engine.layers.rotary import RotaryEmbedding, apply_rotary_qk
-from kiln.engine.lora.layers import lora_step_active
 from kiln.engine.rope_config import rope_parameters
 from torch import nn
 
@@ -95,7 +95,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_ops is not None and x.dim() == 2:
-            if x.shape[0] > self.mlp_rows and not lora_step_active():  # LoRA groups index the whole step  # a prefill step: keep the [rows, 2 x intermediate] output in cache
+            # a prefill step: keep the [rows, 2 x intermediate] output in cache (LoRA groups index the whole step)
+            if x.shape[0] > self.mlp_rows and not step_has_lora():
                 return torch.cat([self._native(part) for part in x.split(self.mlp_rows)])
             return self._native(x)
         gate_up = self.gate_up_proj(x)
@@ -199,9 +200,12 @@ class LlamaModel(nn.Module):
     def _native_step(self, hidden: torch.Tensor):
         """This step's attention metadata when the native stack runs it (its kernels serve the step), else None."""
         if (self.native_stack is None or hidden.dim() != 2 or hidden.dtype != self.native_stack.dtype
-                or not self.native_stack.can_run(hidden.shape[0]) or lora_step_active()):  # adapters: per module
+                or not self.native_stack.can_run(hidden.shape[0])):
             return None
-        md = get_attention_metadata()
+        ctx = get_forward_context()
+        if ctx.has_lora:  # adapters: module by module
+            return None
+        md = ctx.attention
         return md if md.native is not None and md.native_row_starts is not None else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 from engine_testlib import random_prompts  # noqa: E402
 from kiln.engine import SamplingParams  # noqa: E402
 from kiln.engine import cuda_graphs as cg  # noqa: E402
-from kiln.engine.layers.attention import get_attention_metadata  # noqa: E402
+from kiln.engine.forward_context import get_forward_context  # noqa: E402
 
 
 class FakeGraph:
@@ -100,7 +100,7 @@ class EchoModel(torch.nn.Module):
         self.seen = []
 
     def forward(self, input_ids, positions):
-        self.seen.append(get_attention_metadata())
+        self.seen.append(get_forward_context().attention)
         return torch.stack([input_ids, positions], 1)
 
     def compute_logits(self, hidden):

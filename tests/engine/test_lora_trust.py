@@ -15,9 +15,11 @@ import torch
 from engine_testlib import random_prompts
 from kiln.engine import AsyncLLM, SamplingParams
 from kiln.engine.errors import RequestError
+from kiln.engine.forward_context import set_forward_context
+from kiln.engine.layers.attention import AttentionMetadata
 from kiln.engine.lora import LoRARequest
 from kiln.engine.lora import store as lora_store
-from kiln.engine.lora.layers import LoRASlots, make_lora_step, set_lora_step
+from kiln.engine.lora.layers import LoRASlots, make_lora_step
 from lora_testlib import ATTN, make_adapter, peft_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -137,11 +139,8 @@ def test_an_overflowing_adapter_never_reaches_a_base_row_of_a_dense_step():
     slots.set_slot(1, {None: (torch.full((2, 4), 3e38), torch.ones(3, 2))})  # finite, overflows in the shrink
     step = make_lora_step(torch.tensor([-1, 0, 1]), torch.device("cpu"), 2)
     assert step.mask is not None  # the dense path
-    set_lora_step(step)
-    try:
+    with set_forward_context(AttentionMetadata(slot_mapping=torch.zeros(3)), step):
         y = slots.add_to(torch.zeros(3, 3), torch.ones(3, 4))
-    finally:
-        set_lora_step(None)
     assert y[0].tolist() == [0.0, 0.0, 0.0] and y[1].tolist() == [8.0, 8.0, 8.0]
 
 
