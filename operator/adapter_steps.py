@@ -17,6 +17,7 @@ from kiln.operator import keys, metrics
 from kiln.operator.adapters import (
     AdapterView,
     adapter_job_name,
+    adapter_secrets,
     adapter_statuses,
     build_adapter_job,
     build_configmap,
@@ -85,27 +86,29 @@ async def read_view(ctx: Any, world: World, adapter: Any, base: str, version: st
                            untrusted=f"its manifest is gone from the store after this operator pinned it ({pin_place})")
     if base != world.version:  # the old base's adapters are listed if built, never built again
         return AdapterView(adapter, base, version, uri, built=False)
-    job = await ctx.kube.get(api_path("batch/v1", "jobs", world.namespace, adapter_job_name(version)))
+    jobs = ctx.config.jobs_namespace
+    job = await ctx.kube.get(api_path("batch/v1", "jobs", jobs, adapter_job_name(version)))
     failure = ""
     if job is not None and job_state(job).state == "failed":
-        failure = (await job_failure(ctx.kube, world.namespace, job)).detail
+        failure = (await job_failure(ctx.kube, jobs, job)).detail
     return AdapterView(adapter, base, version, uri, built=False, job=job, failure=failure)
 
 
 async def create_adapter_job(ctx: Any, world: World, view: AdapterView, logger: logging.Logger,
                              key_pair: KeyPairGetter) -> dict[str, Any]:
-    """Create the adapter's build Job (owned by this engine, not as controller: another engine with the same base
-    and adapter shares it); when it exists already, take that one."""
+    """Create the adapter's build Job in the jobs namespace (no owner, as a base build Job: another engine with the
+    same base and adapter shares it); when it exists already, take that one."""
     assert world.spec is not None
-    await keys.ensure_copy(ctx.kube, keys.signing_key_copy(world.namespace, await key_pair()))
+    jobs = ctx.config.jobs_namespace
+    await keys.ensure_copy(ctx.kube, keys.signing_key_copy(jobs, await key_pair()))
     desired = build_adapter_job(world.spec, world.name, world.namespace, view, ctx.config)
-    desired["metadata"]["ownerReferences"] = [owner_reference(world.body, controller=False)]
     try:
-        job = await ctx.kube.create(api_path("batch/v1", "jobs", world.namespace), desired)
+        job = await ctx.kube.create(api_path("batch/v1", "jobs", jobs), desired)
     except ApiError as exc:
         if exc.status != 409:
             raise
-        return await ctx.kube.get(api_path("batch/v1", "jobs", world.namespace, adapter_job_name(view.version))) or {}
+        return await ctx.kube.get(api_path("batch/v1", "jobs", jobs, adapter_job_name(view.version))) or {}
+    await keys.ensure_credentials(ctx.kube, world.namespace, adapter_secrets(world.spec, view.adapter), job)
     metrics.BUILDS_STARTED.inc()
     logger.info(f"created adapter build Job {adapter_job_name(view.version)} for {view.adapter.name} ({view.version})")
     return job

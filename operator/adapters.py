@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.operator.jobs import PVC_MOUNT_ROOT, job_pod_spec, secret_env_from
+from kiln.operator.jobs import PVC_MOUNT_ROOT, credentials_env_from, job_pod_spec
 from kiln.operator.naming import COMMON_LABELS, GROUP, bounded_name, object_meta
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import job_state
@@ -140,20 +140,24 @@ def build_adapter_job(spec: LLMEngineSpec, name: str, namespace: str, view: Adap
         container["command"] = ["kiln", "build-adapter"]
         container["args"] = ["--adapter", view.adapter.name, *args]
         container["env"] = [*container["env"], extra_env]
-    secrets = list(dict.fromkeys(s for s in (spec.model.credentials_secret, view.adapter.credentials_secret) if s))
     _mount_adapter_claim(pod, view.adapter)
     fetch.pop("envFrom", None)
-    if secrets:
-        fetch["envFrom"] = [ref for secret in secrets for ref in secret_env_from(secret)]
+    if secrets := adapter_secrets(spec, view.adapter):
+        fetch["envFrom"] = credentials_env_from(namespace, secrets)
     return {
         "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": adapter_job_name(view.version), "namespace": namespace, "labels": labels,
+        "metadata": {"name": adapter_job_name(view.version), "namespace": config.jobs_namespace, "labels": labels,
                      "annotations": {f"{GROUP}/adapter-version": view.version,
                                      f"{GROUP}/artifact-uri": view.artifact_uri}},
         "spec": {"backoffLimit": config.build_backoff_limit, "activeDeadlineSeconds": spec.build.timeout_seconds,
                  "ttlSecondsAfterFinished": config.build_ttl_seconds,
                  "template": {"metadata": {"labels": labels}, "spec": pod}},
     }
+
+
+def adapter_secrets(spec: LLMEngineSpec, adapter: LoraAdapter) -> list[str]:
+    """The credentials Secrets an adapter build fetches with: the model's (the gate reads the base) and the adapter's."""
+    return list(dict.fromkeys(s for s in (spec.model.credentials_secret, adapter.credentials_secret) if s))
 
 
 def _mount_adapter_claim(pod: dict[str, Any], adapter: LoraAdapter) -> None:

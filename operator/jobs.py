@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kiln.operator.keys import signing_key_mount, signing_key_volume
+from kiln.operator.keys import credentials_copy_name, signing_key_mount, signing_key_volume
 from kiln.operator.naming import ANNOTATION_ARTIFACT, ANNOTATION_VERSION, build_labels, job_name
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import builder_image, built_by
@@ -89,6 +89,17 @@ def secret_env_from(secret: str | None) -> list[dict[str, Any]]:
     return [{"secretRef": {"name": secret}}] if secret else []
 
 
+def credentials_env_from(namespace: str, secrets: list[str]) -> list[dict[str, Any]]:
+    """The fetch container's credentials: the jobs namespace's copies of the engine namespace's ``secrets``."""
+    return [ref for secret in dict.fromkeys(secrets) for ref in secret_env_from(credentials_copy_name(namespace,
+                                                                                                      secret))]
+
+
+def model_secrets(spec: LLMEngineSpec) -> list[str]:
+    """The credentials Secrets a build fetches with: the model's and a draft model's (kiln.speculative_options)."""
+    return list(dict.fromkeys(m.credentials_secret for m in spec.sources.values() if m.credentials_secret))
+
+
 def manifest_json(spec: LLMEngineSpec, name: str, namespace: str) -> str:
     return json.dumps({"apiVersion": API_VERSION, "kind": KIND,
                        "metadata": {"name": name, "namespace": namespace}, "spec": spec.to_k8s()},
@@ -123,7 +134,7 @@ def job_env(spec: LLMEngineSpec, name: str, namespace: str, version: str) -> lis
     ]
 
 
-def fetch_container(spec: LLMEngineSpec, config: OperatorConfig, env: list[dict[str, Any]],
+def fetch_container(spec: LLMEngineSpec, namespace: str, config: OperatorConfig, env: list[dict[str, Any]],
                     model_mounts: list[dict[str, Any]]) -> dict[str, Any]:
     """The init container: the user's model credentials, only here, with no store settings or credentials."""
     fetch: dict[str, Any] = {
@@ -139,9 +150,8 @@ def fetch_container(spec: LLMEngineSpec, config: OperatorConfig, env: list[dict[
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    secrets = list(dict.fromkeys(m.credentials_secret for m in spec.sources.values() if m.credentials_secret))
-    if secrets:  # a draft model's names the model's or is the only one (kiln.speculative_options)
-        fetch["envFrom"] = [ref for secret in secrets for ref in secret_env_from(secret)]
+    if secrets := model_secrets(spec):
+        fetch["envFrom"] = credentials_env_from(namespace, secrets)
     return fetch
 
 
@@ -180,7 +190,7 @@ def job_pod_spec(spec: LLMEngineSpec, name: str, namespace: str, version: str,
         "securityContext": pod_security_context(),
         # Nothing in a build talks to the Kubernetes API: no token in the pod to steal.
         "automountServiceAccountToken": False,
-        "initContainers": [fetch_container(spec, config, env, model_mounts)],
+        "initContainers": [fetch_container(spec, namespace, config, env, model_mounts)],
         "containers": [build_container(spec, config, env, model_mounts)],
         "volumes": volumes,
         **gpu_placement(spec, config),
@@ -198,7 +208,7 @@ def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
         "kind": "Job",
         "metadata": {
             "name": job_name(version),
-            "namespace": namespace,
+            "namespace": config.jobs_namespace,
             "labels": labels,
             "annotations": {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: _artifact_uri(config, version)},
         },

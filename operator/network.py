@@ -8,15 +8,21 @@ Every serving pod of the engine (Deployment pods, LeaderWorkerSet leaders and wo
   and the ports gloo and NCCL open for collectives, which are ephemeral (the kernel's local port range,
   so 1024-65535 TCP).
 
-Nothing else reaches them. A NetworkPolicy selects by labels and cannot say "the same group index as the
-destination", so within one LeaderWorkerSet the groups are told apart by ``$KILN_GROUP_TOKEN``
-(:mod:`kiln.operator.keys`), not by the network. Egress is left open: pods fetch from the store.
+"The engine's own pods" are not those with the engine's label, which any pod of the namespace can set on itself,
+but those with ``LABEL_RANK_GROUP`` set to the engine's rank group value: an HMAC keyed by the group token
+(:func:`kiln.operator.keys.rank_group_label`), which the operator puts on the LeaderWorkerSet's pods. A pod whose
+creator cannot read the token Secret cannot compute it (one who can read the engine's pods or this policy can
+copy it: what stops that one is the token the ranks check, docs/operator-trust.md). Without the value (None) no
+pod is admitted to the rank ports. A NetworkPolicy cannot say "the same group index as the destination", so
+within one LeaderWorkerSet the groups are told apart by ``$KILN_GROUP_TOKEN``, not by the network. Egress is left
+open: pods fetch from the store.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kiln.operator.keys import LABEL_RANK_GROUP
 from kiln.operator.naming import engine_pod_labels, object_meta, serving_labels
 from kiln.operator.workloads import RENDEZVOUS_PORT
 
@@ -30,11 +36,11 @@ def rank_ports() -> list[dict[str, Any]]:
     return [{"protocol": "TCP", "port": RENDEZVOUS_PORT}, {"protocol": "TCP", "port": low, "endPort": high}]
 
 
-def build_network_policy(spec: LLMEngineSpec, name: str, namespace: str,
-                         owner: dict[str, Any] | None = None) -> dict[str, Any]:
-    group = {"podSelector": {"matchLabels": engine_pod_labels(name)}}
+def build_network_policy(spec: LLMEngineSpec, name: str, namespace: str, owner: dict[str, Any] | None = None,
+                         rank_group: str | None = None) -> dict[str, Any]:
     ingress: list[dict[str, Any]] = [{"ports": [{"protocol": "TCP", "port": spec.serving.port}]}]
-    if spec.replica_shape.multi_node:
+    if spec.replica_shape.multi_node and rank_group:
+        group = {"podSelector": {"matchLabels": {**engine_pod_labels(name), LABEL_RANK_GROUP: rank_group}}}
         ingress.append({"from": [group], "ports": rank_ports()})
     return {
         "apiVersion": "networking.k8s.io/v1",

@@ -44,7 +44,7 @@ from kiln.operator.decide import (
     retirement,
 )
 from kiln.operator.job_pods import job_failure
-from kiln.operator.jobs import build_job
+from kiln.operator.jobs import build_job, model_secrets
 from kiln.operator.kube import ApiError, KubeClient, api_path
 from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, lws_name, owner_reference
 from kiln.operator.network import build_network_policy
@@ -132,8 +132,9 @@ async def observe(ctx: Context, namespace: str, name: str) -> World | None:
                                      pinned=pinned_digest(body.get("status") or {}, version))
     # The Job: to get or create it, or to time the build that just published the version.
     wants_job = manifest is None or (untrusted is None and (body.get("status") or {}).get("phase") == "Building")
-    job = await ctx.kube.get(job_path(namespace, version)) if wants_job else None
-    failure = await job_failure(ctx.kube, namespace, job) if job and job_state(job).state == "failed" else Failure()
+    jobs = ctx.config.jobs_namespace
+    job = await ctx.kube.get(job_path(jobs, version)) if wants_job else None
+    failure = await job_failure(ctx.kube, jobs, job) if job and job_state(job).state == "failed" else Failure()
     return World(**seen, manifest=manifest, untrusted=untrusted, job=job, failure=failure, now=datetime.now(UTC))
 
 
@@ -167,7 +168,7 @@ async def retry_build(ctx: Context, world: World, logger: logging.Logger) -> Out
     """Delete the failed build Job and create the version's next one (a storage error's retry is due, or the
     spec changed since a failure)."""
     assert world.version is not None
-    await ctx.kube.delete(job_path(world.namespace, world.version))
+    await ctx.kube.delete(job_path(ctx.config.jobs_namespace, world.version))
     logger.info(f"deleted the failed build Job {job_name(world.version)}: building {world.version} again")
     return Outcome(world.deployment, world.lws, job=await create_job(ctx, world, logger))
 
@@ -182,8 +183,8 @@ async def serve(ctx: Context, world: World, logger: logging.Logger) -> Outcome:
                                           owner)
     deployment, lws = world.deployment, world.lws
     if missing is None:
-        await ensure_serving_secrets(ctx, world, owner)
-        deployment, lws = await apply_serving(ctx, world, owner)
+        rank_group = await ensure_serving_secrets(ctx, world, owner)
+        deployment, lws = await apply_serving(ctx, world, owner, rank_group)
         await retire(ctx, world, retirement(world.spec, deployment, lws), logger)
     pods = await new_pods(ctx, world) if awaits_new_pods(world, deployment, lws, ctx.config) else None
     return Outcome(deployment, lws, prerequisite=missing, new_pods=pods)
@@ -197,39 +198,32 @@ STEPS: dict[str, Callable[[Context, World, logging.Logger], Awaitable[Outcome]]]
 
 
 async def ensure_job(ctx: Context, world: World, logger: logging.Logger) -> dict[str, Any]:
-    """Get-or-create THE build Job of the version (``world.job`` is the get), with this engine among its owners."""
+    """Get-or-create THE build Job of the version (``world.job`` is the get), and the credentials it names."""
+    assert world.spec is not None
     job = world.job or await create_job(ctx, world, logger)
-    mine = owner_reference(world.body, controller=False)
-    refs = job["metadata"].get("ownerReferences") or []
-    if any(ref.get("uid") == mine["uid"] for ref in refs):
-        return job
-    try:
-        return await ctx.kube.patch(job_path(world.namespace, world.version), {"metadata": {
-            "resourceVersion": job["metadata"]["resourceVersion"], "ownerReferences": [*refs, mine]}})
-    except ApiError as exc:
-        if exc.status != 409:
-            raise
-        return job  # another engine joined at the same time; the next reconcile adds us
+    await keys.ensure_credentials(ctx.kube, world.namespace, model_secrets(world.spec), job)
+    return job
 
 
 async def create_job(ctx: Context, world: World, logger: logging.Logger) -> dict[str, Any]:
-    """Create the build Job, owned by this engine; when someone else created it first, share theirs."""
+    """Create the build Job in the jobs namespace; when someone else created it first, share theirs. It has no
+    owner (an owner must be in the same namespace): it ends by its deadline and goes ttlSecondsAfterFinished later."""
     assert world.spec is not None and world.version is not None
-    # The private key, for the build container only: a copy in the Job's namespace (keys module docstring).
-    await keys.ensure_copy(ctx.kube, keys.signing_key_copy(world.namespace, await key_pair(ctx)))
+    jobs = ctx.config.jobs_namespace
+    # The private key, for the build container only, where builds run (keys module docstring).
+    await keys.ensure_copy(ctx.kube, keys.signing_key_copy(jobs, await key_pair(ctx)))
     desired = build_job(world.spec, world.name, world.namespace, world.version, ctx.config)
-    desired["metadata"]["ownerReferences"] = [owner_reference(world.body, controller=False)]
     try:
-        job = await ctx.kube.create(job_path(world.namespace), desired)
+        job = await ctx.kube.create(job_path(jobs), desired)
     except ApiError as exc:
         if exc.status != 409:
             raise
-        theirs = await ctx.kube.get(job_path(world.namespace, world.version))
+        theirs = await ctx.kube.get(job_path(jobs, world.version))
         if theirs is None:
             raise
         return theirs
     metrics.BUILDS_STARTED.inc()
-    logger.info(f"created build Job {job_name(world.version)} for {world.version}")
+    logger.info(f"created build Job {jobs}/{job_name(world.version)} for {world.version}")
     return job
 
 
@@ -239,15 +233,20 @@ async def key_pair(ctx: Context) -> keys.KeyPair:
     return ctx.keys
 
 
-async def ensure_serving_secrets(ctx: Context, world: World, owner: dict[str, Any]) -> None:
-    """What serving pods mount besides the workload: the public key, and a multi-node engine's group token."""
+async def ensure_serving_secrets(ctx: Context, world: World, owner: dict[str, Any]) -> str | None:
+    """What serving pods mount besides the workload: the public key, and a multi-node engine's group token, whose
+    rank label value this returns (None: one pod per replica, no rank channel)."""
     assert world.spec is not None
     await keys.ensure_copy(ctx.kube, keys.verify_key_copy(world.namespace, await key_pair(ctx)))
-    if world.spec.replica_shape.multi_node:
-        await keys.ensure_group_token(ctx.kube, world.name, world.namespace, owner)
+    if world.namespace != ctx.config.jobs_namespace:
+        await keys.remove_signing_copy(ctx.kube, world.namespace)
+    if not world.spec.replica_shape.multi_node:
+        return None
+    token = await keys.ensure_group_token(ctx.kube, world.name, world.namespace, owner)
+    return keys.rank_group_label(token, world.name)
 
 
-async def apply_serving(ctx: Context, world: World, owner: dict[str, Any]) -> Workloads:
+async def apply_serving(ctx: Context, world: World, owner: dict[str, Any], rank_group: str | None) -> Workloads:
     """Apply the workload, Service and PDB (or delete a PDB no longer wanted). Returns the workloads as they
     are now: the applied one as the API server answered, the other kind as read."""
     spec, name, namespace = world.spec, world.name, world.namespace
@@ -255,7 +254,7 @@ async def apply_serving(ctx: Context, world: World, owner: dict[str, Any]) -> Wo
     assert world.manifest is not None
     expect = expectation(world.manifest, world.pinned)
     workload = await apply(ctx.kube, build_workload(spec, name, namespace, world.version, world.artifact_uri,
-                                                    ctx.config, owner, expect))
+                                                    ctx.config, owner, expect, rank_group))
     await apply(ctx.kube, build_service(spec, name, namespace, owner))
     pdb = build_pdb(spec, name, namespace, owner)
     if pdb is not None:
@@ -263,7 +262,7 @@ async def apply_serving(ctx: Context, world: World, owner: dict[str, Any]) -> Wo
     else:
         await ctx.kube.delete(api_path("policy/v1", "poddisruptionbudgets", namespace, name))
     if ctx.config.network_policy:
-        await apply(ctx.kube, build_network_policy(spec, name, namespace, owner))
+        await apply(ctx.kube, build_network_policy(spec, name, namespace, owner, rank_group))
     else:
         await ctx.kube.delete(api_path("networking.k8s.io/v1", "networkpolicies", namespace, name))
     return (world.deployment, workload) if spec.replica_shape.multi_node else (workload, world.lws)

@@ -8,7 +8,9 @@ a cluster knows: ownerReferences (the LLMEngine's uid), the ``rendered-hash``
 annotation, the build the operator pinned (``$KILN_EXPECT_ARTIFACT``, known once the
 artifact is published), and the Secrets the operator writes (the signing and verify
 key copies, a multi-node engine's group token), which pods name but which hold values
-only the operator makes. The operator's settings come from the same
+only the operator makes, and the rank label value derived from that token (``RENDERED_RANK_GROUP``).
+The build Job is rendered in the namespace the operator runs builds in (``KILN_BUILD_NAMESPACE``, else
+``KILN_OPERATOR_NAMESPACE``). The operator's settings come from the same
 ``KILN_*`` variables the chart sets (:class:`kiln.operator.settings.OperatorConfig`);
 ``--store`` overrides ``KILN_STORE_URI``.
 """
@@ -36,6 +38,9 @@ from kiln.manifest import ManifestError, load_manifest
 
 EXIT_INVALID_SPEC = 2
 PLACEHOLDER_STORE = "s3://kiln-engines"
+# A multi-node engine's rank label value is an HMAC of its group token, which only the operator makes: rendered
+# as this placeholder, the same in the pods and the NetworkPolicy.
+RENDERED_RANK_GROUP = "set-by-the-operator"
 
 
 def artifact_uri(config: OperatorConfig, version: str) -> str:
@@ -52,12 +57,13 @@ def render_objects(engine: LLMEngine, config: OperatorConfig, namespace: str | N
     spec = validate_spec(engine.spec.to_k8s(), config)
     version = engine_version(spec)
     objects = [build_job(spec, name, ns, version, config),
-               build_workload(spec, name, ns, version, artifact_uri(config, version), config),
+               build_workload(spec, name, ns, version, artifact_uri(config, version), config,
+                              rank_group=RENDERED_RANK_GROUP),
                build_service(spec, name, ns)]
     if (pdb := build_pdb(spec, name, ns)) is not None:
         objects.append(pdb)
     if config.network_policy:
-        objects.append(build_network_policy(spec, name, ns))
+        objects.append(build_network_policy(spec, name, ns, rank_group=RENDERED_RANK_GROUP))
     objects += extra_objects(spec, name, ns, version, config)
     # Plain data (no shared sub-objects, so the YAML has no anchors).
     return [json.loads(json.dumps(obj)) for obj in objects]

@@ -117,6 +117,9 @@ class OperatorConfig:
     # Where the operator runs (its key pair Secret lives there), and that Secret when the admin brings one.
     operator_namespace: str = "default"
     signing_secret: str | None = None
+    # Where build Jobs run, and so the only namespace besides the operator's that holds the private key (None:
+    # the operator's). Engine namespaces get the public key only (kiln.operator.keys).
+    build_namespace: str | None = None
     # Build Jobs that fail on a storage error (the builder's exit code 3) are retried this many times, the
     # first after build_retry_delay_seconds, each next one after twice as long.
     build_retries: int = 3
@@ -193,6 +196,11 @@ class OperatorConfig:
         return self.serving_store_secret or (self.store_secret if self.allow_write_in_serving else None)
 
     @property
+    def jobs_namespace(self) -> str:
+        """The namespace of every build Job, engine and adapter alike."""
+        return self.build_namespace or self.operator_namespace
+
+    @property
     def key_secret(self) -> str:
         return self.signing_secret or DEFAULT_KEY_SECRET
 
@@ -222,6 +230,7 @@ def _with_trust(env: Mapping[str, str], config: OperatorConfig) -> OperatorConfi
         config,
         operator_namespace=env.get("KILN_OPERATOR_NAMESPACE", "").strip() or config.operator_namespace,
         signing_secret=signing_secret,
+        build_namespace=env.get("KILN_BUILD_NAMESPACE", "").strip() or None,
         build_retries=_int_env(env, "KILN_BUILD_RETRIES", config.build_retries),
         build_retry_delay_seconds=_float_env(env, "KILN_BUILD_RETRY_DELAY_SECONDS", config.build_retry_delay_seconds),
         network_policy=_bool_env(env, "KILN_NETWORK_POLICY", config.network_policy),

@@ -30,7 +30,7 @@ from kiln.operator.jobs import (
     shm_volume,
     with_gpus,
 )
-from kiln.operator.keys import group_token_env, verify_key_mount, verify_key_volume
+from kiln.operator.keys import LABEL_RANK_GROUP, group_token_env, verify_key_mount, verify_key_volume
 from kiln.operator.naming import (
     ANNOTATION_ARTIFACT,
     ANNOTATION_VERSION,
@@ -203,7 +203,7 @@ def worker_container(leader: dict[str, Any]) -> dict[str, Any]:
 
 def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, version: str, artifact_uri: str,
                             config: OperatorConfig, owner: dict[str, Any] | None = None,
-                            expect: ArtifactExpectation | None = None) -> dict[str, Any]:
+                            expect: ArtifactExpectation | None = None, rank_group: str | None = None) -> dict[str, Any]:
     """A ``leaderworkerset.x-k8s.io/v1`` LeaderWorkerSet: ``spec.serving.replicas`` groups of
     ``replica_shape.pods`` pods, pod ``i`` holding ranks ``i*k .. i*k+k-1`` on its ``k`` GPUs.
 
@@ -216,8 +216,10 @@ def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, vers
       a broken collective group heals no other way.
     - ``rolloutStrategy``: RollingUpdate, maxUnavailable 0, maxSurge 1: as the Deployment, a new group
       must be Ready before an old one goes, so the old version serves until the new one can.
+    - Every pod carries ``rank_group`` (:func:`kiln.operator.keys.rank_group_label`), what the NetworkPolicy admits.
     """
     shape = spec.replica_shape
+    ranks = {LABEL_RANK_GROUP: rank_group} if rank_group else {}
     leader = serving_container(spec, name, artifact_uri, config, expect)
     leader["ports"] = [*leader["ports"],
                        {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}]
@@ -244,12 +246,12 @@ def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, vers
                 "size": shape.pods,
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "leaderTemplate": {
-                    "metadata": {"labels": {**serving_labels(name), LABEL_VERSION: version},
+                    "metadata": {"labels": {**serving_labels(name), LABEL_VERSION: version, **ranks},
                                  "annotations": annotations},
                     "spec": _pod_spec(spec, config, leader, name),
                 },
                 "workerTemplate": {
-                    "metadata": {"labels": {**worker_labels(name), LABEL_VERSION: version},
+                    "metadata": {"labels": {**worker_labels(name), LABEL_VERSION: version, **ranks},
                                  "annotations": {ANNOTATION_VERSION: version}},
                     "spec": worker_pod,
                 },
@@ -260,10 +262,12 @@ def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, vers
 
 def build_workload(spec: LLMEngineSpec, name: str, namespace: str, version: str, artifact_uri: str,
                    config: OperatorConfig, owner: dict[str, Any] | None = None,
-                   expect: ArtifactExpectation | None = None) -> dict[str, Any]:
-    """The serving workload of a spec: a LeaderWorkerSet when a replica spans pods, else a Deployment."""
-    build = build_leader_worker_set if spec.replica_shape.multi_node else build_deployment
-    return build(spec, name, namespace, version, artifact_uri, config, owner, expect)
+                   expect: ArtifactExpectation | None = None, rank_group: str | None = None) -> dict[str, Any]:
+    """The serving workload of a spec: a LeaderWorkerSet when a replica spans pods, else a Deployment.
+    ``rank_group``: the multi-node engine's rank label value (:func:`kiln.operator.keys.rank_group_label`)."""
+    if spec.replica_shape.multi_node:
+        return build_leader_worker_set(spec, name, namespace, version, artifact_uri, config, owner, expect, rank_group)
+    return build_deployment(spec, name, namespace, version, artifact_uri, config, owner, expect)
 
 
 def build_service(spec: LLMEngineSpec, name: str, namespace: str,

@@ -86,6 +86,7 @@ VALUE_SETS = {
     "own-key": ["signing.secretName=team-signing-key", "networkPolicy.enabled=false",
                 "store.credentialsSecret=kiln-store", "store.allowWriteCredentialsInServing=true"],
     "ha": ["ha.enabled=true"],
+    "build-namespace": ["build.namespace=kiln-builds", "build.createNamespace=true"],
     "ha-namespaced": ["ha.enabled=true", "watchNamespaces={ml}", "metrics.enabled=false"],
 }
 
@@ -123,16 +124,17 @@ NEEDED = {
     ("serving.kiln.dev", "llmengines"): {"get", "list", "watch", "patch"},
     ("serving.kiln.dev", "llmengines/status"): {"get", "patch"},
     ("serving.kiln.dev", "llmengines/finalizers"): {"update"},
-    # delete: a build that failed on a storage error is deleted and run again (found on the real apiserver)
-    ("batch", "jobs"): {"get", "create", "patch", "delete"},
+    # in the jobs namespace only; delete: a build that failed on a storage error is deleted and run again
+    ("batch", "jobs"): {"get", "create", "delete"},
     ("", "pods"): {"get", "list"},
     ("apps", "deployments"): {"get", "create", "patch"},
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "create", "patch", "delete"},
     ("", "services"): {"get", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create"},
-    # the key pair (operator namespace), its copies and group tokens (engine namespaces): get/patch by name
-    ("", "secrets"): {"get", "create", "patch"},
+    # the key pair (operator namespace), the private key's and credentials' copies (jobs namespace), the verify
+    # key's and group tokens (engine namespaces), an older operator's private key copy there (delete)
+    ("", "secrets"): {"get", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},
     # the adapters a pod holds (docs/lora.md): the <engine>-adapters ConfigMap, dropped with spec.lora
     ("", "configmaps"): {"get", "create", "patch", "delete"},
@@ -161,10 +163,10 @@ def test_rbac_is_exactly_what_the_operator_uses(helm: Path):
 
 def test_watched_namespaces_get_roles_not_cluster_write_access(helm: Path):
     docs = render(helm, *VALUE_SETS["namespaced"])
-    roles = [r for r in by_kind(docs, "Role") if not r["metadata"]["name"].endswith("-signing-key")]
+    roles = [r for r in by_kind(docs, "Role") if not r["metadata"]["name"].endswith(("-signing-key", "-builds"))]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
     assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")
-                  if not b["metadata"]["name"].endswith("-signing-key")) == ["ml", "research"]
+                  if not b["metadata"]["name"].endswith(("-signing-key", "-builds"))) == ["ml", "research"]
     (cluster_role,) = by_kind(docs, "ClusterRole")  # discovery only, read-only
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in cluster_role["rules"])
     c = operator_container(docs)
@@ -244,11 +246,15 @@ def test_the_operator_holds_its_key_pair_and_reads_secrets_only_by_name(helm: Pa
     assert own["metadata"]["namespace"] == "kiln-system"
     assert {"resources": ["secrets"], "apiGroups": [""], "resourceNames": ["kiln-signing-key"],
             "verbs": ["get"]} in own["rules"]
-    # Nowhere may the operator read a Secret it does not name: only create is unrestricted.
+    # Engine namespaces: the verify key patched by name, the private key only ever deleted (by name), any other
+    # Secret only read (the credentials a spec names, copied next to its build Job); never listed or watched.
     for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
         for rule in role["rules"]:
-            if "secrets" in rule["resources"] and set(rule["verbs"]) - {"create"}:
-                assert rule.get("resourceNames"), rule
+            if "secrets" in rule["resources"]:
+                assert not set(rule["verbs"]) & {"list", "watch", "update"}, rule
+                if role["metadata"]["name"] == "kiln" and set(rule["verbs"]) - {"create", "get"}:
+                    assert rule["resourceNames"] in (["kiln-verify-key"], ["kiln-build-signing-key"]), rule
+                    assert rule["resourceNames"] == ["kiln-verify-key"] or rule["verbs"] == ["delete"], rule
     byo = render(helm, "signing.secretName=team-key")
     assert env_of(operator_container(byo))["KILN_SIGNING_SECRET"] == "team-key"
     (own,) = [r for r in by_kind(byo, "Role") if r["metadata"]["name"].endswith("-signing-key")]
@@ -260,6 +266,31 @@ def test_the_operator_holds_its_key_pair_and_reads_secrets_only_by_name(helm: Pa
 
     config = OperatorConfig.from_env({k: v for k, v in retries.items() if v is not None})
     assert (config.build_retries, config.build_retry_delay_seconds, config.network_policy) == (5, 30.0, False)
+
+
+def test_build_jobs_and_the_private_key_live_only_in_the_jobs_namespace(helm: Path):
+    from kiln.operator.settings import OperatorConfig
+
+    for sets, jobs_ns in [([], "kiln-system"), (["build.namespace=kiln-builds"], "kiln-builds"),
+                          (["watchNamespaces={ml}"], "kiln-system")]:
+        docs = render(helm, *sets)
+        env = {k: v for k, v in env_of(operator_container(docs)).items() if v is not None}
+        assert OperatorConfig.from_env(env).jobs_namespace == jobs_ns
+        (builds,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"].endswith("-builds")]
+        assert builds["metadata"]["namespace"] == jobs_ns
+        assert {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "create", "delete"]} in builds["rules"]
+        (binding,) = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"].endswith("-builds")]
+        assert binding["metadata"]["namespace"] == jobs_ns and binding["roleRef"]["name"] == builds["metadata"]["name"]
+        # Engine namespaces (the ClusterRole, or a watched namespace's Role): no Jobs, and no private key to read.
+        for role in by_kind(docs, "ClusterRole") + by_kind(docs, "Role"):
+            if role["metadata"]["name"] != "kiln":
+                continue
+            assert not [r for r in role["rules"] if "jobs" in r["resources"]], role
+            assert not [r for r in role["rules"] if "kiln-build-signing-key" in (r.get("resourceNames") or [])
+                        and set(r["verbs"]) != {"delete"}], role
+    assert not by_kind(render(helm, "build.namespace=kiln-builds"), "Namespace")
+    (namespace,) = by_kind(render(helm, "build.namespace=kiln-builds", "build.createNamespace=true"), "Namespace")
+    assert namespace["metadata"]["name"] == "kiln-builds"
 
 
 def test_ha_runs_replicas_with_peering(helm: Path):

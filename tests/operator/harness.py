@@ -29,7 +29,8 @@ from kiln.signing import Signer
 
 NS = "ml"
 ENGINES = f"/apis/serving.kiln.dev/v1alpha1/namespaces/{NS}/llmengines"
-JOBS = f"/apis/batch/v1/namespaces/{NS}/jobs"
+JOBS = f"/apis/batch/v1/namespaces/{OPERATOR_NS}/jobs"  # build Jobs run where the private key is (operator.keys)
+BUILD_PODS = f"/api/v1/namespaces/{OPERATOR_NS}/pods"
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
 LWSS = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NS}/leaderworkersets"
 SERVICES = f"/api/v1/namespaces/{NS}/services"
@@ -149,10 +150,10 @@ class Cluster:
         name = job["metadata"]["name"]
         pod = f"{name}-{job['metadata']['uid'][:5]}"
         owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"]}
-        self.kube.create(PODS, {"metadata": {"name": pod, "labels": {"batch.kubernetes.io/job-name": name},
+        self.kube.create(BUILD_PODS, {"metadata": {"name": pod, "labels": {"batch.kubernetes.io/job-name": name},
                                              "ownerReferences": [owner]},  # gone with its Job
                                 "spec": {"containers": [{"name": "build", "image": "kiln"}]}})
-        self.kube.patch(f"{PODS}/{pod}/status", {"status": {"phase": "Failed", "containerStatuses": [
+        self.kube.patch(f"{BUILD_PODS}/{pod}/status", {"status": {"phase": "Failed", "containerStatuses": [
             {"name": "build", "state": {"terminated": {"exitCode": exit_code, "finishedAt": "2026-01-01T00:01:00Z",
                                                        "message": message}}}]}})
         self.kube.patch(f"{JOBS}/{name}/status", {"status": {"failed": 2, "conditions": [

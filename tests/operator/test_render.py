@@ -98,7 +98,7 @@ def test_build_job_passes_the_spec_store_and_version_per_contract():
     assert job["spec"]["activeDeadlineSeconds"] == 1200
     assert job["spec"]["backoffLimit"] == CONFIG.build_backoff_limit
     assert job["spec"]["ttlSecondsAfterFinished"] == CONFIG.build_ttl_seconds
-    assert "ownerReferences" not in job["metadata"]  # shared: owners are added per LLMEngine
+    assert "ownerReferences" not in job["metadata"]  # shared, and in the jobs namespace: no engine owns it
     store = ArtifactStore.from_uri("file:///tmp/kiln-store-x")
     cfg = OperatorConfig(store_uri="file:///tmp/kiln-store-x")
     assert build_job(s, "d", "n", version, cfg)["metadata"]["annotations"][
@@ -111,7 +111,8 @@ def test_build_job_keeps_model_and_store_credentials_in_separate_containers():
     pod = job["spec"]["template"]["spec"]
     fetch, build = init_container(job), container(job)
     assert fetch["args"] == ["--fetch-only"] and fetch["image"] == build["image"] == CONFIG.builder_image
-    assert fetch["envFrom"] == [{"secretRef": {"name": "team-a-models"}}]
+    # The jobs namespace's copy of the engine namespace's Secret (kiln.operator.keys), only in fetch.
+    assert fetch["envFrom"] == [{"secretRef": {"name": "kiln-cred-ml.team-a-models"}}]
     assert build["envFrom"] == [{"secretRef": {"name": "kiln-store"}}]
     fetch_env = {e["name"] for e in fetch["env"]}
     assert not any(n.startswith("KILN_STORE") for n in fetch_env) and BUILT_BY_ENV not in fetch_env
@@ -151,8 +152,8 @@ def test_build_job_fetches_a_draft_model_with_its_claim_and_credentials():
     hf = spec(model={"source": "s3://models/m"},
               speculative={"method": "draft_model", "draftModel": {"source": "hf://org/small", "credentialsSecret": "hf"}})
     job = build_job(hf, "demo", "ml", engine_version(hf), CONFIG)
-    assert init_container(job)["envFrom"] == [{"secretRef": {"name": "hf"}}]
-    assert "envFrom" not in container(job) or {"secretRef": {"name": "hf"}} not in container(job)["envFrom"]
+    assert init_container(job)["envFrom"] == [{"secretRef": {"name": "kiln-cred-ml.hf"}}]
+    assert "envFrom" not in container(job) or {"secretRef": {"name": "kiln-cred-ml.hf"}} not in container(job)["envFrom"]
 
 
 def test_a_file_draft_model_is_refused_like_a_file_model():

@@ -246,10 +246,12 @@ def test_kiln_render_prints_what_the_operator_would_create(monkeypatch):
     config = OperatorConfig.from_env({"KILN_STORE_URI": "s3://prod-engines/kiln"})
     assert docs == render_objects(engine, config)
     # A one-pod engine: a Deployment; the store comes from $KILN_STORE_URI without --store.
+    # The build Job in the namespace builds run in (the operator's: the only one holding the private key).
+    monkeypatch.setenv("KILN_OPERATOR_NAMESPACE", "kiln-system")
     result = CliRunner().invoke(render, ["-f", str(ROOT / "examples" / "llama-3.1-70b-4xh100.yaml"), "-n", "x"])
     assert result.exit_code == 0, result.output
     kinds = [(d["kind"], d["metadata"]["namespace"]) for d in yaml.safe_load_all(result.output)]
-    assert kinds == [("Job", "x"), ("Deployment", "x"), ("Service", "x"), ("NetworkPolicy", "x")]
+    assert kinds == [("Job", "kiln-system"), ("Deployment", "x"), ("Service", "x"), ("NetworkPolicy", "x")]
     assert "s3://from-env/kiln/engines/" in result.output
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from conftest import wait_for
-from harness import ENGINES, NS, SPEC, Cluster, manifest, running_operator
+from harness import ENGINES, JOBS, NS, SPEC, Cluster, manifest, running_operator
 
 from kiln.api import LLMEngineSpec
 from kiln.artifact_manifest import BUILT_BY_ENV, BuiltBy
@@ -58,7 +58,7 @@ def test_adding_and_removing_an_adapter_builds_only_it_and_never_rolls_pods(clus
         (src / "adapter_model.safetensors").write_bytes(b"x" * 64)
         cluster.store.publish(a_version, src, adapter_envelope(version, adapter),
                               built_by=BuiltBy.model_validate_json(env[BUILT_BY_ENV]), signer=cluster.signer())
-        cluster.kube.patch(f"/apis/batch/v1/namespaces/{NS}/jobs/{job['metadata']['name']}/status", {"status": {
+        cluster.kube.patch(f"{JOBS}/{job['metadata']['name']}/status", {"status": {
             "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}})
         wait_for(lambda: listed(cluster, "chat") == ["sql"], what="the ConfigMap lists sql")
         wait_for(lambda: [a["phase"] for a in cluster.status("chat").get("adapters") or []] == ["Ready"],

@@ -5,6 +5,7 @@ test_render_lws.py)."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import time
 
@@ -21,6 +22,7 @@ from harness import (
     manifest,
     running_operator,
 )
+from kiln.operator.keys import rank_group_label
 from kiln.operator.naming import lws_name
 
 LWS_RESOURCE = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
@@ -81,6 +83,10 @@ def test_multi_node_engine_builds_once_then_serves_from_a_leader_worker_set(clus
         selector = policy["spec"]["ingress"][1]["from"][0]["podSelector"]["matchLabels"]
         for template in (lwt["leaderTemplate"], lwt["workerTemplate"]):
             assert selector.items() <= template["metadata"]["labels"].items()
+        # ... by a label value only the token gives: the engine's own labels, which any pod can set, do not.
+        value = base64.b64decode(token["data"]["token"]).decode()
+        assert selector["serving.kiln.dev/rank-group"] == rank_group_label(value, "big")
+        assert not selector.items() <= {"serving.kiln.dev/engine": "big"}.items()
 
 
 def test_gitops_bump_keeps_the_old_group_serving_then_revert_rolls_back_without_a_build(cluster: Cluster):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from conftest import OPERATOR_NS, wait_for
-from harness import DEPLOYMENTS, ENGINES, NS, SPEC, Cluster, manifest, running_operator
+from harness import DEPLOYMENTS, ENGINES, JOBS, NS, SPEC, Cluster, manifest, running_operator
 
 from kiln.artifact_manifest import BUILT_BY_ENV, EXPECT_ENV, ArtifactExpectation, BuiltBy
 from kiln.signing import SIGNING_KEY_ENV, VERIFY_KEY_ENV, Signer, Verifier
@@ -32,6 +32,32 @@ def ready(c: Cluster, name: str) -> str:
     return version
 
 
+def test_a_private_key_an_older_operator_copied_into_the_engine_namespace_is_deleted(cluster: Cluster):
+    c = cluster
+    c.kube.create(SECRETS, {"metadata": {"name": "kiln-build-signing-key"}, "data": {"signing-key.pem": "b2xk"}})
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        ready(c, "demo")
+        wait_for(lambda: c.kube.get(f"{SECRETS}/kiln-build-signing-key") is None, what="the stale copy deleted")
+
+
+def test_model_credentials_are_copied_to_the_build_and_go_with_its_job(cluster: Cluster):
+    c = cluster
+    spec = {**SPEC, "model": {**SPEC["model"], "credentialsSecret": "hf-token"}}
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo", **spec))
+        job = c.wait_job()
+        (fetch,) = job["spec"]["template"]["spec"]["initContainers"]
+        assert fetch["envFrom"] == [{"secretRef": {"name": "kiln-cred-ml.hf-token"}}]
+        time.sleep(1)  # the Secret does not exist yet: the pod waits, nothing is copied, no error
+        assert c.kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/secrets/kiln-cred-ml.hf-token") is None
+        c.kube.create(SECRETS, {"metadata": {"name": "hf-token"}, "data": {"HF_TOKEN": "aGY="}})
+        copy = wait_for(lambda: c.kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/secrets/kiln-cred-ml.hf-token"),
+                        what="the credentials copied next to the Job")
+        assert copy["data"] == {"HF_TOKEN": "aGY="}
+        assert [r["uid"] for r in copy["metadata"]["ownerReferences"]] == [job["metadata"]["uid"]]
+
+
 def test_the_operator_makes_its_key_pair_and_gives_each_pod_only_its_half(cluster: Cluster, tmp_path):
     c = cluster
     with running_operator():
@@ -41,7 +67,9 @@ def test_the_operator_makes_its_key_pair_and_gives_each_pod_only_its_half(cluste
                         what="the key pair Secret in the operator's namespace")
         private = base64.b64decode(pair["data"]["signing-key.pem"])
         public = base64.b64decode(pair["data"]["verify-key.pem"])
-        build_copy = c.kube.get(f"{SECRETS}/kiln-build-signing-key")
+        # The private key lives only where builds run: the Job and its key copy are in the operator's namespace.
+        assert job["metadata"]["namespace"] == OPERATOR_NS
+        build_copy = c.kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/secrets/kiln-build-signing-key")
         assert build_copy["data"] == {"signing-key.pem": pair["data"]["signing-key.pem"]}
         pod = job["spec"]["template"]["spec"]
         (fetch,), (build,) = pod["initContainers"], pod["containers"]
@@ -50,6 +78,12 @@ def test_the_operator_makes_its_key_pair_and_gives_each_pod_only_its_half(cluste
         ready(c, "demo")
         verify_copy = c.kube.get(f"{SECRETS}/kiln-verify-key")
         assert verify_copy["data"] == {"verify-key.pem": pair["data"]["verify-key.pem"]}
+        # No Secret of the engine's namespace holds the private key, under any name.
+        private_b64 = pair["data"]["signing-key.pem"]
+        assert not [s for s in c.kube.list(SECRETS) if private_b64 in (s.get("data") or {}).values()]
+        pod_secrets = {v["secret"]["secretName"] for v in c.deployment("demo")["spec"]["template"]["spec"]["volumes"]
+                       if "secret" in v}
+        assert pod_secrets <= {"kiln-verify-key"}  # serving pods name the verify key, never a signing key
         (serve,) = c.deployment("demo")["spec"]["template"]["spec"]["containers"]
         assert VERIFY_KEY_ENV in {e["name"] for e in serve["env"]} and "envFrom" in serve
         assert serve["envFrom"] == [{"secretRef": {"name": "kiln-store-ro"}}]  # never the write Secret
@@ -116,7 +150,7 @@ def test_a_storage_error_is_retried_and_a_permanent_failure_is_not(cluster: Clus
         assert record["failedGeneration"] == 1 and record["failure"] == "BackoffLimitExceeded"
         assert "no config.json" in c.condition("demo", "Built")["message"]
         # The Job's TTL runs out: before, the next reconcile rebuilt it unasked.
-        c.kube.delete(f"/apis/batch/v1/namespaces/{NS}/jobs/{second['metadata']['name']}")
+        c.kube.delete(f"{JOBS}/{second['metadata']['name']}")
         time.sleep(1.5)
         assert c.jobs() == [] and c.status("demo")["phase"] == "Failed"
         # A spec edit asks again.

@@ -4,13 +4,22 @@ credentials, the pinned digest, and which build failures are retried (kiln.opera
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 
 import kubernetes_validate
 import pytest
 from kiln.operator.decide import BUILD, REPORT, RETRY, SERVE, Outcome, World, decide, observation
 from kiln.operator.jobs import build_job
-from kiln.operator.keys import GROUP_TOKEN_ENV, KeyPair, group_token_secret, signing_key_copy, verify_key_copy
+from kiln.operator.keys import (
+    GROUP_TOKEN_ENV,
+    LABEL_RANK_GROUP,
+    KeyPair,
+    group_token_secret,
+    rank_group_label,
+    signing_key_copy,
+    verify_key_copy,
+)
 from kiln.operator.network import build_network_policy
 from kiln.operator.render import render_objects
 from kiln.operator.retry import STORAGE_EXIT_CODE, Failure, build_step, next_record
@@ -104,23 +113,40 @@ def test_serving_pods_get_no_write_secret_unless_allowed():
 
 
 def test_a_multi_node_engine_admits_rank_ports_only_from_its_own_pods_and_every_rank_has_the_token():
-    policy = build_network_policy(MULTI, "big", "ml")
+    group = rank_group_label("t0k3n", "big")
+    policy = build_network_policy(MULTI, "big", "ml", rank_group=group)
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     spec = policy["spec"]
     assert spec["podSelector"] == {"matchLabels": {"serving.kiln.dev/engine": "big"}}
     assert spec["policyTypes"] == ["Ingress"]
     http, ranks = spec["ingress"]
     assert "from" not in http and http["ports"] == [{"protocol": "TCP", "port": 8000}]  # clients, as before
-    assert ranks["from"] == [{"podSelector": {"matchLabels": {"serving.kiln.dev/engine": "big"}}}]
+    (peer,) = ranks["from"]
+    assert peer == {"podSelector": {"matchLabels": {"serving.kiln.dev/engine": "big", LABEL_RANK_GROUP: group}}}
     assert {"protocol": "TCP", "port": RENDEZVOUS_PORT} in ranks["ports"]
     assert {"protocol": "TCP", "port": 1024, "endPort": 65535} in ranks["ports"]
-    lws = build_workload(MULTI, "big", "ml", "v1", "s3://b/p/engines/v1", CONFIG)
+    lws = build_workload(MULTI, "big", "ml", "v1", "s3://b/p/engines/v1", CONFIG, rank_group=group)
     lwt = lws["spec"]["leaderWorkerTemplate"]
     for template in (lwt["leaderTemplate"], lwt["workerTemplate"]):
         (c,) = template["spec"]["containers"]
         assert envs(c)[GROUP_TOKEN_ENV] == {"secretKeyRef": {"name": "big-group-token", "key": "token"}}
-        # the policy selects every rank's pod
-        assert template["metadata"]["labels"]["serving.kiln.dev/engine"] == "big"
+        # the policy's peer selector matches every rank's pod
+        assert peer["podSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+
+
+def test_the_rank_label_is_derived_from_the_token_so_a_pod_s_own_labels_cannot_satisfy_the_policy():
+    group = rank_group_label("t0k3n", "big")
+    assert re.fullmatch(r"[0-9a-f]{32}", group)  # a valid label value
+    # Not a constant: another engine's token, or another engine with the same token, gives another value.
+    assert len({group, rank_group_label("other-token", "big"), rank_group_label("t0k3n", "small")}) == 3
+    assert rank_group_label("t0k3n", "big") == group  # stable: the pods keep matching across reconciles
+    (peer,) = build_network_policy(MULTI, "big", "ml", rank_group=group)["spec"]["ingress"][1]["from"]
+    wanted = peer["podSelector"]["matchLabels"]
+    # A pod that set the engine's labels (all any pod can know without the token) is not admitted.
+    squatter = {"serving.kiln.dev/engine": "big", "app.kubernetes.io/component": "serving-worker"}
+    assert not wanted.items() <= squatter.items()
+    # Without the value the policy admits no pod to the rank ports (closed, not open).
+    assert len(build_network_policy(MULTI, "big", "ml")["spec"]["ingress"]) == 1
 
 
 def test_a_single_pod_engine_opens_only_its_serving_port():

@@ -46,12 +46,7 @@ app.kubernetes.io/component: operator
 - apiGroups: [serving.kiln.dev]
   resources: [llmengines/finalizers]
   verbs: [update]
-# One build Job per engine version; engines add themselves as owners (patch); delete: a build that failed
-# on a storage error is deleted and started again (build.retries).
-- apiGroups: [batch]
-  resources: [jobs]
-  verbs: [get, create, patch, delete]
-# The builder's termination message, shown in status when a build fails.
+# A new version's pods, read while it rolls out (pods the scheduler cannot place).
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list]
@@ -72,15 +67,21 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
-# Copies of the operator's keys (the private key for build Jobs, the public key for serving pods) and
-# each multi-node engine's group token. Read and patched by name only; the token is created, never read.
+# The public key's copy (serving pods verify with it) and each multi-node engine's group token: created,
+# the copy read and patched by name; the token is never read. No private key is ever here: a copy an older
+# operator wrote is deleted by name. get: the credentials Secret a spec names (model, adapter), copied next
+# to the build Job that fetches with it (the operator could mount it in a pod it creates anyway); never list.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create]
+  verbs: [create, get]
 - apiGroups: [""]
   resources: [secrets]
-  resourceNames: [kiln-build-signing-key, kiln-verify-key]
-  verbs: [get, patch]
+  resourceNames: [kiln-verify-key]
+  verbs: [patch]
+- apiGroups: [""]
+  resources: [secrets]
+  resourceNames: [kiln-build-signing-key]
+  verbs: [delete]
 # Each engine's NetworkPolicy; delete: when networkPolicy.enabled is turned off.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
@@ -131,4 +132,10 @@ app.kubernetes.io/component: operator
 {{- if .Values.operator.logVerbose }}
 - --verbose
 {{- end }}
+{{- end -}}
+
+
+{{/* Where build Jobs run: build.namespace, else the release namespace. */}}
+{{- define "kiln.jobsNamespace" -}}
+{{- default .Release.Namespace .Values.build.namespace -}}
 {{- end -}}
