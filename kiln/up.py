@@ -1,5 +1,8 @@
 """``kiln up``: the embedded default — build a manifest into a local store if needed, then serve it.
 
+Several manifests (``-f a.yaml -f b.yaml``), or one ``kind: LLMEnginePool`` manifest listing them, are each built
+the same way and served together by one ``kiln serve --engine NAME=URI ...``: an engine pool (docs/pools.md).
+
 No Kubernetes: the same builder a build Job runs (in this process), then
 ``kiln serve --artifact <uri>`` as a child process in the foreground. The engine is signed and verified
 as on a cluster, with a local key pair made on first use (``~/.cache/kiln/keys``, or ``$KILN_KEY_DIR``):
@@ -18,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -35,6 +39,97 @@ def serve_command(artifact_uri: str, engine, host: str, port: int, verify_key: P
         "--drain-timeout", str(serving.drain_timeout_seconds), "--verify-key", str(verify_key),
     ]
 
+
+POOL_KIND = "LLMEnginePool"
+POOL_FIELDS = {"engines": list, "maxLoadedEngines": int, "memoryBudget": str, "idleUnloadAfter": (int, float),
+               "loadTimeout": (int, float), "queueSize": int, "port": int}
+# The pool manifest's fields and the `kiln serve` flags they become (docs/pools.md).
+POOL_FLAGS = {"maxLoadedEngines": "--max-loaded-engines", "memoryBudget": "--memory-budget",
+              "idleUnloadAfter": "--idle-unload-after", "loadTimeout": "--load-timeout",
+              "queueSize": "--pool-queue-size"}
+
+
+@dataclass
+class PoolManifest:
+    """``kind: LLMEnginePool`` for ``kiln up``: the LLMEngine manifests it serves (paths relative to it) and the
+    pool's settings, as ``kiln serve`` flags."""
+
+    name: str
+    engines: list[Path]
+    flags: list[str]
+    port: int | None = None
+
+
+def read_pool(path: Path, doc: dict) -> PoolManifest:
+    """A pool manifest's document; ManifestError naming the field and the fix."""
+    from kiln.manifest import ManifestError
+
+    spec = doc.get("spec")
+    name = (doc.get("metadata") or {}).get("name") if isinstance(doc.get("metadata"), dict) else None
+    problems = [] if isinstance(name, str) and name else ["metadata.name: give the pool a name"]
+    if not isinstance(spec, dict):
+        raise ManifestError([*problems, "spec: expected a map with engines: [<LLMEngine manifest path>, ...]"],
+                            f"{POOL_KIND} manifest {path}")
+    for key, value in spec.items():
+        want = POOL_FIELDS.get(key)
+        if want is None:
+            problems.append(f"spec.{key}: unknown field; use {', '.join(POOL_FIELDS)}")
+        elif not isinstance(value, want) or isinstance(value, bool) or (want is not str and key != "engines"
+                                                                         and value <= 0):
+            problems.append(f"spec.{key}: must be {_kind_of(key)}, got {value!r}")
+    engines = spec.get("engines")
+    if not engines or not isinstance(engines, list) or not all(isinstance(e, str) and e for e in engines):
+        problems.append("spec.engines: list the LLMEngine manifests to serve, as paths relative to this file")
+    if problems:
+        raise ManifestError(problems, f"{POOL_KIND} manifest {path}")
+    flags = [f for key, flag in POOL_FLAGS.items() if key in spec for f in (flag, str(spec[key]))]
+    return PoolManifest(name, [path.parent / e for e in engines], flags, spec.get("port"))
+
+
+def _kind_of(key: str) -> str:
+    return {"memoryBudget": "a Kubernetes memory quantity such as 6Gi", "engines": "a list of paths",
+            "maxLoadedEngines": "a whole number above 0", "queueSize": "a whole number above 0",
+            "port": "a port number"}.get(key, "a number of seconds above 0")
+
+
+def read_manifests(paths: tuple[Path, ...]) -> tuple[list, PoolManifest | None]:
+    """The LLMEngines to serve and the pool manifest among ``paths`` (at most one); ManifestError otherwise."""
+    import yaml
+
+    from kiln.manifest import ManifestError, load_manifest
+
+    engines, pool = [], None
+    for path in paths:
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            doc = None  # load_manifest says what is wrong with it
+        if isinstance(doc, dict) and doc.get("kind") == POOL_KIND:
+            if pool is not None:
+                raise ManifestError(f"kind: {POOL_KIND}: give one pool manifest, not two",
+                                    f"{POOL_KIND} manifest {path}")
+            pool = read_pool(path, doc)
+            engines += [load_manifest(p) for p in pool.engines]
+        else:
+            engines.append(load_manifest(path))
+    seen: set[str] = set()
+    for engine in engines:
+        if engine.metadata.name in seen:
+            raise ManifestError(f"metadata.name: {engine.metadata.name!r} is served twice; clients pick an engine "
+                                "by this name, so give each its own", engine.metadata.name)
+        seen.add(engine.metadata.name)
+    return engines, pool
+
+
+def pool_serve_command(built: list, pool: PoolManifest | None, host: str, port: int, verify_key: Path) -> list[str]:
+    """``kiln serve`` for several engines (``built``: (LLMEngine, artifact URI) pairs) as one pool."""
+    serving = built[0][0].spec.serving
+    cmd = [sys.executable, "-m", "kiln", "serve", "--host", host, "--port", str(port), "--served-model-name",
+           pool.name if pool is not None else "kiln-up-pool", "--max-queue-len", str(serving.max_queue_len),
+           "--drain-timeout", str(serving.drain_timeout_seconds), "--verify-key", str(verify_key)]
+    for engine, uri in built:
+        cmd += ["--engine", f"{engine.metadata.name}={uri}"]
+    return cmd + (pool.flags if pool is not None else [])
 
 def default_key_dir() -> Path:
     """Where ``kiln up`` keeps its local signing pair: ``$KILN_KEY_DIR``, else ``~/.cache/kiln/keys``."""
@@ -65,10 +160,10 @@ def read_engine_json(store_uri: str, version: str) -> dict:
 
 
 def build_adapters(engine, store_uri: str, work_dir: str | None, signing_key: Path, base_version: str
-                   ) -> Path | None:
-    """Each adapter of ``spec.lora`` built into the store as its own artifact (``kiln build-adapter``), listed
-    in a file the server follows as a pod follows its ConfigMap (docs/lora.md). An adapter whose build fails
-    is reported and left out; the base engine serves all the same, as on a cluster."""
+                   ) -> list[dict[str, str]] | None:
+    """Each adapter of ``spec.lora`` built into the store as its own artifact (``kiln build-adapter``): the
+    adapter list's entries for them (None: the spec has none). An adapter whose build fails is reported and left
+    out; the base engine serves all the same, as on a cluster."""
     lora = engine.spec.lora
     if lora is None or not lora.adapters:
         return None
@@ -82,7 +177,16 @@ def build_adapters(engine, store_uri: str, work_dir: str | None, signing_key: Pa
             continue
         click.echo(f"adapter {adapter.name}: {outcome.message}")
         entries.append(adapter_list.entry(adapter.name, outcome.artifact_uri, outcome.version, base_version))
-    return adapter_list.write(Path(work_dir or tempfile.mkdtemp(prefix="kiln-up-")) / "adapters.json", entries)
+    return entries
+
+
+def write_adapter_list(entries: list[dict[str, str]] | None, work_dir: str | None) -> dict[str, str] | None:
+    """The server's environment naming the adapter list it follows as a pod follows its ConfigMap (docs/lora.md);
+    one list for every engine served (each entry names its base engine's version). None: no adapters."""
+    if entries is None:
+        return None
+    path = adapter_list.write(Path(work_dir or tempfile.mkdtemp(prefix="kiln-up-")) / "adapters.json", entries)
+    return {**os.environ, adapter_list.ADAPTERS_FILE_ENV: str(path)}
 
 
 def run_foreground(cmd: list[str], env: dict[str, str] | None = None) -> int:
@@ -106,40 +210,64 @@ def run_foreground(cmd: list[str], env: dict[str, str] | None = None) -> int:
 
 
 @click.command("up")
-@click.option("-f", "--file", "manifest", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="LLMEngine manifest (YAML or JSON).")
+@click.option("-f", "--file", "manifests", required=True, multiple=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="LLMEngine manifest (YAML or JSON); repeat it, or give an LLMEnginePool manifest, to serve several "
+                   "engines from one process (docs/pools.md).")
 @click.option("--store", "store_uri", default=None, metavar="URI",
               help="Artifact store (default: $KILN_STORE or file://~/.cache/kiln/store).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the server binds.")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="Port (default: spec.serving.port).")
 @click.option("--work-dir", default=None, type=click.Path(file_okay=False), help="Build scratch directory.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging for the build.")
-def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_dir: str | None,
+def up(manifests: tuple[Path, ...], store_uri: str | None, host: str, port: int | None, work_dir: str | None,
        verbose: bool) -> None:
-    """Build the manifest's engine into a local store if missing, then serve it on this machine."""
+    """Build the manifests' engines into a local store if missing, then serve them on this machine."""
     from kiln.artifacts import default_store_uri
-    from kiln.builder.cli import build_engine
-    from kiln.builder.report import setup_logging, summary_lines
-    from kiln.manifest import ManifestError, load_manifest
+    from kiln.builder.report import setup_logging
+    from kiln.manifest import ManifestError
     from kiln.signing import generate_key_pair
 
     try:
-        engine = load_manifest(manifest)
+        engines, pool = read_manifests(manifests)
     except ManifestError as exc:
-        click.echo(f"error: invalid LLMEngine manifest {manifest}:", err=True)
+        what = exc.origin if exc.origin.startswith(POOL_KIND) else f"LLMEngine manifest {exc.origin}"
+        click.echo(f"error: invalid {what}:", err=True)
         for line in exc.problems:
             click.echo(f"  {line}", err=True)
         sys.exit(EXIT_INVALID_SPEC)
     setup_logging(verbose)
     store_uri = store_uri or default_store_uri()
     signing_key, verify_key = generate_key_pair(default_key_dir())
+    built, adapters = [], None
+    for engine in engines:
+        outcome, entries = build_one(engine, store_uri, work_dir, signing_key, verify_key)
+        built.append((engine, outcome.artifact_uri))
+        if entries is not None:
+            adapters = (adapters or []) + entries
+    port = port if port is not None else pool.port if pool is not None and pool.port is not None \
+        else engines[0].spec.serving.port
+    env = write_adapter_list(adapters, work_dir)
+    if pool is None and len(built) == 1:
+        click.echo(f"serving {built[0][1]} on http://{host}:{port}/v1 (Ctrl-C to stop)")
+        sys.exit(run_foreground(serve_command(built[0][1], built[0][0], host, port, verify_key), env))
+    click.echo(f"serving {len(built)} engines ({', '.join(e.metadata.name for e, _ in built)}) as one pool on "
+               f"http://{host}:{port}/v1 (Ctrl-C to stop)")
+    sys.exit(run_foreground(pool_serve_command(built, pool, host, port, verify_key), env))
+
+
+def build_one(engine, store_uri: str, work_dir: str | None, signing_key: Path, verify_key: Path):
+    """Build (or find) one engine and its adapters; exits with the builder's code when it cannot be served."""
+    from kiln.builder.cli import build_engine
+    from kiln.builder.report import summary_lines
+
     try:
         outcome = build_engine(engine, store_uri, work_dir, signing_key=signing_key)
     except KeyboardInterrupt:
         click.echo("interrupted: nothing was published", err=True)
         sys.exit(130)
     if outcome.exit_code:
-        click.echo(f"error: {outcome.message}", err=True)
+        click.echo(f"error: {engine.metadata.name}: {outcome.message}", err=True)
         sys.exit(outcome.exit_code)
     click.echo(outcome.message)
     if outcome.cache_hit and (problem := signature_problem(store_uri, outcome.version, verify_key)):
@@ -150,8 +278,4 @@ def up(manifest: Path, store_uri: str | None, host: str, port: int | None, work_
     report = outcome.build_report or read_engine_json(store_uri, outcome.version).get("build_report")
     for line in summary_lines(report) if report else []:
         click.echo(line)
-    adapters = build_adapters(engine, store_uri, work_dir, signing_key, outcome.version)
-    port = engine.spec.serving.port if port is None else port
-    click.echo(f"serving {outcome.artifact_uri} on http://{host}:{port}/v1 (Ctrl-C to stop)")
-    env = {**os.environ, adapter_list.ADAPTERS_FILE_ENV: str(adapters)} if adapters is not None else None
-    sys.exit(run_foreground(serve_command(outcome.artifact_uri, engine, host, port, verify_key), env))
+    return outcome, build_adapters(engine, store_uri, work_dir, signing_key, outcome.version)

@@ -147,3 +147,82 @@ def test_kiln_up_serves_the_manifests_lora_adapters(toy_model, tmp_path):
     assert proc.returncode == 0, output
     assert "adapter tone: built: " in output
     assert "adapter 'too-wide' is not served" in output and "maxLoraRank" in output
+
+
+def _engine_manifest(path: Path, name: str, model_dir: Path) -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEngine", "metadata": {"name": name},
+        "spec": {"model": {"source": f"file://{model_dir}"}, "gpu": "cpu", "dtype": "float32", "maxBatchSize": 4,
+                 "maxInputLen": 128, "maxSeqLen": 256, "maxNumTokens": 128},
+    }))
+    return path
+
+
+def test_a_pool_manifest_names_its_engines_and_becomes_serve_flags(toy_model, tmp_path):
+    from kiln.up import pool_serve_command, read_manifests
+
+    (tmp_path / "engines").mkdir()
+    for name in ("one", "two"):
+        _engine_manifest(tmp_path / "engines" / f"{name}.yaml", name, toy_model("llama-tiny"))
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(yaml.safe_dump({
+        "apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool", "metadata": {"name": "small"},
+        "spec": {"engines": ["engines/one.yaml", "engines/two.yaml"], "maxLoadedEngines": 1,
+                 "memoryBudget": "6Gi", "idleUnloadAfter": 600, "port": 8123},
+    }))
+    engines, manifest = read_manifests((pool,))
+    assert [e.metadata.name for e in engines] == ["one", "two"] and manifest.port == 8123
+    cmd = pool_serve_command([(e, f"file:///s/engines/{e.metadata.name}") for e in engines], manifest,
+                             "127.0.0.1", 8123, tmp_path / "key.pem")
+    assert cmd[cmd.index("--served-model-name") + 1] == "small"
+    assert [cmd[i + 1] for i, w in enumerate(cmd) if w == "--engine"] == ["one=file:///s/engines/one",
+                                                                           "two=file:///s/engines/two"]
+    for flag, value in (("--max-loaded-engines", "1"), ("--memory-budget", "6Gi"), ("--idle-unload-after", "600")):
+        assert cmd[cmd.index(flag) + 1] == value
+
+
+def test_kiln_up_refuses_a_bad_pool_manifest_naming_each_field(toy_model, tmp_path):
+    from click.testing import CliRunner
+
+    from kiln.up import up
+
+    one = _engine_manifest(tmp_path / "one.yaml", "one", toy_model("llama-tiny"))
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"},
+                                    "spec": {"engines": [], "maxLoadedEngines": 0, "colour": "red"}}))
+    result = CliRunner().invoke(up, ["-f", str(pool), "--store", f"file://{tmp_path / 'store'}"])
+    assert result.exit_code == 2 and f"invalid LLMEnginePool manifest {pool}" in result.output
+    assert "spec.maxLoadedEngines: must be a whole number above 0, got 0" in result.output
+    assert "spec.colour: unknown field" in result.output
+    assert "spec.engines: list the LLMEngine manifests" in result.output
+    twice = CliRunner().invoke(up, ["-f", str(one), "-f", str(one), "--store", f"file://{tmp_path / 'store'}"])
+    assert twice.exit_code == 2 and "'one' is served twice" in twice.output
+    assert "serving" not in result.output + twice.output
+
+
+@pytest.mark.slow
+def test_kiln_up_serves_several_manifests_as_one_pool(toy_model, tmp_path):
+    """Two manifests, two engines built and served by one process; each answers by its name."""
+    manifests = [_engine_manifest(tmp_path / f"{n}.yaml", n, toy_model(p)) for n, p in (("one", "llama-tiny"),
+                                                                                         ("two", "qwen2-tiny"))]
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln", "up", "-f", str(manifests[0]), "-f", str(manifests[1]), "--store",
+         f"file://{tmp_path / 'store'}", "--port", str(port), "--work-dir", str(tmp_path / "work")],
+        cwd=REPO, env={**os.environ, "KILN_KEY_DIR": str(tmp_path / "keys")},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        wait_ready(base, proc, timeout=600)
+        models = {c["id"]: c["state"] for c in httpx.get(f"{base}/v1/models", timeout=10).json()["data"]}
+        assert models == {"one": "unloaded", "two": "unloaded"}
+        for name in ("one", "two"):
+            got = httpx.post(f"{base}/v1/completions", timeout=120, json={
+                "model": name, "prompt": "The kiln", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+            assert got.status_code == 200 and got.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output
+    assert "serving 2 engines (one, two) as one pool" in output
