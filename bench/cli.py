@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 from kiln_bench import modes
-from kiln_bench.options import BenchOptions
-from kiln_bench.suite import ALL_SYSTEMS, ISA_CAPS, SYSTEMS
+from kiln_bench.options import BenchOptions, click_options
+from kiln_bench.suite import ALL_SYSTEMS, ISA_CAPS
 
 
 def _default_threads() -> int:
@@ -34,76 +34,7 @@ def _resolve_device(device: str) -> str:
 
 
 @click.command("bench")
-@click.option("--num-requests", type=int, default=None, help="Requests in the workload [default: 64; --quick: 6].")
-@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
-@click.option("--arrival-rate", type=float, default=None,
-              help="Poisson arrivals at this many requests/s [default: all arrive at t=0].")
-@click.option("--shared-prefix", "shared_prefix", type=int, default=0, show_default=True,
-              help="Tokens of one shared prefix in front of every prompt (prefix-cache variant).")
-@click.option("--preset", default=None, help="toy model preset [default: llama-bench; on CUDA llama-1b; --quick: llama-tiny].")
-@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="A checkpoint directory to benchmark (any: config.json + *.safetensors), or where the --preset "
-                   "toy model is written [default: ~/.cache/kiln/bench-models/<preset>-...].")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32", "float16"]), default="bfloat16",
-              show_default=True)
-@click.option("--threads", type=int, default=None, help="torch threads for every system [default: torch's].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="Where every system runs; auto = cuda when available (kiln then uses CUDA graphs).")
-@click.option("--repeats", type=int, default=1, show_default=True,
-              help="Run every system N times round-robin; the table shows medians.")
-@click.option("--systems", default=",".join(SYSTEMS), show_default=True, help="Comma-separated systems to run; also kiln-pp2 / kiln-pp2-nomb: two pipeline stages "
-                   "in two processes with / without micro-batches in flight (--threads each).")
-@click.option("--baselines", default="", help="Comma-separated peer engines to add as systems, each in its own "
-              "environment under .kiln-work/baselines (created on first use): openvino (OpenVINO GenAI "
-              "ContinuousBatchingPipeline), vllm (vLLM's CPU backend); llamacpp (llama.cpp, with --gguf). Not "
-              "part of make test.")
-@click.option("--max-batch-size", type=int, default=64, show_default=True,
-              help="kiln max_batch_size and transformers' max_requests_per_batch.")
-@click.option("--max-num-tokens", type=int, default=2048, show_default=True,
-              help="Tokens per forward step, kiln and transformers' continuous batching alike.")
-@click.option("--check-requests", type=int, default=None,
-              help="Requests in the float32 greedy equality check (0 skips it) [default: 8; --quick: 4].")
-@click.option("--max-isa", type=click.Choice(sorted(ISA_CAPS)), default=None,
-              help="Keep every system (and the ceiling) at or below this x86 ISA, as a host without AVX-512 "
-                   "would run them: oneDNN, ATen, MKL and kiln's kernels are capped; OpenVINO's own kernels "
-                   "are not (its release wheels ignore OV_CPU_MAX_ISA). An emulation, not that host.")
-@click.option("--json", "json_out", default=None, help="Write the full results as JSON to this file ('-': stdout).")
-@click.option("--quick", is_flag=True, help="A small run on a tiny model, for smoke tests (seconds, not minutes).")
-@click.option("--strict", is_flag=True, help="Exit 1 if the equality check fails.")
-@click.option("--structured", is_flag=True,
-              help="Instead of the suite: kiln's throughput on one batch (--num-requests, default 32) with half of "
-                   "it JSON-schema constrained against the same batch free, interleaved --repeats times.")
-@click.option("--lora", "lora", type=click.IntRange(1, 16), default=None,
-              help="Instead of the suite: greedy throughput at batch 1/4/16 with requests spread over N LoRA "
-                   "adapters (rank 16, every projection) against all on the base, interleaved --repeats times.")
-@click.option("--gguf", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
-              help="Instead of the suite: kiln against llama.cpp (--baselines llamacpp, the default here) on this GGUF "
-                   "file: kiln builds it as a quantization: gguf engine; one request at one thread (decode tok/s) and "
-                   "the largest --concurrency over HTTP (kiln serve vs llama_cpp.server), --repeats interleaved "
-                   "rounds. llama.cpp's environment (.kiln-work/llamacpp-venv) compiles on first use: minutes.")
-@click.option("--server", is_flag=True,
-              help="Instead of the suite: kiln serve against vLLM's OpenAI server (--baselines vllm), both driven "
-                   "over HTTP by NVIDIA's aiperf with the same seeded synthetic prompts, --repeats interleaved runs.")
-@click.option("--concurrency", default="1,4,16", show_default=True, help="--server: concurrent requests swept.")
-@click.option("--isl", type=click.IntRange(min=1), default=128, show_default=True, help="--server: prompt tokens.")
-@click.option("--osl", type=click.IntRange(min=1), default=64, show_default=True, help="--server: output tokens.")
-@click.option("--endpoints", default="completions", show_default=True,
-              help="--server: the kiln endpoints aiperf drives, among completions, chat, messages (Anthropic's) and "
-                   "responses (OpenAI's), each a system of the table; with several, all run greedy (temperature 0, "
-                   "no ignore_eos) and the table gives each one's throughput over the first's (translation overhead).")
-@click.option("--speculative", is_flag=True,
-              help="Instead of the suite: kiln greedy with prompt-lookup speculation (on with the load rule, and "
-                   "always on) against without, at batch 1 and 32, on rewrite-this-text prompts, --repeats rotated "
-                   "runs (docs/speculative.md).")
-@click.option("--draft-model", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
-              help="--speculative: drafts from this checkpoint (same tokenizer) instead of prompt lookup.")
-@click.option("--draft-layers", type=click.IntRange(min=1), default=None,
-              help="--speculative: drafts from the model's own first N layers under its head (an untrained "
-                   "early exit) instead of prompt lookup.")
-@click.option("--pair-scale", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="--draft-layers on a random-weight model: benchmark a copy whose layers past N add this times "
-                   "their output to the residual stream, so the N-layer draft agrees with it as a trained "
-                   "same-family draft would (smaller: more agreement).")
+@click_options
 def bench(**options) -> None:
     """Benchmark kiln against transformers on one deterministic workload and print the table."""
     opts = BenchOptions(**options)

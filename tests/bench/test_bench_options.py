@@ -1,0 +1,36 @@
+"""``kiln bench``'s options come from one list, BenchOptions' fields (issue 39): each field is one option of the
+command, named as click names it, with the field's default; the flags outside checks call keep their names."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import click
+from kiln_bench.cli import bench
+from kiln_bench.options import BenchOptions, option
+
+# The flags scripts, docs and outside checks call: renaming one breaks them.
+FLAGS = ["--num-requests", "--seed", "--arrival-rate", "--shared-prefix", "--preset", "--model-dir", "--dtype",
+         "--threads", "--device", "--repeats", "--systems", "--baselines", "--max-batch-size", "--max-num-tokens",
+         "--check-requests", "--max-isa", "--json", "--quick", "--strict", "--structured", "--lora", "--gguf",
+         "--server", "--concurrency", "--isl", "--osl", "--endpoints", "--speculative", "--draft-model",
+         "--draft-layers", "--pair-scale"]
+
+
+def test_every_field_is_one_option_with_its_default():
+    params = [p for p in bench.params if isinstance(p, click.Option)]
+    assert [p.name for p in params] == [f.name for f in fields(BenchOptions)]
+    assert [p.opts[0] for p in params] == FLAGS
+    defaults = BenchOptions()  # the fields' defaults are what the command parses from no flag at all
+    assert BenchOptions(**bench.make_context("bench", []).params) == defaults
+    given = BenchOptions(**bench.make_context("bench", ["--server", "--endpoints", "chat,messages", "--json", "-",
+                                                        "--concurrency", "16", "--lora", "2"]).params)
+    assert (given.server, given.endpoints, given.json_out, given.concurrency, given.lora) == \
+        (True, "chat,messages", "-", "16", 2)
+    assert given.json_file is None and defaults.peer_names == []
+
+
+def test_a_field_declared_with_option_is_a_flag_of_the_command():
+    declared = option("--pair-scale", type=click.FloatRange(min=0, min_open=True), default=None, help="x")
+    assert declared.default is None and declared.metadata["decls"] == ("--pair-scale",)
+    assert option("--quick", is_flag=True, help="x").default is False
