@@ -325,6 +325,6 @@ def create_app(config: ServeConfig, pool: PoolSettings | None = None) -> FastAPI
     app.include_router(routes.router, dependencies=[Depends(require_api_key)])
     if pool is None:  # the prefix-cache keys are one engine's (a pool's engines: not yet, docs/pools.md)
         app.include_router(prefix.router, dependencies=[Depends(require_api_key)])
-    if runtime_updating_allowed(config.allow_runtime_lora_updating):  # else 404, as vLLM
+    if runtime_updating_allowed(config.allow_runtime_lora_updating) and pool is None:  # else 404, as vLLM
         app.include_router(lora.router, dependencies=[Depends(require_api_key)])
     return app

@@ -136,16 +136,24 @@ def _pool_engines(ctx: Any, param: Any, value: Any) -> list[Any]:
         raise click.BadParameter(str(exc)) from None
 
 
-def _pool_settings(engines: list[Any], engines_file: Path | None, max_loaded: int | None, budget: str | None,
-                   idle: float | None, queue_size: int, load_timeout: float) -> Any:
-    """The pool's settings when --engine or --engines-file is given, else None (one engine, as before)."""
+def _pool_settings(flags: dict[str, Any], model: Path | None, artifact: str | None, lora_modules: list[Any],
+                   runtime_lora: bool, rank: int | None, world_size: int | None) -> Any:
+    """The pool's settings when --engine or --engines-file is given (its flags taken out of ``flags``), else None
+    (one engine, as before); a usage error for flags that do not go together."""
+    engines, engines_file = flags.pop("pool_engines"), flags.pop("engines_file")
+    max_loaded, budget, idle = flags.pop("max_loaded_engines"), flags.pop("memory_budget"), flags.pop("idle_unload_after")
+    queue_size, load_timeout = flags.pop("pool_queue_size"), flags.pop("load_timeout")
     if not engines and engines_file is None:
+        if (model is None) == (artifact is None):
+            raise click.UsageError("give exactly one of --model DIR or --artifact URI (or --engine NAME=URI ... for "
+                                   "a pool)")
         for flag, value in (("--max-loaded-engines", max_loaded), ("--memory-budget", budget),
                             ("--idle-unload-after", idle)):
             if value is not None:
                 raise click.UsageError(f"{flag} sets a pool: give its engines with --engine NAME=URI or "
                                        "--engines-file PATH, or drop it")
         return None
+    _check_pool_flags(model, artifact, lora_modules, runtime_lora, rank, world_size)
     from kiln.serving.pool.budget import parse_quantity
     from kiln.serving.pool.engine_list import unique
     from kiln.serving.pool.pool import PoolSettings
@@ -257,9 +265,7 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
           max_connections: int, header_timeout: float, body_timeout: float, log_level: str, access_log: bool,
           rank: int | None, world_size: int | None, leader_address: str | None, leader_port: int,
           lora_modules: list[dict[str, Any]], allow_runtime_lora_updating: bool, reasoning_parser: str | None,
-          responses_store_size: int, responses_store_ttl: float, pool_engines: list[Any], engines_file: Path | None,
-          max_loaded_engines: int | None, memory_budget: str | None, idle_unload_after: float | None,
-          pool_queue_size: int, load_timeout: float, **engine: Any) -> None:
+          responses_store_size: int, responses_store_ttl: float, **engine: Any) -> None:
     """Serve a model directory or engine artifact over an OpenAI-compatible API.
 
     The port opens at once; /health answers 200 and /ready 503 until the engine
@@ -267,14 +273,8 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
     With ranks started separately (--rank/--world-size/--leader-address, or a
     LeaderWorkerSet's LWS_* environment), rank 0 serves and the others only compute.
     """
-    pool = _pool_settings(pool_engines, engines_file, max_loaded_engines, memory_budget, idle_unload_after,
-                          pool_queue_size, load_timeout)
-    if pool is not None:
-        _check_pool_flags(model, artifact, lora_modules, allow_runtime_lora_updating, rank, world_size)
-        served_model_name = served_model_name or "kiln-pool"
-    elif (model is None) == (artifact is None):
-        raise click.UsageError("give exactly one of --model DIR or --artifact URI (or --engine NAME=URI ... for a "
-                               "pool)")
+    pool = _pool_settings(engine, model, artifact, lora_modules, allow_runtime_lora_updating, rank, world_size)
+    served_model_name = served_model_name or ("kiln-pool" if pool is not None else None)
     if verify_key is not None and model is not None:
         raise click.UsageError("--verify-key checks a signed engine artifact; --model DIR is served as it is: "
                                "serve an --artifact URI, or drop --verify-key")

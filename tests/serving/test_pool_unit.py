@@ -239,3 +239,22 @@ def test_a_removed_engine_answers_404_and_is_unloaded_when_its_requests_finish(m
         assert rec.events[-1] == ("unload", "a") and pool.memory_in_use == 0
 
     asyncio.run(run())
+
+
+def test_serve_says_which_flags_a_pool_does_not_take():
+    from click.testing import CliRunner
+    from kiln.serving.cli import serve
+
+    def refused(*args: str) -> str:
+        result = CliRunner().invoke(serve, list(args))
+        assert result.exit_code == 2, result.output
+        return result.output
+
+    assert "--model" in refused("--engine", "a=file:///s/engines/a", "--model", ".")
+    assert "--lora-modules" in refused("--engine", "a=file:///s/engines/a", "--enable-lora", "--lora-modules", "x=/y")
+    assert "6Gi" in refused("--engine", "a=file:///s/engines/a", "--memory-budget", "6GB")
+    assert "given twice" in refused("--engine", "a=file:///s/engines/a", "--engine", "a=file:///s/engines/b")
+    assert "NAME=ARTIFACT_URI" in refused("--engine", "file:///s/engines/a")
+    assert "--max-loaded-engines sets a pool" in refused("--artifact", "file:///s/engines/a",
+                                                         "--max-loaded-engines", "2")
+    assert "exactly one of --model DIR or --artifact URI" in refused()
