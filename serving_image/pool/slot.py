@@ -89,13 +89,15 @@ class EngineSlot:
         return engine, info
 
     async def load(self) -> None:
-        from kiln.serving.loader import in_daemon_thread, warm_up
+        """Build and start the engine. No warm-up: a request is waiting for this engine, and its own first step
+        does that work; the grammar compiler's view of the vocabulary (seconds, holding the GIL) is built by the
+        first structured request (a background build slowed every engine's first requests more than it saved)."""
+        from kiln.serving.loader import in_daemon_thread
 
         engine, info = await in_daemon_thread(self.build)
         self.state.engine = engine
         try:
             await engine.start()
-            await warm_up(engine)
         except BaseException:
             await self._close(engine)
             raise
@@ -133,3 +135,4 @@ class EngineSlot:
         if self.load_error:
             card["load_error"] = self.load_error
         return card
+
