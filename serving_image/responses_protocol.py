@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from kiln.serving.formats import MAX_TOOLS, JSONSchemaFormat, Name
-from kiln.serving.protocol import MAX_MESSAGES
+from kiln.serving.protocol import MAX_LOGPROBS, MAX_MESSAGES
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 MAX_PARTS = 4096  # content parts of one message
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # include: the output text's logprobs (top_logprobs: how many)
 
 
 class _Body(BaseModel):
@@ -96,6 +97,7 @@ class ResponsesRequest(_Body):
     background: StrictBool | None = None
     truncation: Literal["disabled", "auto"] | None = None
     include: list[str] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     reasoning: ReasoningConfig | None = None
     # Accepted and ignored: they change nothing kiln computes.
     metadata: dict[str, str] | None = None

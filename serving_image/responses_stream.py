@@ -7,7 +7,9 @@ reasoning) ``response.content_part.added``, its ``response.output_text.delta`` (
 function call its ``response.function_call_arguments.delta`` events and ``...done``; then
 ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete`` when cut at
 ``max_output_tokens``) carrying the whole Response, the same body a non-streamed request gets.
-Every event has its ``sequence_number``. A failure after the stream started is an ``error`` event.
+Every event has its ``sequence_number``. A failure after the stream started is an ``error`` event, then
+``response.failed`` carrying the Response as it stood (``status: "failed"``, its ``error``, the output so far);
+a failed response is not stored (a follow-up cannot continue it).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class _Writer:
     def __init__(self, response_id: str) -> None:
         self.response_id = response_id
         self.seq = 0
-        self.message: dict[str, Any] = {"content": "", "reasoning_content": None, "tool_calls": []}
+        self.message: dict[str, Any] = {"content": "", "reasoning_content": None, "tool_calls": [], "logprobs": []}
+        self.pending: list[dict[str, Any]] = []  # logprobs not yet sent with a text delta
         self.open: str | None = None  # "reasoning" | "message" | "function_call"
         self.index = -1  # the open item's output_index
         self.item_id = ""  # the open item's id
@@ -44,7 +47,7 @@ class _Writer:
         elif kind == "reasoning":
             message = {"reasoning_content": self.message["reasoning_content"] or ""}
         else:
-            message = {"content": self.message["content"]}
+            message = {"content": self.message["content"], "logprobs": self.message["logprobs"]}
         item = output_items(self.response_id, message)[0]
         if not done:
             item["status"] = "in_progress"
@@ -74,7 +77,9 @@ class _Writer:
             out.append(self.event("response.reasoning_text.delta", **where, content_index=0, delta=piece))
         else:
             self.message["content"] += piece
-            out.append(self.event("response.output_text.delta", **where, content_index=0, delta=piece, logprobs=[]))
+            logprobs, self.pending = self.pending, []
+            out.append(self.event("response.output_text.delta", **where, content_index=0, delta=piece,
+                                  logprobs=logprobs))
         return out
 
     def stop(self) -> list[str]:
@@ -90,7 +95,7 @@ class _Writer:
         else:
             part = item["content"][0]
             done = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
-            extra = {} if kind == "reasoning" else {"logprobs": []}
+            extra = {} if kind == "reasoning" else {"logprobs": part["logprobs"]}
             out.append(self.event(done, **where, content_index=0, text=part["text"], **extra))
             out.append(self.event("response.content_part.done", **where, content_index=0, part=part))
         out.append(self.event("response.output_item.done", output_index=self.index, item=item))
@@ -114,6 +119,20 @@ def _deltas(writer: _Writer, delta: dict[str, Any]) -> list[str]:
     return out
 
 
+def _failed(writer: _Writer, req: Any, created_at: int, failure: dict[str, Any]) -> list[str]:
+    """The ``error`` event, then ``response.failed`` with the output as it stood (items incomplete)."""
+    code = "invalid_prompt" if failure.get("type") == "invalid_request_error" else "server_error"
+    message = dict(writer.message)
+    if message["content"] == "" and message["tool_calls"]:
+        message["content"] = None
+    output = output_items(writer.response_id, message, False) if writer.index >= 0 else []
+    body = response_body(req, writer.response_id, created_at, "failed", output)
+    body["error"] = {"code": code, "message": failure["message"]}
+    return [writer.event("error", code=failure.get("code") or code, message=failure["message"],
+                         param=failure.get("param")),
+            writer.event("response.failed", response=body)]
+
+
 async def response_events(chunks: AsyncIterator[dict[str, Any]], req: Any, response_id: str, created_at: int,
                           finished: Callable[[dict[str, Any], dict[str, Any]], None],
                           tokenizer: Any = None) -> AsyncIterator[str]:
@@ -126,11 +145,14 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], req: Any, respo
     finish = None
     async for chunk in chunks:
         if "error" in chunk:
-            failure = chunk["error"]
-            yield writer.event("error", code=failure.get("code"), message=failure["message"], param=failure.get("param"))
+            for line in _failed(writer, req, created_at, chunk["error"]):
+                yield line
             return
         if chunk["choices"]:
             choice = chunk["choices"][0]
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
+            writer.message["logprobs"] += logprobs
+            writer.pending += logprobs
             for line in _deltas(writer, choice["delta"]):
                 yield line
             finish = choice["finish_reason"] or finish

@@ -9,7 +9,8 @@ are dropped, as thinking templates drop earlier thinking). Function ``tools``, `
 
 Reply: ``output`` items in order: ``reasoning`` (with a reasoning parser), ``message`` with one
 ``output_text`` part, then one ``function_call`` per call. A reply cut at ``max_output_tokens`` is
-``incomplete``. Item ids derive from the response id (``msg_``/``rs_`` + its hex), so a streamed
+``incomplete``. With ``include: ["message.output_text.logprobs"]`` the ``output_text`` part carries each
+output token's ``logprobs`` (``top_logprobs`` alternatives), chat's entries as they are. Item ids derive from the response id (``msg_``/``rs_`` + its hex), so a streamed
 reply and its stored copy name the same items.
 """
 
@@ -23,6 +24,7 @@ from kiln.serving.errors import APIError, from_validation_error
 from kiln.serving.protocol import ChatCompletionRequest
 from kiln.serving.request_path import validated
 from kiln.serving.responses_protocol import (
+    LOGPROBS_INCLUDE,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
@@ -135,6 +137,8 @@ def to_chat(req: Request, store: ResponseStore) -> Translated:
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body = {"model": req.model, "messages": system + conversation, "max_tokens": req.max_output_tokens,
             "stream": req.stream, "temperature": req.temperature, "top_p": req.top_p, **_fields(req)}
+    if LOGPROBS_INCLUDE in (req.include or ()):  # the output text's logprobs; top_logprobs alone asks for none
+        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     try:
         return Translated(ChatCompletionRequest.model_validate(body), conversation)
     except ValidationError as exc:
@@ -152,7 +156,7 @@ def output_items(response_id: str, message: dict[str, Any], done: bool = True) -
     if message.get("content") or not calls:
         items.append({"id": f"msg_{hex_id}", "type": "message", "status": status, "role": "assistant",
                       "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": [],
-                                   "logprobs": []}]})
+                                   "logprobs": message.get("logprobs") or []}]})
     for call in calls:
         items.append({"id": f"fc_{call['id'].removeprefix('call_')}", "type": "function_call", "status": status,
                       "call_id": call["id"], "name": call["function"]["name"],
@@ -183,7 +187,7 @@ def response_body(req: Request, response_id: str, created_at: int, status: str =
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
             "output": output or [], "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
-            "store": req.store, "temperature": req.temperature, "text": {"format": fmt},
+            "store": req.store, "temperature": req.temperature, "text": {"format": fmt}, "top_logprobs": req.top_logprobs,
             "tool_choice": choice or "auto", "tools": tools, "top_p": req.top_p, "truncation": "disabled",
             "usage": usage(chat_usage), "user": req.user, "metadata": req.metadata or {}}
 
@@ -192,8 +196,9 @@ def to_response(req: Request, response_id: str, chat: dict[str, Any], tokenizer:
     """The chat completion ``chat`` as a Response."""
     choice = chat["choices"][0]
     done = choice["finish_reason"] != "length"
+    message = {**choice["message"], "logprobs": (choice.get("logprobs") or {}).get("content")}
     body = response_body(req, response_id, int(time.time()), "completed" if done else "incomplete",
-                         output_items(response_id, choice["message"], done), chat["usage"])
+                         output_items(response_id, message, done), chat["usage"])
     count_reasoning(body, choice["message"], tokenizer)
     return body
 

@@ -148,3 +148,45 @@ def test_the_response_store_is_bounded_by_count_size_and_time(monkeypatch):
     kept_none = ResponseStore(max_entries=0, ttl_s=10)
     kept_none.put("e", {}, turn)
     assert kept_none.get("e") is None
+
+
+def _logprob(token, value, k=1):
+    entry = {"token": token, "logprob": value, "bytes": list(token.encode())}
+    return {**entry, "top_logprobs": [entry] * k}
+
+
+def test_a_responses_stream_that_fails_ends_with_error_and_response_failed():
+    chunks = _chunks([{"text": "partial"}])[:3] + [{"error": {"message": "engine died", "type": "server_error",
+                                                              "code": "engine_dead", "param": None}}]
+    req = ResponsesRequest(model="tiny", input="hi")
+    stored = []
+    events = _sse(_run(response_events(_aiter(chunks), req, "resp_ab12", 1, lambda b, m: stored.append(b))))
+    adapter = TypeAdapter(ResponseStreamEvent)
+    parsed = [adapter.validate_python(body) for _, body in events]
+    assert [e.type for e in parsed[-2:]] == ["error", "response.failed"]
+    assert parsed[-2].code == "engine_dead" and parsed[-2].message == "engine died"
+    failed = parsed[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error" and failed.error.message == "engine died"
+    assert failed.output_text == "partial" and failed.output[0].status == "incomplete"
+    assert [b["sequence_number"] for _, b in events] == list(range(len(events)))
+    assert stored == []  # a failed response is not kept for previous_response_id
+    state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
+    for event in parsed:
+        state.handle_event(event)
+
+
+def test_responses_stream_carries_each_text_deltas_logprobs_and_the_whole_list_last():
+    first, second, third = _logprob("Hel", -0.5, 2), _logprob("lo", -0.25, 2), _logprob(" there", -1.0, 2)
+    chunks = _chunks([{"text": "Hello"}, {"text": " there"}])
+    chunks[1]["choices"][0]["logprobs"] = {"content": [first, second], "refusal": None}
+    chunks[2]["choices"][0]["logprobs"] = {"content": [third], "refusal": None}
+    req = ResponsesRequest(model="tiny", input="hi", include=["message.output_text.logprobs"], top_logprobs=2)
+    events = _sse(_run(response_events(_aiter(chunks), req, "resp_ab12", 1, lambda b, m: None)))
+    deltas = [b for n, b in events if n == "response.output_text.delta"]
+    assert [d["logprobs"] for d in deltas] == [[first, second], [third]]
+    done = next(b for n, b in events if n == "response.output_text.done")
+    assert done["logprobs"] == [first, second, third]
+    final = TypeAdapter(ResponseStreamEvent).validate_python(events[-1][1]).response
+    part = final.output[0].content[0]
+    assert [lp.token for lp in part.logprobs] == ["Hel", "lo", " there"] and len(part.logprobs[0].top_logprobs) == 2
+    assert final.top_logprobs == 2

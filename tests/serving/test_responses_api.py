@@ -143,3 +143,24 @@ def test_stored_responses_are_got_deleted_and_bounded(client, srv):
     missing = httpx.post(f"{srv.url}/v1/responses", json={"model": M, "input": "x", "previous_response_id": "resp_0"})
     assert missing.status_code == 404
     assert missing.json()["error"]["param"] == "previous_response_id"
+
+
+def test_logprobs_are_chats_for_the_same_greedy_tokens_streamed_or_not(client):
+    chat = client.chat.completions.create(model=M, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                                          messages=[{"role": "user", "content": ASK}])
+    want = [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in chat.choices[0].logprobs.content]
+    asked = {"model": M, "input": ASK, "max_output_tokens": 6, "temperature": 0, "store": False,
+             "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    got = client.responses.create(**asked)
+    part = got.output[0].content[0]
+    assert [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in part.logprobs] == want
+    assert len(want) == got.usage.output_tokens and got.top_logprobs == 2
+    with client.responses.stream(**asked) as stream:
+        events = list(stream)
+    deltas = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    final = events[-1].response  # response.completed, or response.incomplete at max_output_tokens
+    assert deltas == [w[0] for w in want]
+    assert [lp.logprob for lp in final.output[0].content[0].logprobs] == [w[1] for w in want]
+    plain = client.responses.create(model=M, input=ASK, max_output_tokens=6, temperature=0, store=False,
+                                    top_logprobs=2)  # top_logprobs without the include: none, as OpenAI
+    assert plain.output[0].content[0].logprobs == []
