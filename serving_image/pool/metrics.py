@@ -9,7 +9,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
-EVICTION_REASONS = ("lru", "idle", "removed")
 
 
 class PoolMetrics:
@@ -17,7 +16,8 @@ class PoolMetrics:
         r = registry
         self.loads = Counter("kiln:pool_engine_loads", "Engines loaded into the pool.", ["engine"], registry=r)
         self.evictions = Counter("kiln:pool_engine_evictions", "Engines unloaded from the pool, by reason (lru: "
-                                 "room for another, idle: --idle-unload-after, removed: left the engines file).",
+                                 "room for another, idle: --idle-unload-after, removed: left the engines file, "
+                                 "failed: its step loop died).",
                                  ["engine", "reason"], registry=r)
         self.load_seconds = Histogram("kiln:pool_engine_load_seconds", "From the local cache (fetched when absent) "
                                       "to an engine warmed up.", ["engine"], buckets=LOAD_BUCKETS, registry=r)

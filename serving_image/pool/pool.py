@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,11 +26,14 @@ from typing import Any
 
 from kiln.serving.config import ServeConfig
 from kiln.serving.errors import APIError
+from kiln.serving.lora_sync import adapters_file
 from kiln.serving.pool.budget import default_budget, human
 from kiln.serving.pool.engine_list import EngineEntry
 from kiln.serving.pool.metrics import PoolMetrics
 from kiln.serving.pool.slot import LOADED, UNLOADED, UNLOADING, EngineSlot
 from kiln.serving.server_state import LOADING
+
+from kiln.adapter_list import wanted
 
 log = logging.getLogger("kiln.serving")
 
@@ -80,11 +84,20 @@ class EnginePool:
         self.notify()
 
     def slot_for(self, model: str) -> EngineSlot | None:
-        """The engine ``model`` names, or the loaded engine that serves the LoRA adapter of that name."""
+        """The engine ``model`` names, or the engine that serves the LoRA adapter of that name: a loaded one that
+        holds it, else the one the adapter list names as its base (loaded, it loads the adapter)."""
         slot = self.slots.get(model)
         if slot is None:
             slot = next((s for s in self.slots.values() if s.status == LOADED and s.loras.get(model)), None)
-        return slot
+        return slot or self._adapter_base(model)
+
+    def _adapter_base(self, model: str) -> EngineSlot | None:
+        path = adapters_file()
+        try:
+            doc = json.loads(path.read_bytes()) if path is not None else None
+        except (OSError, ValueError):
+            return None
+        return next((s for s in self.slots.values() if model in wanted(doc, s.version)), None)
 
     def not_found(self, model: str) -> APIError:
         names = ", ".join(repr(n) for n in sorted(self.slots)) or "no engines yet"
@@ -98,6 +111,9 @@ class EnginePool:
         if slot is None:
             raise self.not_found(model)
         slot.last_used = time.monotonic()
+        if slot.status == LOADED and not getattr(slot.state.engine, "is_running", True):
+            log.error("pool: engine %r: its step loop failed; unloading it to load it anew", slot.name)
+            self.start_unload(slot, "failed")
         if slot.status == LOADED:
             return slot
         slot.num_waiting += 1

@@ -43,6 +43,7 @@ class EngineSlot:
         self.task: Any = None  # the load or unload under way (an asyncio.Task)
         self.memory_bytes = 0
         self.memory_source = ""
+        self.version = ""  # the artifact's version (its engine_version), read with its memory
         self.last_used = time.monotonic()
         self.num_waiting = 0  # requests that asked for this engine and wait for it to load
         self.load_error: str | None = None
@@ -59,10 +60,10 @@ class EngineSlot:
 
         from kiln.artifacts import parse_artifact_uri
 
-        store, version = parse_artifact_uri(self.entry.artifact_uri)
-        cached = (self.config.cache_dir or default_cache_dir()) / version / "engine.json"
         try:
-            raw = cached.read_bytes() if cached.is_file() else store.backend.read(f"engines/{version}/engine.json")
+            store, self.version = parse_artifact_uri(self.entry.artifact_uri)
+            cached = (self.config.cache_dir or default_cache_dir()) / self.version / "engine.json"
+            raw = cached.read_bytes() if cached.is_file() else store.backend.read(f"engines/{self.version}/engine.json")
         except Exception as exc:  # a store error: say which engine and where
             raise ValueError(f"engine {self.name!r} ({self.entry.artifact_uri}): its engine.json cannot be read: "
                              f"{exc}") from None

@@ -80,6 +80,8 @@ def test_the_engine_list_from_flags_and_file(tmp_path):
 
 
 class FakeEngine:
+    is_running = True
+
     class engine_config:  # noqa: N801 - what ServerState reads of an engine
         max_batch_size = 4
 
@@ -237,6 +239,35 @@ def test_a_removed_engine_answers_404_and_is_unloaded_when_its_requests_finish(m
         held.release()
         await asyncio.wait_for(removal, 5)
         assert rec.events[-1] == ("unload", "a") and pool.memory_in_use == 0
+
+    asyncio.run(run())
+
+
+def test_an_adapters_name_places_the_engine_the_adapter_list_names_as_its_base(monkeypatch, tmp_path):
+    from kiln import adapter_list
+
+    listed = adapter_list.write(tmp_path / "adapters.json", [
+        adapter_list.entry("tone", "file:///store/engines/b-tone-0123", "b-tone-0123", "b")])
+    monkeypatch.setenv(adapter_list.ADAPTERS_FILE_ENV, str(listed))
+
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 1, "b": 1}, memory_budget=10)
+        for slot in pool.slots.values():
+            slot.version = slot.name  # what read_memory reads from the URI
+        assert (await pool.acquire("tone")).name == "b" and rec.events == [("load", "b")]
+        with pytest.raises(APIError, match="'nope'"):
+            await pool.acquire("nope")
+
+    asyncio.run(run())
+
+
+def test_an_engine_whose_step_loop_died_is_loaded_anew_on_its_next_request(monkeypatch):
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 1}, memory_budget=10)
+        (await pool.acquire("a")).state.engine.is_running = False
+        slot = await pool.acquire("a")
+        assert rec.events == [("load", "a"), ("unload", "a"), ("load", "a")] and slot.state.engine.is_running
+        assert samples(pool)[("kiln:pool_engine_evictions_total", (("engine", "a"), ("reason", "failed")))] == 1
 
     asyncio.run(run())
 
