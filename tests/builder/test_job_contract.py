@@ -19,6 +19,7 @@ from pathlib import Path
 import boto3
 import pytest
 from kiln.operator.keys import BUILD_KEY_SECRET as SIGNING_SECRET
+from kiln.operator.keys import credentials_copy_name
 
 from kiln.artifact_manifest import BUILT_BY_ENV, BuiltBy
 from kiln.artifacts import ArtifactStore
@@ -117,8 +118,9 @@ def test_each_container_of_the_rendered_build_job_does_its_half_with_only_its_cr
         shutil.copytree(toy_model("llama-tiny"), volume_dirs(fetch, pod)["model"] / "tiny")
 
     aws = {"AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": s3_endpoint}
-    secrets = {"team-models": {"AWS_ACCESS_KEY_ID": "team-a-model-reader", "AWS_SECRET_ACCESS_KEY": "model-s3cret",
-                               **aws},
+    # The Job runs in the jobs namespace, where the operator copies the engine namespace's Secret (operator.keys).
+    model_secret = {"AWS_ACCESS_KEY_ID": "team-a-model-reader", "AWS_SECRET_ACCESS_KEY": "model-s3cret", **aws}
+    secrets = {credentials_copy_name("default", "team-models"): model_secret,
                "kiln-store": {"AWS_ACCESS_KEY_ID": "kiln-store-writer", "AWS_SECRET_ACCESS_KEY": "store-s3cret",
                               **aws}}
     private_pem, public_pem = new_key_pair_pem()
