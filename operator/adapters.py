@@ -6,8 +6,9 @@ An adapter of ``spec.lora.adapters`` is an artifact of its own, ``<base version>
 way a base build Job is named after the engine version. Once the store holds it, the adapter is listed in the
 engine's ConfigMap ``<engine>-adapters``; serving pods mount that ConfigMap as a volume (the kubelet updates
 the file in place) and load or unload what it lists: nothing in the pod template depends on the list, so adding
-or removing an adapter rolls no pod. The reconcile reads the store and the Jobs
-(:mod:`kiln.operator.adapter_steps`); everything here decides from what it read.
+or removing an adapter rolls no pod. The reconcile's observe step reads the store and the Jobs into
+``World.adapters`` (:mod:`kiln.operator.adapter_steps`), ``decide`` asks :func:`plan_adapters` for an
+:class:`AdapterPlan`, and the serve step carries it out; everything here decides from what was read.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.operator.jobs import PVC_MOUNT_ROOT, credentials_env_from, job_pod_spec
+from kiln.operator.jobs import ANNOTATION_REQUESTED_BY, PVC_MOUNT_ROOT, credentials_env_from, job_pod_spec
 from kiln.operator.naming import COMMON_LABELS, GROUP, bounded_name, object_meta
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import job_state
@@ -120,6 +121,32 @@ def build_configmap(engine: str, namespace: str, views: list[AdapterView], owner
             "data": {ADAPTERS_FILE_KEY: text}}
 
 
+@dataclass(frozen=True)
+class AdapterPlan:
+    """What a served engine's adapters need (:func:`plan_adapters`); the serve step carries it out."""
+
+    jobs: tuple[AdapterView, ...] = ()  # adapters of the wanted base whose build Job to create
+    building: tuple[AdapterView, ...] = ()  # ... whose Job runs: the credentials it names are copied next to it
+    configmap: dict[str, Any] | None = None  # the <engine>-adapters ConfigMap to apply
+    delete_configmap: bool = False  # spec.lora was removed: the ConfigMap goes
+    statuses: list[dict[str, Any]] | None = None  # status.adapters (None removes it)
+
+
+def plan_adapters(spec: LLMEngineSpec, name: str, namespace: str, version: str, views: tuple[AdapterView, ...],
+                  old: dict[str, Any], owner: dict[str, Any] | None) -> AdapterPlan:
+    """The adapters' plan once the base ``version`` serves: a Job for each of its adapters neither built, refused
+    nor building; a ConfigMap listing the wanted base's pinned adapters and the old base's built ones (kept while
+    its pods serve); ``status.adapters`` for the wanted base. Without ``spec.lora``: drop the ConfigMap (when a
+    status says there were adapters) and ``status.adapters``."""
+    if spec.lora is None:
+        return AdapterPlan(delete_configmap=old.get("adapters") is not None)
+    current = [v for v in views if v.base_version == version]
+    listed = [v for v in views if v.base_version == version or v.built]
+    building = tuple(v for v in current if v.job is not None and job_state(v.job).state == "running")
+    return AdapterPlan(jobs=tuple(v for v in current if wants_job(v)), building=building,
+                       configmap=build_configmap(name, namespace, listed, owner), statuses=adapter_statuses(current))
+
+
 def wanted_views(spec: LLMEngineSpec, bases: list[str]) -> list[tuple[LoraAdapter, str, str]]:
     """(adapter, base version, adapter version) for every adapter of the spec and every base still wanted."""
     assert spec.lora is not None
@@ -148,7 +175,8 @@ def build_adapter_job(spec: LLMEngineSpec, name: str, namespace: str, view: Adap
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": adapter_job_name(view.version), "namespace": config.jobs_namespace, "labels": labels,
                      "annotations": {f"{GROUP}/adapter-version": view.version,
-                                     f"{GROUP}/artifact-uri": view.artifact_uri}},
+                                     f"{GROUP}/artifact-uri": view.artifact_uri,
+                                     ANNOTATION_REQUESTED_BY: f"{namespace}/{name}"}},
         "spec": {"backoffLimit": config.build_backoff_limit, "activeDeadlineSeconds": spec.build.timeout_seconds,
                  "ttlSecondsAfterFinished": config.build_ttl_seconds,
                  "template": {"metadata": {"labels": labels}, "spec": pod}},

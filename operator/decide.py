@@ -14,7 +14,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kiln.operator import retry, scale_out
-from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name
+from kiln.operator.adapters import AdapterPlan, AdapterView, plan_adapters
+from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, owner_reference
 from kiln.operator.scheduling import unschedulable
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import JobState, Observation, job_state, rollout_complete, serving_version
@@ -48,6 +49,8 @@ class World:
     job: dict[str, Any] | None = None  # the build Job of ``version``
     failure: retry.Failure = retry.Failure()  # what a failed build Job's pods said
     now: datetime | None = None  # when this was read (a retry is due at status.build.retryAt)
+    # spec.lora's adapters for the wanted base and the one serving, read once the base is trusted in the store
+    adapters: tuple[AdapterView, ...] = ()
 
     @property
     def name(self) -> str:
@@ -83,6 +86,7 @@ class Plan:
     # Job and create the next | SERVE: roll the artifact out
     warning: str | None = None  # log it: the engine just entered a failure that needs a person
     cache: str | None = None  # "hit" | "miss": a newly wanted version was found in / missing from the store
+    adapters: AdapterPlan | None = None  # SERVE: the adapters' Jobs, ConfigMap and status.adapters
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,9 @@ class Outcome:
 #    (kiln.operator.retry.build_step).
 # 5. Otherwise roll it out. The serving workload is not touched until the wanted artifact exists, so a
 #    GitOps bump keeps the old version serving for the whole build, and the rollout itself keeps old
-#    pods until new ones are available (maxUnavailable 0).
+#    pods until new ones are available (maxUnavailable 0). A served base also gets its adapters' plan
+#    (kiln.operator.adapters.plan_adapters: their Jobs, the ConfigMap pods read, status.adapters); an engine
+#    that does not serve its wanted version yet plans none, and status.adapters stays as it was.
 #
 # Warnings are logged once, when the engine enters the failure (not on every timer reconcile).
 def decide(world: World) -> Plan:
@@ -133,7 +139,14 @@ def decide(world: World) -> Plan:
         step = retry.build_step(world.record, world.job, world.generation, world.now)
         return Plan({retry.BUILD: BUILD, retry.RETRY: RETRY, retry.WAIT: REPORT}[step],
                     cache="miss" if is_new else None)
-    return Plan(SERVE, cache="hit" if is_new and phase != "Building" else None)
+    return Plan(SERVE, cache="hit" if is_new and phase != "Building" else None, adapters=adapter_plan(world))
+
+
+def adapter_plan(world: World) -> AdapterPlan:
+    """Adapters are built against, and listed for, a served base (docs/lora.md): only a SERVE plan has them."""
+    assert world.spec is not None and world.version is not None
+    owner = owner_reference(world.body) if world.spec.lora is not None else None  # the ConfigMap's
+    return plan_adapters(world.spec, world.name, world.namespace, world.version, world.adapters, world.old, owner)
 
 
 def observation(world: World, plan: Plan, outcome: Outcome, config: OperatorConfig) -> Observation:
@@ -151,8 +164,10 @@ def observation(world: World, plan: Plan, outcome: Outcome, config: OperatorConf
                 serving=serving)
     if plan.step == SERVE:
         base["history"] = add_to_history(base["history"], history_entry(world))
+        adapters = plan.adapters.statuses if plan.adapters is not None else None
         return Observation(**base, built=True, prerequisite=outcome.prerequisite, artifact=pin(world),
-                           build=world.record, **scale_out_view(world, outcome, serving, config))
+                           build=world.record, adapters=adapters, adapters_known=True,
+                           **scale_out_view(world, outcome, serving, config))
     if world.manifest is None and world.lws_served and world.untrusted is None:  # BUILD, RETRY or waiting
         job = outcome.job if plan.step in (BUILD, RETRY) else world.job
         record = retry.next_record(world.record, version, job, world.failure, world.generation,

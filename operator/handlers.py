@@ -18,9 +18,10 @@ from typing import Any
 import aiohttp
 import kopf
 from kiln.operator import metrics
+from kiln.operator.context import Context
 from kiln.operator.keys import KeyPairMissing
 from kiln.operator.kube import ApiError, KubeClient, in_cluster_server
-from kiln.operator.reconcile import Context, Result, reconcile
+from kiln.operator.reconcile import Result, reconcile
 from kiln.operator.settings import ConfigError, OperatorConfig, reconcile_interval_from_env
 
 from kiln.api import GROUP, PLURAL, VERSION

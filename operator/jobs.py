@@ -30,11 +30,13 @@ from kiln.operator.naming import ANNOTATION_ARTIFACT, ANNOTATION_VERSION, build_
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import builder_image, built_by
 
-from kiln.api import API_VERSION, KIND, LLMEngineSpec
+from kiln.api import API_VERSION, GROUP, KIND, LLMEngineSpec
 from kiln.artifact_manifest import BUILT_BY_ENV
 from kiln.model_source import PVC_ROOT_ENV
 
 WORK_DIR = "/var/lib/kiln"
+# A build Job runs in the jobs namespace, where no engine can own it: this names the engine that created it.
+ANNOTATION_REQUESTED_BY = f"{GROUP}/requested-by"
 PVC_MOUNT_ROOT = f"{WORK_DIR}/pvc"
 
 
@@ -210,7 +212,8 @@ def build_job(spec: LLMEngineSpec, name: str, namespace: str, version: str,
             "name": job_name(version),
             "namespace": config.jobs_namespace,
             "labels": labels,
-            "annotations": {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: _artifact_uri(config, version)},
+            "annotations": {ANNOTATION_VERSION: version, ANNOTATION_ARTIFACT: _artifact_uri(config, version),
+                            ANNOTATION_REQUESTED_BY: f"{namespace}/{name}"},
         },
         "spec": {
             "backoffLimit": config.build_backoff_limit,

@@ -3,10 +3,13 @@ function, act, write status.
 
 - :func:`observe` re-reads the LLMEngine (handlers may hold an older body), validates its spec and reads
   what the decision needs: the live workloads, the store's manifest (checked against the digest pinned in
-  ``status.artifact``, never re-pinned from the store), the build Job and, when it failed, its pods.
-- :func:`kiln.operator.decide.decide` picks one step; the policy is explained there, once.
+  ``status.artifact``, never re-pinned from the store), the build Job and, when it failed, its pods, and
+  once that manifest is trusted, ``spec.lora``'s adapters (:func:`kiln.operator.adapter_steps.read_adapters`).
+- :func:`kiln.operator.decide.decide` picks one step (a SERVE plan carries the adapters' plan); the policy is
+  explained there, once.
 - The step (:func:`report`, :func:`build`, :func:`retry_build`, :func:`serve`) makes its calls and returns what it left; an
-  applied workload is taken from the API server's answer, not read again.
+  applied workload is taken from the API server's answer, not read again. The serve step also carries out the
+  adapters' plan (:func:`kiln.operator.adapter_steps.act_adapters`); their status is part of the composed one.
 - :func:`write_status` writes the recomputed status only when it changed, with the read's
   resourceVersion as a precondition: a concurrent change makes the write fail with 409 and the next
   reconcile starts from the new truth.
@@ -25,8 +28,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kiln.operator import keys, metrics, scale_out
-from kiln.operator.adapter_steps import converge_adapters
+from kiln.operator.adapter_steps import act_adapters, read_adapters
 from kiln.operator.apply import HASH_ANNOTATION, apply
+from kiln.operator.context import Context, key_pair
 from kiln.operator.decide import (
     BUILD,
     DELETE_LWS,
@@ -45,12 +49,11 @@ from kiln.operator.decide import (
 )
 from kiln.operator.job_pods import job_failure
 from kiln.operator.jobs import build_job, model_secrets
-from kiln.operator.kube import ApiError, KubeClient, api_path
+from kiln.operator.kube import ApiError, api_path
 from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, lws_name, owner_reference
 from kiln.operator.network import build_network_policy
 from kiln.operator.retry import Failure
 from kiln.operator.scheduling import new_pods_selector
-from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import (
     JobState,
     compose_status,
@@ -64,16 +67,7 @@ from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
 from kiln.operator.workloads import build_pdb, build_service, build_workload
 
 from kiln.api import API_VERSION, PLURAL
-from kiln.artifacts import ArtifactStore
 from kiln.envelope import build_envelope, engine_version
-
-
-@dataclass
-class Context:
-    kube: KubeClient
-    store: ArtifactStore
-    config: OperatorConfig
-    keys: keys.KeyPair | None = None  # read (or made) on first need: keys.load_key_pair
 
 
 @dataclass(frozen=True)
@@ -100,10 +94,8 @@ async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Log
     if plan.warning:
         logger.warning(plan.warning)
     count_cache(plan)
-    outcome = await STEPS[plan.step](ctx, world, logger)
+    outcome = await STEPS[plan.step](ctx, world, plan, logger)
     status = compose_status(observation(world, plan, outcome, ctx.config))
-    if plan.step == SERVE:  # adapters are built against, and listed for, a served base (docs/lora.md)
-        status["adapters"] = await converge_adapters(ctx, world, logger, lambda: key_pair(ctx))
     count_build(finished_build(world, plan, outcome, status.get("build")))
     return await write_status(ctx, world, status)
 
@@ -135,7 +127,10 @@ async def observe(ctx: Context, namespace: str, name: str) -> World | None:
     jobs = ctx.config.jobs_namespace
     job = await ctx.kube.get(job_path(jobs, version)) if wants_job else None
     failure = await job_failure(ctx.kube, jobs, job) if job and job_state(job).state == "failed" else Failure()
-    return World(**seen, manifest=manifest, untrusted=untrusted, job=job, failure=failure, now=datetime.now(UTC))
+    adapters = () if manifest is None or untrusted is not None else await read_adapters(
+        ctx, spec, name, namespace, version, body.get("status") or {})  # what a SERVE plan needs of them
+    return World(**seen, manifest=manifest, untrusted=untrusted, job=job, failure=failure, now=datetime.now(UTC),
+                 adapters=adapters)
 
 
 async def live_workloads(ctx: Context, namespace: str, name: str) -> Workloads:
@@ -153,18 +148,18 @@ def job_path(namespace: str, version: str | None = None) -> str:
 # -- the steps: each takes the world and returns what it left ------------------------------------------------
 
 
-async def report(ctx: Context, world: World, logger: logging.Logger) -> Outcome:
+async def report(ctx: Context, world: World, plan: Plan, logger: logging.Logger) -> Outcome:
     """Nothing converges (an invalid spec, a missing API, an untrusted artifact): only the status changes."""
     return Outcome(world.deployment, world.lws)
 
 
-async def build(ctx: Context, world: World, logger: logging.Logger) -> Outcome:
+async def build(ctx: Context, world: World, plan: Plan, logger: logging.Logger) -> Outcome:
     """Get or create the version's build Job."""
     job = await ensure_job(ctx, world, logger)
     return Outcome(world.deployment, world.lws, job=job)
 
 
-async def retry_build(ctx: Context, world: World, logger: logging.Logger) -> Outcome:
+async def retry_build(ctx: Context, world: World, plan: Plan, logger: logging.Logger) -> Outcome:
     """Delete the failed build Job and create the version's next one (a storage error's retry is due, or the
     spec changed since a failure)."""
     assert world.version is not None
@@ -173,7 +168,7 @@ async def retry_build(ctx: Context, world: World, logger: logging.Logger) -> Out
     return Outcome(world.deployment, world.lws, job=await create_job(ctx, world, logger))
 
 
-async def serve(ctx: Context, world: World, logger: logging.Logger) -> Outcome:
+async def serve(ctx: Context, world: World, plan: Plan, logger: logging.Logger) -> Outcome:
     """Scale-out objects, then the workload, Service and PDB, then retire the other workload kind; while the
     new version is not serving yet, read its pods."""
     owner = owner_reference(world.body)
@@ -187,10 +182,12 @@ async def serve(ctx: Context, world: World, logger: logging.Logger) -> Outcome:
         deployment, lws = await apply_serving(ctx, world, owner, rank_group)
         await retire(ctx, world, retirement(world.spec, deployment, lws), logger)
     pods = await new_pods(ctx, world) if awaits_new_pods(world, deployment, lws, ctx.config) else None
+    if plan.adapters is not None:
+        await act_adapters(ctx, world.spec, world.name, world.namespace, plan.adapters, logger)
     return Outcome(deployment, lws, prerequisite=missing, new_pods=pods)
 
 
-STEPS: dict[str, Callable[[Context, World, logging.Logger], Awaitable[Outcome]]] = {
+STEPS: dict[str, Callable[[Context, World, Plan, logging.Logger], Awaitable[Outcome]]] = {
     REPORT: report, BUILD: build, RETRY: retry_build, SERVE: serve}
 
 
@@ -225,12 +222,6 @@ async def create_job(ctx: Context, world: World, logger: logging.Logger) -> dict
     metrics.BUILDS_STARTED.inc()
     logger.info(f"created build Job {jobs}/{job_name(world.version)} for {world.version}")
     return job
-
-
-async def key_pair(ctx: Context) -> keys.KeyPair:
-    if ctx.keys is None:
-        ctx.keys = await keys.load_key_pair(ctx.kube, ctx.config)
-    return ctx.keys
 
 
 async def ensure_serving_secrets(ctx: Context, world: World, owner: dict[str, Any]) -> str | None:

@@ -192,6 +192,9 @@ class Observation:
     autoscaled: bool = False  # the autoscaler owns the replica count
     unschedulable: tuple[str, str] | None = None  # (reason, message) of new pods the scheduler cannot place
     prerequisite: str | None = None  # a missing CRD the spec needs (kiln.operator.scale_out)
+    # -- LoRA (docs/lora.md): status.adapters, written only when known (the base serves); None removes it --
+    adapters: list[dict[str, Any]] | None = None
+    adapters_known: bool = False
 
 
 Cond = Callable[[str, bool | None, str, str], dict[str, Any]]  # compose_status.cond
@@ -216,6 +219,8 @@ def compose_status(obs: Observation, now: str | None = None) -> dict[str, Any]:
     if obs.history is not None:
         status["history"] = obs.history
     status.update(artifact=obs.artifact, build=obs.build)
+    if obs.adapters_known:
+        status["adapters"] = obs.adapters
     status["endpoint"] = obs.endpoint if obs.serving else None  # None: a merge patch removes it
     if obs.missing_api is not None:  # nothing is built or rolled out until the API is there
         status.update(phase="Failed", conditions=_failed(cond, "LeaderWorkerSetMissing", obs.missing_api, still))

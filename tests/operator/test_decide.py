@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 import pytest
+from kiln.operator.adapters import AdapterView
 from kiln.operator.decide import (
     BUILD,
     DELETE_LWS,
@@ -27,7 +29,7 @@ from kiln.operator.status import JobState, compose_status
 from kiln.operator.validation import validate_spec
 
 from kiln.artifact_manifest import BuiltBy, Manifest, ManifestFile
-from kiln.envelope import engine_version
+from kiln.envelope import adapter_version, engine_version
 
 NOW = "2026-01-01T00:00:00Z"
 CONFIG = OperatorConfig(store_uri="s3://b/p")
@@ -223,3 +225,72 @@ def test_a_build_counts_once_when_the_engine_leaves_building():
     assert finished_build(again, decide(again), Outcome(), status_of(again, Outcome())["build"]) is None  # counted
     ready = world({"phase": "Ready"}, manifest=manifest())
     assert finished_build(ready, decide(ready), Outcome()) is None
+
+
+# -- adapters: decide() returns their plan with a SERVE plan (kiln.operator.adapters.plan_adapters) -----------
+
+LORA = validate_spec({"model": {"source": "hf://o/m"}, "gpu": "cpu", "lora": {"maxLoras": 2, "adapters": [
+    {"name": "sql", "source": "s3://adapters/sql", "revision": "v1"},
+    {"name": "chat", "source": "s3://adapters/chat", "revision": "v1", "credentialsSecret": "hf"}]}}, CONFIG)
+LORA_VERSION = engine_version(LORA)
+
+
+def adapter_view(name: str, base: str = LORA_VERSION, **fields) -> AdapterView:
+    (adapter,) = [a for a in LORA.lora.adapters if a.name == name]
+    version = adapter_version(base, adapter)
+    return AdapterView(adapter, base, version, f"s3://b/p/engines/{version}", **{"built": False, **fields})
+
+
+def lora_world(views: tuple, status: dict | None = None) -> World:
+    w = world(status, spec=LORA, manifest=manifest(), adapters=views)
+    w.body["metadata"]["uid"] = "u-1"
+    return w
+
+
+def test_a_served_base_plans_a_job_for_each_adapter_not_built_nor_building_nor_refused():
+    views = (adapter_view("sql"), adapter_view("chat", job=job("running")))
+    plan = decide(lora_world(views))
+    assert plan.step == SERVE and plan.adapters is not None
+    assert [v.adapter.name for v in plan.adapters.jobs] == ["sql"]  # chat's Job runs: not created twice
+    assert [v.adapter.name for v in plan.adapters.building] == ["chat"]  # its credentials are copied meanwhile
+    assert [(s["name"], s["phase"]) for s in plan.adapters.statuses] == [("sql", "Building"), ("chat", "Building")]
+    refused = decide(lora_world((adapter_view("sql", untrusted="it is not signed by this operator's key"),)))
+    assert refused.adapters.jobs == () and refused.adapters.statuses[0]["phase"] == "Failed"
+    assert "not signed" in refused.adapters.statuses[0]["message"]
+    failed = decide(lora_world((adapter_view("sql", job=job("failed"), failure="PEFT gate: rank 0"),)))
+    (entry,) = failed.adapters.statuses  # a failed Job is not retried: a new revision makes a new version
+    assert failed.adapters.jobs == () and (entry["phase"], entry["message"]) == ("Failed", "PEFT gate: rank 0")
+
+
+def test_the_configmap_lists_pinned_adapters_of_the_wanted_base_and_built_ones_of_the_old_base():
+    old_base = "chat-0123"
+    views = (adapter_view("sql", built=True, content_digest="d" * 64),
+             adapter_view("chat"),  # not built: listed nowhere yet
+             adapter_view("sql", base=old_base, built=True, content_digest="e" * 64),
+             adapter_view("chat", base=old_base))  # the old base's unbuilt adapter is never built, nor listed
+    plan = decide(lora_world(views, {"servingVersion": old_base}))
+    document = json.loads(plan.adapters.configmap["data"]["adapters.json"])
+    listed = {(e["name"], e["baseEngineVersion"], e["contentDigest"]) for e in document["adapters"]}
+    assert listed == {("sql", LORA_VERSION, "d" * 64), ("sql", old_base, "e" * 64)}
+    assert plan.adapters.configmap["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    assert [v.base_version for v in plan.adapters.jobs] == [LORA_VERSION]  # only the wanted base builds
+    assert [s["version"] for s in plan.adapters.statuses] == [views[0].version, views[1].version]
+
+
+def test_adapter_statuses_are_composed_with_the_rest_and_removed_with_spec_lora():
+    plan = decide(lora_world((adapter_view("sql", built=True, content_digest="d" * 64),)))
+    w = lora_world((adapter_view("sql", built=True, content_digest="d" * 64),))
+    status = compose_status(observation(w, plan, Outcome(deployment=workload(LORA_VERSION)), CONFIG), NOW)
+    assert [(a["name"], a["phase"]) for a in status["adapters"]] == [("sql", "Ready")]
+    # spec.lora removed: the ConfigMap goes (a status said there were adapters) and status.adapters with it.
+    gone = world({"adapters": status["adapters"]}, manifest=manifest())
+    plan = decide(gone)
+    assert plan.adapters.delete_configmap and plan.adapters.configmap is None and plan.adapters.jobs == ()
+    status = compose_status(observation(gone, plan, Outcome(deployment=workload(VERSION)), CONFIG), NOW)
+    assert "adapters" in status and status["adapters"] is None  # a merge patch removes it
+    assert not decide(world(manifest=manifest())).adapters.delete_configmap  # never had adapters: no delete
+    # Until the base serves, adapters are neither planned nor reported (status.adapters is left as it was).
+    building = world({"adapters": [{"name": "sql"}]}, spec=LORA, job=job("running"))
+    plan = decide(building)
+    assert plan.step == BUILD and plan.adapters is None
+    assert "adapters" not in compose_status(observation(building, plan, Outcome(job=job()), CONFIG), NOW)

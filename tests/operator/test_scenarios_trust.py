@@ -69,6 +69,7 @@ def test_the_operator_makes_its_key_pair_and_gives_each_pod_only_its_half(cluste
         public = base64.b64decode(pair["data"]["verify-key.pem"])
         # The private key lives only where builds run: the Job and its key copy are in the operator's namespace.
         assert job["metadata"]["namespace"] == OPERATOR_NS
+        assert job["metadata"]["annotations"]["serving.kiln.dev/requested-by"] == f"{NS}/demo"  # who asked
         build_copy = c.kube.get(f"/api/v1/namespaces/{OPERATOR_NS}/secrets/kiln-build-signing-key")
         assert build_copy["data"] == {"signing-key.pem": pair["data"]["signing-key.pem"]}
         pod = job["spec"]["template"]["spec"]
@@ -187,7 +188,7 @@ def test_a_manifest_not_signed_by_the_operators_key_is_never_pinned(signed, clus
     with running_operator():
         c.kube.create(ENGINES, manifest("demo"))
         job = c.wait_job()
-        version = job["metadata"]["labels"]["serving.kiln.dev/engine-version"]
+        version = job["metadata"]["annotations"]["serving.kiln.dev/engine-version"]  # the full version (a label is bounded)
         env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
         src = c.tmp / "squat"
         src.mkdir()

@@ -1,0 +1,27 @@
+"""What every step of a reconcile works with: the API client, the artifact store, the operator's settings and its
+key pair (read, or made, on first need). One object per operator process (``handlers.configure``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.operator import keys
+from kiln.operator.kube import KubeClient
+from kiln.operator.settings import OperatorConfig
+
+from kiln.artifacts import ArtifactStore
+
+
+@dataclass
+class Context:
+    kube: KubeClient
+    store: ArtifactStore
+    config: OperatorConfig
+    keys: keys.KeyPair | None = None  # read (or made) on first need: key_pair
+
+
+async def key_pair(ctx: Context) -> keys.KeyPair:
+    """The operator's key pair: read once (keys.load_key_pair), then kept."""
+    if ctx.keys is None:
+        ctx.keys = await keys.load_key_pair(ctx.kube, ctx.config)
+    return ctx.keys
