@@ -101,7 +101,7 @@ async def _reconcile(namespace: str, name: str, memo: kopf.Memo, logger: logging
             raise kopf.TemporaryError(f"artifact store: {exc}", delay=10) from None
         except KeyPairMissing as exc:
             metrics.RECONCILE_ERRORS.labels(kind="signing-key").inc()
-            raise kopf.TemporaryError(f"signing key: {exc}", delay=30) from None
+            raise kopf.TemporaryError(f"{exc.what}: {exc}", delay=30) from None
         except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
             metrics.RECONCILE_ERRORS.labels(kind="api").inc()
             raise kopf.TemporaryError(f"Kubernetes API: {exc or type(exc).__name__}", delay=5) from None

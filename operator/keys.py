@@ -60,6 +60,14 @@ KEY_LABELS = {**COMMON_LABELS, "app.kubernetes.io/component": "signing"}
 class KeyPairMissing(Exception):
     """The chart names a key pair Secret that does not exist or lacks a key; the message says which."""
 
+    what = "signing key"
+
+
+class GroupTokenMissing(KeyPairMissing):
+    """An engine's group token Secret lacks its key; the message says which and how to recover."""
+
+    what = "group token"
+
 
 @dataclass(frozen=True)
 class KeyPair:
@@ -100,11 +108,9 @@ def credentials_copy(live: dict[str, Any], name: str, namespace: str, job: dict[
     """A copy of the user's Secret ``live`` named ``name`` in the jobs namespace, owned by the build Job."""
     owner = {"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
              "uid": job["metadata"]["uid"], "controller": False, "blockOwnerDeletion": False}
-    copy = {"apiVersion": "v1", "kind": "Secret", "type": live.get("type") or "Opaque",
-            "metadata": object_meta(name, namespace, {**COMMON_LABELS, "app.kubernetes.io/component": "build"},
-                                    owner),
-            "data": dict(live.get("data") or {})}
-    return copy
+    labels = {**COMMON_LABELS, "app.kubernetes.io/component": "build"}
+    return {"apiVersion": "v1", "kind": "Secret", "type": live.get("type") or "Opaque",
+            "metadata": object_meta(name, namespace, labels, owner), "data": dict(live.get("data") or {})}
 
 
 def group_token_secret(engine: str, namespace: str, owner: dict[str, Any] | None, token: str) -> dict[str, Any]:
@@ -239,6 +245,7 @@ async def ensure_group_token(kube: KubeClient, engine: str, namespace: str, owne
     live = await kube.get(api_path("v1", "secrets", namespace, group_token_name(engine)))
     token = _decoded(live or {}, GROUP_TOKEN_KEY)
     if not token:
-        raise KeyPairMissing(f"Secret {namespace}/{group_token_name(engine)} has no key {GROUP_TOKEN_KEY!r}; delete it "
-                             "and the operator makes a new one (the engine's ranks restart with it)")
+        where = f"Secret {namespace}/{group_token_name(engine)}"
+        raise GroupTokenMissing(f"{where} has no key {GROUP_TOKEN_KEY!r}; delete it and the operator makes a new one "
+                                "(the engine's ranks restart with it)")
     return token.decode()

@@ -14,12 +14,15 @@ from kiln.operator.jobs import build_job
 from kiln.operator.keys import (
     GROUP_TOKEN_ENV,
     LABEL_RANK_GROUP,
+    GroupTokenMissing,
     KeyPair,
+    ensure_group_token,
     group_token_secret,
     rank_group_label,
     signing_key_copy,
     verify_key_copy,
 )
+from kiln.operator.kube import ApiError
 from kiln.operator.network import build_network_policy
 from kiln.operator.render import render_objects
 from kiln.operator.retry import STORAGE_EXIT_CODE, Failure, build_step, next_record
@@ -275,3 +278,26 @@ def test_a_retry_reports_building_with_when():
                 now=NOW + timedelta(minutes=2))
     assert decide(due).step == RETRY
     assert decide(world({}, manifest=manifest())).step == SERVE
+
+
+class TokenKube:
+    """The API as ensure_group_token sees it: the token Secret exists already, holding ``data``."""
+
+    def __init__(self, data: dict) -> None:
+        self.data = data
+
+    async def create(self, path: str, body: dict) -> dict:
+        raise ApiError(409, "AlreadyExists", "exists")
+
+    async def get(self, path: str) -> dict:
+        return {"data": self.data}
+
+
+def test_the_group_token_is_read_back_when_it_exists_and_a_broken_one_names_the_secret():
+    import asyncio
+    import base64
+
+    kept = asyncio.run(ensure_group_token(TokenKube({"token": base64.b64encode(b"t0k3n").decode()}), "big", "ml", {}))
+    assert kept == "t0k3n"  # the value the pods read, so the label they carry is rank_group_label("t0k3n", "big")
+    with pytest.raises(GroupTokenMissing, match=r"^Secret ml/big-group-token has no key 'token'; delete it"):
+        asyncio.run(ensure_group_token(TokenKube({}), "big", "ml", {}))
