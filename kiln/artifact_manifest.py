@@ -31,7 +31,7 @@ CLAIM_NAME = ".publish-claim.json"
 RESERVED_NAMES = frozenset({MANIFEST_NAME, CLAIM_NAME})
 HASH_CHUNK = 8 * 1024 * 1024
 
-VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")  # an adapter's is up to 226 (kiln.envelope)
 # The operator tells a build container who is building (JSON of BuiltBy) ...
 BUILT_BY_ENV = "KILN_BUILT_BY"
 # ... and a serving container which artifact it verified (JSON of ArtifactExpectation).
@@ -190,7 +190,7 @@ def file_sha256(path: Path) -> str:
 def check_version(version: str) -> str:
     if not isinstance(version, str) or not VERSION_RE.match(version):
         raise ValueError(f"invalid engine version {version!r}: use letters, digits, '.', '_' or '-' "
-                         f"(at most 128 characters, no '/')")
+                         f"(at most 255 characters, no '/')")
     return version
 
 

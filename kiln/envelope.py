@@ -3,7 +3,9 @@
 Two manifests with the same envelope share one artifact, so a GitOps edit that
 only touches replicas, labels, names, serving resources/image or build
 image/timeout never triggers a rebuild. The envelope is a normalized, versioned
-document; the engine version is ``<model-slug>-<first 12 hex of sha256(canonical JSON)>``.
+document; the engine version is ``<model-slug>-<sha256(canonical JSON), all 64 hex>``: the full digest names
+the content in store keys, manifests, signatures and ``status.version``. :func:`short_version` (12 hex) is
+for display only, and Kubernetes names and label values bound a version in ``kiln.operator.naming``.
 
 What is in, and why:
 
@@ -68,11 +70,12 @@ from kiln.model_source import ModelSource
 
 ARTIFACT_FORMAT_VERSION = 1
 ENVELOPE_VERSION = 1
-HASH_CHARS = 12
-# Versions go into Job/Deployment names and label values (<= 63 characters); keeping
-# them <= 45 leaves room for an 18-character prefix such as "kiln-build-".
-MAX_VERSION_LEN = 45
-MAX_SLUG_LEN = MAX_VERSION_LEN - HASH_CHARS - 1
+HASH_CHARS = 64  # a version carries the envelope's whole SHA-256: a 48-bit prefix could be ground
+SHORT_HASH_CHARS = 12  # short_version's, for logs and tables only; never an identity
+# The slug keeps a short version within 45 characters (room for a prefix such as "kiln-build-" in a name of 63).
+MAX_SLUG_LEN = 32
+MAX_VERSION_LEN = MAX_SLUG_LEN + 1 + HASH_CHARS  # 97; a store version allows 255 (kiln.artifact_manifest)
+_DIGEST = re.compile(rf"[0-9a-f]{{{HASH_CHARS}}}")
 
 
 def build_envelope(spec: LLMEngineSpec | LLMEngine) -> dict[str, Any]:
@@ -130,8 +133,8 @@ def adapter_envelope(base_version: str, adapter: Any) -> dict[str, Any]:
 
 
 def adapter_version(base_version: str, adapter: Any) -> str:
-    """``<base engine version>-<adapter name>-<12 hex>``: at most 45 + 63 + 14 characters (a store version
-    allows 128; Kubernetes names derived from it are bounded by ``kiln.operator.naming``)."""
+    """``<base engine version>-<adapter name>-<64 hex>``: at most 97 + 1 + 63 + 1 + 64 = 226 characters (a store
+    version allows 255; Kubernetes names and labels derived from it are bounded by ``kiln.operator.naming``)."""
     return f"{base_version}-{adapter.name}-{envelope_digest(adapter_envelope(base_version, adapter))[:HASH_CHARS]}"
 
 
@@ -157,9 +160,9 @@ def envelope_digest(envelope: dict[str, Any]) -> str:
 
 
 def envelope_mismatch(stored: dict[str, Any], expected: dict[str, Any]) -> str | None:
-    """Why a published manifest's envelope is not the one a spec hashes, or None. A version names only
-    HASH_CHARS hex digits of the envelope's digest, for display and Kubernetes names: a cache hit must
-    compare the whole envelope, or a crafted prefix collision would serve one engine as another."""
+    """Why a published manifest's envelope is not the one a spec hashes, or None. A version names the
+    envelope's whole digest, but a store writer can put any envelope under any version: a cache hit must
+    compare the whole envelope, or one engine would be served as another."""
     if envelope_digest(stored) == envelope_digest(expected):
         return None
     keys = sorted(set(stored) | set(expected))
@@ -169,11 +172,17 @@ def envelope_mismatch(stored: dict[str, Any], expected: dict[str, Any]) -> str |
 
 
 def engine_version(spec: LLMEngineSpec | LLMEngine) -> str:
-    """``<model-slug>-<12 hex>``: a DNS-1123 label of at most 45 characters."""
+    """``<model-slug>-<64 hex>``: lowercase letters, digits and '-', at most 97 characters."""
     spec = spec.spec if isinstance(spec, LLMEngine) else spec
     envelope = build_envelope(spec)
     named = envelope["model"].get("file") or envelope["model"]["source"]
     return f"{model_slug(named)}-{envelope_digest(envelope)[:HASH_CHARS]}"
+
+
+def short_version(version: str) -> str:
+    """A version for display: each 64-hex digest in it cut to 12 (``llama-3a0f…`` of 97 characters -> 45). Two
+    versions can share a short form; compare, key and sign by the full version only."""
+    return _DIGEST.sub(lambda m: m[0][:SHORT_HASH_CHARS], version)
 
 
 def normalize_source(source: str) -> str:

@@ -37,6 +37,13 @@ def job_name(version: str) -> str:
     return bounded_name("kiln-build-", version)
 
 
+def version_label(version: str) -> str:
+    """A version as a label value (at most 63 characters): the version itself when it fits, else its head and a
+    hash of the whole (a version carries a 64-hex digest, so most do not fit). For selecting and reading only:
+    the full version is in the ``ANNOTATION_VERSION`` annotation and ``status.version``."""
+    return bounded_name("", version)
+
+
 def service_name(engine: str) -> str:
     """Service names are DNS-1035 labels (start with a letter); LLMEngine names may start with a digit."""
     return engine if re.match(r"^[a-z]", engine) else bounded_name("llme-", engine)
@@ -89,7 +96,7 @@ def group_token_name(engine: str) -> str:
 
 
 def build_labels(version: str) -> dict[str, str]:
-    return {**COMMON_LABELS, "app.kubernetes.io/component": "build", LABEL_VERSION: version}
+    return {**COMMON_LABELS, "app.kubernetes.io/component": "build", LABEL_VERSION: version_label(version)}
 
 
 def selector_labels(engine: str) -> dict[str, str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.operator.naming import LABEL_VERSION, selector_labels
+from kiln.operator.naming import LABEL_VERSION, selector_labels, version_label
 from kiln.operator.settings import OperatorConfig
 
 from kiln.api import LLMEngineSpec
@@ -36,7 +36,7 @@ def rollout_strategy(spec: LLMEngineSpec) -> dict[str, Any]:
 
 def new_pods_selector(name: str, version: str) -> str:
     """Label selector of the engine's pods that run ``version``."""
-    return ",".join(f"{k}={v}" for k, v in {**selector_labels(name), LABEL_VERSION: version}.items())
+    return ",".join(f"{k}={v}" for k, v in {**selector_labels(name), LABEL_VERSION: version_label(version)}.items())
 
 
 def _unschedulable_message(pod: dict[str, Any]) -> str | None:

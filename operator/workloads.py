@@ -43,6 +43,7 @@ from kiln.operator.naming import (
     selector_labels,
     service_name,
     serving_labels,
+    version_label,
     worker_labels,
 )
 from kiln.operator.scheduling import rollout_strategy
@@ -135,7 +136,7 @@ def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: st
                      expect: ArtifactExpectation | None = None) -> dict[str, Any]:
     """``expect``: the build the operator verified (reconcile passes it; ``None`` renders no check)."""
     labels = serving_labels(name)
-    pod_labels = {**labels, LABEL_VERSION: version}
+    pod_labels = {**labels, LABEL_VERSION: version_label(version)}
     # The server never talks to the Kubernetes API: no token in the pod to steal (_pod_spec).
     pod_spec = _pod_spec(spec, config, serving_container(spec, name, artifact_uri, config, expect), name)
     owner_of_replicas = {REPLICAS_OWNER: "autoscaler"} if autoscaled(spec) else {}
@@ -246,12 +247,12 @@ def build_leader_worker_set(spec: LLMEngineSpec, name: str, namespace: str, vers
                 "size": shape.pods,
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "leaderTemplate": {
-                    "metadata": {"labels": {**serving_labels(name), LABEL_VERSION: version, **ranks},
+                    "metadata": {"labels": {**serving_labels(name), LABEL_VERSION: version_label(version), **ranks},
                                  "annotations": annotations},
                     "spec": _pod_spec(spec, config, leader, name),
                 },
                 "workerTemplate": {
-                    "metadata": {"labels": {**worker_labels(name), LABEL_VERSION: version, **ranks},
+                    "metadata": {"labels": {**worker_labels(name), LABEL_VERSION: version_label(version), **ranks},
                                  "annotations": {ANNOTATION_VERSION: version}},
                     "spec": worker_pod,
                 },

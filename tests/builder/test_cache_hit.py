@@ -36,8 +36,8 @@ def test_cache_hit_imports_neither_torch_nor_transformers(write_manifest, tmp_pa
 
 
 def test_a_hit_is_one_only_when_the_whole_envelope_matches(write_manifest, tmp_path):
-    """A version names 12 hex digits of the envelope's SHA-256: an author who grinds a prefix collision (or a
-    store writer who republishes under a version) must not get their engine served as another (issue 38, Med 5)."""
+    """A version names the envelope's whole SHA-256, but a store writer can publish anything under a version: their
+    engine must not be served as another (issue 38, Med 5)."""
     manifest = write_manifest("file:///models/not-needed-for-a-hit")
     version = version_of(manifest)
     store_uri = f"file://{tmp_path / 'store'}"

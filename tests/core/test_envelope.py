@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,12 +17,16 @@ from kiln.api import LLMEngineSpec
 from kiln.envelope import (
     ARTIFACT_FORMAT_VERSION,
     ENVELOPE_VERSION,
+    MAX_VERSION_LEN,
+    adapter_version,
     build_envelope,
     canonical_json,
     engine_version,
+    envelope_digest,
     is_pinned,
     model_slug,
     normalize_source,
+    short_version,
 )
 from kiln.manifest import load_manifest
 
@@ -29,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CPU = ROOT / "examples/cpu-small.yaml"
 H100 = ROOT / "examples/llama-3.1-8b-h100-fp8.yaml"
 # Changing this means every published engine gets rebuilt: only on purpose, with a version bump.
-GOLDEN_CPU_SMALL = "llama-demo-e34c747f5bd0"
+GOLDEN_CPU_SMALL = "llama-demo-e34c747f5bd05122263b9ac3ed3e533173194ad3dba205a760d8c616838ed2d0"
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -193,9 +198,35 @@ def test_metadata_does_not_change_the_version():
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
-def test_versions_are_short_dns_labels(path: Path):
-    version = engine_version(load_manifest(path))
-    assert DNS1123_LABEL.match(version) and len(version) <= 45, version
+def test_versions_carry_the_full_digest_and_a_short_form_for_display(path: Path):
+    spec = load_manifest(path).spec
+    version = engine_version(spec)
+    assert version.endswith("-" + envelope_digest(build_envelope(spec))) and len(version) <= MAX_VERSION_LEN, version
+    short = short_version(version)
+    assert DNS1123_LABEL.match(short) and len(short) <= 45 and version.startswith(short), short
+
+
+def test_envelopes_sharing_the_first_12_hex_digits_are_different_versions(monkeypatch, tmp_path: Path):
+    """Issue 38, Med 5: a version named 48 bits of the digest, so a ground prefix collision was the same version,
+    the same store key and a cache hit. Here every digest is made to share its first 12 hex digits."""
+    import kiln.envelope
+    from kiln.artifacts import ArtifactStore
+
+    real = kiln.envelope.envelope_digest
+    monkeypatch.setattr(kiln.envelope, "envelope_digest", lambda envelope: "0" * 12 + real(envelope)[12:])
+    spec = load_manifest(CPU).spec
+    other = spec.model_copy(update={"max_batch_size": spec.max_batch_size + 1})
+    mine, theirs = engine_version(spec), engine_version(other)
+    assert mine != theirs and short_version(mine) == short_version(theirs)
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    (artifact / "engine.json").write_text("{}")
+    store = ArtifactStore.from_uri(f"file://{tmp_path / 'store'}")
+    store.publish(theirs, artifact, build_envelope(other))
+    assert store.read_manifest(theirs) is not None and store.read_manifest(mine) is None  # not a cache hit
+    adapter = SimpleNamespace(name="sql", model_source=spec.model)
+    assert adapter_version(mine, adapter) != adapter_version(theirs, adapter)
+    assert short_version(adapter_version(mine, adapter)) == short_version(adapter_version(theirs, adapter))
 
 
 @pytest.mark.parametrize(("source", "slug"), [

@@ -40,7 +40,7 @@ def test_plan_json():
     doc = json.loads(result.stdout)
     assert doc["engineVersion"] == engine_version(load_manifest(CPU))
     assert doc["envelope"] == build_envelope(load_manifest(CPU).spec)
-    assert doc["engineVersion"].endswith(doc["digest"][:12])
+    assert doc["engineVersion"].endswith("-" + doc["digest"])
 
 
 def test_plan_reads_stdin():

@@ -37,7 +37,7 @@ SERVICES = f"/api/v1/namespaces/{NS}/services"
 PDBS = f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets"
 PODS = f"/api/v1/namespaces/{NS}/pods"
 EVENTS = f"/api/v1/namespaces/{NS}/events"
-VERSION_LABEL = "serving.kiln.dev/engine-version"
+VERSION_LABEL = "serving.kiln.dev/engine-version"  # a label (bounded) and an annotation (the full version)
 
 SPEC = {"model": {"source": "s3://models/llama-tiny", "revision": "v1"}, "gpu": "cpu", "dtype": "float32",
         "maxBatchSize": 8, "maxInputLen": 256, "maxSeqLen": 512, "maxNumTokens": 512,
@@ -110,7 +110,7 @@ class Cluster:
 
     def wait_job(self, version: str | None = None) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
-            jobs = [j for j in self.jobs() if version is None or j["metadata"]["labels"][VERSION_LABEL] == version]
+            jobs = [j for j in self.jobs() if version is None or j["metadata"]["annotations"][VERSION_LABEL] == version]
             return jobs[0] if jobs else None
         return wait_for(check, what=f"a build Job for {version or 'any version'}")
 
@@ -135,7 +135,7 @@ class Cluster:
     def build(self, job: dict[str, Any], spec: dict[str, Any]) -> str:
         """Be the builder: publish the artifact of the Job's version, recording who built it as the Job's build
         container says (``$KILN_BUILT_BY``, as `kiln build` does), then mark the Job complete."""
-        version = job["metadata"]["labels"][VERSION_LABEL]
+        version = job["metadata"]["annotations"][VERSION_LABEL]
         build = next(c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "build")
         env = {e["name"]: e.get("value") for e in build["env"]}
         self.publish(version, spec, BuiltBy.model_validate_json(env[BUILT_BY_ENV]))
@@ -165,7 +165,7 @@ class Cluster:
 
     def template_version(self, name: str) -> str | None:
         dep = self.deployment(name)
-        return dep["spec"]["template"]["metadata"]["labels"][VERSION_LABEL] if dep else None
+        return dep["spec"]["template"]["metadata"]["annotations"][VERSION_LABEL] if dep else None
 
     def roll_out(self, name: str) -> None:
         """Be the Deployment controller: every replica of the current template is updated and available."""
@@ -190,7 +190,7 @@ class Cluster:
         obj = self.lws(name)
         if obj is None:
             return None
-        return obj["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"][VERSION_LABEL]
+        return obj["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["annotations"][VERSION_LABEL]
 
     def lws_status(self, name: str, ready: int | None = None, **extra: Any) -> None:
         """Be the LWS controller: every group of the current template is updated; ``ready`` of them are ready

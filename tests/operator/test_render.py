@@ -8,7 +8,14 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 from kiln.operator.jobs import build_job
-from kiln.operator.naming import LABEL_VERSION, bounded_name, job_name, owner_reference, service_name
+from kiln.operator.naming import (
+    LABEL_VERSION,
+    bounded_name,
+    job_name,
+    owner_reference,
+    service_name,
+    version_label,
+)
 from kiln.operator.settings import ConfigError, OperatorConfig
 from kiln.operator.validation import InvalidSpec, validate_spec
 from kiln.operator.workloads import (
@@ -61,7 +68,7 @@ def test_build_job_is_valid_and_targets_the_sku(sku: str, tp: int):
     version = engine_version(s)
     job = validate(build_job(s, "demo", "ml", version, CONFIG))
     assert job["metadata"]["name"] == job_name(version) and len(job["metadata"]["name"]) <= 63
-    assert job["metadata"]["labels"][LABEL_VERSION] == version
+    assert job["metadata"]["labels"][LABEL_VERSION] == version_label(version)
     pod = job["spec"]["template"]["spec"]
     limits = container(job)["resources"].get("limits", {})
     if sku == "cpu":
@@ -204,7 +211,7 @@ def test_deployment_serves_the_artifact_safely():
     assert dep["spec"]["replicas"] == 3
     assert dep["metadata"]["ownerReferences"] == [OWNER]
     assert LABEL_VERSION not in dep["spec"]["selector"]["matchLabels"]
-    assert dep["spec"]["template"]["metadata"]["labels"][LABEL_VERSION] == version
+    assert dep["spec"]["template"]["metadata"]["labels"][LABEL_VERSION] == version_label(version)
 
 
 def test_deployment_tells_pods_which_build_the_operator_verified():

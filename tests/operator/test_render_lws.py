@@ -17,7 +17,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from kiln.operator.jobs import build_job
-from kiln.operator.naming import LABEL_VERSION, MAX_LWS_NAME, lws_name, owner_reference, service_name
+from kiln.operator.naming import (
+    LABEL_VERSION,
+    MAX_LWS_NAME,
+    lws_name,
+    owner_reference,
+    service_name,
+    version_label,
+)
 from kiln.operator.render import render, render_objects
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import rollout_complete, template_version
@@ -135,7 +142,7 @@ def test_a_405b_engine_on_two_8xh100_nodes_is_one_lws_group_of_two_pods():
         assert c["command"] == ["kiln", "serve"] and c["args"][:2] == ["--artifact", uri]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 8  # one node's GPUs: one pipeline stage
         assert template["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
-        assert template["metadata"]["labels"][LABEL_VERSION] == version
+        assert template["metadata"]["labels"][LABEL_VERSION] == version_label(version)
         assert template["metadata"]["annotations"]["serving.kiln.dev/engine-version"] == version
         assert template["spec"]["automountServiceAccountToken"] is False
         assert {"name": "KILN_LEADER_PORT", "value": str(RENDEZVOUS_PORT)} in c["env"]

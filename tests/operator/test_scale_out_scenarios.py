@@ -10,6 +10,7 @@ import time
 import pytest
 from conftest import wait_for
 from harness import DEPLOYMENTS, ENGINES, PODS, SPEC, VERSION_LABEL, Cluster, manifest, running_operator
+from kiln.operator.naming import version_label
 from test_scenarios import ready
 
 NS_APIS = "/apis/{}/namespaces/ml/{}"
@@ -69,7 +70,7 @@ def test_scale_from_zero_to_n_and_back_never_overwrites_the_autoscalers_replicas
 
         # A GitOps bump while scaled out: the operator rolls the new template but leaves replicas to KEDA.
         c.kube.patch(f"{ENGINES}/chat", {"spec": {"maxSeqLen": 1024}})
-        job = wait_for(lambda: next((j for j in c.jobs() if j["metadata"]["labels"][VERSION_LABEL] != old), None),
+        job = wait_for(lambda: next((j for j in c.jobs() if j["metadata"]["annotations"][VERSION_LABEL] != old), None),
                        what="the bump's Job")
         new = c.build(job, {**spec, "maxSeqLen": 1024})
         wait_for(lambda: c.template_version("chat") == new, what="the new template")
@@ -95,7 +96,8 @@ def test_scale_from_zero_to_n_and_back_never_overwrites_the_autoscalers_replicas
 def unschedulable_pod(c: Cluster, name: str, version: str, message: str) -> str:
     """Be the ReplicaSet and the scheduler: a new-version pod that no node can take."""
     pod = f"{name}-{version[-5:]}-x1"
-    labels = {"serving.kiln.dev/engine": name, "app.kubernetes.io/component": "serving", VERSION_LABEL: version}
+    labels = {"serving.kiln.dev/engine": name, "app.kubernetes.io/component": "serving",
+              VERSION_LABEL: version_label(version)}
     c.kube.create(PODS, {"metadata": {"name": pod, "labels": labels},
                          "spec": {"containers": [{"name": "serve", "image": "kiln"}]}})
     c.kube.patch(f"{PODS}/{pod}/status", {"status": {"phase": "Pending", "conditions": [
@@ -111,7 +113,7 @@ def test_a_rollout_without_a_spare_gpu_says_so_and_recreate_one_at_a_time_gets_t
         old = ready(c, "chat", spec)
         assert c.deployment("chat")["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
         c.kube.patch(f"{ENGINES}/chat", {"spec": {"maxSeqLen": 1024}})
-        job = wait_for(lambda: next((j for j in c.jobs() if j["metadata"]["labels"][VERSION_LABEL] != old), None),
+        job = wait_for(lambda: next((j for j in c.jobs() if j["metadata"]["annotations"][VERSION_LABEL] != old), None),
                        what="the bump's Job")
         new = c.build(job, {**spec, "maxSeqLen": 1024})
         wait_for(lambda: c.template_version("chat") == new, what="the new template")

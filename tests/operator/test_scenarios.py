@@ -64,7 +64,7 @@ def test_create_builds_once_then_rolls_out_and_reports_ready(cluster: Cluster, e
     with running_operator():
         c.kube.create(ENGINES, manifest("demo"))
         job = c.wait_job()
-        version = job["metadata"]["labels"][VERSION_LABEL]
+        version = job["metadata"]["annotations"][VERSION_LABEL]
         building = c.wait_status("demo", "Building", phase="Building", engineVersion=version)
         assert building.get("servingVersion") is None and c.condition("demo", "Built")["reason"] == "Building"
         assert c.deployment("demo") is None  # nothing to serve before the artifact exists
@@ -99,9 +99,9 @@ def test_gitops_bump_keeps_old_version_serving_until_new_pods_are_available_then
         old = ready(c, "demo", SPEC)
         c.kube.patch(f"{ENGINES}/demo", {"spec": {"maxSeqLen": 1024}})
         new_spec = {**SPEC, "maxSeqLen": 1024}
-        job = wait_for(lambda: next((j for j in c.jobs() if j["metadata"]["labels"][VERSION_LABEL] != old), None),
+        job = wait_for(lambda: next((j for j in c.jobs() if j["metadata"]["annotations"][VERSION_LABEL] != old), None),
                        what="a Job for the new version")
-        new = job["metadata"]["labels"][VERSION_LABEL]
+        new = job["metadata"]["annotations"][VERSION_LABEL]
         status = c.wait_status("demo", "Building the bump", phase="Building", engineVersion=new)
         assert status["servingVersion"] == old and status["observedGeneration"] == 2
         assert c.condition("demo", "Ready")["status"] == "False"

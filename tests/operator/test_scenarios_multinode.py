@@ -45,7 +45,7 @@ def test_multi_node_engine_builds_once_then_serves_from_a_leader_worker_set(clus
     with running_operator():
         c.kube.create(ENGINES, manifest("big", **MULTI))
         job = c.wait_job()
-        version = job["metadata"]["labels"][VERSION_LABEL]
+        version = job["metadata"]["annotations"][VERSION_LABEL]
         c.wait_status("big", "Building", phase="Building", engineVersion=version)
         time.sleep(1)
         assert len(c.jobs()) == 1 and c.lws("big") is None and c.deployment("big") is None
@@ -95,9 +95,9 @@ def test_gitops_bump_keeps_the_old_group_serving_then_revert_rolls_back_without_
         c.kube.create(ENGINES, manifest("big", **MULTI))
         old = ready_lws(c, "big", MULTI)
         c.kube.patch(f"{ENGINES}/big", {"spec": {"maxSeqLen": 1024}})
-        job = wait_for(lambda: next((j for j in c.jobs() if j["metadata"]["labels"][VERSION_LABEL] != old), None),
+        job = wait_for(lambda: next((j for j in c.jobs() if j["metadata"]["annotations"][VERSION_LABEL] != old), None),
                        what="a Job for the new version")
-        new = job["metadata"]["labels"][VERSION_LABEL]
+        new = job["metadata"]["annotations"][VERSION_LABEL]
         status = c.wait_status("big", "Building the bump", phase="Building", engineVersion=new)
         assert status["servingVersion"] == old and c.lws_version("big") == old  # untouched while building
         generation = c.lws("big")["metadata"]["generation"]
