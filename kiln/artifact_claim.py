@@ -9,12 +9,20 @@ into ``engines/<version>/``; a publisher with different content waits for the ho
 manifest and then raises :class:`ArtifactConflict`.
 
 The holder heartbeats while it holds the claim: a background thread rewrites
-``staging/<version>/<upload-id>.heartbeat.json`` every quarter of the store's ``claim_ttl``
-(the claim itself is never rewritten, so a heartbeat cannot clobber a claim someone else took).
-A claim whose holder has not been heard from (claim created, or last heartbeat) for ``claim_ttl``
-belongs to a dead publisher and is taken over. Before each file it moves in and before the
-manifest, a publisher checks that the claim is still its own (or still its content's); if it
-is not, it stops with :class:`ClaimLost` and creates no manifest, so nothing becomes visible.
+``staging/<version>/<upload-id>.heartbeat.json`` every quarter of the store's ``claim_ttl`` with a
+count of its renewals (the claim itself is never rewritten, so a heartbeat cannot clobber a claim
+someone else took). A waiting publisher times the holder's silence by its *own* monotonic clock:
+from when it first saw the claim and the heartbeat as they are now (:class:`Silence`); a claim
+unchanged for ``claim_ttl`` belongs to a dead (or paused) publisher and is taken over. No two
+hosts' clocks are compared; the stamps in the records are for people.
+
+Before each file it moves in and before the manifest, a publisher checks that the claim is
+still its own (or still its content's); if it is not, it stops with :class:`ClaimLost` and
+creates no manifest, so nothing becomes visible. A publisher paused *between* that check and
+its move (past ``claim_ttl``, so its claim was taken over) must not then replace the new
+holder's file: each move is conditional on the destination being what the publisher read back
+*before* its check (:meth:`kiln.storage.Backend.promote`: nothing there, or the same token), so
+whatever the new holder moved in meanwhile makes the stale move fail, and its next check stops it.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -33,6 +41,7 @@ from kiln.artifact_manifest import CLAIM_NAME, MANIFEST_NAME, ArtifactConflict, 
 from kiln.storage import Backend
 
 HEARTBEAT_SUFFIX = ".heartbeat.json"
+MOVE_TRIES = 5  # a move whose destination changed is retried, the claim checked again each time
 log = logging.getLogger("kiln.artifacts")
 
 
@@ -61,33 +70,11 @@ def move_in(store: VersionStore, version: str, staging: str, manifest: Manifest)
     backend = store.backend
     base = f"engines/{version}"
     claim = Claim(store, version, manifest)
-    said_waiting = False
     try:
-        while True:
-            if (winner := store.read_manifest(version)) is not None:
-                return _settle(store, winner, manifest)
-            if claim.take():
-                break
-            other = _read_json(backend.read(claim.key))
-            if other is None:
-                continue  # the holder just finished or gave up: look again
-            if other.get("content_digest") == manifest.content_digest:
-                break  # byte-identical content: moving it in alongside the holder is harmless
-            age = _claim_age(backend, version, other)
-            if age > store.claim_ttl:
-                backend.delete([claim.key])  # its publisher died mid-move: take over
-                continue
-            if not said_waiting:  # otherwise a publish behind a dead publisher's claim waits up to claim_ttl in silence
-                said_waiting = True
-                log.warning("%s: upload %r holds the publish claim (last heard from %.0fs ago); waiting for its "
-                            "manifest, or until it has been silent for claim_ttl %s and the claim is taken over. If "
-                            "that publisher is dead (killed mid-publish), `kiln cache gc --staging-older-than 1m` "
-                            "removes what it left",
-                            store.artifact_uri(version), other.get("upload_id"), age.total_seconds(), store.claim_ttl)
-            time.sleep(0.2)  # a different upload is moving in: wait for its manifest
+        if (winner := _wait_for_claim(store, claim, manifest)) is not None:
+            return winner
         for f in manifest.files:
-            claim.check()
-            backend.promote(f"{staging}/{f.path}", f"{base}/{f.path}")
+            _move_file(claim, f"{staging}/{f.path}", f"{base}/{f.path}")
         claim.check()
         if backend.create_exclusive(f"{base}/{MANIFEST_NAME}", _json_bytes(manifest)):
             return manifest
@@ -99,6 +86,59 @@ def move_in(store: VersionStore, version: str, staging: str, manifest: Manifest)
                          f"manifest; remove it with `kiln cache rm {version}`")
     finally:
         claim.release()
+
+
+def _wait_for_claim(store: VersionStore, claim: Claim, manifest: Manifest) -> Manifest | None:
+    """Hold the claim (or join a holder of the same content); the manifest that won instead, if one did."""
+    backend, version, silence, said_waiting = store.backend, claim.version, Silence(), False
+    while True:
+        if (winner := store.read_manifest(version)) is not None:
+            return _settle(store, winner, manifest)
+        if claim.take():
+            return None
+        raw = backend.read(claim.key)
+        if (other := _read_json(raw)) is None:
+            continue  # the holder just finished or gave up: look again
+        if other.get("content_digest") == manifest.content_digest:
+            return None  # byte-identical content: moving it in alongside the holder is harmless
+        quiet = silence.seconds((raw, _heartbeat_of(backend, version, other)))
+        if quiet > store.claim_ttl.total_seconds():
+            backend.delete([claim.key])  # its publisher died (or is paused) mid-move: take over
+            continue
+        if not said_waiting:  # otherwise a publish behind a dead publisher's claim waits up to claim_ttl in silence
+            said_waiting = True
+            log.warning("%s: upload %r holds the publish claim; waiting for its manifest, or until it has been "
+                        "silent for claim_ttl %s (by this host's clock) and the claim is taken over. If that "
+                        "publisher is dead (killed mid-publish), `kiln cache gc --staging-older-than 1m` removes "
+                        "what it left", store.artifact_uri(version), other.get("upload_id"), store.claim_ttl)
+        time.sleep(0.2)  # a different upload is moving in: wait for its manifest
+
+
+def _move_file(claim: Claim, src: str, dst: str) -> None:
+    """Move one file in while the claim is this publisher's. The destination's token is read *before* the check,
+    so a publisher paused after its check moves nothing over what the claim's new holder wrote meanwhile."""
+    for _ in range(MOVE_TRIES):
+        expected = claim.backend.token(dst)
+        claim.check()
+        if claim.backend.promote(src, dst, expected):
+            return
+    raise ClaimLost(f"{claim.store.artifact_uri(claim.version)}: {dst} kept changing while this publisher held "
+                    "the claim (another publisher still writing there); no manifest was created: publish again")
+
+
+class Silence:
+    """How long a claim's holder has been silent by this publisher's own monotonic clock: since it first saw the
+    claim and the holder's heartbeat as they are now. Skewed or frozen clocks elsewhere do not matter."""
+
+    def __init__(self) -> None:
+        self.state: Any = object()
+        self.since = time.monotonic()
+
+    def seconds(self, state: Any) -> float:
+        now = time.monotonic()
+        if state != self.state:
+            self.state, self.since = state, now
+        return now - self.since
 
 
 class Claim:
@@ -157,14 +197,15 @@ class Heartbeat:
 
     def __init__(self, backend: Backend, key: str, upload_id: str, interval: float) -> None:
         self.backend, self.key, self.upload_id, self.interval = backend, key, upload_id, interval
-        self.failures = 0
+        self.failures = self.beats = 0
         self._stop = threading.Event()
         self.beat()
         self._thread = threading.Thread(target=self._run, name=f"kiln-claim-heartbeat-{upload_id}", daemon=True)
         self._thread.start()
 
     def beat(self) -> None:
-        record = {"upload_id": self.upload_id, "refreshed_at": now_utc().isoformat()}
+        self.beats += 1  # what a waiting publisher sees change; refreshed_at is for people
+        record = {"upload_id": self.upload_id, "beats": self.beats, "refreshed_at": now_utc().isoformat()}
         try:
             self.backend.write(self.key, _json_bytes(record))
         except StoreError:
@@ -218,20 +259,9 @@ def _heartbeat_key(version: str, upload_id: str) -> str:
     return f"staging/{version}/{upload_id}{HEARTBEAT_SUFFIX}"
 
 
-def _claim_age(backend: Backend, version: str, claim: dict) -> timedelta:
-    """How long since the claim's holder was last heard from: the claim's creation or its latest heartbeat."""
-    stamps = [claim.get("created_at")]
+def _heartbeat_of(backend: Backend, version: str, claim: dict) -> bytes | None:
+    """The claim's holder's heartbeat object as it is now (None without one)."""
     upload_id = claim.get("upload_id")
     if isinstance(upload_id, str) and upload_id and "/" not in upload_id:
-        beat = _read_json(backend.read(_heartbeat_key(version, upload_id)))
-        if beat is not None and beat.get("upload_id") == upload_id:
-            stamps.append(beat.get("refreshed_at"))
-    seen = []
-    for stamp in stamps:
-        try:
-            when = datetime.fromisoformat(stamp)
-        except (TypeError, ValueError):
-            continue
-        if when.tzinfo is not None:  # ours are UTC; a naive stamp says nothing reliable
-            seen.append(when)
-    return now_utc() - max(seen) if seen else timedelta.max
+        return backend.read(_heartbeat_key(version, upload_id))
+    return None

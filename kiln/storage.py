@@ -34,8 +34,14 @@ class Backend(Protocol):
     def verify_upload(self, local: Path, key: str, sha256: str, size: int) -> None:
         """Raise ArtifactCorrupt unless the stored object has exactly this size and sha256."""
 
-    def promote(self, src_key: str, dst_key: str) -> None:
-        """Move (or copy) a verified staging object to its published key, replacing any object there."""
+    def token(self, key: str) -> str | None:
+        """What the object at ``key`` is now (an ETag, an inode and mtime), or None when there is none; changes
+        whenever the object is replaced."""
+
+    def promote(self, src_key: str, dst_key: str, expected: str | None) -> bool:
+        """Move (or copy) a verified staging object to its published key only if what is there is still
+        ``expected`` (a :meth:`token`; None: nothing); False, moving nothing, if it is not. A publisher that lost
+        its claim while paused therefore cannot replace what the claim's new holder moved in."""
 
     def download(self, key: str, local: Path, progress: ByteCallback | None, size: int | None = None) -> None:
         """Copy the object to ``local``; with ``size`` (the manifest's), refuse (ArtifactCorrupt) an object of

@@ -75,15 +75,47 @@ class FileBackend:
             raise ArtifactCorrupt(f"{self.uri}/{key}: upload of {local} did not land intact: expected sha256 "
                                   f"{sha256} ({size} bytes), store holds {got} ({got_size} bytes)")
 
-    def promote(self, src_key: str, dst_key: str) -> None:
-        dst = self._path(dst_key)
+    def token(self, key: str) -> str | None:
+        try:
+            st = os.lstat(self._path(key))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._err(exc, f"stat {key}") from None
+        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+    def promote(self, src_key: str, dst_key: str, expected: str | None) -> bool:
+        """Into an empty place: a hard link, which fails if anything got there first; over ``expected``: a rename
+        right after reading the token back (a local filesystem has no conditional rename)."""
+        src, dst = self._path(src_key), self._path(dst_key)
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(self._path(src_key), dst)
+            linked = self._link(src, dst) if expected is None else None
+            if linked is False:
+                return False
+            if linked is None:  # over an expected object, or where there are no hard links
+                if self.token(dst_key) != expected:
+                    return False
+                os.replace(src, dst)
+            src.unlink(missing_ok=True)  # linked: the staging name goes
             _fsync_dir(dst.parent)
-            self._prune([self._path(src_key).parent])
+            self._prune([src.parent])
         except OSError as exc:
             raise self._err(exc, f"move {src_key} to {dst_key}") from None
+        return True
+
+    @staticmethod
+    def _link(src: Path, dst: Path) -> bool | None:
+        """True: linked; False: something is at ``dst``; None: this filesystem has no hard links (rename instead)."""
+        try:
+            os.link(src, dst)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            return None
+        return True
 
     def download(self, key: str, local: Path, progress: ByteCallback | None, size: int | None = None) -> None:
         try:

@@ -149,10 +149,26 @@ class S3Backend:
             h.update(chunk)
         return h.hexdigest()
 
-    def promote(self, src_key: str, dst_key: str) -> None:
+    def token(self, key: str) -> str | None:
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ETag"]
+        except bex.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise self._error(exc, f"head {key}") from None
+        except bex.BotoCoreError as exc:
+            raise self._error(exc, f"head {key}") from None
+
+    def promote(self, src_key: str, dst_key: str, expected: str | None) -> bool:
+        """A copy after reading the destination's token back. S3 has no conditional *copy* moto honours (its
+        CopyObject ignores If-Match / If-None-Match, and a single CopyObject would lose a multipart object's
+        checksum), so the window is the time between that read and the copy's start."""
+        if self.token(dst_key) != expected:
+            return False
         self._call(f"copy {src_key} to {dst_key}", self.client.copy,
                    {"Bucket": self.bucket, "Key": self._key(src_key)}, self.bucket, self._key(dst_key),
                    Config=self.transfer)
+        return True
 
     def download(self, key: str, local: Path, progress: ByteCallback | None, size: int | None = None) -> None:
         """With ``size``: the object's size from a HEAD first (another size: refused before any byte is

@@ -1,6 +1,8 @@
 """The publish claim's heartbeat (``kiln.artifact_claim``), against file:// and s3:// (moto's server): a live
-publisher's claim never ages past ``claim_ttl`` however slow its move-in, and a publisher that lost its claim
-anyway stops before its next file and publishes nothing. A 1-second TTL keeps these to seconds."""
+publisher's claim never ages past ``claim_ttl`` however slow its move-in, a publisher that lost its claim
+anyway stops before its next file and publishes nothing, one paused past the TTL between its check and its
+move does not replace the new holder's file, and a holder's clock does not decide when its claim expires.
+A 1-second TTL keeps these to seconds."""
 
 from __future__ import annotations
 
@@ -57,12 +59,13 @@ def slow_promotes(store: ArtifactStore, seconds: float, each=None) -> list[str]:
     """Make ``store``'s moves into ``engines/`` take ``seconds`` each; returns the keys moved, in order."""
     real, moved = store.backend.promote, []
 
-    def promote(src: str, dst: str) -> None:
+    def promote(src: str, dst: str, expected: str | None) -> bool:
         time.sleep(seconds)
-        real(src, dst)
+        done = real(src, dst, expected)
         moved.append(dst)
         if each is not None:
             each(dst)
+        return done
 
     store.backend.promote = promote
     return moved
@@ -113,3 +116,84 @@ def test_a_publisher_that_lost_its_claim_stops_before_its_next_file(uri: str, tm
     assert json.loads(store.backend.read(CLAIM)) == taker  # the new holder's claim is left alone
     assert heartbeat_threads() == []
     assert store.backend.list("staging/") == []
+
+
+def differing_dir(root: Path, seed: int) -> Path:
+    """An engine directory whose every file differs from another seed's."""
+    (root / "weights").mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "engine.json", "weights/rank-0-of-1.safetensors"):
+        (root / name).write_text(json.dumps({"seed": seed, "file": name}))
+    return root
+
+
+def test_a_holder_paused_between_its_check_and_its_move_does_not_replace_the_takers_file(
+        uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Issue 38 (low): the holder checks its claim, is paused (no heartbeat) past the TTL, the taker publishes,
+    and the holder resumes. Its move must fail, not overwrite the published file, and it publishes nothing."""
+    import kiln.artifact_claim as artifact_claim
+
+    paused, taker = store_at(uri), store_at(uri)
+    resumed, real_check, first = threading.Event(), artifact_claim.Claim.check, []
+
+    def check(self) -> None:
+        real_check(self)
+        if self.store is paused and not first:  # the holder's first check passed: it "stops" right here
+            first.append(True)
+            self.heartbeat._stop.set()  # a paused process beats no more
+            resumed.wait(30)
+
+    monkeypatch.setattr(artifact_claim.Claim, "check", check)
+    result: dict = {}
+    holder = threading.Thread(target=lambda: result.update(outcome=_outcome(
+        lambda: paused.publish(VERSION, differing_dir(tmp_path / "a", seed=1), ENVELOPE))))
+    holder.start()
+    deadline = time.monotonic() + 10
+    while not first and time.monotonic() < deadline:
+        time.sleep(0.02)
+    published = taker.publish(VERSION, differing_dir(tmp_path / "b", seed=2), ENVELOPE)  # takes over after the TTL
+    resumed.set()
+    holder.join(30)
+    assert isinstance(result["outcome"], ClaimLost), result
+    assert taker.read_manifest(VERSION) == published
+    out = taker.fetch(VERSION, tmp_path / "out")  # every file checked against the taker's manifest
+    assert json.loads((out / "config.json").read_text())["seed"] == 2
+
+
+def _outcome(publish):
+    try:
+        return publish()
+    except StoreError as exc:
+        return exc
+
+
+def test_expiry_follows_the_waiters_clock_not_the_holders(uri: str, tmp_path: Path):
+    """A live holder whose clock is an hour behind (its claim and heartbeat stamped then) is not taken over; once
+    it falls silent, it is, claim_ttl later by the waiter's own clock, whatever its stamps say."""
+    store = store_at(uri)
+    skewed = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
+    claim = {"upload_id": "skewed", "content_digest": "2" * 64, "created_at": skewed}
+    assert store.backend.create_exclusive(CLAIM, json.dumps(claim).encode())
+    alive = threading.Event()
+    alive.set()
+
+    def beat() -> None:  # the holder renews every quarter TTL, stamping its own (skewed) time
+        beats = 0
+        while alive.is_set():
+            beats += 1
+            store.backend.write(f"staging/{VERSION}/skewed.heartbeat.json",
+                                json.dumps({"upload_id": "skewed", "beats": beats, "refreshed_at": skewed}).encode())
+            time.sleep(0.25)
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    result: dict = {}
+    waiter = threading.Thread(target=lambda: result.update(m=_outcome(
+        lambda: store.publish(VERSION, engine_dir(tmp_path / "a", seed=1), ENVELOPE))))
+    waiter.start()
+    time.sleep(3 * TTL.total_seconds())
+    assert json.loads(store.backend.read(CLAIM))["upload_id"] == "skewed" and not store.exists(VERSION)
+    alive.clear()
+    silent_since = time.monotonic()
+    waiter.join(30)
+    assert time.monotonic() - silent_since >= 0.9 * TTL.total_seconds()
+    assert result["m"] == store.read_manifest(VERSION)
