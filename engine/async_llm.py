@@ -24,6 +24,7 @@ from kiln.engine.lora.request import LoRARequest
 from kiln.engine.outputs import EngineStats, StreamDelta
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Request
+from kiln.engine.thread_governor import ThreadGovernor
 
 
 class EngineDeadError(RuntimeError):
@@ -47,7 +48,6 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._error: BaseException | None = None
-        self.thread_governor = None  # thread_governor.ThreadGovernor: a server's compute threads, from its steps
 
     @classmethod
     def from_artifact(cls, artifact_dir: str | Path, **overrides: Any) -> AsyncLLM:
@@ -79,6 +79,11 @@ class AsyncLLM:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
+
+    @property
+    def thread_governor(self) -> ThreadGovernor | None:
+        """The engine's thread governor (``EngineConfig.thread_governor``), a between-steps hook; or None."""
+        return self.engine.between_steps.find(ThreadGovernor)
 
     @property
     def is_running(self) -> bool:
@@ -156,19 +161,12 @@ class AsyncLLM:
                 self._drain_commands()
                 if not self.engine.has_unfinished():
                     self.engine.check_ranks()  # a lost rank fails the loop even while idle (/health)
-                    if self.thread_governor is not None:
-                        self.thread_governor.idle()
+                    self.engine.between_steps.idle()
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
-                governor = self.thread_governor
-                if governor is not None:
-                    governor.before_step()
-                made = self.engine.num_generated_tokens
-                for update in self.engine.step():
+                for update in self.engine.step():  # the between-steps hooks run around it
                     self._publish(update)
-                if governor is not None:
-                    governor.after_step(self.engine.num_generated_tokens - made)
         except BaseException as e:  # noqa: BLE001 - every stream must learn the loop died
             self._error = e
             err = EngineDeadError(f"the engine loop failed: {e!r}")

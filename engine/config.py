@@ -27,6 +27,7 @@ from kiln.engine.errors import ConfigError
 from kiln.engine.kernels import native
 from kiln.engine.kernels.candidates import LINEAR, expand
 from kiln.engine.kernels.formats import BY_QUANTIZATION
+from kiln.engine.lora.config import LoRAConfig
 from kiln.engine.rope_config import max_positions
 from kiln.engine.settings import field_rules, setting
 from kiln.engine.spec_decode.config import SpeculativeConfig
@@ -174,6 +175,11 @@ class EngineConfig:
              "build's quality gate measured W8A8 so); 'off' keeps it in the engine's dtype (a build sets it "
              "when W8A8 passes the gate only with the head kept).")
     tactics_info: dict[str, Any] | None = setting(None, repr=False, help="Set at load: where the table came from.")
+    tactics_background: bool = setting(False, flag=True, reported=True, help="Time this host's tactic table "
+                                       "after load, serving on the default (kiln serve: on; $KILN_TACTICS_AT_LOAD).")
+    thread_governor: bool = setting(False, flag=True, reported=True, help="A single-rank CPU engine re-chooses its "
+                                    "compute threads from its own steps (engine/thread_governor.py; kiln serve: on; "
+                                    "a pinned count turns it off).")
     speculative_config: Any = setting(
         None, flag=True, json=True,
         help="Speculative decoding as vLLM's flag, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
@@ -315,6 +321,12 @@ class EngineConfig:
     @property
     def torch_dtype(self):
         return getattr(torch, self.dtype)
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA view (``lora/config.py``), its defaults resolved here, once; None without enable_lora."""
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras,
+                          self.torch_dtype) if self.enable_lora else None
 
     @property
     def kv_torch_dtype(self):

@@ -14,11 +14,11 @@ import itertools
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from kiln.engine.between_steps import hooks_for
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import EngineConfig
 from kiln.engine.errors import ConfigError, RequestError
@@ -26,7 +26,7 @@ from kiln.engine.limits import check_prompt, resolve_max_tokens
 from kiln.engine.lora.manager import LoRAEngineMixin, LoRAManager, lora_disabled
 from kiln.engine.lora.request import LoRARequest
 from kiln.engine.model_runner import ModelRunner
-from kiln.engine.outputs import EngineStats
+from kiln.engine.outputs import EngineStats, StepUpdate
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import Request
@@ -43,19 +43,6 @@ from kiln.engine.stopping import make_detokenizer, stop_reason
 from kiln.engine.tokenizer import load_tokenizer_beside
 
 log = logging.getLogger("kiln.engine")
-
-
-@dataclass
-class StepUpdate:
-    """What one step did to one request: the tokens it gained and whether it finished."""
-
-    request: Request
-    new_token_ids: list[int]
-    text_delta: str
-    logprobs: list[dict[int, float]] | None
-    finished: bool
-    queue_time: float | None = None  # set on the request's first update only (see StreamDelta.queue_time)
-    error: str | None = None  # set when this request failed alone (finish reason "error"); the batch went on
 
 
 class LLMEngine(LoRAEngineMixin):
@@ -91,7 +78,8 @@ class LLMEngine(LoRAEngineMixin):
             self.group.start_heartbeat()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.lora = LoRAManager(config, self._adapters_in_use) if config.enable_lora else None
+        self.lora = LoRAManager(config.lora_config, config.hf_config, self._adapters_in_use) if config.enable_lora \
+            else None
         self.scheduler = Scheduler(self.block_manager, config.max_batch_size, config.max_num_tokens,
                                    lora_slots=self.lora.slots if self.lora is not None else None)
         self.set_speculative(speculative)
@@ -99,6 +87,7 @@ class LLMEngine(LoRAEngineMixin):
         self.num_steps = self.num_computed_tokens = self.num_generated_tokens = 0
         self.sum_running, self.sum_kv_usage = 0, 0.0
         self.batch_size_histogram: dict[int, int] = {}
+        self.between_steps = hooks_for(config, self.runner)  # work between steps: the loop's one place for it
 
     def _take_tokenizer(self, pending: Future) -> None:
         if self.tokenizer is None:
@@ -194,11 +183,15 @@ class LLMEngine(LoRAEngineMixin):
         return req
 
     def has_unfinished(self) -> bool:
-        self.runner.swap_pending_tactics()  # the engine loop's tick between steps (tactics.deferred)
         return self.scheduler.has_unfinished()
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[StepUpdate]:
+        """One step, with the between-steps hooks around it (``between_steps``); a loop with nothing to run
+        calls ``between_steps.idle()`` instead."""
+        return self.between_steps.run(self._step)
+
+    def _step(self) -> list[StepUpdate]:
         self.check_ranks()
         decision = self.scheduler.schedule()
         if not decision.scheduled:

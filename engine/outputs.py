@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.engine.sequence import Request
+
 
 @dataclass
 class RequestMetrics:
@@ -76,3 +78,16 @@ class EngineStats:
     @property
     def avg_kv_usage(self) -> float:
         return self.sum_kv_usage / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass
+class StepUpdate:
+    """What one step did to one request: the tokens it gained and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    text_delta: str
+    logprobs: list[dict[int, float]] | None
+    finished: bool
+    queue_time: float | None = None  # set on the request's first update only (see StreamDelta.queue_time)
+    error: str | None = None  # set when this request failed alone (finish reason "error"); the batch went on

@@ -12,12 +12,19 @@ server's other threads compete there too: on llama-bench two threads made the st
 served tokens 13 %), not the time the loop idles, so quiet spells and bursts of arrivals do not read as a
 slow thread count.
 
+Windows are compared like with like: a step's tokens follow its batch (a decode step of 8 sequences makes 8
+tokens in about the time one of 1 makes 1), so a trial whose windows met a bigger batch would read as a faster
+thread count. Each window is keyed by its mean batch, rounded to a power of two (``batch_bucket``), and a count
+is compared with the incumbent only at the batches both were timed at; with none in common the trial keeps
+the incumbent.
+
 Thread counts do not change what kiln's kernels compute (each output is summed by one thread in one order);
 ``$OMP_NUM_THREADS`` or ``$KILN_CPU_THREADS`` pin the count and turn the governor off (``for_server``).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -44,7 +51,7 @@ class ThreadGovernor:
         self._plan: list[int] = []  # the windows of a trial, in order (other, current, other, current, ...)
         self._rates: dict[int, list[float]] = {}
         self._settled = settle - first_trial_after
-        self._steps = self._tokens = 0
+        self._steps = self._tokens = self._batch = 0
         self._seconds = 0.0
         self._t0 = 0.0
         self._last_end: float | None = None  # when the previous busy step ended (None: the loop idled since)
@@ -68,19 +75,21 @@ class ThreadGovernor:
         """The loop had nothing to run: the wait until the next step is not the thread count's."""
         self._last_end = None
 
-    def after_step(self, generated_tokens: int) -> None:
-        """``generated_tokens``: the tokens the step just made (0: it only prefilled; still timed)."""
+    def after_step(self, generated_tokens: int, batch: int = 1) -> None:
+        """``generated_tokens``: the tokens the step just made (0: it only prefilled; still timed); ``batch``:
+        the sequences it ran."""
         self._last_end = time.perf_counter()
         self._seconds += self._last_end - self._t0
         self._tokens += generated_tokens
+        self._batch += batch
         self._steps += 1
         if self._steps >= self.window:
             self._end_window()
 
     def _end_window(self) -> None:
         rate = self._tokens / self._seconds if self._seconds > 0 else 0.0
-        threads = self._threads_now()
-        self._steps = self._tokens = 0
+        threads, bucket = self._threads_now(), batch_bucket(self._batch / self._steps)
+        self._steps = self._tokens = self._batch = 0
         self._seconds, self._last_end = 0.0, None  # the gap before the next window's first step is its own
         if not self._plan:
             self._settled += 1
@@ -88,7 +97,7 @@ class ThreadGovernor:
                 self._start_trial()
             return
         self._plan.pop(0)
-        self._rates.setdefault(threads, []).append(rate)
+        self._rates.setdefault((threads, bucket), []).append(rate)
         if not self._plan:
             self._decide()
 
@@ -99,15 +108,28 @@ class ThreadGovernor:
         self._plan = [t for other in others for t in (other, self.current, other, self.current)]
 
     def _decide(self) -> None:
-        rates = {t: statistics.mean(r) for t, r in self._rates.items() if r}
-        incumbent = rates.get(self.current, 0.0)
-        best = max(rates, key=rates.get)
-        switched = best != self.current and rates[best] > SWITCH_MARGIN * incumbent
+        mean = {key: statistics.mean(r) for key, r in self._rates.items() if r}
+        speedup = {}  # each count's rate over the incumbent's, at the batches both were timed at
+        for t in self.choices:
+            ratios = [r / mean[self.current, b] for (tt, b), r in mean.items()
+                      if tt == t and mean.get((self.current, b), 0.0) > 0]
+            if ratios:
+                speedup[t] = statistics.mean(ratios)
+        best = max(speedup, key=speedup.get, default=self.current)
+        switched = best != self.current and speedup[best] > SWITCH_MARGIN
         if switched:
             self.current = best
-        self.state.update(threads=self.current, trials=self.state["trials"] + 1, last_trial={
-            "tokens_per_s": {str(t): round(r, 1) for t, r in sorted(rates.items())},
-            "kept" if not switched else "switched_to": self.current})
+        shown = {t: statistics.mean(r for (tt, _), r in mean.items() if tt == t) for t in {t for t, _ in mean}}
+        trial = {"tokens_per_s": {str(t): round(r, 1) for t, r in sorted(shown.items())},
+                 "kept" if not switched else "switched_to": self.current}
+        if len(speedup) < 2:
+            trial["why"] = "no window of another count at a batch the incumbent was timed at"
+        self.state.update(threads=self.current, trials=self.state["trials"] + 1, last_trial=trial)
+
+
+def batch_bucket(mean_batch: float) -> int:
+    """A window's batch for comparisons: its mean sequences per step, rounded to a power of two."""
+    return 1 << max(0, round(math.log2(max(mean_batch, 1.0))))
 
 
 def for_server(threads: int) -> ThreadGovernor | None:

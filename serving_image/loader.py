@@ -93,6 +93,11 @@ def fetch_artifact(uri: str, cache_dir: Path | None, verify_key: Path | None = N
     return Path(path)
 
 
+# A server's engine times a missing tactic table after /ready and re-chooses its compute threads from its own
+# steps (EngineConfig settings, off in LLM(...)); --no-tactics-background / --no-thread-governor turn them off.
+SERVER_DEFAULTS = {"tactics_background": True, "thread_governor": True}
+
+
 def placed_engine_kwargs(config: ServeConfig, artifact_dir: Path | None) -> dict[str, Any]:
     """The engine overrides plus, for ranks started separately, where this process's ranks sit.
 
@@ -127,14 +132,14 @@ def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
         meta = json.loads((path / "engine.json").read_text())
         # Threads and compute dtype for this host are chosen by the engine (kiln.engine.cpu_target).
         with serving_choices():
-            engine = AsyncLLM.from_artifact(path, **placed_engine_kwargs(config, path))
+            engine = AsyncLLM.from_artifact(path, **{**SERVER_DEFAULTS, **placed_engine_kwargs(config, path)})
         info.update(artifact_uri=config.artifact, engine_version=meta.get("engine_version"),
                     built_with_kiln=meta.get("kiln_version"), built_with_torch=meta.get("torch_version"),
                     gpu=meta.get("gpu"))
     else:
         with serving_choices():
             threads = checkpoint_threads()
-            engine = AsyncLLM(str(config.model), **placed_engine_kwargs(config, None))
+            engine = AsyncLLM(str(config.model), **{**SERVER_DEFAULTS, **placed_engine_kwargs(config, None)})
         info.update(model_dir=str(config.model), engine_version=None)
     info["torch_num_threads"] = torch.get_num_threads()
     # How `auto` tool calls are read back: the build's record, else the template's own markers.
@@ -146,12 +151,8 @@ def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
     info["engine_config"] = reported_settings(cfg)  # the settings EngineConfig marks reported
     # Artifact vs compute dtype, the native-dtype probe, the int8 path, the host and the thread choice.
     info["cpu_target"] = getattr(cfg, "cpu_target", None) or (threads if path is None else None)
-    if cfg.device == "cpu" and cfg.world_size == 1 and info["cpu_target"] is not None:
-        from kiln.engine.thread_governor import for_server  # the count, re-chosen from the serving steps
-
-        engine.thread_governor = for_server(torch.get_num_threads())
-        if engine.thread_governor is not None:
-            info["cpu_target"] = {**info["cpu_target"], "governor": engine.thread_governor.state}
+    if engine.thread_governor is not None and info["cpu_target"] is not None:  # the count, re-chosen from the steps
+        info["cpu_target"] = {**info["cpu_target"], "governor": engine.thread_governor.state}
     # Which tactic table runs the linears: the artifact's, one re-timed on this host (and what differed), ...
     info["tactics"] = getattr(cfg, "tactics_info", None)
     return engine, info
@@ -160,12 +161,10 @@ def build_engine(config: ServeConfig) -> tuple[Any, dict[str, Any]]:
 @contextmanager
 def serving_choices():
     """What the engine chooses for a server, on this (the loading) thread: its compute threads leave a core to
-    the server's own (``cpu_target.serving``), and a table this host lacks is timed after /ready, the engine
-    serving on the default meanwhile (``tactics.deferred``)."""
+    the server's own (``cpu_target.serving``)."""
     from kiln.engine.cpu_target import serving
-    from kiln.engine.tactics.deferred import in_background
 
-    with serving(), in_background():
+    with serving():
         yield
 
 

@@ -170,7 +170,7 @@ def apply(model: nn.Module, config, native, stack: bool = True
     modules = linear_modules(model, config.max_num_tokens, config.max_batch_size, config.torch_dtype)
     sites = linear_sites(modules)
     table, info = resolve(config.tactics, sites, native, config.tactics_cache,
-                          attention_shape(model, config) if stack else None, exclude)
+                          attention_shape(model, config) if stack else None, exclude, config.tactics_background)
     if native is not None:  # prefill groups on AMX tiles where the table timed that faster
         native.attention_amx_queries = (table.model.get("attention_tiles") or {}).get("min_queries", 0) if stack else 0
     mlps = [m for m in model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]

@@ -28,7 +28,6 @@ import logging
 import os
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,24 +46,10 @@ DEFAULT_MODEL = {"decoder_stack": {"winner": "modules", "how": "default until ti
                  "mlp_rows": {"winner": None, "how": "default until timed"}}
 
 
-_local = threading.local()
-
-
-@contextmanager
-def in_background():
-    """Engines built on this thread inside it defer (``kiln serve``'s loader), unless ``$KILN_TACTICS_AT_LOAD``
-    says ``sync``."""
-    before = getattr(_local, "on", False)
-    _local.on = True
-    try:
-        yield
-    finally:
-        _local.on = before
-
-
-def wanted() -> bool:
-    """Defer timing to after ``/ready`` (``kiln serve``), where one rank serves."""
-    mode = os.environ.get(MODE_ENV, "").strip().lower() or ("background" if getattr(_local, "on", False) else "sync")
+def wanted(background: bool) -> bool:
+    """Defer timing to after ``/ready`` where one rank serves: ``background`` (``EngineConfig.tactics_background``,
+    on in ``kiln serve``) unless ``$KILN_TACTICS_AT_LOAD`` says ``sync`` or ``background``."""
+    mode = os.environ.get(MODE_ENV, "").strip().lower() or ("background" if background else "sync")
     return mode == "background" and parallel.world_size() == 1
 
 

@@ -12,7 +12,7 @@
 - a candidate name (``candidates.LINEAR``: ``kiln-fma``, ``kiln-amx``, ``onednn-panels``, ``onednn``,
   ``aten``): every linear runs it wherever it can run, untimed; the rest are timed.
 
-Where a table would be timed at load and ``deferred.wanted()`` (``kiln serve``), the untimed default is returned
+Where a table would be timed at load and ``deferred.wanted`` (``kiln serve``), the untimed default is returned
 instead, with the job that times the real one after ``/ready`` (``deferred.py``, ``swap.py``). ``/version``'s
 ``origin`` says which (``artifact``, ``cache``, ``default-until-timed``, ``timed-here``, ``forced``), ``why`` why.
 
@@ -145,9 +145,11 @@ def _save(table: TacticTable, path: Path) -> Path | None:
 
 
 def resolve(source: str, sites: list[LinearSite], native, cache_dir: str | None = None,
-            attention: dict[str, Any] | None = None, exclude=()) -> tuple[TacticTable, dict[str, Any]]:
+            attention: dict[str, Any] | None = None, exclude=(),
+            background: bool = False) -> tuple[TacticTable, dict[str, Any]]:
     """The table to run ``sites`` with, and what ``/version`` and the log say about where it came from
-    (``attention``, ``exclude``: as ``measure`` takes them)."""
+    (``attention``, ``exclude``: as ``measure`` takes them; ``background``: a table timed here is timed after
+    load, ``deferred.wanted``)."""
     here = host_signature.cpu_signature(exclude=exclude)
     key = host_signature.signature_key(here)
     info: dict[str, Any] = {"host": host_signature.describe(here), "host_key": key}
@@ -156,13 +158,13 @@ def resolve(source: str, sites: list[LinearSite], native, cache_dir: str | None 
         return table, {**info, "source": f"forced {source}", "origin": "forced", "seconds": round(table.seconds, 2),
                        "why": f"the engine's tactics setting names {source}"}
     if source != "auto":
-        return _from_artifact(source, sites, native, cache_dir, attention, info, here, exclude)
-    return _this_hosts(sites, native, attention, info, exclude)
+        return _from_artifact(source, sites, native, cache_dir, attention, info, here, exclude, background)
+    return _this_hosts(sites, native, attention, info, exclude, background)
 
 
 def _from_artifact(source: str, sites: list[LinearSite], native, cache_dir: str | None,
                    attention: dict[str, Any] | None, info: dict[str, Any], here,
-                   exclude=()) -> tuple[TacticTable, dict[str, Any]]:
+                   exclude=(), background: bool = False) -> tuple[TacticTable, dict[str, Any]]:
     """The artifact's table at ``source``: as built on the host it was measured on, else re-timed here."""
     key = info["host_key"]
     built = TacticTable.load(Path(source))
@@ -192,16 +194,16 @@ def _from_artifact(source: str, sites: list[LinearSite], native, cache_dir: str 
         return cached, {**info, "source": "re-timed (cached)", "origin": "cache", "table": str(cached_path),
                         "differs": diffs, "why": "this host differs from the build's: the table re-timed here "
                                                  "at an earlier start"}
-    return _retime(source, built, sites, native, attention, info, here, diffs, cached_path, exclude)
+    return _retime(source, built, sites, native, attention, info, here, diffs, cached_path, exclude, background)
 
 
 def _retime(source: str, built: TacticTable, sites: list[LinearSite], native, attention: dict[str, Any] | None,
             info: dict[str, Any], here, diffs: list[str], cached_path: Path,
-            exclude=()) -> tuple[TacticTable, dict[str, Any]]:
+            exclude=(), background: bool = False) -> tuple[TacticTable, dict[str, Any]]:
     """The artifact's table measured on another host: re-timed here (in the background when wanted), the
     build's model entries that are not host-bound kept."""
     why = "this host differs from the build's"
-    if deferred.wanted():
+    if deferred.wanted(background):
         def retime() -> TacticTable:
             table = measure(sites, native, budget(), attention=attention, exclude=exclude)
             table.model = {**{k: v for k, v in built.model.items() if k not in HOST_MODEL_OPS}, **table.model}
@@ -223,7 +225,7 @@ def _retime(source: str, built: TacticTable, sites: list[LinearSite], native, at
 
 
 def _this_hosts(sites: list[LinearSite], native, attention: dict[str, Any] | None,
-                info: dict[str, Any], exclude=()) -> tuple[TacticTable, dict[str, Any]]:
+                info: dict[str, Any], exclude=(), background: bool = False) -> tuple[TacticTable, dict[str, Any]]:
     """No table came with the model: this process's, this host's cached one, or timed now (or in the
     background)."""
     key = info["host_key"]
@@ -237,7 +239,7 @@ def _this_hosts(sites: list[LinearSite], native, attention: dict[str, Any] | Non
         _memo[memo_key] = table
         return table, {**info, "source": "measured (cached)", "origin": "cache", "table": str(path),
                        "why": "no table came with the model: the one timed on this host at an earlier start"}
-    if deferred.wanted():
+    if deferred.wanted(background):
         def timed() -> TacticTable:
             table = measure(sites, native, budget(), attention=attention, exclude=exclude)
             _memo[memo_key] = table

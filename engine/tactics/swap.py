@@ -2,8 +2,8 @@
 
 ``prepare_deferred`` takes the job a deferred ``resolve`` left on the default table and tells it which MLP to copy
 for the prefill slice; ``tick`` runs on the engine thread between steps (``ModelRunner.swap_pending_tactics``,
-from ``LLMEngine.has_unfinished``): it starts the job, and once the table is timed packs the model by it
-(``swap``), so no step ever runs on half-packed weights.
+from the engine's between-steps hook ``between_steps.TacticSwap``): it starts the job, and once the table is
+timed packs the model by it (``swap``), so no step ever runs on half-packed weights.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def _wait_swapped(llm, timeout=120.0):
     engine = llm.engine
     deadline = time.monotonic() + timeout
     while engine.runner.tactics_job is not None and time.monotonic() < deadline:
-        engine.has_unfinished()  # the engine loop's idle tick
+        engine.between_steps.idle()  # the engine loop's idle tick
         time.sleep(0.05)
     assert engine.runner.tactics_job is None, "the background timing did not finish"
 
@@ -100,7 +100,7 @@ def test_an_artifact_on_another_host_serves_the_default_and_caches_the_retimed_t
     kernels = native.kernels()
     built = resolve.measure(sites, kernels, 5)
     built.model["decoder_stack"] = {"winner": "modules"}
-    monkeypatch.setattr(deferred, "wanted", lambda: True)
+    monkeypatch.setattr(deferred, "wanted", lambda background: True)
     calls = []
     real = resolve.measure
     monkeypatch.setattr(resolve, "measure", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -108,3 +108,28 @@ def test_the_loops_time_between_busy_steps_counts_and_idle_time_does_not(clock):
     assert gov.current == 2
     rates = gov.state["last_trial"]["tokens_per_s"]
     assert rates["2"] > 1.1 * rates["1"] and max(rates.values()) < 1.0  # never diluted by the 100 s spells
+
+
+def test_a_batch_change_alone_does_not_flip_the_count(clock):
+    """Issue 38: a step's tokens follow its batch. Every step costs the same time whatever the thread count;
+    the trial's windows of 2 threads happen to meet a batch of 8 while 1 thread's meet a batch of 1: 8x the
+    tokens per second, none of it the threads'. Compared at equal batch, nothing is comparable: it keeps 1."""
+    c = clock({1: 1.0, 2: 1.0})
+    gov = ThreadGovernor([1, 2], start=1, set_threads=c.set, window=4, settle=3, first_trial_after=0)
+    for _ in range(16):
+        gov.before_step()
+        batch = 8 if c.threads == 2 else 1
+        c.now += 1.0  # one step: the same seconds at either count
+        gov.after_step(batch, batch)
+    assert gov.current == 1 and gov.state["last_trial"]["kept"] == 1 and "batch" in gov.state["last_trial"]["why"]
+
+
+def test_at_equal_batch_a_faster_count_still_wins(clock):
+    """The same batches for both counts (8 sequences a step): 2 threads make the steps 1.4x faster."""
+    c = clock({1: 1.0, 2: 0.7})
+    gov = ThreadGovernor([1, 2], start=1, set_threads=c.set, window=4, settle=3, first_trial_after=0)
+    for _ in range(16):
+        gov.before_step()
+        c.now += c.cost[c.threads]
+        gov.after_step(8, 8)
+    assert gov.current == 2 and gov.state["last_trial"]["switched_to"] == 2
