@@ -5,10 +5,11 @@ target:
 
     budget      = device memory x kv.memoryFraction
     num_kv_blocks = (budget - weights of the largest rank - activation reserve
-                     - CUDA-graph reserve) // bytes per block
+                     - CUDA-graph reserve - LoRA slots) // bytes per block
     CUDA-graph reserve = measured graph memory x (1 + CUDA_GRAPH_MEMORY_MARGIN), 0 without graphs
 
-where a block holds ``blockSize`` tokens of K and V for every layer and the KV
+where the LoRA slots are what the runtime allocates for ``spec.lora`` before it plans its pool
+(``kiln.engine.lora.config.LoRAConfig.slot_bytes``, the one term both use), and a block holds ``blockSize`` tokens of K and V for every layer and the KV
 heads of one rank. On a GPU the pool takes all of that (spare blocks keep
 prefixes cached). The graphs' memory is what loading the artifact with the
 chosen CUDA graphs takes on the build GPU beyond loading it eagerly (device
@@ -29,6 +30,7 @@ import logging
 import math
 from typing import Any
 
+import torch
 from kiln.builder.errors import InvalidSpec
 from kiln.builder.model_facts import ModelFacts
 from kiln.builder.sizing import (
@@ -36,7 +38,9 @@ from kiln.builder.sizing import (
     device_memory_bytes,
     kv_bytes_per_token,
     kv_dtype_name,
+    layers_per_stage,
 )
+from kiln.engine.lora.config import LoRAConfig
 
 log = logging.getLogger("kiln.build.tune")
 
@@ -48,6 +52,17 @@ CUDA_GRAPH_MEMORY_MARGIN = 0.2
 def cuda_graph_reserve_bytes(cuda_graph_bytes: int | None) -> int:
     """What the plan sets aside for measured CUDA graphs (0 where none run)."""
     return 0 if cuda_graph_bytes is None else math.ceil(cuda_graph_bytes * (1 + CUDA_GRAPH_MEMORY_MARGIN))
+
+
+def lora_slot_bytes(spec, facts: ModelFacts) -> int:
+    """The largest rank's LoRA slots for ``spec.lora`` (0 without), by the runtime's own term."""
+    lora = getattr(spec, "lora", None)
+    if lora is None:
+        return 0
+    view = LoRAConfig(lora.max_loras, lora.max_lora_rank, lora.max_loras, getattr(torch, spec.dtype))
+    return view.slot_bytes("cpu" if spec.gpu_spec.is_cpu else "cuda", facts.hidden_size, facts.intermediate_size,
+                           facts.num_attention_heads, facts.num_key_value_heads, facts.head_dim,
+                           layers_per_stage(facts, spec), spec.tensor_parallel)
 
 
 def plan_kv(spec, facts: ModelFacts, weight_bytes_per_rank: int, cuda_graph_bytes: int | None = None,
@@ -62,9 +77,10 @@ def plan_kv(spec, facts: ModelFacts, weight_bytes_per_rank: int, cuda_graph_byte
     budget = int(total * spec.kv.memory_fraction)
     activations = activation_reserve_bytes(facts, spec)
     graphs = cuda_graph_reserve_bytes(cuda_graph_bytes)
+    slots = lora_slot_bytes(spec, facts)
     per_token = kv_bytes_per_token(facts, spec) + extra_kv_bytes_per_token
     block_bytes = per_token * spec.kv.block_size
-    free = budget - weight_bytes_per_rank - activations - graphs
+    free = budget - weight_bytes_per_rank - activations - graphs - slots
     num_blocks = max(0, free // block_bytes)
     blocks_per_seq = math.ceil(spec.max_seq_len / spec.kv.block_size)
     useful = spec.max_batch_size * blocks_per_seq
@@ -86,6 +102,7 @@ def plan_kv(spec, facts: ModelFacts, weight_bytes_per_rank: int, cuda_graph_byte
         "activation_reserve_bytes": activations,
         "cuda_graph_memory_bytes": cuda_graph_bytes,
         "cuda_graph_reserve_bytes": graphs,
+        "lora_slot_bytes": slots,
         "kv_dtype": kv_dtype_name(spec),
         "kv_bytes_per_token": per_token,
         "block_size": spec.kv.block_size,

@@ -30,8 +30,7 @@ from kiln.engine.kv_cache import allocate_kv_cache, bytes_per_block, plan_num_bl
 from kiln.engine.layers.attention import AttentionMetadata, PrefillChunk
 from kiln.engine.layers.linear import LinearBase
 from kiln.engine.layers.paged_metadata import build_paged_metadata, token_rows
-from kiln.engine.lora.layers import LoRAModel, make_lora_step
-from kiln.engine.lora.wire import send_slot
+from kiln.engine.lora.runner import LoRARunner
 from kiln.engine.models.llama import Intermediate, head_dim_of, kv_heads_of
 from kiln.engine.models.registry import create_model
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow, merge_rows
@@ -71,6 +70,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = build_model(config)
         self._bind_kernels(config)
+        # LoRA's runner half (lora/runner.py): this rank's adapter slots, made before the KV pool is planned so
+        # that the pool is sized after them (what the build's KV plan takes out of the budget, kv_plan.py)
+        self.lora = LoRARunner(self.model, config.lora_config, self.device, self.native) if config.enable_lora else None
         self._allocate_kv_pool(config, extra_block_bytes)
         if self.native is not None and config.compile == "off":  # the layers in one C call per step
             stack = (self.tactics.model.get("decoder_stack") or {}).get("winner") if self.tactics else None
@@ -78,10 +80,6 @@ class ModelRunner:
                 self.model.bind_native_stack(self.native)
             if why:
                 log.info("kiln CPU kernels: decoder layers run module by module (%s)", why)
-        self.lora = None  # lora.layers.LoRAModel: this rank's adapter slots (enable_lora)
-        if config.enable_lora:
-            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, config.torch_dtype, self.device,
-                                  self.native)
         self.sampler = Sampler()
         self.workspace: dict[str, torch.Tensor] = {}  # attention's gather buffers, reused every step
         self._compile(config)
@@ -170,7 +168,7 @@ class ModelRunner:
         rows = [(r.token_ids[s:s + n] + r.spec_token_ids, s, r.block_table)
                 for r, s, n in zip(reqs, starts, nums, strict=True)]
         logits_rows, sampled = sampled_positions(reqs, starts, nums, list(itertools.accumulate(nums)))
-        slots = [-1 if r.lora_slot is None else r.lora_slot for r in reqs] if self.lora is not None else None
+        slots = self.lora.token_slots(reqs) if self.lora is not None else None
         return pack_rows(rows, self.block_size, logits_rows, slots), sampled
 
     def run(self, scheduled: list[tuple[Request, int]],
@@ -180,10 +178,8 @@ class ModelRunner:
         batches = [self.prepare(part) for part in split_batch(scheduled, self.config.num_micro_batches,
                                                                 self.config.micro_batch_min_tokens)]
         inputs = [b for b, _ in batches]
-        for slot, adapter in lora_loads:
-            self.lora.load(slot, adapter)
-            if parallel.world_size() > 1:  # the other ranks get the weights, not a path (lora/wire.py)
-                send_slot(slot, adapter)
+        if self.lora is not None:
+            self.lora.load_step(lora_loads)
         if parallel.world_size() > 1:
             parallel.send_message(parallel.STEPS, encode_steps(inputs))
         parts = self.run_stage(inputs)
@@ -270,8 +266,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, intermediate: Intermediate | None = None):
         """One forward pass of this rank's stage: logits on the last stage, else (hidden, residual)."""
         n = inputs.input_ids.shape[0]
-        lora_step = (make_lora_step(inputs.token_lora_slots, self.device, self.lora.max_loras)
-                     if self.lora is not None else None)
+        lora_step = self.lora.step(inputs) if self.lora is not None else None
         if (self.graphs is not None and inputs.num_decodes == n and inputs.logits_indices.shape[0] == n
                 and self.graphs.can_run(n) and lora_step is None):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,

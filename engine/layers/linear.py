@@ -30,6 +30,8 @@ from kiln.engine.kernels.candidates import run
 from kiln.engine.kernels.gguf_blocks import gguf_linear
 from kiln.engine.kernels.quant_linear import quantized_linear
 from kiln.engine.layers.quant import quantize_weight
+from kiln.engine.lora.config import LoRAConfig
+from kiln.engine.lora.layers import LoRASlots
 from torch import nn
 
 __all__ = ["ColumnParallelLinear", "LinearBase", "MergedColumnParallelLinear", "QKVParallelLinear",
@@ -64,7 +66,7 @@ def born_quantized(method: str | None) -> Iterator[None]:
 class LinearBase(nn.Module):
     """y = x W^T + b over this rank's shard of W (plus, with LoRA on, the step's adapter deltas)."""
 
-    lora = None  # kiln.engine.lora.layers.LoRASlots when the engine serves adapters (set by the runner)
+    lora: LoRASlots | None = None  # its adapter slots when the engine serves adapters (``enable_lora``)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -87,6 +89,14 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
+
+    def enable_lora(self, lora: LoRAConfig, parts: list, row_parallel: bool, stack_dtype: torch.dtype,
+                    device: torch.device, kernels=None) -> LoRASlots:
+        """Make this linear's adapter slots (``lora/layers.py``): from now on ``forward`` adds the step's
+        adapter deltas (the forward context's LoRA work). ``parts``: as ``LoRASlots`` takes them."""
+        self.lora = LoRASlots(self, parts, row_parallel, lora.max_loras, lora.max_rank, stack_dtype, device,
+                              kernels, lora.dtype)
+        return self.lora
 
     @property
     def weight_format(self) -> formats.WeightFormat:

@@ -23,20 +23,28 @@ there is no ``LoRAStep`` and the linears do no LoRA work at all.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from kiln.engine import parallel
 from kiln.engine.forward_context import get_forward_context
+from kiln.engine.kernels.native import Kernels
 from kiln.engine.lora.step import LoRAStep, make_lora_step
 
-__all__ = ["LoRASlots", "LoRAStep", "make_lora_step"]
+__all__ = ["LoRASlots", "LoRAStep", "SlotHost", "make_lora_step"]
+
+
+class SlotHost(Protocol):
+    """The linear whose output a ``LoRASlots`` adds to (``layers.linear.LinearBase``, which makes its own)."""
+
+    input_size: int
+    output_size: int
 
 class LoRASlots:
     """The adapter slots of one linear (see the module docstring)."""
 
-    def __init__(self, linear: Any, parts: list[tuple[Any, int, int]], row_parallel: bool, max_loras: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device, kernels: Any = None,
+    def __init__(self, linear: SlotHost, parts: list[tuple[Any, int, int]], row_parallel: bool, max_loras: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device, kernels: Kernels | None = None,
                  compute_dtype: torch.dtype | None = None) -> None:
         """``parts``: (part key, offset, size) of each part in this rank's output (one part, key None, if not
         fused); ``dtype``: the stacks'; ``kernels``: kiln's CPU kernels, to pack the slots for in
@@ -117,63 +125,3 @@ class LoRASlots:
             else:
                 ys.add_(torch.mm(torch.mm(xs.to(self.A.dtype), self.A[slot, :used].t()), self.Bt[slot, :used]))
         return y
-
-
-def lora_targets(model: torch.nn.Module) -> list[tuple[int, str, Any]]:
-    """(layer index, kiln linear name, the linear) of every adaptable linear of this rank's stage."""
-    inner = model.model
-    out = []
-    for i in range(inner.start, inner.end):
-        layer = inner.layers[i]
-        for name, lin in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                          ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
-            out.append((i, name, lin))
-    return out
-
-
-def _parts(name: str, lin: Any) -> list[tuple[Any, int, int]]:
-    if name == "qkv_proj":
-        q, kv = lin.num_heads * lin.head_dim, lin.num_kv_heads * lin.head_dim
-        return [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)]
-    if name == "gate_up_proj":
-        half = lin.output_size // 2
-        return [(0, 0, half), (1, half, half)]
-    return [(None, 0, lin.output_size)]
-
-
-class LoRAModel:
-    """This rank's slots over the model's adaptable linears; ``load(slot, adapter)`` fills one slot."""
-
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device, kernels: Any = None) -> None:
-        """``kernels``: kiln's CPU kernels (the runner's, None without them): the slots' GEMMs run on them, in
-        the model's dtype, when it is one they multiply."""
-        self.max_loras = max_loras
-        if kernels is None or dtype not in kernels.linear_dtypes:
-            kernels = None
-        # Without kiln's kernels the stacks are float32 on CPU whatever the model's dtype: torch's bf16 GEMM at
-        # LoRA's shapes ([tokens, 16] products) measured ~5x slower than float32 on a Zen 4 core.
-        stack_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
-        self.slots: dict[tuple[int, str], LoRASlots] = {}
-        for layer, name, lin in lora_targets(model):
-            lin.lora = LoRASlots(lin, _parts(name, lin), name in ("o_proj", "down_proj"), max_loras,
-                                  max_rank, stack_dtype, device, kernels, dtype)
-            self.slots[(layer, name)] = lin.lora
-        self.loaded: list[int | None] = [None] * max_loras  # the adapter (int_id) each slot holds
-
-    def load(self, slot: int, adapter: Any) -> None:
-        """Put ``adapter`` in ``slot``; None empties it (its adapter was unloaded)."""
-        for key, lin_slots in self.slots.items():
-            lin_slots.set_slot(slot, None if adapter is None else adapter.weights.get(key))
-        self.loaded[slot] = None if adapter is None else adapter.int_id
-
-    def load_weights(self, slot: int, int_id: int, weights: dict[tuple[int, str], Any]) -> None:
-        """On a rank other than 0: fill ``slot`` with the weights rank 0 sent (``lora/wire.py``); int_id 0
-        and no weights: empty it."""
-        for key, lin_slots in self.slots.items():
-            lin_slots.set_slot(slot, weights.get(key))
-        self.loaded[slot] = int_id or None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.A.numel() * s.A.element_size() + s.Bt.numel() * s.Bt.element_size() for s in self.slots.values())

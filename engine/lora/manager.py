@@ -8,17 +8,18 @@ from typing import Any
 
 from kiln.engine.errors import RequestError
 from kiln.engine.lora.adapter import LoRAAdapter
+from kiln.engine.lora.config import LoRAConfig
 from kiln.engine.lora.request import LoRARequest
 from kiln.engine.lora.slots import SlotTable
 from kiln.engine.lora.store import AdapterStore
 
 
 class LoRAManager:
-    def __init__(self, config: Any, in_use: Callable[[], set[int]]) -> None:
-        self.config = config
-        self.store = AdapterStore(config.hf_config, config.max_lora_rank, config.max_cpu_loras or config.max_loras,
-                                  config.torch_dtype, in_use)
-        self.slots = SlotTable(config.max_loras)
+    def __init__(self, lora: LoRAConfig, hf_config: dict[str, Any], in_use: Callable[[], set[int]]) -> None:
+        """``lora``: the engine's LoRA view (``EngineConfig.lora_config``, its defaults resolved there)."""
+        self.config = lora
+        self.store = AdapterStore(hf_config, lora.max_rank, lora.max_cpu_loras, lora.dtype, in_use)
+        self.slots = SlotTable(lora.max_loras)
 
     def resolve(self, lora: Any) -> LoRAAdapter:
         """The loaded adapter a request asks for (read from disk if it is not in host memory)."""
