@@ -316,7 +316,7 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
 
     from kiln.serving.server import run_server
 
-    _exit(run_server(config, pool))
+    _exit(run_server(config) if pool is None else run_server(config, pool))
 
 
 

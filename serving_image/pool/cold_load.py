@@ -6,7 +6,8 @@ the local cache (issue 42's figure: SmolLM2 GGUF under 2 s on a small CPU host).
 Starts ``kiln serve --engine m=<artifact> --idle-unload-after 1`` on a free port, sends one request (which fetches
 the artifact into the cache and loads it), then, ``--repeats`` times: waits until the engine is unloaded, and
 times a streamed one-token chat request from sending it to its first token. Prints one JSON line: each
-time-to-first-token, the pool's own load seconds for each (``kiln:pool_engine_load_seconds``), and the median.
+time-to-first-token, the pool's own load seconds for each (``kiln:pool_engine_load_seconds``), the median, and the
+server's resident memory with the engine loaded and after each unload (an unload that leaked would grow it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ def _wait(predicate, what: str, timeout: float, proc: subprocess.Popen) -> None:
             pass
         time.sleep(0.05)
     raise click.ClickException(f"{what} did not happen within {timeout:.0f}s")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
 
 
 def _load_seconds(base: str) -> float:
@@ -80,20 +88,23 @@ def main(artifact: str, cache_dir: str | None, repeats: int) -> None:
     try:
         _wait(lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, "/ready", 120, proc)
         first = _first_token_seconds(base)  # fetches into the cache, then loads
-        ttft, loads = [], []
+        ttft, loads, rss_loaded, rss_unloaded = [], [], [_rss_mib(proc.pid)], []
         for _ in range(repeats):
             _wait(lambda: httpx.get(f"{base}/v1/models", timeout=5).json()["data"][0]["state"] == "unloaded",
                   "the idle unload", 60, proc)
+            rss_unloaded.append(_rss_mib(proc.pid))
             before = _load_seconds(base)
             ttft.append(_first_token_seconds(base))
             loads.append(_load_seconds(base) - before)
+            rss_loaded.append(_rss_mib(proc.pid))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     print(json.dumps({"artifact": artifact, "first_request_with_fetch_s": round(first, 3),
                       "cold_load_to_first_token_s": [round(t, 3) for t in ttft],
                       "pool_load_seconds": [round(t, 3) for t in loads],
-                      "median_cold_load_to_first_token_s": round(statistics.median(ttft), 3)}))
+                      "median_cold_load_to_first_token_s": round(statistics.median(ttft), 3),
+                      "rss_mib_loaded": rss_loaded, "rss_mib_after_unload": rss_unloaded}))
 
 
 if __name__ == "__main__":

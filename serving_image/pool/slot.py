@@ -125,6 +125,7 @@ class EngineSlot:
         close_compiler(engine)
         del engine
         gc.collect()  # the weights go now, not at some later collection: the budget counts on it
+        _return_freed_memory()
 
     def card(self, created: int) -> dict[str, Any]:
         state = LOADING if self.status == LOADING else LOADED if self.status == LOADED else UNLOADED
@@ -137,3 +138,19 @@ class EngineSlot:
             card["load_error"] = self.load_error
         return card
 
+
+def _return_freed_memory() -> None:
+    """Hand the freed heap back to the system (glibc's ``malloc_trim``). Engines load in threads of their own, so
+    their memory is spread over several malloc arenas that glibc keeps once freed: measured on SmolLM2 over four
+    unloads, the server's RSS after an unload grew from 1.3 to 2.4 GiB without this, and stayed at 1.1 GiB with it.
+    No-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
