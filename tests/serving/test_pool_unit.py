@@ -57,6 +57,9 @@ def test_an_engine_counts_its_measured_memory_else_its_kv_plan_and_says_which():
     planned = {"kv_plan": {"weight_bytes_per_rank": 100, "kv_pool_bytes": 20, "activation_reserve_bytes": 3}}
     got, why = engine_memory(planned)
     assert got == 123 and "not measured" in why and "kv_plan" in why
+    untouched = {**measured, "kv_plan": {"weight_bytes_per_rank": 200 * MIB, "kv_pool_bytes": 300 * MIB}}
+    got, why = engine_memory(untouched)  # the plan is the larger: the measurement left the KV pool untouched
+    assert got == 500 * MIB and "above the 300.0 MiB its build measured" in why
     with pytest.raises(ValueError, match="rebuild"):
         engine_memory({"engine_version": "v1"})
 
