@@ -53,3 +53,18 @@ def test_bad_server_options_name_the_option(args, message, tmp_path):
     result = CliRunner().invoke(bench, ["--server", "--quick", "--device", "cpu", "--model-dir", str(model), *args])
     assert result.exit_code == 2 and message in result.output, result.output
     shutil.rmtree(model, ignore_errors=True)
+
+
+def test_dialects_compare_by_requests_when_aiperf_has_no_token_count_for_responses():
+    """aiperf 0.13 reads a Responses stream's token count only from response.completed; a reply cut at
+    max_output_tokens ends response.incomplete, so its export has no output tok/s (a real one, kiln serve at 16)."""
+    row = server.read_export(EXPORT.parent / "aiperf_export_responses_c16.json")
+    assert row["out_tok_s"] is None and row["req_s"] == pytest.approx(0.1702, abs=1e-3) and row["requests"] == 64
+    chat = {"out_tok_s": 10.9, "req_s": 0.17, "requests": 64}
+    responses = server.medians([row])
+    table = {"kiln chat": {"16": chat}, "kiln responses": {"16": responses},
+             "kiln messages": {"16": {**chat, "req_s": 0.1615}}}
+    _, dialects = server._ratios(table, [16], ["chat", "messages", "responses"], None)
+    assert dialects == {"messages / chat": {"16": 0.95},
+                        "responses / chat": {"16": round(responses["req_s"] / 0.17, 3)}}
+    assert responses["req_s"] == pytest.approx(row["req_s"], abs=1e-4)  # medians keep the digits a ratio needs
