@@ -4,7 +4,10 @@
 ``POST /v1/prefix_cache/keys`` returns the keys of a prompt (``prompt``: text or token ids)
 or a conversation (``messages``, through the chat template as ``/v1/chat/completions``
 renders it), exactly as the engine computes them: the blocks it could reuse for that
-request, in order. ``model`` an adapter's name roots them at the adapter version loaded now (its
+request, in order. With ``?endpoint=/v1/messages`` or ``?endpoint=/v1/responses`` the body is that
+endpoint's own request, as a client sent it (a router forwards it unchanged): translated and rendered
+as the endpoint renders it (system, tools, ``instructions``, a stored ``previous_response_id``'s
+conversation on this replica), so the keys are the blocks that request would reuse. ``model`` an adapter's name roots them at the adapter version loaded now (its
 content digest); ``cache_salt`` salts them as it salts a completion's. A router that tokenizes itself computes the same keys with
 :mod:`kiln.engine.prefix_hash` (or the ten lines in docs/prefix-routing.md).
 """
@@ -17,10 +20,16 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from kiln.engine.prefix_hash import PREFIX_HASH_SCHEME, block_keys
 from kiln.engine.sampling_params import MAX_CACHE_SALT_CHARS
+from kiln.serving.anthropic_protocol import MessagesRequest
+from kiln.serving.anthropic_translate import to_chat as messages_to_chat
+from kiln.serving.chat import render_chat
+from kiln.serving.constraints import output_constraint
 from kiln.serving.errors import APIError, from_validation_error, parse_json_body
-from kiln.serving.inputs import render_chat
-from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, _Body, check_messages
-from kiln.serving.routes import _INLINE_BYTES, read_body
+from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, _Body, check_messages, check_supported
+from kiln.serving.request_path import in_terms_of, parse_request
+from kiln.serving.responses_protocol import ResponsesRequest
+from kiln.serving.responses_translate import to_chat as responses_to_chat
+from kiln.serving.routes import _INLINE_BYTES, MESSAGES_NAMES, RESPONSES_NAMES, _store, read_body
 from pydantic import Field, StrictBool, StrictInt, ValidationError
 
 router = APIRouter()
@@ -53,31 +62,69 @@ async def prefix_cache(request: Request) -> dict[str, Any]:
 
 
 @router.post("/v1/prefix_cache/keys")
-async def prefix_cache_keys(request: Request) -> dict[str, Any]:
+async def prefix_cache_keys(request: Request, endpoint: str | None = None) -> dict[str, Any]:
     ctx = request.app.state.kiln
     engine = _engine(request)
     raw = await read_body(request, ctx.config.body_read_timeout)
     inline = len(raw) <= _INLINE_BYTES  # a big body parses and tokenizes off the event loop, as completions do
-    req = _parse(raw) if inline else await asyncio.to_thread(_parse, raw)
-    lora = ctx.loras.get(req.model) if req.model not in ctx.model_names else None
-    if req.model not in ctx.model_names and lora is None:
-        raise APIError(404, f"The model {req.model!r} does not exist on this server; it serves "
-                       f"{ctx.served_model_name!r}", param="model", code="model_not_found")
-    if (req.prompt is None) == (req.messages is None):
-        raise APIError(400, "give exactly one of prompt (text or token ids) and messages", param="prompt")
-    adapter = None  # an adapter's keys are its own: rooted at the content digest of the version loaded now
-    if lora is not None:
-        await ctx.loras.ensure_loaded(lora)
-        adapter = engine.lora_digest(req.model)
-        if adapter is None:
-            raise APIError(503, f"the LoRA adapter {req.model!r} was unloaded meanwhile; retry", param="model",
-                           code="lora_unavailable", headers={"Retry-After": "1"})
-    ids = _prompt_ids(req, engine) if inline else await asyncio.to_thread(_prompt_ids, req, engine)
+    if endpoint is not None:  # a Messages or Responses body, as its endpoint renders it
+        req, ids = await dialect_prompt(request, endpoint, raw, inline)
+        adapter = await _adapter_root(ctx, engine, req.model)
+    else:
+        req = _parse(raw) if inline else await asyncio.to_thread(_parse, raw)
+        adapter = await _adapter_root(ctx, engine, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt (text or token ids) and messages", param="prompt")
+        ids = _prompt_ids(req, engine) if inline else await asyncio.to_thread(_prompt_ids, req, engine)
     scheme = _scheme(engine)
     size = scheme["block_size"]
     keys = block_keys(ids, size, limit=max(0, len(ids) - 1) // size, adapter=adapter,  # last token: computed
                       cache_salt=req.cache_salt)
     return {**scheme, "num_prompt_tokens": len(ids), "keys": [k.hex() for k in keys]}
+
+
+async def dialect_prompt(request: Request, endpoint: str, raw: bytes, inline: bool) -> tuple[Any, list[int]]:
+    """(the chat request, its prompt's ids) for ``raw``, a body of ``endpoint`` (``/v1/messages``, ``/v1/responses``),
+    translated and rendered as that endpoint does; errors name the dialect's own fields."""
+    if endpoint == "/v1/messages":
+        model, names, translate = MessagesRequest, MESSAGES_NAMES, messages_to_chat
+    elif endpoint == "/v1/responses":
+        store = _store(request)  # previous_response_id: the conversation this replica stored
+        model, names, translate = ResponsesRequest, RESPONSES_NAMES, lambda r: responses_to_chat(r, store).chat
+    else:
+        raise APIError(400, f"endpoint {endpoint!r} is not one whose body this takes: give /v1/messages or "
+                       "/v1/responses with that endpoint's body, or no endpoint with a prompt or messages",
+                       param="endpoint")
+    ctx = request.app.state.kiln
+    tokenizer, tool_call_format = ctx.state.engine.tokenizer, ctx.state.engine_info.get("tool_call_format", "json")
+
+    def prompt(chat: Any) -> list[int]:
+        check_supported(chat)
+        _, plan = output_constraint(chat, tool_call_format)
+        return render_chat(chat, tokenizer, plan)
+
+    try:
+        chat = await parse_request(raw, model, translate)
+        return chat, (prompt(chat) if inline else await asyncio.to_thread(prompt, chat))
+    except APIError as exc:
+        raise in_terms_of(exc, names) from None
+
+
+async def _adapter_root(ctx: Any, engine: Any, model: str) -> str | None:
+    """The keys' root for ``model``: None for the base model; an adapter's keys are its own, rooted at the content
+    digest of the version loaded now. A 404 for a model this server does not serve."""
+    lora = ctx.loras.get(model) if model not in ctx.model_names else None
+    if model not in ctx.model_names and lora is None:
+        raise APIError(404, f"The model {model!r} does not exist on this server; it serves "
+                       f"{ctx.served_model_name!r}", param="model", code="model_not_found")
+    if lora is None:
+        return None
+    await ctx.loras.ensure_loaded(lora)
+    adapter = engine.lora_digest(model)
+    if adapter is None:
+        raise APIError(503, f"the LoRA adapter {model!r} was unloaded meanwhile; retry", param="model",
+                       code="lora_unavailable", headers={"Retry-After": "1"})
+    return adapter
 
 
 def _parse(raw: bytes) -> KeysRequest:

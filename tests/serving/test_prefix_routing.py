@@ -113,3 +113,60 @@ def test_cache_salt_keeps_tenants_apart_on_both_endpoints(server):
     assert keys == [k.hex() for k in salted_keys(ids, size, "t")[:3]]
     bad = httpx.post(f"{server.url}/v1/completions", json={"model": M, "prompt": ids, "cache_salt": ""}, timeout=10)
     assert bad.status_code == 400 and "cache_salt" in bad.text
+
+
+WEATHER_TOOL = {"name": "get_weather", "description": "Weather in a city",
+                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def _keys(server, endpoint: str, body: dict) -> dict:
+    r = httpx.post(f"{server.url}/v1/prefix_cache/keys", params={"endpoint": endpoint}, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_keys_of_messages_and_responses_bodies_are_the_blocks_those_endpoints_reuse(server):
+    """A router forwards the body a client sent to /v1/messages or /v1/responses with ?endpoint=: the keys are
+    that request's (system, tools and instructions rendered as the endpoint renders them), so a repeat of the
+    request reads exactly those blocks from the cache."""
+    messages = {"model": M, "max_tokens": 1, "system": "You are a kiln expert.",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "How hot is a kiln? " * 2}]}]}
+    tools = {**messages, "tools": [WEATHER_TOOL], "tool_choice": {"type": "auto"}}  # over max_input_len: counted
+    counted = httpx.post(f"{server.url}/v1/messages/count_tokens", json={k: v for k, v in tools.items()
+                                                                         if k != "max_tokens"}, timeout=30)
+    assert _keys(server, "/v1/messages", tools)["num_prompt_tokens"] == counted.json()["input_tokens"]
+    keys = _keys(server, "/v1/messages", messages)
+    size = keys["block_size"]
+
+    def post(path: str) -> dict:
+        r = httpx.post(f"{server.url}{path}", json=messages if path == "/v1/messages" else responses, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first, again = post("/v1/messages")["usage"], post("/v1/messages")["usage"]
+    assert keys["num_prompt_tokens"] == first["input_tokens"] + first["cache_read_input_tokens"]
+    assert again["cache_read_input_tokens"] == len(keys["keys"]) * size > 0
+
+    responses = {"model": M, "max_output_tokens": 1, "instructions": "Answer in French. " * 3,
+                 "input": [{"role": "user", "content": [{"type": "input_text", "text": "Why glaze pots? " * 3}]}]}
+    keys = _keys(server, "/v1/responses", responses)
+    made, again = post("/v1/responses"), post("/v1/responses")["usage"]
+    assert keys["num_prompt_tokens"] == made["usage"]["input_tokens"]
+    assert again["input_tokens_details"]["cached_tokens"] == len(keys["keys"]) * size > 0
+    follow = {"model": M, "max_output_tokens": 1, "previous_response_id": made["id"], "input": "And then?"}
+    keys = _keys(server, "/v1/responses", follow)  # the conversation stored on this replica comes first
+    assert keys["num_prompt_tokens"] == httpx.post(f"{server.url}/v1/responses", json=follow,
+                                                   timeout=60).json()["usage"]["input_tokens"]
+
+
+def test_keys_of_a_dialect_body_refuse_in_its_own_fields(server):
+    url = f"{server.url}/v1/prefix_cache/keys"
+    bad = httpx.post(url, params={"endpoint": "/v1/messages"},
+                     json={"model": M, "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
+    gone = httpx.post(url, params={"endpoint": "/v1/responses"},
+                      json={"model": M, "input": "x", "previous_response_id": "resp_0"}, timeout=10)
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "previous_response_id"
+    other = httpx.post(url, params={"endpoint": "/v1/embeddings"}, json={"model": M, "input": "x"}, timeout=10)
+    assert other.status_code == 400 and other.json()["error"]["param"] == "endpoint"
+    assert "/v1/messages" in other.json()["error"]["message"]
