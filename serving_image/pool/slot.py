@@ -4,11 +4,13 @@ The request path (:mod:`kiln.serving.request_path`) asks the app for the serving
 ``model`` (``ServingContext.serving_for``): a single-engine server answers itself, a pool answers the
 :class:`EngineSlot` of that engine, loaded. Each slot has its own :class:`ServerState`, so its admissions are
 its requests in flight (what eviction must never cut), and its own LoRA registry and adapter follower (the
-adapter list names each adapter's ``baseEngineVersion``, so one list serves every engine of the pool).
+adapter list names each adapter's ``baseEngineVersion``, so one list serves every engine of the pool), and its
+request series on ``/metrics`` carry its name as ``model_name``.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import logging
@@ -35,7 +37,9 @@ class EngineSlot:
         self.model_names = {entry.name}
         self.config = replace(base, model=None, artifact=entry.artifact_uri, served_model_name=entry.name,
                               lora_modules=[])
-        self.metrics = metrics
+        # The server's series, labelled with this engine's name (model_name) rather than the pool's.
+        self.metrics = copy.copy(metrics)
+        self.metrics.labels = {**metrics.labels, "model_name": entry.name}
         self.state = ServerState(max_queue_len=base.max_queue_len)
         self.loras = LoRARegistry(self)
         self.adapter_sync: AdapterSync | None = None

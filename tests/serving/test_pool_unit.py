@@ -275,6 +275,17 @@ def test_an_engine_whose_step_loop_died_is_loaded_anew_on_its_next_request(monke
     asyncio.run(run())
 
 
+def test_each_engine_records_its_requests_under_its_own_name(monkeypatch):
+    pool, _ = make_pool(monkeypatch, {"a": 1, "b": 1}, memory_budget=10)
+    for name, tokens in (("a", 3), ("b", 5)):
+        timer = pool.slots[name].metrics.timer()
+        timer.on_tokens(tokens)
+        timer.finish("length", 2)
+    got = samples(pool)
+    assert got[("kiln:generation_tokens_total", (("model_name", "a"),))] == 3
+    assert got[("kiln:generation_tokens_total", (("model_name", "b"),))] == 5
+
+
 def test_serve_says_which_flags_a_pool_does_not_take():
     from click.testing import CliRunner
     from kiln.serving.cli import serve
