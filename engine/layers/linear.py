@@ -28,10 +28,11 @@ from kiln.engine import parallel
 from kiln.engine.kernels import formats
 from kiln.engine.kernels.candidates import run
 from kiln.engine.kernels.gguf_blocks import gguf_linear
+from kiln.engine.kernels.native import Kernels
 from kiln.engine.kernels.quant_linear import quantized_linear
 from kiln.engine.layers.quant import quantize_weight
 from kiln.engine.lora.config import LoRAConfig
-from kiln.engine.lora.layers import LoRASlots
+from kiln.engine.lora.layers import LoRASlots, PartKey
 from torch import nn
 
 __all__ = ["ColumnParallelLinear", "LinearBase", "MergedColumnParallelLinear", "QKVParallelLinear",
@@ -90,8 +91,8 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
 
-    def enable_lora(self, lora: LoRAConfig, parts: list, row_parallel: bool, stack_dtype: torch.dtype,
-                    device: torch.device, kernels=None) -> LoRASlots:
+    def enable_lora(self, lora: LoRAConfig, parts: list[tuple[PartKey, int, int]], row_parallel: bool,
+                    stack_dtype: torch.dtype, device: torch.device, kernels: Kernels | None = None) -> LoRASlots:
         """Make this linear's adapter slots (``lora/layers.py``): from now on ``forward`` adds the step's
         adapter deltas (the forward context's LoRA work). ``parts``: as ``LoRASlots`` takes them."""
         self.lora = LoRASlots(self, parts, row_parallel, lora.max_loras, lora.max_rank, stack_dtype, device,

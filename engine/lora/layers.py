@@ -23,15 +23,18 @@ there is no ``LoRAStep`` and the linears do no LoRA work at all.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from kiln.engine import parallel
 from kiln.engine.forward_context import get_forward_context
 from kiln.engine.kernels.native import Kernels
+from kiln.engine.kernels.packed import PackedLinear
 from kiln.engine.lora.step import LoRAStep, make_lora_step
 
-__all__ = ["LoRASlots", "LoRAStep", "SlotHost", "make_lora_step"]
+__all__ = ["LoRASlots", "LoRAStep", "PartKey", "SlotHost", "make_lora_step"]
+
+PartKey = str | int | None  # a fused linear's part: "q"/"k"/"v", 0/1 (gate/up), None (not fused)
 
 
 class SlotHost(Protocol):
@@ -43,7 +46,7 @@ class SlotHost(Protocol):
 class LoRASlots:
     """The adapter slots of one linear (see the module docstring)."""
 
-    def __init__(self, linear: SlotHost, parts: list[tuple[Any, int, int]], row_parallel: bool, max_loras: int,
+    def __init__(self, linear: SlotHost, parts: list[tuple[PartKey, int, int]], row_parallel: bool, max_loras: int,
                  max_rank: int, dtype: torch.dtype, device: torch.device, kernels: Kernels | None = None,
                  compute_dtype: torch.dtype | None = None) -> None:
         """``parts``: (part key, offset, size) of each part in this rank's output (one part, key None, if not
@@ -57,10 +60,12 @@ class LoRASlots:
         self.Bt = torch.zeros(max_loras, width, self.out_features, dtype=dtype, device=device)
         self.used = [0] * max_loras  # rank rows of each slot in use (0: this adapter does not touch the linear)
         self.kernels, self.compute_dtype = kernels, compute_dtype
-        self.packed: list[tuple[Any, Any] | None] = [None] * max_loras  # per slot: (A_s, Bt_s^T) packed
-        self.packed_all: tuple[Any, Any] | None = None  # every slot's, for the dense path (packed on first use)
+        # per slot: (A_s, Bt_s^T) packed for kiln's GEMM
+        self.packed: list[tuple[PackedLinear, PackedLinear] | None] = [None] * max_loras
+        # every slot's, for the dense path (packed on first use)
+        self.packed_all: tuple[PackedLinear, PackedLinear] | None = None
 
-    def set_slot(self, slot: int, weights: dict[Any, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    def set_slot(self, slot: int, weights: dict[PartKey, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """Put an adapter's (full, unsharded) weights for this linear in ``slot``; None empties it."""
         self.A[slot].zero_()
         self.Bt[slot].zero_()
@@ -81,11 +86,11 @@ class LoRASlots:
         self.packed[slot] = self._pack(self.A[slot, :col], self.Bt[slot, :col]) if col and self.kernels else None
         self.packed_all = None
 
-    def _pack(self, a: torch.Tensor, bt: torch.Tensor) -> tuple[Any, Any]:
+    def _pack(self, a: torch.Tensor, bt: torch.Tensor) -> tuple[PackedLinear, PackedLinear]:
         dt = self.compute_dtype
         return self.kernels.pack_linear(a.to(dt)), self.kernels.pack_linear(bt.t().to(dt))
 
-    def _mm(self, x: torch.Tensor, packed: Any) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, packed: PackedLinear) -> torch.Tensor:
         """``x @ W^T`` by kiln's GEMM (what ``Kernels.linear`` calls, without its checks: ~6 us a call, two
         thirds of a decode token's shrink; the packs run the FMA kernel at every row count, no bias)."""
         if x.stride(-1) != 1:

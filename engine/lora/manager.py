@@ -6,12 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kiln.engine.block_manager import BlockManager
 from kiln.engine.errors import RequestError
 from kiln.engine.lora.adapter import LoRAAdapter
 from kiln.engine.lora.config import LoRAConfig
 from kiln.engine.lora.request import LoRARequest
 from kiln.engine.lora.slots import SlotTable
 from kiln.engine.lora.store import AdapterStore
+from kiln.engine.scheduler import Scheduler
+from kiln.engine.sequence import Request
 
 
 class LoRAManager:
@@ -21,13 +24,13 @@ class LoRAManager:
         self.store = AdapterStore(hf_config, lora.max_rank, lora.max_cpu_loras, lora.dtype, in_use)
         self.slots = SlotTable(lora.max_loras)
 
-    def resolve(self, lora: Any) -> LoRAAdapter:
+    def resolve(self, lora: object) -> LoRAAdapter:
         """The loaded adapter a request asks for (read from disk if it is not in host memory)."""
         if not isinstance(lora, LoRARequest):
             raise RequestError("lora_request", f"lora_request must be a LoRARequest, got {type(lora).__name__}")
         return self.store.load(lora)
 
-    def remove(self, name: str, block_manager: Any, held: list[LoRAAdapter]) -> bool:
+    def remove(self, name: str, block_manager: BlockManager, held: list[LoRAAdapter]) -> bool:
         """Forget an adapter, resident in host memory or not: new requests cannot name it, the prefix-cache
         blocks of every version loaded under the name are dropped, its idle device slots are emptied;
         requests already under it (``held``: the adapters of waiting and running requests) finish with it
@@ -42,9 +45,9 @@ class LoRAManager:
         self.slots.forget({a.int_id for a in versions})
         return bool(versions) or bool(digests)
 
-    def info(self, running: list[Any], waiting: list[Any]) -> dict[str, Any]:
+    def info(self, running: list[Request], waiting: list[Request]) -> dict[str, Any]:
         """vLLM's ``lora_requests_info`` labels plus the adapters loaded in host memory."""
-        def names(reqs: list[Any]) -> list[str]:
+        def names(reqs: list[Request]) -> list[str]:
             return sorted({r.lora.name for r in reqs if r.lora is not None})
 
         return {"running": names(running), "waiting": names(waiting), "max_lora": self.config.max_loras,
@@ -62,9 +65,9 @@ class LoRAEngineMixin:
     """``LLMEngine``'s adapter methods, vLLM's names (``self.lora``: a LoRAManager or None)."""
 
     lora: LoRAManager | None
-    block_manager: Any
-    scheduler: Any
-    requests: dict[str, Any]
+    block_manager: BlockManager
+    scheduler: Scheduler
+    requests: dict[str, Request]
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Read and check an adapter into host memory (any thread); raises RequestError naming the field."""

@@ -13,7 +13,7 @@ from kiln.engine.kernels.native import Kernels
 from kiln.engine.layers.linear import LinearBase
 from kiln.engine.lora.adapter import LoRAAdapter
 from kiln.engine.lora.config import LoRAConfig
-from kiln.engine.lora.layers import LoRASlots
+from kiln.engine.lora.layers import LoRASlots, PartKey
 from kiln.engine.lora.step import LoRAStep, make_lora_step
 from kiln.engine.lora.wire import send_slot
 from kiln.engine.sequence import Request
@@ -34,7 +34,7 @@ def lora_targets(model: torch.nn.Module) -> list[tuple[int, str, LinearBase]]:
     return out
 
 
-def _parts(name: str, lin: LinearBase) -> list[tuple[Any, int, int]]:
+def _parts(name: str, lin: LinearBase) -> list[tuple[PartKey, int, int]]:
     if name == "qkv_proj":
         q, kv = lin.num_heads * lin.head_dim, lin.num_kv_heads * lin.head_dim
         return [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)]
