@@ -84,9 +84,13 @@ class Server:
                 self.proc.wait()
 
 
-def kiln_command(model_dir: Path, dtype: str, port: int, max_batch_size: int, max_num_tokens: int) -> list[str]:
+def kiln_command(model_dir: Path, dtype: str, port: int, max_batch_size: int, max_num_tokens: int,
+                 prefix_caching: bool = True) -> list[str]:
+    """``prefix_caching=False`` when endpoints are compared: every run sends the same seeded prompts, so with the
+    cache on only the first run of the first endpoint computes them (a cold chat against warm dialects)."""
     return [str(Path(sys.executable).with_name("kiln")), "serve", "--model", str(model_dir), "--port", str(port),
-            "--dtype", dtype, "--max-batch-size", str(max_batch_size), "--max-num-tokens", str(max_num_tokens)]
+            "--dtype", dtype, "--max-batch-size", str(max_batch_size), "--max-num-tokens", str(max_num_tokens),
+            *([] if prefix_caching else ["--no-enable-prefix-caching"])]
 
 
 def vllm_command(python: Path, model_dir: Path, name: str, dtype: str, port: int, max_len: int,
@@ -181,7 +185,8 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
     try:
         say(f"starting kiln serve ({dtype}, {threads_n} thread(s)) ...")
         port = _free_port()
-        servers["kiln"] = Server("kiln", kiln_command(model_dir, dtype, port, max_batch_size, max_num_tokens),
+        servers["kiln"] = Server("kiln", kiln_command(model_dir, dtype, port, max_batch_size, max_num_tokens,
+                                                      prefix_caching=len(endpoints) == 1),
                                  {"OMP_NUM_THREADS": str(threads_n), "TOKENIZERS_PARALLELISM": "false"},
                                  port, scratch / "kiln.log", scratch, "/ready")
         if baseline:

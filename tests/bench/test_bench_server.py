@@ -68,3 +68,11 @@ def test_dialects_compare_by_requests_when_aiperf_has_no_token_count_for_respons
     assert dialects == {"messages / chat": {"16": 0.95},
                         "responses / chat": {"16": round(responses["req_s"] / 0.17, 3)}}
     assert responses["req_s"] == pytest.approx(row["req_s"], abs=1e-4)  # medians keep the digits a ratio needs
+
+
+def test_endpoints_are_compared_with_the_prefix_cache_off():
+    """Every run sends the same seeded prompts: with the cache on, only the first endpoint's first run computes
+    them (aiperf's first kiln chat run read 3% of its prompts from the cache, the later ones 92%)."""
+    on = server.kiln_command(Path("/m"), "float32", 1, 64, 2048)
+    off = server.kiln_command(Path("/m"), "float32", 1, 64, 2048, prefix_caching=False)
+    assert "--no-enable-prefix-caching" not in on and off == [*on, "--no-enable-prefix-caching"]
