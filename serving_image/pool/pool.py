@@ -26,7 +26,7 @@ from typing import Any
 
 from kiln.serving.config import ServeConfig
 from kiln.serving.errors import APIError
-from kiln.serving.lora_sync import adapters_file
+from kiln.serving.lora_sync import RETRY_S, adapters_file
 from kiln.serving.pool.budget import default_budget, human
 from kiln.serving.pool.engine_list import EngineEntry
 from kiln.serving.pool.metrics import PoolMetrics
@@ -135,12 +135,12 @@ class EnginePool:
             if slot.task is not None:  # a load or unload under way: wait for it with the others
                 try:
                     await asyncio.shield(slot.task)
-                except Exception as exc:
+                except Exception:
                     if slot.status == UNLOADED and slot.load_error is not None:
-                        raise APIError(503, f"The engine {slot.name!r} could not be loaded: {exc}; the server log "
-                                       "has the details", code="engine_load_failed",
-                                       headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+                        raise self._load_failed(slot) from None
                 continue
+            if slot.load_error is not None and time.monotonic() - slot.failed_at < RETRY_S:
+                raise self._load_failed(slot)  # not tried again for every request: once per RETRY_S
             victims = self._room_for(slot)
             if victims is not None:
                 self._start_load(slot, victims)
@@ -153,6 +153,12 @@ class EnginePool:
                 await self._changed.wait()
             finally:
                 self.num_queued -= 1
+
+    def _load_failed(self, slot: EngineSlot) -> APIError:
+        retry = max(1, int(RETRY_S - (time.monotonic() - slot.failed_at)))
+        return APIError(503, f"The engine {slot.name!r} could not be loaded: {slot.load_error}; the server log has "
+                        f"the details, and the load is tried again after {retry}s", code="engine_load_failed",
+                        headers={"Retry-After": str(retry)})
 
     def _busy(self, why: str, code: str) -> APIError:
         self.metrics.rejected(code)
@@ -193,6 +199,7 @@ class EnginePool:
             await slot.load()
         except BaseException as exc:
             slot.status, slot.load_error = UNLOADED, str(exc) or type(exc).__name__
+            slot.failed_at = time.monotonic()
             log.error("pool: engine %r could not be loaded: %s", slot.name, slot.load_error)
             raise
         else:

@@ -51,6 +51,7 @@ class EngineSlot:
         self.last_used = time.monotonic()
         self.num_waiting = 0  # requests that asked for this engine and wait for it to load
         self.load_error: str | None = None
+        self.failed_at = 0.0  # when the last load failed (monotonic)
 
     @property
     def is_busy(self) -> bool:

@@ -286,6 +286,27 @@ def test_each_engine_records_its_requests_under_its_own_name(monkeypatch):
     assert got[("kiln:generation_tokens_total", (("model_name", "b"),))] == 5
 
 
+def test_an_engine_that_fails_to_load_is_a_503_naming_why_and_is_not_retried_at_once(monkeypatch):
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 1, "b": 1}, memory_budget=10)
+        calls = []
+
+        async def broken(slot: EngineSlot) -> None:
+            calls.append(slot.name)
+            raise ValueError("engines/a: corrupt: manifest says sha256 ...")
+
+        monkeypatch.setattr(EngineSlot, "load", broken)
+        for _ in range(2):
+            with pytest.raises(APIError) as failed:
+                await pool.acquire("a")
+            assert failed.value.status == 503 and failed.value.code == "engine_load_failed"
+            assert "corrupt" in failed.value.message and int(failed.value.headers["Retry-After"]) >= 1
+        assert calls == ["a"] and pool.slots["a"].status == UNLOADED and pool.memory_in_use == 0
+        assert pool.cards(0)[0]["load_error"].startswith("engines/a: corrupt")
+
+    asyncio.run(run())
+
+
 def test_serve_says_which_flags_a_pool_does_not_take():
     from click.testing import CliRunner
     from kiln.serving.cli import serve
