@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from clusterlib import ROOT, Kube, secret, store_env
+from clusterlib import GROUP, ROOT, Kube, secret, store_env
 
 sys.path.insert(0, str(ROOT / "examples"))
 from smollm2 import GGUF_NAME, ensure_gguf  # noqa: E402
@@ -61,6 +61,13 @@ def tiny_s3(cluster: Kube, smollm2_s3, tmp_path_factory) -> str:
     for path in out.iterdir():
         s3.upload_file(str(path), MODELS_BUCKET, f"tiny/{path.name}")
     return f"s3://{MODELS_BUCKET}/tiny"
+
+
+def build_jobs_of(kube: Kube, name: str, ns: str = ENGINE_NS) -> list[dict]:
+    """The build Jobs an engine asked for: they run where builds run (the operator's namespace, which holds the
+    signing key; docs/operator-trust.md), owned by no engine, marked with the engine they build for."""
+    return [j for j in kube.jobs(OPERATOR_NS)
+            if (j["metadata"].get("annotations") or {}).get(f"{GROUP}/requested-by") == f"{ns}/{name}"]
 
 
 def engine_manifest(name: str, source: str, revision: str | None = None, **spec) -> dict:

@@ -2,7 +2,8 @@
 a build Job signs and publishes it, a Deployment serves it, the Service's endpoint answers; scaling does not
 rebuild; a revision bump builds once (its Job adopted by the next operator when the operator's pod is deleted
 mid-build) and reverting it is a cache hit; kubectl delete lets the garbage
-collector take what the engine owned, and the artifact stays.
+collector take what the engine owned, and the artifact stays. Build Jobs run in the operator's namespace
+(where the signing key is) and never in the engine's.
 
 The tests run in file order and share one engine (a user's session is one long story too)."""
 
@@ -13,7 +14,7 @@ import urllib.request
 
 import pytest
 from clusterlib import GROUP, Kube, endpoint_addresses
-from conftest import ENGINE_NS, OPERATOR_NS
+from conftest import ENGINE_NS, OPERATOR_NS, build_jobs_of
 
 pytestmark = pytest.mark.timeout(1800)  # builds and rollouts on a busy 2-core machine
 
@@ -51,8 +52,7 @@ def ask(address: tuple[str, int], question: str = "What is the capital of France
 
 
 def build_jobs(kube: Kube) -> list[dict]:
-    return [j for j in kube.jobs(ENGINE_NS) if NAME in json.dumps(j["metadata"].get("ownerReferences") or [])
-            or j["metadata"]["name"].startswith(NAME)]
+    return build_jobs_of(kube, NAME)
 
 
 def test_the_operator_runs_in_a_pod_as_its_own_service_account(installed: Kube):
@@ -128,7 +128,8 @@ def test_delete_collects_everything_the_engine_owned_and_keeps_the_artifact(inst
 
     def leftovers():
         left = []
-        for kind in ("deployments", "services", "jobs", "configmaps", "networkpolicies", "pods"):
+        # Build Jobs are not the engine's: they run in the operator's namespace and go by their TTL.
+        for kind in ("deployments", "services", "configmaps", "networkpolicies", "pods"):
             for obj in installed.get(kind, ns=ENGINE_NS) or []:
                 if NAME in obj["metadata"]["name"] or any(NAME == o.get("name") for o in
                                                           obj["metadata"].get("ownerReferences") or []):
@@ -139,3 +140,6 @@ def test_delete_collects_everything_the_engine_owned_and_keeps_the_artifact(inst
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     head = installed.s3().head_object(Bucket=bucket, Key=f"{prefix.rstrip('/')}/manifest.json")
     assert head["ContentLength"] > 0
+    assert not [s["metadata"]["name"] for s in installed.get("secrets", ns=ENGINE_NS) or []
+                if s["metadata"]["name"] in ("kiln-build-signing-key", "kiln-signing-key")], \
+        "the private signing key never reaches an engine's namespace"
