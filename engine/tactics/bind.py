@@ -152,6 +152,23 @@ def quantize_head(model: nn.Module, dtype: torch.dtype, native, exclude=()) -> s
     return f"int8 (W8A8 may run here: {', '.join(runs)})"
 
 
+def take_rank0s(table: TacticTable, join_timeout_s: float) -> TacticTable:
+    """Every rank of a group runs the kernels rank 0 chose (issue 38: ranks timing their own could pick
+    different kernels, whose last bits differ, and the MLP's slice sets how many all-reduces a step makes):
+    rank 0 sends its table over the group's authenticated rank channel (``parallel.broadcast_json``, typed
+    JSON checked by its digest as a table file is), and each other rank takes rank 0's entry for every
+    linear shape both have (a stage's own shapes, such as the last stage's LM head, stay its own) and rank
+    0's model-level choices."""
+    parallel.wait_for_ranks(join_timeout_s, "loading its weights and timing its tactics")
+    doc = parallel.broadcast_json(table.to_json() if parallel.rank() == 0 else None)
+    if parallel.rank() == 0:
+        return table
+    theirs = TacticTable.from_json(doc, "rank 0's tactic table", "restart the group")
+    table.linear.update({key: choice for key, choice in theirs.linear.items() if key in table.linear})
+    table.model = {**table.model, **theirs.model}
+    return table
+
+
 def attention_shape(model: nn.Module, config) -> dict[str, Any] | None:
     """What ``resolve.measure_attention`` times for this model: its heads and KV cache."""
     attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
@@ -182,14 +199,9 @@ def apply(model: nn.Module, config, native, stack: bool = True
                 mlps[0], mlps[0].gate_up_proj.input_size, config.torch_dtype, tokens, choices).items()}
             table.model["mlp_rows"] = {"winner": int(min(us, key=us.get)), "us": us, "how": f"one MLP, {tokens} rows"}
             persist(table, info)  # with it, so that the next start on this host times nothing
+    if parallel.world_size() > 1 and torch.distributed.is_initialized():  # none to agree with offline
+        table = take_rank0s(table, config.join_timeout_s)
     rows = (table.model.get("mlp_rows") or {}).get("winner")
-    if parallel.world_size() > 1 and torch.distributed.is_initialized():  # the slice sets how many all-reduces
-        # a step makes: one choice for every rank (none to agree with offline, in parallel.shard_context)
-        parallel.wait_for_ranks(config.join_timeout_s, "loading its weights and timing its tactics")
-        agreed = parallel.broadcast_json(table.model.get("mlp_rows"))
-        rows = (agreed or {}).get("winner")
-        if agreed is not None:
-            table.model["mlp_rows"] = agreed
     for m in mlps if rows else ():  # the MLP's prefill slice timed fastest
         m.mlp_rows = int(rows)
     counts = bind(model, modules, table, native, config.max_batch_size, stack, exclude)
