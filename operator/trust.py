@@ -11,7 +11,7 @@ tells the serving pods exactly that build (``$KILN_EXPECT_ARTIFACT``) so they re
 anything else. A store whose manifest later differs from the pin is not trusted:
 the pin is never re-read from the store. Before any of that, a manifest must be signed
 by the operator's own verify key, and its whole envelope must be the spec's (a version
-names only 12 hex digits of the envelope's SHA-256): engines and adapters alike
+carries the envelope's whole SHA-256; the comparison also catches a store rewrite): engines and adapters alike
 (:func:`manifest_problem`). docs/operator-trust.md explains the whole model.
 """
 
@@ -119,7 +119,7 @@ def manifest_problem(manifest: Manifest, document: dict[str, Any] | None, *, ver
                      pinned_at: str = "status.artifact.contentDigest") -> str | None:
     """Why this operator will neither serve nor pin a manifest read from the store; None when it trusts it.
     The signature first (nothing the manifest says is believed before it), then who built it, the pin, and the
-    whole envelope against ``envelope`` (what the spec hashes): a version names only 12 hex digits of it."""
+    whole envelope against ``envelope`` (what the spec hashes), so a rewritten manifest under the version is caught."""
     return (signature_problem(document, verify_pem) or artifact_problem(manifest, config)
             or pin_problem(manifest, pinned, pinned_at) or envelope_mismatch(manifest.envelope, envelope))
 
