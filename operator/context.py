@@ -3,7 +3,7 @@ key pair (read, or made, on first need). One object per operator process (``hand
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kiln.operator import keys
 from kiln.operator.kube import KubeClient
@@ -18,6 +18,8 @@ class Context:
     store: ArtifactStore
     config: OperatorConfig
     keys: keys.KeyPair | None = None  # read (or made) on first need: key_pair
+    # Engine namespaces whose private-key copy (left by an older operator) this process already deleted.
+    cleaned: set[str] = field(default_factory=set)
 
 
 async def key_pair(ctx: Context) -> keys.KeyPair:
@@ -25,3 +27,12 @@ async def key_pair(ctx: Context) -> keys.KeyPair:
     if ctx.keys is None:
         ctx.keys = await keys.load_key_pair(ctx.kube, ctx.config)
     return ctx.keys
+
+
+async def remove_old_signing_copy(ctx: Context, namespace: str) -> None:
+    """Delete a private-key copy an older operator left in the engine ``namespace``: once per namespace per process,
+    before anything else of the reconcile (whatever step it plans: an invalid or building engine too)."""
+    if namespace == ctx.config.jobs_namespace or namespace in ctx.cleaned:
+        return
+    await keys.remove_signing_copy(ctx.kube, namespace)
+    ctx.cleaned.add(namespace)

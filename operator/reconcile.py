@@ -30,7 +30,7 @@ from typing import Any
 from kiln.operator import keys, metrics, scale_out
 from kiln.operator.adapter_steps import act_adapters, read_adapters
 from kiln.operator.apply import HASH_ANNOTATION, apply
-from kiln.operator.context import Context, key_pair
+from kiln.operator.context import Context, key_pair, remove_old_signing_copy
 from kiln.operator.decide import (
     BUILD,
     DELETE_LWS,
@@ -87,6 +87,7 @@ def engine_path(namespace: str, name: str | None = None, sub: str | None = None)
 
 
 async def reconcile(ctx: Context, namespace: str, name: str, logger: logging.Logger) -> Result:
+    await remove_old_signing_copy(ctx, namespace)
     world = await observe(ctx, namespace, name)
     if world is None:
         return Result()  # gone, or being deleted: the garbage collector removes its objects
@@ -229,8 +230,6 @@ async def ensure_serving_secrets(ctx: Context, world: World, owner: dict[str, An
     rank label value this returns (None: one pod per replica, no rank channel)."""
     assert world.spec is not None
     await keys.ensure_copy(ctx.kube, keys.verify_key_copy(world.namespace, await key_pair(ctx)))
-    if world.namespace != ctx.config.jobs_namespace:
-        await keys.remove_signing_copy(ctx.kube, world.namespace)
     if not world.spec.replica_shape.multi_node:
         return None
     token = await keys.ensure_group_token(ctx.kube, world.name, world.namespace, owner)

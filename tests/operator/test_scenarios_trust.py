@@ -41,6 +41,22 @@ def test_a_private_key_an_older_operator_copied_into_the_engine_namespace_is_del
         wait_for(lambda: c.kube.get(f"{SECRETS}/kiln-build-signing-key") is None, what="the stale copy deleted")
 
 
+def test_the_stale_private_key_is_deleted_whatever_the_engine_s_step(cluster: Cluster):
+    """An engine that fails validation, or is still building, never reaches the serve step: the copy goes anyway."""
+    c = cluster
+    stale = {"metadata": {"name": "kiln-build-signing-key"}, "data": {"signing-key.pem": "b2xk"}}
+    c.kube.create(SECRETS, stale)
+    with running_operator():
+        c.kube.create(ENGINES, manifest("broken", **{**SPEC, "gpu": "no-such-gpu"}))
+        wait_for(lambda: c.kube.get(f"{SECRETS}/kiln-build-signing-key") is None, what="the copy deleted (invalid)")
+    c.kube.delete(f"{ENGINES}/broken")
+    c.kube.create(SECRETS, stale)
+    with running_operator():  # a new process: the namespace is not known to be clean
+        c.kube.create(ENGINES, manifest("demo"))
+        c.wait_job()
+        wait_for(lambda: c.kube.get(f"{SECRETS}/kiln-build-signing-key") is None, what="the copy deleted (building)")
+
+
 def test_model_credentials_are_copied_to_the_build_and_go_with_its_job(cluster: Cluster):
     c = cluster
     spec = {**SPEC, "model": {**SPEC["model"], "credentialsSecret": "hf-token"}}
