@@ -19,7 +19,7 @@ import aiohttp
 import kopf
 from kiln.operator import metrics
 from kiln.operator.context import Context
-from kiln.operator.keys import KeyPairMissing
+from kiln.operator.keys import GroupTokenMissing, KeyPairMissing
 from kiln.operator.kube import ApiError, KubeClient, in_cluster_server
 from kiln.operator.reconcile import Result, reconcile
 from kiln.operator.settings import ConfigError, OperatorConfig, reconcile_interval_from_env
@@ -99,6 +99,9 @@ async def _reconcile(namespace: str, name: str, memo: kopf.Memo, logger: logging
         except StoreError as exc:
             metrics.RECONCILE_ERRORS.labels(kind="store").inc()
             raise kopf.TemporaryError(f"artifact store: {exc}", delay=10) from None
+        except GroupTokenMissing as exc:
+            metrics.RECONCILE_ERRORS.labels(kind="group-token").inc()
+            raise kopf.TemporaryError(f"{exc.what}: {exc}", delay=30) from None
         except KeyPairMissing as exc:
             metrics.RECONCILE_ERRORS.labels(kind="signing-key").inc()
             raise kopf.TemporaryError(f"{exc.what}: {exc}", delay=30) from None

@@ -301,3 +301,22 @@ def test_the_group_token_is_read_back_when_it_exists_and_a_broken_one_names_the_
     assert kept == "t0k3n"  # the value the pods read, so the label they carry is rank_group_label("t0k3n", "big")
     with pytest.raises(GroupTokenMissing, match=r"^Secret ml/big-group-token has no key 'token'; delete it"):
         asyncio.run(ensure_group_token(TokenKube({}), "big", "ml", {}))
+
+
+def test_a_broken_group_token_is_counted_as_its_own_kind_of_error(monkeypatch):
+    import asyncio
+    import logging
+
+    import kopf
+    from kiln.operator import handlers, metrics
+
+    async def broken(*_):
+        raise GroupTokenMissing("Secret ml/big-group-token has no key 'token'")
+
+    monkeypatch.setattr(handlers, "reconcile", broken)
+    counts = {k: metrics.RECONCILE_ERRORS.labels(kind=k)._value.get() for k in ("group-token", "signing-key")}
+    memo = kopf.Memo(ctx=None)
+    with pytest.raises(kopf.TemporaryError, match="^group token: Secret ml/big-group-token"):
+        asyncio.run(handlers._reconcile("ml", "big", memo, logging.getLogger("test")))
+    assert metrics.RECONCILE_ERRORS.labels(kind="group-token")._value.get() == counts["group-token"] + 1
+    assert metrics.RECONCILE_ERRORS.labels(kind="signing-key")._value.get() == counts["signing-key"]
