@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.operator.jobs import ANNOTATION_REQUESTED_BY, PVC_MOUNT_ROOT, credentials_env_from, job_pod_spec
-from kiln.operator.naming import COMMON_LABELS, GROUP, bounded_name, object_meta
+from kiln.operator.naming import COMMON_LABELS, GROUP, bounded_name, object_meta, version_label
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import job_state
 
@@ -159,7 +159,7 @@ def build_adapter_job(spec: LLMEngineSpec, name: str, namespace: str, view: Adap
     running ``kiln build-adapter --adapter <name>``: the fetch container holds the adapter's credentials and the
     model's (the quality gate compares against the base checkpoint)."""
     labels = {**COMMON_LABELS, "app.kubernetes.io/component": "adapter-build",
-              LABEL_ADAPTER: bounded_name("", view.version)}
+              LABEL_ADAPTER: version_label(view.version)}
     pod = job_pod_spec(spec, name, namespace, view.base_version, config)
     fetch, build = pod["initContainers"][0], pod["containers"][0]
     extra_env = {"name": ADAPTER_VERSION_ENV, "value": view.version}
