@@ -125,6 +125,8 @@ class EnginePool:
                              f"{self.settings.load_timeout:g}s", "load_timeout") from None
         finally:
             slot.num_waiting -= 1
+            if slot.num_waiting == 0:
+                self.notify()  # a removal (or a drain) may be waiting for the engine's last waiter
         if self.slots.get(slot.name) is not slot:
             raise self.not_found(model)  # removed from the engines file while this request waited
         slot.last_used = time.monotonic()
@@ -132,6 +134,8 @@ class EnginePool:
 
     async def _place(self, slot: EngineSlot) -> None:
         while slot.status != LOADED:
+            if self.slots.get(slot.name) is not slot:  # removed while this request waited: never load it again
+                raise self.not_found(slot.name)
             if slot.task is not None:  # a load or unload under way: wait for it with the others
                 try:
                     await asyncio.shield(slot.task)

@@ -324,3 +324,36 @@ def test_serve_says_which_flags_a_pool_does_not_take():
     assert "--max-loaded-engines sets a pool" in refused("--artifact", "file:///s/engines/a",
                                                          "--max-loaded-engines", "2")
     assert "exactly one of --model DIR or --artifact URI" in refused()
+
+
+def test_a_request_queued_before_its_engine_was_removed_gets_404_and_never_loads_it(monkeypatch):
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 100, "b": 100}, memory_budget=100, load_timeout=5)
+        held = (await pool.acquire("a")).state.admit(1)  # b cannot be placed while a is in flight
+        waiting = asyncio.create_task(pool.acquire("b"))
+        await asyncio.sleep(0.05)
+        removal = asyncio.create_task(pool.remove("b"))
+        await asyncio.sleep(0.05)
+        held.release()  # room for b now: the queued request must not load the removed engine
+        with pytest.raises(APIError) as missing:
+            await asyncio.wait_for(waiting, 5)
+        assert missing.value.status == 404 and ("load", "b") not in rec.events
+        await asyncio.wait_for(removal, 5)
+        assert pool.leaving == [] and pool.memory_in_use == 100
+
+    asyncio.run(run())
+
+
+def test_a_removal_ends_when_its_last_waiter_times_out(monkeypatch):
+    async def run() -> None:
+        pool, _ = make_pool(monkeypatch, {"a": 100, "b": 100}, memory_budget=100, load_timeout=0.2)
+        (await pool.acquire("a")).state.admit(1)  # in flight for good: b waits until --load-timeout
+        waiting = asyncio.create_task(pool.acquire("b"))
+        await asyncio.sleep(0.05)
+        removal = asyncio.create_task(pool.remove("b"))
+        with pytest.raises(APIError):
+            await waiting
+        await asyncio.wait_for(removal, 2)  # nothing else changes: the waiter's leaving must wake it
+        assert pool.leaving == []
+
+    asyncio.run(run())
