@@ -137,10 +137,11 @@ class EnginePool:
             if self.slots.get(slot.name) is not slot:  # removed while this request waited: never load it again
                 raise self.not_found(slot.name)
             if slot.task is not None:  # a load or unload under way: wait for it with the others
+                loading = slot.status == LOADING  # an unload that failed is no load failure, whatever came before
                 try:
                     await asyncio.shield(slot.task)
                 except Exception:
-                    if slot.status == UNLOADED and slot.load_error is not None:
+                    if loading and slot.status == UNLOADED and slot.load_error is not None:
                         raise self._load_failed(slot) from None
                 continue
             if slot.load_error is not None and time.monotonic() - slot.failed_at < RETRY_S:

@@ -357,3 +357,22 @@ def test_a_removal_ends_when_its_last_waiter_times_out(monkeypatch):
         assert pool.leaving == []
 
     asyncio.run(run())
+
+
+def test_a_failed_unload_is_not_reported_as_an_old_load_failure(monkeypatch):
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 1}, memory_budget=10)
+        slot = await pool.acquire("a")
+        slot.load_error, slot.failed_at = "an old load failure", 0.0  # long past RETRY_S: tried again
+
+        async def broken_unload(slot: EngineSlot) -> None:
+            rec.events.append(("unload", slot.name))
+            slot.state.engine = None
+            raise RuntimeError("shutdown failed")
+
+        monkeypatch.setattr(EngineSlot, "unload", broken_unload)
+        slot.state.engine.is_running = False  # its step loop died: unloaded (which fails), then loaded anew
+        assert (await pool.acquire("a")) is slot and slot.status == LOADED and slot.load_error is None
+        assert rec.events == [("load", "a"), ("unload", "a"), ("load", "a")]
+
+    asyncio.run(run())
