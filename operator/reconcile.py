@@ -63,7 +63,7 @@ from kiln.operator.status import (
     transitions,
 )
 from kiln.operator.trust import expectation, manifest_problem, pinned_digest
-from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
+from kiln.operator.validation import InvalidSpec, validate_name, validate_namespace, validate_spec
 from kiln.operator.workloads import build_pdb, build_service, build_workload
 
 from kiln.api import API_VERSION, PLURAL
@@ -109,6 +109,7 @@ async def observe(ctx: Context, namespace: str, name: str) -> World | None:
     try:
         validate_name(name)
         spec = validate_spec(body.get("spec") or {}, ctx.config)
+        validate_namespace(spec, namespace, ctx.config)
     except InvalidSpec as exc:
         return World(body, invalid=str(exc))
     version = engine_version(spec)

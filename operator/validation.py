@@ -78,3 +78,22 @@ def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
                 f"holds {want} GPU(s) (spec.tensorParallel x spec.pipelineParallel, at most spec.gpusPerNode, on "
                 f"spec.gpu {spec.gpu}); remove it, the operator sets it")
     return spec
+
+
+def validate_namespace(spec: LLMEngineSpec, namespace: str, config: OperatorConfig) -> None:
+    """A ``pvc://`` source is mounted by the build Job, which runs in the jobs namespace: only an engine of that
+    namespace may name a claim there (else any tenant could publish the contents of any claim of it, the operator's
+    own included)."""
+    jobs = config.jobs_namespace
+    if namespace == jobs:
+        return
+    named = [(f"spec.{path}.source", m.source) for path, m in spec.sources.items() if m.scheme == "pvc"]
+    adapters = spec.lora.adapters if spec.lora is not None else []
+    named += [(f"spec.lora.adapters[{i}].source", a.source) for i, a in enumerate(adapters)
+              if a.model_source.scheme == "pvc"]
+    if named:
+        field, source = named[0]
+        raise InvalidSpec(
+            f"{field}: {source} names a PersistentVolumeClaim, which build Jobs mount in the jobs namespace {jobs}, "
+            f"not in this engine's namespace {namespace}; put the engine in namespace {jobs}, or copy the checkpoint "
+            "to s3:// or hf:// and use that")

@@ -158,6 +158,10 @@ def test_two_engines_with_one_envelope_share_one_build_and_their_cleanup(cluster
     ({"model": {"source": "file:///models/llama"}}, "spec.model.source"),
     ({"maxInputLen": 512, "maxSeqLen": 512}, "maxInputLen"),
     ({"build": {"image": "evil.example.com/steal-the-store:1"}}, "spec.build.image"),
+    # a claim is mounted in the jobs namespace, not the engine's: only an engine there may name one
+    ({"model": {"source": "pvc://kiln-operator-data/m"}}, "spec.model.source"),
+    ({"lora": {"maxLoras": 1, "adapters": [{"name": "sql", "source": "pvc://other/sql"}]}},
+     "spec.lora.adapters[0].source"),
 ])
 def test_invalid_spec_fails_with_the_field_and_builds_nothing(cluster: Cluster, spec: dict, field: str):
     c = cluster
@@ -171,6 +175,8 @@ def test_invalid_spec_fails_with_the_field_and_builds_nothing(cluster: Cluster, 
         assert "Warning" in {e.get("type") for e in c.kube.list("/api/v1/namespaces/ml/events")}
         if field == "spec.build.image":
             assert "allowedImages" in built["message"]  # the fix: ask the operator's admin
+        if "pvc://" in repr(spec):
+            assert "put the engine in namespace kiln-system" in built["message"] and "s3://" in built["message"]
         # Fixing the spec is all it takes: no stuck resource.
         c.kube.patch(f"{ENGINES}/bad", {"spec": {**SPEC, **{k: SPEC.get(k) for k in spec}}})
         c.wait_job()
