@@ -140,6 +140,11 @@ class EnginePool:
                 loading = slot.status == LOADING  # an unload that failed is no load failure, whatever came before
                 try:
                     await asyncio.shield(slot.task)
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():  # this request itself (or its --load-timeout)
+                        raise
+                    raise self._busy(f"the server is shutting down while the engine {slot.name!r} was loading; "
+                                     "retry on another replica", "draining") from None
                 except Exception:
                     if loading and slot.status == UNLOADED and slot.load_error is not None:
                         raise self._load_failed(slot) from None
@@ -278,19 +283,30 @@ class EnginePool:
             cards += slot.loras.cards(created, slot.name)
         return cards
 
+    def _members(self) -> list[EngineSlot]:
+        return [*self.slots.values(), *self.leaving]
+
     @property
     def num_in_flight(self) -> int:
-        return sum(s.state.num_in_flight for s in self.slots.values())
+        """Requests in flight or waiting for their engine to be placed, removed engines' included: what a drain
+        waits for."""
+        return sum(s.state.num_in_flight + s.num_waiting for s in self._members())
 
     def generations(self) -> list[Any]:
-        return [g for s in self.slots.values() for g in s.state.generations]
+        return [g for s in self._members() for g in s.state.generations]
 
     async def wait_idle(self, timeout: float) -> bool:
-        results = await asyncio.gather(*(s.state.wait_idle(timeout) for s in self.slots.values()))
-        return all(results)
+        """Nothing in flight and no request waiting for an engine within ``timeout``; False if it passed first."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self.num_in_flight:
+                    await self._changed.wait()  # a request ending, its last waiter leaving, a load ending
+        except TimeoutError:
+            return False
+        return True
 
     async def shutdown(self) -> None:
-        for slot in list(self.slots.values()) + self.leaving:
+        for slot in self._members():
             if slot.task is not None:
                 slot.task.cancel()
                 with contextlib.suppress(BaseException):

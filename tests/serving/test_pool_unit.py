@@ -376,3 +376,26 @@ def test_a_failed_unload_is_not_reported_as_an_old_load_failure(monkeypatch):
         assert rec.events == [("load", "a"), ("unload", "a"), ("load", "a")]
 
     asyncio.run(run())
+
+
+def test_a_drain_waits_for_requests_waiting_on_a_load_and_removed_engines_and_shutdown_answers_503(monkeypatch):
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 1, "b": 1}, memory_budget=10)
+        held = (await pool.acquire("a")).state.admit(1)
+        removal = asyncio.create_task(pool.remove("a"))  # leaving, its request still in flight
+        await asyncio.sleep(0.05)
+        assert pool.num_in_flight == 1 and not await pool.wait_idle(0.05)
+        held.release()
+        assert await pool.wait_idle(2)
+        await asyncio.wait_for(removal, 2)
+        rec.gate = asyncio.Event()  # b's load never ends: its request waits on it
+        waiting = asyncio.create_task(pool.acquire("b"))
+        await asyncio.sleep(0.05)
+        assert pool.num_in_flight == 1 and not await pool.wait_idle(0.05)
+        await pool.shutdown()  # the drain timed out: the load is cancelled, its waiter answered
+        with pytest.raises(APIError) as draining:
+            await asyncio.wait_for(waiting, 2)
+        assert draining.value.status == 503 and draining.value.code == "draining"
+        assert draining.value.headers == {"Retry-After": "1"}
+
+    asyncio.run(run())
