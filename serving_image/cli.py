@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 from kiln.engine.cpu_target import configure_openmp
 from kiln.serving.config import ServeConfig
 from kiln.serving.reasoning import PARSERS
@@ -147,9 +148,12 @@ def _pool_settings(flags: dict[str, Any], model: Path | None, artifact: str | No
         if (model is None) == (artifact is None):
             raise click.UsageError("give exactly one of --model DIR or --artifact URI (or --engine NAME=URI ... for "
                                    "a pool)")
-        for flag, value in (("--max-loaded-engines", max_loaded), ("--memory-budget", budget),
-                            ("--idle-unload-after", idle)):
-            if value is not None:
+        source = click.get_current_context().get_parameter_source  # these two have defaults: given, or not
+        for flag, given in (("--max-loaded-engines", max_loaded is not None), ("--memory-budget", budget is not None),
+                            ("--idle-unload-after", idle is not None),
+                            ("--pool-queue-size", source("pool_queue_size") != ParameterSource.DEFAULT),
+                            ("--load-timeout", source("load_timeout") != ParameterSource.DEFAULT)):
+            if given:
                 raise click.UsageError(f"{flag} sets a pool: give its engines with --engine NAME=URI or "
                                        "--engines-file PATH, or drop it")
         return None

@@ -323,6 +323,8 @@ def test_serve_says_which_flags_a_pool_does_not_take():
     assert "NAME=ARTIFACT_URI" in refused("--engine", "file:///s/engines/a")
     assert "--max-loaded-engines sets a pool" in refused("--artifact", "file:///s/engines/a",
                                                          "--max-loaded-engines", "2")
+    for flag, value in (("--pool-queue-size", "8"), ("--load-timeout", "30")):  # defaults, but a pool's flags
+        assert f"{flag} sets a pool" in refused("--artifact", "file:///s/engines/a", flag, value)
     assert "exactly one of --model DIR or --artifact URI" in refused()
 
 
