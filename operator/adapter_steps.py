@@ -17,6 +17,7 @@ from typing import Any
 
 from kiln.operator import keys, metrics
 from kiln.operator.adapters import (
+    ANNOTATION_ADAPTER_VERSION,
     AdapterPlan,
     AdapterView,
     adapter_job_name,
@@ -30,6 +31,7 @@ from kiln.operator.apply import apply
 from kiln.operator.context import Context, key_pair
 from kiln.operator.job_pods import job_failure
 from kiln.operator.kube import ApiError, api_path
+from kiln.operator.naming import job_conflict
 from kiln.operator.status import job_state
 from kiln.operator.trust import manifest_problem
 
@@ -72,6 +74,8 @@ async def read_view(ctx: Context, engine: str, wanted: str, adapter: LoraAdapter
         return AdapterView(adapter, base, version, uri, built=False)
     jobs = ctx.config.jobs_namespace
     job = await ctx.kube.get(api_path("batch/v1", "jobs", jobs, adapter_job_name(version)))
+    if job is not None and (conflict := job_conflict(job, ANNOTATION_ADAPTER_VERSION, version)):
+        return AdapterView(adapter, base, version, uri, built=False, conflict=conflict)  # never taken as this build
     failure = ""
     if job is not None and job_state(job).state == "failed":
         failure = (await job_failure(ctx.kube, jobs, job)).detail

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.operator.jobs import ANNOTATION_REQUESTED_BY, PVC_MOUNT_ROOT, credentials_env_from, job_pod_spec
-from kiln.operator.naming import COMMON_LABELS, GROUP, bounded_name, object_meta, version_label
+from kiln.operator.naming import COMMON_LABELS, GROUP, JOB_NAME_DIGITS, bounded_name, object_meta, version_label
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import job_state
 
@@ -31,6 +31,7 @@ from kiln.lora_options import LoraAdapter
 ADAPTERS_DIR = "/etc/kiln/lora"
 ADAPTERS_FILE_KEY = "adapters.json"
 LABEL_ADAPTER = f"{GROUP}/adapter"
+ANNOTATION_ADAPTER_VERSION = f"{GROUP}/adapter-version"
 BUILDING, READY, FAILED = "Building", "Ready", "Failed"
 
 
@@ -39,7 +40,7 @@ def configmap_name(engine: str) -> str:
 
 
 def adapter_job_name(version: str) -> str:
-    return bounded_name("kiln-adapter-", version)
+    return bounded_name("kiln-adapter-", version, digits=JOB_NAME_DIGITS)
 
 
 def adapters_volume(spec: LLMEngineSpec, engine: str) -> list[dict[str, Any]]:
@@ -71,6 +72,7 @@ class AdapterView:
     job: dict[str, Any] | None = None
     failure: str = ""  # the failed Job's termination message
     content_digest: str | None = None  # the digest pinned (listed in the ConfigMap): trusted at first sight
+    conflict: str | None = None  # the Job under its name builds another version (naming.job_conflict): not taken
 
 
 def adapter_phase(view: AdapterView) -> tuple[str, str | None]:
@@ -80,6 +82,8 @@ def adapter_phase(view: AdapterView) -> tuple[str, str | None]:
         return READY, None
     if view.untrusted is not None:
         return FAILED, f"{view.artifact_uri}: not serving it: {view.untrusted}"
+    if view.conflict is not None:
+        return FAILED, view.conflict
     state = job_state(view.job or {})
     if state.state == "failed":
         return FAILED, view.failure or state.message or f"adapter build Job {adapter_job_name(view.version)} failed"
@@ -100,7 +104,7 @@ def adapter_statuses(views: list[AdapterView]) -> list[dict[str, Any]]:
 
 
 def wants_job(view: AdapterView) -> bool:
-    return not view.built and view.untrusted is None and view.job is None
+    return not view.built and view.untrusted is None and view.conflict is None and view.job is None
 
 
 def adapters_document(views: list[AdapterView]) -> dict[str, Any]:
@@ -174,7 +178,7 @@ def build_adapter_job(spec: LLMEngineSpec, name: str, namespace: str, view: Adap
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": adapter_job_name(view.version), "namespace": config.jobs_namespace, "labels": labels,
-                     "annotations": {f"{GROUP}/adapter-version": view.version,
+                     "annotations": {ANNOTATION_ADAPTER_VERSION: view.version,
                                      f"{GROUP}/artifact-uri": view.artifact_uri,
                                      ANNOTATION_REQUESTED_BY: f"{namespace}/{name}"}},
         "spec": {"backoffLimit": config.build_backoff_limit, "activeDeadlineSeconds": spec.build.timeout_seconds,

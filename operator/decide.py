@@ -47,6 +47,7 @@ class World:
     manifest: Manifest | None = None  # the store's valid manifest of ``version``
     untrusted: str | None = None  # why this operator will not serve that artifact (kiln.operator.trust)
     job: dict[str, Any] | None = None  # the build Job of ``version``
+    conflict: str | None = None  # the Job under its name is another version's (naming.job_conflict): not adopted
     failure: retry.Failure = retry.Failure()  # what a failed build Job's pods said
     now: datetime | None = None  # when this was read (a retry is due at status.build.retryAt)
     # spec.lora's adapters for the wanted base and the one serving, read once the base is trusted in the store
@@ -135,6 +136,8 @@ def decide(world: World) -> Plan:
     if world.untrusted is not None:
         warning = f"{world.artifact_uri}: not serving it: {world.untrusted}"
         return Plan(REPORT, warning=warning if is_new or phase != "Failed" else None)
+    if world.conflict is not None:
+        return Plan(REPORT, warning=world.conflict if phase != "Failed" else None)
     if world.manifest is None:
         step = retry.build_step(world.record, world.job, world.generation, world.now)
         return Plan({retry.BUILD: BUILD, retry.RETRY: RETRY, retry.WAIT: REPORT}[step],
@@ -168,15 +171,15 @@ def observation(world: World, plan: Plan, outcome: Outcome, config: OperatorConf
         return Observation(**base, built=True, prerequisite=outcome.prerequisite, artifact=pin(world),
                            build=world.record, adapters=adapters, adapters_known=True,
                            **scale_out_view(world, outcome, serving, config))
-    if world.manifest is None and world.lws_served and world.untrusted is None:  # BUILD, RETRY or waiting
+    if world.manifest is None and world.lws_served and world.untrusted is None and world.conflict is None:
         job = outcome.job if plan.step in (BUILD, RETRY) else world.job
         record = retry.next_record(world.record, version, job, world.failure, world.generation,
                                    world.now or EPOCH, job_name(version), config)
         return Observation(**base, built=False, job=job_state(job or {}), failure_detail=world.failure.detail,
                            artifact=unbuilt_pin(world, record), build=record)
     missing_api = None if world.lws_served else lws_missing_message(spec)
-    return Observation(**base, missing_api=missing_api, untrusted=world.untrusted, artifact=old.get("artifact"),
-                       build=old.get("build"))
+    return Observation(**base, missing_api=missing_api, untrusted=world.untrusted, conflict=world.conflict,
+                       artifact=old.get("artifact"), build=old.get("build"))
 
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # the clock of a World read without one (tests)

@@ -23,18 +23,34 @@ COMMON_LABELS = {"app.kubernetes.io/name": "kiln", "app.kubernetes.io/part-of": 
                  "app.kubernetes.io/managed-by": MANAGED_BY}
 
 
-def bounded_name(prefix: str, key: str, limit: int = MAX_NAME) -> str:
-    """``prefix + key`` if it fits in ``limit``, else a truncation plus a hash of ``key`` (still unique)."""
+def bounded_name(prefix: str, key: str, limit: int = MAX_NAME, digits: int = 8) -> str:
+    """``prefix + key`` if it fits in ``limit``, else a truncation plus ``digits`` hex of a hash of ``key``."""
     name = prefix + key
     if len(name) <= limit:
         return name
-    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+    digest = hashlib.sha256(key.encode()).hexdigest()[:digits]
     head = (prefix + key)[: limit - len(digest) - 1].rstrip("-")
     return f"{head}-{digest}"
 
 
+JOB_NAME_DIGITS = 16  # build Jobs of every namespace share the jobs namespace: 64 bits of the version's hash
+
+
 def job_name(version: str) -> str:
-    return bounded_name("kiln-build-", version)
+    return bounded_name("kiln-build-", version, digits=JOB_NAME_DIGITS)
+
+
+def job_conflict(job: dict[str, Any], annotation: str, version: str) -> str | None:
+    """Why a Job found under ``version``'s Job name is not that version's build (its ``annotation`` names
+    another version): never adopted, the engine's condition says which Job to delete. None when it is."""
+    theirs = ((job.get("metadata") or {}).get("annotations") or {}).get(annotation)
+    if theirs == version:
+        return None
+    meta = job.get("metadata") or {}
+    name, namespace = meta.get("name"), meta.get("namespace")
+    return (f"build Job {namespace}/{name} is named for this build but its {annotation} annotation is "
+            f"{theirs or 'missing'}, not {version}, so the operator will not take it as this build; delete it "
+            f"(kubectl delete job {name} -n {namespace}) and the operator creates this version's Job")
 
 
 def version_label(version: str) -> str:

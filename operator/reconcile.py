@@ -50,7 +50,15 @@ from kiln.operator.decide import (
 from kiln.operator.job_pods import job_failure
 from kiln.operator.jobs import build_job, model_secrets
 from kiln.operator.kube import ApiError, api_path
-from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, lws_name, owner_reference
+from kiln.operator.naming import (
+    ANNOTATION_VERSION,
+    LWS_API_VERSION,
+    LWS_PLURAL,
+    job_conflict,
+    job_name,
+    lws_name,
+    owner_reference,
+)
 from kiln.operator.network import build_network_policy
 from kiln.operator.retry import Failure
 from kiln.operator.scheduling import new_pods_selector
@@ -128,11 +136,13 @@ async def observe(ctx: Context, namespace: str, name: str) -> World | None:
     wants_job = manifest is None or (untrusted is None and (body.get("status") or {}).get("phase") == "Building")
     jobs = ctx.config.jobs_namespace
     job = await ctx.kube.get(job_path(jobs, version)) if wants_job else None
+    conflict = job_conflict(job, ANNOTATION_VERSION, version) if job else None
+    job = None if conflict else job  # another version's Job under this name is never taken as this build
     failure = await job_failure(ctx.kube, jobs, job) if job and job_state(job).state == "failed" else Failure()
     adapters = () if manifest is None or untrusted is not None else await read_adapters(
         ctx, spec, name, namespace, version, body.get("status") or {})  # what a SERVE plan needs of them
-    return World(**seen, manifest=manifest, untrusted=untrusted, job=job, failure=failure, now=datetime.now(UTC),
-                 adapters=adapters)
+    return World(**seen, manifest=manifest, untrusted=untrusted, job=job, conflict=conflict, failure=failure,
+                 now=datetime.now(UTC), adapters=adapters)
 
 
 async def live_workloads(ctx: Context, namespace: str, name: str) -> Workloads:
@@ -220,6 +230,8 @@ async def create_job(ctx: Context, world: World, logger: logging.Logger) -> dict
         theirs = await ctx.kube.get(job_path(jobs, world.version))
         if theirs is None:
             raise
+        if conflict := job_conflict(theirs, ANNOTATION_VERSION, world.version):
+            raise ApiError(409, "Conflict", conflict) from None  # the next reconcile reports it in the condition
         return theirs
     metrics.BUILDS_STARTED.inc()
     logger.info(f"created build Job {jobs}/{job_name(world.version)} for {world.version}")

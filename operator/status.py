@@ -148,6 +148,7 @@ def transitions(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str
 
 
 FAILURE_REASONS = {"InvalidSpec", "BuildFailed", "BuildRetrying", "ArtifactMissing", "ArtifactUntrusted", "LeaderWorkerSetMissing"}
+FAILURE_REASONS |= {"BuildJobConflict"}
 FAILURE_REASONS |= {"PrerequisiteMissing", "InsufficientGPU", "Unschedulable"}  # scale out
 
 
@@ -178,6 +179,7 @@ class Observation:
     built: bool = False  # the artifact of engine_version is in the store
     untrusted: str | None = None  # it is, but this operator did not build it (why; kiln.operator.trust)
     missing_api: str | None = None  # the spec needs an API (LeaderWorkerSet) this cluster does not serve
+    conflict: str | None = None  # the build Job's name is taken by another version's Job (naming.job_conflict)
     job: JobState | None = None  # the build Job, when not built
     job_name: str | None = None
     failure_detail: str = ""  # tail of the builder's termination message
@@ -226,6 +228,8 @@ def compose_status(obs: Observation, now: str | None = None) -> dict[str, Any]:
         status.update(phase="Failed", conditions=_failed(cond, "LeaderWorkerSetMissing", obs.missing_api, still))
     elif obs.untrusted is not None:
         status.update(phase="Failed", conditions=_failed(cond, "ArtifactUntrusted", _untrusted_message(obs), still))
+    elif obs.conflict is not None:
+        status.update(phase="Failed", conditions=_failed(cond, "BuildJobConflict", obs.conflict, still))
     elif not obs.built:
         status.update(_build_progress(obs, cond, still))
     else:

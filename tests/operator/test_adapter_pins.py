@@ -45,3 +45,36 @@ def test_a_pod_refuses_an_adapter_whose_digest_is_not_the_pinned_one(tmp_path):
     sync = AdapterSync(ctx, tmp_path / "adapters.json")
     asyncio.run(sync.apply({"sql": {**entry, "contentDigest": digest}}))
     assert added == ["sql"] and sync.held == {"sql": entry["artifactURI"]}
+
+
+def test_an_adapter_job_of_another_version_under_the_name_is_a_conflict_never_adopted():
+    from kiln.operator.adapter_steps import read_view
+    from kiln.operator.adapters import adapter_job_name, adapter_phase, wants_job
+
+    from kiln.lora_options import LoraAdapter
+
+    version = "base-sql-" + "a" * 64
+    name = adapter_job_name(version)
+    assert len(name) <= 63 and len(name.rsplit("-", 1)[1]) == 16  # 64 bits of hash: Jobs of every namespace share it
+    jobs: dict[str, dict] = {}
+
+    class Kube:
+        async def get(self, path: str) -> dict | None:
+            return jobs.get(path.rsplit("/", 1)[1])
+
+    store = SimpleNamespace(read_signed_manifest=lambda v: (None, None), artifact_uri=lambda v: f"s3://b/{v}")
+    ctx = SimpleNamespace(kube=Kube(), store=store, config=SimpleNamespace(jobs_namespace="kiln-system"))
+    adapter = LoraAdapter(name="sql", source="s3://adapters/sql")
+
+    def view():
+        return asyncio.run(read_view(ctx, "chat", "base", adapter, "base", version, b"", None))
+
+    meta = {"name": name, "namespace": "kiln-system"}
+    jobs[name] = {"metadata": {**meta, "annotations": {"serving.kiln.dev/adapter-version": "other-version"}}}
+    clash = view()
+    assert clash.job is None and not wants_job(clash)  # neither adopted nor created again
+    phase, message = adapter_phase(clash)
+    assert phase == "Failed" and f"kubectl delete job {name} -n kiln-system" in message and "other-version" in message
+    jobs[name] = {"metadata": {**meta, "annotations": {"serving.kiln.dev/adapter-version": version}}}
+    ours = view()
+    assert ours.conflict is None and ours.job is jobs[name] and adapter_phase(ours)[0] == "Building"

@@ -185,6 +185,24 @@ def test_invalid_spec_fails_with_the_field_and_builds_nothing(cluster: Cluster, 
     assert status["observedGeneration"] == 1
 
 
+def test_a_job_of_another_version_under_the_build_s_name_is_a_conflict_never_adopted(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo"))
+        job = c.wait_job()
+        name, version = job["metadata"]["name"], job["metadata"]["annotations"][VERSION_LABEL]
+        assert len(name) <= 63 and len(name.rsplit("-", 1)[1]) == 16  # 64 bits of the version's hash
+        c.kube.patch(f"{JOBS}/{name}", {"metadata": {"annotations": {VERSION_LABEL: "other-" + "0" * 64}}})
+        c.wait_status("demo", "Failed on the conflict", phase="Failed")
+        built = c.condition("demo", "Built")
+        assert built["reason"] == "BuildJobConflict"
+        assert f"kubectl delete job {name} -n kiln-system" in built["message"] and "other-" in built["message"]
+        c.kube.delete(f"{JOBS}/{name}")
+        wait_for(lambda: [j for j in c.jobs() if j["metadata"]["annotations"][VERSION_LABEL] == version],
+                 what="this version's Job created once the other is deleted")
+        c.wait_status("demo", "Building again", phase="Building")
+
+
 def test_build_failure_reports_job_reason_and_builder_message(cluster: Cluster):
     c = cluster
     with running_operator():
