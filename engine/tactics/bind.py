@@ -158,14 +158,14 @@ def take_rank0s(table: TacticTable, join_timeout_s: float) -> TacticTable:
     rank 0 sends its table over the group's authenticated rank channel (``parallel.broadcast_json``, typed
     JSON checked by its digest as a table file is), and each other rank takes rank 0's entry for every
     linear shape both have (a stage's own shapes, such as the last stage's LM head, stay its own) and rank
-    0's model-level choices."""
+    0's model-level choices, all of them and only them."""
     parallel.wait_for_ranks(join_timeout_s, "loading its weights and timing its tactics")
     doc = parallel.broadcast_json(table.to_json() if parallel.rank() == 0 else None)
     if parallel.rank() == 0:
         return table
     theirs = TacticTable.from_json(doc, "rank 0's tactic table", "restart the group")
     table.linear.update({key: choice for key, choice in theirs.linear.items() if key in table.linear})
-    table.model = {**table.model, **theirs.model}
+    table.model = dict(theirs.model)  # rank 0's whole: a key only this rank has (mlp_rows) would split the group
     return table
 
 

@@ -74,3 +74,17 @@ def test_rank1_packs_by_rank0s_table(toy_model, tmp_path, monkeypatch):
     theirs = json.loads(out.read_text())
     assert seen and all(v == ["kiln-fma"] for v in seen.values())
     assert theirs == seen  # rank 1's own forced aten table was replaced by rank 0's
+
+
+def test_a_rank_takes_rank0s_model_choices_whole(monkeypatch):
+    """A model-level key only this rank has (an ``mlp_rows`` from its own cache) would give it another MLP
+    slice, and so another count of all-reduces per step, than rank 0: it is dropped, not kept."""
+    from kiln.engine import parallel
+    from kiln.engine.tactics.table import TacticTable
+
+    rank0 = TacticTable(host={"cpu": "x"}, model={"decoder_stack": {"winner": "native"}})
+    mine = TacticTable(host={"cpu": "x"}, model={"decoder_stack": {"winner": "torch"}, "mlp_rows": {"winner": 64}})
+    monkeypatch.setattr(parallel, "wait_for_ranks", lambda *a: None)
+    monkeypatch.setattr(parallel, "rank", lambda: 1)
+    monkeypatch.setattr(parallel, "broadcast_json", lambda doc: rank0.to_json())
+    assert bind.take_rank0s(mine, 1.0).model == {"decoder_stack": {"winner": "native"}}
