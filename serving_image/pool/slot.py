@@ -14,6 +14,7 @@ import copy
 import gc
 import json
 import logging
+import os
 import time
 from dataclasses import replace
 from typing import Any
@@ -59,23 +60,52 @@ class EngineSlot:
         return self.state.num_in_flight > 0 or self.num_waiting > 0
 
     def read_memory(self) -> None:
-        """What this engine counts against the budget, from its ``engine.json`` (the local cache's, else the
-        store's; the load verifies the whole artifact before it runs)."""
+        """What this engine counts against the budget, from its ``engine.json``, read only once verified
+        (:meth:`_verified_engine_json`): the budget's decisions rest on the signed build's own figure."""
+        raw = self._verified_engine_json()
+        self.memory_bytes, self.memory_source = engine_memory(json.loads(raw))
+
+    def _verified_engine_json(self) -> bytes:
+        """``engine.json`` after the checks every fetch makes first (:meth:`ArtifactStore.fetch`): the store's
+        manifest signed by ``--verify-key`` when one is given, the build ``$KILN_EXPECT_ARTIFACT`` names when set,
+        the content digest the engines file pinned; then the file (the local cache's copy when it matches, else
+        the store's) must have the digest that manifest records. ValueError naming the engine and what failed."""
         from kiln.serving.loader import default_cache_dir
 
+        from kiln.artifact_manifest import ArtifactExpectation, bytes_sha256
         from kiln.artifacts import parse_artifact_uri
+        from kiln.signing import Verifier
 
+        where = f"engine {self.name!r} ({self.entry.artifact_uri})"
         try:
             store, self.version = parse_artifact_uri(self.entry.artifact_uri)
-            cached = (self.config.cache_dir or default_cache_dir()) / self.version / "engine.json"
-            raw = cached.read_bytes() if cached.is_file() else store.backend.read(f"engines/{self.version}/engine.json")
-        except Exception as exc:  # a store error: say which engine and where
-            raise ValueError(f"engine {self.name!r} ({self.entry.artifact_uri}): its engine.json cannot be read: "
-                             f"{exc}") from None
-        if not raw:
-            raise ValueError(f"engine {self.name!r}: no artifact at {self.entry.artifact_uri} (no engine.json); "
-                             "check the URI, or build it with kiln build")
-        self.memory_bytes, self.memory_source = engine_memory(json.loads(raw))
+            manifest, document = store.read_signed_manifest(self.version)
+            verifier = Verifier.from_pem(self.config.verify_key) if self.config.verify_key is not None else None
+            expect = ArtifactExpectation.from_env(os.environ)
+        except Exception as exc:  # a store or key error: say which engine and where
+            raise ValueError(f"{where}: its manifest cannot be read: {exc}") from None
+        if manifest is None:
+            raise ValueError(f"{where}: no artifact there (no valid manifest.json); check the URI, or build it with "
+                             "kiln build")
+        pinned = self.entry.content_digest
+        problem = ((verifier.problem(document) if verifier is not None else None)
+                   or (expect.mismatch(manifest) if expect is not None else None)
+                   or (f"its content digest is {manifest.content_digest[:16]}..., the engines file pinned "
+                       f"{pinned[:16]}..." if pinned is not None and pinned != manifest.content_digest else None))
+        if problem is not None:
+            raise ValueError(f"{where}: refusing this artifact: {problem}")
+        entry = next((f for f in manifest.files if f.path == "engine.json"), None)
+        cached = (self.config.cache_dir or default_cache_dir()) / self.version / "engine.json"
+        raw = cached.read_bytes() if entry is not None and cached.is_file() else None
+        if entry is not None and (raw is None or bytes_sha256(raw) != entry.sha256):
+            try:
+                raw = store.backend.read(f"engines/{self.version}/engine.json")
+            except Exception as exc:
+                raise ValueError(f"{where}: its engine.json cannot be read: {exc}") from None
+        if entry is None or raw is None or bytes_sha256(raw) != entry.sha256:
+            raise ValueError(f"{where}: its engine.json is missing or differs from its manifest's sha256; re-publish "
+                             "it (kiln cache rm, then kiln build)")
+        return raw
 
     def build(self) -> tuple[Any, dict[str, Any]]:
         """Fetch (from the local cache when there, verified) and build the engine: blocking, for a thread."""

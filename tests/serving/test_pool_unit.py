@@ -401,3 +401,43 @@ def test_a_drain_waits_for_requests_waiting_on_a_load_and_removed_engines_and_sh
         assert draining.value.headers == {"Retry-After": "1"}
 
     asyncio.run(run())
+
+
+def publish_engine(tmp_path, engine_json: dict, signer=None, version: str = "tiny-0123456789ab") -> str:
+    """An artifact holding only ``engine_json``, published (signed by ``signer``) to a file store: its URI."""
+    from kiln.artifacts import ArtifactStore
+
+    src = tmp_path / f"src-{version}"
+    src.mkdir()
+    (src / "engine.json").write_text(json.dumps(engine_json))
+    store = ArtifactStore.from_uri((tmp_path / "store").as_uri())
+    store.publish(version, src, {}, signer=signer)
+    return store.artifact_uri(version)
+
+
+def test_an_engines_memory_is_read_only_from_a_verified_engine_json(tmp_path):
+    from kiln.signing import Signer, generate_key_pair
+
+    private, public = generate_key_pair(tmp_path / "keys")
+    other, _ = generate_key_pair(tmp_path / "other-keys")
+    measured = {"build_report": {"memory": {"stages": {"tune": {"host_extra_bytes": 300 * MIB}}}}}
+    uri = publish_engine(tmp_path, measured, Signer.from_pem(private))
+    config = ServeConfig(served_model_name="pool", verify_key=public, cache_dir=tmp_path / "cache")
+
+    def read(uri: str) -> int:
+        slot = EngineSlot(EngineEntry("a", uri), config, ServingMetrics("pool", lambda: None))
+        slot.read_memory()
+        return slot.memory_bytes
+
+    assert read(uri) == 300 * MIB
+    lying = {"build_report": {"memory": {"stages": {"tune": {"host_extra_bytes": MIB}}}}}
+    cached = tmp_path / "cache" / "tiny-0123456789ab" / "engine.json"
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps(lying))  # a cache copy the manifest does not describe: the store's is read
+    assert read(uri) == 300 * MIB
+    (tmp_path / "store" / "engines" / "tiny-0123456789ab" / "engine.json").write_text(json.dumps(lying))
+    with pytest.raises(ValueError, match=r"'a' \(file://.*engine.json is missing or differs from its manifest"):
+        read(uri)
+    unsigned = publish_engine(tmp_path, measured, Signer.from_pem(other), "other-0123456789ab")
+    with pytest.raises(ValueError, match="refusing this artifact: it is signed by key"):
+        read(unsigned)
