@@ -271,15 +271,24 @@ async def _follow_pool(ctx: ServingContext) -> None:
     assert ctx.pool is not None
     idle = asyncio.create_task(ctx.pool.run_idle_unloads())
     try:
-        while True:
+        while True:  # each step guarded: one that fails is logged and tried again, the others go on
             await asyncio.sleep(POLL_S)
             if ctx.pool_follower is not None:
-                await ctx.pool_follower.sync()
+                await _logged(f"following the engines file {ctx.pool_follower.path}", ctx.pool_follower.sync())
             for slot in list(ctx.pool.slots.values()):
                 if slot.adapter_sync is not None and slot.state.engine is not None:
-                    await slot.adapter_sync.sync(slot.state.engine_info.get("engine_version"))
+                    await _logged(f"engine {slot.name!r}: following its adapters",
+                                  slot.adapter_sync.sync(slot.state.engine_info.get("engine_version")))
     finally:
         idle.cancel()
+
+
+async def _logged(what: str, step: Any) -> None:
+    """Await ``step``; an error is logged with ``what`` failed, not raised (it would stop following for good)."""
+    try:
+        await step
+    except Exception:
+        log.exception("pool: %s failed; trying again in %ss", what, POLL_S)
 
 
 def _group_failure_grace() -> float:

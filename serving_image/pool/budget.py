@@ -71,14 +71,31 @@ def default_budget(limit: int | None = None, host: int | None = None) -> tuple[i
     return max(budget, 0), f"{source} ({human(total)}) less {MARGIN_FRACTION:.0%} and {human(SERVER_MARGIN_BYTES)}"
 
 
-def engine_memory(engine_json: dict[str, Any]) -> tuple[int, str]:
-    """(bytes, source) an engine counts against the budget, from its artifact's ``engine.json``."""
-    tune = (((engine_json.get("build_report") or {}).get("memory") or {}).get("stages") or {}).get("tune") or {}
-    device = ((engine_json.get("tuning") or {}).get("device")) or "cpu"
+def _object(doc: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+    """``doc[path[0]][path[1]]...``, each an object (a missing or null one: empty); ValueError naming the field."""
+    node: Any = doc
+    for i, key in enumerate(path):
+        node = node.get(key)
+        if node is None:
+            return {}
+        if not isinstance(node, dict):
+            raise ValueError(f"{'.'.join(path[:i + 1])} is a {type(node).__name__}, not an object; rebuild it with "
+                             "this kiln")
+    return node
+
+
+def engine_memory(engine_json: Any) -> tuple[int, str]:
+    """(bytes, source) an engine counts against the budget, from its artifact's ``engine.json``; ValueError naming
+    the field for one that is not what a build writes."""
+    if not isinstance(engine_json, dict):
+        raise ValueError(f"it is a {type(engine_json).__name__}, not an object; rebuild it with this kiln")
+    tune = _object(engine_json, ("build_report", "memory", "stages", "tune"))
+    device = _object(engine_json, ("tuning",)).get("device") or "cpu"
     measured = tune.get("cuda_peak_allocated_bytes") if device == "cuda" else tune.get("host_extra_bytes")
-    plan = engine_json.get("kv_plan") or {}
+    plan = _object(engine_json, ("kv_plan",))
     parts = [plan.get(k) for k in ("weight_bytes_per_rank", "kv_pool_bytes", "activation_reserve_bytes")]
-    planned = sum(p or 0 for p in parts) if all(isinstance(p, int) for p in parts[:2]) else None
+    planned = sum(p if isinstance(p, int) else 0 for p in parts) if all(isinstance(p, int) for p in parts[:2]) \
+        else None
     if isinstance(measured, int) and measured > 0:
         if planned is not None and planned > measured:
             return planned, (f"its kv_plan (weights + KV pool), above the {human(measured)} its build measured "
@@ -86,6 +103,5 @@ def engine_memory(engine_json: dict[str, Any]) -> tuple[int, str]:
         return measured, "measured by the build (build_report.memory.stages.tune)"
     if planned is not None:
         return planned, "not measured by its build: weights + KV pool of its kv_plan"
-    cfg = engine_json.get("engine_config") or {}
-    raise ValueError(f"engine {engine_json.get('engine_version') or cfg} records neither a measured memory "
+    raise ValueError(f"engine {engine_json.get('engine_version')!r} records neither a measured memory "
                      "(build_report.memory.stages.tune) nor a kv_plan; rebuild it with this kiln")

@@ -63,7 +63,10 @@ class EngineSlot:
         """What this engine counts against the budget, from its ``engine.json``, read only once verified
         (:meth:`_verified_engine_json`): the budget's decisions rest on the signed build's own figure."""
         raw = self._verified_engine_json()
-        self.memory_bytes, self.memory_source = engine_memory(json.loads(raw))
+        try:
+            self.memory_bytes, self.memory_source = engine_memory(json.loads(raw))
+        except ValueError as exc:  # not JSON, or a field not what a build writes: this engine refused, naming it
+            raise ValueError(f"engine {self.name!r} ({self.entry.artifact_uri}): engine.json: {exc}") from None
 
     def _verified_engine_json(self) -> bytes:
         """``engine.json`` after the checks every fetch makes first (:meth:`ArtifactStore.fetch`): the store's

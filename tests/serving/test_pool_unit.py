@@ -441,3 +441,44 @@ def test_an_engines_memory_is_read_only_from_a_verified_engine_json(tmp_path):
     unsigned = publish_engine(tmp_path, measured, Signer.from_pem(other), "other-0123456789ab")
     with pytest.raises(ValueError, match="refusing this artifact: it is signed by key"):
         read(unsigned)
+
+
+def test_a_malformed_engine_json_refuses_that_engine_naming_the_field_and_following_goes_on(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from kiln.serving import app
+    from kiln.serving.pool.engine_list import document
+    from kiln.serving.pool.follow import EngineFileFollower
+
+    for bad, field in (({"build_report": {"memory": "x"}}, "build_report.memory is a str"),
+                       ({"tuning": []}, "tuning is a list"), ([], "it is a list")):
+        with pytest.raises(ValueError, match=field):
+            engine_memory(bad)
+    good = publish_engine(tmp_path, {"kv_plan": {"weight_bytes_per_rank": 5, "kv_pool_bytes": 5}})
+    bad = publish_engine(tmp_path, {"tuning": "cpu", "kv_plan": {}}, version="bad-0123456789ab")
+    pool = EnginePool(PoolSettings(memory_budget=2**30), ServeConfig(served_model_name="pool",
+                      cache_dir=tmp_path / "cache"), ServingMetrics("pool", lambda: None))
+    with pytest.raises(ValueError, match=r"engine 'bad' \(file://.*bad-0123456789ab\): engine.json: tuning is a str"):
+        pool.make_slot(EngineEntry("bad", bad))
+    listed = tmp_path / "engines.json"
+    listed.write_text(json.dumps(document([EngineEntry("bad", bad), EngineEntry("good", good)])))
+    follower = EngineFileFollower(pool, listed)
+
+    async def run() -> None:
+        await follower.sync()  # the malformed one refused (logged), the other served
+        assert sorted(pool.slots) == ["good"] and pool.slots["good"].memory_bytes == 10
+        calls = []
+
+        async def failing_sync() -> None:
+            calls.append(1)
+            raise AttributeError("'str' object has no attribute 'get'")
+
+        monkeypatch.setattr(app, "POLL_S", 0.01)
+        ctx = SimpleNamespace(state=SimpleNamespace(phase=READY), pool=pool,
+                              pool_follower=SimpleNamespace(path=listed, sync=failing_sync))
+        following = asyncio.create_task(app._follow_pool(ctx))
+        await asyncio.sleep(0.2)
+        assert not following.done() and len(calls) >= 2  # a pass that failed is logged; the next one runs
+        following.cancel()
+
+    asyncio.run(run())
