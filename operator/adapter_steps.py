@@ -91,7 +91,8 @@ async def act_adapters(ctx: Context, spec: LLMEngineSpec, name: str, namespace: 
         await create_adapter_job(ctx, spec, name, namespace, view, logger)
     for view in plan.building:  # a credentials Secret created after its Job is copied now
         assert view.job is not None
-        await keys.ensure_credentials(ctx.kube, namespace, adapter_secrets(spec, view.adapter), view.job)
+        await keys.ensure_credentials(ctx.kube, namespace, adapter_secrets(spec, view.adapter), view.job,
+                                      ctx.config.copy_credentials)
     if plan.configmap is not None:
         await apply(ctx.kube, plan.configmap)
 
@@ -109,7 +110,8 @@ async def create_adapter_job(ctx: Context, spec: LLMEngineSpec, name: str, names
         if exc.status != 409:
             raise
         return
-    await keys.ensure_credentials(ctx.kube, namespace, adapter_secrets(spec, view.adapter), job)
+    await keys.ensure_credentials(ctx.kube, namespace, adapter_secrets(spec, view.adapter), job,
+                                  ctx.config.copy_credentials)
     metrics.BUILDS_STARTED.inc()
     logger.info(f"created adapter build Job {jobs}/{adapter_job_name(view.version)} for {view.adapter.name} "
                 f"({view.version})")

@@ -98,6 +98,7 @@ class Outcome:
     lws: dict[str, Any] | None = None
     job: dict[str, Any] | None = None  # BUILD: the build Job, got or created
     failure_detail: str = ""  # BUILD: the builder's termination message, when the Job failed
+    missing_credentials: str | None = None  # BUILD: a credentials copy the Job waits for, to create by hand
     prerequisite: str | None = None  # SERVE: a CRD scale-out needs is missing; no workload was applied
     new_pods: list[dict[str, Any]] | None = None  # SERVE: the new version's pods, read while it rolls out
 
@@ -176,6 +177,7 @@ def observation(world: World, plan: Plan, outcome: Outcome, config: OperatorConf
         record = retry.next_record(world.record, version, job, world.failure, world.generation,
                                    world.now or EPOCH, job_name(version), config)
         return Observation(**base, built=False, job=job_state(job or {}), failure_detail=world.failure.detail,
+                           missing_credentials=outcome.missing_credentials,
                            artifact=unbuilt_pin(world, record), build=record)
     missing_api = None if world.lws_served else lws_missing_message(spec)
     return Observation(**base, missing_api=missing_api, untrusted=world.untrusted, conflict=world.conflict,

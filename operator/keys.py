@@ -214,18 +214,28 @@ def job_secret_refs(job: dict[str, Any]) -> set[str]:
             for ref in c.get("envFrom") or [] if "secretRef" in ref}
 
 
-async def ensure_credentials(kube: KubeClient, namespace: str, secrets: list[str], job: dict[str, Any]) -> None:
+async def ensure_credentials(kube: KubeClient, namespace: str, secrets: list[str], job: dict[str, Any],
+                             copy: bool = True) -> str | None:
     """Copy each of ``secrets`` (Secrets of the engine's ``namespace``) that ``job`` names into the Job's namespace.
     A Secret that does not exist yet is left: the Job's pod waits for it, as it would for the original, and the
-    next reconcile copies it once it is there."""
-    refs = job_secret_refs(job)
+    next reconcile copies it once it is there. Without ``copy`` (chart ``build.copyCredentials: false``) nothing of
+    ``namespace`` is read: returns what to create when a copy the Job names is not in the jobs namespace."""
+    refs, jobs = job_secret_refs(job), job["metadata"]["namespace"]
     for secret in secrets:
         name = credentials_copy_name(namespace, secret)
         if name not in refs:  # a Job another engine created, naming its own namespace's Secrets
             continue
+        if not copy:
+            if await kube.get(api_path("v1", "secrets", jobs, name)) is None:
+                return (f"Secret {jobs}/{name} does not exist and the operator does not copy credentials "
+                        f"(chart value build.copyCredentials is false): create it with the keys of {namespace}/"
+                        f"{secret} (kubectl get secret {secret} -n {namespace} -o yaml, renamed), or set "
+                        "build.copyCredentials: true")
+            continue
         live = await kube.get(api_path("v1", "secrets", namespace, secret))
         if live is not None:
-            await ensure_copy(kube, credentials_copy(live, name, job["metadata"]["namespace"], job))
+            await ensure_copy(kube, credentials_copy(live, name, jobs, job))
+    return None
 
 
 async def remove_signing_copy(kube: KubeClient, namespace: str) -> None:
@@ -242,7 +252,14 @@ async def ensure_group_token(kube: KubeClient, engine: str, namespace: str, owne
     except ApiError as exc:
         if exc.status != 409:
             raise
-    live = await kube.get(api_path("v1", "secrets", namespace, group_token_name(engine)))
+    try:
+        live = await kube.get(api_path("v1", "secrets", namespace, group_token_name(engine)))
+    except ApiError as exc:
+        if exc.status != 403:
+            raise
+        raise GroupTokenMissing(f"the operator may not read Secret {namespace}/{group_token_name(engine)}: a "
+                                "cluster-wide install with build.copyCredentials false grants no get on Secrets; "
+                                "set build.copyCredentials: true, or list the namespace in watchNamespaces") from None
     token = _decoded(live or {}, GROUP_TOKEN_KEY)
     if not token:
         where = f"Secret {namespace}/{group_token_name(engine)}"

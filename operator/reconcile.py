@@ -167,8 +167,8 @@ async def report(ctx: Context, world: World, plan: Plan, logger: logging.Logger)
 
 async def build(ctx: Context, world: World, plan: Plan, logger: logging.Logger) -> Outcome:
     """Get or create the version's build Job."""
-    job = await ensure_job(ctx, world, logger)
-    return Outcome(world.deployment, world.lws, job=job)
+    job, missing = await ensure_job(ctx, world, logger)
+    return Outcome(world.deployment, world.lws, job=job, missing_credentials=missing)
 
 
 async def retry_build(ctx: Context, world: World, plan: Plan, logger: logging.Logger) -> Outcome:
@@ -206,12 +206,14 @@ STEPS: dict[str, Callable[[Context, World, Plan, logging.Logger], Awaitable[Outc
 # -- what the steps call -------------------------------------------------------------------------------------
 
 
-async def ensure_job(ctx: Context, world: World, logger: logging.Logger) -> dict[str, Any]:
-    """Get-or-create THE build Job of the version (``world.job`` is the get), and the credentials it names."""
+async def ensure_job(ctx: Context, world: World, logger: logging.Logger) -> tuple[dict[str, Any], str | None]:
+    """Get-or-create THE build Job of the version (``world.job`` is the get), and the credentials it names (what
+    to create by hand when the operator does not copy them)."""
     assert world.spec is not None
     job = world.job or await create_job(ctx, world, logger)
-    await keys.ensure_credentials(ctx.kube, world.namespace, model_secrets(world.spec), job)
-    return job
+    missing = await keys.ensure_credentials(ctx.kube, world.namespace, model_secrets(world.spec), job,
+                                            ctx.config.copy_credentials)
+    return job, missing
 
 
 async def create_job(ctx: Context, world: World, logger: logging.Logger) -> dict[str, Any]:

@@ -124,6 +124,9 @@ class OperatorConfig:
     # first after build_retry_delay_seconds, each next one after twice as long.
     build_retries: int = 3
     build_retry_delay_seconds: float = 60.0
+    # Copy a spec's credentialsSecret next to its build Job (chart build.copyCredentials). False: the operator reads
+    # no Secret of an engine namespace; the user creates kiln-cred-<namespace>.<secret> in the jobs namespace.
+    copy_credentials: bool = True
     # A NetworkPolicy per engine: the serving port open, every other port only to the engine's own pods.
     network_policy: bool = True
     # Images an LLMEngine may name in spec.build.image / spec.serving.image besides the chart's own
@@ -234,6 +237,7 @@ def _with_trust(env: Mapping[str, str], config: OperatorConfig) -> OperatorConfi
         build_retries=_int_env(env, "KILN_BUILD_RETRIES", config.build_retries),
         build_retry_delay_seconds=_float_env(env, "KILN_BUILD_RETRY_DELAY_SECONDS", config.build_retry_delay_seconds),
         network_policy=_bool_env(env, "KILN_NETWORK_POLICY", config.network_policy),
+        copy_credentials=_bool_env(env, "KILN_COPY_CREDENTIALS", config.copy_credentials),
     )
 
 

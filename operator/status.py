@@ -183,6 +183,7 @@ class Observation:
     job: JobState | None = None  # the build Job, when not built
     job_name: str | None = None
     failure_detail: str = ""  # tail of the builder's termination message
+    missing_credentials: str | None = None  # a credentials Secret the build Job waits for, and how to create it
     serving: str | None = None  # derived servingVersion
     replicas: int = 1
     endpoint: str | None = None
@@ -269,7 +270,8 @@ def _build_progress(obs: Observation, cond: Cond, still: str) -> dict[str, Any]:
                f"delete the Job to rebuild")
         return {"phase": "Failed", "conditions": _failed(cond, "ArtifactMissing", msg, still)}
     return {"phase": "Building", "conditions": [
-        cond(BUILT, False, "Building", f"build Job {obs.job_name} is building {obs.engine_version}"),
+        cond(BUILT, False, "Building", f"build Job {obs.job_name} is building {obs.engine_version}"
+             + (f"; it waits for its credentials: {obs.missing_credentials}" if obs.missing_credentials else "")),
         cond(READY, False, "Building", f"waiting for {obs.engine_version} to build{still}")]}
 
 

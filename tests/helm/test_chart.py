@@ -293,6 +293,25 @@ def test_build_jobs_and_the_private_key_live_only_in_the_jobs_namespace(helm: Pa
     assert namespace["metadata"]["name"] == "kiln-builds"
 
 
+def test_a_cluster_wide_install_reads_engine_secrets_only_when_it_copies_credentials(helm: Path):
+    """get on any Secret reaches every namespace in a ClusterRole: granted there only with build.copyCredentials."""
+    from kiln.operator.settings import OperatorConfig
+
+    def secret_gets(docs: list[dict]) -> list[list[str] | None]:
+        roles = [r for r in by_kind(docs, "ClusterRole") + by_kind(docs, "Role") if r["metadata"]["name"] == "kiln"]
+        return [r.get("resourceNames") for role in roles for r in role["rules"]
+                if "secrets" in r["resources"] and "get" in r["verbs"]]
+
+    for sets, gets, copies in [([], [["kiln-verify-key"], None], True),
+                               (["build.copyCredentials=false"], [["kiln-verify-key"]], False),
+                               (["watchNamespaces={ml}", "build.copyCredentials=false"], [["kiln-verify-key"], None],
+                                False)]:
+        docs = render(helm, *sets)
+        assert secret_gets(docs) == gets, sets
+        env = {k: v for k, v in env_of(operator_container(docs)).items() if v is not None}
+        assert OperatorConfig.from_env(env).copy_credentials is copies
+
+
 def test_ha_runs_replicas_with_peering(helm: Path):
     docs = render(helm, "ha.enabled=true", "ha.replicas=3")
     (deployment,) = by_kind(docs, "Deployment")

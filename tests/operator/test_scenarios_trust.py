@@ -74,6 +74,29 @@ def test_model_credentials_are_copied_to_the_build_and_go_with_its_job(cluster: 
         assert [r["uid"] for r in copy["metadata"]["ownerReferences"]] == [job["metadata"]["uid"]]
 
 
+
+def test_without_copy_credentials_the_condition_names_the_secret_to_create(cluster: Cluster, monkeypatch):
+    """build.copyCredentials false (a cluster-wide install without get on Secrets): nothing of the engine's namespace
+    is read; the Built condition names the copy to create in the jobs namespace, and the build uses it once there."""
+    c = cluster
+    monkeypatch.setenv("KILN_COPY_CREDENTIALS", "false")
+    spec = {**SPEC, "model": {**SPEC["model"], "credentialsSecret": "hf-token"}}
+    c.kube.create(SECRETS, {"metadata": {"name": "hf-token"}, "data": {"HF_TOKEN": "aGY="}})
+    copy_path = f"/api/v1/namespaces/{OPERATOR_NS}/secrets/kiln-cred-ml.hf-token"
+    with running_operator():
+        c.kube.create(ENGINES, manifest("demo", **spec))
+        c.wait_job()
+        built = wait_for(lambda: (b := c.condition("demo", "Built")) and "kiln-cred-ml.hf-token" in b["message"] and b,
+                         what="the condition naming the Secret to create")
+        assert "build.copyCredentials" in built["message"] and "hf-token" in built["message"]
+        time.sleep(1)
+        assert c.kube.get(copy_path) is None  # never copied
+        c.kube.create(f"/api/v1/namespaces/{OPERATOR_NS}/secrets",
+                      {"metadata": {"name": "kiln-cred-ml.hf-token"}, "data": {"HF_TOKEN": "aGY="}})
+        wait_for(lambda: "waits for its credentials" not in c.condition("demo", "Built")["message"],
+                 what="the condition clear once the Secret is there")
+
+
 def test_the_operator_makes_its_key_pair_and_gives_each_pod_only_its_half(cluster: Cluster, tmp_path):
     c = cluster
     with running_operator():

@@ -68,16 +68,24 @@ app.kubernetes.io/component: operator
   resources: [events]
   verbs: [create]
 # The public key's copy (serving pods verify with it) and each multi-node engine's group token: created,
-# the copy read and patched by name; the token is never read. No private key is ever here: a copy an older
-# operator wrote is deleted by name. get: the credentials Secret a spec names (model, adapter), copied next
-# to the build Job that fetches with it (the operator could mount it in a pod it creates anyway); never list.
+# the copy read and patched by name. No private key is ever here: a copy an older operator wrote is deleted
+# by name. Never list.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create, get]
+  verbs: [create]
 - apiGroups: [""]
   resources: [secrets]
   resourceNames: [kiln-verify-key]
-  verbs: [patch]
+  verbs: [get, patch]
+{{- if or .Values.watchNamespaces .Values.build.copyCredentials }}
+# get any Secret here: the credentials Secret a spec names (model, adapter), copied next to the build Job that
+# fetches with it, and a multi-node engine's group token, read back by name. The operator could mount any of
+# them in a pod it creates anyway; still, cluster-wide (no watchNamespaces) this reaches every namespace's
+# Secrets, so there it is granted only with build.copyCredentials (docs/operator-trust.md).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+{{- end }}
 - apiGroups: [""]
   resources: [secrets]
   resourceNames: [kiln-build-signing-key]
