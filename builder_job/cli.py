@@ -32,14 +32,12 @@ import traceback
 from pathlib import Path
 
 import click
-from kiln.builder.errors import EXIT_OK, EXIT_UNEXPECTED, BuildError, InvalidSpec, StorageFailure
+from kiln.builder.errors import EXIT_OK, EXIT_UNEXPECTED, BuildError, InvalidSpec
 from kiln.builder.manifest_input import check_expected_version, resolve_manifest
-from kiln.builder.outcome import BuildOutcome, check_hit, publisher
+from kiln.builder.outcome import BuildOutcome, cached, publisher
 from kiln.builder.prefetch import fetch_only, load_fetched, load_fetched_draft
 from kiln.builder.report import BuildReport, setup_logging, write_termination_message
 
-from kiln.artifact_manifest import StoreError
-from kiln.artifacts import ArtifactStore
 from kiln.envelope import build_envelope, engine_version
 
 log = logging.getLogger("kiln.build")
@@ -86,15 +84,9 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
                                   "`kiln build --fetch-only` fetched into")
             checkpoint = load_fetched(engine, Path(work_dir))
             draft_checkpoint = load_fetched_draft(engine, Path(work_dir))
-        try:
-            store = ArtifactStore.from_uri(store_uri)
-            hit = store.read_manifest(version)
-        except StoreError as exc:
-            raise StorageFailure(str(exc)) from None
+        store, hit = cached(store_uri, version, build_envelope(engine.spec))
         if hit is not None:
-            check_hit(store, version, hit.envelope, build_envelope(engine.spec))
-            uri = store.artifact_uri(version)
-            return BuildOutcome(EXIT_OK, version, uri, cache_hit=True, message=f"cache hit: {version}")
+            return hit
         made_tmp = work_dir is None
         work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="kiln-build-"))
         work.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.builder.errors import ArtifactMismatch, InvalidSpec
+from kiln.builder.errors import EXIT_OK, ArtifactMismatch, InvalidSpec, StorageFailure
 
 from kiln.artifact_manifest import BuiltBy, StoreError, built_by_from_env
+from kiln.artifacts import ArtifactStore
 from kiln.envelope import envelope_mismatch
 from kiln.signing import Signer, SigningError, signer_from
 
@@ -40,3 +41,18 @@ def check_hit(store: Any, version: str, stored: dict[str, Any], expected: dict[s
         raise ArtifactMismatch(f"{store.artifact_uri(version)} holds another engine under this version: {problem}; "
                                f"it is not reused. Remove it (`kiln cache rm {version} --store {store.uri}`) and "
                                "build again")
+
+
+def cached(store_uri: str, version: str, expected: dict[str, Any]) -> tuple[ArtifactStore, BuildOutcome | None]:
+    """The store, and the cache hit's outcome when ``version`` is already there with the ``expected`` envelope
+    (another envelope under it is refused, :func:`check_hit`); None: build it."""
+    try:
+        store = ArtifactStore.from_uri(store_uri)
+        hit = store.read_manifest(version)
+    except StoreError as exc:
+        raise StorageFailure(str(exc)) from None
+    if hit is None:
+        return store, None
+    check_hit(store, version, hit.envelope, expected)
+    return store, BuildOutcome(EXIT_OK, version, store.artifact_uri(version), cache_hit=True,
+                               message=f"cache hit: {version}")

@@ -25,14 +25,12 @@ from typing import Any
 
 import click
 from kiln.builder.adapter.source import fetch_adapter
-from kiln.builder.errors import EXIT_OK, BuildError, InvalidSpec, StorageFailure
+from kiln.builder.errors import EXIT_OK, BuildError, InvalidSpec
 from kiln.builder.manifest_input import check_expected_version, resolve_manifest
-from kiln.builder.outcome import BuildOutcome, check_hit, publisher
+from kiln.builder.outcome import BuildOutcome, cached, publisher
 from kiln.builder.report import BuildReport, setup_logging, write_termination_message
 
 from kiln.adapter_list import ADAPTER_VERSION_ENV
-from kiln.artifact_manifest import StoreError
-from kiln.artifacts import ArtifactStore
 from kiln.envelope import adapter_envelope, adapter_version, engine_version
 
 log = logging.getLogger("kiln.build.adapter")
@@ -67,15 +65,9 @@ def build_adapter(engine, name: str, store_uri: str, work_dir: str | Path | None
         base, version = versions(engine, adapter)
         built_by, signer = publisher(signing_key)
         envelope = adapter_envelope(base, adapter)
-        try:
-            store = ArtifactStore.from_uri(store_uri)
-            hit = store.read_manifest(version)
-        except StoreError as exc:
-            raise StorageFailure(str(exc)) from None
+        store, hit = cached(store_uri, version, envelope)
         if hit is not None:
-            check_hit(store, version, hit.envelope, envelope)
-            return BuildOutcome(EXIT_OK, version, store.artifact_uri(version), cache_hit=True,
-                                message=f"cache hit: {version}")
+            return hit
         from kiln.builder.adapter.context import AdapterContext
         from kiln.builder.adapter.pipeline import run_adapter_build  # deferred: torch, peft
 
