@@ -172,17 +172,14 @@ class FileBackend:
                 out.flush()
                 os.fsync(out.fileno())
             try:
-                os.link(tmp, dst)
-            except FileExistsError:
-                return False
-            except OSError as exc:
-                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-                    raise
-                return self._create_excl_no_links(dst, data)
+                linked = self._link(tmp, dst)
             finally:
                 tmp.unlink(missing_ok=True)
-            _fsync_dir(dst.parent)
-            return True
+            if linked is None:  # no hard links here: an exclusive open instead
+                return self._create_excl_no_links(dst, data)
+            if linked:
+                _fsync_dir(dst.parent)
+            return linked
         except OSError as exc:
             raise self._err(exc, f"create {key}") from None
 
