@@ -175,6 +175,7 @@ def test_expiry_follows_the_waiters_clock_not_the_holders(uri: str, tmp_path: Pa
     assert store.backend.create_exclusive(CLAIM, json.dumps(claim).encode())
     alive = threading.Event()
     alive.set()
+    last_beat: list[float] = []
 
     def beat() -> None:  # the holder renews every quarter TTL, stamping its own (skewed) time
         beats = 0
@@ -182,6 +183,7 @@ def test_expiry_follows_the_waiters_clock_not_the_holders(uri: str, tmp_path: Pa
             beats += 1
             store.backend.write(f"staging/{VERSION}/skewed.heartbeat.json",
                                 json.dumps({"upload_id": "skewed", "beats": beats, "refreshed_at": skewed}).encode())
+            last_beat[:] = [time.monotonic()]
             time.sleep(0.25)
 
     beater = threading.Thread(target=beat, daemon=True)
@@ -193,7 +195,8 @@ def test_expiry_follows_the_waiters_clock_not_the_holders(uri: str, tmp_path: Pa
     time.sleep(3 * TTL.total_seconds())
     assert json.loads(store.backend.read(CLAIM))["upload_id"] == "skewed" and not store.exists(VERSION)
     alive.clear()
-    silent_since = time.monotonic()
+    beater.join(5)
+    silent_since = last_beat[0]  # the holder fell silent at its last write, up to one beat before clear()
     waiter.join(30)
     assert time.monotonic() - silent_since >= 0.9 * TTL.total_seconds()
     assert result["m"] == store.read_manifest(VERSION)
