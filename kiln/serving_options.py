@@ -95,6 +95,12 @@ class ServingOptions(_Model):
         default_factory=RoutingOptions, json_schema_extra={"default": {}},
         description="Routing across replicas (Gateway API Inference Extension).",
     )
+    pool: str | None = Field(
+        default=None, max_length=58, pattern=DNS1123_LABEL,
+        description="An LLMEnginePool of this namespace to serve the engine from (docs/pools.md): it is built as "
+        "usual, then listed in the pool's engine list instead of getting a Deployment of its own. Unset: its own "
+        "pods. replicas, resources, autoscaling, routing and rolloutStrategy are then the pool's.",
+    )
     rollout_strategy: RolloutStrategy = Field(
         default="Surge",
         description="Surge: a new pod starts beside the old ones, which serve until it is Ready (needs one spare "
@@ -105,15 +111,20 @@ class ServingOptions(_Model):
     @field_validator("resources")
     @classmethod
     def _check_resources(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is None:
-            return value
-        unknown = sorted(set(value) - {"limits", "requests", "claims"})
-        if unknown:
-            raise ValueError(f"unknown key(s) {', '.join(unknown)}; use limits, requests (and claims)")
-        for key in ("limits", "requests"):
-            if key in value and not isinstance(value[key], dict):
-                raise ValueError(f"{key} must be a map of resource name to quantity, e.g. {{cpu: '4'}}")
+        return check_resources(value)
+
+
+def check_resources(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A container's ResourceRequirements as a spec gives them (an engine's or a pool's); ValueError with the fix."""
+    if value is None:
         return value
+    unknown = sorted(set(value) - {"limits", "requests", "claims"})
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)}; use limits, requests (and claims)")
+    for key in ("limits", "requests"):
+        if key in value and not isinstance(value[key], dict):
+            raise ValueError(f"{key} must be a map of resource name to quantity, e.g. {{cpu: '4'}}")
+    return value
 
 
 # (python check name, CEL rule on spec, message, fieldPath), joined to kiln.api.CROSS_FIELD_RULES.

@@ -129,7 +129,7 @@ def _read_api_key(api_key_file: Path | None) -> str | None:
 
 
 def _pool_engines(ctx: Any, param: Any, value: Any) -> list[Any]:
-    from kiln.serving.pool.engine_list import parse_engine_flag
+    from kiln.engine_list import parse_engine_flag
 
     try:
         return [parse_engine_flag(v) for v in value or ()]
@@ -158,9 +158,10 @@ def _pool_settings(flags: dict[str, Any], model: Path | None, artifact: str | No
                                        "--engines-file PATH, or drop it")
         return None
     _check_pool_flags(model, artifact, lora_modules, runtime_lora, rank, world_size)
-    from kiln.serving.pool.budget import parse_quantity
-    from kiln.serving.pool.engine_list import unique
     from kiln.serving.pool.pool import PoolSettings
+
+    from kiln.engine_list import unique
+    from kiln.memory_budget import parse_quantity
 
     try:
         return PoolSettings(engines=unique(engines, "--engine"), engines_file=engines_file,

@@ -1,49 +1,16 @@
-"""What a pool may fill and what each engine counts against it.
-
-The budget is ``--memory-budget`` (a Kubernetes quantity, ``6Gi``), else the container's cgroup memory limit,
-else the host's memory, less a margin for the server itself (:data:`SERVER_MARGIN_BYTES`) and a fraction for
-what a load touches beyond its steady state (:data:`MARGIN_FRACTION`).
-
-An engine counts its *measured* memory: the build's ``tune`` stage loads the artifact through the runtime and
-measures it (``build_report.memory.stages.tune``: the CUDA allocator's peak on a GPU, the RSS the load added on a
-CPU). An artifact without that record counts its KV plan instead (weights + KV pool + activation reserve), and
-says so (``source``). Where the plan is the larger it is counted: the tune stage's short runs never touch most
-of the KV pool, whose pages a busy engine does fill (SmolLM2 GGUF: 0.64 GiB measured, 1.24 GiB planned, and a
-loaded engine added 1.15 GiB to a server's RSS after a one-token request).
-"""
+"""The pool's default budget on this host: the container's cgroup memory limit, else the host's memory, less the
+margins :mod:`kiln.memory_budget` defines (with what an engine counts against it, which the operator shares)."""
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
-from typing import Any
 
-MARGIN_FRACTION = 0.1
-SERVER_MARGIN_BYTES = 512 * 2**20  # the server, torch and the tokenizers, beside the engines
+from kiln.memory_budget import budget_of
+
 CGROUP_V2_MEMORY = Path("/sys/fs/cgroup/memory.max")
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")
 _UNLIMITED_V1 = 2**60  # cgroup v1 spells "no limit" as a huge number
-
-_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kMGTPE]i?|)\s*$")
-
-
-def parse_quantity(text: str, name: str = "--memory-budget") -> int:
-    """Bytes of a Kubernetes memory quantity (``6Gi``, ``512Mi``, ``8G``, ``1000000``); ValueError naming ``name``."""
-    match = _QUANTITY.match(str(text))
-    if match is None or match.group(2) == "ki":
-        raise ValueError(f"{name} {text!r} is not a memory quantity; write it as Kubernetes does, e.g. 6Gi, 512Mi "
-                         "or 8G")
-    value = int(float(match.group(1)) * _SUFFIXES[match.group(2)])
-    if value <= 0:
-        raise ValueError(f"{name} {text!r} must be more than zero bytes; e.g. 6Gi")
-    return value
-
-
-def human(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def cgroup_memory_limit(v2: Path = CGROUP_V2_MEMORY, v1: Path = CGROUP_V1_MEMORY) -> int | None:
@@ -67,41 +34,4 @@ def default_budget(limit: int | None = None, host: int | None = None) -> tuple[i
     """(bytes, where from): the cgroup limit, else the host's memory, less the margins."""
     limit = cgroup_memory_limit() if limit is None else limit
     total, source = (limit, "the cgroup memory limit") if limit else (host or host_memory(), "the host's memory")
-    budget = int(total * (1 - MARGIN_FRACTION)) - SERVER_MARGIN_BYTES
-    return max(budget, 0), f"{source} ({human(total)}) less {MARGIN_FRACTION:.0%} and {human(SERVER_MARGIN_BYTES)}"
-
-
-def _object(doc: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
-    """``doc[path[0]][path[1]]...``, each an object (a missing or null one: empty); ValueError naming the field."""
-    node: Any = doc
-    for i, key in enumerate(path):
-        node = node.get(key)
-        if node is None:
-            return {}
-        if not isinstance(node, dict):
-            raise ValueError(f"{'.'.join(path[:i + 1])} is a {type(node).__name__}, not an object; rebuild it with "
-                             "this kiln")
-    return node
-
-
-def engine_memory(engine_json: Any) -> tuple[int, str]:
-    """(bytes, source) an engine counts against the budget, from its artifact's ``engine.json``; ValueError naming
-    the field for one that is not what a build writes."""
-    if not isinstance(engine_json, dict):
-        raise ValueError(f"it is a {type(engine_json).__name__}, not an object; rebuild it with this kiln")
-    tune = _object(engine_json, ("build_report", "memory", "stages", "tune"))
-    device = _object(engine_json, ("tuning",)).get("device") or "cpu"
-    measured = tune.get("cuda_peak_allocated_bytes") if device == "cuda" else tune.get("host_extra_bytes")
-    plan = _object(engine_json, ("kv_plan",))
-    parts = [plan.get(k) for k in ("weight_bytes_per_rank", "kv_pool_bytes", "activation_reserve_bytes")]
-    planned = sum(p if isinstance(p, int) else 0 for p in parts) if all(isinstance(p, int) for p in parts[:2]) \
-        else None
-    if isinstance(measured, int) and measured > 0:
-        if planned is not None and planned > measured:
-            return planned, (f"its kv_plan (weights + KV pool), above the {human(measured)} its build measured "
-                             "(build_report.memory.stages.tune) with the KV pool mostly untouched")
-        return measured, "measured by the build (build_report.memory.stages.tune)"
-    if planned is not None:
-        return planned, "not measured by its build: weights + KV pool of its kv_plan"
-    raise ValueError(f"engine {engine_json.get('engine_version')!r} records neither a measured memory "
-                     "(build_report.memory.stages.tune) nor a kv_plan; rebuild it with this kiln")
+    return budget_of(total, source)

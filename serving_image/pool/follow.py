@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.serving.lora_sync import POLL_S
-from kiln.serving.pool.engine_list import EngineEntry, read_file
+
+from kiln.engine_list import EngineEntry, read_file
 
 log = logging.getLogger("kiln.serving")
 

@@ -27,13 +27,14 @@ from typing import Any
 from kiln.serving.config import ServeConfig
 from kiln.serving.errors import APIError
 from kiln.serving.lora_sync import RETRY_S, adapters_file
-from kiln.serving.pool.budget import default_budget, human
-from kiln.serving.pool.engine_list import EngineEntry
+from kiln.serving.pool.budget import default_budget
 from kiln.serving.pool.metrics import PoolMetrics
 from kiln.serving.pool.slot import LOADED, UNLOADED, UNLOADING, EngineSlot
 from kiln.serving.server_state import LOADING
 
 from kiln.adapter_list import wanted
+from kiln.engine_list import EngineEntry
+from kiln.memory_budget import human
 
 log = logging.getLogger("kiln.serving")
 

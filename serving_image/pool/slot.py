@@ -22,9 +22,10 @@ from typing import Any
 from kiln.serving.config import ServeConfig
 from kiln.serving.lora import LoRARegistry
 from kiln.serving.lora_sync import AdapterSync, adapters_file, pinned_problem
-from kiln.serving.pool.budget import engine_memory
-from kiln.serving.pool.engine_list import EngineEntry
 from kiln.serving.server_state import LOADING, READY, ServerState
+
+from kiln.engine_list import EngineEntry
+from kiln.memory_budget import engine_memory
 
 log = logging.getLogger("kiln.serving")
 

@@ -14,11 +14,13 @@ from kiln.serving.config import ServeConfig
 from kiln.serving.errors import APIError
 from kiln.serving.metrics import ServingMetrics
 from kiln.serving.pool import budget as budget_mod
-from kiln.serving.pool.budget import default_budget, engine_memory, parse_quantity
-from kiln.serving.pool.engine_list import EngineEntry, parse_document, parse_engine_flag, read_file
+from kiln.serving.pool.budget import default_budget
 from kiln.serving.pool.pool import EnginePool, PoolSettings
 from kiln.serving.pool.slot import LOADED, UNLOADED, EngineSlot
 from kiln.serving.server_state import READY
+
+from kiln.engine_list import EngineEntry, parse_document, parse_engine_flag, read_file
+from kiln.memory_budget import engine_memory, parse_quantity
 
 MIB = 2**20
 
@@ -447,8 +449,9 @@ def test_a_malformed_engine_json_refuses_that_engine_naming_the_field_and_follow
     from types import SimpleNamespace
 
     from kiln.serving import app
-    from kiln.serving.pool.engine_list import document
     from kiln.serving.pool.follow import EngineFileFollower
+
+    from kiln.engine_list import document
 
     for bad, field in (({"build_report": {"memory": "x"}}, "build_report.memory is a str"),
                        ({"tuning": []}, "tuning is a list"), ([], "it is a list")):

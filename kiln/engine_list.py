@@ -6,7 +6,8 @@ The file has the adapter list's shape (``kiln.adapter_list``), one entry per eng
                                "contentDigest": "<optional: the manifest's content digest a controller pinned>"}]}
 
 YAML is read as well as JSON. The server re-reads it every few seconds (``kiln.serving.pool.follow``): an engine
-added is served from its first request, one removed is unloaded, without a restart.
+added is served from its first request, one removed is unloaded, without a restart. The operator writes it for an
+LLMEnginePool (a ConfigMap its pods mount); it lives in kiln's core so that both sides share one format.
 """
 
 from __future__ import annotations

@@ -1,0 +1,159 @@
+"""The ``LLMEnginePool`` API: pydantic types for ``serving.kiln.dev/v1alpha1``, kind ``LLMEnginePool``.
+
+A pool is a set of serving pods that serve several engines, each loaded on the first request that names it,
+evicted least-recently-used when another needs its memory and unloaded when idle (docs/pools.md). An
+``LLMEngine`` joins one with ``spec.serving.pool: NAME`` (same namespace): it is still built on its own, once
+per envelope, but instead of its own Deployment it is listed in the pool's engine list (a ConfigMap the pool's
+pods follow without restarting). These types are the source of the pool CRD (``kiln crd``) as :mod:`kiln.api`'s
+are of the engine's; the pool's settings become the ``kiln serve`` flags of the same names (:data:`SERVE_FLAGS`).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from kiln.api import API_VERSION, Metadata
+from kiln.api_base import APIModel as _Model
+from kiln.engine_status import Condition
+from kiln.memory_budget import parse_quantity
+from kiln.serving_options import check_resources
+from kiln.skus import GPUName
+
+POOL_KIND = "LLMEnginePool"
+POOL_PLURAL = "llmenginepools"
+POOL_SINGULAR = "llmenginepool"
+POOL_SHORT_NAME = "llmep"
+# Kubernetes quantity, as the API server's resource.Quantity accepts for memory (decimal and binary suffixes).
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+
+
+class LLMEnginePoolSpec(_Model):
+    engines: list[str] | None = Field(
+        default=None, max_length=1000,
+        description="kiln up only: the LLMEngine manifests to serve, as paths relative to the pool's manifest. In a "
+        "cluster, engines join with their spec.serving.pool instead, and this must be unset.",
+    )
+    gpu: GPUName = Field(
+        default="cpu", description="Accelerator SKU of the pool's pods; every member engine must be built for it "
+        "(spec.gpu), and with one pod per replica (tensorParallel x pipelineParallel within a node).",
+    )
+    replicas: int = Field(default=1, ge=0, le=1000, description="Serving pods; each serves every member engine.")
+    port: int = Field(default=8000, ge=1024, le=65535, description="Container and Service port of the API.")
+    resources: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        description="Kubernetes ResourceRequirements of the serving container; limits.memory is the default "
+        "memory budget (less 10% and 512Mi for the server). Unset means the operator's CPU/memory defaults.",
+    )
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="nodeSelector of the pool's pods (besides the GPU SKU's placement).")
+    image: str | None = Field(default=None, max_length=512, description="Override of the serving image.")
+    max_loaded_engines: int | None = Field(
+        default=None, ge=1, le=1000, description="Engines loaded at once at most (kiln serve --max-loaded-engines); "
+        "unset means as many as the memory budget holds.",
+    )
+    memory_budget: str | None = Field(
+        default=None, max_length=32, pattern=QUANTITY_PATTERN,
+        description="What the loaded engines may count, as a quantity (6Gi); unset means resources.limits.memory "
+        "less 10% and 512Mi, else the node's memory. Each engine counts the memory its build measured.",
+    )
+    idle_unload_after: int | None = Field(
+        default=None, ge=1, le=86400 * 30,
+        description="Seconds without a request after which an engine is unloaded; unset means never.",
+    )
+    load_timeout: int = Field(
+        default=300, ge=1, le=3600,
+        description="Seconds a request waits for its engine to be placed and loaded before a 503 with Retry-After.",
+    )
+    queue_size: int = Field(
+        default=64, ge=1, le=100000, description="Requests that may wait for an engine to be placed.",
+    )
+    max_queue_len: int = Field(
+        default=256, ge=1, le=100000, description="Requests waiting beyond this get HTTP 429 instead of queueing.",
+    )
+    drain_timeout_seconds: int = Field(
+        default=30, ge=0, le=3600,
+        description="On shutdown, how long in-flight requests may finish before being aborted.",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _check_resources(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_resources(value)
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _check_budget(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_quantity(value, "memoryBudget")
+        return value
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """``memoryBudget`` in bytes (None: the pods' default)."""
+        return parse_quantity(self.memory_budget, "memoryBudget") if self.memory_budget is not None else None
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        """``resources.limits.memory`` in bytes, when given."""
+        limit = ((self.resources or {}).get("limits") or {}).get("memory")
+        return parse_quantity(str(limit), "resources.limits.memory") if limit is not None else None
+
+
+# The pool's settings and the `kiln serve` flags they become (kiln up's pool manifest uses the same table).
+SERVE_FLAGS: dict[str, str] = {
+    "maxLoadedEngines": "--max-loaded-engines", "memoryBudget": "--memory-budget",
+    "idleUnloadAfter": "--idle-unload-after", "loadTimeout": "--load-timeout", "queueSize": "--pool-queue-size",
+}
+
+MemberState = Literal["Building", "Listed", "Refused"]
+
+
+class PoolMember(_Model):
+    """One engine of ``status.engines``: an LLMEngine whose ``spec.serving.pool`` names this pool."""
+
+    name: str = Field(description="The LLMEngine (what clients send as model).")
+    engine_version: str | None = Field(default=None, description="The version listed (or being built).")
+    state: MemberState = Field(
+        description="Building: not built yet; Listed: in the engine list the pods follow; Refused: see message.")
+    memory_bytes: int | None = Field(default=None, ge=0, description="What it counts against the budget.")
+    message: str | None = Field(default=None, max_length=32768, description="Why it is refused.")
+
+
+class LLMEnginePoolStatus(_Model):
+    phase: Literal["Pending", "Ready", "Failed"] | None = Field(
+        default=None, description="Pending: pods not ready yet; Ready: serving; Failed: see the Ready condition.")
+    observed_generation: int | None = Field(default=None, ge=0)
+    endpoint: str | None = Field(default=None, description="The pool Service's OpenAI base URL.")
+    memory_budget_bytes: int | None = Field(
+        default=None, ge=0, description="What the loaded engines may count (None: the node's memory, unknown here).")
+    engines: list[PoolMember] = Field(default_factory=list, description="The member engines and their states.")
+    replicas: int | None = Field(default=None, ge=0, description="Pods desired.")
+    ready_replicas: int | None = Field(default=None, ge=0, description="Pods ready.")
+    conditions: list[Condition] = Field(default_factory=list)
+    last_reconciled: datetime | None = Field(default=None)
+
+
+class LLMEnginePool(_Model):
+    api_version: Literal["serving.kiln.dev/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
+    kind: Literal["LLMEnginePool"] = Field(default=POOL_KIND)
+    metadata: Metadata = Field(description="metadata.name is at most 58 characters (the pods' Deployment is "
+                               "<name>-pool).")
+    spec: LLMEnginePoolSpec
+    status: LLMEnginePoolStatus | None = None
+
+
+
+def serve_flags(spec: LLMEnginePoolSpec) -> list[str]:
+    """The ``kiln serve`` flags of a pool's settings (:data:`SERVE_FLAGS`; an unset one is the server's default)."""
+    values = {"maxLoadedEngines": spec.max_loaded_engines, "memoryBudget": spec.memory_budget,
+              "idleUnloadAfter": spec.idle_unload_after, "loadTimeout": spec.load_timeout,
+              "queueSize": spec.queue_size}
+    flags = ["--max-queue-len", str(spec.max_queue_len)]
+    for field, flag in SERVE_FLAGS.items():
+        if values[field] is not None:
+            flags += [flag, str(values[field])]
+    return flags
