@@ -33,6 +33,7 @@ from kiln.operator.trust import builder_image, built_by
 from kiln.api import API_VERSION, GROUP, KIND, LLMEngineSpec
 from kiln.artifact_manifest import BUILT_BY_ENV
 from kiln.model_source import PVC_ROOT_ENV
+from kiln.skus import GPU_SKUS
 
 WORK_DIR = "/var/lib/kiln"
 # A build Job runs in the jobs namespace, where no engine can own it: this names the engine that created it.
@@ -52,11 +53,16 @@ def container_security_context() -> dict[str, Any]:
 
 def gpu_placement(spec: LLMEngineSpec, config: OperatorConfig) -> dict[str, Any]:
     """nodeSelector + tolerations for the SKU (validated beforehand to have a node-label entry)."""
+    return sku_placement(spec.gpu, config)
+
+
+def sku_placement(gpu: str, config: OperatorConfig) -> dict[str, Any]:
+    """nodeSelector + tolerations of pods for the SKU ``gpu`` (an engine's, or an engine pool's)."""
     placement: dict[str, Any] = {}
-    selector = config.node_selector(spec.gpu) or {}
+    selector = config.node_selector(gpu) or {}
     if selector:
         placement["nodeSelector"] = dict(selector)
-    tolerations = [*config.tolerations, *([] if spec.gpu_spec.is_cpu else config.gpu_tolerations)]
+    tolerations = [*config.tolerations, *([] if GPU_SKUS[gpu].is_cpu else config.gpu_tolerations)]
     if tolerations:
         placement["tolerations"] = tolerations
     return placement
@@ -82,9 +88,12 @@ def with_gpus(resources: dict[str, Any] | None, spec: LLMEngineSpec) -> dict[str
 
 def shm_volume(spec: LLMEngineSpec) -> list[dict[str, Any]]:
     """Ranks in one pod exchange tensors through /dev/shm, which is 64 MiB by default."""
-    if pod_gpus(spec) == 1:
-        return []
-    return [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
+    return shm_volumes(pod_gpus(spec))
+
+
+def shm_volumes(ranks: int) -> list[dict[str, Any]]:
+    """The /dev/shm volume of a pod holding ``ranks`` ranks (none for one)."""
+    return [] if ranks <= 1 else [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
 
 
 def secret_env_from(secret: str | None) -> list[dict[str, Any]]:

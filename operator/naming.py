@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from kiln.api import API_VERSION, GROUP, KIND
+from kiln.pool_api import POOL_KIND
 
 MAX_NAME = 63
 LABEL_VERSION = f"{GROUP}/engine-version"
@@ -136,11 +137,50 @@ def worker_labels(engine: str) -> dict[str, str]:
             "app.kubernetes.io/component": "serving-worker"}
 
 
+# -- engine pools (an LLMEnginePool: docs/pools.md) ----------------------------------------------------------
+LABEL_POOL = f"{GROUP}/pool"  # on a pool's objects and pods (the Service selects it)
+MAX_POOL_NAME = MAX_NAME - len("-pool")  # <pool>-pool names its Deployment and Service (a DNS-1035 label)
+
+
+def pool_workload_name(pool: str) -> str:
+    """The pool's Deployment and Service."""
+    return f"{pool}-pool"
+
+
+def pool_engines_name(pool: str) -> str:
+    """The ConfigMap holding the pool's engine list (``engines.json``), which its pods follow."""
+    return f"{pool}-pool-engines"
+
+
+def pool_selector_labels(pool: str) -> dict[str, str]:
+    """The pool Deployment's (immutable) selector and its Service's: no engine label, so no engine's Service
+    selects a pool pod, nor the pool's Service an engine's."""
+    return {LABEL_POOL: pool, "app.kubernetes.io/component": "serving"}
+
+
+def pool_labels(pool: str) -> dict[str, str]:
+    return {**COMMON_LABELS, "app.kubernetes.io/instance": pool, **pool_selector_labels(pool)}
+
+
+def pool_name_problem(name: str) -> str | None:
+    """Why an LLMEnginePool called ``name`` cannot have its children (``<name>-pool``: a Service); None if it can."""
+    if len(name) > MAX_POOL_NAME or not DNS_1035_LABEL.match(name):
+        return (f"metadata.name: {name!r} must be a DNS-1035 label of at most {MAX_POOL_NAME} characters (lowercase "
+                f"letters, digits and '-', starting with a letter), as it names the Service {name}-pool; recreate the "
+                "LLMEnginePool with such a name")
+    return None
+
+
 def owner_reference(body: dict[str, Any], controller: bool = True) -> dict[str, Any]:
     """An ownerReference to an LLMEngine; ``controller=False`` for shared objects (build Jobs)."""
     meta = body["metadata"]
     return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
             "controller": controller, "blockOwnerDeletion": controller}
+
+
+def pool_owner_reference(body: dict[str, Any]) -> dict[str, Any]:
+    """The controller ownerReference to an LLMEnginePool (its Deployment, Service and ConfigMap)."""
+    return {**owner_reference(body), "kind": POOL_KIND}
 
 
 def object_meta(name: str, namespace: str, labels: dict[str, str], owner: dict[str, Any] | None,

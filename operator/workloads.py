@@ -64,7 +64,12 @@ RENDEZVOUS_PORT = 29500
 
 
 def grace_period(spec: LLMEngineSpec, config: OperatorConfig) -> int:
-    return config.prestop_sleep_seconds + spec.serving.drain_timeout_seconds + GRACE_MARGIN_SECONDS
+    return grace_seconds(spec.serving.drain_timeout_seconds, config)
+
+
+def grace_seconds(drain_timeout_seconds: int, config: OperatorConfig) -> int:
+    """A serving pod's termination grace: the preStop sleep, the server's drain and a margin."""
+    return config.prestop_sleep_seconds + drain_timeout_seconds + GRACE_MARGIN_SECONDS
 
 
 def endpoint(name: str, namespace: str, spec: LLMEngineSpec) -> str:
@@ -75,21 +80,35 @@ def _probe(path: str, **extra: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": "http"}, **extra}
 
 
-def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str, config: OperatorConfig,
-                      expect: ArtifactExpectation | None = None) -> dict[str, Any]:
-    env: list[dict[str, Any]] = [
-        {"name": "KILN_SERVED_MODEL_NAME", "value": name},  # clients send model=<LLMEngine name>
+def server_env(served_name: str, max_queue_len: int, drain_timeout_seconds: int) -> list[dict[str, Any]]:
+    """What every serving container's environment starts with (an engine's and an engine pool's)."""
+    return [
+        {"name": "KILN_SERVED_MODEL_NAME", "value": served_name},  # clients send model=<LLMEngine name>
         {"name": "KILN_CACHE_DIR", "value": CACHE_DIR},
-        {"name": "KILN_MAX_QUEUE_LEN", "value": str(spec.serving.max_queue_len)},
-        {"name": "KILN_DRAIN_TIMEOUT_SECONDS", "value": str(spec.serving.drain_timeout_seconds)},
+        {"name": "KILN_MAX_QUEUE_LEN", "value": str(max_queue_len)},
+        {"name": "KILN_DRAIN_TIMEOUT_SECONDS", "value": str(drain_timeout_seconds)},
         {"name": "HOME", "value": "/tmp"},
     ]
+
+
+def server_mounts() -> list[dict[str, Any]]:
+    """The writable cache and /tmp every serving container mounts (its root filesystem is read-only)."""
+    return [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+
+
+def server_volumes() -> list[dict[str, Any]]:
+    return [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+
+
+def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str, config: OperatorConfig,
+                      expect: ArtifactExpectation | None = None) -> dict[str, Any]:
+    env = server_env(name, spec.serving.max_queue_len, spec.serving.drain_timeout_seconds)
     if expect is not None:  # the build the operator pinned; the pod refuses any other artifact
         env.append({"name": EXPECT_ENV, "value": expect.to_env()})
     key_mount, key_env = verify_key_mount()  # the public key: a manifest not signed by it is refused
     env.append(key_env)
     args = ["--artifact", artifact_uri, "--host", "0.0.0.0", "--port", str(spec.serving.port)]
-    mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}, key_mount]
+    mounts = [*server_mounts(), key_mount]
     if spec.serving.api_key_secret:  # a read-only file, not an env var (env leaks into /proc, dumps, logs)
         mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
         args += ["--api-key-file", API_KEY_FILE]
@@ -98,15 +117,23 @@ def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str, config:
     lora_mounts, lora_env = adapters_mount(spec)  # the same whatever adapters are listed: no restart
     mounts += lora_mounts
     env += lora_env
+    return server_container(serving_image(spec, config), spec.serving.port, args, env, mounts,
+                            with_gpus(spec.serving.resources or config.serving_resources, spec), config)
+
+
+def server_container(image: str, port: int, args: list[str], env: list[dict[str, Any]],
+                     mounts: list[dict[str, Any]], resources: dict[str, Any], config: OperatorConfig) -> dict[str, Any]:
+    """A ``kiln serve`` container: its port, probes, preStop, security context and the store's read credentials
+    (an engine's serving pod and an engine pool's alike)."""
     container: dict[str, Any] = {
         "name": "serve",
-        "image": serving_image(spec, config),
+        "image": image,
         "imagePullPolicy": config.image_pull_policy,
         "command": ["kiln", "serve"],
         "args": args,
-        "ports": [{"name": "http", "containerPort": spec.serving.port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "env": env,
-        "resources": with_gpus(spec.serving.resources or config.serving_resources, spec),
+        "resources": resources,
         "readinessProbe": _probe("/ready", periodSeconds=5, failureThreshold=3),
         "livenessProbe": _probe("/health", periodSeconds=PROBE_PERIOD_SECONDS, failureThreshold=3,
                                 timeoutSeconds=5),
@@ -163,14 +190,22 @@ def build_deployment(spec: LLMEngineSpec, name: str, namespace: str, version: st
 
 
 def _pod_spec(spec: LLMEngineSpec, config: OperatorConfig, container: dict[str, Any], name: str) -> dict[str, Any]:
+    volumes = [*server_volumes(), *shm_volume(spec), verify_key_volume(), *api_key_volume(spec),
+               *adapters_volume(spec, name)]
+    return server_pod_spec(config, container, grace_period(spec, config), volumes, gpu_placement(spec, config))
+
+
+def server_pod_spec(config: OperatorConfig, container: dict[str, Any], grace: int, volumes: list[dict[str, Any]],
+                    placement: dict[str, Any]) -> dict[str, Any]:
+    """A serving pod: one ``kiln serve`` container, the pod security context, no service account token (the server
+    never talks to the Kubernetes API: no token in the pod to steal), placed on its SKU's nodes."""
     pod_spec: dict[str, Any] = {
-        "terminationGracePeriodSeconds": grace_period(spec, config),
+        "terminationGracePeriodSeconds": grace,
         "securityContext": pod_security_context(),
         "automountServiceAccountToken": False,
         "containers": [container],
-        "volumes": [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}, *shm_volume(spec),
-                    verify_key_volume(), *api_key_volume(spec), *adapters_volume(spec, name)],
-        **gpu_placement(spec, config),
+        "volumes": volumes,
+        **placement,
     }
     if config.serving_service_account:
         pod_spec["serviceAccountName"] = config.serving_service_account

@@ -1,0 +1,191 @@
+"""An engine pool's objects: pure functions of (pool spec, name, namespace, config[, engines]) -> the ConfigMap of
+its engine list, its Deployment and its Service (docs/pools.md).
+
+- ConfigMap ``<pool>-pool-engines``, key ``engines.json``: :func:`kiln.engine_list.document` of the listed members
+  (name, artifact URI, the content digest the engine pinned). The pods mount it as a directory (not a subPath), so
+  the kubelet refreshes the file and ``kiln serve --engines-file`` follows it: an engine joins or leaves without a
+  restart. Nothing of the engine list is in the pod template, so a change never rolls the pods.
+- Deployment ``<pool>-pool``: ``spec.replicas`` pods of ``kiln serve --engines-file`` plus the pool's settings
+  (:func:`kiln.pool_api.serve_flags`), built from the same pieces as an engine's serving pod
+  (:mod:`kiln.operator.workloads`: container, probes, preStop and drain, security contexts, the store's read
+  credentials, the ``kiln-verify-key`` Secret every member's manifest must be signed by).
+- Service ``<pool>-pool``: the pool's port; status.endpoint is its OpenAI base URL.
+
+A pool pod on a GPU SKU holds ``spec.resources.limits["nvidia.com/gpu"]`` GPUs (default 1); a member engine
+needing more per pod is refused (:mod:`kiln.operator.pool_decide`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kiln.operator.jobs import shm_volumes, sku_placement
+from kiln.operator.keys import verify_key_mount, verify_key_volume
+from kiln.operator.naming import (
+    object_meta,
+    pool_engines_name,
+    pool_labels,
+    pool_name_problem,
+    pool_selector_labels,
+    pool_workload_name,
+)
+from kiln.operator.scheduling import GPU_RESOURCE
+from kiln.operator.settings import OperatorConfig
+from kiln.operator.trust import image_problem
+from kiln.operator.validation import InvalidSpec
+from kiln.operator.workloads import (
+    grace_seconds,
+    server_container,
+    server_env,
+    server_mounts,
+    server_pod_spec,
+    server_volumes,
+)
+from pydantic import ValidationError
+
+from kiln.engine_list import EngineEntry, document
+from kiln.manifest import validation_error_lines
+from kiln.pool_api import LLMEnginePool, LLMEnginePoolSpec, serve_flags
+from kiln.skus import GPU_SKUS
+
+ENGINES_DIR = "/etc/kiln/pool"
+ENGINES_KEY = "engines.json"
+ENGINES_FILE = f"{ENGINES_DIR}/{ENGINES_KEY}"
+
+
+def validate_pool(name: str, raw: dict[str, Any], config: OperatorConfig) -> LLMEnginePoolSpec:
+    """The pool's spec, or :class:`InvalidSpec` naming the field and the fix (what the CRD schema cannot say, or
+    an API server without it let through)."""
+    if problem := pool_name_problem(name):
+        raise InvalidSpec(problem)
+    try:
+        spec = LLMEnginePoolSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidSpec("; ".join(f"spec.{line}" for line in validation_error_lines(exc, LLMEnginePoolSpec))) \
+            from None
+    if spec.engines is not None:
+        raise InvalidSpec("spec.engines: lists manifests for kiln up only; in a cluster an LLMEngine joins the pool "
+                          f"with spec.serving.pool: {name}; remove spec.engines")
+    if problem := image_problem("spec.image", spec.image, config):
+        raise InvalidSpec(problem)
+    if config.node_selector(spec.gpu) is None:
+        known = ", ".join(sorted(config.sku_node_labels))
+        raise InvalidSpec(f"spec.gpu: {spec.gpu} has no node label in this operator's SKU map ({known}); add it to "
+                          "the chart value gpuNodeLabels (KILN_SKU_NODE_LABELS) or pick a listed SKU")
+    given = ((spec.resources or {}).get("limits") or {}).get(GPU_RESOURCE)
+    if given is not None and (GPU_SKUS[spec.gpu].is_cpu or not str(given).isdigit() or int(str(given)) < 1):
+        raise InvalidSpec(f"spec.resources.limits: {GPU_RESOURCE} is {given!r}; on spec.gpu {spec.gpu} give a whole "
+                          "number of GPUs of at least 1 for a GPU SKU, or remove it (cpu pools hold none)")
+    return spec
+
+
+def pool_gpus(spec: LLMEnginePoolSpec) -> int:
+    """GPUs of one pool pod: none on a CPU SKU, else ``resources.limits["nvidia.com/gpu"]`` (default 1)."""
+    if GPU_SKUS[spec.gpu].is_cpu:
+        return 0
+    return int(str(((spec.resources or {}).get("limits") or {}).get(GPU_RESOURCE, 1)))
+
+
+def pool_endpoint(pool: str, namespace: str, spec: LLMEnginePoolSpec) -> str:
+    return f"http://{pool_workload_name(pool)}.{namespace}.svc:{spec.port}/v1"
+
+
+def _resources(spec: LLMEnginePoolSpec, config: OperatorConfig) -> dict[str, Any]:
+    out = json.loads(json.dumps(spec.resources or config.serving_resources))
+    if gpus := pool_gpus(spec):
+        out.setdefault("limits", {})[GPU_RESOURCE] = gpus
+    return out
+
+
+def _placement(spec: LLMEnginePoolSpec, config: OperatorConfig) -> dict[str, Any]:
+    placement = sku_placement(spec.gpu, config)
+    if spec.node_selector:
+        placement["nodeSelector"] = {**placement.get("nodeSelector", {}), **spec.node_selector}
+    return placement
+
+
+def pool_container(spec: LLMEnginePoolSpec, pool: str, config: OperatorConfig) -> dict[str, Any]:
+    key_mount, key_env = verify_key_mount()  # every member's manifest must be signed by the operator's key
+    env = [*server_env(pool, spec.max_queue_len, spec.drain_timeout_seconds), key_env]
+    args = ["--engines-file", ENGINES_FILE, "--host", "0.0.0.0", "--port", str(spec.port), *serve_flags(spec)]
+    mounts = [*server_mounts(), key_mount, {"name": "engines", "mountPath": ENGINES_DIR, "readOnly": True}]
+    if pool_gpus(spec) > 1:
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    return server_container(spec.image or config.serving_image, spec.port, args, env, mounts,
+                            _resources(spec, config), config)
+
+
+def build_pool_deployment(spec: LLMEnginePoolSpec, pool: str, namespace: str, config: OperatorConfig,
+                          owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The pool's pods. Their template carries nothing of the engine list (a member joining never rolls them)."""
+    labels = pool_labels(pool)
+    volumes = [*server_volumes(), *shm_volumes(pool_gpus(spec)), verify_key_volume(),
+               {"name": "engines", "configMap": {"name": pool_engines_name(pool)}}]
+    pod_spec = server_pod_spec(config, pool_container(spec, pool, config),
+                               grace_seconds(spec.drain_timeout_seconds, config), volumes, _placement(spec, config))
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(pool_workload_name(pool), namespace, labels, owner),
+        "spec": {
+            "replicas": spec.replicas,
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": config.startup_timeout_seconds + 120,
+            "selector": {"matchLabels": pool_selector_labels(pool)},
+            # A new pod is Ready before an old one goes (as an engine's default Surge rollout).
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {
+                    "prometheus.io/scrape": "true", "prometheus.io/port": str(spec.port),
+                    "prometheus.io/path": "/metrics"}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_pool_service(spec: LLMEnginePoolSpec, pool: str, namespace: str,
+                       owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One Service answers every member's model name: the pods route by ``model``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(pool_workload_name(pool), namespace, pool_labels(pool), owner),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": pool_selector_labels(pool),
+            "ports": [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_engines_configmap(pool: str, namespace: str, entries: list[EngineEntry],
+                            owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The engine list the pool's pods follow (``kiln.engine_list``'s format)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_meta(pool_engines_name(pool), namespace, pool_labels(pool), owner),
+        "data": {ENGINES_KEY: json.dumps(document(entries), indent=1, sort_keys=True)},
+    }
+
+
+def render_pool(pool_body_or_spec: Any, name: str, namespace: str, config: OperatorConfig,
+                entries: list[EngineEntry] | None = None) -> list[dict[str, Any]]:
+    """The objects the operator applies for a pool (``kiln render``): the engine-list ConfigMap (``entries``:
+    none unless given; the operator lists the members it finds), the Deployment and the Service. Takes the
+    LLMEnginePool (a dict with ``spec``, or :class:`LLMEnginePool`), its spec (dict or
+    :class:`LLMEnginePoolSpec`); :class:`InvalidSpec` naming the field as the operator. No ownerReferences (the
+    pool's uid is the cluster's), no ``rendered-hash`` annotation."""
+    raw = pool_body_or_spec
+    if isinstance(raw, LLMEnginePool):
+        raw = raw.spec
+    if isinstance(raw, LLMEnginePoolSpec):
+        raw = raw.to_k8s()
+    elif isinstance(raw, dict) and {"spec", "kind", "metadata", "apiVersion"} & raw.keys():
+        raw = raw.get("spec") or {}
+    spec = validate_pool(name, raw, config)
+    objects = [build_engines_configmap(name, namespace, list(entries or [])),
+               build_pool_deployment(spec, name, namespace, config), build_pool_service(spec, name, namespace)]
+    return [json.loads(json.dumps(obj)) for obj in objects]
