@@ -47,12 +47,13 @@ from kiln.artifact_manifest import (
     BuiltBy,
     Manifest,
     StoreError,
+    bytes_sha256,
     check_version,
-    dir_matches,
     file_sha256,
     now_utc,
     scan_dir,
 )
+from kiln.cache_stamp import drop_stamp, file_state, verified_copy, write_stamp
 from kiln.storage import Backend, ObjectInfo
 
 # progress(relative_path, bytes_done, bytes_total), called repeatedly per file.
@@ -116,6 +117,20 @@ class ArtifactStore:
     def exists(self, version: str) -> bool:
         return self.read_manifest(version) is not None
 
+    def read_file(self, manifest: Manifest, path: str) -> bytes:
+        """One small file (``engine.json``) of ``manifest``'s version as the store holds it, returned only when its
+        sha256 is the one ``manifest`` lists (check the manifest first: signature, pin); ArtifactCorrupt naming the
+        object and the fix when it is not listed, missing or different."""
+        version = check_version(manifest.engine_version)
+        entry = next((f for f in manifest.files if f.path == path), None)
+        key = f"engines/{version}/{path}"
+        data = self.backend.read(key) if entry is not None else None
+        if entry is not None and data is not None and bytes_sha256(data) == entry.sha256:
+            return data
+        found = ("not listed in its manifest" if entry is None else "missing" if data is None
+                 else f"corrupt: sha256 {bytes_sha256(data)}, the manifest says {entry.sha256}")
+        raise ArtifactCorrupt(f"{self.uri}/{key}: {found}; re-publish with `kiln cache rm {version}` and a rebuild")
+
     def list_versions(self) -> list[Manifest]:
         """Every published (valid) version, oldest first."""
         found = []
@@ -151,18 +166,20 @@ class ArtifactStore:
                 "other than the build the operator checked. Ask the cluster admin; the LLMEngine's status "
                 "says what the operator found")
         dest = Path(dest_dir).absolute()
-        if dir_matches(dest, manifest):
+        if verified_copy(dest, manifest):  # by its stamp (stat only) when no file changed since, else re-hashed
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
         _remove_dead_fetches(dest)
         tmp = dest.parent / f".{dest.name}.fetch-{uuid.uuid4().hex[:8]}"
         lock = _hold_lock(tmp.with_name(tmp.name + ".lock"))
+        verified: dict[str, Any] = {}  # each file's state before it was hashed: the stamp vouches for that state
         try:
             for f in manifest.files:
                 local = tmp / f.path
                 local.parent.mkdir(parents=True, exist_ok=True)
                 key = f"engines/{version}/{f.path}"
                 self.backend.download(key, local, _file_progress(progress, f.path, f.size), size=f.size)
+                verified[f.path] = file_state(local)
                 size = local.stat().st_size
                 digest = file_sha256(local)
                 if size != f.size or digest != f.sha256:
@@ -171,7 +188,9 @@ class ArtifactStore:
                         f"downloaded sha256 {digest} ({size} bytes); re-publish with `kiln cache rm {version}` "
                         f"and a rebuild")
             (tmp / MANIFEST_NAME).write_text(manifest.model_dump_json(indent=2))
+            drop_stamp(dest)
             _replace_dir(tmp, dest)
+            write_stamp(dest, manifest, verified)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
             Path(lock.name).unlink(missing_ok=True)

@@ -10,9 +10,11 @@ Run with ``kiln operator`` or ``kopf run -m kiln.operator.handlers``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -21,12 +23,15 @@ from kiln.operator import metrics
 from kiln.operator.context import Context
 from kiln.operator.keys import GroupTokenMissing, KeyPairMissing
 from kiln.operator.kube import ApiError, KubeClient, in_cluster_server
+from kiln.operator.pool_decide import changed_members
+from kiln.operator.pool_reconcile import PoolResult, reconcile_pool
 from kiln.operator.reconcile import Result, reconcile
 from kiln.operator.settings import ConfigError, OperatorConfig, reconcile_interval_from_env
 
 from kiln.api import GROUP, PLURAL, VERSION
 from kiln.artifact_manifest import StoreError
 from kiln.artifacts import ArtifactStore
+from kiln.pool_api import POOL_PLURAL
 
 try:
     INTERVAL = reconcile_interval_from_env(os.environ)
@@ -91,25 +96,35 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
         await memo.ctx.kube.close()
 
 
-async def _reconcile(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger) -> Result:
+@contextlib.contextmanager
+def retried() -> Iterator[None]:
+    """A reconcile's transient errors as kopf's TemporaryError (retried after a delay), counted by kind."""
+    try:
+        yield
+    except StoreError as exc:
+        metrics.RECONCILE_ERRORS.labels(kind="store").inc()
+        raise kopf.TemporaryError(f"artifact store: {exc}", delay=10) from None
+    except GroupTokenMissing as exc:
+        metrics.RECONCILE_ERRORS.labels(kind="group-token").inc()
+        raise kopf.TemporaryError(f"{exc.what}: {exc}", delay=30) from None
+    except KeyPairMissing as exc:
+        metrics.RECONCILE_ERRORS.labels(kind="signing-key").inc()
+        raise kopf.TemporaryError(f"{exc.what}: {exc}", delay=30) from None
+    except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+        metrics.RECONCILE_ERRORS.labels(kind="api").inc()
+        raise kopf.TemporaryError(f"Kubernetes API: {exc or type(exc).__name__}", delay=5) from None
+
+
+async def _reconcile(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
+                     follow: bool = True) -> Result:
+    """One engine's reconcile; then, with ``follow``, its pool's when what the pool reads of it changed."""
     lock = memo.setdefault("lock", asyncio.Lock())
     async with lock:
-        try:
+        with retried():
             result = await reconcile(memo.ctx, namespace, name, logger)
-        except StoreError as exc:
-            metrics.RECONCILE_ERRORS.labels(kind="store").inc()
-            raise kopf.TemporaryError(f"artifact store: {exc}", delay=10) from None
-        except GroupTokenMissing as exc:
-            metrics.RECONCILE_ERRORS.labels(kind="group-token").inc()
-            raise kopf.TemporaryError(f"{exc.what}: {exc}", delay=30) from None
-        except KeyPairMissing as exc:
-            metrics.RECONCILE_ERRORS.labels(kind="signing-key").inc()
-            raise kopf.TemporaryError(f"{exc.what}: {exc}", delay=30) from None
-        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
-            metrics.RECONCILE_ERRORS.labels(kind="api").inc()
-            raise kopf.TemporaryError(f"Kubernetes API: {exc or type(exc).__name__}", delay=5) from None
     for type_, reason, message in result.events:
         kopf.event(result.body, type=type_, reason=reason, message=message)
+    await _follow_pools(namespace, name, result, memo, logger, follow)
     return result
 
 
@@ -129,3 +144,81 @@ async def reconcile_on_change(namespace: str, name: str, memo: kopf.Memo, logger
 async def reconcile_periodically(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
                                  **_: Any) -> None:
     await _reconcile(namespace, name, memo, logger)  # an invalid spec stays Failed quietly: no retry loop
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+async def engine_deleted(namespace: str, name: str, spec: dict[str, Any], memo: kopf.Memo, logger: logging.Logger,
+                         **_: Any) -> None:
+    """A member leaves its pool at once (the pool's reconcile skips an engine being deleted)."""
+    pool = ((spec or {}).get("serving") or {}).get("pool")
+    await _follow_pools(namespace, name, Result(), memo, logger, also=(pool,))
+
+
+# -- engine pools (docs/pools.md) -----------------------------------------------------------------------------
+
+
+async def _reconcile_pool(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger) -> PoolResult:
+    """One pool's reconcile; then the engines whose entry in it changed are reconciled (their status follows the
+    pool's: Ready once listed by a Ready pool, Failed when refused) without following pools again."""
+    lock = memo.setdefault("pool_lock", asyncio.Lock())  # not the engines' lock: an engine's reconcile calls this
+    async with lock:
+        with retried():
+            result = await reconcile_pool(memo.ctx, namespace, name, logger)
+    for type_, reason, message in result.events:
+        kopf.event(result.body, type=type_, reason=reason, message=message)
+    if result.body is not None and result.status is not None:
+        for engine in sorted(changed_members(result.body.get("status") or {}, result.status)):
+            try:
+                await _reconcile(namespace, engine, memo, logger, follow=False)
+            except kopf.TemporaryError as exc:
+                logger.warning(f"LLMEngine {namespace}/{engine} after its pool {name}: {exc}; its timer retries")
+    return result
+
+
+def membership(result: Result) -> tuple[str | None, ...] | None:
+    """What of an engine its pool's reconcile reads: the pool it names (or its status names) and its pinned build;
+    None when it is gone."""
+    if result.body is None:
+        return None
+    spec, status = result.body.get("spec") or {}, result.status or result.body.get("status") or {}
+    pinned = status.get("artifact") or {}
+    return ((spec.get("serving") or {}).get("pool"), (status.get("pool") or {}).get("name"),
+            status.get("engineVersion"), pinned.get("contentDigest"))
+
+
+async def _follow_pools(namespace: str, name: str, result: Result, memo: kopf.Memo, logger: logging.Logger,
+                        follow: bool = True, also: tuple[str | None, ...] = ()) -> None:
+    """After an engine's reconcile: when what its pool reads of it changed (it joined, left, was built or is
+    gone), reconcile that pool and the one it left now, so it joins or leaves within seconds, not at the pool's
+    next timer (``also``: pools to reconcile whatever changed). A failure is logged: the pool's timer retries it."""
+    seen: dict[tuple[str, str], tuple[str | None, ...] | None] = memo.setdefault("engine_pools", {})
+    before, now = seen.get((namespace, name)), membership(result)
+    if now is None:
+        seen.pop((namespace, name), None)
+    else:
+        seen[(namespace, name)] = now
+    if not follow or (before == now and not any(also)):
+        return
+    for pool in sorted({p for p in (*(before or ())[:2], *(now or ())[:2], *also) if p}):
+        try:
+            await _reconcile_pool(namespace, pool, memo, logger)
+        except kopf.TemporaryError as exc:
+            logger.warning(f"LLMEnginePool {namespace}/{pool} after engine {name}: {exc}; its timer retries")
+
+
+@kopf.on.resume(GROUP, VERSION, POOL_PLURAL)
+@kopf.on.create(GROUP, VERSION, POOL_PLURAL)
+@kopf.on.update(GROUP, VERSION, POOL_PLURAL)
+async def reconcile_pool_on_change(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
+                                   **_: Any) -> None:
+    result = await _reconcile_pool(namespace, name, memo, logger)
+    if result.stale:
+        raise kopf.TemporaryError("the LLMEnginePool changed while reconciling; again", delay=1)
+    if result.invalid:
+        raise kopf.PermanentError(result.invalid)  # status says Failed; a spec edit retries
+
+
+@kopf.timer(GROUP, VERSION, POOL_PLURAL, interval=INTERVAL, initial_delay=INTERVAL)
+async def reconcile_pool_periodically(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
+                                      **_: Any) -> None:
+    await _reconcile_pool(namespace, name, memo, logger)

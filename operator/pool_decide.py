@@ -1,0 +1,213 @@
+"""What one reconcile of an LLMEnginePool decides, as pure functions: no API calls, no store reads, no clock.
+
+:func:`kiln.operator.pool_reconcile.reconcile_pool` reads the pool, its members (the LLMEngines of its namespace
+whose ``spec.serving.pool`` names it) and its Deployment into a :class:`PoolWorld`; :func:`judge` gives each member
+its state, :func:`listed_entries` the engine list the pool's pods follow, and :func:`compose_pool_status` the
+pool's ``status``. Tested without a cluster (tests/operator/test_pool_decide.py).
+
+A member is, in this order:
+
+- Refused when it can never run in the pool's pods: another ``spec.gpu``, a replica spanning pods, more GPUs per
+  pod than the pool's pods hold (known before it is built, so it is refused at once);
+- Building until its status shows a built, pinned artifact of its current version (``status.engineVersion`` is
+  the spec's, ``status.artifact`` pins it) and the store's manifest is that build (:class:`MemberView`);
+- Refused when that artifact cannot be listed (untrusted, its engine.json unreadable), or when what it counts
+  (its verified engine.json: :func:`kiln.memory_budget.engine_memory`) exceeds the pool's budget;
+- else Listed.
+
+The budget is ``spec.memoryBudget``, else ``spec.resources.limits.memory`` less the server's margins
+(:func:`kiln.memory_budget.budget_of`), else unknown: the node's memory, which only the pods know (nothing is
+refused for memory here; the runtime refuses at load). The pool is Failed when its spec is invalid, or when it
+has built members and every one of them is too big for the budget (reason BudgetTooSmall naming the field);
+Ready when its Deployment has a ready pod; else Pending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.operator.jobs import pod_gpus
+from kiln.operator.naming import pool_workload_name
+from kiln.operator.pools import pool_endpoint, pool_gpus
+from kiln.operator.status import condition
+
+from kiln.api import LLMEngineSpec
+from kiln.engine_list import EngineEntry
+from kiln.memory_budget import budget_of, human
+from kiln.pool_api import LLMEnginePoolSpec, PoolMember
+
+BUILDING, LISTED, REFUSED = "Building", "Listed", "Refused"
+PENDING, READY, FAILED = "Pending", "Ready", "Failed"
+# The Ready condition's reasons; a Failed one is posted as a Warning event.
+INVALID_SPEC, BUDGET_TOO_SMALL, NO_REPLICAS, PODS_NOT_READY, SERVING = (
+    "InvalidSpec", "BudgetTooSmall", "NoReplicas", "PodsNotReady", "Serving")
+POOL_FAILURES = {INVALID_SPEC, BUDGET_TOO_SMALL}
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """One LLMEngine whose ``spec.serving.pool`` names the pool, as read (``pool_reconcile.read_member``)."""
+
+    name: str
+    spec: LLMEngineSpec
+    version: str | None = None  # status.engineVersion when it is the spec's version (else None: not caught up)
+    digest: str | None = None  # the content digest the engine pinned for ``version`` (status.artifact)
+    artifact_uri: str | None = None  # the store's URI of ``version``, once its manifest is there
+    memory: tuple[int, str] | None = None  # (bytes, source) its verified engine.json counts
+    problem: str | None = None  # why its built artifact cannot be listed (untrusted, engine.json unreadable)
+    waiting: str | None = None  # why it is still Building, when it is not simply being built
+
+
+@dataclass(frozen=True)
+class PoolWorld:
+    """What one pool reconcile read, once (``pool_reconcile.observe_pool``)."""
+
+    body: dict[str, Any]  # the LLMEnginePool
+    invalid: str | None = None  # why its spec can never work (nothing else was read)
+    spec: LLMEnginePoolSpec | None = None
+    members: tuple[MemberView, ...] = ()
+    deployment: dict[str, Any] | None = None  # the pool's Deployment, as read or as applied
+
+    @property
+    def name(self) -> str:
+        return self.body["metadata"]["name"]
+
+    @property
+    def namespace(self) -> str:
+        return self.body["metadata"]["namespace"]
+
+    @property
+    def old(self) -> dict[str, Any]:
+        return self.body.get("status") or {}
+
+    @property
+    def generation(self) -> int:
+        return self.body["metadata"].get("generation") or 0
+
+
+def budget(spec: LLMEnginePoolSpec) -> tuple[int, str] | None:
+    """(bytes, what it is) the loaded engines may count; None when only the pods know (the node's memory)."""
+    if (given := spec.memory_budget_bytes) is not None:
+        return given, f"spec.memoryBudget ({spec.memory_budget})"
+    if (limit := spec.memory_limit_bytes) is not None:
+        return budget_of(limit, "spec.resources.limits.memory")
+    return None
+
+
+def budget_field(spec: LLMEnginePoolSpec) -> str:
+    """The field that sets the budget (what a fix raises)."""
+    return "spec.resources.limits.memory" if spec.memory_budget is None else "spec.memoryBudget"
+
+
+def _shape_problem(member: MemberView, pool: str, spec: LLMEnginePoolSpec) -> str | None:
+    """Why the member can never run in the pool's pods, whatever it measures; None when it can."""
+    mine = member.spec
+    if mine.gpu != spec.gpu:
+        return (f"engine {member.name} is built for spec.gpu {mine.gpu}, the pool {pool}'s pods run on spec.gpu "
+                f"{spec.gpu}; set the engine's spec.gpu to {spec.gpu}, or move it to a pool of {mine.gpu} "
+                "(spec.serving.pool)")
+    if mine.replica_shape.pods > 1:
+        return (f"engine {member.name} spans {mine.replica_shape.pods} pods per replica (spec.tensorParallel x "
+                f"spec.pipelineParallel {mine.tensor_parallel}x{mine.pipeline_parallel} beyond one node), a pool's pod "
+                "serves engines of one pod; remove spec.serving.pool to serve it from its own pods")
+    if pool_gpus(spec) and pod_gpus(mine) > pool_gpus(spec):  # a CPU pool's pods hold no GPU: ranks share its CPUs
+        return (f"engine {member.name} needs {pod_gpus(mine)} GPUs per pod (spec.tensorParallel x "
+                f"spec.pipelineParallel), the pool {pool}'s pods hold {pool_gpus(spec)}; raise the pool's "
+                f"spec.resources.limits[\"nvidia.com/gpu\"] to {pod_gpus(mine)}, or lower the engine's parallelism")
+    return None
+
+
+def _too_big(member: MemberView, memory: tuple[int, str], pool: str, room: tuple[int, str],
+             spec: LLMEnginePoolSpec) -> str:
+    (need, source), (have, what) = memory, room
+    return (f"engine {member.name} counts {human(need)} ({source}), more than the pool {pool}'s budget of "
+            f"{human(have)} ({what}); raise the pool's {budget_field(spec)} so the budget holds at least "
+            f"{human(need)}, or make the engine smaller (a lower maxSeqLen/maxBatchSize, or quantization), or remove "
+            "its spec.serving.pool to serve it from its own pods")
+
+
+def judge(member: MemberView, pool: str, spec: LLMEnginePoolSpec) -> PoolMember:
+    """The member's entry of ``status.engines`` (module docstring: the order of the rules)."""
+    entry = {"name": member.name, "engine_version": member.version}
+    if problem := _shape_problem(member, pool, spec):
+        return PoolMember(**entry, state=REFUSED, message=problem)
+    if member.version is None or member.digest is None or member.artifact_uri is None:
+        return PoolMember(**entry, state=BUILDING, message=member.waiting)
+    if member.problem is not None:
+        return PoolMember(**entry, state=REFUSED, message=member.problem)
+    assert member.memory is not None
+    room = budget(spec)
+    if room is not None and member.memory[0] > room[0]:
+        return PoolMember(**entry, state=REFUSED, memory_bytes=member.memory[0],
+                          message=_too_big(member, member.memory, pool, room, spec))
+    return PoolMember(**entry, state=LISTED, memory_bytes=member.memory[0])
+
+
+def judge_all(world: PoolWorld) -> list[PoolMember]:
+    assert world.spec is not None
+    return sorted((judge(m, world.name, world.spec) for m in world.members), key=lambda m: m.name)
+
+
+def listed_entries(world: PoolWorld, judged: list[PoolMember]) -> list[EngineEntry]:
+    """The engine list the pool's pods follow: each Listed member's artifact and the digest its engine pinned."""
+    by_name = {m.name: m for m in world.members}
+    return [EngineEntry(j.name, by_name[j.name].artifact_uri or "", by_name[j.name].digest)
+            for j in judged if j.state == LISTED]
+
+
+def budget_too_small(world: PoolWorld, judged: list[PoolMember]) -> str | None:
+    """The Failed message when the pool has built members and none fits its budget; None otherwise."""
+    assert world.spec is not None
+    built = [(j.memory_bytes, j.name) for j in judged if j.memory_bytes is not None]
+    if not built or any(j.state != REFUSED for j in judged if j.memory_bytes is not None):
+        return None
+    room = budget(world.spec)
+    assert room is not None  # only a known budget refuses for memory
+    need, smallest = min(built)
+    field = budget_field(world.spec)
+    return (f"{field}: the budget of {human(room[0])} ({room[1]}) holds none of the pool's {len(built)} built "
+            f"engine(s); the smallest, {smallest}, counts {human(need)}: raise {field} so the budget holds at least "
+            f"{human(need)}")
+
+
+def _ready(world: PoolWorld, judged: list[PoolMember]) -> tuple[str, bool, str, str]:
+    """(phase, Ready, reason, message)."""
+    if world.invalid is not None:
+        return FAILED, False, INVALID_SPEC, world.invalid
+    if (too_small := budget_too_small(world, judged)) is not None:
+        return FAILED, False, BUDGET_TOO_SMALL, too_small
+    assert world.spec is not None
+    listed = sum(j.state == LISTED for j in judged)
+    if world.spec.replicas == 0:
+        return PENDING, False, NO_REPLICAS, "spec.replicas is 0: no pod serves the pool; raise it to serve"
+    ready = ((world.deployment or {}).get("status") or {}).get("readyReplicas") or 0
+    if ready > 0:
+        return READY, True, SERVING, (f"{ready} of {world.spec.replicas} pod(s) ready, serving {listed} "
+                                      f"engine(s) of {len(judged)}")
+    return PENDING, False, PODS_NOT_READY, (f"no pod of Deployment {pool_workload_name(world.name)} is ready yet (0 of "
+                                            f"{world.spec.replicas}); {listed} engine(s) listed")
+
+
+def compose_pool_status(world: PoolWorld, judged: list[PoolMember], now: str | None = None) -> dict[str, Any]:
+    """``status`` of the pool (camelCase, as stored)."""
+    phase, ok, reason, message = _ready(world, judged)
+    cond = condition("Ready", ok, reason, message, world.generation, world.old.get("conditions"), now)
+    status: dict[str, Any] = {"phase": phase, "observedGeneration": world.generation, "conditions": [cond]}
+    if world.spec is None:
+        return status
+    room = budget(world.spec)
+    ready = ((world.deployment or {}).get("status") or {}).get("readyReplicas") or 0
+    return {**status, "endpoint": pool_endpoint(world.name, world.namespace, world.spec),
+            "memoryBudgetBytes": room[0] if room else None, "engines": [j.to_k8s() for j in judged],
+            "replicas": world.spec.replicas, "readyReplicas": ready}
+
+
+def changed_members(old: dict[str, Any], new: dict[str, Any]) -> set[str]:
+    """The engines whose view of the pool changed between two of its statuses (their status follows it): all of
+    them when the pool's phase or endpoint changed, else those whose entry changed, appeared or went."""
+    entries = [{e.get("name"): e for e in status.get("engines") or []} for status in (old, new)]
+    names = set(entries[0]) | set(entries[1])
+    if any(old.get(key) != new.get(key) for key in ("phase", "endpoint")):
+        return {n for n in names if n}
+    return {n for n in names if n and entries[0].get(n) != entries[1].get(n)}

@@ -1,0 +1,184 @@
+"""One level-triggered reconcile of one LLMEnginePool, as the engine's (:mod:`kiln.operator.reconcile`): read the
+world once, decide with pure functions (:mod:`kiln.operator.pool_decide`), act, write status.
+
+- :func:`observe_pool` re-reads the pool, validates its spec, lists the LLMEngines of its namespace and keeps those
+  whose ``spec.serving.pool`` names it (one that does not parse, or is being deleted, is no member), and for each
+  built one reads what it counts through the store (:func:`read_member`: the manifest checked as the engine's own
+  reconcile checks it, then its engine.json against that manifest's sha256).
+- :func:`act` applies the engine-list ConfigMap first (a new pod starts with it), then the Deployment and the
+  Service; the pods follow the ConfigMap without a restart.
+- :func:`write_pool_status` writes ``status`` only when it changed, with the read's resourceVersion as a
+  precondition (a 409 means the next reconcile starts from the new truth).
+
+Errors are not caught here: an API or store error ends the reconcile (the handlers retry it); an invalid spec
+is reported in status (Failed, InvalidSpec) and acts on nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kiln.operator import keys
+from kiln.operator.apply import apply
+from kiln.operator.context import Context, key_pair
+from kiln.operator.kube import ApiError, api_path
+from kiln.operator.naming import pool_owner_reference, pool_workload_name
+from kiln.operator.pool_decide import (
+    POOL_FAILURES,
+    MemberView,
+    PoolWorld,
+    compose_pool_status,
+    judge_all,
+    listed_entries,
+)
+from kiln.operator.pools import build_engines_configmap, build_pool_deployment, build_pool_service, validate_pool
+from kiln.operator.status import same_status, transitions
+from kiln.operator.trust import manifest_problem
+from kiln.operator.validation import InvalidSpec
+from pydantic import ValidationError
+
+from kiln.api import API_VERSION, PLURAL, LLMEngineSpec
+from kiln.artifact_manifest import ArtifactCorrupt, Manifest
+from kiln.envelope import build_envelope, engine_version
+from kiln.memory_budget import engine_memory
+from kiln.pool_api import POOL_PLURAL
+
+# What a member counts, by (version, content digest): a pinned build never changes, so its engine.json is read
+# once per process (its manifest is still checked on every reconcile).
+_MEMORY: dict[tuple[str, str], tuple[int, str]] = {}
+_MEMORY_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class PoolResult:
+    body: dict[str, Any] | None = None  # the pool as read (None: gone or being deleted)
+    status: dict[str, Any] | None = None
+    events: tuple[tuple[str, str, str], ...] = ()
+    invalid: str | None = None
+    stale: bool = False  # the status write lost a race; reconcile again
+
+
+def pool_path(namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    return api_path(API_VERSION, POOL_PLURAL, namespace, name, sub)
+
+
+async def reconcile_pool(ctx: Context, namespace: str, name: str, logger: logging.Logger) -> PoolResult:
+    world = await observe_pool(ctx, namespace, name)
+    if world is None:
+        return PoolResult()  # gone, or being deleted: the garbage collector removes its objects
+    judged = judge_all(world) if world.spec is not None else []
+    if world.spec is not None:
+        deployment = await act(ctx, world, listed_entries(world, judged))
+        world = PoolWorld(world.body, spec=world.spec, members=world.members, deployment=deployment)
+    return await write_pool_status(ctx, world, compose_pool_status(world, judged))
+
+
+async def observe_pool(ctx: Context, namespace: str, name: str) -> PoolWorld | None:
+    """Every read the decision needs, once; None when the pool is gone or being deleted."""
+    body = await ctx.kube.get(pool_path(namespace, name))
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    try:
+        spec = validate_pool(name, body.get("spec") or {}, ctx.config)
+    except InvalidSpec as exc:
+        return PoolWorld(body, invalid=str(exc))
+    members = []
+    for engine in await ctx.kube.list(api_path(API_VERSION, PLURAL, namespace)):
+        mine = member_spec(engine, name)
+        if mine is not None:
+            members.append(await read_member(ctx, engine, mine))
+    deployment = await ctx.kube.get(api_path("apps/v1", "deployments", namespace, pool_workload_name(name)))
+    return PoolWorld(body, spec=spec, members=tuple(members), deployment=deployment)
+
+
+def member_spec(engine: dict[str, Any], pool: str) -> LLMEngineSpec | None:
+    """The engine's spec when it is a member of ``pool``: it names the pool, parses and is not being deleted."""
+    raw = engine.get("spec") or {}
+    if (raw.get("serving") or {}).get("pool") != pool or engine["metadata"].get("deletionTimestamp"):
+        return None
+    try:
+        return LLMEngineSpec.model_validate(raw)
+    except ValidationError:
+        return None  # its own reconcile reports it Failed (InvalidSpec)
+
+
+async def read_member(ctx: Context, engine: dict[str, Any], spec: LLMEngineSpec) -> MemberView:
+    """What the pool needs of a member: its pinned build and what it counts, read only once that build is its
+    current version's and the store's manifest is still the build it pinned (signed by the operator's key)."""
+    name, status = engine["metadata"]["name"], engine.get("status") or {}
+    version = engine_version(spec)
+    pin = status.get("artifact") or {}
+    if status.get("engineVersion") != version or pin.get("engineVersion") != version or not pin.get("contentDigest"):
+        return MemberView(name, spec)  # not built (or its status not caught up with its spec yet)
+    digest = pin["contentDigest"]
+    manifest, document = await asyncio.to_thread(ctx.store.read_signed_manifest, version)
+    if manifest is None:
+        return MemberView(name, spec, version, digest, waiting=f"its artifact {version} is not in the store: "
+                          "its engine rebuilds it")
+    view = MemberView(name, spec, version, digest, ctx.store.artifact_uri(version))
+    problem = manifest_problem(manifest, document, verify_pem=(await key_pair(ctx)).verify_pem, config=ctx.config,
+                               envelope=build_envelope(spec), pinned=digest)
+    if problem is not None:
+        return replace(view, problem=f"engine {name}: its artifact {version} is not listed: {problem} (the "
+                                     "engine's status says how to recover)")
+    try:
+        memory = await member_memory(ctx, manifest, digest)
+    except (ArtifactCorrupt, ValueError) as exc:
+        return replace(view, problem=f"engine {name}: its artifact {version} is not listed: engine.json: {exc}; "
+                                     f"rebuild it (kiln cache rm {version})")
+    return replace(view, memory=memory)
+
+
+async def member_memory(ctx: Context, manifest: Manifest, digest: str) -> tuple[int, str]:
+    """(bytes, source) the build counts: its engine.json, verified against ``manifest`` (once per build)."""
+    key = (manifest.engine_version, digest)
+    if key not in _MEMORY:
+        raw = await asyncio.to_thread(ctx.store.read_file, manifest, "engine.json")
+        try:
+            document = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"not JSON ({exc})") from None
+        if len(_MEMORY) >= _MEMORY_LIMIT:
+            _MEMORY.clear()
+        _MEMORY[key] = engine_memory(document)
+    return _MEMORY[key]
+
+
+async def act(ctx: Context, world: PoolWorld, entries: list[Any]) -> dict[str, Any]:
+    """The verify key the pods check members with, the engine list, the Deployment and the Service; returns the
+    Deployment as the API server answered."""
+    assert world.spec is not None
+    owner = pool_owner_reference(world.body)
+    await keys.ensure_copy(ctx.kube, keys.verify_key_copy(world.namespace, await key_pair(ctx)))
+    await apply(ctx.kube, build_engines_configmap(world.name, world.namespace, entries, owner))
+    deployment = await apply(ctx.kube, build_pool_deployment(world.spec, world.name, world.namespace, ctx.config,
+                                                             owner))
+    await apply(ctx.kube, build_pool_service(world.spec, world.name, world.namespace, owner))
+    return deployment
+
+
+def pool_events(old: dict[str, Any], new: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """One event per Ready transition; a failure is a Warning."""
+    return tuple(("Warning" if reason in POOL_FAILURES else type_, reason, message)
+                 for type_, reason, message in transitions(old, new))
+
+
+async def write_pool_status(ctx: Context, world: PoolWorld, new: dict[str, Any]) -> PoolResult:
+    """Write ``new`` when it changes anything, guarded by the read's resourceVersion."""
+    body, old = world.body, world.old
+    events = pool_events(old, new)
+    if same_status(old, new):
+        return PoolResult(body=body, status=new, invalid=world.invalid)
+    meta = body["metadata"]
+    patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": new}
+    try:
+        await ctx.kube.patch(pool_path(meta["namespace"], meta["name"], "status"), patch)
+    except ApiError as exc:
+        if exc.status == 409:
+            return PoolResult(body=body, status=new, invalid=world.invalid, stale=True)
+        raise
+    return PoolResult(body=body, status=new, events=events, invalid=world.invalid)
