@@ -127,6 +127,33 @@ def read_export(path: Path) -> dict:
     return row
 
 
+DIALECT_PATHS = {"messages": "/v1/messages", "responses": "/v1/responses"}
+
+
+def translation_seconds(url: str, endpoint: str) -> float | None:
+    """kiln's ``kiln:dialect_translation_seconds_total`` for aiperf's ``endpoint`` type (None: not a dialect, or
+    /metrics did not answer)."""
+    path = DIALECT_PATHS.get(endpoint)
+    if path is None:
+        return None
+    try:
+        text = httpx.get(url.rstrip("/").removesuffix("/v1") + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kiln:dialect_translation_seconds_total{") and f'endpoint="{path}"' in line)
+
+
+def translation_share(seconds: float, row: dict, requests: int) -> dict:
+    """The translation's CPU per request and as a share of the run's wall time (an upper bound of what it can
+    cost the throughput: the event loop's thread spends it beside the engine's). The counter also saw aiperf's
+    two warm-up requests, so both figures lean high."""
+    req_s = row.get("req_s") or 0
+    share = seconds * req_s / requests if req_s and requests else None
+    return {"translation_ms_per_request": round(1000 * seconds / requests, 3) if requests else None,
+            "translation_share": round(share, 5) if share is not None else None}
+
+
 def medians(runs: list[dict]) -> dict:
     keys = {k for r in runs for k, v in r.items() if isinstance(v, (int, float))}
     return {k: round(statistics.median(r[k] for r in runs if isinstance(r.get(k), (int, float))), 4)
@@ -152,6 +179,12 @@ def text(doc: dict) -> str:
     for pair, by in (doc.get("dialect_ratios") or {}).items():
         for c, ratio in by.items():
             lines.append(f"\nconcurrency {c}: kiln {pair} requests/s (the same greedy tokens) = {ratio:.3f}x")
+    for s in systems:
+        for c in doc["concurrencies"]:
+            m = doc["systems"][s].get(str(c)) or {}
+            if m.get("translation_share") is not None:
+                lines.append(f"\nconcurrency {c}: {s} translation: {m['translation_ms_per_request']:.2f} ms CPU per "
+                             f"request, {100 * m['translation_share']:.2f}% of the run's wall time")
     return "\n".join(lines)
 
 
@@ -207,13 +240,18 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
                     host, endpoint = targets[s]
                     cmd = aiperf_command(exe, servers[host].url, name, model_dir, c, isl, osl, seed, requests_per_user,
                                          out, endpoint, greedy)
+                    spent = translation_seconds(servers[host].url, endpoint) if host == "kiln" else None
                     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=scratch, timeout=3600)
                     export = next(out.rglob("profile_export_aiperf.json"), None)
                     if proc.returncode or export is None:
                         failed.setdefault(s, []).append(f"run {r + 1}, concurrency {c}: aiperf exit "
                                                         f"{proc.returncode}: {proc.stdout[-800:]}{proc.stderr[-800:]}")
                         continue
-                    runs.setdefault(s, {}).setdefault(c, []).append(read_export(export))
+                    row = read_export(export)
+                    if spent is not None and (after := translation_seconds(servers[host].url, endpoint)) is not None:
+                        row.update(translation_share(after - spent, row,
+                                                     int(row.get("requests") or max(8, c * requests_per_user))))
+                    runs.setdefault(s, {}).setdefault(c, []).append(row)
     finally:
         for s in servers.values():
             s.stop()

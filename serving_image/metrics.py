@@ -185,6 +185,9 @@ class ServingMetrics:
         self.endpoint_requests = Counter("kiln:endpoint_requests", "Generation requests received, by endpoint "
                                          "(/v1/chat/completions, /v1/messages, /v1/responses...).",
                                          names + ["endpoint"], registry=r)
+        self.dialect_seconds = Counter("kiln:dialect_translation_seconds", "CPU seconds spent translating requests "
+                                       "and answers between chat and another API (/v1/messages, /v1/responses), "
+                                       "by endpoint.", names + ["endpoint"], registry=r)
         r.register(EngineStatsCollector(stats, labels, lora_info))
         # Create every series up front, so dashboards and rate() see zeros rather than gaps.
         for metric in (

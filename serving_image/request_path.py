@@ -30,6 +30,7 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from kiln.engine.errors import RequestError, RequestFailedError
 from kiln.serving.constraints import compile_constraint, output_constraint
+from kiln.serving.dialect_timing import timed_stream, translating
 from kiln.serving.errors import (
     APIError,
     engine_dead_error,
@@ -59,6 +60,8 @@ class Dialect:
     request_id: str
     body: Callable[[dict[str, Any]], dict[str, Any]]
     stream: Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[str]]
+    endpoint: str  # its path, the label of kiln:dialect_translation_seconds_total
+    request_seconds: float = 0.0  # CPU time its request's translation took (kiln.serving.dialect_timing.costed)
 
 
 class ClientGone(Exception):
@@ -197,19 +200,27 @@ async def generate(request: Request, req: CompletionRequest | ChatCompletionRequ
         state.generations.discard(gen)
 
     handed_off = False
+    translation = None
+    if dialect is not None:
+        translation = ctx.metrics.dialect_seconds.labels(**ctx.metrics.labels, endpoint=dialect.endpoint)
+        translation.inc(dialect.request_seconds)
     try:
         gen.start()
         if req.stream:
             options = req.stream_options
             if dialect is not None:  # the dialects report the prompt's usage first and the totals last
-                stream = dialect.stream(chunks(builder, gen, True, False, plan, reasoning, first_usage=True))
+                stream = timed_stream(translation, dialect.stream,
+                                      chunks(builder, gen, True, False, plan, reasoning, first_usage=True))
             else:
                 stream = events(builder, gen, bool(options and options.include_usage),
                                 bool(options and options.continuous_usage_stats), plan, reasoning)
             handed_off = True
             return SSEResponse(stream, on_close=cleanup, request_id=request_id)
         body = await _unless_disconnected(request, collect(builder, gen, plan, reasoning))
-        return JSONResponse(dialect.body(body) if dialect is not None else body, headers={"X-Request-Id": request_id})
+        if dialect is not None:
+            with translating(translation):
+                body = dialect.body(body)
+        return JSONResponse(body, headers={"X-Request-Id": request_id})
     except RequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
     except RequestFailedError as exc:  # this request failed alone; the engine serves the others

@@ -9,7 +9,8 @@ function call its ``response.function_call_arguments.delta`` events and ``...don
 ``max_output_tokens``) carrying the whole Response, the same body a non-streamed request gets.
 Every event has its ``sequence_number``. A failure after the stream started is an ``error`` event, then
 ``response.failed`` carrying the Response as it stood (``status: "failed"``, its ``error``, the output so far);
-a failed response is not stored (a follow-up cannot continue it).
+a failed response is stored as it stood (``GET`` returns it); a follow-up continues from its input, not its partial
+output.
 """
 
 from __future__ import annotations
@@ -119,8 +120,10 @@ def _deltas(writer: _Writer, delta: dict[str, Any]) -> list[str]:
     return out
 
 
-def _failed(writer: _Writer, req: Any, created_at: int, failure: dict[str, Any]) -> list[str]:
-    """The ``error`` event, then ``response.failed`` with the output as it stood (items incomplete)."""
+def _failed(writer: _Writer, req: Any, created_at: int, failure: dict[str, Any],
+            finished: Callable[[dict[str, Any], dict[str, Any] | None], None]) -> list[str]:
+    """The ``error`` event, then ``response.failed`` with the output as it stood (items incomplete), which
+    ``finished`` gets (to store) with no reply: a follow-up continues from this response's input."""
     code = "invalid_prompt" if failure.get("type") == "invalid_request_error" else "server_error"
     message = dict(writer.message)
     if message["content"] == "" and message["tool_calls"]:
@@ -128,16 +131,17 @@ def _failed(writer: _Writer, req: Any, created_at: int, failure: dict[str, Any])
     output = output_items(writer.response_id, message, False) if writer.index >= 0 else []
     body = response_body(req, writer.response_id, created_at, "failed", output)
     body["error"] = {"code": code, "message": failure["message"]}
+    finished(body, None)
     return [writer.event("error", code=failure.get("code") or code, message=failure["message"],
                          param=failure.get("param")),
             writer.event("response.failed", response=body)]
 
 
 async def response_events(chunks: AsyncIterator[dict[str, Any]], req: Any, response_id: str, created_at: int,
-                          finished: Callable[[dict[str, Any], dict[str, Any]], None],
+                          finished: Callable[[dict[str, Any], dict[str, Any] | None], None],
                           tokenizer: Any = None) -> AsyncIterator[str]:
     """The Responses API's events for one chat stream; ``finished(response, message)`` gets the final
-    Response and the reply as a chat message (to store) before the last event."""
+    Response and the reply as a chat message (to store) before the last event; a failed one, None for the reply."""
     writer = _Writer(response_id)
     head = response_body(req, response_id, created_at)
     yield writer.event("response.created", response=head)
@@ -145,7 +149,7 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], req: Any, respo
     finish = None
     async for chunk in chunks:
         if "error" in chunk:
-            for line in _failed(writer, req, created_at, chunk["error"]):
+            for line in _failed(writer, req, created_at, chunk["error"], finished):
                 yield line
             return
         if chunk["choices"]:

@@ -25,6 +25,7 @@ from kiln.serving.anthropic_translate import to_chat as messages_to_chat
 from kiln.serving.anthropic_translate import to_message
 from kiln.serving.chat import render_chat
 from kiln.serving.constraints import output_constraint
+from kiln.serving.dialect_timing import costed
 from kiln.serving.errors import APIError
 from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, check_supported
 from kiln.serving.request_path import (
@@ -86,11 +87,12 @@ async def chat_completions(request: Request) -> Response:
 async def messages(request: Request) -> Response:
     raw = await _body(request, "/v1/messages")
     try:
-        req, chat = await parse_request(raw, MessagesRequest, lambda r: (r, messages_to_chat(r)))
+        spent = [0.0]
+        req, chat = await parse_request(raw, MessagesRequest, costed(spent, lambda r: (r, messages_to_chat(r))))
         message_id = "msg_" + uuid.uuid4().hex
         stops = req.stop_sequences
         dialect = Dialect(message_id, lambda body: to_message(body, message_id, stops),
-                          lambda chunks: message_events(chunks, message_id, req.model, stops))
+                          lambda chunks: message_events(chunks, message_id, req.model, stops), "/v1/messages", spent[0])
         return await generate(request, chat, "chat", dialect, inline=len(raw) <= INLINE_BYTES)
     except APIError as exc:
         raise in_terms_of(exc, MESSAGES_NAMES) from None
@@ -124,9 +126,11 @@ async def create_response(request: Request) -> Response:
     raw = await _body(request, "/v1/responses")
     store = _store(request)
     try:
-        req, run = await parse_request(raw, ResponsesRequest, lambda r: (r, responses_to_chat(r, store)))
-        return await generate(request, run.chat, "chat", await _responses_dialect(request, req, run, store),
-                              inline=len(raw) <= INLINE_BYTES)
+        spent = [0.0]
+        req, run = await parse_request(raw, ResponsesRequest, costed(spent, lambda r: (r, responses_to_chat(r, store))))
+        dialect = await _responses_dialect(request, req, run, store)
+        dialect.request_seconds = spent[0]
+        return await generate(request, run.chat, "chat", dialect, inline=len(raw) <= INLINE_BYTES)
     except APIError as exc:
         raise in_terms_of(exc, RESPONSES_NAMES) from None
 
@@ -136,9 +140,10 @@ async def _responses_dialect(request: Request, req: ResponsesRequest, run: Any, 
     response_id, created = "resp_" + uuid.uuid4().hex, int(time.time())
     tokenizer = (await request.app.state.kiln.serving_for(run.chat.model)).state.engine.tokenizer
 
-    def keep(body: dict[str, Any], message: dict[str, Any]) -> None:
+    def keep(body: dict[str, Any], message: dict[str, Any] | None) -> None:
+        """Store the Response; a failed one (``message`` None) with its input only, so a follow-up retries it."""
         if req.store:
-            store.put(response_id, body, [*run.conversation, assistant_turn(message)])
+            store.put(response_id, body, [*run.conversation, *([assistant_turn(message)] if message else [])])
 
     def whole(chat: dict[str, Any]) -> dict[str, Any]:
         body = to_response(req, response_id, chat, tokenizer)
@@ -146,7 +151,7 @@ async def _responses_dialect(request: Request, req: ResponsesRequest, run: Any, 
         return body
 
     return Dialect(response_id, whole,
-                   lambda chunks: response_events(chunks, req, response_id, created, keep, tokenizer))
+                   lambda chunks: response_events(chunks, req, response_id, created, keep, tokenizer), "/v1/responses")
 
 
 @responses_router.get("/v1/responses/{response_id}")

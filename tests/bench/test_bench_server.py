@@ -76,3 +76,24 @@ def test_endpoints_are_compared_with_the_prefix_cache_off():
     on = server.kiln_command(Path("/m"), "float32", 1, 64, 2048)
     off = server.kiln_command(Path("/m"), "float32", 1, 64, 2048, prefix_caching=False)
     assert "--no-enable-prefix-caching" not in on and off == [*on, "--no-enable-prefix-caching"]
+
+
+def test_the_translation_share_comes_from_kiln_s_counter(monkeypatch):
+    """--endpoints reads kiln:dialect_translation_seconds_total around each dialect's run: its CPU per request and
+    its share of the run's wall time print beside the requests/s ratio."""
+    metrics = ('kiln:dialect_translation_seconds_total{endpoint="/v1/messages",model_name="m"} 0.5\n'
+               'kiln:dialect_translation_seconds_total{endpoint="/v1/responses",model_name="m"} 2.0\n')
+
+    class Answer:
+        text = metrics
+
+    monkeypatch.setattr(server.httpx, "get", lambda url, timeout: Answer())
+    assert server.translation_seconds("http://127.0.0.1:1/v1", "responses") == 2.0
+    assert server.translation_seconds("http://127.0.0.1:1/v1", "chat") is None
+    row = {"req_s": 0.5, "requests": 64}  # 128 s of run
+    assert server.translation_share(1.28, row, 64) == {"translation_ms_per_request": 20.0, "translation_share": 0.01}
+    doc = {"model": "m", "dtype": "float32", "isl": 1, "osl": 1, "client": "0.13", "threads": 1, "repeats": 1,
+           "host": "h", "concurrencies": [16], "ratios": {}, "baseline": None, "dialect_ratios": {},
+           "systems": {"kiln messages": {"16": {"req_s": 0.5, "translation_ms_per_request": 20.0,
+                                                "translation_share": 0.01}}}}
+    assert "kiln messages translation: 20.00 ms CPU per request, 1.00% of the run's wall time" in server.text(doc)

@@ -126,3 +126,18 @@ def test_backpressure_is_429_with_retry_after_in_each_shape(http, scrape, guarde
     counts = scrape(guarded.url)
     for endpoint in ("/v1/messages", "/v1/responses"):
         assert counts[("kiln:endpoint_requests_total", (("endpoint", endpoint),))] >= 2
+
+
+def test_the_translation_s_cost_is_counted_by_endpoint(http, scrape, guarded):
+    """kiln:dialect_translation_seconds_total{endpoint} moves for each dialect's request, streamed and not
+    (kiln bench --server --endpoints reads it)."""
+    key = "kiln:dialect_translation_seconds_total"
+    before = scrape(guarded.url)
+    assert http.post("/v1/messages", json=MSG).status_code == 200
+    with http.stream("POST", "/v1/responses", json={**RESP, "stream": True}) as stream:
+        lines = list(stream.iter_lines())
+        assert stream.status_code == 200 and any("response.incomplete" in line for line in lines), lines[-3:]
+    after = scrape(guarded.url)
+    for endpoint in ("/v1/messages", "/v1/responses"):
+        series = (key, (("endpoint", endpoint),))
+        assert after[series] > before.get(series, 0.0)

@@ -52,6 +52,10 @@ async def test_a_responses_stream_that_fails_ends_failed(asgi):
     assert failed.error.message == events[-2].message
     texts = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert failed.output_text == texts
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=asgi), base_url="http://kiln/v1") as http:
+        client = openai.AsyncOpenAI(base_url="http://kiln/v1", api_key="unused", http_client=http, max_retries=0)
+        kept = await client.responses.retrieve(failed.id)  # stored as it stood
+    assert kept.status == "failed" and kept.error.message == failed.error.message and kept.output_text == texts
 
 
 async def test_a_messages_stream_that_fails_raises_in_the_sdk(asgi):

@@ -160,7 +160,7 @@ def test_a_responses_stream_that_fails_ends_with_error_and_response_failed():
                                                               "code": "engine_dead", "param": None}}]
     req = ResponsesRequest(model="tiny", input="hi")
     stored = []
-    events = _sse(_run(response_events(_aiter(chunks), req, "resp_ab12", 1, lambda b, m: stored.append(b))))
+    events = _sse(_run(response_events(_aiter(chunks), req, "resp_ab12", 1, lambda b, m: stored.append((b, m)))))
     adapter = TypeAdapter(ResponseStreamEvent)
     parsed = [adapter.validate_python(body) for _, body in events]
     assert [e.type for e in parsed[-2:]] == ["error", "response.failed"]
@@ -169,7 +169,8 @@ def test_a_responses_stream_that_fails_ends_with_error_and_response_failed():
     assert failed.status == "failed" and failed.error.code == "server_error" and failed.error.message == "engine died"
     assert failed.output_text == "partial" and failed.output[0].status == "incomplete"
     assert [b["sequence_number"] for _, b in events] == list(range(len(events)))
-    assert stored == []  # a failed response is not kept for previous_response_id
+    # kept as it stood (GET finds it), with no reply: a follow-up continues from its input
+    assert stored == [(events[-1][1]["response"], None)]
     state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
     for event in parsed:
         state.handle_event(event)
