@@ -24,6 +24,7 @@ Ready when its Deployment has a ready pod; else Pending.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from kiln.operator.status import condition
 
 from kiln.api import LLMEngineSpec
 from kiln.engine_list import EngineEntry
-from kiln.memory_budget import budget_of, human
+from kiln.memory_budget import MARGIN_FRACTION, SERVER_MARGIN_BYTES, budget_of, human
 from kiln.pool_api import LLMEnginePoolSpec, PoolMember
 
 BUILDING, LISTED, REFUSED = "Building", "Listed", "Refused"
@@ -51,8 +52,8 @@ class MemberView:
 
     name: str
     spec: LLMEngineSpec
-    version: str | None = None  # status.engineVersion when it is the spec's version (else None: not caught up)
-    digest: str | None = None  # the content digest the engine pinned for ``version`` (status.artifact)
+    version: str | None = None  # the engine version of its spec (being built, or built)
+    digest: str | None = None  # the content digest its status pinned for ``version`` (None: not built and pinned)
     artifact_uri: str | None = None  # the store's URI of ``version``, once its manifest is there
     memory: tuple[int, str] | None = None  # (bytes, source) its verified engine.json counts
     problem: str | None = None  # why its built artifact cannot be listed (untrusted, engine.json unreadable)
@@ -100,6 +101,14 @@ def budget_field(spec: LLMEnginePoolSpec) -> str:
     return "spec.resources.limits.memory" if spec.memory_budget is None else "spec.memoryBudget"
 
 
+def raise_to(spec: LLMEnginePoolSpec, need: int) -> str:
+    """The fix for a budget that must hold ``need`` bytes: its field, and the least value that does."""
+    if spec.memory_budget is not None:
+        return f"raise the pool's spec.memoryBudget to at least {human(need)}"
+    limit = math.ceil((need + SERVER_MARGIN_BYTES) / (1 - MARGIN_FRACTION))  # budget_of's margins, inverted
+    return f"raise the pool's spec.resources.limits.memory to at least {human(limit)}"
+
+
 def _shape_problem(member: MemberView, pool: str, spec: LLMEnginePoolSpec) -> str | None:
     """Why the member can never run in the pool's pods, whatever it measures; None when it can."""
     mine = member.spec
@@ -122,9 +131,8 @@ def _too_big(member: MemberView, memory: tuple[int, str], pool: str, room: tuple
              spec: LLMEnginePoolSpec) -> str:
     (need, source), (have, what) = memory, room
     return (f"engine {member.name} counts {human(need)} ({source}), more than the pool {pool}'s budget of "
-            f"{human(have)} ({what}); raise the pool's {budget_field(spec)} so the budget holds at least "
-            f"{human(need)}, or make the engine smaller (a lower maxSeqLen/maxBatchSize, or quantization), or remove "
-            "its spec.serving.pool to serve it from its own pods")
+            f"{human(have)} ({what}); {raise_to(spec, need)}, or make the engine smaller (a lower "
+            "maxSeqLen/maxBatchSize, or quantization), or remove its spec.serving.pool to serve it from its own pods")
 
 
 def judge(member: MemberView, pool: str, spec: LLMEnginePoolSpec) -> PoolMember:
@@ -167,8 +175,7 @@ def budget_too_small(world: PoolWorld, judged: list[PoolMember]) -> str | None:
     need, smallest = min(built)
     field = budget_field(world.spec)
     return (f"{field}: the budget of {human(room[0])} ({room[1]}) holds none of the pool's {len(built)} built "
-            f"engine(s); the smallest, {smallest}, counts {human(need)}: raise {field} so the budget holds at least "
-            f"{human(need)}")
+            f"engine(s); the smallest, {smallest}, counts {human(need)}: {raise_to(world.spec, need)}")
 
 
 def _ready(world: PoolWorld, judged: list[PoolMember]) -> tuple[str, bool, str, str]:

@@ -113,7 +113,7 @@ async def read_member(ctx: Context, engine: dict[str, Any], spec: LLMEngineSpec)
     version = engine_version(spec)
     pin = status.get("artifact") or {}
     if status.get("engineVersion") != version or pin.get("engineVersion") != version or not pin.get("contentDigest"):
-        return MemberView(name, spec)  # not built (or its status not caught up with its spec yet)
+        return MemberView(name, spec, version)  # being built (or its status not caught up with its spec yet)
     digest = pin["contentDigest"]
     manifest, document = await asyncio.to_thread(ctx.store.read_signed_manifest, version)
     if manifest is None:

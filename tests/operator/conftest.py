@@ -26,6 +26,7 @@ os.environ.setdefault("KILN_WATCH_TIMEOUT", "10")
 
 RESOURCES = {
     "serving.kiln.dev/v1alpha1/llmengines": ("LLMEngine", True, {"status"}, {"llme"}),
+    "serving.kiln.dev/v1alpha1/llmenginepools": ("LLMEnginePool", True, {"status"}, {"llmep"}),  # engine pools
     "batch/v1/jobs": ("Job", True, {"status"}, set()),
     "apps/v1/deployments": ("Deployment", True, {"status", "scale"}, {"deploy"}),
     # A CRD in a real cluster (kubernetes-sigs/lws); @pytest.mark.without_resources(...) leaves it out.

@@ -29,6 +29,8 @@ from kiln.signing import Signer
 
 NS = "ml"
 ENGINES = f"/apis/serving.kiln.dev/v1alpha1/namespaces/{NS}/llmengines"
+POOLS = f"/apis/serving.kiln.dev/v1alpha1/namespaces/{NS}/llmenginepools"
+CONFIGMAPS = f"/api/v1/namespaces/{NS}/configmaps"
 JOBS = f"/apis/batch/v1/namespaces/{OPERATOR_NS}/jobs"  # build Jobs run where the private key is (operator.keys)
 BUILD_PODS = f"/api/v1/namespaces/{OPERATOR_NS}/pods"
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
@@ -123,22 +125,27 @@ class Cluster:
         key.write_bytes(base64.b64decode(pair["data"]["signing-key.pem"]))
         return Signer.from_pem(key)
 
-    def publish(self, version: str, spec: dict[str, Any], built_by: BuiltBy | None) -> None:
-        """Publish as a build Job does: signed by the operator's key."""
+    def publish(self, version: str, spec: dict[str, Any], built_by: BuiltBy | None, memory: int | None = None) -> None:
+        """Publish as a build Job does: signed by the operator's key. ``memory``: the bytes its build measured
+        (engine.json's build_report, what an engine pool counts)."""
         src = self.tmp / f"artifact-{version}"
         (src / "weights").mkdir(parents=True, exist_ok=True)
-        (src / "engine.json").write_text(json.dumps({"format_version": 1, "engine_version": version}))
+        engine_json: dict[str, Any] = {"format_version": 1, "engine_version": version}
+        if memory is not None:
+            engine_json |= {"tuning": {"device": "cpu"},
+                            "build_report": {"memory": {"stages": {"tune": {"host_extra_bytes": memory}}}}}
+        (src / "engine.json").write_text(json.dumps(engine_json))
         (src / "weights" / "rank-0-of-1.safetensors").write_bytes(version.encode() * 64)
         self.store.publish(version, src, build_envelope(LLMEngineSpec.model_validate(spec)), built_by=built_by,
                            signer=self.signer())
 
-    def build(self, job: dict[str, Any], spec: dict[str, Any]) -> str:
+    def build(self, job: dict[str, Any], spec: dict[str, Any], memory: int | None = None) -> str:
         """Be the builder: publish the artifact of the Job's version, recording who built it as the Job's build
         container says (``$KILN_BUILT_BY``, as `kiln build` does), then mark the Job complete."""
         version = job["metadata"]["annotations"][VERSION_LABEL]
         build = next(c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "build")
         env = {e["name"]: e.get("value") for e in build["env"]}
-        self.publish(version, spec, BuiltBy.model_validate_json(env[BUILT_BY_ENV]))
+        self.publish(version, spec, BuiltBy.model_validate_json(env[BUILT_BY_ENV]), memory)
         self.kube.patch(f"{JOBS}/{job['metadata']['name']}/status", {"status": {
             "startTime": "2026-01-01T00:00:00Z", "completionTime": "2026-01-01T00:05:00Z", "succeeded": 1,
             "conditions": [{"type": "Complete", "status": "True", "reason": "CompletionsReached"}]}})

@@ -1,0 +1,189 @@
+"""An engine pool's reconcile decisions, without a cluster: each member's state, the engine list, the pool's status,
+and the pool's rendered objects (the engine list never in the pod template)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from harness import SPEC
+from kiln.operator.pool_decide import (
+    BUDGET_TOO_SMALL,
+    BUILDING,
+    LISTED,
+    REFUSED,
+    MemberView,
+    PoolWorld,
+    budget,
+    changed_members,
+    compose_pool_status,
+    judge,
+    judge_all,
+    listed_entries,
+)
+from kiln.operator.pools import render_pool
+from kiln.operator.settings import OperatorConfig
+from kiln.operator.validation import InvalidSpec
+
+from kiln.api import LLMEngineSpec
+from kiln.engine_list import EngineEntry
+from kiln.memory_budget import SERVER_MARGIN_BYTES
+from kiln.pool_api import LLMEnginePoolSpec
+
+GiB = 2**30
+DIGEST = "d" * 64
+
+
+def engine(**overrides) -> LLMEngineSpec:
+    raw = copy.deepcopy(SPEC)
+    raw.update(overrides)
+    return LLMEngineSpec.model_validate(raw)
+
+
+def member(name: str, memory: int | None = GiB, spec: LLMEngineSpec | None = None, **fields) -> MemberView:
+    """A built, pinned member counting ``memory`` bytes (None: being built)."""
+    if memory is None:
+        return MemberView(name, spec or engine(), f"{name}-v", **fields)
+    return MemberView(name, spec or engine(), f"{name}-v", DIGEST, f"s3://b/kiln/engines/{name}-v",
+                      (memory, "measured by the build (build_report.memory.stages.tune)"), **fields)
+
+
+def pool(**spec) -> LLMEnginePoolSpec:
+    return LLMEnginePoolSpec.model_validate(spec)
+
+
+def world(spec: LLMEnginePoolSpec, *members: MemberView, ready: int = 0, status: dict | None = None) -> PoolWorld:
+    body = {"metadata": {"name": "shared", "namespace": "ml", "generation": 3}, "status": status or {}}
+    return PoolWorld(body, spec=spec, members=members, deployment={"status": {"readyReplicas": ready}})
+
+
+def test_a_member_is_building_until_its_current_version_is_built_and_pinned():
+    entry = judge(member("chat", memory=None), "shared", pool(memoryBudget="4Gi"))
+    assert (entry.state, entry.engine_version, entry.memory_bytes) == (BUILDING, "chat-v", None)
+    waiting = MemberView("chat", engine(), "chat-v", DIGEST, waiting="its artifact chat-v is not in the store")
+    assert judge(waiting, "shared", pool()).state == BUILDING
+    assert judge(waiting, "shared", pool()).message == "its artifact chat-v is not in the store"
+
+
+def test_a_member_that_fits_is_listed_with_its_artifact_and_the_digest_its_engine_pinned():
+    w = world(pool(memoryBudget="4Gi"), member("chat", 3 * GiB), member("sql", memory=None))
+    judged = judge_all(w)
+    assert [(j.name, j.state, j.memory_bytes) for j in judged] == [("chat", LISTED, 3 * GiB), ("sql", BUILDING, None)]
+    [entry] = listed_entries(w, judged)
+    assert (entry.name, entry.artifact_uri, entry.content_digest) == ("chat", "s3://b/kiln/engines/chat-v", DIGEST)
+
+
+def test_an_engine_too_big_is_refused_naming_both_figures_both_fields_and_the_fix():
+    entry = judge(member("big", 3 * GiB), "shared", pool(memoryBudget="2Gi"))
+    assert entry.state == REFUSED and entry.memory_bytes == 3 * GiB
+    assert "engine big counts 3.00 GiB (measured by the build" in entry.message
+    assert "budget of 2.00 GiB (spec.memoryBudget (2Gi))" in entry.message
+    assert "raise the pool's spec.memoryBudget to at least 3.00 GiB" in entry.message
+    assert "spec.serving.pool" in entry.message
+
+
+def test_the_budget_is_memory_budget_else_the_memory_limit_less_the_margins_else_unknown():
+    assert budget(pool(memoryBudget="6Gi")) == (6 * GiB, "spec.memoryBudget (6Gi)")
+    limited = pool(resources={"limits": {"memory": "4Gi"}})
+    room = budget(limited)
+    assert room is not None and room[0] == int(4 * GiB * 0.9) - SERVER_MARGIN_BYTES
+    assert room[1].startswith("spec.resources.limits.memory (4.00 GiB) less 10%")
+    entry = judge(member("big", 4 * GiB), "shared", limited)
+    # the least limit whose budget (less 10% and 512Mi) holds 4 GiB: (4 GiB + 512 MiB) / 0.9 = 5.00 GiB
+    assert entry.state == REFUSED
+    assert "raise the pool's spec.resources.limits.memory to at least 5.00 GiB" in entry.message
+    assert budget(pool()) is None
+    assert judge(member("huge", 500 * GiB), "shared", pool()).state == LISTED  # the pods refuse at load
+
+
+def test_another_gpu_a_multi_pod_replica_or_more_gpus_per_pod_are_refused_before_the_build():
+    other = judge(member("g", memory=None, spec=engine(gpu="H100-80GB", dtype="bfloat16")), "shared", pool())
+    assert other.state == REFUSED and "spec.gpu H100-80GB" in other.message and "spec.gpu cpu" in other.message
+    wide = engine(gpu="H100-80GB", dtype="bfloat16", tensorParallel=8, pipelineParallel=2)
+    spans = judge(member("w", memory=None, spec=wide), "shared", pool(gpu="H100-80GB"))
+    assert spans.state == REFUSED and "spans 2 pods" in spans.message
+    tp2 = engine(gpu="H100-80GB", dtype="bfloat16", tensorParallel=2)
+    gpus = judge(member("t", spec=tp2), "shared", pool(gpu="H100-80GB"))
+    assert gpus.state == REFUSED and "needs 2 GPUs per pod" in gpus.message and "hold 1" in gpus.message
+    roomy = pool(gpu="H100-80GB", resources={"limits": {"nvidia.com/gpu": 2}})
+    assert judge(member("t", spec=tp2), "shared", roomy).state == LISTED
+
+
+def test_an_untrusted_artifact_is_refused_with_its_problem():
+    entry = judge(member("chat", problem="engine chat: its artifact chat-v is not listed: unsigned"), "shared",
+                  pool())
+    assert entry.state == REFUSED and entry.message.endswith("unsigned")
+
+
+def test_a_budget_too_small_for_every_built_member_fails_the_pool_naming_the_field_and_the_smallest():
+    w = world(pool(memoryBudget="1Gi"), member("a", 3 * GiB), member("b", 2 * GiB), member("c", memory=None),
+              ready=1)
+    status = compose_pool_status(w, judge_all(w), now="2026-01-01T00:00:00Z")
+    assert status["phase"] == "Failed"
+    [cond] = status["conditions"]
+    assert (cond["status"], cond["reason"]) == ("False", BUDGET_TOO_SMALL)
+    assert cond["message"].startswith("spec.memoryBudget: the budget of 1.00 GiB")
+    assert "the smallest, b, counts 2.00 GiB" in cond["message"] and "2 built engine(s)" in cond["message"]
+    fits = world(pool(memoryBudget="1Gi"), member("a", 3 * GiB), member("s", GiB // 2), ready=1)
+    assert compose_pool_status(fits, judge_all(fits))["phase"] == "Ready"
+    unbuilt = world(pool(memoryBudget="1Gi"), member("c", memory=None))
+    assert compose_pool_status(unbuilt, judge_all(unbuilt))["phase"] == "Pending"
+
+
+def test_ready_once_a_pod_is_ready_pending_before_and_with_no_replicas():
+    w = world(pool(memoryBudget="4Gi", replicas=2), member("chat"))
+    pending = compose_pool_status(w, judge_all(w), now="t0")
+    assert pending["phase"] == "Pending" and pending["conditions"][0]["reason"] == "PodsNotReady"
+    assert pending["endpoint"] == "http://shared-pool.ml.svc:8000/v1" and pending["memoryBudgetBytes"] == 4 * GiB
+    assert pending["engines"] == [{"name": "chat", "engineVersion": "chat-v", "state": "Listed", "memoryBytes": GiB}]
+    ready = world(pool(memoryBudget="4Gi", replicas=2), member("chat"), ready=1, status=pending)
+    status = compose_pool_status(ready, judge_all(ready), now="t1")
+    assert status["phase"] == "Ready" and status["readyReplicas"] == 1 and status["replicas"] == 2
+    assert status["conditions"][0]["lastTransitionTime"] == "t1" and status["observedGeneration"] == 3
+    idle = world(pool(replicas=0), ready=0)
+    assert compose_pool_status(idle, [])["conditions"][0]["reason"] == "NoReplicas"
+
+
+def test_an_invalid_pool_fails_with_the_field():
+    w = PoolWorld({"metadata": {"name": "p", "namespace": "ml"}}, invalid="spec.engines: lists manifests")
+    status = compose_pool_status(w, [])
+    assert status["phase"] == "Failed" and status["conditions"][0]["reason"] == "InvalidSpec"
+    assert status["conditions"][0]["message"] == "spec.engines: lists manifests"
+
+
+def test_the_engines_whose_view_of_the_pool_changed():
+    a, b = {"name": "a", "state": "Listed"}, {"name": "b", "state": "Building"}
+    old = {"phase": "Ready", "endpoint": "e", "engines": [a, b]}
+    assert changed_members(old, {**old}) == set()
+    assert changed_members(old, {**old, "engines": [a, {**b, "state": "Listed"}]}) == {"b"}
+    assert changed_members(old, {**old, "engines": [b]}) == {"a"}
+    assert changed_members(old, {**old, "phase": "Pending"}) == {"a", "b"}
+
+
+def test_render_pool_lists_no_engine_in_the_pod_template_and_refuses_a_bad_spec_naming_the_field():
+    config = OperatorConfig(store_uri="s3://b/kiln")
+    body = {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool", "metadata": {"name": "shared"},
+            "spec": {"memoryBudget": "6Gi", "replicas": 2, "nodeSelector": {"pool": "yes"}}}
+    configmap, deployment, service = render_pool(body, "shared", "ml", config)
+    assert (configmap["metadata"]["name"], deployment["metadata"]["name"], service["metadata"]["name"]) == (
+        "shared-pool-engines", "shared-pool", "shared-pool")
+    assert json.loads(configmap["data"]["engines.json"]) == {"format": 1, "engines": []}
+    pod = deployment["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert container["args"][:2] == ["--engines-file", "/etc/kiln/pool/engines.json"]
+    assert ["--memory-budget", "6Gi"] == container["args"][container["args"].index("--memory-budget"):][:2]
+    assert {"name": "engines", "configMap": {"name": "shared-pool-engines"}} in pod["spec"]["volumes"]
+    assert pod["metadata"]["labels"]["serving.kiln.dev/pool"] == "shared"
+    assert pod["spec"]["nodeSelector"]["pool"] == "yes"
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert render_pool(body["spec"], "shared", "ml", config)[1] == deployment
+    listed = render_pool(body, "shared", "ml", config, [EngineEntry("chat", "s3://b/kiln/engines/v", DIGEST)])
+    assert json.loads(listed[0]["data"]["engines.json"])["engines"][0]["contentDigest"] == DIGEST
+    assert listed[1] == deployment  # the engine list is not in the pod template: a member joining rolls no pod
+    for bad, field in (({"engines": ["a.yaml"]}, "spec.engines"), ({"memoryBudget": "6 GB"}, "spec.memoryBudget"),
+                       ({"image": "evil.example/kiln:1"}, "spec.image")):
+        with pytest.raises(InvalidSpec, match=field):
+            render_pool(bad, "shared", "ml", config)
+    with pytest.raises(InvalidSpec, match="metadata.name"):
+        render_pool({}, "Shared", "ml", config)

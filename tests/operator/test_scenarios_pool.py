@@ -1,0 +1,126 @@
+"""Engine pools through the operator: kopf for real against the emulated API, store on moto S3 (docs/pools.md).
+
+The tests play the builder (a signed artifact whose engine.json records the memory its build measured) and the
+Deployment controller; the operator reconciles the LLMEnginePool: its engine-list ConfigMap, Deployment, Service
+and status, and each member's state."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from conftest import wait_for
+from harness import CONFIGMAPS, ENGINES, POOLS, SERVICES, SPEC, Cluster, manifest, running_operator
+
+pytestmark = pytest.mark.timeout(120)
+
+GiB = 2**30
+
+
+def pool_manifest(name: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool",
+            "metadata": {"name": name, "namespace": "ml"}, "spec": spec}
+
+
+def member(name: str, pool: str = "shared", **spec: Any) -> dict[str, Any]:
+    return manifest(name, serving={**copy.deepcopy(SPEC["serving"]), "pool": pool}, **spec)
+
+
+def pool_status(c: Cluster, name: str) -> dict[str, Any]:
+    return (c.kube.get(f"{POOLS}/{name}") or {}).get("status") or {}
+
+
+def wait_pool(c: Cluster, name: str, what: str, **fields: Any) -> dict[str, Any]:
+    try:
+        return wait_for(lambda: (s := pool_status(c, name)) and all(s.get(k) == v for k, v in fields.items()) and s,
+                        what=what)
+    except AssertionError:
+        raise AssertionError(f"{what}: pool status is {json.dumps(pool_status(c, name), indent=1)}") from None
+
+
+def listed(c: Cluster, pool: str) -> dict[str, dict[str, Any]]:
+    """The engine list the pool's pods follow, by name."""
+    cm = c.kube.get(f"{CONFIGMAPS}/{pool}-pool-engines") or {}
+    doc = json.loads((cm.get("data") or {}).get("engines.json") or '{"engines": []}')
+    return {e["name"]: e for e in doc["engines"]}
+
+
+def entry(c: Cluster, pool: str, engine: str) -> dict[str, Any]:
+    return next((e for e in pool_status(c, pool).get("engines") or [] if e["name"] == engine), {})
+
+
+def ready_condition(c: Cluster, pool: str) -> dict[str, Any]:
+    return next((x for x in pool_status(c, pool).get("conditions") or [] if x["type"] == "Ready"), {})
+
+
+def test_a_pool_serves_its_members_and_they_join_and_leave_without_rolling_its_pods(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(POOLS, pool_manifest("shared", memoryBudget="2Gi"))
+        wait_for(lambda: c.deployment("shared-pool"), what="the pool's Deployment")
+        assert c.kube.get(f"{SERVICES}/shared-pool")["spec"]["selector"]["serving.kiln.dev/pool"] == "shared"
+        assert listed(c, "shared") == {}
+        status = wait_pool(c, "shared", "Pending", phase="Pending")
+        assert status["endpoint"] == "http://shared-pool.ml.svc:8000/v1" and status["memoryBudgetBytes"] == 2 * GiB
+        c.roll_out("shared-pool")
+        wait_pool(c, "shared", "Ready", phase="Ready", readyReplicas=1)
+        before = c.deployment("shared-pool")
+
+        c.kube.create(ENGINES, member("chat"))
+        wait_for(lambda: entry(c, "shared", "chat").get("state") == "Building", what="chat Building in the pool")
+        version = c.build(c.wait_job(), SPEC, memory=GiB)
+        wait_for(lambda: "chat" in listed(c, "shared"), what="chat in the pool's engine list")
+        pinned = c.status("chat")["artifact"]["contentDigest"]
+        assert listed(c, "shared")["chat"] == {"name": "chat", "artifactURI": c.store.artifact_uri(version),
+                                               "contentDigest": pinned}
+        assert entry(c, "shared", "chat") == {"name": "chat", "engineVersion": version, "state": "Listed",
+                                              "memoryBytes": GiB}
+        after = c.deployment("shared-pool")
+        assert after["spec"]["template"] == before["spec"]["template"]  # no restart: the pods follow the list
+        assert after["metadata"]["generation"] == before["metadata"]["generation"]
+
+        c.kube.patch(f"{ENGINES}/chat", {"spec": {"serving": {"pool": None}}})  # leaves: unloaded from the pods
+        wait_for(lambda: "chat" not in listed(c, "shared"), what="chat dropped from the engine list")
+        wait_for(lambda: not entry(c, "shared", "chat"), what="chat gone from the pool's status")
+        c.kube.patch(f"{ENGINES}/chat", {"spec": {"serving": {"pool": "shared"}}})
+        wait_for(lambda: "chat" in listed(c, "shared"), what="chat back in the engine list")
+        c.kube.delete(f"{ENGINES}/chat")
+        wait_for(lambda: "chat" not in listed(c, "shared"), what="a deleted engine dropped from the engine list")
+        assert c.deployment("shared-pool")["spec"]["template"] == before["spec"]["template"]
+
+
+def test_an_engine_too_big_is_refused_and_a_budget_too_small_for_all_fails_the_pool_naming_the_field(
+        cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(POOLS, pool_manifest("shared", memoryBudget="1Gi"))
+        c.kube.create(ENGINES, member("big"))
+        c.build(c.wait_job(), SPEC, memory=3 * GiB)
+        wait_for(lambda: entry(c, "shared", "big").get("state") == "Refused", what="big refused")
+        message = entry(c, "shared", "big")["message"]
+        assert "engine big counts 3.00 GiB" in message and "budget of 1.00 GiB (spec.memoryBudget (1Gi))" in message
+        assert "raise the pool's spec.memoryBudget to at least 3.00 GiB" in message
+        assert listed(c, "shared") == {}
+        status = wait_pool(c, "shared", "Failed", phase="Failed")
+        cond = ready_condition(c, "shared")
+        assert cond["reason"] == "BudgetTooSmall" and cond["message"].startswith("spec.memoryBudget: ")
+        assert "the smallest, big, counts 3.00 GiB" in cond["message"]
+        assert status["engines"][0]["memoryBytes"] == 3 * GiB
+        wait_for(lambda: "BudgetTooSmall" in c.event_reasons("shared"), what="a BudgetTooSmall event")
+
+        c.kube.patch(f"{POOLS}/shared", {"spec": {"memoryBudget": "4Gi"}})  # the fix the message names
+        wait_for(lambda: "big" in listed(c, "shared"), what="big listed once the budget holds it")
+        wait_pool(c, "shared", "Pending after the fix", phase="Pending")
+
+
+def test_an_invalid_pool_fails_naming_the_field_and_creates_nothing(cluster: Cluster):
+    c = cluster
+    with running_operator() as runner:
+        c.kube.create(POOLS, pool_manifest("shared", engines=["chat.yaml"]))
+        wait_pool(c, "shared", "Failed", phase="Failed")
+        cond = ready_condition(c, "shared")
+        assert cond["reason"] == "InvalidSpec" and cond["message"].startswith("spec.engines: ")
+        assert c.deployment("shared-pool") is None and c.kube.get(f"{CONFIGMAPS}/shared-pool-engines") is None
+    assert runner.output.count("failed permanently") == 1
