@@ -59,6 +59,10 @@ def bench(**options) -> None:
         modes.server(opts, model_dir, peer_names)
     elif opts.speculative:  # bench/speculative.py: what prompt-lookup speculation gains, and where it stops
         modes.speculative(opts, model_dir)
+    elif opts.profile:  # bench/profile.py: where a decode step and a prefill chunk go
+        from kiln_bench import profile
+
+        modes.emit(profile.main(opts, model_dir, modes.log), profile.text, opts)
     elif opts.draft_model is not None or opts.draft_layers is not None or opts.pair_scale is not None:
         raise click.UsageError("--draft-model / --draft-layers / --pair-scale go with --speculative")
     else:

@@ -100,6 +100,10 @@ class BenchOptions:
         help="Instead of the suite: kiln greedy with prompt-lookup speculation (on with the load rule, and "
         "always on) against without, at batch 1 and 32, on rewrite-this-text prompts, --repeats rotated "
         "runs (docs/speculative.md).")
+    profile: bool = option("--profile", is_flag=True,
+        help="Instead of the suite: where a decode step and a prefill chunk of kiln's go, at batch 1, 16 and 64 "
+        "(GEMMs, attention, norms / RoPE / activations, sampling, scheduling, output processing; the kernels' and "
+        "the engine's opt-in timers), means over --repeats rounds, as a table (and --json).")
     draft_model: Path | None = option("--draft-model", type=click.Path(file_okay=False, exists=True, path_type=Path),
         default=None,
         help="--speculative: drafts from this checkpoint (same tokenizer) instead of prompt lookup.")

@@ -31,12 +31,7 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import Request
 from kiln.engine.spec_decode.config import SpeculativeConfig
-from kiln.engine.spec_decode.draft_model import (
-    DraftModel,
-    DraftModelProposer,
-    draft_block_bytes,
-    tokenizer_mismatch,
-)
+from kiln.engine.spec_decode.draft_model import DraftModel, DraftModelProposer, draft_block_bytes, tokenizer_mismatch
 from kiln.engine.spec_decode.proposer import speculation_stats
 from kiln.engine.spec_decode.verify import num_accepted, rewind_generator
 from kiln.engine.stopping import make_detokenizer, stop_reason
@@ -192,6 +187,9 @@ class LLMEngine(LoRAEngineMixin):
         return self.between_steps.run(self._step)
 
     def _step(self) -> list[StepUpdate]:
+        timer = self.runner.step_timer  # kiln bench --profile's phase timer (step_timer.py); None: not timed
+        if timer is not None:
+            timer.start()
         self.check_ranks()
         decision = self.scheduler.schedule()
         if not decision.scheduled:
@@ -208,6 +206,8 @@ class LLMEngine(LoRAEngineMixin):
         for req, _ in decision.scheduled:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+        if timer is not None:
+            timer.lap("schedule")
         if self.group is None:
             sampled, out = self.runner.run(decision.scheduled, decision.lora_loads)
         else:
@@ -223,7 +223,12 @@ class LLMEngine(LoRAEngineMixin):
             req.num_computed_tokens += n - len(req.spec_token_ids)
             self.block_manager.cache_full_blocks(req)
         self.sum_kv_usage += self.kv_usage()
-        return self._postprocess(sampled, out)
+        if timer is not None:
+            timer.lap("schedule")  # the block manager's bookkeeping
+        updates = self._postprocess(sampled, out)
+        if timer is not None:
+            timer.lap("output")
+        return updates
 
     def _postprocess(self, sampled: list[Request], out) -> list[StepUpdate]:
         if out is None:

@@ -81,6 +81,7 @@ class ModelRunner:
             if why:
                 log.info("kiln CPU kernels: decoder layers run module by module (%s)", why)
         self.sampler = Sampler()
+        self.step_timer = None  # step_timer.StepTimer while kiln bench --profile times the steps' phases
         self.workspace: dict[str, torch.Tensor] = {}  # attention's gather buffers, reused every step
         self._compile(config)
 
@@ -182,12 +183,20 @@ class ModelRunner:
             self.lora.load_step(lora_loads)
         if parallel.world_size() > 1:
             parallel.send_message(parallel.STEPS, encode_steps(inputs))
+        timer = self.step_timer
+        if timer is not None:
+            timer.lap("prepare")
         parts = self.run_stage(inputs)
+        if timer is not None:
+            timer.lap("forward")
         sampled_reqs = [r for _, reqs in batches for r in reqs]
         if not sampled_reqs:
             return [], None
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return sampled_reqs, self.sample(logits.float(), sampling_rows(sampled_reqs))
+        out = self.sample(logits.float(), sampling_rows(sampled_reqs))
+        if timer is not None:
+            timer.lap("sample")
+        return sampled_reqs, out
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """The batch's tokens; if sampling the batch fails, each row is sampled alone so that
@@ -272,7 +281,10 @@ class ModelRunner:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping,
                                    inputs.decode_block_tables, inputs.decode_ctx_lens)
         dev = self.device
-        with set_forward_context(self.attention_metadata(inputs), lora_step):
+        metadata = self.attention_metadata(inputs)
+        if self.step_timer is not None:
+            self.step_timer.lap("prepare")
+        with set_forward_context(metadata, lora_step):
             if self.compiled is not None:
                 return self.compiled(inputs.input_ids, inputs.positions, inputs.logits_indices)
             out = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), intermediate)

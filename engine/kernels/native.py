@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from kiln.engine.kernels import cpu_library, gguf_blocks
 from kiln.engine.kernels.isa import feature_missing, log
+from kiln.engine.kernels.kernel_timers import GEMM, KernelTimers
 from kiln.engine.kernels.packed import GEMM_KERNELS, ROW_BUCKETS, KilnWeight, PackedLinear, row_bucket
 
 __all__ = ["GEMM_KERNELS", "ROW_BUCKETS", "DecoderStack", "Kernels", "KilnWeight", "PackedLinear", "kernels",
@@ -55,6 +57,7 @@ class Kernels:
         self._stack = declare("kiln_decoder_stack", ctypes.c_int, ptr, ptr, i64, ptr, ptr, flag, i64, ptr, ptr, i64,
                               ptr, ptr, i64, ptr, ptr, i64, ptr)
         self._stack_workspace = declare("kiln_stack_workspace", i64, ptr, i64)
+        self.timers = KernelTimers(lib)  # opt-in per-component timers (kernel_timers.py; kiln bench --profile)
         # dtype -> GEMM kernel -> None (runs here) or why not. bf16 needs vdpbf16ps (the x86-64-v4 library on a
         # CPU with AVX512-BF16) to pack and to run at all; AMX tiles also need the kernel's leave to use them.
         bf16_fma = None if declare("kiln_linear_bf16_available", ctypes.c_int)() else f"not in the {level} library"
@@ -184,7 +187,10 @@ class Kernels:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if packed.tactics[row_bucket(x2.shape[0])] == "onednn":  # oneDNN's GEMM on the same panels
+            start = time.perf_counter_ns() if self.timers.on else 0
             y = torch.ops.mkldnn._linear_pointwise(x2, packed.onednn, bias, "none", [], "")
+            if start:
+                self.timers.add(GEMM, start)
             return y.view(*x.shape[:-1], n)
         y = x2.new_empty((x2.shape[0], n))
         if x2.shape[0]:

@@ -117,6 +117,7 @@ int kiln_paged_attention(const void *q, const void *k_cache, const void *v_cache
                          int64_t heads, int64_t kv_heads, int64_t num_blocks, int64_t block_size, int64_t d,
                          int64_t bt_stride, int64_t q_stride, int64_t out_stride, float scale, int bf16,
                          int64_t amx_queries) {
+    KILN_TIMED(KILN_T_ATTENTION);
     const int64_t group = heads / kv_heads;
     int64_t max_ctx = 0, max_rows = 0;
     for (int64_t i = 0; i < num_groups; i++) {

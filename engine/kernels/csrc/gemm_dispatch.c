@@ -20,6 +20,7 @@ static int row_bucket(int64_t m) {
 
 int kiln_gemm(const struct kiln_weight *w, const void *x, const float *bias, void *y, int64_t m, int64_t ldx,
               int64_t ldy) {
+    KILN_TIMED(KILN_T_GEMM);
     if (m <= 0) return 0;
     const int kernel = w->kernel[row_bucket(m)], amx = kernel == KILN_GEMM_AMX;
     if (w->qtype) /* GGUF blocks (gemm_gguf.c) */

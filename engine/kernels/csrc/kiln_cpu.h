@@ -17,6 +17,7 @@
  *   gemm_dispatch.c  kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count:
  *                over the four GEMM files above, which never call it (gemm_int8.c calls down into gemm.c, gemm_amx.c)
  *   stack.c      a pipeline stage's decoder layers in one call
+ *   profile.c    opt-in per-component timers around the entry points above (kiln bench --profile)
  *
  * Threads: the OpenMP runtime is the one torch loaded (same soname, libgomp.so.1), so a parallel
  * region here uses torch's thread count (torch.set_num_threads) and its warm thread pool.
@@ -30,6 +31,26 @@
 
 #define KILN_ABI_VERSION 12
 #define KILN_HIDDEN __attribute__((visibility("hidden")))
+
+/* ---- opt-in timers (profile.c): an entry point opens with KILN_TIMED(component) ---- */
+enum kiln_component { KILN_T_GEMM, KILN_T_ATTENTION, KILN_T_KV_WRITE, KILN_T_NORM, KILN_T_ROPE, KILN_T_ACTIVATION,
+                      KILN_T_BIAS, KILN_T_COUNT };
+KILN_HIDDEN extern int kiln_profile_on;
+int64_t kiln_profile_now(void);
+void kiln_profile_add(int component, int64_t ns);
+struct kiln_timer { int64_t start; int component; };
+static inline void kiln_timer_end(const struct kiln_timer *t) {
+    if (t->start) kiln_profile_add(t->component, kiln_profile_now() - t->start);
+}
+/* Times the rest of the enclosing function, early returns included (off: one load and a branch each way).
+ * -DKILN_NO_TIMERS compiles it out: the build that measures what the timers cost when off (docs/performance.md). */
+#ifdef KILN_NO_TIMERS
+#define KILN_TIMED(component) (void)(component)
+#else
+#define KILN_TIMED(component)                                                                                  \
+    const struct kiln_timer kiln_timer_ __attribute__((cleanup(kiln_timer_end))) = {                            \
+        __builtin_expect(kiln_profile_on, 0) ? kiln_profile_now() : 0, (component)}
+#endif
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;

@@ -9,6 +9,7 @@
 /* out[r, i] = silu(x[r, i]) * x[r, n + i]  (the fused gate|up projection output) */
 NOCONTRACT void kiln_silu_mul(const void *x, void *out, int64_t rows, int64_t n, int64_t x_stride, int64_t out_stride,
                               int bf16) {
+    KILN_TIMED(KILN_T_ACTIVATION);
 #pragma omp parallel for schedule(static) if (rows * n > 32768)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t xo = r * x_stride, oo = r * out_stride;
@@ -36,6 +37,7 @@ NOCONTRACT void kiln_silu_mul(const void *x, void *out, int64_t rows, int64_t n,
  * the normalized value rounded to the dtype before the weight multiply (as torch.rms_norm then mul). */
 NOCONTRACT void kiln_add_rms_norm(const void *x, const void *residual, const void *weight, void *out, void *res_out,
                                   int64_t rows, int64_t dim, float eps, int bf16) {
+    KILN_TIMED(KILN_T_NORM);
 #pragma omp parallel for schedule(static) if (rows * dim > 32768)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t o = r * dim;
@@ -81,6 +83,7 @@ NOCONTRACT void kiln_add_rms_norm(const void *x, const void *residual, const voi
  * cos/sin [tokens, d] (row stride cs_stride): x * cos + rotate_half(x) * sin, rotate_half = cat(-x2, x1). */
 NOCONTRACT void kiln_rotary(void *x, const void *cos, const void *sin, int64_t tokens, int64_t heads, int64_t d,
                             int64_t x_stride, int64_t cs_stride, int bf16) {
+    KILN_TIMED(KILN_T_ROPE);
     const int64_t half = d / 2;
 #pragma omp parallel for schedule(static) if (tokens * heads * d > 32768)
     for (int64_t t = 0; t < tokens; t++) {
@@ -115,6 +118,7 @@ NOCONTRACT void kiln_rotary(void *x, const void *cos, const void *sin, int64_t t
 void kiln_cache_write(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots,
                       int64_t tokens, int64_t kv_heads, int64_t d, int64_t k_stride, int64_t v_stride,
                       int64_t num_blocks, int64_t block_size, int bf16) {
+    KILN_TIMED(KILN_T_KV_WRITE);
     const size_t esz = bf16 ? 2 : 4;
     const int pairs = kv_pairs(bf16, block_size, d);
     for (int64_t t = 0; t < tokens; t++) {

@@ -34,6 +34,7 @@ static int stack_linear(const struct kiln_weight *w, const void *x, const float 
 }
 
 NOCONTRACT static void add_row_bias(void *y, const void *b, int64_t rows, int64_t n, int bf16) {
+    KILN_TIMED(KILN_T_BIAS);
 #pragma omp parallel for schedule(static) if (rows * n > 32768)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < n; i++) st(y, r * n + i, rnd(ld(y, r * n + i, bf16) + ld(b, i, bf16), bf16), bf16);
