@@ -110,6 +110,20 @@ class AdapterStatus(_Model):
     message: str | None = Field(default=None, max_length=4096, description="Why it failed.")
 
 
+PoolMemberState = Literal["Building", "Listed", "Refused"]  # an engine in its pool's status.engines
+
+
+class PoolMembership(_Model):
+    """``status.pool``: how the LLMEnginePool of ``spec.serving.pool`` lists this engine (docs/pools.md)."""
+
+    name: str = Field(description="The LLMEnginePool (spec.serving.pool).")
+    state: PoolMemberState | None = Field(
+        default=None, description="The pool's entry for this engine (its status.engines): Building, Listed (in "
+        "the engine list its pods follow) or Refused (message says why). Absent while the pool has no entry for "
+        "it, or there is no such pool (the Ready condition says which).")
+    message: str | None = Field(default=None, max_length=32768, description="The pool's message: why it is refused.")
+
+
 class LLMEngineStatus(_Model):
     # The operator writes status, not users; keys another writer left (e.g. kopf's own
     # `status.kopf` on a cluster that kept it) must not make the object unreadable.
@@ -142,6 +156,9 @@ class LLMEngineStatus(_Model):
         default=None, description="LoRA adapters of spec.lora, one entry each (docs/lora.md).",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
+
+    pool: PoolMembership | None = Field(
+        default=None, description="The engine pool that serves it (spec.serving.pool), once it is built.")
 
     # -- scale out (docs/scale-out.md) --
     replicas: ReplicaStatus | None = Field(

@@ -16,6 +16,7 @@ from typing import Any
 from kiln.operator import retry, scale_out
 from kiln.operator.adapters import AdapterPlan, AdapterView, plan_adapters
 from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, owner_reference
+from kiln.operator.pool_member import PoolView, pool_view
 from kiln.operator.scheduling import unschedulable
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import JobState, Observation, job_state, rollout_complete, serving_version
@@ -52,6 +53,7 @@ class World:
     now: datetime | None = None  # when this was read (a retry is due at status.build.retryAt)
     # spec.lora's adapters for the wanted base and the one serving, read once the base is trusted in the store
     adapters: tuple[AdapterView, ...] = ()
+    pool: dict[str, Any] | None = None  # the LLMEnginePool of spec.serving.pool, when it names one and it exists
 
     @property
     def name(self) -> str:
@@ -79,6 +81,11 @@ class World:
     def record(self) -> dict[str, Any] | None:
         """``status.build`` of ``version``: its build attempts (kiln.operator.retry)."""
         return retry.record_of(self.old, self.version)
+
+    @property
+    def membership(self) -> PoolView | None:
+        """How the pool of spec.serving.pool lists this engine (kiln.operator.pool_member); None: not in a pool."""
+        return pool_view(self.spec, self.name, self.namespace, self.pool) if self.spec is not None else None
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,8 @@ class Outcome:
 #    GitOps bump keeps the old version serving for the whole build, and the rollout itself keeps old
 #    pods until new ones are available (maxUnavailable 0). A served base also gets its adapters' plan
 #    (kiln.operator.adapters.plan_adapters: their Jobs, the ConfigMap pods read, status.adapters); an engine
-#    that does not serve its wanted version yet plans none, and status.adapters stays as it was.
+#    that does not serve its wanted version yet plans none, and status.adapters stays as it was. An engine of
+#    a pool rolls out nothing of its own: its pool lists it (kiln.operator.pool_member).
 #
 # Warnings are logged once, when the engine enters the failure (not on every timer reconcile).
 def decide(world: World) -> Plan:
@@ -162,10 +170,12 @@ def observation(world: World, plan: Plan, outcome: Outcome, config: OperatorConf
     spec, version = world.spec, world.version
     assert spec is not None and version is not None
     serving = serving_now(spec, outcome.deployment, outcome.lws, old.get("servingVersion"))
+    own_endpoint, member = endpoint(world.name, world.namespace, spec), world.membership
+    if member is not None and member.serves:  # its pool's pods serve it, whatever its own ones do
+        serving, own_endpoint = member.version, member.endpoint
     base = dict(generation=world.generation, old=old, engine_version=version, artifact_uri=world.artifact_uri,
-                job_name=job_name(version), replicas=spec.serving.replicas,
-                endpoint=endpoint(world.name, world.namespace, spec), history=old.get("history") or [],
-                serving=serving)
+                job_name=job_name(version), replicas=spec.serving.replicas, endpoint=own_endpoint,
+                history=old.get("history") or [], serving=serving, pool=member)
     if plan.step == SERVE:
         base["history"] = add_to_history(base["history"], history_entry(world))
         adapters = plan.adapters.statuses if plan.adapters is not None else None
@@ -247,6 +257,19 @@ def retirement(spec: LLMEngineSpec, deployment: dict[str, Any] | None, lws: dict
     return DELETE_LWS
 
 
+def retirements(world: World, deployment: dict[str, Any] | None, lws: dict[str, Any] | None) -> tuple[str, ...]:
+    """What the serve step retires of the workloads as they are: the other kind (:func:`retirement`), or, for an
+    engine of a pool, its own pods once its pool serves it (they served it alone until then)."""
+    assert world.spec is not None
+    member = world.membership
+    if member is None:
+        return tuple(r for r in (retirement(world.spec, deployment, lws),) if r is not None)
+    if not member.serves:
+        return ()
+    scale_down = deployment is not None and (deployment.get("spec") or {}).get("replicas", 1) != 0
+    return (SCALE_DOWN_DEPLOYMENT,) * scale_down + (DELETE_LWS,) * (lws is not None)
+
+
 def scaled_workload(spec: LLMEngineSpec, deployment: dict[str, Any] | None,
                     lws: dict[str, Any] | None) -> dict[str, Any] | None:
     """The workload the autoscaler scales: the LeaderWorkerSet when a replica spans pods."""
@@ -265,6 +288,8 @@ def awaits_new_pods(world: World, deployment: dict[str, Any] | None, lws: dict[s
     """Whether new pods should be running but the version does not serve yet: then read them, to tell
     pods the scheduler cannot place (Insufficient GPU) from a rollout that is merely in flight."""
     assert world.spec is not None
+    if world.spec.serving.pool is not None:
+        return False  # no own pods roll out: the pool's serve it
     workload = scaled_workload(world.spec, deployment, lws)
     serving = serving_now(world.spec, deployment, lws, world.old.get("servingVersion"))
     return workload is not None and serving != world.version and replica_counts(world, workload, config)[

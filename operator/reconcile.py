@@ -4,7 +4,8 @@ function, act, write status.
 - :func:`observe` re-reads the LLMEngine (handlers may hold an older body), validates its spec and reads
   what the decision needs: the live workloads, the store's manifest (checked against the digest pinned in
   ``status.artifact``, never re-pinned from the store), the build Job and, when it failed, its pods, and
-  once that manifest is trusted, ``spec.lora``'s adapters (:func:`kiln.operator.adapter_steps.read_adapters`).
+  once that manifest is trusted, ``spec.lora``'s adapters (:func:`kiln.operator.adapter_steps.read_adapters`);
+  for an engine of a pool, that LLMEnginePool (:mod:`kiln.operator.pool_member`).
 - :func:`kiln.operator.decide.decide` picks one step (a SERVE plan carries the adapters' plan); the policy is
   explained there, once.
 - The step (:func:`report`, :func:`build`, :func:`retry_build`, :func:`serve`) makes its calls and returns what it left; an
@@ -45,7 +46,7 @@ from kiln.operator.decide import (
     decide,
     finished_build,
     observation,
-    retirement,
+    retirements,
 )
 from kiln.operator.job_pods import job_failure
 from kiln.operator.jobs import build_job, model_secrets
@@ -76,6 +77,7 @@ from kiln.operator.workloads import build_pdb, build_service, build_workload
 
 from kiln.api import API_VERSION, PLURAL
 from kiln.envelope import build_envelope, engine_version
+from kiln.pool_api import POOL_PLURAL
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,10 @@ async def observe(ctx: Context, namespace: str, name: str) -> World | None:
         return World(body, invalid=str(exc))
     version = engine_version(spec)
     deployment, lws = await live_workloads(ctx, namespace, name)
+    pool = await ctx.kube.get(api_path(API_VERSION, POOL_PLURAL, namespace, spec.serving.pool)) \
+        if spec.serving.pool is not None else None  # what it serves from (kiln.operator.pool_member)
     seen = dict(body=body, spec=spec, version=version, artifact_uri=ctx.store.artifact_uri(version),
-                deployment=deployment, lws=lws)
+                deployment=deployment, lws=lws, pool=pool)
     if spec.replica_shape.multi_node and not await ctx.kube.serves(LWS_API_VERSION, LWS_PLURAL):
         return World(**seen, lws_served=False)
     manifest, document = await asyncio.to_thread(ctx.store.read_signed_manifest, version)
@@ -182,7 +186,8 @@ async def retry_build(ctx: Context, world: World, plan: Plan, logger: logging.Lo
 
 async def serve(ctx: Context, world: World, plan: Plan, logger: logging.Logger) -> Outcome:
     """Scale-out objects, then the workload, Service and PDB, then retire the other workload kind; while the
-    new version is not serving yet, read its pods."""
+    new version is not serving yet, read its pods. An engine of a pool gets no workload of its own: its own pods
+    from before it joined retire once the pool serves it (kiln.operator.decide.retirements)."""
     owner = owner_reference(world.body)
     assert world.spec is not None
     # Scale out first: a missing prerequisite (CRD) leaves the workload as it is (the old version serves).
@@ -190,9 +195,10 @@ async def serve(ctx: Context, world: World, plan: Plan, logger: logging.Logger) 
                                           owner)
     deployment, lws = world.deployment, world.lws
     if missing is None:
-        rank_group = await ensure_serving_secrets(ctx, world, owner)
-        deployment, lws = await apply_serving(ctx, world, owner, rank_group)
-        await retire(ctx, world, retirement(world.spec, deployment, lws), logger)
+        rank_group = await ensure_serving_secrets(ctx, world, owner)  # a pool's pods mount the verify key too
+        if world.spec.serving.pool is None:
+            deployment, lws = await apply_serving(ctx, world, owner, rank_group)
+        deployment, lws = await retire(ctx, world, retirements(world, deployment, lws), (deployment, lws), logger)
     pods = await new_pods(ctx, world) if awaits_new_pods(world, deployment, lws, ctx.config) else None
     if plan.adapters is not None:
         await act_adapters(ctx, world.spec, world.name, world.namespace, plan.adapters, logger)
@@ -273,16 +279,22 @@ async def apply_serving(ctx: Context, world: World, owner: dict[str, Any], rank_
     return (world.deployment, workload) if spec.replica_shape.multi_node else (workload, world.lws)
 
 
-async def retire(ctx: Context, world: World, retiring: str | None, logger: logging.Logger) -> None:
-    """Carry out :func:`kiln.operator.decide.retirement`."""
-    name, namespace = world.name, world.namespace
-    if retiring == SCALE_DOWN_DEPLOYMENT:
-        await ctx.kube.patch(api_path("apps/v1", "deployments", namespace, name), {
+async def retire(ctx: Context, world: World, retiring: tuple[str, ...], workloads: Workloads,
+                 logger: logging.Logger) -> Workloads:
+    """Carry out :func:`kiln.operator.decide.retirements`; returns the workloads as they are after it."""
+    assert world.spec is not None
+    name, namespace, pool = world.name, world.namespace, world.spec.serving.pool
+    deployment, lws = workloads
+    if SCALE_DOWN_DEPLOYMENT in retiring:
+        deployment = await ctx.kube.patch(api_path("apps/v1", "deployments", namespace, name), {
             "metadata": {"annotations": {HASH_ANNOTATION: None}}, "spec": {"replicas": 0}})
-        logger.info(f"{lws_name(name)} serves {name}: scaled Deployment {name} to 0")
-    elif retiring == DELETE_LWS:
+        logger.info(f"{f'LLMEnginePool {pool}' if pool else lws_name(name)} serves {name}: scaled Deployment {name} to 0")
+    if DELETE_LWS in retiring:
         await ctx.kube.delete(api_path(LWS_API_VERSION, LWS_PLURAL, namespace, lws_name(name)))
-        logger.info(f"Deployment {name} serves {name}: deleted LeaderWorkerSet {lws_name(name)}")
+        lws = None
+        logger.info(f"{f'LLMEnginePool {pool}' if pool else f'Deployment {name}'} serves {name}: deleted "
+                    f"LeaderWorkerSet {lws_name(name)}")
+    return deployment, lws
 
 
 async def new_pods(ctx: Context, world: World) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kiln.operator.naming import ANNOTATION_VERSION
+from kiln.operator.pool_member import POOL_MISMATCH, PoolView, listing_message, not_found_message
 
 BUILT, READY = "Built", "Ready"
 MESSAGE_TAIL = 2000
@@ -150,6 +151,7 @@ def transitions(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str
 FAILURE_REASONS = {"InvalidSpec", "BuildFailed", "BuildRetrying", "ArtifactMissing", "ArtifactUntrusted", "LeaderWorkerSetMissing"}
 FAILURE_REASONS |= {"BuildJobConflict"}
 FAILURE_REASONS |= {"PrerequisiteMissing", "InsufficientGPU", "Unschedulable"}  # scale out
+FAILURE_REASONS |= {"PoolNotFound", "EngineTooBigForPool", "PoolMismatch"}  # engine pools (pool_member)
 
 
 def pruned(value: Any) -> Any:
@@ -198,6 +200,8 @@ class Observation:
     # -- LoRA (docs/lora.md): status.adapters, written only when known (the base serves); None removes it --
     adapters: list[dict[str, Any]] | None = None
     adapters_known: bool = False
+    # -- engine pools (docs/pools.md): spec.serving.pool's LLMEnginePool as read; None: not in a pool --
+    pool: PoolView | None = None
 
 
 Cond = Callable[[str, bool | None, str, str], dict[str, Any]]  # compose_status.cond
@@ -225,6 +229,7 @@ def compose_status(obs: Observation, now: str | None = None) -> dict[str, Any]:
     if obs.adapters_known:
         status["adapters"] = obs.adapters
     status["endpoint"] = obs.endpoint if obs.serving else None  # None: a merge patch removes it
+    status["pool"] = obs.pool.status() if obs.pool is not None else None
     if obs.missing_api is not None:  # nothing is built or rolled out until the API is there
         status.update(phase="Failed", conditions=_failed(cond, "LeaderWorkerSetMissing", obs.missing_api, still))
     elif obs.untrusted is not None:
@@ -285,6 +290,8 @@ def _rollout(obs: Observation, cond: Cond, still: str) -> dict[str, Any]:
         replicas = obs.replica_status["desired"] if obs.autoscaled else replicas
     if obs.prerequisite is not None:
         phase, ready = "Failed", cond(READY, False, "PrerequisiteMissing", obs.prerequisite + still)
+    elif obs.pool is not None:
+        phase, ready = _pooled(obs, obs.pool, cond, still)
     elif obs.serving == obs.engine_version:
         phase, ready = "Ready", cond(READY, True, "Serving", f"all {replicas} replica(s) serve {obs.engine_version}")
     elif replicas == 0:
@@ -298,3 +305,19 @@ def _rollout(obs: Observation, cond: Cond, still: str) -> dict[str, Any]:
         phase, ready = "Deploying", cond(READY, False, "RollingOut", f"rolling out {obs.engine_version}{still}")
     out.update(phase=phase, conditions=[built, ready])
     return out
+
+
+def _pooled(obs: Observation, pool: PoolView, cond: Cond, still: str) -> tuple[str, dict[str, Any]]:
+    """phase and Ready of a built engine of a pool (kiln.operator.pool_member): Ready once the pool serves the
+    wanted version; Failed when the pool refuses it; Deploying while there is no such pool or it does not list
+    the version yet (an own Deployment from before it joined keeps serving meanwhile)."""
+    version = obs.engine_version
+    if not pool.found:
+        return "Deploying", cond(READY, False, "PoolNotFound", not_found_message(pool) + still)
+    if pool.lists(version) == "Refused":
+        message = pool.message or f"LLMEnginePool {pool.name} refuses it"
+        return "Failed", cond(READY, False, pool.refusal or POOL_MISMATCH, message + still)
+    if pool.serves and pool.version == version:
+        return "Ready", cond(READY, True, "Serving", f"LLMEnginePool {pool.name} serves {version} at {pool.endpoint}")
+    reason = "PoolNotReady" if pool.lists(version) == "Listed" else "PoolListing"
+    return "Deploying", cond(READY, False, reason, listing_message(pool, version) + still)

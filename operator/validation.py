@@ -58,6 +58,8 @@ def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
         raise InvalidSpec(problem)
     if problem := autoscaling_problem(spec, config):  # scale out: minReplicas 0 needs KEDA, not an HPA
         raise InvalidSpec(problem)
+    if problem := pool_problem(spec):
+        raise InvalidSpec(problem)
     for path, source in spec.sources.items():  # the model, and a speculative draft model
         if source.scheme == "file":
             raise InvalidSpec(
@@ -78,6 +80,31 @@ def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
                 f"holds {want} GPU(s) (spec.tensorParallel x spec.pipelineParallel, at most spec.gpusPerNode, on "
                 f"spec.gpu {spec.gpu}); remove it, the operator sets it")
     return spec
+
+
+def pool_problem(spec: LLMEngineSpec) -> str | None:
+    """What an engine of a pool (``spec.serving.pool``) cannot ask for: its pool's pods serve it, so their count
+    and routing are the pool's, and a pool pod holds whole engines (one pod per replica)."""
+    pool = spec.serving.pool
+    if pool is None:
+        return None
+    if spec.serving.autoscaling is not None:
+        return (f"spec.serving.autoscaling: this engine is served by LLMEnginePool {pool} (spec.serving.pool), whose "
+                "pods serve every engine of the pool and are scaled by the pool (its spec.replicas), not per engine "
+                "(autoscaling a pool is not supported yet); remove spec.serving.autoscaling, or remove "
+                "spec.serving.pool to serve the engine from its own autoscaled pods")
+    if spec.serving.routing.inference_pool:
+        return (f"spec.serving.routing.inferencePool: this engine is served by LLMEnginePool {pool} "
+                "(spec.serving.pool), whose Service answers every engine of the pool; routing is the pool's, not "
+                "per engine (an InferencePool per pool is not supported yet); remove spec.serving.routing."
+                "inferencePool, or remove spec.serving.pool to serve the engine from its own pods")
+    shape = spec.replica_shape
+    if shape.pods > 1:
+        return (f"spec.serving.pool: one replica of this engine spans {shape.pods} pods (tensorParallel "
+                f"{shape.tensor_parallel} x pipelineParallel {shape.pipeline_parallel} ranks, {shape.ranks_per_pod} "
+                f"per node), but a pool's pod holds whole engines; lower tensorParallel x pipelineParallel to fit "
+                "one node, or remove spec.serving.pool to serve it from its own pods")
+    return None
 
 
 def validate_namespace(spec: LLMEngineSpec, namespace: str, config: OperatorConfig) -> None:

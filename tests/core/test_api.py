@@ -200,6 +200,16 @@ def test_status_round_trip_and_bounded_history():
         LLMEngineStatus.model_validate({"conditions": [{"type": "Ready", "status": "Yes"}]})
 
 
+def test_status_pool_round_trips_and_names_a_state_of_the_pool_s_list():
+    raw = {"phase": "Failed", "pool": {"name": "shared", "state": "Refused", "message": "needs 9.0 GiB"}}
+    status = LLMEngineStatus.model_validate(raw)
+    assert status.pool is not None and status.pool.state == "Refused" and status.to_k8s()["pool"] == raw["pool"]
+    assert LLMEngineStatus.model_validate({"pool": {"name": "shared"}}).pool.state is None  # no entry yet
+    with pytest.raises(ValueError, match="state"):
+        LLMEngineStatus.model_validate({"pool": {"name": "shared", "state": "Loaded"}})
+    assert "pool" not in LLMEngineStatus.model_validate({"phase": "Ready"}).to_k8s()
+
+
 def test_load_spec_names_fields_under_spec():
     raw = manifest(tensorParallel=3, maxInputLen=9000)["spec"]
     with pytest.raises(ManifestError) as info:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 from datetime import UTC, datetime
 
 import pytest
 from kiln.operator.adapters import AdapterView
+from kiln.operator.context import Context
 from kiln.operator.decide import (
     BUILD,
     DELETE_LWS,
@@ -21,11 +23,14 @@ from kiln.operator.decide import (
     lws_missing_message,
     observation,
     retirement,
+    retirements,
     serving_now,
 )
+from kiln.operator.keys import KeyPair
+from kiln.operator.reconcile import serve
 from kiln.operator.retry import Failure
 from kiln.operator.settings import OperatorConfig
-from kiln.operator.status import JobState, compose_status
+from kiln.operator.status import JobState, compose_status, transitions
 from kiln.operator.validation import validate_spec
 
 from kiln.artifact_manifest import BuiltBy, Manifest, ManifestFile
@@ -294,3 +299,157 @@ def test_adapter_statuses_are_composed_with_the_rest_and_removed_with_spec_lora(
     plan = decide(building)
     assert plan.step == BUILD and plan.adapters is None
     assert "adapters" not in compose_status(observation(building, plan, Outcome(job=job()), CONFIG), NOW)
+
+
+# -- an engine of a pool: spec.serving.pool (kiln.operator.pool_member) ---------------------------------------
+
+POOLED = validate_spec({"model": {"source": "hf://o/m"}, "gpu": "cpu", "serving": {"pool": "shared"}}, CONFIG)
+POOL_URL = "http://shared-pool.ml.svc:8000/v1"
+TOO_BIG = ("chat needs 9.0 GiB but LLMEnginePool shared's spec.memoryBudget is 6.0 GiB; raise spec.memoryBudget "
+           "or serve chat from its own pods")
+
+
+def pool(state: str | None = None, version: str = VERSION, phase: str = "Ready", message: str | None = None,
+         **entry) -> dict:
+    """An LLMEnginePool as its reconcile leaves it: ``chat``'s entry in status.engines (none when ``state`` is None)."""
+    engines = [] if state is None else [
+        {"name": "chat", "engineVersion": version, "state": state, "message": message, **entry}]
+    ready = {"type": "Ready", "status": "True" if phase == "Ready" else "False",
+             "message": "1 of 1 pod(s) ready" if phase == "Ready" else "0 of 1 pod(s) ready"}
+    return {"metadata": {"name": "shared", "namespace": "ml"}, "spec": {"gpu": "cpu"},
+            "status": {"phase": phase, "endpoint": POOL_URL, "engines": engines, "conditions": [ready]}}
+
+
+def pooled(status: dict | None = None, pool_body: dict | None = None, **fields) -> World:
+    return world(status, spec=POOLED, **{"manifest": manifest(), "pool": pool_body, **fields})
+
+
+def test_an_engine_of_a_pool_is_built_as_any_other_and_rolls_out_nothing_of_its_own():
+    assert engine_version(POOLED) == VERSION  # spec.serving is not in the build envelope
+    assert decide(pooled(manifest=None)).step == BUILD
+    w = pooled(pool_body=pool())
+    assert decide(w).step == SERVE
+    # No own rollout to watch, and nothing of its own to retire while its pool does not serve it.
+    assert not awaits_new_pods(pooled({"servingVersion": "v1"}), workload("v1"), None, CONFIG)
+    assert retirements(w, None, None) == () and retirements(w, workload("v1"), None) == ()
+    assert retirements(world(spec=MULTI), workload("v1"), workload("v2", kind="LeaderWorkerSet")) == (
+        SCALE_DOWN_DEPLOYMENT,)  # an engine not in a pool retires as before
+
+
+def test_listed_by_a_ready_pool_is_ready_at_the_pool_s_endpoint():
+    status = status_of(pooled(pool_body=pool("Listed")), Outcome())
+    assert status["phase"] == "Ready" and reasons(status) == ["ArtifactAvailable", "Serving"]
+    assert status["servingVersion"] == VERSION and status["endpoint"] == POOL_URL
+    assert status["pool"] == {"name": "shared", "state": "Listed", "message": None}
+    assert f"LLMEnginePool shared serves {VERSION} at {POOL_URL}" == status["conditions"][1]["message"]
+    # Listed, but the pool's pods are not ready: nothing serves it yet.
+    pending = status_of(pooled(pool_body=pool("Listed", phase="Pending")), Outcome())
+    assert pending["phase"] == "Deploying" and reasons(pending)[1] == "PoolNotReady"
+    assert "0 of 1 pod(s) ready" in pending["conditions"][1]["message"] and pending["endpoint"] is None
+
+
+@pytest.mark.parametrize("entry,shows", [
+    (None, "waiting for LLMEnginePool shared to list"),  # the pool has not seen it yet
+    ("Building", "it waits for the build to be pinned"),
+])
+def test_not_listed_yet_is_deploying_while_its_own_deployment_keeps_serving(entry, shows):
+    own = workload("v1")
+    w = pooled({"servingVersion": "v1"}, pool(entry), deployment=own)
+    status = status_of(w, Outcome(deployment=own))
+    assert status["phase"] == "Deploying" and reasons(status)[1] == "PoolListing"
+    assert shows in status["conditions"][1]["message"] and status["conditions"][1]["message"].endswith(
+        "; v1 keeps serving")
+    assert status["servingVersion"] == "v1" and status["endpoint"] == "http://chat.ml.svc:8000/v1"  # its own
+    assert status["pool"] == {"name": "shared", "state": entry, "message": None}
+
+
+def test_a_pool_that_serves_an_older_version_serves_it_until_it_lists_the_new_one():
+    status = status_of(pooled({"servingVersion": "v1"}, pool("Listed", version="v1")), Outcome())
+    assert status["phase"] == "Deploying" and reasons(status)[1] == "PoolListing"
+    assert status["servingVersion"] == "v1" and status["endpoint"] == POOL_URL
+    assert "(it lists v1, Listed); v1 keeps serving" in status["conditions"][1]["message"]
+
+
+@pytest.mark.parametrize("entry,reason", [({"memoryBytes": 9 << 30}, "EngineTooBigForPool"),
+                                          ({}, "PoolMismatch")])  # its spec.gpu, its shape: nothing measured
+def test_refused_by_the_pool_fails_with_the_pool_s_message(entry, reason):
+    w = pooled({"phase": "Deploying"}, pool("Refused", message=TOO_BIG, **entry))
+    status = status_of(w, Outcome())
+    assert status["phase"] == "Failed" and reasons(status) == ["ArtifactAvailable", reason]
+    assert status["conditions"][1]["message"] == TOO_BIG
+    assert status["pool"] == {"name": "shared", "state": "Refused", "message": TOO_BIG}
+    assert ("Warning", reason, TOO_BIG) in transitions(w.old, status)
+    # A refusal of a version it no longer wants is stale: the pool has not judged this one yet.
+    stale = status_of(pooled(pool_body=pool("Refused", version="v1", message=TOO_BIG)), Outcome())
+    assert stale["phase"] == "Deploying" and reasons(stale)[1] == "PoolListing"
+
+
+def test_no_such_pool_is_deploying_naming_the_field_and_the_fix():
+    own = workload("v1")
+    status = status_of(pooled({"servingVersion": "v1"}, None, deployment=own), Outcome(deployment=own))
+    assert status["phase"] == "Deploying" and reasons(status)[1] == "PoolNotFound"
+    message = status["conditions"][1]["message"]
+    assert message.startswith("spec.serving.pool: there is no LLMEnginePool shared in namespace ml")
+    assert "create it" in message and "remove spec.serving.pool" in message and message.endswith("v1 keeps serving")
+    assert status["pool"] == {"name": "shared", "state": None, "message": None}
+    assert status["servingVersion"] == "v1" and retirements(pooled(), own, None) == ()
+
+
+def test_its_own_deployment_is_scaled_to_zero_only_once_the_pool_serves_it():
+    own, lws = workload("v1"), workload("v1", kind="LeaderWorkerSet")
+    for not_yet in (None, pool(), pool("Building"), pool("Listed", phase="Pending"), pool("Refused", message="x")):
+        assert retirements(pooled(pool_body=not_yet), own, lws) == ()
+    serving = pooled(pool_body=pool("Listed"))
+    assert retirements(serving, own, None) == (SCALE_DOWN_DEPLOYMENT,)
+    assert retirements(serving, own, lws) == (SCALE_DOWN_DEPLOYMENT, DELETE_LWS)
+    assert retirements(serving, workload("v1", replicas=0), None) == ()  # already scaled down
+    assert retirements(pooled(pool_body=pool("Listed", version="v1")), own, None) == (SCALE_DOWN_DEPLOYMENT,)
+    # Once scaled down, what serves it is the pool (and the endpoint is the pool's).
+    status = status_of(serving, Outcome(deployment=workload("v1", replicas=0)))
+    assert status["phase"] == "Ready" and status["endpoint"] == POOL_URL
+    assert status["replicas"]["desired"] == 0  # its own pods: none
+
+
+class RecordingKube:
+    """The API calls a step makes, on a dict of objects by path (get/create/patch/delete; lists are empty)."""
+
+    def __init__(self, objects: dict[str, dict]):
+        self.objects, self.calls = dict(objects), []
+
+    async def get(self, path):
+        self.calls.append(("GET", path))
+        return self.objects.get(path)
+
+    async def create(self, path, body):
+        self.calls.append(("POST", f"{path}/{body['metadata']['name']}"))
+        self.objects[f"{path}/{body['metadata']['name']}"] = body
+        return body
+
+    async def patch(self, path, body):
+        self.calls.append(("PATCH", path))
+        self.objects[path] = {**self.objects[path], "spec": {**self.objects[path]["spec"], **body.get("spec", {})}}
+        return self.objects[path]
+
+    async def delete(self, path):
+        self.calls.append(("DELETE", path))
+        self.objects.pop(path, None)
+
+    async def list(self, path, label_selector=None):
+        return []
+
+
+@pytest.mark.parametrize("pool_body,scaled", [(None, False), (pool("Listed", phase="Pending"), False),
+                                              (pool("Listed"), True)])
+async def test_the_serve_step_of_an_engine_of_a_pool_applies_no_workload_of_its_own(pool_body, scaled):
+    own = workload("v1")
+    deployment_path = "/apis/apps/v1/namespaces/ml/deployments/chat"
+    kube = RecordingKube({deployment_path: own})
+    ctx = Context(kube=kube, store=None, config=CONFIG, keys=KeyPair(b"private", b"public"))
+    w = pooled({"servingVersion": "v1"}, pool_body, deployment=own)
+    w.body["metadata"]["uid"] = "u-1"
+    outcome = await serve(ctx, w, decide(w), logging.getLogger("test"))
+    created = [path for verb, path in kube.calls if verb == "POST"]
+    assert created == ["/api/v1/namespaces/ml/secrets/kiln-verify-key"]  # the pool's pods mount it
+    changed = [path for verb, path in kube.calls if verb == "PATCH"]
+    assert changed == ([deployment_path] if scaled else [])
+    assert (outcome.deployment["spec"]["replicas"] == 0) is scaled and outcome.new_pods is None

@@ -162,6 +162,9 @@ def test_two_engines_with_one_envelope_share_one_build_and_their_cleanup(cluster
     ({"model": {"source": "pvc://kiln-operator-data/m"}}, "spec.model.source"),
     ({"lora": {"maxLoras": 1, "adapters": [{"name": "sql", "source": "pvc://other/sql"}]}},
      "spec.lora.adapters[0].source"),
+    # a pool's pod holds whole engines: one that spans pods cannot join one (the fix keeps the pool)
+    ({"gpu": "H100-80GB", "dtype": "bfloat16", "tensorParallel": 8, "pipelineParallel": 2,
+      "serving": {**SPEC["serving"], "pool": "shared"}}, "spec.serving.pool"),
 ])
 def test_invalid_spec_fails_with_the_field_and_builds_nothing(cluster: Cluster, spec: dict, field: str):
     c = cluster
@@ -183,6 +186,51 @@ def test_invalid_spec_fails_with_the_field_and_builds_nothing(cluster: Cluster, 
         c.wait_status("bad", "Building after the fix", phase="Building")
     assert runner.output.count("failed permanently") == 1  # one report, no retry loop
     assert status["observedGeneration"] == 1
+
+
+@pytest.mark.parametrize("serving, field", [
+    ({"pool": "shared", "autoscaling": {"maxReplicas": 4}}, "spec.serving.autoscaling"),
+    ({"pool": "shared", "routing": {"inferencePool": True}}, "spec.serving.routing.inferencePool"),
+])
+def test_an_engine_of_a_pool_that_asks_to_scale_or_route_alone_fails_with_the_field(cluster: Cluster, serving: dict,
+                                                                                      field: str):
+    c = cluster
+    with running_operator() as runner:
+        c.kube.create(ENGINES, manifest("bad", serving={**SPEC["serving"], **serving}))
+        c.wait_status("bad", "Failed", phase="Failed")
+        built = c.condition("bad", "Built")
+        assert built["reason"] == "InvalidSpec" and built["message"].startswith(f"{field}: ")
+        assert "served by LLMEnginePool shared (spec.serving.pool)" in built["message"]
+        assert f"remove {field}" in built["message"]
+        time.sleep(1)
+        assert c.jobs() == [] and c.deployment("bad") is None
+        # Removing the field is all it takes: built as any engine, for its pool.
+        c.kube.patch(f"{ENGINES}/bad", {"spec": {"serving": {key: None for key in serving if key != "pool"}}})
+        c.wait_job()
+        c.wait_status("bad", "Building after the fix", phase="Building")
+    assert runner.output.count("failed permanently") == 1
+
+
+def test_an_engine_of_a_pool_that_does_not_exist_is_built_but_gets_no_pods_of_its_own(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("member", serving={**SPEC["serving"], "pool": "shared"}))
+        version = c.build(c.wait_job(), SPEC)
+        c.wait_status("member", "Deploying", phase="Deploying", engineVersion=version)
+        ready = c.condition("member", "Ready")
+        assert ready["reason"] == "PoolNotFound"
+        assert ready["message"].startswith("spec.serving.pool: there is no LLMEnginePool shared in namespace ml")
+        assert c.status("member")["pool"]["name"] == "shared" and c.status("member").get("endpoint") is None
+        time.sleep(1)
+        assert c.deployment("member") is None and c.kube.get(f"{SERVICES}/member") is None
+        assert c.kube.get(f"{PDBS}/member") is None
+        assert c.kube.get("/api/v1/namespaces/ml/secrets/kiln-verify-key") is not None  # the pool's pods mount it
+        # Leaving the pool: its own Deployment, as any engine's, and no status.pool.
+        c.kube.patch(f"{ENGINES}/member", {"spec": {"serving": {"pool": None}}})
+        wait_for(lambda: c.template_version("member") == version, what="its own Deployment once it left the pool")
+        c.roll_out("member")
+        status = c.wait_status("member", "Ready on its own", phase="Ready", servingVersion=version)
+        assert "pool" not in status and status["endpoint"] == "http://member.ml.svc:8000/v1"
 
 
 def test_a_job_of_another_version_under_the_build_s_name_is_a_conflict_never_adopted(cluster: Cluster):

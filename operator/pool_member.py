@@ -1,0 +1,92 @@
+"""An LLMEngine of an engine pool (``spec.serving.pool``, docs/pools.md), as pure functions: how its pool lists it.
+
+An engine of a pool is built as any other; at the serve step it renders no workload, Service, PDB or
+NetworkPolicy of its own: the pool's reconcile lists it in the pool's engine list once it is built, and the
+pool's pods load it on demand. The engine's reconcile reads the LLMEnginePool object once (``reconcile.observe``);
+:func:`pool_view` turns it into a :class:`PoolView`, from which its status follows
+(``kiln.operator.status``: Ready once the pool lists its version and the pool is Ready; Failed when the pool
+refuses it; Deploying while there is no such pool or the pool has not listed it yet).
+
+An engine that served alone before it joined keeps serving from its own Deployment until its pool serves it
+(:attr:`PoolView.serves`): then that Deployment is scaled to zero (the chart grants Deployments no delete; leaving
+the pool renders it again) and a LeaderWorkerSet deleted (``kiln.operator.decide.retirements``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.api import LLMEngineSpec
+
+ENGINE_TOO_BIG, POOL_MISMATCH = "EngineTooBigForPool", "PoolMismatch"  # the Ready condition's reason when Refused
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """The LLMEnginePool of ``spec.serving.pool`` as this engine sees it."""
+
+    name: str  # spec.serving.pool
+    namespace: str  # the engine's, where the pool must be
+    found: bool = False  # an LLMEnginePool of that name exists there
+    state: str | None = None  # its status.engines entry for this engine: Building | Listed | Refused; None: no entry
+    version: str | None = None  # the engine version that entry is for
+    message: str | None = None  # the entry's message: why it is refused
+    refusal: str | None = None  # Refused: ENGINE_TOO_BIG (its memory) or POOL_MISMATCH (anything else: refusal)
+    ready: bool = False  # the pool's phase is Ready: its pods serve
+    pool_message: str = ""  # the pool's Ready condition message (why it does not serve yet)
+    endpoint: str | None = None  # the pool's status.endpoint (its Service)
+
+    @property
+    def serves(self) -> bool:
+        """The pool's pods serve this engine (the version of its entry)."""
+        return self.state == "Listed" and self.ready and self.version is not None
+
+    def lists(self, version: str | None) -> str | None:
+        """The entry's state when it is for ``version`` (or names none); None when it is another version's."""
+        return self.state if self.version in (None, version) else None
+
+    def status(self) -> dict[str, Any]:
+        """``status.pool`` (kiln.engine_status.PoolMembership)."""
+        return {"name": self.name, "state": self.state, "message": self.message}
+
+
+def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, Any] | None) -> PoolView | None:
+    """How the LLMEnginePool ``pool`` (as read; None: there is none) lists the engine ``name``; None when the
+    engine is not in a pool."""
+    wanted = spec.serving.pool
+    if wanted is None:
+        return None
+    if pool is None:
+        return PoolView(wanted, namespace)
+    status = pool.get("status") or {}
+    entry = next((e for e in status.get("engines") or [] if e.get("name") == name), {})
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    state = entry.get("state")
+    return PoolView(wanted, namespace, found=True, state=state, version=entry.get("engineVersion"),
+                    message=entry.get("message"), refusal=refusal(entry) if state == "Refused" else None,
+                    ready=status.get("phase") == "Ready", pool_message=ready.get("message") or "",
+                    endpoint=status.get("endpoint"))
+
+
+def refusal(entry: dict[str, Any]) -> str:
+    """Why a pool refuses an engine, as a reason: what it counts (the entry's memoryBytes, measured once it is
+    built) exceeds the pool's budget (ENGINE_TOO_BIG); else it does not match the pool's pods (its spec.gpu, its
+    shape) or its artifact cannot be listed (POOL_MISMATCH); the pool's message says which."""
+    return ENGINE_TOO_BIG if entry.get("memoryBytes") is not None else POOL_MISMATCH
+
+
+def not_found_message(view: PoolView) -> str:
+    return (f"spec.serving.pool: there is no LLMEnginePool {view.name} in namespace {view.namespace}; create it "
+            f"(docs/pools.md), or remove spec.serving.pool to serve this engine from its own pods")
+
+
+def listing_message(view: PoolView, version: str | None) -> str:
+    """Why a found pool does not serve ``version`` of the engine yet."""
+    if view.lists(version) == "Listed":
+        why = f": {view.pool_message}" if view.pool_message else ""
+        return f"LLMEnginePool {view.name} lists {version}, but its pods do not serve yet{why}"
+    now = f" (it lists {view.version}, {view.state})" if view.version not in (None, version) else ""
+    if view.lists(version) == "Building" and not now:
+        now = " (it waits for the build to be pinned)"
+    return f"waiting for LLMEnginePool {view.name} to list {version}{now}"
