@@ -20,6 +20,13 @@ tenant's prompt is cached::
 
     key[-1] = SHA-256(root || b"\x00salt\x00" || cache_salt as UTF-8)
 
+In an engine pool (several engines behind one server, docs/pools.md) the keys a server publishes are rooted at
+the engine's version too (its content-addressed artifact version), before any adapter, so two engines of one
+pod given the same prompt get different keys; a single engine's keys stay as above::
+
+    key[-1] = SHA-256(b"kiln-prefix-v1" || b"\x00engine\x00" || engine version as ASCII)
+    key[-1] = SHA-256(b"kiln-prefix-v1" || b"\x00engine\x00" || engine version || b"\x00lora\x00" || digest)
+
 A request reuses the cached KV of its longest run of leading blocks whose keys the engine
 holds, except that the prompt's last token is always computed: a prompt of ``n`` tokens
 can hit at most ``(n - 1) // block_size`` blocks. Keys are cryptographic on purpose: a
@@ -38,11 +45,13 @@ PREFIX_HASH_SCHEME = "kiln-prefix-v1"
 ROOT_KEY = hashlib.sha256(PREFIX_HASH_SCHEME.encode()).digest()
 
 
-def root_key(adapter: str | None = None, cache_salt: str | None = None) -> bytes:
-    """``key[-1]``: the scheme's root, or a LoRA adapter's (by its content digest), salted by ``cache_salt``."""
+def root_key(adapter: str | None = None, cache_salt: str | None = None, engine: str | None = None) -> bytes:
+    """``key[-1]``: the scheme's root, or a LoRA adapter's (by its content digest), under a pool's engine (by its
+    version) when ``engine`` is given, salted by ``cache_salt``."""
     root = ROOT_KEY
-    if adapter is not None:
-        root = hashlib.sha256(PREFIX_HASH_SCHEME.encode() + b"\x00lora\x00" + adapter.encode()).digest()
+    if adapter is not None or engine is not None:
+        named = PREFIX_HASH_SCHEME.encode() + (b"\x00engine\x00" + engine.encode() if engine is not None else b"")
+        root = hashlib.sha256(named + (b"\x00lora\x00" + adapter.encode() if adapter is not None else b"")).digest()
     if cache_salt:
         root = hashlib.sha256(root + b"\x00salt\x00" + cache_salt.encode()).digest()
     return root
@@ -55,12 +64,12 @@ def chain_hash(parent: bytes | None, token_ids: Sequence[int], root: bytes = ROO
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, limit: int | None = None,
-               adapter: str | None = None, cache_salt: str | None = None) -> list[bytes]:
+               adapter: str | None = None, cache_salt: str | None = None, engine: str | None = None) -> list[bytes]:
     """Keys of the full blocks of ``token_ids`` (at most ``limit`` of them), under the adapter whose content
-    digest is ``adapter`` and the ``cache_salt`` if given."""
+    digest is ``adapter``, the pool's engine whose version is ``engine`` and the ``cache_salt`` if given."""
     count = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
     keys: list[bytes] = []
-    parent, root = None, root_key(adapter, cache_salt)
+    parent, root = None, root_key(adapter, cache_salt, engine)
     for i in range(count):
         parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size], root)
         keys.append(parent)

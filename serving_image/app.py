@@ -332,8 +332,7 @@ def create_app(config: ServeConfig, pool: PoolSettings | None = None) -> FastAPI
     app.include_router(probes)
     app.include_router(models, dependencies=[Depends(require_api_key)])
     app.include_router(routes.router, dependencies=[Depends(require_api_key)])
-    if pool is None:  # the prefix-cache keys are one engine's (a pool's engines: not yet, docs/pools.md)
-        app.include_router(prefix.router, dependencies=[Depends(require_api_key)])
+    app.include_router(prefix.router, dependencies=[Depends(require_api_key)])  # a pool's: by model (prefix.py)
     if runtime_updating_allowed(config.allow_runtime_lora_updating) and pool is None:  # else 404, as vLLM
         app.include_router(lora.router, dependencies=[Depends(require_api_key)])
     return app

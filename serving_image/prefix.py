@@ -1,6 +1,6 @@
 """``/v1/prefix_cache``: the engine's prefix-cache keys, for routers that place requests by cache hits.
 
-``GET /v1/prefix_cache`` says how keys are made (scheme, block size, pool size);
+``GET /v1/prefix_cache`` says how keys are made (scheme, block size, number of blocks);
 ``POST /v1/prefix_cache/keys`` returns the keys of a prompt (``prompt``: text or token ids)
 or a conversation (``messages``, through the chat template as ``/v1/chat/completions``
 renders it), exactly as the engine computes them: the blocks it could reuse for that
@@ -8,8 +8,11 @@ request, in order. With ``?endpoint=/v1/messages`` or ``?endpoint=/v1/responses`
 endpoint's own request, as a client sent it (a router forwards it unchanged): translated and rendered
 as the endpoint renders it (system, tools, ``instructions``, a stored ``previous_response_id``'s
 conversation on this replica), so the keys are the blocks that request would reuse. ``model`` an adapter's name roots them at the adapter version loaded now (its
-content digest); ``cache_salt`` salts them as it salts a completion's. A router that tokenizes itself computes the same keys with
-:mod:`kiln.engine.prefix_hash` (or the ten lines in docs/prefix-routing.md).
+content digest); ``cache_salt`` salts them as it salts a completion's. In an engine pool (docs/pools.md) ``model``
+(the body's; GET's ``?model=NAME``, required there) picks the engine, loaded as a request would load it, and the
+keys are rooted at that engine's version (``engine_version`` in the answer), so two engines of one pod never share
+keys. A router that tokenizes itself computes the same keys with
+:mod:`kiln.engine.prefix_hash` (or the dozen lines of Python in docs/prefix-routing.md).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from kiln.serving.chat import render_chat
 from kiln.serving.constraints import output_constraint
 from kiln.serving.errors import APIError, from_validation_error, parse_json_body
 from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, _Body, check_messages, check_supported
-from kiln.serving.request_path import in_terms_of, parse_request
+from kiln.serving.request_path import in_terms_of, parse_request, resolve_model
 from kiln.serving.responses_protocol import ResponsesRequest
 from kiln.serving.responses_translate import to_chat as responses_to_chat
 from kiln.serving.routes import _INLINE_BYTES, MESSAGES_NAMES, RESPONSES_NAMES, _store, read_body
@@ -43,49 +46,70 @@ class KeysRequest(_Body):
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
 
-def _engine(request: Request) -> Any:
-    state = request.app.state.kiln.state
-    state.check_accepting()
-    return state.engine
+async def _serving(request: Request, model: str | None) -> Any:
+    """The serving context whose engine answers for ``model`` (``state``, ``loras``...): this server's own; in an
+    engine pool (docs/pools.md) the engine ``model`` names, or the engine of the adapter it names, loaded as a
+    request for it would load it (404 naming the pool's models for a name it does not serve, 503 when it cannot
+    be placed). ``model`` is None only from GET's query string, which a pool needs (400)."""
+    ctx = request.app.state.kiln
+    ctx.state.check_accepting()
+    if ctx.pool is None:
+        if model is not None:
+            resolve_model(ctx, model)  # a 404 for a name this server does not serve
+        return ctx
+    if model is None:
+        raise APIError(400, f"this server is an engine pool: give the engine, ?model=NAME (the pool serves "
+                       f"{ctx.pool.served_names()}); each engine has its own cache and keys", param="model")
+    serving = await ctx.serving_for(model)
+    serving.state.check_accepting()
+    return serving
 
 
-def _scheme(engine: Any) -> dict[str, Any]:
+def _scheme(request: Request, serving: Any) -> dict[str, Any]:
+    """How the keys are made; in a pool, also the engine's version they are rooted at (``engine_version``)."""
+    engine = serving.state.engine
     stats = engine.stats()
-    return {"scheme": PREFIX_HASH_SCHEME, "hash": "sha256", "token_encoding": "uint32-le",
-            "block_size": stats.block_size, "num_blocks": stats.num_total_blocks,
-            "enabled": bool(engine.engine_config.enable_prefix_caching)}
+    scheme = {"scheme": PREFIX_HASH_SCHEME, "hash": "sha256", "token_encoding": "uint32-le",
+              "block_size": stats.block_size, "num_blocks": stats.num_total_blocks,
+              "enabled": bool(engine.engine_config.enable_prefix_caching)}
+    if request.app.state.kiln.pool is not None:
+        scheme["engine_version"] = serving.version
+    return scheme
 
 
 @router.get("/v1/prefix_cache")
-async def prefix_cache(request: Request) -> dict[str, Any]:
-    return _scheme(_engine(request))
+async def prefix_cache(request: Request, model: str | None = None) -> dict[str, Any]:
+    return _scheme(request, await _serving(request, model))
 
 
 @router.post("/v1/prefix_cache/keys")
 async def prefix_cache_keys(request: Request, endpoint: str | None = None) -> dict[str, Any]:
     ctx = request.app.state.kiln
-    engine = _engine(request)
+    ctx.state.check_accepting()
     raw = await read_body(request, ctx.config.body_read_timeout)
     inline = len(raw) <= _INLINE_BYTES  # a big body parses and tokenizes off the event loop, as completions do
     if endpoint is not None:  # a Messages or Responses body, as its endpoint renders it
-        req, ids = await dialect_prompt(request, endpoint, raw, inline)
-        adapter = await _adapter_root(ctx, engine, req.model)
+        req, names = await dialect_request(request, endpoint, raw)
     else:
         req = _parse(raw) if inline else await asyncio.to_thread(_parse, raw)
-        adapter = await _adapter_root(ctx, engine, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt (text or token ids) and messages", param="prompt")
+    serving = await _serving(request, req.model)
+    engine, scheme = serving.state.engine, _scheme(request, serving)  # read before anything yields to the loop
+    adapter = await _adapter_root(serving, engine, req.model)
+    if endpoint is not None:
+        ids = await dialect_ids(serving, req, names, inline)
+    else:
         ids = _prompt_ids(req, engine) if inline else await asyncio.to_thread(_prompt_ids, req, engine)
-    scheme = _scheme(engine)
     size = scheme["block_size"]
     keys = block_keys(ids, size, limit=max(0, len(ids) - 1) // size, adapter=adapter,  # last token: computed
-                      cache_salt=req.cache_salt)
+                      cache_salt=req.cache_salt, engine=scheme.get("engine_version"))
     return {**scheme, "num_prompt_tokens": len(ids), "keys": [k.hex() for k in keys]}
 
 
-async def dialect_prompt(request: Request, endpoint: str, raw: bytes, inline: bool) -> tuple[Any, list[int]]:
-    """(the chat request, its prompt's ids) for ``raw``, a body of ``endpoint`` (``/v1/messages``, ``/v1/responses``),
-    translated and rendered as that endpoint does; errors name the dialect's own fields."""
+async def dialect_request(request: Request, endpoint: str, raw: bytes) -> tuple[Any, list[tuple[str, str]]]:
+    """(the chat request, the dialect's field names) for ``raw``, a body of ``endpoint`` (``/v1/messages``,
+    ``/v1/responses``), translated as that endpoint does; errors name the dialect's own fields."""
     if endpoint == "/v1/messages":
         model, names, translate = MessagesRequest, MESSAGES_NAMES, messages_to_chat
     elif endpoint == "/v1/responses":
@@ -95,28 +119,33 @@ async def dialect_prompt(request: Request, endpoint: str, raw: bytes, inline: bo
         raise APIError(400, f"endpoint {endpoint!r} is not one whose body this takes: give /v1/messages or "
                        "/v1/responses with that endpoint's body, or no endpoint with a prompt or messages",
                        param="endpoint")
-    ctx = request.app.state.kiln
-    tokenizer, tool_call_format = ctx.state.engine.tokenizer, ctx.state.engine_info.get("tool_call_format", "json")
+    try:
+        return await parse_request(raw, model, translate), names
+    except APIError as exc:
+        raise in_terms_of(exc, names) from None
 
-    def prompt(chat: Any) -> list[int]:
+
+async def dialect_ids(serving: Any, chat: Any, names: list[tuple[str, str]], inline: bool) -> list[int]:
+    """The prompt's ids of ``chat`` (a translated dialect request), rendered as its endpoint renders it on the
+    engine of ``serving``; errors name the dialect's own fields."""
+    tokenizer = serving.state.engine.tokenizer
+    tool_call_format = (serving.state.engine_info or {}).get("tool_call_format", "json")
+
+    def prompt() -> list[int]:
         check_supported(chat)
         _, plan = output_constraint(chat, tool_call_format)
         return render_chat(chat, tokenizer, plan)
 
     try:
-        chat = await parse_request(raw, model, translate)
-        return chat, (prompt(chat) if inline else await asyncio.to_thread(prompt, chat))
+        return prompt() if inline else await asyncio.to_thread(prompt)
     except APIError as exc:
         raise in_terms_of(exc, names) from None
 
 
 async def _adapter_root(ctx: Any, engine: Any, model: str) -> str | None:
     """The keys' root for ``model``: None for the base model; an adapter's keys are its own, rooted at the content
-    digest of the version loaded now. A 404 for a model this server does not serve."""
-    lora = ctx.loras.get(model) if model not in ctx.model_names else None
-    if model not in ctx.model_names and lora is None:
-        raise APIError(404, f"The model {model!r} does not exist on this server; it serves "
-                       f"{ctx.served_model_name!r}", param="model", code="model_not_found")
+    digest of the version loaded now. A 404 for a model this server (this engine of a pool) does not serve."""
+    lora = resolve_model(ctx, model)
     if lora is None:
         return None
     await ctx.loras.ensure_loaded(lora)

@@ -100,10 +100,13 @@ class EnginePool:
             return None
         return next((s for s in self.slots.values() if model in wanted(doc, s.version)), None)
 
+    def served_names(self) -> str:
+        """The engines' names, as errors name them: ``'a', 'b'``."""
+        return ", ".join(repr(n) for n in sorted(self.slots)) or "no engines yet"
+
     def not_found(self, model: str) -> APIError:
-        names = ", ".join(repr(n) for n in sorted(self.slots)) or "no engines yet"
-        return APIError(404, f"The model {model!r} does not exist on this server; the pool serves {names} (see "
-                        "GET /v1/models)", param="model", code="model_not_found")
+        return APIError(404, f"The model {model!r} does not exist on this server; the pool serves "
+                        f"{self.served_names()} (see GET /v1/models)", param="model", code="model_not_found")
 
     # -- placing a request ---------------------------------------------------------------------------------
     async def acquire(self, model: str) -> EngineSlot:
@@ -292,6 +295,12 @@ class EnginePool:
         """Requests in flight or waiting for their engine to be placed, removed engines' included: what a drain
         waits for."""
         return sum(s.state.num_in_flight + s.num_waiting for s in self._members())
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for their engine to be placed or loaded (the queue's among them): admitted by no engine
+        yet, so in no engine's waiting count."""
+        return sum(s.num_waiting for s in self._members())
 
     def generations(self) -> list[Any]:
         return [g for s in self._members() for g in s.state.generations]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from kiln.serving.config import ServeConfig
@@ -89,6 +90,9 @@ class FakeEngine:
 
     class engine_config:  # noqa: N801 - what ServerState reads of an engine
         max_batch_size = 4
+
+    def stats(self) -> SimpleNamespace:  # what the pool's /metrics reads of a loaded engine (its queue)
+        return SimpleNamespace(num_waiting=0)
 
 
 class Recorder:
