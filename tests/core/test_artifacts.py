@@ -81,7 +81,8 @@ def test_publish_then_fetch_round_trips_and_verifies(store: ArtifactStore, tmp_p
     fetched = tree(dest)
     assert Manifest.model_validate_json(fetched.pop("manifest.json")) == manifest
     assert fetched == tree(src)
-    assert [p.name for p in dest.parent.iterdir()] == ["engine"]  # no temp dirs left next to dest
+    # no temp dirs left next to dest; its verification stamp beside it (kiln.cache_stamp)
+    assert sorted(p.name for p in dest.parent.iterdir()) == [".engine.verified.json", "engine"]
 
 
 def test_manifest_on_store_is_json_with_the_documented_fields(store: ArtifactStore, tmp_path: Path):
