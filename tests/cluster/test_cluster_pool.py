@@ -3,7 +3,8 @@ whose spec.serving.pool names it. An engine built as usual is listed in the pool
 pod follows through the kubelet-style volume refresh) and answers through the pool's Service under its name; a
 second engine joins the running pod without a restart; one that leaves is unloaded, is a 404 naming the pool's
 models, and gets its own Deployment again, whose greedy answer is the one the pool gave; an engine that cannot
-fit a pool's budget is refused naming both figures, and that pool goes Failed naming spec.memoryBudget.
+fit a pool's budget is refused naming both figures, and that pool goes Failed naming spec.memoryBudget; a
+member deleted is dropped from the pod's list within seconds.
 
 The tests run in file order and share the pool and its engines (one story, as in test_cluster_engine_life)."""
 
@@ -149,7 +150,7 @@ def test_a_member_is_built_listed_and_answers_through_the_pool_service(pools: Ku
     assert pool["status"]["endpoint"] == f"http://{POOL}-pool.{ENGINE_NS}.svc:8000/v1"
     assert pools.get("deployment", A, ENGINE_NS) is None, "a member has no Deployment of its own"
     address = pool_address(pools)
-    served = models(address)
+    served = pools.wait_for(f"{A} on the pod's /v1/models", lambda: models(address), timeout=120, every=2)
     assert set(served) == {A}, served
     assert served[A]["memory_bytes"] == member(pool, A)["memoryBytes"], "the operator counts what the pod counts"
     seen[A] = complete(address, A)
@@ -208,3 +209,14 @@ def test_an_engine_too_big_for_a_pool_is_refused_naming_both_figures(pools: Kube
     ready = pools.condition(pool, "Ready")
     assert ready["status"] == "False" and ready["reason"] == "BudgetTooSmall", ready
     assert "spec.memoryBudget" in ready["message"] and human(needs) in ready["message"], ready
+
+
+def test_a_member_deleted_is_dropped_from_the_pool_within_seconds(pools: Kube):
+    address, pod = pool_address(pools), pool_pod(pools)
+    pools.kubectl("delete", f"llmengines.{GROUP}", B, "-n", ENGINE_NS, "--wait=true", "--timeout=120s")
+    pools.wait_for(f"{B} gone from the pod's /v1/models", lambda: B not in models(address), timeout=60, every=2)
+    assert engine_list(pools) == {} and not member(get_pool(pools), B)
+    assert evictions(address, B).get("removed") == 1
+    status, body = call(address, "/v1/completions", {"model": B, "prompt": "hello there", "max_tokens": 8})
+    assert status == 404 and "no engines yet" in body["error"]["message"], body
+    assert pool_pod(pools)["metadata"]["uid"] == pod["metadata"]["uid"]
