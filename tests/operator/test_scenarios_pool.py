@@ -17,6 +17,11 @@ from harness import CONFIGMAPS, ENGINES, POOLS, SERVICES, SPEC, Cluster, manifes
 pytestmark = pytest.mark.timeout(120)
 
 GiB = 2**30
+PATIENCE = 60  # seconds: a shared CI host runs the emulator, moto and kopf on few cores
+
+
+def until(check: Any, what: str) -> Any:
+    return wait_for(check, PATIENCE, what)
 
 
 def pool_manifest(name: str, **spec: Any) -> dict[str, Any]:
@@ -34,8 +39,8 @@ def pool_status(c: Cluster, name: str) -> dict[str, Any]:
 
 def wait_pool(c: Cluster, name: str, what: str, **fields: Any) -> dict[str, Any]:
     try:
-        return wait_for(lambda: (s := pool_status(c, name)) and all(s.get(k) == v for k, v in fields.items()) and s,
-                        what=what)
+        return until(lambda: (s := pool_status(c, name)) and all(s.get(k) == v for k, v in fields.items()) and s,
+                     what)
     except AssertionError:
         raise AssertionError(f"{what}: pool status is {json.dumps(pool_status(c, name), indent=1)}") from None
 
@@ -59,7 +64,7 @@ def test_a_pool_serves_its_members_and_they_join_and_leave_without_rolling_its_p
     c = cluster
     with running_operator():
         c.kube.create(POOLS, pool_manifest("shared", memoryBudget="2Gi"))
-        wait_for(lambda: c.deployment("shared-pool"), what="the pool's Deployment")
+        until(lambda: c.deployment("shared-pool"), "the pool's Deployment")
         assert c.kube.get(f"{SERVICES}/shared-pool")["spec"]["selector"]["serving.kiln.dev/pool"] == "shared"
         assert listed(c, "shared") == {}
         status = wait_pool(c, "shared", "Pending", phase="Pending")
@@ -69,9 +74,9 @@ def test_a_pool_serves_its_members_and_they_join_and_leave_without_rolling_its_p
         before = c.deployment("shared-pool")
 
         c.kube.create(ENGINES, member("chat"))
-        wait_for(lambda: entry(c, "shared", "chat").get("state") == "Building", what="chat Building in the pool")
+        until(lambda: entry(c, "shared", "chat").get("state") == "Building", "chat Building in the pool")
         version = c.build(c.wait_job(), SPEC, memory=GiB)
-        wait_for(lambda: "chat" in listed(c, "shared"), what="chat in the pool's engine list")
+        until(lambda: "chat" in listed(c, "shared"), "chat in the pool's engine list")
         pinned = c.status("chat")["artifact"]["contentDigest"]
         assert listed(c, "shared")["chat"] == {"name": "chat", "artifactURI": c.store.artifact_uri(version),
                                                "contentDigest": pinned}
@@ -82,12 +87,12 @@ def test_a_pool_serves_its_members_and_they_join_and_leave_without_rolling_its_p
         assert after["metadata"]["generation"] == before["metadata"]["generation"]
 
         c.kube.patch(f"{ENGINES}/chat", {"spec": {"serving": {"pool": None}}})  # leaves: unloaded from the pods
-        wait_for(lambda: "chat" not in listed(c, "shared"), what="chat dropped from the engine list")
-        wait_for(lambda: not entry(c, "shared", "chat"), what="chat gone from the pool's status")
+        until(lambda: "chat" not in listed(c, "shared"), "chat dropped from the engine list")
+        until(lambda: not entry(c, "shared", "chat"), "chat gone from the pool's status")
         c.kube.patch(f"{ENGINES}/chat", {"spec": {"serving": {"pool": "shared"}}})
-        wait_for(lambda: "chat" in listed(c, "shared"), what="chat back in the engine list")
+        until(lambda: "chat" in listed(c, "shared"), "chat back in the engine list")
         c.kube.delete(f"{ENGINES}/chat")
-        wait_for(lambda: "chat" not in listed(c, "shared"), what="a deleted engine dropped from the engine list")
+        until(lambda: "chat" not in listed(c, "shared"), "a deleted engine dropped from the engine list")
         assert c.deployment("shared-pool")["spec"]["template"] == before["spec"]["template"]
 
 
@@ -98,7 +103,7 @@ def test_an_engine_too_big_is_refused_and_a_budget_too_small_for_all_fails_the_p
         c.kube.create(POOLS, pool_manifest("shared", memoryBudget="1Gi"))
         c.kube.create(ENGINES, member("big"))
         c.build(c.wait_job(), SPEC, memory=3 * GiB)
-        wait_for(lambda: entry(c, "shared", "big").get("state") == "Refused", what="big refused")
+        until(lambda: entry(c, "shared", "big").get("state") == "Refused", "big refused")
         message = entry(c, "shared", "big")["message"]
         assert "engine big counts 3.00 GiB" in message and "budget of 1.00 GiB (spec.memoryBudget (1Gi))" in message
         assert "raise the pool's spec.memoryBudget to at least 3.00 GiB" in message
@@ -108,10 +113,10 @@ def test_an_engine_too_big_is_refused_and_a_budget_too_small_for_all_fails_the_p
         assert cond["reason"] == "BudgetTooSmall" and cond["message"].startswith("spec.memoryBudget: ")
         assert "the smallest, big, counts 3.00 GiB" in cond["message"]
         assert status["engines"][0]["memoryBytes"] == 3 * GiB
-        wait_for(lambda: "BudgetTooSmall" in c.event_reasons("shared"), what="a BudgetTooSmall event")
+        until(lambda: "BudgetTooSmall" in c.event_reasons("shared"), "a BudgetTooSmall event")
 
         c.kube.patch(f"{POOLS}/shared", {"spec": {"memoryBudget": "4Gi"}})  # the fix the message names
-        wait_for(lambda: "big" in listed(c, "shared"), what="big listed once the budget holds it")
+        until(lambda: "big" in listed(c, "shared"), "big listed once the budget holds it")
         wait_pool(c, "shared", "Pending after the fix", phase="Pending")
 
 
