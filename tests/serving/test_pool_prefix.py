@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from conftest import MODEL_NAME
 from kiln.engine.prefix_hash import block_keys
 from kiln.serving.app import create_app
 from kiln.serving.config import ServeConfig
@@ -234,3 +235,36 @@ async def test_requests_waiting_on_a_load_count_as_waiting(loads, monkeypatch):
     gate.set()
     await asyncio.wait_for(asyncio.gather(*first), 2)
     assert waiting(pool.metrics.render().decode()) == {"a": 0, "p": 0}
+
+
+@pytest.mark.slow
+def test_a_real_pools_keys_predict_each_engines_cache_hits(start_server, toy_model, tmp_path):
+    """`kiln serve --engine a=... --engine b=...` on two random-weight engines: one prompt's keys differ per engine,
+    each the documented chain under its version, and a repeat of the prompt hits exactly the predicted blocks."""
+    from test_pool import publish
+
+    from kiln.artifacts import ArtifactStore
+
+    store = ArtifactStore.from_uri(f"file://{tmp_path / 'store'}")
+    uris = {n: publish(store, n, toy_model(preset), tmp_path) for n, preset in (("a", "llama-tiny"),
+                                                                                 ("b", "qwen2-tiny"))}
+    srv = start_server("--memory-budget", "250Mi", "--tactics", "aten", "--cache-dir", str(tmp_path / "cache"),
+                       source=[f for n, uri in uris.items() for f in ("--engine", f"{n}={uri}")])
+    srv.wait_ready()
+    ids = list(range(5, 5 + 40))
+    got = {}
+    for name in "ab":
+        keys = httpx.post(f"{srv.url}/v1/prefix_cache/keys", json={"model": name, "prompt": ids}, timeout=120).json()
+        assert keys["engine_version"] == f"pool-{name}-0123456789ab"
+        assert keys["keys"] == documented_keys(ids, keys["block_size"], engine=keys["engine_version"])
+        got[name] = keys
+        hits = []
+        for _ in range(2):  # max_tokens 1: exactly the prompt's full blocks get cached
+            out = httpx.post(f"{srv.url}/v1/completions", timeout=120,
+                             json={"model": name, "prompt": ids, "max_tokens": 1}).json()
+            hits.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert hits == [0, len(keys["keys"]) * keys["block_size"]]
+    assert set(got["a"]["keys"]).isdisjoint(got["b"]["keys"])
+    samples = {s.labels["model_name"] for f in text_string_to_metric_families(httpx.get(f"{srv.url}/metrics").text)
+               for s in f.samples if s.name == "kiln:num_requests_waiting"}
+    assert samples == {"a", "b", MODEL_NAME}
