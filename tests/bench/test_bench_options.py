@@ -13,7 +13,7 @@ from kiln_bench.options import BenchOptions, option
 FLAGS = ["--num-requests", "--seed", "--arrival-rate", "--shared-prefix", "--preset", "--model-dir", "--dtype",
          "--threads", "--device", "--repeats", "--systems", "--baselines", "--max-batch-size", "--max-num-tokens",
          "--check-requests", "--max-isa", "--json", "--quick", "--strict", "--structured", "--lora", "--gguf",
-         "--server", "--concurrency", "--isl", "--osl", "--endpoints", "--speculative", "--draft-model",
+         "--server", "--concurrency", "--isl", "--osl", "--endpoints", "--speculative", "--profile", "--draft-model",
          "--draft-layers", "--pair-scale"]
 
 
