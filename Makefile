@@ -64,7 +64,8 @@ test-slow: install
 
 crds: install
 	$(BIN)/kiln crd --out crds/llmengines.serving.kiln.dev.yaml
-	cp crds/llmengines.serving.kiln.dev.yaml helm/kiln/crds/llmengines.serving.kiln.dev.yaml
+	$(BIN)/kiln crd --kind LLMEnginePool --out crds/llmenginepools.serving.kiln.dev.yaml
+	cp crds/llmengines.serving.kiln.dev.yaml crds/llmenginepools.serving.kiln.dev.yaml helm/kiln/crds/
 
 demo: install
 	$(BIN)/python examples/demo.py

@@ -15,7 +15,7 @@ from kiln import __version__
 
 # name -> "module:attribute" of a click command, imported on first use.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "crd": ("kiln.commands:crd", "Print or write the LLMEngine CRD generated from the API types."),
+    "crd": ("kiln.commands:crd", "Print or write the LLMEngine (or LLMEnginePool) CRD generated from the API types."),
     "plan": ("kiln.commands:plan", "Show the build envelope and engine version of a manifest."),
     "render": ("kiln.operator.render:render",
                "Print the Kubernetes objects the operator would create for a manifest (YAML)."),

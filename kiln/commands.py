@@ -15,13 +15,15 @@ EXIT_INVALID_SPEC = 2
 
 
 @click.command()
+@click.option("--kind", type=click.Choice(["LLMEngine", "LLMEnginePool"]), default="LLMEngine", show_default=True,
+              help="Which CRD: the engine's or the pool's (docs/pools.md).")
 @click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the CRD to this file instead of stdout.")
-def crd(out: Path | None) -> None:
-    """Print or write the LLMEngine CRD generated from the API types (`make crds` writes crds/)."""
-    from kiln.crd import render_crd
+def crd(kind: str, out: Path | None) -> None:
+    """Print or write a CRD generated from the API types (`make crds` writes both to crds/)."""
+    from kiln.crd import CRDS
 
-    text = render_crd()
+    text = CRDS[kind][1]()
     if out is None:
         click.echo(text, nl=False)
         return

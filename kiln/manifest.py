@@ -1,8 +1,9 @@
 """Reading ``LLMEngine`` manifests, and pydantic errors as one line per problem.
 
 ``load_manifest`` takes a path, YAML/JSON text or a dict and returns the typed
-:class:`kiln.api.LLMEngine`; every problem becomes one ``<field path>: <what + fix>``
-line of a :class:`ManifestError`, with paths in the YAML's camelCase terms, so
+:class:`kiln.api.LLMEngine` (``load_pool``: a :class:`kiln.pool_api.LLMEnginePool`); every problem
+becomes one ``<field path>: <what + fix>`` line of a :class:`ManifestError`, with paths in the YAML's
+camelCase terms, so
 ``kiln plan``, ``kiln build``, ``kiln up`` and the operator report bad input the
 same way and never as a traceback.
 """
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from kiln.api import KIND, LLMEngine, LLMEngineSpec
 from kiln.api_base import DNS1123_LABEL, DNS1123_SUBDOMAIN
+from kiln.pool_api import POOL_KIND, QUANTITY_PATTERN, LLMEnginePool
 
 
 class ManifestError(ValueError):
@@ -41,6 +43,15 @@ def load_manifest(source: Any) -> LLMEngine:
         raise ManifestError(validation_error_lines(exc, LLMEngine), origin) from None
 
 
+def load_pool(source: Any) -> LLMEnginePool:
+    """An ``LLMEnginePool`` from a path, YAML/JSON text or a dict; :class:`ManifestError` on any problem."""
+    data, origin = _load_data(source, POOL_KIND)
+    try:
+        return LLMEnginePool.model_validate(data)
+    except ValidationError as exc:
+        raise ManifestError(validation_error_lines(exc, LLMEnginePool), origin) from None
+
+
 def load_spec(raw: Any) -> LLMEngineSpec:
     """A spec from the camelCase dict the API server stores; ManifestError lines start with ``spec.``."""
     try:
@@ -54,7 +65,7 @@ def _join_spec(line: str) -> str:
     return line.replace("manifest: ", "spec: ", 1) if line.startswith("manifest: ") else f"spec.{line}"
 
 
-def _load_data(source: Any) -> tuple[Any, str]:
+def _load_data(source: Any, kind: str = KIND) -> tuple[Any, str]:
     if isinstance(source, dict):
         return source, "manifest"
     text, origin = source, "manifest"
@@ -76,16 +87,17 @@ def _load_data(source: Any) -> tuple[Any, str]:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ManifestError(f"{where}invalid YAML ({problem}); fix the syntax there", origin) from None
     if len(docs) > 1:
-        docs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND] or docs
+        docs = [d for d in docs if isinstance(d, dict) and d.get("kind") == kind] or docs
     if len(docs) != 1:
-        raise ManifestError(f"expected exactly one {KIND} document, found {len(docs)}; "
-                            "put one LLMEngine per file", origin)
+        raise ManifestError(f"expected exactly one {kind} document, found {len(docs)}; "
+                            f"put one {kind} per file", origin)
     return docs[0], origin
 
 
 _PATTERN_NAMES = {
     DNS1123_LABEL: "a DNS-1123 label (lowercase letters, digits and '-', at most 63 characters)",
     DNS1123_SUBDOMAIN: "a DNS-1123 name (lowercase letters, digits, '-' and '.')",
+    QUANTITY_PATTERN: "a Kubernetes quantity such as 6Gi, 512Mi or 8G",
 }
 _TYPE_NAMES = {
     "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
@@ -131,7 +143,8 @@ def validation_error_lines(exc: ValidationError, root: type[BaseModel]) -> list[
             lines.append(f"{path}: must be {op} {ctx.get(key)} (got {_show(got)})")
         elif kind == "string_pattern_mismatch":
             pattern = ctx.get("pattern", "")
-            lines.append(f"{path}: must be {_PATTERN_NAMES.get(pattern, f'match {pattern}')} (got {_show(got)})")
+            what = f"be {_PATTERN_NAMES[pattern]}" if pattern in _PATTERN_NAMES else f"match {pattern}"
+            lines.append(f"{path}: must {what} (got {_show(got)})")
         elif kind in ("string_too_long", "too_long"):
             unit = "characters" if kind == "string_too_long" else "items"
             lines.append(f"{path}: must have at most {ctx.get('max_length')} {unit}")

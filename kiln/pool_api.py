@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from kiln.api import API_VERSION, Metadata
 from kiln.api_base import APIModel as _Model
@@ -124,17 +124,28 @@ class PoolMember(_Model):
 
 
 class LLMEnginePoolStatus(_Model):
+    # The operator writes status, not users; keys another writer left (kopf's status.kopf) must not make the
+    # object unreadable (as LLMEngineStatus).
+    model_config = ConfigDict(extra="ignore")
+
     phase: Literal["Pending", "Ready", "Failed"] | None = Field(
         default=None, description="Pending: pods not ready yet; Ready: serving; Failed: see the Ready condition.")
-    observed_generation: int | None = Field(default=None, ge=0)
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation the status was computed for.")
     endpoint: str | None = Field(default=None, description="The pool Service's OpenAI base URL.")
     memory_budget_bytes: int | None = Field(
         default=None, ge=0, description="What the loaded engines may count (None: the node's memory, unknown here).")
-    engines: list[PoolMember] = Field(default_factory=list, description="The member engines and their states.")
+    engines: list[PoolMember] = Field(
+        default_factory=list, description="The member engines and their states.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+    listed_engines: int | None = Field(
+        default=None, ge=0, description="How many of status.engines are Listed (kubectl get's Engines column).")
     replicas: int | None = Field(default=None, ge=0, description="Pods desired.")
     ready_replicas: int | None = Field(default=None, ge=0, description="Pods ready.")
-    conditions: list[Condition] = Field(default_factory=list)
-    last_reconciled: datetime | None = Field(default=None)
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Kubernetes-style conditions; Ready means the pool's pods serve.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    last_reconciled: datetime | None = Field(default=None, description="When the operator last reconciled it.")
 
 
 class LLMEnginePool(_Model):

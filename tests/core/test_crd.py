@@ -12,21 +12,45 @@ import pytest
 import yaml
 
 from kiln.api import LLMEngineSpec
-from kiln.crd import CRD_NAME, generate_crd, render_crd
-from kiln.manifest import ManifestError, load_manifest, validation_error_lines
+from kiln.crd import CRD_NAME, CRDS, POOL_CRD_NAME, generate_crd, generate_pool_crd, render_crd
+from kiln.manifest import ManifestError, load_manifest, load_pool, validation_error_lines
+from kiln.pool_api import LLMEnginePoolSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMITTED = [ROOT / "crds/llmengines.serving.kiln.dev.yaml", ROOT / "helm/kiln/crds/llmengines.serving.kiln.dev.yaml"]
+CRD_DIRS = [ROOT / "crds", ROOT / "helm/kiln/crds"]
+COMMITTED = [(folder / file, kind) for folder in CRD_DIRS for kind, (file, _) in CRDS.items()]
 CRD = generate_crd()
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 SPEC_SCHEMA = SCHEMA["properties"]["spec"]
 FREE_FORM = {"spec.serving.resources"}  # the only places unknown fields are kept
+POOL_CRD = generate_pool_crd()
+POOL_SCHEMA = POOL_CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+POOL_FREE_FORM = {"spec.resources"}
 
 
-@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
-def test_committed_crd_is_current(path: Path):
+@pytest.mark.parametrize(("path", "kind"), COMMITTED, ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path)
+                         else v)
+def test_committed_crd_is_current(path: Path, kind: str):
     assert path.exists(), f"{path.relative_to(ROOT)} is missing: run `make crds`"
-    assert path.read_text() == render_crd(), f"{path.relative_to(ROOT)} is stale: run `make crds`"
+    assert path.read_text() == CRDS[kind][1](), f"{path.relative_to(ROOT)} is stale: run `make crds`"
+
+
+@pytest.mark.parametrize("folder", CRD_DIRS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_crd_folders_hold_the_generated_crds_and_nothing_else(folder: Path):
+    assert sorted(p.name for p in folder.iterdir()) == sorted(file for file, _ in CRDS.values())
+
+
+def test_kiln_crd_prints_either_crd():
+    from click.testing import CliRunner
+
+    from kiln.commands import crd
+
+    for kind, (_, text) in CRDS.items():
+        result = CliRunner().invoke(crd, ["--kind", kind])
+        assert result.exit_code == 0 and result.stdout == text(), kind
+    assert CliRunner().invoke(crd, []).stdout == render_crd()
+    wrong = CliRunner().invoke(crd, ["--kind", "Pool"])
+    assert wrong.exit_code == 2 and "LLMEnginePool" in wrong.output
 
 
 def test_rendering_is_deterministic():
@@ -57,8 +81,10 @@ def walk(node: dict[str, Any], path: str):
         yield from walk(node["additionalProperties"], f"{path}{{}}")
 
 
-def test_schema_is_structural():
-    for path, node in walk(SCHEMA, ""):
+@pytest.mark.parametrize(("schema", "free_form"), [(SCHEMA, FREE_FORM), (POOL_SCHEMA, POOL_FREE_FORM)],
+                         ids=["LLMEngine", "LLMEnginePool"])
+def test_schema_is_structural(schema: dict[str, Any], free_form: set[str]):
+    for path, node in walk(schema, ""):
         path = path.lstrip(".")
         assert "type" in node, f"{path}: every node needs a type"
         for banned in ("$ref", "$defs", "anyOf", "oneOf", "allOf", "not", "const", "title"):
@@ -66,7 +92,7 @@ def test_schema_is_structural():
         assert not ("properties" in node and "additionalProperties" in node), path
         assert node.get("additionalProperties", {}) is not False, path
         if node.get("x-kubernetes-preserve-unknown-fields"):
-            assert path in FREE_FORM, f"{path}: unexpected free-form field"
+            assert path in free_form, f"{path}: unexpected free-form field"
         if "enum" in node:
             kind = {"string": str, "integer": int}[node["type"]]
             assert all(isinstance(v, kind) for v in node["enum"]), path
@@ -77,12 +103,92 @@ def test_schema_is_structural():
             assert set(keys) <= set(node["items"].get("required", [])), path
         if path.startswith(("spec.", "status.")) and not path.endswith(("[]", "{}")):
             assert node.get("description"), f"{path}: no description"
-    assert SCHEMA["properties"]["metadata"] == {"type": "object"}
+    assert schema["properties"]["metadata"] == {"type": "object"}
+
+
+def is_pool(path: Path) -> bool:
+    return yaml.safe_load(path.read_text()).get("kind") == "LLMEnginePool"
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_examples_validate_against_the_crd_schema(path: Path):
-    jsonschema.validate(load_manifest(path).to_k8s(), SCHEMA)
+    if is_pool(path):
+        jsonschema.validate(load_pool(path).to_k8s(), POOL_SCHEMA)
+    else:
+        jsonschema.validate(load_manifest(path).to_k8s(), SCHEMA)
+
+
+def test_there_is_a_pool_example():
+    assert [p.name for p in sorted((ROOT / "examples").glob("*.yaml")) if is_pool(p)] == ["pool-cpu.yaml"]
+
+
+def test_pool_crd_is_a_valid_kubernetes_object():
+    kubernetes_validate.validate(POOL_CRD, "1.33", strict=True)
+    assert POOL_CRD["metadata"]["name"] == POOL_CRD_NAME == "llmenginepools.serving.kiln.dev"
+    names = POOL_CRD["spec"]["names"]
+    assert (names["kind"], names["plural"], names["singular"], names["shortNames"], names["categories"]) == (
+        "LLMEnginePool", "llmenginepools", "llmenginepool", ["llmep"], ["kiln"])
+    version = POOL_CRD["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}} and version["name"] == CRD["spec"]["versions"][0]["name"]
+    columns = {c["name"]: (c["jsonPath"], c.get("priority", 0)) for c in version["additionalPrinterColumns"]}
+    assert [name for name, (_, priority) in columns.items() if priority == 0] == [
+        "Phase", "Engines", "Budget", "Ready", "Age"]
+    assert columns["Engines"][0] == ".status.listedEngines" and columns["Budget"][0] == ".spec.memoryBudget"
+    # The API server prints a column's first match only: no column may name every element of a list.
+    assert not any("[*]" in path for path, _ in columns.values())
+    assert columns["Ready"][0] == '.status.conditions[?(@.type=="Ready")].status'
+    # Each column's path is a field of the schema (a renamed field would leave an empty column).
+    for path, _ in columns.values():
+        node = {"properties": {**POOL_SCHEMA["properties"], "metadata": {"properties": {"creationTimestamp": {}}}}}
+        for part in path.split("[")[0].strip(".").split("."):
+            node = node["properties"][part] if "properties" in node else node["items"]["properties"][part]
+
+
+def test_pool_crd_defaults_equal_pydantic_defaults():
+    pool_spec = POOL_SCHEMA["properties"]["spec"]
+    for minimal in ({}, {"gpu": "L4", "memoryBudget": "6Gi"}):
+        assert apply_defaults(pool_spec, copy.deepcopy(minimal)) == LLMEnginePoolSpec.model_validate(minimal).to_k8s()
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("memoryBudget", "6 GB"), ("memoryBudget", "-1Gi"), ("replicas", -1), ("loadTimeout", 0), ("gpu", "H100"),
+    ("maxLoadedEngines", 0), ("idleUnloadAfter", 0), ("port", 80), ("colour", "red"), ("nodeSelector", {"a": 1}),
+])
+def test_pool_crd_schema_rejects_what_pydantic_rejects(field: str, value: object):
+    data = load_pool(ROOT / "examples/pool-cpu.yaml").to_k8s()
+    data["spec"][field] = value
+    if field == "colour":  # unknown fields: the API server prunes them (structural schema); pydantic names them
+        assert "colour" not in POOL_SCHEMA["properties"]["spec"]["properties"]
+    else:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(data, POOL_SCHEMA)
+    with pytest.raises(ManifestError) as info:
+        load_pool(data)
+    assert any(line.startswith((f"spec.{field}:", f"spec.{field}.")) for line in info.value.problems), \
+        info.value.problems
+
+
+@pytest.mark.parametrize(("name", "spec"), [
+    ("cpu-pool", {}), ("a" * 58, {}), ("a" * 59, {}), ("9pool", {}), ("pool-", {}), ("p", {"engines": ["a.yaml"]}),
+    ("p", {"engines": []}),
+])
+def test_pool_cel_rules_agree_with_the_operator(name: str, spec: dict):
+    """The pool CRD refuses at admission what the operator's validate_pool refuses of the name and spec.engines."""
+    celpy = pytest.importorskip("celpy", reason="cel-python evaluates the CRD's CEL rules")
+    from kiln.operator.pools import validate_pool
+    from kiln.operator.settings import OperatorConfig
+    from kiln.operator.validation import InvalidSpec
+
+    env = celpy.Environment()
+    activation = {"self": celpy.json_to_cel({"metadata": {"name": name}, "spec": spec})}
+    failed = [r["fieldPath"] for r in POOL_SCHEMA["x-kubernetes-validations"]
+              if not bool(env.program(env.compile(r["rule"])).evaluate(activation))]
+    try:
+        validate_pool(name, spec, OperatorConfig())
+        refused = []
+    except InvalidSpec as exc:
+        refused = [str(exc).split(":")[0]]
+    assert [f"{path.lstrip('.')}" for path in failed] == refused
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -197,7 +197,8 @@ def test_metadata_does_not_change_the_version():
     assert engine_version(load_manifest(data)) == engine_version(engine) == GOLDEN_CPU_SMALL
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "examples").glob("*.yaml")
+                                         if "\nkind: LLMEnginePool" not in p.read_text()), ids=lambda p: p.name)
 def test_versions_carry_the_full_digest_and_a_short_form_for_display(path: Path):
     spec = load_manifest(path).spec
     version = engine_version(spec)
