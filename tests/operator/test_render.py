@@ -7,6 +7,8 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import yaml
+from click.testing import CliRunner
 from kiln.operator.jobs import build_job
 from kiln.operator.naming import (
     LABEL_VERSION,
@@ -16,6 +18,8 @@ from kiln.operator.naming import (
     service_name,
     version_label,
 )
+from kiln.operator.pools import render_pool
+from kiln.operator.render import render, render_objects
 from kiln.operator.settings import ConfigError, OperatorConfig
 from kiln.operator.validation import InvalidSpec, validate_spec
 from kiln.operator.workloads import (
@@ -33,7 +37,7 @@ from kiln.api import LLMEngineSpec
 from kiln.artifact_manifest import BUILT_BY_ENV, EXPECT_ENV, ArtifactExpectation, BuiltBy
 from kiln.artifacts import ArtifactStore
 from kiln.envelope import engine_version
-from kiln.manifest import load_manifest
+from kiln.manifest import load_manifest, load_pool
 from kiln.skus import GPU_SKUS
 
 K8S_VERSION = "1.31"
@@ -281,6 +285,13 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yam
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_cluster_examples_pass_the_operator_and_render_valid_objects(path: Path):
+    if yaml.safe_load(path.read_text())["kind"] == "LLMEnginePool":
+        pool = load_pool(path)
+        objects = render_pool(pool, pool.metadata.name, "default", CONFIG)
+        assert [o["kind"] for o in objects] == ["ConfigMap", "Deployment", "Service"]
+        for obj in objects:
+            validate(obj)
+        return
     engine = load_manifest(path)
     if engine.spec.model.scheme == "file":  # `kiln up` examples: the operator rejects them by design
         with pytest.raises(InvalidSpec, match="spec.model.source"):
@@ -302,3 +313,63 @@ def test_cluster_examples_pass_the_operator_and_render_valid_objects(path: Path)
     validate(build_service(spec, name, ns, OWNER))
     if (pdb := build_pdb(spec, name, ns, OWNER)) is not None:
         validate(pdb)
+
+
+POOL_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pool-cpu.yaml"
+
+
+def test_kiln_render_prints_a_pool_s_objects_from_the_operator_s_renderer(monkeypatch):
+    monkeypatch.setenv("KILN_STORE_URI", "s3://kiln-engines/prod")
+    result = CliRunner().invoke(render, ["-f", str(POOL_EXAMPLE), "-n", "ml"])
+    assert result.exit_code == 0, result.output
+    docs = list(yaml.safe_load_all(result.stdout))
+    pool = load_pool(POOL_EXAMPLE)
+    assert docs == render_pool(pool, "cpu-pool", "ml", OperatorConfig.from_env())
+    assert [(d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs] == [
+        ("ConfigMap", "cpu-pool-pool-engines", "ml"), ("Deployment", "cpu-pool-pool", "ml"),
+        ("Service", "cpu-pool-pool", "ml")]
+    assert result.stdout.startswith("# the engine list is empty here")
+    for doc in docs:
+        validate(doc)
+    # The pods follow the list: it is mounted as a directory, and the pod template does not carry it.
+    template = docs[1]["spec"]["template"]
+    assert "engines.json" not in json.dumps(template["metadata"])
+    assert {"name": "engines", "configMap": {"name": "cpu-pool-pool-engines"}} in template["spec"]["volumes"]
+
+
+def test_an_engine_of_a_pool_renders_its_build_job_and_no_workload(tmp_path: Path):
+    data = {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEngine", "metadata": {"name": "chat"},
+            "spec": {"model": {"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "a" * 40},
+                     "gpu": "cpu", "dtype": "float32", "serving": {"pool": "cpu-pool"}}}
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(render, ["-f", str(path), "--store", "s3://b/p"])
+    assert result.exit_code == 0, result.output
+    assert [d["kind"] for d in yaml.safe_load_all(result.stdout)] == ["Job"]
+    comments = [line for line in result.stdout.splitlines() if line.startswith("#")]
+    assert comments[0].startswith("# spec.serving.pool: cpu-pool: no Deployment, Service")
+    assert "ConfigMap cpu-pool-pool-engines" in comments[1]
+    # The same engine alone: its own pods, and no comment.
+    del data["spec"]["serving"]
+    path.write_text(yaml.safe_dump(data))
+    alone = CliRunner().invoke(render, ["-f", str(path), "--store", "s3://b/p"])
+    assert [d["kind"] for d in yaml.safe_load_all(alone.stdout)][:3] == ["Job", "Deployment", "Service"]
+    assert not alone.stdout.startswith("#")
+    assert render_objects(load_manifest(data), CONFIG)[0]["kind"] == "Job"
+
+
+@pytest.mark.parametrize(("change", "header", "line"), [
+    ({"memoryBudget": "6 GB"}, "invalid LLMEnginePool manifest", "spec.memoryBudget: must be a Kubernetes quantity"),
+    ({"colour": "red"}, "invalid LLMEnginePool manifest", "spec.colour: unknown field"),
+    ({"engines": ["a.yaml"]}, "the operator would refuse", "spec.engines: lists manifests for kiln up only"),
+    ({"image": "evil.example.com/kiln:1"}, "the operator would refuse", "spec.image"),
+])
+def test_kiln_render_refuses_a_bad_pool_naming_the_field(tmp_path: Path, change: dict, header: str, line: str):
+    data = yaml.safe_load(POOL_EXAMPLE.read_text())
+    data["spec"].update(change)
+    path = tmp_path / "pool.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(render, ["-f", str(path)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"error: {header} {path}" in result.output and f"  {line}" in result.output, result.output
+    assert "kind: Deployment" not in result.output
