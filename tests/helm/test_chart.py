@@ -124,6 +124,10 @@ NEEDED = {
     ("serving.kiln.dev", "llmengines"): {"get", "list", "watch", "patch"},
     ("serving.kiln.dev", "llmengines/status"): {"get", "patch"},
     ("serving.kiln.dev", "llmengines/finalizers"): {"update"},
+    # LLMEnginePools (docs/pools.md): watched like engines; their ConfigMap, Deployment and Service are owned
+    ("serving.kiln.dev", "llmenginepools"): {"get", "list", "watch", "patch"},
+    ("serving.kiln.dev", "llmenginepools/status"): {"get", "patch"},
+    ("serving.kiln.dev", "llmenginepools/finalizers"): {"update"},
     # in the jobs namespace only; delete: a build that failed on a storage error is deleted and run again
     ("batch", "jobs"): {"get", "create", "delete"},
     ("", "pods"): {"get", "list"},
@@ -159,6 +163,39 @@ def test_rbac_is_exactly_what_the_operator_uses(helm: Path):
     ha = rules(render(helm, "ha.enabled=true"))
     assert ha[("kopf.dev", "clusterkopfpeerings")] == {"get", "list", "watch", "patch"}
     assert ha[("kopf.dev", "kopfpeerings")] == {"get", "list", "watch", "patch"}
+
+
+# What a pool's reconcile calls (operator/pool_reconcile.py, the engine side in operator/reconcile.py): the pool
+# read and its status patched, the pool's engines listed, its ConfigMap, Deployment and Service applied (get, then
+# create or patch) with the pool as their owner, and a member's own Deployment scaled to 0 and its LWS deleted.
+POOL_RECONCILE = {
+    ("serving.kiln.dev", "llmenginepools"): {"get", "list", "watch", "patch"},
+    ("serving.kiln.dev", "llmenginepools/status"): {"get", "patch"},
+    ("serving.kiln.dev", "llmenginepools/finalizers"): {"update"},
+    ("serving.kiln.dev", "llmengines"): {"list"},
+    ("", "configmaps"): {"get", "create", "patch"},
+    ("apps", "deployments"): {"get", "create", "patch"},
+    ("", "services"): {"get", "create", "patch"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"delete"},
+}
+
+
+@pytest.mark.parametrize("sets", [[], ["watchNamespaces={ml,research}"]], ids=["cluster-wide", "namespaced"])
+def test_the_chart_installs_the_pool_crd_and_grants_the_pool_reconcile_where_engines_are(helm: Path, sets: list):
+    docs = render(helm, *sets)
+    crds = {d["metadata"]["name"]: d for d in by_kind(docs, "CustomResourceDefinition")}
+    assert crds["llmenginepools.serving.kiln.dev"] == yaml.safe_load(
+        (ROOT / "crds" / "llmenginepools.serving.kiln.dev.yaml").read_text())
+    roles = [r for r in by_kind(docs, "ClusterRole") + by_kind(docs, "Role") if r["metadata"]["name"] == "kiln"]
+    assert len(roles) == (2 if sets else 1)
+    for role in roles:
+        granted = rules([role])
+        for key, verbs in POOL_RECONCILE.items():
+            assert verbs <= granted.get(key, set()), (role["metadata"].get("namespace"), key)
+        # ... and nothing of the pool's beyond it: no delete of the pool, its status or its pods' Deployment.
+        pool_keys = {k for k in granted if k[1].startswith("llmenginepools")}
+        assert {k: granted[k] for k in pool_keys} == {k: POOL_RECONCILE[k] for k in pool_keys}
+        assert "delete" not in granted[("apps", "deployments")]
 
 
 def test_watched_namespaces_get_roles_not_cluster_write_access(helm: Path):

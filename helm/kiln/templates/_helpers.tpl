@@ -42,19 +42,29 @@ app.kubernetes.io/component: operator
 - apiGroups: [serving.kiln.dev]
   resources: [llmengines/status]
   verbs: [get, patch]
-# Children carry ownerReferences with blockOwnerDeletion, which needs this.
+# LLMEnginePools (docs/pools.md), the same way: kopf watches them, the status is ours.
 - apiGroups: [serving.kiln.dev]
-  resources: [llmengines/finalizers]
+  resources: [llmenginepools]
+  verbs: [get, list, watch, patch]
+- apiGroups: [serving.kiln.dev]
+  resources: [llmenginepools/status]
+  verbs: [get, patch]
+# Children carry ownerReferences with blockOwnerDeletion, which needs this (a pool's ConfigMap, Deployment and
+# Service are its children as an engine's are).
+- apiGroups: [serving.kiln.dev]
+  resources: [llmengines/finalizers, llmenginepools/finalizers]
   verbs: [update]
 # A new version's pods, read while it rolls out (pods the scheduler cannot place).
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list]
+# An engine's Deployment and a pool's <pool>-pool (no delete: an engine that joins a pool is scaled to 0).
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, create, patch]
 # Engines whose replica spans nodes (LeaderWorkerSet, installed separately: docs/multi-node-cluster.md).
-# delete: when an engine's replica fits one pod again, its Deployment takes over and the LWS goes.
+# delete: when an engine's replica fits one pod again, its Deployment takes over and the LWS goes (or when it
+# joins a pool).
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [get, create, patch, delete]
@@ -94,7 +104,8 @@ app.kubernetes.io/component: operator
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, create, patch, delete]
-# Each LoRA engine's <engine>-adapters ConfigMap (docs/lora.md); delete: when spec.lora is removed.
+# Each LoRA engine's <engine>-adapters ConfigMap (docs/lora.md); delete: when spec.lora is removed. Each pool's
+# <pool>-pool-engines ConfigMap, the engine list its pods follow (docs/pools.md).
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, create, patch, delete]
