@@ -1,7 +1,8 @@
 """``kiln up``: the embedded default — build a manifest into a local store if needed, then serve it.
 
-Several manifests (``-f a.yaml -f b.yaml``), or one ``kind: LLMEnginePool`` manifest listing them, are each built
-the same way and served together by one ``kiln serve --engine NAME=URI ...``: an engine pool (docs/pools.md).
+Several manifests (``-f a.yaml -f b.yaml``), or one ``kind: LLMEnginePool`` manifest listing them (the cluster's
+type, :mod:`kiln.pool_api`, with ``spec.engines``), are each built the same way and served together by one
+``kiln serve --engine NAME=URI ...`` with the pool's settings as flags: an engine pool (docs/pools.md).
 
 No Kubernetes: the same builder a build Job runs (in this process), then
 ``kiln serve --artifact <uri>`` as a child process in the foreground. The engine is signed and verified
@@ -27,6 +28,7 @@ from pathlib import Path
 import click
 
 from kiln import adapter_list
+from kiln.pool_api import POOL_KIND, LLMEnginePool, serve_flags
 
 EXIT_INVALID_SPEC = 2
 
@@ -40,56 +42,44 @@ def serve_command(artifact_uri: str, engine, host: str, port: int, verify_key: P
     ]
 
 
-POOL_KIND = "LLMEnginePool"
-POOL_FIELDS = {"engines": list, "maxLoadedEngines": int, "memoryBudget": str, "idleUnloadAfter": (int, float),
-               "loadTimeout": (int, float), "queueSize": int, "port": int}
-# The pool manifest's fields and the `kiln serve` flags they become (docs/pools.md).
-POOL_FLAGS = {"maxLoadedEngines": "--max-loaded-engines", "memoryBudget": "--memory-budget",
-              "idleUnloadAfter": "--idle-unload-after", "loadTimeout": "--load-timeout",
-              "queueSize": "--pool-queue-size"}
-
-
 @dataclass
 class PoolManifest:
-    """``kind: LLMEnginePool`` for ``kiln up``: the LLMEngine manifests it serves (paths relative to it) and the
-    pool's settings, as ``kiln serve`` flags."""
+    """``kind: LLMEnginePool`` for ``kiln up``: the pool (:class:`kiln.pool_api.LLMEnginePool`, the cluster's type)
+    and the LLMEngine manifests its ``spec.engines`` names, as paths relative to it."""
 
-    name: str
+    pool: LLMEnginePool
     engines: list[Path]
-    flags: list[str]
-    port: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.pool.metadata.name
+
+    @property
+    def port(self) -> int:
+        return self.pool.spec.port
+
+    @property
+    def flags(self) -> list[str]:
+        """The ``kiln serve`` flags of the pool's settings (the cluster's pods get the same ones)."""
+        return [*serve_flags(self.pool.spec), "--drain-timeout", str(self.pool.spec.drain_timeout_seconds)]
 
 
 def read_pool(path: Path, doc: dict) -> PoolManifest:
-    """A pool manifest's document; ManifestError naming the field and the fix."""
-    from kiln.manifest import ManifestError
+    """A pool manifest (``doc``: its document, as read); ManifestError naming each field and its fix."""
+    from kiln.manifest import ManifestError, load_pool
 
+    pool, problems = None, []
+    try:
+        pool = load_pool(doc)
+    except ManifestError as exc:
+        problems = exc.problems
     spec = doc.get("spec")
-    name = (doc.get("metadata") or {}).get("name") if isinstance(doc.get("metadata"), dict) else None
-    problems = [] if isinstance(name, str) and name else ["metadata.name: give the pool a name"]
-    if not isinstance(spec, dict):
-        raise ManifestError([*problems, "spec: expected a map with engines: [<LLMEngine manifest path>, ...]"],
-                            f"{POOL_KIND} manifest {path}")
-    for key, value in spec.items():
-        want = POOL_FIELDS.get(key)
-        if want is None:
-            problems.append(f"spec.{key}: unknown field; use {', '.join(POOL_FIELDS)}")
-        elif not isinstance(value, want) or isinstance(value, bool) or (want is not str and key != "engines"
-                                                                         and value <= 0):
-            problems.append(f"spec.{key}: must be {_kind_of(key)}, got {value!r}")
-    engines = spec.get("engines")
-    if not engines or not isinstance(engines, list) or not all(isinstance(e, str) and e for e in engines):
-        problems.append("spec.engines: list the LLMEngine manifests to serve, as paths relative to this file")
-    if problems:
+    engines = spec.get("engines") if isinstance(spec, dict) else None
+    if not (engines and all(engines)) and not any(line.startswith("spec.engines") for line in problems):
+        problems = [*problems, "spec.engines: list the LLMEngine manifests to serve, as paths relative to this file"]
+    if problems or pool is None:
         raise ManifestError(problems, f"{POOL_KIND} manifest {path}")
-    flags = [f for key, flag in POOL_FLAGS.items() if key in spec for f in (flag, str(spec[key]))]
-    return PoolManifest(name, [path.parent / e for e in engines], flags, spec.get("port"))
-
-
-def _kind_of(key: str) -> str:
-    return {"memoryBudget": "a Kubernetes memory quantity such as 6Gi", "engines": "a list of paths",
-            "maxLoadedEngines": "a whole number above 0", "queueSize": "a whole number above 0",
-            "port": "a port number"}.get(key, "a number of seconds above 0")
+    return PoolManifest(pool, [path.parent / e for e in engines])
 
 
 def read_manifests(paths: tuple[Path, ...]) -> tuple[list, PoolManifest | None]:
@@ -122,14 +112,16 @@ def read_manifests(paths: tuple[Path, ...]) -> tuple[list, PoolManifest | None]:
 
 
 def pool_serve_command(built: list, pool: PoolManifest | None, host: str, port: int, verify_key: Path) -> list[str]:
-    """``kiln serve`` for several engines (``built``: (LLMEngine, artifact URI) pairs) as one pool."""
+    """``kiln serve`` for several engines (``built``: (LLMEngine, artifact URI) pairs) as one pool: the pool
+    manifest's settings, else the first engine's queue and drain settings."""
     serving = built[0][0].spec.serving
     cmd = [sys.executable, "-m", "kiln", "serve", "--host", host, "--port", str(port), "--served-model-name",
-           pool.name if pool is not None else "kiln-up-pool", "--max-queue-len", str(serving.max_queue_len),
-           "--drain-timeout", str(serving.drain_timeout_seconds), "--verify-key", str(verify_key)]
+           pool.name if pool is not None else "kiln-up-pool", "--verify-key", str(verify_key)]
     for engine, uri in built:
         cmd += ["--engine", f"{engine.metadata.name}={uri}"]
-    return cmd + (pool.flags if pool is not None else [])
+    return cmd + (pool.flags if pool is not None else ["--max-queue-len", str(serving.max_queue_len),
+                                                       "--drain-timeout", str(serving.drain_timeout_seconds)])
+
 
 def default_key_dir() -> Path:
     """Where ``kiln up`` keeps its local signing pair: ``$KILN_KEY_DIR``, else ``~/.cache/kiln/keys``."""
@@ -245,8 +237,7 @@ def up(manifests: tuple[Path, ...], store_uri: str | None, host: str, port: int 
         built.append((engine, outcome.artifact_uri))
         if entries is not None:
             adapters = (adapters or []) + entries
-    port = port if port is not None else pool.port if pool is not None and pool.port is not None \
-        else engines[0].spec.serving.port
+    port = port if port is not None else pool.port if pool is not None else engines[0].spec.serving.port
     env = write_adapter_list(adapters, work_dir)
     if pool is None and len(built) == 1:
         click.echo(f"serving {built[0][1]} on http://{host}:{port}/v1 (Ctrl-C to stop)")

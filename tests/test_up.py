@@ -177,8 +177,40 @@ def test_a_pool_manifest_names_its_engines_and_becomes_serve_flags(toy_model, tm
     assert cmd[cmd.index("--served-model-name") + 1] == "small"
     assert [cmd[i + 1] for i, w in enumerate(cmd) if w == "--engine"] == ["one=file:///s/engines/one",
                                                                            "two=file:///s/engines/two"]
-    for flag, value in (("--max-loaded-engines", "1"), ("--memory-budget", "6Gi"), ("--idle-unload-after", "600")):
-        assert cmd[cmd.index(flag) + 1] == value
+    for flag, value in (("--max-loaded-engines", "1"), ("--memory-budget", "6Gi"), ("--idle-unload-after", "600"),
+                        ("--load-timeout", "300"), ("--pool-queue-size", "64"), ("--max-queue-len", "256"),
+                        ("--drain-timeout", "30")):
+        assert cmd[cmd.index(flag) + 1] == value and cmd.count(flag) == 1, flag
+
+
+def test_a_pool_manifest_is_read_as_the_cluster_s_llmenginepool(toy_model, tmp_path):
+    """kiln up and the operator read one type (kiln.pool_api.LLMEnginePool): its rules and its kiln serve flags."""
+    from kiln.manifest import ManifestError
+    from kiln.pool_api import serve_flags
+    from kiln.up import read_manifests
+
+    _engine_manifest(tmp_path / "one.yaml", "one", toy_model("llama-tiny"))
+    pool = tmp_path / "pool.yaml"
+
+    def problems(spec: dict) -> list[str]:
+        pool.write_text(yaml.safe_dump({"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool",
+                                        "metadata": {"name": "p"}, "spec": {"engines": ["one.yaml"], **spec}}))
+        with pytest.raises(ManifestError) as info:
+            read_manifests((pool,))
+        assert info.value.origin == f"LLMEnginePool manifest {pool}"
+        return info.value.problems
+
+    assert problems({"memoryBudget": "6 GB"}) == [
+        "spec.memoryBudget: must be a Kubernetes quantity such as 6Gi, 512Mi or 8G (got '6 GB')"]
+    assert problems({"idleUnloadAfter": 0, "loadTimeout": "soon"}) == [
+        "spec.idleUnloadAfter: must be >= 1 (got 0)", "spec.loadTimeout: must be an integer (got 'soon')"]
+    assert problems({"engines": []}) == [
+        "spec.engines: list the LLMEngine manifests to serve, as paths relative to this file"]
+    pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"},
+                                    "spec": {"engines": ["one.yaml"], "queueSize": 3, "gpu": "cpu"}}))
+    _, manifest = read_manifests((pool,))
+    assert manifest.flags[:-2] == serve_flags(manifest.pool.spec) and "--pool-queue-size" in manifest.flags
+    assert manifest.port == 8000  # the pool's own default, as the cluster's Service
 
 
 def test_kiln_up_refuses_a_bad_pool_manifest_naming_each_field(toy_model, tmp_path):
@@ -192,7 +224,7 @@ def test_kiln_up_refuses_a_bad_pool_manifest_naming_each_field(toy_model, tmp_pa
                                     "spec": {"engines": [], "maxLoadedEngines": 0, "colour": "red"}}))
     result = CliRunner().invoke(up, ["-f", str(pool), "--store", f"file://{tmp_path / 'store'}"])
     assert result.exit_code == 2 and f"invalid LLMEnginePool manifest {pool}" in result.output
-    assert "spec.maxLoadedEngines: must be a whole number above 0, got 0" in result.output
+    assert "spec.maxLoadedEngines: must be >= 1 (got 0)" in result.output
     assert "spec.colour: unknown field" in result.output
     assert "spec.engines: list the LLMEngine manifests" in result.output
     twice = CliRunner().invoke(up, ["-f", str(one), "-f", str(one), "--store", f"file://{tmp_path / 'store'}"])
