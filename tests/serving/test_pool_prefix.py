@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import MODEL_NAME
 from kiln.engine.prefix_hash import block_keys
 from kiln.serving.app import create_app
 from kiln.serving.config import ServeConfig
@@ -267,4 +266,4 @@ def test_a_real_pools_keys_predict_each_engines_cache_hits(start_server, toy_mod
     assert set(got["a"]["keys"]).isdisjoint(got["b"]["keys"])
     samples = {s.labels["model_name"] for f in text_string_to_metric_families(httpx.get(f"{srv.url}/metrics").text)
                for s in f.samples if s.name == "kiln:num_requests_waiting"}
-    assert samples == {"a", "b", MODEL_NAME}
+    assert {"a", "b"} < samples and len(samples) == 3  # both engines', and the pool's under the server's name
