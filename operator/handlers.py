@@ -1,9 +1,13 @@
-"""kopf handlers: thin wrappers around :func:`kiln.operator.reconcile.reconcile`.
+"""kopf handlers: thin wrappers around :func:`kiln.operator.reconcile.reconcile` and, for LLMEnginePools,
+:func:`kiln.operator.pool_reconcile.reconcile_pool`.
 
 Creation, spec edits and operator restarts reconcile at once; a timer
 reconciles every ``KILN_RECONCILE_INTERVAL`` seconds, which is how Job and
 Deployment progress is noticed (level-triggered: nothing depends on catching
-one event). Both paths take a per-engine lock, so they never interleave.
+one event). Both paths take a lock (one for engines, one for pools), so they never interleave.
+An engine's reconcile (or deletion) that changed what its pool reads of it (the pool it names, its pinned build)
+reconciles that pool, and the one it left, right after, outside the engines' lock; a pool's reconcile then
+reconciles the engines whose entry in it changed: an engine joins or leaves a pool within seconds.
 Run with ``kiln operator`` or ``kopf run -m kiln.operator.handlers``.
 """
 
