@@ -49,6 +49,11 @@ def bench(**options) -> None:
     if opts.gguf is not None or "llamacpp" in peer_names:  # bench/llamacpp.py: the GGUF baseline, on the same file
         modes.gguf(opts, peer_names)
         return
+    if opts.pool:  # bench/pool.py: an engine pool against one server per engine and llama.cpp's (issue 42)
+        from kiln_bench import pool
+
+        modes.emit(pool.main(opts, modes.log), pool.text, opts)
+        return
     chosen, spec = _resolve(opts, chosen, peer_names)
     model_dir = _model(opts)
     if opts.structured:  # bench/structured.py: what constrained decoding costs

@@ -104,6 +104,11 @@ class BenchOptions:
         help="Instead of the suite: where a decode step and a prefill chunk of kiln's go, at batch 1, 16 and 64 "
         "(GEMMs, attention, norms / RoPE / activations, sampling, scheduling, output processing; the kernels' and "
         "the engine's opt-in timers), means over --repeats rounds, as a table (and --json).")
+    pool: bool = option("--pool", is_flag=True,
+        help="Instead of the suite: an engine pool of four engines with memory for two (SmolLM2 GGUF and float32, "
+        "two random-weight models; --quick: four tiny ones) under a seeded skewed workload at the largest "
+        "--concurrency, against one kiln serve per engine and (not --quick) llama.cpp's multi-model server: "
+        "greedy equality, sampled RSS against the budget, loads/evictions, cold load, throughput (docs/pools.md).")
     draft_model: Path | None = option("--draft-model", type=click.Path(file_okay=False, exists=True, path_type=Path),
         default=None,
         help="--speculative: drafts from this checkpoint (same tokenizer) instead of prompt lookup.")
