@@ -15,6 +15,8 @@ Only safetensors are read; pickled ``.bin`` checkpoints are refused.
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -29,14 +31,20 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 
 class SafetensorsFile:
-    """A safetensors file read one tensor at a time with plain ``read``s into the tensor's own memory.
+    """A safetensors file read one tensor at a time, never a second copy of the whole file.
 
-    Loading holds the model plus the one tensor being copied, never a second copy of the whole file:
-    ``safetensors.torch.load_file`` (what an artifact's weights were read with) builds the whole state
-    dict first (llama-bench bf16: 479 vs 308 MiB peak over the process's base; for an 8B bf16 model
-    ~16 GB). No mmap either, so nothing of the file stays mapped into the process."""
+    Two ways, both holding the model plus at most the one tensor being copied: ``safetensors.torch.load_file``
+    (what an artifact's weights were read with) builds the whole state dict first (llama-bench bf16: 479 vs
+    308 MiB peak over the process's base; for an 8B bf16 model ~16 GB).
 
-    def __init__(self, path: Path) -> None:
+    - ``mapped=False`` (a checkpoint, whose tensors are sliced and cast into the model's own): plain ``read``s
+      into each tensor's own memory; nothing of the file stays mapped.
+    - ``mapped=True`` (an artifact's rank file, whose tensors are the parameters as they are): each tensor is a
+      view of a private mapping of the file (copy-on-write: a write never reaches the file), so loading copies
+      nothing and the weights' pages are the page cache's, shared by every engine of that file; the mapping goes
+      when the last tensor of it does. A tensor whose offset is not a multiple of its element size is read."""
+
+    def __init__(self, path: Path, mapped: bool = False) -> None:
         self.path = Path(path)
         self._fh = open(self.path, "rb")  # closed by close() / the context manager
         try:
@@ -48,6 +56,7 @@ class SafetensorsFile:
             self._fh.close()
             raise ConfigError(f"{self.path} is not a readable safetensors file ({exc}); rebuild or re-download it") from exc
         self._base = 8 + size
+        self._map = _map_file(self._fh) if mapped else None
 
     def __enter__(self) -> SafetensorsFile:
         return self
@@ -57,6 +66,7 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._fh.close()
+        self._map = None  # the mapping lives on in the tensors viewing it, and goes with the last of them
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -70,11 +80,22 @@ class SafetensorsFile:
         if nbytes != end - start:
             raise ConfigError(f"{self.path}: tensor {name!r} spans {end - start} bytes, {nbytes} expected for "
                               f"{dtype_name} {shape}; the file is corrupt: rebuild or re-download it")
+        if nbytes and self._map is not None and (self._base + start) % tensor.element_size() == 0:
+            if self._base + end > len(self._map):
+                raise ConfigError(f"{self.path} is truncated inside tensor {name!r}: rebuild or re-download it")
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes, offset=self._base + start)
+            return raw.view(tensor.dtype).view(tensor.shape)
         if nbytes:
             self._fh.seek(self._base + start)
             if self._fh.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != nbytes:
                 raise ConfigError(f"{self.path} is truncated inside tensor {name!r}: rebuild or re-download it")
         return tensor
+
+
+def _map_file(fh) -> mmap.mmap | None:
+    """A private (copy-on-write) mapping of the whole file; None for an empty file."""
+    size = os.fstat(fh.fileno()).st_size
+    return mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) if size else None
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -134,8 +155,10 @@ def load_checkpoint(model: nn.Module, model_dir: Path) -> None:
 
 
 def load_engine_state(model: nn.Module, path: Path) -> None:
-    """Fill ``model`` from one rank's engine state dict (artifact ``weights/rank-r-of-n.safetensors``)."""
-    with SafetensorsFile(path) as state, torch.no_grad():
+    """Fill ``model`` from one rank's engine state dict (artifact ``weights/rank-r-of-n.safetensors``): on CPU each
+    parameter of the file's dtype becomes a view of the mapped file (no copy, ``SafetensorsFile``)."""
+    mapped = all(p.device.type == "cpu" for p in model.parameters())
+    with SafetensorsFile(path, mapped=mapped) as state, torch.no_grad():
         params = dict(model.named_parameters())
         # quantization gguf: {name: GGUF type} of the tensors kept as the file's blocks (kernels/gguf_blocks.py)
         gguf_types = json.loads(state.metadata.get("kiln_gguf_types") or "{}")
@@ -154,7 +177,10 @@ def load_engine_state(model: nn.Module, path: Path) -> None:
             if tensor.shape != param.shape or (tensor.dtype != param.dtype and not upcast):
                 raise ConfigError(f"{path.name}: {name} is {tuple(tensor.shape)} {tensor.dtype}, "
                                   f"the model expects {tuple(param.shape)} {param.dtype}")
-            param.data.copy_(tensor)
+            if mapped and tensor.dtype == param.dtype:
+                param.data = tensor  # the file's pages: nothing copied
+            else:
+                param.data.copy_(tensor)
 
 
 def _load_gguf(model: nn.Module, name: str, param: nn.Parameter, tensor: torch.Tensor, kind: str, path: Path) -> None:

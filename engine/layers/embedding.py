@@ -21,7 +21,8 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, embedding_dim), requires_grad=False)
+        # Not zeroed here: weight_loader zeroes it (padded rows), and an artifact's rows replace it whole.
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
