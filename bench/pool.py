@@ -135,6 +135,20 @@ def rounds(servers: dict, built: dict, requests: list[dict], concurrency: int, r
     return runs
 
 
+def warm_up(servers: dict, built: dict) -> list[str]:
+    """One short request per engine, one at a time, to the pool and to each engine's own server (and llama.cpp):
+    first imports and first steps out of the rounds. Returns the errors."""
+    targets = [(n, servers["pool"].url) for n in built] + [(n, servers[f"alone:{n}"].url) for n in built]
+    if "llama.cpp" in servers:
+        targets += [(n, servers["llama.cpp"].url) for n, e in built.items() if e["kind"] == "gguf"]
+    errors = []
+    for name, url in targets:
+        got = parts.drive({name: url}, [{"engine": name, "prompt": "Hello", "max_tokens": 2}], 1)
+        if got["errors"]:
+            errors.append(f"{name} at {url}: {got['answers'][0]}")
+    return errors
+
+
 def sample_checks(servers: dict, built: dict, requests: list[dict], per_engine: int) -> list[dict]:
     """(a)'s sample: up to ``per_engine`` workload prompts of each engine, one at a time, engines interleaved (so the
     pool loads and evicts between them), to the pool and to that engine's own server."""
@@ -173,6 +187,7 @@ def run(quick: bool, repeats: int, num_requests: int, concurrency: int, max_toke
     try:
         pids = {k: s.proc.pid for k, s in servers.items()}
         with parts.RssSampler(list(pids.values())) as sampler:
+            warm_errors = warm_up(servers, built)
             runs = rounds(servers, built, requests, concurrency, repeats, say)
             checks = sample_checks(servers, built, requests, check_per_engine)
         counters = parts.pool_counters(servers["pool"].url)
@@ -198,7 +213,7 @@ def run(quick: bool, repeats: int, num_requests: int, concurrency: int, max_toke
         "per_engine_rss_over_pool": round(alone_peak / peaks["pool"], 3) if peaks["pool"] else None,
         "llamacpp": None if "llama.cpp" not in table else
         {"kiln_over_llamacpp_tok_s": round(table["pool-gguf"]["tok_s"] / table["llama.cpp"]["tok_s"], 3)},
-        "llamacpp_skipped": llamacpp_skipped, "checks": checks,
+        "llamacpp_skipped": llamacpp_skipped, "warm_up_errors": warm_errors, "checks": checks,
     }
     shutil_rm(scratch, keep=any(t["errors"] for t in table.values()))
     doc["logs"] = str(scratch) if scratch.exists() else None
@@ -227,10 +242,11 @@ def main(opts, say) -> dict:
     if not opts.quick:
         from kiln_bench.llamacpp import default_env, ensure_env
 
-        try:
-            llamacpp = ensure_env(default_env(), make=True)
+        try:  # made when missing; one that exists is used as it is (a build of it may be under way)
+            llamacpp = ensure_env(default_env(), make=not default_env().exists())
         except (click.ClickException, subprocess.CalledProcessError) as exc:
-            skipped = f"llama.cpp's environment ({default_env()}) could not be made: {exc}"
+            skipped = (f"llama.cpp's environment {default_env()} has no working llama_cpp ({exc}); remove it to "
+                       "have it made anew (it compiles llama.cpp: minutes)")
     num = opts.num_requests if opts.num_requests is not None else (24 if opts.quick else 160)
     return run(opts.quick, opts.repeats, num, concurrency, 6 if opts.quick else 16, opts.seed, opts.threads or 1,
                opts.check_requests if opts.check_requests is not None else 2 if opts.quick else 4, llamacpp, skipped,
@@ -260,6 +276,8 @@ def text(doc: dict) -> str:
               f"(b) pool RSS max {_gib(rss['max_rss_bytes'])} vs budget {_gib(rss['budget_bytes'])} + server margin "
               f"{_gib(rss['server_margin_bytes'])} = {_gib(rss['limit_bytes'])}: {'PASS' if rss['passed'] else 'FAIL'} "
               f"({rss['samples']} samples, every 100 ms)",
+              f"warm-up (one request per engine and server, one at a time, before the rounds): "
+              f"{len(doc['warm_up_errors'])} error(s) {doc['warm_up_errors'][:2]}",
               f"(c) loads {cnt['loads']}, evictions {cnt['evictions']} {cnt['evictions_by_reason']}",
               "(d) cold load to first token: " + (f"error: {cold['error'][-300:]}" if "error" in cold else
               f"median {cold['median_cold_load_to_first_token_s']:.2f} s {cold['cold_load_to_first_token_s']} "
