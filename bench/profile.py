@@ -231,8 +231,12 @@ def text(doc: dict[str, Any]) -> str:
 
 def main(opts, model_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """``kiln bench --profile``: the run, the host, the peers' notes; the caller prints ``text`` or the JSON."""
+    import click
     from kiln_bench.peers import TORCH_PIN
 
+    if opts.peer_names:
+        raise click.UsageError(f"--profile profiles kiln alone; drop --baselines {opts.baselines} (what the peers' "
+                               f"profiles would be is said in the table's header)")
     machine = host(opts.threads)  # before the run: the load it ran beside, not its own
     kw = dict(prompt_len=8, decode_steps=4) if opts.quick else {}
     doc = run(model_dir, opts.dtype, opts.threads, opts.device, repeats=opts.repeats, log=log, **kw)

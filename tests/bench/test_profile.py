@@ -112,3 +112,11 @@ def test_kiln_bench_profile_prints_the_table_and_writes_the_json(tmp_path):
     assert "| **step (measured)** |" in result.output and "vLLM CPU: no column" in result.output
     doc = json.loads(out.read_text())
     assert set(doc["profile"]) == {"decode", "prefill"} and doc["config"]["batches"] == [1, 16, 64]
+
+
+def test_kiln_bench_profile_refuses_baselines_it_would_not_run(tmp_path):
+    from kiln_bench.cli import bench
+
+    result = CliRunner().invoke(bench, ["--profile", "--quick", "--device", "cpu", "--baselines", "openvino",
+                                        "--model-dir", str(tmp_path / "model")])
+    assert result.exit_code == 2 and "drop --baselines openvino" in result.output
