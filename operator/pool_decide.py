@@ -207,7 +207,8 @@ def compose_pool_status(world: PoolWorld, judged: list[PoolMember], now: str | N
     ready = ((world.deployment or {}).get("status") or {}).get("readyReplicas") or 0
     return {**status, "endpoint": pool_endpoint(world.name, world.namespace, world.spec),
             "memoryBudgetBytes": room[0] if room else None, "engines": [j.to_k8s() for j in judged],
-            "replicas": world.spec.replicas, "readyReplicas": ready}
+            "listedEngines": sum(j.state == LISTED for j in judged), "replicas": world.spec.replicas,
+            "readyReplicas": ready}
 
 
 def changed_members(old: dict[str, Any], new: dict[str, Any]) -> set[str]:

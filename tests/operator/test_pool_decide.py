@@ -137,6 +137,7 @@ def test_ready_once_a_pod_is_ready_pending_before_and_with_no_replicas():
     assert pending["phase"] == "Pending" and pending["conditions"][0]["reason"] == "PodsNotReady"
     assert pending["endpoint"] == "http://shared-pool.ml.svc:8000/v1" and pending["memoryBudgetBytes"] == 4 * GiB
     assert pending["engines"] == [{"name": "chat", "engineVersion": "chat-v", "state": "Listed", "memoryBytes": GiB}]
+    assert pending["listedEngines"] == 1  # kubectl get's Engines column
     ready = world(pool(memoryBudget="4Gi", replicas=2), member("chat"), ready=1, status=pending)
     status = compose_pool_status(ready, judge_all(ready), now="t1")
     assert status["phase"] == "Ready" and status["readyReplicas"] == 1 and status["replicas"] == 2

@@ -65,7 +65,8 @@ def test_a_pool_serves_its_members_and_they_join_and_leave_without_rolling_its_p
     with running_operator():
         c.kube.create(POOLS, pool_manifest("shared", memoryBudget="2Gi"))
         until(lambda: c.deployment("shared-pool"), "the pool's Deployment")
-        assert c.kube.get(f"{SERVICES}/shared-pool")["spec"]["selector"]["serving.kiln.dev/pool"] == "shared"
+        service = until(lambda: c.kube.get(f"{SERVICES}/shared-pool"), "the pool's Service (applied after it)")
+        assert service["spec"]["selector"]["serving.kiln.dev/pool"] == "shared"
         assert listed(c, "shared") == {}
         status = wait_pool(c, "shared", "Pending", phase="Pending")
         assert status["endpoint"] == "http://shared-pool.ml.svc:8000/v1" and status["memoryBudgetBytes"] == 2 * GiB
@@ -80,8 +81,10 @@ def test_a_pool_serves_its_members_and_they_join_and_leave_without_rolling_its_p
         pinned = c.status("chat")["artifact"]["contentDigest"]
         assert listed(c, "shared")["chat"] == {"name": "chat", "artifactURI": c.store.artifact_uri(version),
                                                "contentDigest": pinned}
+        until(lambda: entry(c, "shared", "chat").get("state") == "Listed", "chat Listed in the pool's status")
         assert entry(c, "shared", "chat") == {"name": "chat", "engineVersion": version, "state": "Listed",
                                               "memoryBytes": GiB}
+        assert pool_status(c, "shared")["listedEngines"] == 1
         after = c.deployment("shared-pool")
         assert after["spec"]["template"] == before["spec"]["template"]  # no restart: the pods follow the list
         assert after["metadata"]["generation"] == before["metadata"]["generation"]
