@@ -137,7 +137,7 @@ def _root_schema(description: str, spec: dict[str, Any], status: dict[str, Any],
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            "metadata": {"type": "object", "properties": {"name": {"type": "string"}}},  # a fieldPath may name it
             "spec": spec,
             "status": status,
         },
