@@ -235,23 +235,15 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
             order = list(targets) if r % 2 == 0 else list(reversed(targets))
             for s in order:
                 for c in concurrencies:
-                    out = scratch / f"{s.replace(' ', '-')}-{r}-c{c}"
                     say(f"run {r + 1}/{repeats}: aiperf against {s}, concurrency {c} ...")
                     host, endpoint = targets[s]
                     cmd = aiperf_command(exe, servers[host].url, name, model_dir, c, isl, osl, seed, requests_per_user,
-                                         out, endpoint, greedy)
-                    spent = translation_seconds(servers[host].url, endpoint) if host == "kiln" else None
-                    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=scratch, timeout=3600)
-                    export = next(out.rglob("profile_export_aiperf.json"), None)
-                    if proc.returncode or export is None:
-                        failed.setdefault(s, []).append(f"run {r + 1}, concurrency {c}: aiperf exit "
-                                                        f"{proc.returncode}: {proc.stdout[-800:]}{proc.stderr[-800:]}")
-                        continue
-                    row = read_export(export)
-                    if spent is not None and (after := translation_seconds(servers[host].url, endpoint)) is not None:
-                        row.update(translation_share(after - spent, row,
-                                                     int(row.get("requests") or max(8, c * requests_per_user))))
-                    runs.setdefault(s, {}).setdefault(c, []).append(row)
+                                         scratch / f"{s.replace(' ', '-')}-{r}-c{c}", endpoint, greedy)
+                    row = _one_run(cmd, scratch, servers[host].url if host == "kiln" else None, endpoint)
+                    if isinstance(row, str):
+                        failed.setdefault(s, []).append(f"run {r + 1}, concurrency {c}: {row}")
+                    else:
+                        runs.setdefault(s, {}).setdefault(c, []).append(row)
     finally:
         for s in servers.values():
             s.stop()
@@ -265,6 +257,20 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
             "concurrencies": concurrencies, "client": version or AIPERF_PIN, "host": _host(), "baseline": baseline,
             "systems": table, "runs": {s: {str(c): v for c, v in by.items()} for s, by in runs.items()},
             "ratios": ratios, "dialect_ratios": dialects, "failed": failed, "logs": str(scratch) if failed else None}
+
+
+def _one_run(cmd: list[str], scratch: Path, kiln_url: str | None, endpoint: str) -> dict | str:
+    """One aiperf run: its row (with kiln's translation cost for a dialect endpoint), or why it failed."""
+    spent = translation_seconds(kiln_url, endpoint) if kiln_url else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=scratch, timeout=3600)
+    export = next(Path(cmd[cmd.index("--artifact-dir") + 1]).rglob("profile_export_aiperf.json"), None)
+    if proc.returncode or export is None:
+        return f"aiperf exit {proc.returncode}: {proc.stdout[-800:]}{proc.stderr[-800:]}"
+    row = read_export(export)
+    if spent is not None and kiln_url and (after := translation_seconds(kiln_url, endpoint)) is not None:
+        count = int(cmd[cmd.index("--request-count") + 1])
+        row.update(translation_share(after - spent, row, int(row.get("requests") or count)))
+    return row
 
 
 def _vllm_server(baseline: str, model_dir: Path, dtype: str, threads_n: int, isl: int, osl: int,

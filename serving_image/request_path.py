@@ -173,6 +173,15 @@ async def _admitted_inputs(ctx: Any, req: Any, kind: str, lora: Any, inline: boo
     return admission, inputs, constraint, plan
 
 
+def _translation_counter(ctx: Any, dialect: Dialect | None) -> Any:
+    """The dialect's ``kiln:dialect_translation_seconds`` series, its request's translation counted (None: chat)."""
+    if dialect is None:
+        return None
+    counter = ctx.metrics.dialect_seconds.labels(**ctx.metrics.labels, endpoint=dialect.endpoint)
+    counter.inc(dialect.request_seconds)
+    return counter
+
+
 async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str,
                    dialect: Dialect | None = None, inline: bool = True) -> Response:
     """Run ``req`` (``kind``: "chat" or "completion") and answer it, in ``dialect`` when one translated it."""
@@ -200,10 +209,7 @@ async def generate(request: Request, req: CompletionRequest | ChatCompletionRequ
         state.generations.discard(gen)
 
     handed_off = False
-    translation = None
-    if dialect is not None:
-        translation = ctx.metrics.dialect_seconds.labels(**ctx.metrics.labels, endpoint=dialect.endpoint)
-        translation.inc(dialect.request_seconds)
+    translation = _translation_counter(ctx, dialect)
     try:
         gen.start()
         if req.stream:

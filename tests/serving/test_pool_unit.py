@@ -21,7 +21,7 @@ from kiln.serving.pool.slot import LOADED, UNLOADED, EngineSlot
 from kiln.serving.server_state import READY
 
 from kiln.engine_list import EngineEntry, parse_document, parse_engine_flag, read_file
-from kiln.memory_budget import engine_memory, parse_quantity
+from kiln.memory_budget import SERVER_MARGIN_BYTES, engine_memory, parse_quantity
 
 MIB = 2**20
 
@@ -45,9 +45,9 @@ def test_default_budget_is_the_cgroup_limit_else_host_memory_less_margins(tmp_pa
     assert budget_mod.cgroup_memory_limit(limited, tmp_path / "none") == 8 * 2**30
     assert budget_mod.cgroup_memory_limit(unlimited, tmp_path / "none") is None
     got, why = default_budget(limit=8 * 2**30)
-    assert got == int(8 * 2**30 * 0.9) - budget_mod.SERVER_MARGIN_BYTES and "cgroup" in why
+    assert got == int(8 * 2**30 * 0.9) - SERVER_MARGIN_BYTES and "cgroup" in why
     got, why = default_budget(limit=0, host=4 * 2**30)
-    assert got == int(4 * 2**30 * 0.9) - budget_mod.SERVER_MARGIN_BYTES and "host" in why
+    assert got == int(4 * 2**30 * 0.9) - SERVER_MARGIN_BYTES and "host" in why
 
 
 def test_an_engine_counts_its_measured_memory_else_its_kv_plan_and_says_which():
