@@ -153,8 +153,10 @@ class EngineSlot:
         self.state.engine, self.state.engine_info, self.state.phase = None, {}, LOADING
         self.adapter_sync = None
         self.loras = LoRARegistry(self)
-        if engine is not None:
-            await self._close(engine)
+        if engine is not None:  # handed over whole: no reference here while _close collects the engine's cycles
+            held = [engine]
+            del engine
+            await self._close(held.pop())
 
     async def _close(self, engine: Any) -> None:
         from kiln.serving.constraints import close_compiler
