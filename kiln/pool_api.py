@@ -17,7 +17,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from kiln.api import API_VERSION, Metadata
 from kiln.api_base import APIModel as _Model
-from kiln.engine_status import Condition
+from kiln.engine_status import Condition, PoolMemberState
 from kiln.memory_budget import parse_quantity
 from kiln.serving_options import check_resources
 from kiln.skus import GPUName
@@ -109,7 +109,7 @@ SERVE_FLAGS: dict[str, str] = {
     "idleUnloadAfter": "--idle-unload-after", "loadTimeout": "--load-timeout", "queueSize": "--pool-queue-size",
 }
 
-MemberState = Literal["Building", "Listed", "Refused"]
+MemberState = PoolMemberState  # one list: an engine's status.pool.state says the same
 
 
 class PoolMember(_Model):

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from kiln.api import API_VERSION, GROUP, KIND
+from kiln.api_base import DNS1035_LABEL
 from kiln.pool_api import POOL_KIND
 
 MAX_NAME = 63
@@ -66,7 +67,7 @@ def service_name(engine: str) -> str:
     return engine if re.match(r"^[a-z]", engine) else bounded_name("llme-", engine)
 
 
-DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS_1035_LABEL = re.compile(DNS1035_LABEL)
 
 
 def engine_name_problem(name: str) -> str | None:
