@@ -3,15 +3,22 @@
 the table is timed after ``/ready``, how long until it was swapped in.
 
     python -P bench/startup.py --repeats 3 [--dtype bfloat16] [--json out.json]
+    python -P bench/startup.py --artifact file:///path/store/engines/<version> --repeats 3
 
 Runs alternate cold and warm within each repeat (a shared host's noise falls on both); the summary is the
 median of each. Run by hand or from ``make bench``-style jobs; it needs the bench model (made here once).
+
+With ``--artifact``: ``kiln serve --artifact`` (issue 41's start-up of a built artifact), "cold" fetching it into
+an empty local cache, "warm" loading the copy that start left there (verified by its stamp, kiln.cache_stamp);
+``/ready`` comes after the server's one-generation warm-up, so it is ready to the first token.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,14 +28,28 @@ import click
 
 try:
     from kiln_bench.model import ensure_model
-    from kiln_bench.serve_probe import Served, loadavg
+    from kiln_bench.serve_probe import Served, kiln_exe, loadavg
 except ImportError:  # run as a script from the repository
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from bench.model import ensure_model  # type: ignore[no-redef]
-    from bench.serve_probe import Served, loadavg  # type: ignore[no-redef]
+    from bench.serve_probe import Served, kiln_exe, loadavg  # type: ignore[no-redef]
 
-def one_start(model_dir: Path, cache: Path, port: int, log: Path, extra: list[str]) -> dict:
-    served = Served(model_dir, port, log, env={"XDG_CACHE_HOME": str(cache)}, args=extra)
+class ArtifactServed(Served):
+    """``kiln serve --artifact URI``, its local artifact cache under ``$XDG_CACHE_HOME`` (``kiln serve``'s
+    default ``--cache-dir``); probed as ``Served`` is."""
+
+    def __init__(self, uri: str, port: int, log: Path, env: dict[str, str], args: list[str]) -> None:
+        self.url, self.log, self.ready_s = f"http://127.0.0.1:{port}", log, None
+        cmd = [kiln_exe(), "serve", "--artifact", uri, "--port", str(port), *args]
+        self.started = time.monotonic()
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+
+
+def one_start(model_dir: Path | str, cache: Path, port: int, log: Path, extra: list[str]) -> dict:
+    env = {"XDG_CACHE_HOME": str(cache)}
+    served = ArtifactServed(model_dir, port, log, env, extra) if isinstance(model_dir, str) else \
+        Served(model_dir, port, log, env=env, args=extra)
     try:
         ready = served.wait_ready()
         info = served.version().get("tactics") or {}
@@ -49,14 +70,17 @@ def one_start(model_dir: Path, cache: Path, port: int, log: Path, extra: list[st
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--port", type=int, default=8731, show_default=True)
 @click.option("--arg", "extra", multiple=True, help="An extra `kiln serve` argument (repeatable).")
+@click.option("--artifact", default=None, help="Start `kiln serve --artifact` of this URI instead of --model: cold "
+              "fetches it into an empty cache, warm loads that copy.")
 @click.option("--json", "json_out", default=None, help="Write the rows as JSON here.")
-def main(dtype: str, preset: str, repeats: int, port: int, extra: tuple[str, ...], json_out: str | None) -> None:
-    model_dir = ensure_model(preset, dtype)
+def main(dtype: str, preset: str, repeats: int, port: int, extra: tuple[str, ...], artifact: str | None,
+         json_out: str | None) -> None:
+    model_dir = artifact or ensure_model(preset, dtype)
     rows: dict[str, list[dict]] = {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory(prefix="kiln-startup-") as tmp:
         for r in range(repeats):
-            cache = Path(tmp) / f"cache-{r}"  # empty: no table on this host
-            for kind in ("cold", "warm"):  # warm: the table the cold start left
+            cache = Path(tmp) / f"cache-{r}"  # empty: no table on this host (no copy of --artifact)
+            for kind in ("cold", "warm"):  # warm: the table (the copy) the cold start left
                 row = one_start(model_dir, cache, port, Path(tmp) / f"{kind}-{r}.log", list(extra))
                 row["load"] = loadavg()
                 rows[kind].append(row)
