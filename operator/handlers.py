@@ -5,9 +5,9 @@ Creation, spec edits and operator restarts reconcile at once; a timer
 reconciles every ``KILN_RECONCILE_INTERVAL`` seconds, which is how Job and
 Deployment progress is noticed (level-triggered: nothing depends on catching
 one event). Both paths take a lock (one for engines, one for pools), so they never interleave.
-An engine's reconcile (or deletion) that changed what its pool reads of it (the pool it names, its pinned build)
-reconciles that pool, and the one it left, right after, outside the engines' lock; a pool's reconcile then
-reconciles the engines whose entry in it changed: an engine joins or leaves a pool within seconds.
+An engine's reconcile (or deletion) that changed what its pool reads of it (the pool it names, its pinned build, its
+adapters) reconciles that pool, and the one it left, right after, outside the engines' lock; a pool's reconcile then
+reconciles the engines whose entry in it changed: an engine (or an adapter) joins or leaves a pool within seconds.
 Run with ``kiln operator`` or ``kopf run -m kiln.operator.handlers``.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import random
@@ -180,14 +181,15 @@ async def _reconcile_pool(namespace: str, name: str, memo: kopf.Memo, logger: lo
 
 
 def membership(result: Result) -> tuple[str | None, ...] | None:
-    """What of an engine its pool's reconcile reads: the pool it names (or its status names) and its pinned build;
-    None when it is gone."""
+    """What of an engine its pool's reconcile reads: the pool it names (or its status names), its pinned build and
+    its adapters (each built or gone changes the pool's adapter list); None when it is gone."""
     if result.body is None:
         return None
     spec, status = result.body.get("spec") or {}, result.status or result.body.get("status") or {}
     pinned = status.get("artifact") or {}
+    adapters = json.dumps([(a.get("name"), a.get("version"), a.get("phase")) for a in status.get("adapters") or []])
     return ((spec.get("serving") or {}).get("pool"), (status.get("pool") or {}).get("name"),
-            status.get("engineVersion"), pinned.get("contentDigest"))
+            status.get("engineVersion"), pinned.get("contentDigest"), adapters)
 
 
 async def _follow_pools(namespace: str, name: str, result: Result, memo: kopf.Memo, logger: logging.Logger,

@@ -2,7 +2,8 @@
 
 :func:`kiln.operator.pool_reconcile.reconcile_pool` reads the pool, its members (the LLMEngines of its namespace
 whose ``spec.serving.pool`` names it) and its Deployment into a :class:`PoolWorld`; :func:`judge` gives each member
-its state, :func:`listed_entries` the engine list the pool's pods follow, and :func:`compose_pool_status` the
+its state, :func:`listed_entries` the engine list the pool's pods follow, :func:`listed_adapters` the adapter list
+they follow beside it (the Listed members' adapters), and :func:`compose_pool_status` the
 pool's ``status``. Tested without a cluster (tests/operator/test_pool_decide.py).
 
 A member is, in this order:
@@ -33,6 +34,7 @@ from kiln.operator.naming import pool_workload_name
 from kiln.operator.pools import pool_endpoint, pool_gpus
 from kiln.operator.status import condition
 
+from kiln import adapter_list
 from kiln.api import LLMEngineSpec
 from kiln.engine_list import EngineEntry
 from kiln.memory_budget import MARGIN_FRACTION, SERVER_MARGIN_BYTES, budget_of, human
@@ -58,6 +60,7 @@ class MemberView:
     memory: tuple[int, str] | None = None  # (bytes, source) its verified engine.json counts
     problem: str | None = None  # why its built artifact cannot be listed (untrusted, engine.json unreadable)
     waiting: str | None = None  # why it is still Building, when it is not simply being built
+    adapters: Any = None  # its <engine>-adapters ConfigMap's adapter list, parsed (None: no spec.lora, or none yet)
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,22 @@ def listed_entries(world: PoolWorld, judged: list[PoolMember]) -> list[EngineEnt
     by_name = {m.name: m for m in world.members}
     return [EngineEntry(j.name, by_name[j.name].artifact_uri or "", by_name[j.name].digest)
             for j in judged if j.state == LISTED]
+
+
+def listed_adapters(world: PoolWorld, judged: list[PoolMember]) -> list[dict[str, str]]:
+    """The adapter list the pool's pods follow: each Listed member's pinned adapters of the version the pool lists
+    (its ConfigMap also keeps its old base's adapters while that base's own pods serve: not the pool's)."""
+    by_name = {m.name: m for m in world.members}
+    out: dict[tuple[str, str], dict[str, str]] = {}
+    for judged_member in judged:
+        member = by_name[judged_member.name]
+        if judged_member.state != LISTED or member.version is None:
+            continue
+        for item in adapter_list.wanted(member.adapters, member.version).values():
+            if isinstance(item.get("version"), str) and isinstance(item.get("contentDigest"), str):
+                out[(member.version, item["name"])] = adapter_list.entry(
+                    item["name"], item["artifactURI"], item["version"], member.version, item["contentDigest"])
+    return list(out.values())
 
 
 def budget_too_small(world: PoolWorld, judged: list[PoolMember]) -> str | None:

@@ -4,7 +4,8 @@ world once, decide with pure functions (:mod:`kiln.operator.pool_decide`), act, 
 - :func:`observe_pool` re-reads the pool, validates its spec, lists the LLMEngines of its namespace and keeps those
   whose ``spec.serving.pool`` names it (one that does not parse, or is being deleted, is no member), and for each
   built one reads what it counts through the store (:func:`read_member`: the manifest checked as the engine's own
-  reconcile checks it, then its engine.json against that manifest's sha256).
+  reconcile checks it, then its engine.json against that manifest's sha256) and, with ``spec.lora``, the adapter
+  list its own reconcile keeps in its ``<engine>-adapters`` ConfigMap (:func:`read_adapter_list`).
 - :func:`act` applies the engine-list ConfigMap first (a new pod starts with it), then the Deployment and the
   Service; the pods follow the ConfigMap without a restart.
 - :func:`write_pool_status` writes ``status`` only when it changed, with the read's resourceVersion as a
@@ -23,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kiln.operator import keys
+from kiln.operator.adapters import ADAPTERS_FILE_KEY, configmap_name
 from kiln.operator.apply import apply
 from kiln.operator.context import Context, key_pair
 from kiln.operator.kube import ApiError, api_path
@@ -33,6 +35,7 @@ from kiln.operator.pool_decide import (
     PoolWorld,
     compose_pool_status,
     judge_all,
+    listed_adapters,
     listed_entries,
 )
 from kiln.operator.pools import build_engines_configmap, build_pool_deployment, build_pool_service, validate_pool
@@ -72,7 +75,7 @@ async def reconcile_pool(ctx: Context, namespace: str, name: str, logger: loggin
         return PoolResult()  # gone, or being deleted: the garbage collector removes its objects
     judged = judge_all(world) if world.spec is not None else []
     if world.spec is not None:
-        deployment = await act(ctx, world, listed_entries(world, judged))
+        deployment = await act(ctx, world, listed_entries(world, judged), listed_adapters(world, judged))
         world = PoolWorld(world.body, spec=world.spec, members=world.members, deployment=deployment)
     return await write_pool_status(ctx, world, compose_pool_status(world, judged))
 
@@ -90,7 +93,10 @@ async def observe_pool(ctx: Context, namespace: str, name: str) -> PoolWorld | N
     for engine in await ctx.kube.list(api_path(API_VERSION, PLURAL, namespace)):
         mine = member_spec(engine, name)
         if mine is not None:
-            members.append(await read_member(ctx, engine, mine))
+            view = await read_member(ctx, engine, mine)
+            if mine.lora is not None and view.memory is not None:  # built and countable: its adapters may be listed
+                view = replace(view, adapters=await read_adapter_list(ctx, namespace, view.name))
+            members.append(view)
     deployment = await ctx.kube.get(api_path("apps/v1", "deployments", namespace, pool_workload_name(name)))
     return PoolWorld(body, spec=spec, members=tuple(members), deployment=deployment)
 
@@ -133,6 +139,16 @@ async def read_member(ctx: Context, engine: dict[str, Any], spec: LLMEngineSpec)
     return replace(view, memory=memory)
 
 
+async def read_adapter_list(ctx: Context, namespace: str, engine: str) -> Any:
+    """The adapter list the member's own reconcile keeps in its ``<engine>-adapters`` ConfigMap, parsed (None when
+    there is none, or it is not JSON: nothing of it is listed)."""
+    configmap = await ctx.kube.get(api_path("v1", "configmaps", namespace, configmap_name(engine)))
+    try:
+        return json.loads(((configmap or {}).get("data") or {}).get(ADAPTERS_FILE_KEY) or "null")
+    except ValueError:
+        return None
+
+
 async def member_memory(ctx: Context, manifest: Manifest, digest: str) -> tuple[int, str]:
     """(bytes, source) the build counts: its engine.json, verified against ``manifest`` (once per build)."""
     key = (manifest.engine_version, digest)
@@ -148,13 +164,13 @@ async def member_memory(ctx: Context, manifest: Manifest, digest: str) -> tuple[
     return _MEMORY[key]
 
 
-async def act(ctx: Context, world: PoolWorld, entries: list[Any]) -> dict[str, Any]:
-    """The verify key the pods check members with, the engine list, the Deployment and the Service; returns the
-    Deployment as the API server answered."""
+async def act(ctx: Context, world: PoolWorld, entries: list[Any], adapters: list[dict[str, str]]) -> dict[str, Any]:
+    """The verify key the pods check members with, the engine list and the members' adapter list, the Deployment
+    and the Service; returns the Deployment as the API server answered."""
     assert world.spec is not None
     owner = pool_owner_reference(world.body)
     await keys.ensure_copy(ctx.kube, keys.verify_key_copy(world.namespace, await key_pair(ctx)))
-    await apply(ctx.kube, build_engines_configmap(world.name, world.namespace, entries, owner))
+    await apply(ctx.kube, build_engines_configmap(world.name, world.namespace, entries, owner, adapters))
     deployment = await apply(ctx.kube, build_pool_deployment(world.spec, world.name, world.namespace, ctx.config,
                                                              owner))
     await apply(ctx.kube, build_pool_service(world.spec, world.name, world.namespace, owner))

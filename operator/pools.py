@@ -2,9 +2,11 @@
 its engine list, its Deployment and its Service (docs/pools.md).
 
 - ConfigMap ``<pool>-pool-engines``, key ``engines.json``: :func:`kiln.engine_list.document` of the listed members
-  (name, artifact URI, the content digest the engine pinned). The pods mount it as a directory (not a subPath), so
-  the kubelet refreshes the file and ``kiln serve --engines-file`` follows it: an engine joins or leaves without a
-  restart. Nothing of the engine list is in the pod template, so a change never rolls the pods.
+  (name, artifact URI, the content digest the engine pinned); key ``adapters.json``: their pinned LoRA adapters
+  (:mod:`kiln.adapter_list`, ``$KILN_LORA_ADAPTERS_FILE`` of the pods). The pods mount it as a directory (not a
+  subPath), so the kubelet refreshes both files and ``kiln serve --engines-file`` follows them: an engine or an
+  adapter joins or leaves without a restart. Nothing of either list is in the pod template, so a change never
+  rolls the pods.
 - Deployment ``<pool>-pool``: ``spec.replicas`` pods of ``kiln serve --engines-file`` plus the pool's settings
   (:func:`kiln.pool_api.serve_flags`), built from the same pieces as an engine's serving pod
   (:mod:`kiln.operator.workloads`: container, probes, preStop and drain, security contexts, the store's read
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kiln.operator.adapters import ADAPTERS_FILE_KEY
 from kiln.operator.jobs import shm_volumes, sku_placement
 from kiln.operator.keys import verify_key_mount, verify_key_volume
 from kiln.operator.naming import (
@@ -44,6 +47,8 @@ from kiln.operator.workloads import (
 )
 from pydantic import ValidationError
 
+from kiln import adapter_list
+from kiln.adapter_list import ADAPTERS_FILE_ENV
 from kiln.engine_list import EngineEntry, document
 from kiln.manifest import validation_error_lines
 from kiln.pool_api import LLMEnginePool, LLMEnginePoolSpec, serve_flags
@@ -52,6 +57,7 @@ from kiln.skus import GPU_SKUS
 ENGINES_DIR = "/etc/kiln/pool"
 ENGINES_KEY = "engines.json"
 ENGINES_FILE = f"{ENGINES_DIR}/{ENGINES_KEY}"
+ADAPTERS_FILE = f"{ENGINES_DIR}/{ADAPTERS_FILE_KEY}"  # the members' adapters, beside the engine list
 
 
 def validate_pool(name: str, raw: dict[str, Any], config: OperatorConfig) -> LLMEnginePoolSpec:
@@ -107,7 +113,8 @@ def _placement(spec: LLMEnginePoolSpec, config: OperatorConfig) -> dict[str, Any
 
 def pool_container(spec: LLMEnginePoolSpec, pool: str, config: OperatorConfig) -> dict[str, Any]:
     key_mount, key_env = verify_key_mount()  # every member's manifest must be signed by the operator's key
-    env = [*server_env(pool, spec.max_queue_len, spec.drain_timeout_seconds), key_env]
+    env = [*server_env(pool, spec.max_queue_len, spec.drain_timeout_seconds), key_env,
+           {"name": ADAPTERS_FILE_ENV, "value": ADAPTERS_FILE}]
     args = ["--engines-file", ENGINES_FILE, "--host", "0.0.0.0", "--port", str(spec.port), *serve_flags(spec)]
     mounts = [*server_mounts(), key_mount, {"name": "engines", "mountPath": ENGINES_DIR, "readOnly": True}]
     if pool_gpus(spec) > 1:
@@ -161,13 +168,17 @@ def build_pool_service(spec: LLMEnginePoolSpec, pool: str, namespace: str,
 
 
 def build_engines_configmap(pool: str, namespace: str, entries: list[EngineEntry],
-                            owner: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The engine list the pool's pods follow (``kiln.engine_list``'s format)."""
+                            owner: dict[str, Any] | None = None,
+                            adapters: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """The engine list the pool's pods follow (``kiln.engine_list``'s format), and beside it the adapter list
+    (``kiln.adapter_list``'s: ``adapters``, the Listed members' pinned adapters, each naming its engine's version
+    as its base)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": object_meta(pool_engines_name(pool), namespace, pool_labels(pool), owner),
-        "data": {ENGINES_KEY: json.dumps(document(entries), indent=1, sort_keys=True)},
+        "data": {ENGINES_KEY: json.dumps(document(entries), indent=1, sort_keys=True),
+                 ADAPTERS_FILE_KEY: json.dumps(adapter_list.document(list(adapters or [])), indent=1, sort_keys=True)},
     }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 from harness import SPEC
@@ -20,12 +21,15 @@ from kiln.operator.pool_decide import (
     compose_pool_status,
     judge,
     judge_all,
+    listed_adapters,
     listed_entries,
 )
-from kiln.operator.pools import render_pool
+from kiln.operator.pools import build_engines_configmap, render_pool
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.validation import InvalidSpec
 
+from kiln import adapter_list
+from kiln.adapter_list import ADAPTERS_FILE_ENV
 from kiln.api import LLMEngineSpec
 from kiln.engine_list import EngineEntry
 from kiln.memory_budget import SERVER_MARGIN_BYTES
@@ -160,6 +164,44 @@ def test_the_engines_whose_view_of_the_pool_changed():
     assert changed_members(old, {**old, "engines": [a, {**b, "state": "Listed"}]}) == {"b"}
     assert changed_members(old, {**old, "engines": [b]}) == {"a"}
     assert changed_members(old, {**old, "phase": "Pending"}) == {"a", "b"}
+
+
+def adapters(*items: tuple[str, str, str | None]) -> dict:
+    """An <engine>-adapters ConfigMap's list: (name, base version, pinned digest or None)."""
+    return adapter_list.document([adapter_list.entry(name, f"s3://b/kiln/engines/{base}-{name}", f"{base}-{name}",
+                                                     base, digest) for name, base, digest in items])
+
+
+def test_the_pools_adapter_list_holds_the_pinned_adapters_of_each_listed_members_listed_version():
+    lora = engine(lora={"adapters": [{"name": "sql", "source": "s3://adapters/sql", "revision": "v1"}]})
+    doc = adapters(("sql", "chat-v", DIGEST), ("old", "chat-old", DIGEST), ("unpinned", "chat-v", None))
+    w = world(pool(memoryBudget="4Gi"), member("chat", GiB, lora, adapters=doc),
+              member("big", 8 * GiB, lora, adapters=adapters(("sql", "big-v", DIGEST))),
+              member("new", None, lora, adapters=adapters(("sql", "new-v", DIGEST))),
+              member("bad", GiB, lora, adapters={"format": 99, "adapters": doc["adapters"]}))
+    judged = judge_all(w)
+    assert [j.state for j in judged] == [LISTED, REFUSED, LISTED, BUILDING]  # bad, big, chat, new
+    # chat's adapter of the version the pool lists, pinned: not its old base's, not one without a pin, nothing of a
+    # refused or building member, nothing of a list in another format
+    assert listed_adapters(w, judged) == [adapter_list.entry("sql", "s3://b/kiln/engines/chat-v-sql", "chat-v-sql",
+                                                             "chat-v", DIGEST)]
+    twin = replace(w, members=(*w.members, replace(w.members[0], name="chat2")))  # the same build under two names
+    assert len(listed_adapters(twin, judge_all(twin))) == 1
+    assert listed_adapters(world(pool(), member("chat", GiB, lora)), [judge(member("chat"), "shared", pool())]) == []
+
+
+def test_the_pools_pods_follow_the_adapter_list_beside_the_engine_list_and_it_never_rolls_them():
+    config = OperatorConfig(store_uri="s3://b/kiln")
+    listed = [adapter_list.entry("sql", "s3://b/kiln/engines/chat-v-sql", "chat-v-sql", "chat-v", DIGEST)]
+    configmap = build_engines_configmap("shared", "ml", [], adapters=listed)
+    assert json.loads(configmap["data"]["adapters.json"]) == adapter_list.document(listed)
+    assert json.loads(build_engines_configmap("shared", "ml", [])["data"]["adapters.json"]) == {
+        "format": 1, "adapters": []}
+    [container] = render_pool({}, "shared", "ml", config)[1]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[ADAPTERS_FILE_ENV] == "/etc/kiln/pool/adapters.json"  # in the directory mount the kubelet refreshes
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "engines")
+    assert mount["mountPath"] == "/etc/kiln/pool" and "subPath" not in mount
 
 
 def test_render_pool_lists_no_engine_in_the_pod_template_and_refuses_a_bad_spec_naming_the_field():

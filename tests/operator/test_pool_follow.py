@@ -54,3 +54,20 @@ def test_a_poked_engine_follows_no_pool_and_a_deleted_one_names_its_pool(pools: 
     assert pools == [] and memo["engine_pools"][("ml", "chat")][0] == "a"
     follow({}, Result(), also=("c",))  # deleted after an operator restart: the pool its spec named
     assert pools == ["c"]
+
+
+def test_a_pool_is_reconciled_when_an_adapter_of_its_member_is_built_or_removed(pools: list[str]):
+    memo: dict = {}
+    follow(memo, engine("a"))
+    sql = {"name": "sql", "version": "v1-sql-1", "phase": "Building"}
+    built = engine("a")
+    built.status["adapters"] = [sql]
+    follow(memo, built)
+    assert pools == ["a", "a"]  # status.adapters appeared (its Job runs): the pool lists nothing new, but reads it
+    follow(memo, built)
+    assert pools == ["a", "a"]
+    built.status["adapters"] = [{**sql, "phase": "Ready"}]
+    follow(memo, built)
+    assert pools == ["a"] * 3  # built: the member's ConfigMap lists it, so the pool's adapter list does
+    follow(memo, engine("a"))
+    assert pools == ["a"] * 4  # removed from spec.lora: the pool's adapter list drops it

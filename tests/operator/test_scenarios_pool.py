@@ -12,7 +12,11 @@ from typing import Any
 
 import pytest
 from conftest import wait_for
-from harness import CONFIGMAPS, ENGINES, POOLS, SERVICES, SPEC, Cluster, manifest, running_operator
+from harness import CONFIGMAPS, ENGINES, JOBS, POOLS, SERVICES, SPEC, Cluster, manifest, running_operator
+
+from kiln.api import LLMEngineSpec
+from kiln.artifact_manifest import BUILT_BY_ENV, BuiltBy
+from kiln.envelope import adapter_envelope, adapter_version
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,6 +54,31 @@ def listed(c: Cluster, pool: str) -> dict[str, dict[str, Any]]:
     cm = c.kube.get(f"{CONFIGMAPS}/{pool}-pool-engines") or {}
     doc = json.loads((cm.get("data") or {}).get("engines.json") or '{"engines": []}')
     return {e["name"]: e for e in doc["engines"]}
+
+
+def pool_adapters(c: Cluster, pool: str) -> dict[str, dict[str, Any]]:
+    """The adapter list beside it, by name."""
+    cm = c.kube.get(f"{CONFIGMAPS}/{pool}-pool-engines") or {}
+    doc = json.loads((cm.get("data") or {}).get("adapters.json") or '{"adapters": []}')
+    return {a["name"]: a for a in doc["adapters"]}
+
+
+def build_adapter(c: Cluster, base: str, spec: dict[str, Any]) -> tuple[str, str]:
+    """Be the adapter's builder: publish the one adapter of ``spec`` on ``base`` and complete its Job; returns
+    (adapter version, the content digest the store holds)."""
+    adapter = LLMEngineSpec.model_validate(spec).lora.adapters[0]
+    version = adapter_version(base, adapter)
+    job = until(lambda: next((j for j in c.jobs() if j["metadata"]["annotations"].get(
+        "serving.kiln.dev/adapter-version") == version), None), "the adapter's build Job")
+    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    src = c.tmp / f"adapter-{version}"
+    src.mkdir()
+    (src / "adapter_model.safetensors").write_bytes(b"x" * 64)
+    c.store.publish(version, src, adapter_envelope(base, adapter),
+                    built_by=BuiltBy.model_validate_json(env[BUILT_BY_ENV]), signer=c.signer())
+    c.kube.patch(f"{JOBS}/{job['metadata']['name']}/status", {"status": {
+        "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}})
+    return version, c.store.read_signed_manifest(version)[0].content_digest
 
 
 def entry(c: Cluster, pool: str, engine: str) -> dict[str, Any]:
@@ -132,3 +161,33 @@ def test_an_invalid_pool_fails_naming_the_field_and_creates_nothing(cluster: Clu
         assert cond["reason"] == "InvalidSpec" and cond["message"].startswith("spec.engines: ")
         assert c.deployment("shared-pool") is None and c.kube.get(f"{CONFIGMAPS}/shared-pool-engines") is None
     assert runner.output.count("failed permanently") == 1
+
+
+def test_a_members_adapters_are_listed_beside_the_engine_list_and_leave_with_it_without_rolling_the_pods(
+        cluster: Cluster):
+    c = cluster
+    lora = {"maxLoras": 2, "adapters": [{"name": "sql", "source": "s3://adapters/sql", "revision": "v1"}]}
+    with running_operator():
+        c.kube.create(POOLS, pool_manifest("shared", memoryBudget="2Gi"))
+        before = until(lambda: c.deployment("shared-pool"), "the pool's Deployment")
+        env = {e["name"]: e.get("value") for e in before["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["KILN_LORA_ADAPTERS_FILE"] == "/etc/kiln/pool/adapters.json"
+        c.kube.create(ENGINES, member("chat", lora=lora))
+        spec = {**copy.deepcopy(SPEC), "lora": lora}
+        base = c.build(c.wait_job(), spec, memory=GiB)
+        until(lambda: "chat" in listed(c, "shared"), "chat in the pool's engine list")
+        assert pool_adapters(c, "shared") == {}  # built, but not its adapter yet
+        version, digest = build_adapter(c, base, spec)
+        until(lambda: "sql" in pool_adapters(c, "shared"), "sql in the pool's adapter list")
+        assert pool_adapters(c, "shared")["sql"] == {
+            "name": "sql", "artifactURI": c.store.artifact_uri(version), "version": version,
+            "baseEngineVersion": base, "contentDigest": digest}
+        assert c.deployment("shared-pool")["spec"]["template"] == before["spec"]["template"]
+
+        c.kube.patch(f"{ENGINES}/chat", {"spec": {"lora": {**lora, "adapters": []}}})
+        until(lambda: pool_adapters(c, "shared") == {}, "sql dropped from the pool's adapter list")
+        c.kube.patch(f"{ENGINES}/chat", {"spec": {"lora": lora}})
+        until(lambda: "sql" in pool_adapters(c, "shared"), "sql listed again (built already: no Job)")
+        c.kube.patch(f"{ENGINES}/chat", {"spec": {"serving": {"pool": None}}})  # the member leaves: its adapters too
+        until(lambda: pool_adapters(c, "shared") == {} and listed(c, "shared") == {}, "chat and sql dropped")
+        assert c.deployment("shared-pool")["spec"]["template"] == before["spec"]["template"]
