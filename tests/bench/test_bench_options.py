@@ -13,8 +13,8 @@ from kiln_bench.options import BenchOptions, option
 FLAGS = ["--num-requests", "--seed", "--arrival-rate", "--shared-prefix", "--preset", "--model-dir", "--dtype",
          "--threads", "--device", "--repeats", "--systems", "--baselines", "--max-batch-size", "--max-num-tokens",
          "--check-requests", "--max-isa", "--json", "--quick", "--strict", "--structured", "--lora", "--gguf",
-         "--server", "--concurrency", "--isl", "--osl", "--endpoints", "--speculative", "--profile", "--draft-model",
-         "--draft-layers", "--pair-scale"]
+         "--server", "--concurrency", "--isl", "--osl", "--endpoints", "--speculative", "--profile", "--pool",
+         "--draft-model", "--draft-layers", "--pair-scale"]
 
 
 def test_every_field_is_one_option_with_its_default():
