@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -38,8 +39,14 @@ def tokenizer_config_hint(model_dir: str) -> Any | None:
     return types.SimpleNamespace(**fields)
 
 
+# transformers' lazy top-level module is not safe to import from two threads at once: the second import of a pool's
+# two concurrent engine loads failed with "cannot import name 'AutoTokenizer' from 'transformers'". One at a time.
+_IMPORT_LOCK = threading.Lock()
+
+
 def load_tokenizer(model_dir: str) -> Any:
-    from transformers import AutoTokenizer
+    with _IMPORT_LOCK:
+        from transformers import AutoTokenizer
 
     hint = tokenizer_config_hint(model_dir)
     extra = {} if hint is None else {"config": hint}

@@ -83,3 +83,18 @@ def test_load_does_not_import_the_modeling_stack(toy_model):
     out = subprocess.run([sys.executable, "-P", "-c", probe, str(toy_model("llama-tiny"))], capture_output=True,
                          text=True, timeout=300, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_concurrent_first_loads_in_a_fresh_process_all_succeed(toy_model):
+    """A pool loads two engines at once: their tokenizers' first import of transformers raced (the second failed with
+    "cannot import name 'AutoTokenizer' from 'transformers'", seen by kiln bench --pool). Four threads, fresh process."""
+    probe = ("import sys, threading\nfrom kiln.engine.tokenizer import load_tokenizer\n"
+             "barrier, errors = threading.Barrier(4), []\n"
+             "def load():\n    barrier.wait()\n    try:\n        load_tokenizer(sys.argv[1])\n"
+             "    except Exception as exc:\n        errors.append(repr(exc))\n"
+             "threads = [threading.Thread(target=load) for _ in range(4)]\n"
+             "[t.start() for t in threads]; [t.join() for t in threads]\nprint(errors)\n")
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-P", "-c", probe, str(toy_model("llama-tiny"))], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
