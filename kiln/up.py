@@ -75,6 +75,7 @@ def read_pool(path: Path, doc: dict) -> PoolManifest:
         problems = exc.problems
     spec = doc.get("spec")
     engines = spec.get("engines") if isinstance(spec, dict) else None
+    engines = engines if isinstance(engines, list) and all(isinstance(e, str) for e in engines) else None
     if not (engines and all(engines)) and not any(line.startswith("spec.engines") for line in problems):
         problems = [*problems, "spec.engines: list the LLMEngine manifests to serve, as paths relative to this file"]
     if problems or pool is None:

@@ -182,6 +182,15 @@ def _translation_counter(ctx: Any, dialect: Dialect | None) -> Any:
     return counter
 
 
+def _builder(req: CompletionRequest | ChatCompletionRequest, kind: str, request_id: str, engine: Any) -> Builder:
+    """The OpenAI bodies of ``req``'s answer, with the logprobs it asked for."""
+    if isinstance(req, ChatCompletionRequest):
+        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        top_logprobs = req.logprobs
+    return Builder(kind, request_id, req.model, engine.tokenizer, top_logprobs)
+
+
 async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str,
                    dialect: Dialect | None = None, inline: bool = True) -> Response:
     """Run ``req`` (``kind``: "chat" or "completion") and answer it, in ``dialect`` when one translated it."""
@@ -197,11 +206,7 @@ async def generate(request: Request, req: CompletionRequest | ChatCompletionRequ
     state.generations.add(gen)
     parser = reasoning_parser(ctx.config.reasoning_parser) if kind == "chat" else None
     reasoning = parser.for_request(inputs[0].prompt_token_ids, engine.tokenizer, constraint) if parser else None
-    if isinstance(req, ChatCompletionRequest):
-        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        top_logprobs = req.logprobs
-    builder = Builder(kind, request_id, req.model, engine.tokenizer, top_logprobs)
+    builder = _builder(req, kind, request_id, engine)
 
     async def cleanup() -> None:
         await gen.close()

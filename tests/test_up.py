@@ -227,6 +227,9 @@ def test_kiln_up_refuses_a_bad_pool_manifest_naming_each_field(toy_model, tmp_pa
     assert "spec.maxLoadedEngines: must be >= 1 (got 0)" in result.output
     assert "spec.colour: unknown field" in result.output
     assert "spec.engines: list the LLMEngine manifests" in result.output
+    pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"}, "spec": {"engines": 5}}))
+    scalar = CliRunner().invoke(up, ["-f", str(pool), "--store", f"file://{tmp_path / 'store'}"])
+    assert scalar.exit_code == 2 and "spec.engines" in scalar.output and "Traceback" not in scalar.output
     twice = CliRunner().invoke(up, ["-f", str(one), "-f", str(one), "--store", f"file://{tmp_path / 'store'}"])
     assert twice.exit_code == 2 and "'one' is served twice" in twice.output
     assert "serving" not in result.output + twice.output

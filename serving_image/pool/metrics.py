@@ -58,9 +58,12 @@ class WaitingCollector(Collector):
         family = GaugeMetricFamily("kiln:num_requests_waiting", "Requests queued in an engine, not yet running; "
                                    "under the pool's name: requests waiting for their engine to be placed or "
                                    "loaded.", labels=list(own))
+        rows: dict[tuple[str, ...], float] = {tuple(own.values()): float(self.pool.num_waiting)}
         for slot in [*self.pool.slots.values(), *self.pool.leaving]:
             engine = slot.state.engine
-            if slot.status == LOADED and engine is not None:
-                family.add_metric(list(slot.metrics.labels.values()), float(engine.stats().num_waiting))
-        family.add_metric(list(own.values()), float(self.pool.num_waiting))
+            if slot.status == LOADED and engine is not None:  # one row per label set: an engine named as the pool,
+                key = tuple(slot.metrics.labels.values())  # or a slot draining beside its successor, sums into it
+                rows[key] = rows.get(key, 0.0) + float(engine.stats().num_waiting)
+        for values, waiting in rows.items():
+            family.add_metric(list(values), waiting)
         yield family

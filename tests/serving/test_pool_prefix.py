@@ -267,3 +267,23 @@ def test_a_real_pools_keys_predict_each_engines_cache_hits(start_server, toy_mod
     samples = {s.labels["model_name"] for f in text_string_to_metric_families(httpx.get(f"{srv.url}/metrics").text)
                for s in f.samples if s.name == "kiln:num_requests_waiting"}
     assert {"a", "b"} < samples and len(samples) == 3  # both engines', and the pool's under the server's name
+
+
+def test_num_requests_waiting_has_one_row_per_label_set():
+    """An engine named as the pool, or a slot draining beside its successor under one name: their rows sum, never two
+    samples with one label set (Prometheus would drop one, and the autoscaler read the other)."""
+    from types import SimpleNamespace
+
+    from kiln.serving.pool.metrics import WaitingCollector
+    from kiln.serving.pool.slot import LOADED
+
+    def slot(name: str, waiting: int) -> SimpleNamespace:
+        engine = SimpleNamespace(stats=lambda: SimpleNamespace(num_waiting=waiting))
+        return SimpleNamespace(status=LOADED, state=SimpleNamespace(engine=engine),
+                               metrics=SimpleNamespace(labels={"model_name": name}))
+
+    pool = SimpleNamespace(metrics=SimpleNamespace(labels={"model_name": "chat"}), num_waiting=5,
+                           slots={"chat": slot("chat", 3), "b": slot("b", 1)}, leaving=[slot("b", 2)])
+    [family] = list(WaitingCollector(pool).collect())
+    rows = [(s.labels["model_name"], s.value) for s in family.samples]
+    assert sorted(rows) == [("b", 3.0), ("chat", 8.0)]
