@@ -19,7 +19,7 @@ from kiln.api import API_VERSION, Metadata
 from kiln.api_base import APIModel as _Model
 from kiln.engine_status import Condition, PoolMemberState
 from kiln.memory_budget import parse_quantity
-from kiln.serving_options import check_resources
+from kiln.serving_options import AutoscalingOptions, check_resources
 from kiln.skus import GPUName
 
 POOL_KIND = "LLMEnginePool"
@@ -41,6 +41,11 @@ class LLMEnginePoolSpec(_Model):
         "(spec.gpu), and with one pod per replica (tensorParallel x pipelineParallel within a node).",
     )
     replicas: int = Field(default=1, ge=0, le=1000, description="Serving pods; each serves every member engine.")
+    autoscaling: AutoscalingOptions | None = Field(
+        default=None, description="Scale the pool's pods on the pool's queue (kiln:num_requests_waiting of its "
+        "engines and of the pool, summed over its pods) with a KEDA ScaledObject or an HPA, as the operator renders "
+        "them (docs/scale-out.md); replicas is then only the count on create. minReplicas must be 1 or more.",
+    )
     port: int = Field(default=8000, ge=1024, le=65535, description="Container and Service port of the API.")
     resources: dict[str, Any] | None = Field(
         default=None,

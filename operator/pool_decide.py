@@ -43,8 +43,8 @@ from kiln.pool_api import LLMEnginePoolSpec, PoolMember
 BUILDING, LISTED, REFUSED = "Building", "Listed", "Refused"
 PENDING, READY, FAILED = "Pending", "Ready", "Failed"
 # The Ready condition's reasons; a Failed one is posted as a Warning event.
-INVALID_SPEC, BUDGET_TOO_SMALL, NO_REPLICAS, PODS_NOT_READY, SERVING = (
-    "InvalidSpec", "BudgetTooSmall", "NoReplicas", "PodsNotReady", "Serving")
+INVALID_SPEC, BUDGET_TOO_SMALL, NO_REPLICAS, PODS_NOT_READY, SERVING, AUTOSCALER_MISSING = (
+    "InvalidSpec", "BudgetTooSmall", "NoReplicas", "PodsNotReady", "Serving", "AutoscalerMissing")
 POOL_FAILURES = {INVALID_SPEC, BUDGET_TOO_SMALL}
 
 
@@ -72,6 +72,7 @@ class PoolWorld:
     spec: LLMEnginePoolSpec | None = None
     members: tuple[MemberView, ...] = ()
     deployment: dict[str, Any] | None = None  # the pool's Deployment, as read or as applied
+    scaler_problem: str | None = None  # why spec.autoscaling's object could not be applied (its API is missing)
 
     @property
     def name(self) -> str:
@@ -204,15 +205,26 @@ def _ready(world: PoolWorld, judged: list[PoolMember]) -> tuple[str, bool, str, 
     if (too_small := budget_too_small(world, judged)) is not None:
         return FAILED, False, BUDGET_TOO_SMALL, too_small
     assert world.spec is not None
-    listed = sum(j.state == LISTED for j in judged)
-    if world.spec.replicas == 0:
+    if world.scaler_problem is not None:
+        return PENDING, False, AUTOSCALER_MISSING, world.scaler_problem
+    listed, desired = sum(j.state == LISTED for j in judged), desired_replicas(world)
+    if desired == 0:
         return PENDING, False, NO_REPLICAS, "spec.replicas is 0: no pod serves the pool; raise it to serve"
     ready = ((world.deployment or {}).get("status") or {}).get("readyReplicas") or 0
     if ready > 0:
-        return READY, True, SERVING, (f"{ready} of {world.spec.replicas} pod(s) ready, serving {listed} "
+        return READY, True, SERVING, (f"{ready} of {desired} pod(s) ready, serving {listed} "
                                       f"engine(s) of {len(judged)}")
     return PENDING, False, PODS_NOT_READY, (f"no pod of Deployment {pool_workload_name(world.name)} is ready yet (0 of "
-                                            f"{world.spec.replicas}); {listed} engine(s) listed")
+                                            f"{desired}); {listed} engine(s) listed")
+
+
+def desired_replicas(world: PoolWorld) -> int:
+    """The pods the pool is meant to have: ``spec.replicas``, or, autoscaled, what the autoscaler last set on the
+    Deployment (at least ``minReplicas``, which is 1 or more)."""
+    assert world.spec is not None
+    if world.spec.autoscaling is None:
+        return world.spec.replicas
+    return ((world.deployment or {}).get("spec") or {}).get("replicas") or world.spec.autoscaling.min_replicas
 
 
 def compose_pool_status(world: PoolWorld, judged: list[PoolMember], now: str | None = None) -> dict[str, Any]:
@@ -226,7 +238,7 @@ def compose_pool_status(world: PoolWorld, judged: list[PoolMember], now: str | N
     ready = ((world.deployment or {}).get("status") or {}).get("readyReplicas") or 0
     return {**status, "endpoint": pool_endpoint(world.name, world.namespace, world.spec),
             "memoryBudgetBytes": room[0] if room else None, "engines": [j.to_k8s() for j in judged],
-            "listedEngines": sum(j.state == LISTED for j in judged), "replicas": world.spec.replicas,
+            "listedEngines": sum(j.state == LISTED for j in judged), "replicas": desired_replicas(world),
             "readyReplicas": ready}
 
 

@@ -30,6 +30,7 @@ from kiln.operator.context import Context, key_pair
 from kiln.operator.kube import ApiError, api_path
 from kiln.operator.naming import pool_owner_reference, pool_workload_name
 from kiln.operator.pool_decide import (
+    LISTED,
     POOL_FAILURES,
     MemberView,
     PoolWorld,
@@ -38,7 +39,14 @@ from kiln.operator.pool_decide import (
     listed_adapters,
     listed_entries,
 )
-from kiln.operator.pools import build_engines_configmap, build_pool_deployment, build_pool_service, validate_pool
+from kiln.operator.pools import (
+    build_engines_configmap,
+    build_pool_deployment,
+    build_pool_scaler,
+    build_pool_service,
+    validate_pool,
+)
+from kiln.operator.scale_out import KINDS
 from kiln.operator.status import same_status, transitions
 from kiln.operator.trust import manifest_problem
 from kiln.operator.validation import InvalidSpec
@@ -76,7 +84,8 @@ async def reconcile_pool(ctx: Context, namespace: str, name: str, logger: loggin
     judged = judge_all(world) if world.spec is not None else []
     if world.spec is not None:
         deployment = await act(ctx, world, listed_entries(world, judged), listed_adapters(world, judged))
-        world = PoolWorld(world.body, spec=world.spec, members=world.members, deployment=deployment)
+        scaler = await converge_scaler(ctx, world, [j.name for j in judged if j.state == LISTED])
+        world = replace(world, deployment=deployment, scaler_problem=scaler)
     return await write_pool_status(ctx, world, compose_pool_status(world, judged))
 
 
@@ -175,6 +184,28 @@ async def act(ctx: Context, world: PoolWorld, entries: list[Any], adapters: list
                                                              owner))
     await apply(ctx.kube, build_pool_service(world.spec, world.name, world.namespace, owner))
     return deployment
+
+
+async def converge_scaler(ctx: Context, world: PoolWorld, members: list[str]) -> str | None:
+    """Apply what ``spec.autoscaling`` asks for and delete the autoscaler kind this operator renders when it asks
+    for none (the count goes back to ``spec.replicas``); the message naming the field and the fix when the cluster
+    does not serve that kind (KEDA or autoscaling/v2 missing), else None."""
+    assert world.spec is not None
+    wanted = build_pool_scaler(world.spec, world.name, world.namespace, ctx.config, members,
+                               pool_owner_reference(world.body))
+    kind = "HorizontalPodAutoscaler" if ctx.config.autoscaler == "hpa" else "ScaledObject"
+    api_version, plural, _, fix = KINDS[kind]
+    if wanted is None:
+        await ctx.kube.delete(api_path(api_version, plural, world.namespace, pool_workload_name(world.name)))
+        return None
+    try:
+        await apply(ctx.kube, wanted)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        return (f"spec.autoscaling needs {kind} ({api_version}), which this cluster does not serve (no {plural} "
+                f"in namespace {world.namespace}); {fix}, or remove spec.autoscaling")
+    return None
 
 
 def pool_events(old: dict[str, Any], new: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:

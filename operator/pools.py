@@ -12,6 +12,9 @@ its engine list, its Deployment and its Service (docs/pools.md).
   (:mod:`kiln.operator.workloads`: container, probes, preStop and drain, security contexts, the store's read
   credentials, the ``kiln-verify-key`` Secret every member's manifest must be signed by).
 - Service ``<pool>-pool``: the pool's port; status.endpoint is its OpenAI base URL.
+- With ``spec.autoscaling``: a KEDA ScaledObject or an HPA ``<pool>-pool`` (the operator's autoscaler) scaling the
+  Deployment on the pool's queue (:func:`build_pool_scaler`); the Deployment's ``replicas`` is then set on create
+  only.
 
 A pool pod on a GPU SKU holds ``spec.resources.limits["nvidia.com/gpu"]`` GPUs (default 1); a member engine
 needing more per pod is refused (:mod:`kiln.operator.pool_decide`).
@@ -23,6 +26,7 @@ import json
 from typing import Any
 
 from kiln.operator.adapters import ADAPTERS_FILE_KEY
+from kiln.operator.autoscaling import HPA_API, KEDA_API, POLLING_SECONDS, REPLICAS_OWNER, _behavior
 from kiln.operator.jobs import shm_volumes, sku_placement
 from kiln.operator.keys import verify_key_mount, verify_key_volume
 from kiln.operator.naming import (
@@ -75,6 +79,9 @@ def validate_pool(name: str, raw: dict[str, Any], config: OperatorConfig) -> LLM
                           f"with spec.serving.pool: {name}; remove spec.engines")
     if problem := image_problem("spec.image", spec.image, config):
         raise InvalidSpec(problem)
+    if spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
+        raise InvalidSpec("spec.autoscaling.minReplicas: 0 is not served for a pool yet (no interceptor holds its "
+                          "requests while a pod starts); set minReplicas to 1 or more")
     if config.node_selector(spec.gpu) is None:
         known = ", ".join(sorted(config.sku_node_labels))
         raise InvalidSpec(f"spec.gpu: {spec.gpu} has no node label in this operator's SKU map ({known}); add it to "
@@ -127,6 +134,7 @@ def build_pool_deployment(spec: LLMEnginePoolSpec, pool: str, namespace: str, co
                           owner: dict[str, Any] | None = None) -> dict[str, Any]:
     """The pool's pods. Their template carries nothing of the engine list (a member joining never rolls them)."""
     labels = pool_labels(pool)
+    scaled = {REPLICAS_OWNER: "autoscaler"} if spec.autoscaling is not None else None  # apply: replicas on create
     volumes = [*server_volumes(), *shm_volumes(pool_gpus(spec)), verify_key_volume(),
                {"name": "engines", "configMap": {"name": pool_engines_name(pool)}}]
     pod_spec = server_pod_spec(config, pool_container(spec, pool, config),
@@ -134,9 +142,9 @@ def build_pool_deployment(spec: LLMEnginePoolSpec, pool: str, namespace: str, co
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": object_meta(pool_workload_name(pool), namespace, labels, owner),
+        "metadata": object_meta(pool_workload_name(pool), namespace, labels, owner, scaled),
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": spec.replicas if spec.autoscaling is None else spec.autoscaling.min_replicas,
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": config.startup_timeout_seconds + 120,
             "selector": {"matchLabels": pool_selector_labels(pool)},
@@ -167,6 +175,42 @@ def build_pool_service(spec: LLMEnginePoolSpec, pool: str, namespace: str,
     }
 
 
+def pool_queue_query(pool: str, namespace: str, members: list[str]) -> str:
+    """PromQL of the pool's queue: ``kiln:num_requests_waiting`` under the pool's name (requests waiting for their
+    engine to be placed or loaded) and under each listed engine's (docs/pools.md, Metrics)."""
+    names = "|".join(sorted({pool, *members}))  # DNS labels (each names a Service): nothing to escape
+    return f'sum(kiln:num_requests_waiting{{namespace="{namespace}",model_name=~"{names}"}})'
+
+
+def build_pool_scaler(spec: LLMEnginePoolSpec, pool: str, namespace: str, config: OperatorConfig,
+                      members: list[str], owner: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """``spec.autoscaling`` as this operator renders it (None when unset): a KEDA ScaledObject on
+    :func:`pool_queue_query`, or an HPA on the Pods metric of the same series (the metrics adapter sums a pod's
+    series), each aiming at ``targetWaitingRequests`` per pod. The pods export no ``num_requests_running`` of
+    their engines, so the queue alone scales them (scale-down waits the stabilization window)."""
+    scaling = spec.autoscaling
+    if scaling is None:
+        return None
+    name = pool_workload_name(pool)
+    common = {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}}
+    behavior = _behavior(scaling.scale_down_stabilization_seconds)
+    target = str(scaling.target_waiting_requests)
+    meta = object_meta(name, namespace, pool_labels(pool), owner)
+    if config.autoscaler == "hpa":
+        metric = {"name": config.hpa_metric_prefix + "num_requests_waiting"}
+        return {"apiVersion": HPA_API, "kind": "HorizontalPodAutoscaler", "metadata": meta, "spec": {
+            **common, "minReplicas": scaling.min_replicas, "maxReplicas": scaling.max_replicas, "behavior": behavior,
+            "metrics": [{"type": "Pods", "pods": {"metric": metric,
+                                                  "target": {"type": "AverageValue", "averageValue": target}}}]}}
+    trigger = {"type": "prometheus", "name": "num-requests-waiting", "metricType": "AverageValue", "metadata": {
+        "serverAddress": config.prometheus_address, "query": pool_queue_query(pool, namespace, members),
+        "threshold": target, "activationThreshold": "0", "ignoreNullValues": "true"}}
+    return {"apiVersion": KEDA_API, "kind": "ScaledObject", "metadata": meta, "spec": {
+        **common, "minReplicaCount": scaling.min_replicas, "maxReplicaCount": scaling.max_replicas,
+        "pollingInterval": POLLING_SECONDS, "cooldownPeriod": scaling.scale_down_stabilization_seconds,
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}}, "triggers": [trigger]}}
+
+
 def build_engines_configmap(pool: str, namespace: str, entries: list[EngineEntry],
                             owner: dict[str, Any] | None = None,
                             adapters: list[dict[str, str]] | None = None) -> dict[str, Any]:
@@ -185,7 +229,8 @@ def build_engines_configmap(pool: str, namespace: str, entries: list[EngineEntry
 def render_pool(pool_body_or_spec: Any, name: str, namespace: str, config: OperatorConfig,
                 entries: list[EngineEntry] | None = None) -> list[dict[str, Any]]:
     """The objects the operator applies for a pool (``kiln render``): the engine-list ConfigMap (``entries``:
-    none unless given; the operator lists the members it finds), the Deployment and the Service. Takes the
+    none unless given; the operator lists the members it finds), the Deployment, the Service and, with
+    ``spec.autoscaling``, its ScaledObject or HPA. Takes the
     LLMEnginePool (a dict with ``spec``, or :class:`LLMEnginePool`), its spec (dict or
     :class:`LLMEnginePoolSpec`); :class:`InvalidSpec` naming the field as the operator. No ownerReferences (the
     pool's uid is the cluster's), no ``rendered-hash`` annotation."""
@@ -199,4 +244,6 @@ def render_pool(pool_body_or_spec: Any, name: str, namespace: str, config: Opera
     spec = validate_pool(name, raw, config)
     objects = [build_engines_configmap(name, namespace, list(entries or [])),
                build_pool_deployment(spec, name, namespace, config), build_pool_service(spec, name, namespace)]
+    if (scaler := build_pool_scaler(spec, name, namespace, config, [e.name for e in entries or []])) is not None:
+        objects.append(scaler)
     return [json.loads(json.dumps(obj)) for obj in objects]

@@ -90,8 +90,8 @@ def pool_problem(spec: LLMEngineSpec) -> str | None:
         return None
     if spec.serving.autoscaling is not None:
         return (f"spec.serving.autoscaling: this engine is served by LLMEnginePool {pool} (spec.serving.pool), whose "
-                "pods serve every engine of the pool and are scaled by the pool (its spec.replicas), not per engine "
-                "(autoscaling a pool is not supported yet); remove spec.serving.autoscaling, or remove "
+                "pods serve every engine of the pool and are scaled by the pool (its spec.replicas, or its "
+                "spec.autoscaling), not per engine; remove spec.serving.autoscaling, or remove "
                 "spec.serving.pool to serve the engine from its own autoscaled pods")
     if spec.serving.routing.inference_pool:
         return (f"spec.serving.routing.inferencePool: this engine is served by LLMEnginePool {pool} "

@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 from kiln.operator.autoscaling import REPLICAS_OWNER, queue_queries
 from kiln.operator.naming import owner_reference, selector_labels
+from kiln.operator.pools import render_pool
 from kiln.operator.scale_out import KINDS, extra_objects, missing_prerequisite, replica_status
 from kiln.operator.scheduling import new_pods_selector, unschedulable
 from kiln.operator.settings import OperatorConfig
@@ -20,6 +21,7 @@ from kiln.operator.validation import InvalidSpec, validate_spec
 from kiln.operator.workloads import build_deployment, build_pdb
 
 from kiln.api import LLMEngineSpec
+from kiln.engine_list import EngineEntry
 from kiln.envelope import engine_version
 from kiln.manifest import load_manifest
 
@@ -254,3 +256,35 @@ def test_kiln_render_prints_the_scale_out_objects_and_targets_the_workload():
     assert scaler["spec"]["scaleTargetRef"]["name"] == lws_name(multi.metadata.name)
     lws = next(o for o in objects if o["kind"] == "LeaderWorkerSet")
     assert lws["metadata"]["annotations"].get(REPLICAS_OWNER) == "autoscaler"
+
+
+POOL_BODY = {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool", "metadata": {"name": "shared"},
+             "spec": {"replicas": 5, "autoscaling": {"minReplicas": 2, "maxReplicas": 6, "targetWaitingRequests": 3,
+                                                     "scaleDownStabilizationSeconds": 120}}}
+
+
+def test_a_pool_scales_its_deployment_on_the_pools_queue_with_keda_or_an_hpa():
+    members = [EngineEntry("chat", "s3://b/p/engines/v1"), EngineEntry("sql", "s3://b/p/engines/v2")]
+    _, deployment, _, so = render_pool(POOL_BODY, "shared", "ml", KEDA, members)
+    validate(so)
+    validate(deployment)
+    assert deployment["spec"]["replicas"] == 2  # minReplicas on create, not spec.replicas: then the scaler's
+    assert deployment["metadata"]["annotations"][REPLICAS_OWNER] == "autoscaler"
+    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "shared-pool"}
+    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"], so["spec"]["cooldownPeriod"]) == (2, 6, 120)
+    [trigger] = so["spec"]["triggers"]  # the queue alone: pool pods export no engine's num_requests_running
+    assert trigger["metadata"]["query"] == \
+        'sum(kiln:num_requests_waiting{namespace="ml",model_name=~"chat|shared|sql"})'  # its engines' and its own
+    assert trigger["metadata"]["threshold"] == "3" and trigger["metricType"] == "AverageValue"
+    *_, hpa = render_pool(POOL_BODY, "shared", "ml", HPA)
+    validate(hpa)
+    assert hpa["kind"] == "HorizontalPodAutoscaler" and hpa["spec"]["scaleTargetRef"]["name"] == "shared-pool"
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": HPA.hpa_metric_prefix + "num_requests_waiting"},
+        "target": {"type": "AverageValue", "averageValue": "3"}}}]
+    plain = render_pool({**POOL_BODY, "spec": {"replicas": 5}}, "shared", "ml", KEDA)
+    assert len(plain) == 3 and plain[1]["spec"]["replicas"] == 5 and REPLICAS_OWNER not in (
+        plain[1]["metadata"].get("annotations") or {})
+    with pytest.raises(InvalidSpec, match=r"^spec.autoscaling.minReplicas: 0 .*set minReplicas to 1 or more"):
+        render_pool({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}, "shared", "ml", KEDA)

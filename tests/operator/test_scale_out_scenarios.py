@@ -10,6 +10,7 @@ import time
 import pytest
 from conftest import wait_for
 from harness import DEPLOYMENTS, ENGINES, PODS, SPEC, VERSION_LABEL, Cluster, manifest, running_operator
+from harness import POOLS as ENGINE_POOLS
 from kiln.operator.naming import version_label
 from test_scenarios import ready
 
@@ -17,6 +18,7 @@ NS_APIS = "/apis/{}/namespaces/ml/{}"
 SCALEDOBJECTS = NS_APIS.format("keda.sh/v1alpha1", "scaledobjects")
 HTTPSCALEDOBJECTS = NS_APIS.format("http.keda.sh/v1alpha1", "httpscaledobjects")
 POOLS = NS_APIS.format("inference.networking.k8s.io/v1", "inferencepools")
+GiB = 2**30
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -170,3 +172,47 @@ def test_routing_on_and_off_and_a_cluster_without_the_inference_pool_crd(cluster
         emulator.handler.uninstalled.discard("inferencepools")  # the admin installs the CRDs
         c.wait_status("chat", "Ready with the pool", phase="Ready", servingVersion=version)
         assert c.kube.get(f"{POOLS}/chat") is not None
+
+
+def pool_status(c: Cluster) -> dict:
+    return (c.kube.get(f"{ENGINE_POOLS}/shared") or {}).get("status") or {}
+
+
+def test_an_autoscaled_pool_scales_on_its_queue_and_the_operator_never_overwrites_its_replicas(
+        cluster: Cluster, emulator):
+    c = cluster
+    scaling = {"minReplicas": 1, "maxReplicas": 3, "targetWaitingRequests": 2}
+    with running_operator():
+        c.kube.create(ENGINE_POOLS, {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool",
+                                     "metadata": {"name": "shared", "namespace": "ml"},
+                                     "spec": {"replicas": 2, "memoryBudget": "2Gi", "autoscaling": scaling}})
+        so = wait_for(lambda: c.kube.get(f"{SCALEDOBJECTS}/shared-pool"), what="the pool's ScaledObject")
+        assert so["spec"]["scaleTargetRef"]["name"] == "shared-pool" and so["spec"]["maxReplicaCount"] == 3
+        assert so["metadata"]["ownerReferences"][0]["kind"] == "LLMEnginePool"
+        dep = c.deployment("shared-pool")
+        assert dep["spec"]["replicas"] == 1 and dep["metadata"]["annotations"]["serving.kiln.dev/replicas-owner"] \
+            == "autoscaler"
+        c.kube.create(ENGINES, manifest("chat", serving={**copy.deepcopy(SPEC["serving"]), "pool": "shared"}))
+        c.build(c.wait_job(), SPEC, memory=GiB)
+        wait_for(lambda: 'model_name=~"chat|shared"' in c.kube.get(f"{SCALEDOBJECTS}/shared-pool")["spec"][
+            "triggers"][0]["metadata"]["query"], what="the listed member's queue in the pool's query")
+
+        scale(c, "shared-pool", 3)  # be KEDA's HPA
+        wait_for(lambda: pool_status(c).get("replicas") == 3 and pool_status(c).get("readyReplicas") == 3,
+                 what="the pool's status follows the scaler")
+        c.kube.patch(f"{ENGINE_POOLS}/shared", {"spec": {"memoryBudget": "3Gi"}})
+        wait_for(lambda: pool_status(c).get("memoryBudgetBytes") == 3 * GiB, what="the spec edit reconciled")
+        assert c.deployment("shared-pool")["spec"]["replicas"] == 3
+        assert operator_replica_writes(emulator) == []  # replicas set on create only: the scaler owns it
+
+        c.kube.patch(f"{ENGINE_POOLS}/shared", {"spec": {"autoscaling": None}})  # the count goes back to replicas
+        wait_for(lambda: c.kube.get(f"{SCALEDOBJECTS}/shared-pool") is None, what="the ScaledObject deleted")
+        wait_for(lambda: c.deployment("shared-pool")["spec"]["replicas"] == 2, what="spec.replicas again")
+
+        emulator.handler.uninstalled.add("scaledobjects")  # a cluster without KEDA: Pending, naming the fix
+        c.kube.patch(f"{ENGINE_POOLS}/shared", {"spec": {"autoscaling": scaling}})
+        wait_for(lambda: pool_status(c).get("phase") == "Pending" and pool_status(c)["conditions"][0]["reason"]
+                 == "AutoscalerMissing", what="AutoscalerMissing")
+        message = pool_status(c)["conditions"][0]["message"]
+        assert message.startswith("spec.autoscaling needs ScaledObject (keda.sh/v1alpha1)")
+        assert "install KEDA" in message and message.endswith("or remove spec.autoscaling")
