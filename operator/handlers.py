@@ -4,7 +4,9 @@
 Creation, spec edits and operator restarts reconcile at once; a timer
 reconciles every ``KILN_RECONCILE_INTERVAL`` seconds, which is how Job and
 Deployment progress is noticed (level-triggered: nothing depends on catching
-one event). Both paths take a lock (one for engines, one for pools), so they never interleave.
+one event). Every reconcile of an engine takes that engine's lock, every reconcile of a pool that pool's (from its
+own handlers or cross-triggered from the other kind): two reconciles of one object never interleave. The locks live
+in dicts on the global memo (kopf hands each object a shallow copy of it, which shares them).
 An engine's reconcile (or deletion) that changed what its pool reads of it (the pool it names, its pinned build, its
 adapters) reconciles that pool, and the one it left, right after, outside the engines' lock; a pool's reconcile then
 reconciles the engines whose entry in it changed: an engine (or an adapter) joins or leaves a pool within seconds.
@@ -14,6 +16,7 @@ Run with ``kiln operator`` or ``kopf run -m kiln.operator.handlers``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -79,6 +82,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
         settings.peering.mandatory = True  # a missing peering object is an error, not a silent standalone
         settings.peering.priority = random.randint(1, 1_000_000)
     memo.ctx = Context(kube=KubeClient(), store=store, config=config)
+    # Set here, on the global memo: each object's memo is a shallow copy of it, so all share these dicts.
+    memo.engine_locks = collections.defaultdict(asyncio.Lock)
+    memo.pool_locks = collections.defaultdict(asyncio.Lock)
+    memo.engine_pools = {}
     if config.metrics_port:
         metrics.serve(config.metrics_port)
     logger.info(f"kiln operator: store {store.uri}, reconcile every {config.reconcile_interval}s, ha={config.ha}")
@@ -120,11 +127,16 @@ def retried() -> Iterator[None]:
         raise kopf.TemporaryError(f"Kubernetes API: {exc or type(exc).__name__}", delay=5) from None
 
 
+def lock(memo: kopf.Memo, kind: str, namespace: str, name: str) -> asyncio.Lock:
+    """The one lock of the engine (``kind`` "engine_locks") or pool ("pool_locks") ``namespace/name``, shared by
+    every object's memo (``configure`` puts the dicts on the global memo)."""
+    return memo.setdefault(kind, collections.defaultdict(asyncio.Lock))[(namespace, name)]
+
+
 async def _reconcile(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
                      follow: bool = True) -> Result:
     """One engine's reconcile; then, with ``follow``, its pool's when what the pool reads of it changed."""
-    lock = memo.setdefault("lock", asyncio.Lock())
-    async with lock:
+    async with lock(memo, "engine_locks", namespace, name):
         with retried():
             result = await reconcile(memo.ctx, namespace, name, logger)
     for type_, reason, message in result.events:
@@ -165,8 +177,7 @@ async def engine_deleted(namespace: str, name: str, spec: dict[str, Any], memo: 
 async def _reconcile_pool(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger) -> PoolResult:
     """One pool's reconcile; then the engines whose entry in it changed are reconciled (their status follows the
     pool's: Ready once listed by a Ready pool, Failed when refused) without following pools again."""
-    lock = memo.setdefault("pool_lock", asyncio.Lock())  # not the engines' lock: an engine's reconcile calls this
-    async with lock:
+    async with lock(memo, "pool_locks", namespace, name):  # released before its members are reconciled
         with retried():
             result = await reconcile_pool(memo.ctx, namespace, name, logger)
     for type_, reason, message in result.events:

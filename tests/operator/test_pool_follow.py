@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 
 import pytest
@@ -71,3 +72,47 @@ def test_a_pool_is_reconciled_when_an_adapter_of_its_member_is_built_or_removed(
     assert pools == ["a"] * 3  # built: the member's ConfigMap lists it, so the pool's adapter list does
     follow(memo, engine("a"))
     assert pools == ["a"] * 4  # removed from spec.lora: the pool's adapter list drops it
+
+
+def test_the_reconciles_of_one_object_never_overlap_across_the_memos_kopf_hands_each_object(
+        monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """kopf gives each object a shallow copy of the global memo: a lock made on one object's copy does not guard
+    the same engine reconciled from its pool's (or the same pool from an engine's)."""
+    import kopf
+
+    monkeypatch.setenv("KILN_STORE_URI", str(tmp_path))
+    running: dict[str, int] = {}
+    overlaps: list[str] = []
+
+    async def exclusive(name: str) -> None:
+        running[name] = running.get(name, 0) + 1
+        if running[name] > 1:
+            overlaps.append(name)
+        await asyncio.sleep(0.01)
+        running[name] -= 1
+
+    async def reconcile(ctx, namespace: str, name: str, logger) -> Result:
+        await exclusive(f"engine {name}")
+        return engine("p")
+
+    async def reconcile_pool(ctx, namespace: str, name: str, logger) -> handlers.PoolResult:
+        await exclusive(f"pool {name}")
+        return handlers.PoolResult(body={"status": {}}, status={})
+
+    monkeypatch.setattr(handlers, "reconcile", reconcile)
+    monkeypatch.setattr(handlers, "reconcile_pool", reconcile_pool)
+    monkeypatch.setattr(handlers, "changed_members", lambda before, now: {"chat"})
+    log = logging.getLogger("test")
+
+    async def main() -> None:
+        base = kopf.Memo()
+        await handlers.configure(settings=kopf.OperatorSettings(), memo=base, logger=log)
+        engine_memo, pool_memo = copy.copy(base), copy.copy(base)  # as kopf does, one per object
+        await asyncio.gather(handlers._reconcile("ml", "chat", engine_memo, log),  # its timer; follows pool p
+                             handlers._reconcile_pool("ml", "p", pool_memo, log),  # reconciles chat after
+                             handlers._reconcile_pool("ml", "p", pool_memo, log),
+                             handlers._reconcile("ml", "chat", engine_memo, log))
+        await base.ctx.kube.close()
+
+    asyncio.run(main())
+    assert running == {"engine chat": 0, "pool p": 0} and overlaps == []
