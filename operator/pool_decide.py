@@ -8,8 +8,9 @@ pool's ``status``. Tested without a cluster (tests/operator/test_pool_decide.py)
 
 A member is, in this order:
 
-- Refused when it can never run in the pool's pods: another ``spec.gpu``, a replica spanning pods, more GPUs per
-  pod than the pool's pods hold (known before it is built, so it is refused at once);
+- Refused when it can never run in the pool's pods: another ``spec.gpu``, more than one rank
+  (``spec.tensorParallel x spec.pipelineParallel``: the pool's runtime loads single-rank engines) (known before it
+  is built, so it is refused at once);
 - Building until its status shows a built, pinned artifact of its current version (``status.engineVersion`` is
   the spec's, ``status.artifact`` pins it) and the store's manifest is that build (:class:`MemberView`);
 - Refused when that artifact cannot be listed (untrusted, its engine.json unreadable), or when what it counts
@@ -29,9 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.operator.jobs import pod_gpus
 from kiln.operator.naming import pool_workload_name
-from kiln.operator.pools import pool_endpoint, pool_gpus
+from kiln.operator.pools import pool_endpoint
 from kiln.operator.status import condition
 
 from kiln import adapter_list
@@ -120,14 +120,10 @@ def _shape_problem(member: MemberView, pool: str, spec: LLMEnginePoolSpec) -> st
         return (f"engine {member.name} is built for spec.gpu {mine.gpu}, the pool {pool}'s pods run on spec.gpu "
                 f"{spec.gpu}; set the engine's spec.gpu to {spec.gpu}, or move it to a pool of {mine.gpu} "
                 "(spec.serving.pool)")
-    if mine.replica_shape.pods > 1:
-        return (f"engine {member.name} spans {mine.replica_shape.pods} pods per replica (spec.tensorParallel x "
-                f"spec.pipelineParallel {mine.tensor_parallel}x{mine.pipeline_parallel} beyond one node), a pool's pod "
-                "serves engines of one pod; remove spec.serving.pool to serve it from its own pods")
-    if pool_gpus(spec) and pod_gpus(mine) > pool_gpus(spec):  # a CPU pool's pods hold no GPU: ranks share its CPUs
-        return (f"engine {member.name} needs {pod_gpus(mine)} GPUs per pod (spec.tensorParallel x "
-                f"spec.pipelineParallel), the pool {pool}'s pods hold {pool_gpus(spec)}; raise the pool's "
-                f"spec.resources.limits[\"nvidia.com/gpu\"] to {pod_gpus(mine)}, or lower the engine's parallelism")
+    if (ranks := mine.tensor_parallel * mine.pipeline_parallel) > 1:
+        return (f"engine {member.name} runs {ranks} ranks (spec.tensorParallel x spec.pipelineParallel "
+                f"{mine.tensor_parallel}x{mine.pipeline_parallel}), a pool's pods serve engines of one rank; set "
+                "both to 1, or remove spec.serving.pool to serve it from its own pods")
     return None
 
 

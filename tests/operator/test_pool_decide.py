@@ -24,6 +24,7 @@ from kiln.operator.pool_decide import (
     listed_adapters,
     listed_entries,
 )
+from kiln.operator.pool_member import POOL_MISMATCH, refusal
 from kiln.operator.pools import build_engines_configmap, render_pool
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.validation import InvalidSpec
@@ -101,17 +102,19 @@ def test_the_budget_is_memory_budget_else_the_memory_limit_less_the_margins_else
     assert judge(member("huge", 500 * GiB), "shared", pool()).state == LISTED  # the pods refuse at load
 
 
-def test_another_gpu_a_multi_pod_replica_or_more_gpus_per_pod_are_refused_before_the_build():
+def test_another_gpu_or_more_than_one_rank_is_refused_before_the_build():
     other = judge(member("g", memory=None, spec=engine(gpu="H100-80GB", dtype="bfloat16")), "shared", pool())
     assert other.state == REFUSED and "spec.gpu H100-80GB" in other.message and "spec.gpu cpu" in other.message
     wide = engine(gpu="H100-80GB", dtype="bfloat16", tensorParallel=8, pipelineParallel=2)
     spans = judge(member("w", memory=None, spec=wide), "shared", pool(gpu="H100-80GB"))
-    assert spans.state == REFUSED and "spans 2 pods" in spans.message
-    tp2 = engine(gpu="H100-80GB", dtype="bfloat16", tensorParallel=2)
-    gpus = judge(member("t", spec=tp2), "shared", pool(gpu="H100-80GB"))
-    assert gpus.state == REFUSED and "needs 2 GPUs per pod" in gpus.message and "hold 1" in gpus.message
+    assert spans.state == REFUSED and "runs 16 ranks" in spans.message
     roomy = pool(gpu="H100-80GB", resources={"limits": {"nvidia.com/gpu": 2}})
-    assert judge(member("t", spec=tp2), "shared", roomy).state == LISTED
+    for parallel in ({"tensorParallel": 2}, {"pipelineParallel": 2}):  # the pool's runtime loads one rank per engine
+        entry = judge(member("t", spec=engine(gpu="H100-80GB", dtype="bfloat16", **parallel)), "shared", roomy)
+        assert entry.state == REFUSED and entry.memory_bytes is None
+        assert "spec.tensorParallel x spec.pipelineParallel" in entry.message and "set both to 1" in entry.message
+    assert refusal(entry.to_k8s()) == POOL_MISMATCH
+    assert judge(member("one", spec=engine(gpu="H100-80GB", dtype="bfloat16")), "shared", roomy).state == LISTED
 
 
 def test_an_untrusted_artifact_is_refused_with_its_problem():
