@@ -34,6 +34,7 @@ class PoolView:
     message: str | None = None  # the entry's message: why it is refused
     refusal: str | None = None  # Refused: ENGINE_TOO_BIG (its memory) or POOL_MISMATCH (anything else: refusal)
     ready: bool = False  # the pool's phase is Ready: its pods serve
+    failed: bool = False  # the pool's phase is Failed (its spec, its budget): it lists nothing new until fixed
     pool_message: str = ""  # the pool's Ready condition message (why it does not serve yet)
     endpoint: str | None = None  # the pool's status.endpoint (its Service)
 
@@ -65,7 +66,8 @@ def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, An
     state = entry.get("state")
     return PoolView(wanted, namespace, found=True, state=state, version=entry.get("engineVersion"),
                     message=entry.get("message"), refusal=refusal(entry) if state == "Refused" else None,
-                    ready=status.get("phase") == "Ready", pool_message=ready.get("message") or "",
+                    ready=status.get("phase") == "Ready", failed=status.get("phase") == "Failed",
+                    pool_message=ready.get("message") or "",
                     endpoint=status.get("endpoint"))
 
 
@@ -82,7 +84,10 @@ def not_found_message(view: PoolView) -> str:
 
 
 def listing_message(view: PoolView, version: str | None) -> str:
-    """Why a found pool does not serve ``version`` of the engine yet."""
+    """Why a found pool does not serve ``version`` of the engine yet: a Failed pool's own reason (no waiting fixes
+    it), else what it lists."""
+    if view.failed:
+        return f"LLMEnginePool {view.name} is Failed: {view.pool_message or 'see its Ready condition'}"
     if view.lists(version) == "Listed":
         why = f": {view.pool_message}" if view.pool_message else ""
         return f"LLMEnginePool {view.name} lists {version}, but its pods do not serve yet{why}"

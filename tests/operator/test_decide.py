@@ -384,6 +384,17 @@ def test_refused_by_the_pool_fails_with_the_pool_s_message(entry, reason):
     assert stale["phase"] == "Deploying" and reasons(stale)[1] == "PoolListing"
 
 
+def test_a_member_of_a_failed_pool_shows_the_pool_s_message_not_a_wait():
+    invalid = pool(phase="Failed")  # an invalid spec: no status.engines at all
+    invalid["status"]["conditions"][0]["message"] = "spec.gpu: unknown SKU 'h100'; use one of ..."
+    for body in (invalid, pool("Building", phase="Failed")):
+        status = status_of(pooled({"servingVersion": "v1"}, body), Outcome())
+        message = status["conditions"][1]["message"]
+        assert status["phase"] == "Deploying" and "waiting for" not in message, message
+        assert message.startswith("LLMEnginePool shared is Failed: ")
+        assert body["status"]["conditions"][0]["message"] in message
+
+
 def test_no_such_pool_is_deploying_naming_the_field_and_the_fix():
     own = workload("v1")
     status = status_of(pooled({"servingVersion": "v1"}, None, deployment=own), Outcome(deployment=own))
