@@ -14,24 +14,26 @@ loaded engine added 1.15 GiB to a server's RSS after a one-token request).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 MARGIN_FRACTION = 0.1
 SERVER_MARGIN_BYTES = 512 * 2**20  # the server, torch and the tokenizers, beside the engines
 
-_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+_SUFFIXES = {"": 1, "m": 1e-3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
              "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kMGTPE]i?|)\s*$")
+# A decimal number, an optional decimal exponent (1e9) or suffix, as Kubernetes' resource.Quantity reads memory.
+_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*([kMGTPE]i?|m|)\s*$")
 
 
 def parse_quantity(text: str, name: str = "--memory-budget") -> int:
     """Bytes of a Kubernetes memory quantity (``6Gi``, ``512Mi``, ``8G``, ``1000000``); ValueError naming ``name``."""
     match = _QUANTITY.match(str(text))
-    if match is None or match.group(2) == "ki":
+    if match is None or match.group(2) == "ki" or (match.group(2) and "e" in match.group(1).lower()):
         raise ValueError(f"{name} {text!r} is not a memory quantity; write it as Kubernetes does, e.g. 6Gi, 512Mi "
                          "or 8G")
-    value = int(float(match.group(1)) * _SUFFIXES[match.group(2)])
+    value = math.ceil(float(match.group(1)) * _SUFFIXES[match.group(2)])  # milli-bytes round up, as Kubernetes
     if value <= 0:
         raise ValueError(f"{name} {text!r} must be more than zero bytes; e.g. 6Gi")
     return value

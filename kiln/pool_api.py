@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from kiln.api import API_VERSION, Metadata
+from kiln.api_base import DNS1123_SUBDOMAIN
 from kiln.api_base import APIModel as _Model
 from kiln.engine_status import Condition, PoolMemberState
 from kiln.memory_budget import parse_quantity
@@ -56,6 +57,11 @@ class LLMEnginePoolSpec(_Model):
     node_selector: dict[str, str] | None = Field(
         default=None, description="nodeSelector of the pool's pods (besides the GPU SKU's placement).")
     image: str | None = Field(default=None, max_length=512, description="Override of the serving image.")
+    api_key_secret: str | None = Field(
+        default=None, max_length=253, pattern=DNS1123_SUBDOMAIN,
+        description="Secret with key KILN_API_KEY; when set, every request to the pool needs 'Authorization: Bearer "
+        "<key>' (or x-api-key). It guards every member: a member's own spec.serving.apiKeySecret is refused.",
+    )
     max_loaded_engines: int | None = Field(
         default=None, ge=1, le=1000, description="Engines loaded at once at most (kiln serve --max-loaded-engines); "
         "unset means as many as the memory budget holds.",

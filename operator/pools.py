@@ -42,6 +42,9 @@ from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import image_problem
 from kiln.operator.validation import InvalidSpec
 from kiln.operator.workloads import (
+    API_KEY_DIR,
+    API_KEY_FILE,
+    api_key_secret_volume,
     grace_seconds,
     server_container,
     server_env,
@@ -74,6 +77,10 @@ def validate_pool(name: str, raw: dict[str, Any], config: OperatorConfig) -> LLM
     except ValidationError as exc:
         raise InvalidSpec("; ".join(f"spec.{line}" for line in validation_error_lines(exc, LLMEnginePoolSpec))) \
             from None
+    try:
+        spec.memory_limit_bytes  # noqa: B018 - parsed here, so a bad quantity is the pool's Failed, not a traceback
+    except ValueError as exc:
+        raise InvalidSpec(f"spec.{exc}") from None
     if spec.engines is not None:
         raise InvalidSpec("spec.engines: lists manifests for kiln up only; in a cluster an LLMEngine joins the pool "
                           f"with spec.serving.pool: {name}; remove spec.engines")
@@ -124,6 +131,9 @@ def pool_container(spec: LLMEnginePoolSpec, pool: str, config: OperatorConfig) -
            {"name": ADAPTERS_FILE_ENV, "value": ADAPTERS_FILE}]
     args = ["--engines-file", ENGINES_FILE, "--host", "0.0.0.0", "--port", str(spec.port), *serve_flags(spec)]
     mounts = [*server_mounts(), key_mount, {"name": "engines", "mountPath": ENGINES_DIR, "readOnly": True}]
+    if spec.api_key_secret:  # a read-only file, as an engine's key (workloads.serving_container)
+        mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})
+        args += ["--api-key-file", API_KEY_FILE]
     if pool_gpus(spec) > 1:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     return server_container(spec.image or config.serving_image, spec.port, args, env, mounts,
@@ -136,7 +146,8 @@ def build_pool_deployment(spec: LLMEnginePoolSpec, pool: str, namespace: str, co
     labels = pool_labels(pool)
     scaled = {REPLICAS_OWNER: "autoscaler"} if spec.autoscaling is not None else None  # apply: replicas on create
     volumes = [*server_volumes(), *shm_volumes(pool_gpus(spec)), verify_key_volume(),
-               {"name": "engines", "configMap": {"name": pool_engines_name(pool)}}]
+               {"name": "engines", "configMap": {"name": pool_engines_name(pool)}},
+               *api_key_secret_volume(spec.api_key_secret)]
     pod_spec = server_pod_spec(config, pool_container(spec, pool, config),
                                grace_seconds(spec.drain_timeout_seconds, config), volumes, _placement(spec, config))
     return {

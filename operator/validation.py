@@ -98,6 +98,10 @@ def pool_problem(spec: LLMEngineSpec) -> str | None:
                 "(spec.serving.pool), whose Service answers every engine of the pool; routing is the pool's, not "
                 "per engine (an InferencePool per pool is not supported yet); remove spec.serving.routing."
                 "inferencePool, or remove spec.serving.pool to serve the engine from its own pods")
+    if spec.serving.api_key_secret:
+        return (f"spec.serving.apiKeySecret: this engine is served by LLMEnginePool {pool} (spec.serving.pool), whose "
+                "pods check one key for every member; set it as the pool's spec.apiKeySecret and remove it here, or "
+                "remove spec.serving.pool to serve the engine from its own pods with its own key")
     shape = spec.replica_shape
     if shape.pods > 1:
         return (f"spec.serving.pool: one replica of this engine spans {shape.pods} pods (tensorParallel "

@@ -151,10 +151,15 @@ def server_container(image: str, port: int, args: list[str], env: list[dict[str,
 
 
 def api_key_volume(spec: LLMEngineSpec) -> list[dict[str, Any]]:
-    if not spec.serving.api_key_secret:
+    return api_key_secret_volume(spec.serving.api_key_secret)
+
+
+def api_key_secret_volume(secret: str | None) -> list[dict[str, Any]]:
+    """The volume of an API-key Secret (an engine's spec.serving.apiKeySecret, or a pool's spec.apiKeySecret)."""
+    if not secret:
         return []
     # 0440 with the pod's fsGroup: readable by the server's group, by no one else.
-    return [{"name": "api-key", "secret": {"secretName": spec.serving.api_key_secret, "defaultMode": 0o440,
+    return [{"name": "api-key", "secret": {"secretName": secret, "defaultMode": 0o440,
                                             "items": [{"key": API_KEY_SECRET_KEY, "path": "api-key"}]}}]
 
 

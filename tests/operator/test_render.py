@@ -363,6 +363,8 @@ def test_an_engine_of_a_pool_renders_its_build_job_and_no_workload(tmp_path: Pat
     ({"colour": "red"}, "invalid LLMEnginePool manifest", "spec.colour: unknown field"),
     ({"engines": ["a.yaml"]}, "the operator would refuse", "spec.engines: lists manifests for kiln up only"),
     ({"image": "evil.example.com/kiln:1"}, "the operator would refuse", "spec.image"),
+    ({"resources": {"limits": {"memory": "8 gigs"}}}, "the operator would refuse",
+     "spec.resources.limits.memory '8 gigs' is not a memory quantity"),
 ])
 def test_kiln_render_refuses_a_bad_pool_naming_the_field(tmp_path: Path, change: dict, header: str, line: str):
     data = yaml.safe_load(POOL_EXAMPLE.read_text())
@@ -373,3 +375,22 @@ def test_kiln_render_refuses_a_bad_pool_naming_the_field(tmp_path: Path, change:
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert f"error: {header} {path}" in result.output and f"  {line}" in result.output, result.output
     assert "kind: Deployment" not in result.output
+
+
+def test_a_pool_s_api_key_guards_every_member_and_a_member_s_own_key_is_refused():
+    """The pool's pods check spec.apiKeySecret (a read-only file, as an engine's); a member cannot keep its own key,
+    which the pool's pods would not check (it would be served open once it joined)."""
+    from kiln.operator.pools import render_pool
+    from kiln.operator.validation import InvalidSpec, validate_spec
+
+    data = yaml.safe_load(POOL_EXAMPLE.read_text())
+    data["spec"]["apiKeySecret"] = "pool-key"
+    deployment = next(o for o in render_pool(data, "small", "ns", CONFIG) if o["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--api-key-file") + 1] == "/var/run/secrets/kiln/api-key/api-key"
+    assert {"name": "api-key", "secret": {"secretName": "pool-key", "defaultMode": 0o440,
+                                          "items": [{"key": "KILN_API_KEY", "path": "api-key"}]}} in pod["volumes"]
+    member = {"model": {"source": "hf://org/m"}, "gpu": "cpu", "serving": {"pool": "small", "apiKeySecret": "k"}}
+    with pytest.raises(InvalidSpec, match=r"spec.serving.apiKeySecret: .*set it as the pool's spec.apiKeySecret"):
+        validate_spec(member, CONFIG)

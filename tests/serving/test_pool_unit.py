@@ -32,6 +32,8 @@ def test_memory_quantities_as_kubernetes_writes_them():
     assert parse_quantity("8G") == 8 * 10**9
     assert parse_quantity("1.5Gi") == int(1.5 * 2**30)
     assert parse_quantity("1000") == 1000
+    assert parse_quantity("1e9") == 10**9 and parse_quantity("1.5e3") == 1500  # exponents, as Kubernetes reads
+    assert parse_quantity("1500m") == 2  # milli-bytes round up
     for bad in ("6GB", "lots", "-1Gi", "0", "6 gi"):
         with pytest.raises(ValueError, match=r"--memory-budget .*6Gi"):
             parse_quantity(bad)
