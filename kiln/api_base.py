@@ -10,6 +10,7 @@ from pydantic.alias_generators import to_camel
 
 DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"  # Service names: a letter first
+MAX_POOL_NAME = 63 - len("-pool")  # an LLMEnginePool's name: <pool>-pool names its Deployment and Service
 DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 

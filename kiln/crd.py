@@ -22,8 +22,8 @@ from typing import Any
 import yaml
 
 from kiln import api, pool_api
+from kiln.api_base import DNS1035_LABEL, MAX_POOL_NAME
 from kiln.engine_status import LLMEngineStatus
-from kiln.serving_options import ServingOptions
 
 CRD_NAME = f"{api.PLURAL}.{api.GROUP}"
 POOL_CRD_NAME = f"{pool_api.POOL_PLURAL}.{api.GROUP}"
@@ -67,20 +67,15 @@ POOL_PRINTER_COLUMNS: list[dict[str, Any]] = [
 ]
 
 
-def _pool_name_max() -> int:
-    """The longest pool name: the one spec.serving.pool accepts (kiln.serving_options)."""
-    return next(m.max_length for m in ServingOptions.model_fields["pool"].metadata if hasattr(m, "max_length"))
-
-
 # Admission rules of the pool CRD (id, CEL, message, fieldPath; rooted at the object). kiln up reads spec.engines,
 # so pydantic accepts it; in a cluster the operator lists the engines whose spec.serving.pool names the pool.
 POOL_RULES: tuple[tuple[str, str, str, str], ...] = (
     ("pool_engines_kiln_up_only", "!has(self.spec.engines)",
      "spec.engines is for kiln up only: in a cluster an LLMEngine joins the pool with spec.serving.pool; remove "
      "spec.engines", ".spec.engines"),
-    ("pool_name", f"size(self.metadata.name) <= {_pool_name_max()} && "
-     "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
-     f"metadata.name of an LLMEnginePool is a DNS-1035 label of at most {_pool_name_max()} characters (lowercase "
+    ("pool_name", f"size(self.metadata.name) <= {MAX_POOL_NAME} && "
+     f"self.metadata.name.matches('{DNS1035_LABEL}')",
+     f"metadata.name of an LLMEnginePool is a DNS-1035 label of at most {MAX_POOL_NAME} characters (lowercase "
      "letters, digits and '-', starting with a letter), as it names the Service <name>-pool; choose such a name",
      ".metadata.name"),
 )

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from kiln.api_base import DNS1035_LABEL, DNS1123_LABEL, DNS1123_SUBDOMAIN
+from kiln.api_base import DNS1035_LABEL, DNS1123_LABEL, DNS1123_SUBDOMAIN, MAX_POOL_NAME
 from kiln.api_base import APIModel as _Model
 
 RolloutStrategy = Literal["Surge", "RecreateOneAtATime"]
@@ -96,7 +96,7 @@ class ServingOptions(_Model):
         description="Routing across replicas (Gateway API Inference Extension).",
     )
     pool: str | None = Field(
-        default=None, max_length=58, pattern=DNS1035_LABEL,
+        default=None, max_length=MAX_POOL_NAME, pattern=DNS1035_LABEL,
         description="An LLMEnginePool of this namespace to serve the engine from (docs/pools.md): it is built as "
         "usual, then listed in the pool's engine list instead of getting a Deployment of its own. Unset: its own "
         "pods. replicas, resources, autoscaling, routing and rolloutStrategy are then the pool's.",

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from kiln.api import API_VERSION, GROUP, KIND
-from kiln.api_base import DNS1035_LABEL
+from kiln.api_base import DNS1035_LABEL, MAX_POOL_NAME
 from kiln.pool_api import POOL_KIND
 
 MAX_NAME = 63
@@ -140,7 +140,6 @@ def worker_labels(engine: str) -> dict[str, str]:
 
 # -- engine pools (an LLMEnginePool: docs/pools.md) ----------------------------------------------------------
 LABEL_POOL = f"{GROUP}/pool"  # on a pool's objects and pods (the Service selects it)
-MAX_POOL_NAME = MAX_NAME - len("-pool")  # <pool>-pool names its Deployment and Service (a DNS-1035 label)
 
 
 def pool_workload_name(pool: str) -> str:
