@@ -12,7 +12,10 @@ A member is, in this order:
   (``spec.tensorParallel x spec.pipelineParallel``: the pool's runtime loads single-rank engines) (known before it
   is built, so it is refused at once);
 - Building until its status shows a built, pinned artifact of its current version (``status.engineVersion`` is
-  the spec's, ``status.artifact`` pins it) and the store's manifest is that build (:class:`MemberView`);
+  the spec's, ``status.artifact`` pins it) and the store's manifest is that build (:class:`MemberView`); but a
+  member the pool listed before stays Listed at that version meanwhile (its pin from the engine's status.history,
+  verified again: :attr:`MemberView.previous`), its message ``building <new>; <old> serves``: a rebuild never
+  takes it out of service;
 - Refused when that artifact cannot be listed (untrusted, its engine.json unreadable), or when what it counts
   (its verified engine.json: :func:`kiln.memory_budget.engine_memory`) exceeds the pool's budget;
 - else Listed.
@@ -61,6 +64,7 @@ class MemberView:
     problem: str | None = None  # why its built artifact cannot be listed (untrusted, engine.json unreadable)
     waiting: str | None = None  # why it is still Building, when it is not simply being built
     adapters: Any = None  # its <engine>-adapters ConfigMap's adapter list, parsed (None: no spec.lora, or none yet)
+    previous: MemberView | None = None  # while ``version`` is not built: the verified build the pool listed before
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ def judge(member: MemberView, pool: str, spec: LLMEnginePoolSpec) -> PoolMember:
     if problem := _shape_problem(member, pool, spec):
         return PoolMember(**entry, state=REFUSED, message=problem)
     if member.version is None or member.digest is None or member.artifact_uri is None:
-        return PoolMember(**entry, state=BUILDING, message=member.waiting)
+        return _still_serving(member, spec) or PoolMember(**entry, state=BUILDING, message=member.waiting)
     if member.problem is not None:
         return PoolMember(**entry, state=REFUSED, message=member.problem)
     assert member.memory is not None
@@ -152,6 +156,26 @@ def judge(member: MemberView, pool: str, spec: LLMEnginePoolSpec) -> PoolMember:
     return PoolMember(**entry, state=LISTED, memory_bytes=member.memory[0])
 
 
+def _still_serving(member: MemberView, spec: LLMEnginePoolSpec) -> PoolMember | None:
+    """While the member's version is built: the entry that keeps the build the pool listed before (when it is
+    still trusted and fits the budget), else None."""
+    prior = member.previous
+    if prior is None or prior.memory is None or prior.problem is not None or prior.artifact_uri is None:
+        return None
+    room = budget(spec)
+    if room is not None and prior.memory[0] > room[0]:
+        return None
+    return PoolMember(name=member.name, engine_version=prior.version, state=LISTED, memory_bytes=prior.memory[0],
+                      message=f"building {member.version}; {prior.version} serves")
+
+
+def listed_view(member: MemberView, judged: PoolMember) -> MemberView:
+    """The build of ``member`` its entry lists: its current one, or the one the pool listed before."""
+    if member.previous is not None and judged.engine_version == member.previous.version != member.version:
+        return member.previous
+    return member
+
+
 def judge_all(world: PoolWorld) -> list[PoolMember]:
     assert world.spec is not None
     return sorted((judge(m, world.name, world.spec) for m in world.members), key=lambda m: m.name)
@@ -160,8 +184,8 @@ def judge_all(world: PoolWorld) -> list[PoolMember]:
 def listed_entries(world: PoolWorld, judged: list[PoolMember]) -> list[EngineEntry]:
     """The engine list the pool's pods follow: each Listed member's artifact and the digest its engine pinned."""
     by_name = {m.name: m for m in world.members}
-    return [EngineEntry(j.name, by_name[j.name].artifact_uri or "", by_name[j.name].digest)
-            for j in judged if j.state == LISTED]
+    views = [(j, listed_view(by_name[j.name], j)) for j in judged if j.state == LISTED]
+    return [EngineEntry(j.name, view.artifact_uri or "", view.digest) for j, view in views]
 
 
 def listed_adapters(world: PoolWorld, judged: list[PoolMember]) -> list[dict[str, str]]:
@@ -171,12 +195,13 @@ def listed_adapters(world: PoolWorld, judged: list[PoolMember]) -> list[dict[str
     out: dict[tuple[str, str], dict[str, str]] = {}
     for judged_member in judged:
         member = by_name[judged_member.name]
-        if judged_member.state != LISTED or member.version is None:
+        base = listed_view(member, judged_member).version
+        if judged_member.state != LISTED or base is None:
             continue
-        for item in adapter_list.wanted(member.adapters, member.version).values():
+        for item in adapter_list.wanted(member.adapters, base).values():
             if isinstance(item.get("version"), str) and isinstance(item.get("contentDigest"), str):
-                out[(member.version, item["name"])] = adapter_list.entry(
-                    item["name"], item["artifactURI"], item["version"], member.version, item["contentDigest"])
+                out[(base, item["name"])] = adapter_list.entry(
+                    item["name"], item["artifactURI"], item["version"], base, item["contentDigest"])
     return list(out.values())
 
 

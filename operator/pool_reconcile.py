@@ -99,11 +99,13 @@ async def observe_pool(ctx: Context, namespace: str, name: str) -> PoolWorld | N
     except InvalidSpec as exc:
         return PoolWorld(body, invalid=str(exc))
     members = []
+    before = {e.get("name"): e for e in (body.get("status") or {}).get("engines") or []}
     for engine in await ctx.kube.list(api_path(API_VERSION, PLURAL, namespace)):
         mine = member_spec(engine, name)
         if mine is not None:
-            view = await read_member(ctx, engine, mine)
-            if mine.lora is not None and view.memory is not None:  # built and countable: its adapters may be listed
+            view = await read_member(ctx, engine, mine, before.get(engine["metadata"]["name"]))
+            # built and countable (or its earlier build still is): its adapters may be listed
+            if mine.lora is not None and (view.memory is not None or view.previous is not None):
                 view = replace(view, adapters=await read_adapter_list(ctx, namespace, view.name))
             members.append(view)
     deployment = await ctx.kube.get(api_path("apps/v1", "deployments", namespace, pool_workload_name(name)))
@@ -121,22 +123,45 @@ def member_spec(engine: dict[str, Any], pool: str) -> LLMEngineSpec | None:
         return None  # its own reconcile reports it Failed (InvalidSpec)
 
 
-async def read_member(ctx: Context, engine: dict[str, Any], spec: LLMEngineSpec) -> MemberView:
+async def read_member(ctx: Context, engine: dict[str, Any], spec: LLMEngineSpec,
+                      listed: dict[str, Any] | None = None) -> MemberView:
     """What the pool needs of a member: its pinned build and what it counts, read only once that build is its
-    current version's and the store's manifest is still the build it pinned (signed by the operator's key)."""
+    current version's and the store's manifest is still the build it pinned (signed by the operator's key). While
+    it is not: the build the pool listed before (``listed``: its old status.engines entry), verified the same way
+    against the pin of that version in the engine's status.history, so the old version keeps serving."""
     name, status = engine["metadata"]["name"], engine.get("status") or {}
     version = engine_version(spec)
     pin = status.get("artifact") or {}
     if status.get("engineVersion") != version or pin.get("engineVersion") != version or not pin.get("contentDigest"):
-        return MemberView(name, spec, version)  # being built (or its status not caught up with its spec yet)
-    digest = pin["contentDigest"]
+        view = MemberView(name, spec, version)  # being built (or its status not caught up with its spec yet)
+    else:
+        view = await read_build(ctx, name, spec, version, pin["contentDigest"], build_envelope(spec))
+    if view.artifact_uri is None and (before := listed_before(listed, status, version)) is not None:
+        view = replace(view, previous=await read_build(ctx, name, spec, *before, envelope=None))
+    return view
+
+
+def listed_before(listed: dict[str, Any] | None, status: dict[str, Any], version: str) -> tuple[str, str] | None:
+    """(version, pinned digest) of the build the pool listed for this member before, when it is another version
+    than ``version`` and the engine's status.history still pins it; else None."""
+    old = (listed or {}).get("engineVersion")
+    if (listed or {}).get("state") != LISTED or not old or old == version:
+        return None
+    digest = next((h.get("contentDigest") for h in status.get("history") or [] if h.get("engineVersion") == old), None)
+    return (old, digest) if digest else None
+
+
+async def read_build(ctx: Context, name: str, spec: LLMEngineSpec, version: str, digest: str,
+                     envelope: dict[str, Any] | None) -> MemberView:
+    """The member's build ``version`` pinned at ``digest``, verified (``envelope``: what its spec hashes; None for
+    a build of an earlier spec: the pin, which the engine set when it verified that build, stands for it)."""
     manifest, document = await asyncio.to_thread(ctx.store.read_signed_manifest, version)
     if manifest is None:
         return MemberView(name, spec, version, digest, waiting=f"its artifact {version} is not in the store: "
                           "its engine rebuilds it")
     view = MemberView(name, spec, version, digest, ctx.store.artifact_uri(version))
     problem = manifest_problem(manifest, document, verify_pem=(await key_pair(ctx)).verify_pem, config=ctx.config,
-                               envelope=build_envelope(spec), pinned=digest)
+                               envelope=manifest.envelope if envelope is None else envelope, pinned=digest)
     if problem is not None:
         return replace(view, problem=f"engine {name}: its artifact {version} is not listed: {problem} (the "
                                      "engine's status says how to recover)")

@@ -233,3 +233,19 @@ def test_render_pool_lists_no_engine_in_the_pod_template_and_refuses_a_bad_spec_
             render_pool(bad, "shared", "ml", config)
     with pytest.raises(InvalidSpec, match="metadata.name"):
         render_pool({}, "Shared", "ml", config)
+
+
+def test_a_member_being_rebuilt_keeps_the_build_the_pool_listed_before_until_the_new_one_is_pinned():
+    old = replace(member("chat", GiB), version="chat-old", artifact_uri="s3://b/kiln/engines/chat-old")
+    rebuilding = member("chat", memory=None, previous=old)  # its spec's version is chat-v, not built yet
+    w = world(pool(memoryBudget="4Gi"), rebuilding, ready=1)
+    [judged] = judge_all(w)
+    assert (judged.state, judged.engine_version, judged.memory_bytes) == (LISTED, "chat-old", GiB)
+    assert judged.message == "building chat-v; chat-old serves"
+    assert listed_entries(w, [judged]) == [EngineEntry("chat", "s3://b/kiln/engines/chat-old", DIGEST)]
+    # Not when that earlier build is no longer trusted, or no longer fits the budget: Building, listed nowhere.
+    for prior, spec in ((replace(old, problem="unsigned"), pool(memoryBudget="4Gi")),
+                        (old, pool(memoryBudget="512Mi"))):
+        assert judge(member("chat", memory=None, previous=prior), "shared", spec).state == BUILDING
+    # Once the new build is pinned, it is listed (the earlier one is not read then).
+    assert judge(member("chat", 2 * GiB), "shared", pool(memoryBudget="4Gi")).engine_version == "chat-v"

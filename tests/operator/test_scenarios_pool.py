@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import wait_for
-from harness import CONFIGMAPS, ENGINES, JOBS, POOLS, SERVICES, SPEC, Cluster, manifest, running_operator
+from harness import CONFIGMAPS, ENGINES, JOBS, POOLS, SERVICES, SPEC, VERSION_LABEL, Cluster, manifest, running_operator
 
 from kiln.api import LLMEngineSpec
 from kiln.artifact_manifest import BUILT_BY_ENV, BuiltBy
@@ -191,3 +191,30 @@ def test_a_members_adapters_are_listed_beside_the_engine_list_and_leave_with_it_
         c.kube.patch(f"{ENGINES}/chat", {"spec": {"serving": {"pool": None}}})  # the member leaves: its adapters too
         until(lambda: pool_adapters(c, "shared") == {} and listed(c, "shared") == {}, "chat and sql dropped")
         assert c.deployment("shared-pool")["spec"]["template"] == before["spec"]["template"]
+
+
+def test_a_rebuilt_member_keeps_its_listed_build_in_the_engine_list_until_the_new_one_is_pinned(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(POOLS, pool_manifest("shared", memoryBudget="2Gi"))
+        until(lambda: c.deployment("shared-pool"), "the pool's Deployment")
+        c.roll_out("shared-pool")
+        c.kube.create(ENGINES, member("chat"))
+        old = c.build(c.wait_job(), SPEC, memory=GiB)
+        until(lambda: entry(c, "shared", "chat").get("state") == "Listed", "chat Listed")
+        was = until(lambda: listed(c, "shared").get("chat"), "chat in the engine list")
+
+        c.kube.patch(f"{ENGINES}/chat", {"spec": {"maxSeqLen": 1024}})  # a GitOps bump: a new version to build
+        job = until(lambda: next((j for j in c.jobs() if j["metadata"]["annotations"][VERSION_LABEL] != old), None),
+                    "a Job for the new version")
+        new = job["metadata"]["annotations"][VERSION_LABEL]
+        until(lambda: entry(c, "shared", "chat").get("message") == f"building {new}; {old} serves",
+              "the pool saying the old build serves while the new one builds")
+        assert entry(c, "shared", "chat")["state"] == "Listed" and entry(c, "shared", "chat")["engineVersion"] == old
+        assert listed(c, "shared")["chat"] == was  # its old build is still loaded: nothing stops serving it
+        assert c.status("chat")["pool"]["state"] == "Listed"
+
+        c.build(job, {**SPEC, "maxSeqLen": 1024}, memory=GiB)
+        until(lambda: listed(c, "shared")["chat"]["artifactURI"] == c.store.artifact_uri(new), "the new build listed")
+        until(lambda: entry(c, "shared", "chat").get("engineVersion") == new, "the entry on the new version")
+        assert "message" not in entry(c, "shared", "chat")
