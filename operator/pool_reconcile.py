@@ -54,7 +54,7 @@ from pydantic import ValidationError
 
 from kiln.api import API_VERSION, PLURAL, LLMEngineSpec
 from kiln.artifact_manifest import ArtifactCorrupt, Manifest
-from kiln.envelope import build_envelope, engine_version
+from kiln.envelope import build_envelope, engine_version, envelope_digest
 from kiln.memory_budget import engine_memory
 from kiln.pool_api import POOL_PLURAL
 
@@ -154,7 +154,8 @@ def listed_before(listed: dict[str, Any] | None, status: dict[str, Any], version
 async def read_build(ctx: Context, name: str, spec: LLMEngineSpec, version: str, digest: str,
                      envelope: dict[str, Any] | None) -> MemberView:
     """The member's build ``version`` pinned at ``digest``, verified (``envelope``: what its spec hashes; None for
-    a build of an earlier spec: the pin, which the engine set when it verified that build, stands for it)."""
+    a build of an earlier spec: its own envelope, which must hash to the digest its version names, and the pin the
+    engine set when it verified that build)."""
     manifest, document = await asyncio.to_thread(ctx.store.read_signed_manifest, version)
     if manifest is None:
         return MemberView(name, spec, version, digest, waiting=f"its artifact {version} is not in the store: "
@@ -162,6 +163,9 @@ async def read_build(ctx: Context, name: str, spec: LLMEngineSpec, version: str,
     view = MemberView(name, spec, version, digest, ctx.store.artifact_uri(version))
     problem = manifest_problem(manifest, document, verify_pem=(await key_pair(ctx)).verify_pem, config=ctx.config,
                                envelope=manifest.envelope if envelope is None else envelope, pinned=digest)
+    named = envelope_digest(manifest.envelope)
+    if problem is None and envelope is None and not version.endswith(f"-{named}"):
+        problem = f"its envelope's sha256 {named} is not the one its version names"
     if problem is not None:
         return replace(view, problem=f"engine {name}: its artifact {version} is not listed: {problem} (the "
                                      "engine's status says how to recover)")
