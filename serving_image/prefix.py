@@ -95,10 +95,11 @@ async def prefix_cache_keys(request: Request, endpoint: str | None = None) -> di
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt (text or token ids) and messages", param="prompt")
     serving = await _serving(request, req.model)
-    engine, scheme = serving.state.engine, _scheme(request, serving)  # read before anything yields to the loop
+    # Read before anything yields to the loop: in a pool, an eviction meanwhile clears serving.state.engine.
+    engine, info, scheme = serving.state.engine, serving.state.engine_info, _scheme(request, serving)
     adapter = await _adapter_root(serving, engine, req.model)
     if endpoint is not None:
-        ids = await dialect_ids(serving, req, names, inline)
+        ids = await dialect_ids(engine, info, req, names, inline)
     else:
         ids = _prompt_ids(req, engine) if inline else await asyncio.to_thread(_prompt_ids, req, engine)
     size = scheme["block_size"]
@@ -125,11 +126,12 @@ async def dialect_request(request: Request, endpoint: str, raw: bytes) -> tuple[
         raise in_terms_of(exc, names) from None
 
 
-async def dialect_ids(serving: Any, chat: Any, names: list[tuple[str, str]], inline: bool) -> list[int]:
-    """The prompt's ids of ``chat`` (a translated dialect request), rendered as its endpoint renders it on the
-    engine of ``serving``; errors name the dialect's own fields."""
-    tokenizer = serving.state.engine.tokenizer
-    tool_call_format = (serving.state.engine_info or {}).get("tool_call_format", "json")
+async def dialect_ids(engine: Any, info: dict[str, Any] | None, chat: Any, names: list[tuple[str, str]],
+                      inline: bool) -> list[int]:
+    """The prompt's ids of ``chat`` (a translated dialect request), rendered as its endpoint renders it on
+    ``engine`` (whose ``engine_info`` is ``info``); errors name the dialect's own fields."""
+    tokenizer = engine.tokenizer
+    tool_call_format = (info or {}).get("tool_call_format", "json")
 
     def prompt() -> list[int]:
         check_supported(chat)
