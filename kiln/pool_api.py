@@ -52,7 +52,7 @@ class LLMEnginePoolSpec(_Model):
         default=None,
         json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
         description="Kubernetes ResourceRequirements of the serving container; limits.memory is the default "
-        "memory budget (less 10% and 512Mi for the server). Unset means the operator's CPU/memory defaults.",
+        "memory budget (less 10% and 768Mi for the server). Unset means the operator's CPU/memory defaults.",
     )
     node_selector: dict[str, str] | None = Field(
         default=None, description="nodeSelector of the pool's pods (besides the GPU SKU's placement).")
@@ -69,7 +69,7 @@ class LLMEnginePoolSpec(_Model):
     memory_budget: str | None = Field(
         default=None, max_length=32, pattern=QUANTITY_PATTERN,
         description="What the loaded engines may count, as a quantity (6Gi); unset means resources.limits.memory "
-        "less 10% and 512Mi, else the node's memory. Each engine counts the memory its build measured.",
+        "less 10% and 768Mi, else the node's memory. Each engine counts the memory its build measured.",
     )
     idle_unload_after: int | None = Field(
         default=None, ge=1, le=86400 * 30,
@@ -132,6 +132,9 @@ class PoolMember(_Model):
         description="Building: not built yet; Listed: in the engine list the pods follow; Refused: see message.")
     memory_bytes: int | None = Field(default=None, ge=0, description="What it counts against the budget.")
     message: str | None = Field(default=None, max_length=32768, description="Why it is refused.")
+    listed_since: str | None = Field(
+        default=None, description="Listed: when this version was first listed (RFC 3339); the pods follow the "
+        "engine list within the kubelet's ConfigMap sync, so the engine counts as served by the pool a while after.")
 
 
 class LLMEnginePoolStatus(_Model):

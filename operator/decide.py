@@ -85,7 +85,7 @@ class World:
     @property
     def membership(self) -> PoolView | None:
         """How the pool of spec.serving.pool lists this engine (kiln.operator.pool_member); None: not in a pool."""
-        return pool_view(self.spec, self.name, self.namespace, self.pool) if self.spec is not None else None
+        return pool_view(self.spec, self.name, self.namespace, self.pool, self.now) if self.spec is not None else None
 
 
 @dataclass(frozen=True)

@@ -176,9 +176,24 @@ def listed_view(member: MemberView, judged: PoolMember) -> MemberView:
     return member
 
 
-def judge_all(world: PoolWorld) -> list[PoolMember]:
+def judge_all(world: PoolWorld, now: str | None = None) -> list[PoolMember]:
+    """Every member's entry, by name; a Listed one stamped ``listedSince`` (:func:`listed_since`)."""
     assert world.spec is not None
-    return sorted((judge(m, world.name, world.spec) for m in world.members), key=lambda m: m.name)
+    judged = sorted((judge(m, world.name, world.spec) for m in world.members), key=lambda m: m.name)
+    return listed_since(judged, world.old, now) if now is not None else judged
+
+
+def listed_since(judged: list[PoolMember], old: dict[str, Any], now: str) -> list[PoolMember]:
+    """Each Listed entry with when its version was first listed: kept from the old status while it lists the same
+    version, else ``now``."""
+    before = {e.get("name"): e for e in old.get("engines") or []}
+    out = []
+    for j in judged:
+        prior = before.get(j.name) or {}
+        same = prior.get("state") == LISTED and prior.get("engineVersion") == j.engine_version
+        since = (prior.get("listedSince") if same else None) or now
+        out.append(j.model_copy(update={"listed_since": since}) if j.state == LISTED else j)
+    return out
 
 
 def listed_entries(world: PoolWorld, judged: list[PoolMember]) -> list[EngineEntry]:

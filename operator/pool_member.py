@@ -15,11 +15,15 @@ the pool renders it again) and a LeaderWorkerSet deleted (``kiln.operator.decide
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from kiln.api import LLMEngineSpec
 
 ENGINE_TOO_BIG, POOL_MISMATCH = "EngineTooBigForPool", "PoolMismatch"  # the Ready condition's reason when Refused
+# How long after its entry is first listed the pool's pods have surely loaded the engine list: the kubelet syncs a
+# mounted ConfigMap within about a minute, the pods read the file every 2 s.
+LIST_SYNC = timedelta(seconds=90)
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,19 @@ class PoolView:
     failed: bool = False  # the pool's phase is Failed (its spec, its budget): it lists nothing new until fixed
     pool_message: str = ""  # the pool's Ready condition message (why it does not serve yet)
     endpoint: str | None = None  # the pool's status.endpoint (its Service)
+    listed_since: datetime | None = None  # the entry's listedSince: when its version was first listed
+    now: datetime | None = None  # when the engine's reconcile read it (None: the list counts as synced)
+
+    @property
+    def synced(self) -> bool:
+        """The pods have had the time to load the engine list that lists the entry (:data:`LIST_SYNC`)."""
+        return self.listed_since is None or self.now is None or self.now >= self.listed_since + LIST_SYNC
 
     @property
     def serves(self) -> bool:
-        """The pool's pods serve this engine (the version of its entry)."""
-        return self.state == "Listed" and self.ready and self.version is not None
+        """The pool's pods serve this engine (the version of its entry): Listed, by a Ready pool, for long enough
+        that the kubelet has synced the list into its pods (until then its own pods, if any, keep serving)."""
+        return self.state == "Listed" and self.ready and self.version is not None and self.synced
 
     def lists(self, version: str | None) -> str | None:
         """The entry's state when it is for ``version`` (or names none); None when it is another version's."""
@@ -52,9 +64,10 @@ class PoolView:
         return {"name": self.name, "state": self.state, "message": self.message}
 
 
-def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, Any] | None) -> PoolView | None:
-    """How the LLMEnginePool ``pool`` (as read; None: there is none) lists the engine ``name``; None when the
-    engine is not in a pool."""
+def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, Any] | None,
+              now: datetime | None = None) -> PoolView | None:
+    """How the LLMEnginePool ``pool`` (as read at ``now``; None: there is none) lists the engine ``name``; None when
+    the engine is not in a pool."""
     wanted = spec.serving.pool
     if wanted is None:
         return None
@@ -67,8 +80,16 @@ def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, An
     return PoolView(wanted, namespace, found=True, state=state, version=entry.get("engineVersion"),
                     message=entry.get("message"), refusal=refusal(entry) if state == "Refused" else None,
                     ready=status.get("phase") == "Ready", failed=status.get("phase") == "Failed",
-                    pool_message=ready.get("message") or "",
-                    endpoint=status.get("endpoint"))
+                    pool_message=ready.get("message") or "", endpoint=status.get("endpoint"),
+                    listed_since=_time(entry.get("listedSince")), now=now)
+
+
+def _time(value: Any) -> datetime | None:
+    """An RFC 3339 timestamp as written (``...Z``); None when absent or not one."""
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def refusal(entry: dict[str, Any]) -> str:
@@ -88,6 +109,9 @@ def listing_message(view: PoolView, version: str | None) -> str:
     it), else what it lists."""
     if view.failed:
         return f"LLMEnginePool {view.name} is Failed: {view.pool_message or 'see its Ready condition'}"
+    if view.lists(version) == "Listed" and view.ready and not view.synced:
+        return (f"LLMEnginePool {view.name} lists {version} since {view.listed_since:%H:%M:%S}; its pods load the "
+                f"engine list within {LIST_SYNC.seconds} s (the kubelet syncs its ConfigMap)")
     if view.lists(version) == "Listed":
         why = f": {view.pool_message}" if view.pool_message else ""
         return f"LLMEnginePool {view.name} lists {version}, but its pods do not serve yet{why}"

@@ -47,7 +47,7 @@ from kiln.operator.pools import (
     validate_pool,
 )
 from kiln.operator.scale_out import KINDS
-from kiln.operator.status import same_status, transitions
+from kiln.operator.status import now_iso, same_status, transitions
 from kiln.operator.trust import manifest_problem
 from kiln.operator.validation import InvalidSpec
 from pydantic import ValidationError
@@ -81,7 +81,7 @@ async def reconcile_pool(ctx: Context, namespace: str, name: str, logger: loggin
     world = await observe_pool(ctx, namespace, name)
     if world is None:
         return PoolResult()  # gone, or being deleted: the garbage collector removes its objects
-    judged = judge_all(world) if world.spec is not None else []
+    judged = judge_all(world, now_iso()) if world.spec is not None else []
     if world.spec is not None:
         deployment = await act(ctx, world, listed_entries(world, judged), listed_adapters(world, judged))
         scaler = await converge_scaler(ctx, world, [j.name for j in judged if j.state == LISTED])

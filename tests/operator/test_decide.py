@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from kiln.operator.adapters import AdapterView
@@ -419,6 +419,19 @@ def test_its_own_deployment_is_scaled_to_zero_only_once_the_pool_serves_it():
     status = status_of(serving, Outcome(deployment=workload("v1", replicas=0)))
     assert status["phase"] == "Ready" and status["endpoint"] == POOL_URL
     assert status["replicas"]["desired"] == 0  # its own pods: none
+
+
+def test_its_own_pods_are_retired_and_it_is_ready_only_once_the_pods_have_had_the_time_to_load_the_list():
+    own, now = workload("v1"), datetime(2026, 1, 1, 0, 5, tzinfo=UTC)
+    for ago, serves in ((0, False), (89, False), (90, True)):
+        since = (now - timedelta(seconds=ago)).isoformat().replace("+00:00", "Z")
+        w = pooled(pool_body=pool("Listed", listedSince=since), now=now)
+        assert w.membership.serves is serves
+        assert retirements(w, own, None) == ((SCALE_DOWN_DEPLOYMENT,) if serves else ())
+        status = status_of(w, Outcome(deployment=own))
+        assert (status["phase"] == "Ready") is serves
+        if not serves:
+            assert "its pods load the engine list within 90 s" in status["conditions"][1]["message"]
 
 
 class RecordingKube:

@@ -249,3 +249,15 @@ def test_a_member_being_rebuilt_keeps_the_build_the_pool_listed_before_until_the
         assert judge(member("chat", memory=None, previous=prior), "shared", spec).state == BUILDING
     # Once the new build is pinned, it is listed (the earlier one is not read then).
     assert judge(member("chat", 2 * GiB), "shared", pool(memoryBudget="4Gi")).engine_version == "chat-v"
+
+
+def test_a_listed_entry_says_since_when_its_version_is_listed_kept_while_it_lists_the_same_version():
+    w = world(pool(memoryBudget="4Gi"), member("chat"), member("sql", memory=None))
+    first = judge_all(w, "2026-01-01T00:00:00Z")
+    assert [j.listed_since for j in first] == ["2026-01-01T00:00:00Z", None]  # Building: not listed
+    assert first[0].to_k8s()["listedSince"] == "2026-01-01T00:00:00Z"
+    old = {"engines": [j.to_k8s() for j in first]}
+    again = judge_all(replace(w, body={**w.body, "status": old}), "2026-01-01T00:01:00Z")
+    assert again[0].listed_since == "2026-01-01T00:00:00Z"
+    moved = replace(w, body={**w.body, "status": old}, members=(replace(member("chat"), version="chat-w"),))
+    assert judge_all(moved, "2026-01-01T00:02:00Z")[0].listed_since == "2026-01-01T00:02:00Z"  # a new version
