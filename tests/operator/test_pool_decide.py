@@ -95,9 +95,9 @@ def test_the_budget_is_memory_budget_else_the_memory_limit_less_the_margins_else
     assert room is not None and room[0] == int(4 * GiB * 0.9) - SERVER_MARGIN_BYTES
     assert room[1].startswith("spec.resources.limits.memory (4.00 GiB) less 10%")
     entry = judge(member("big", 4 * GiB), "shared", limited)
-    # the least limit whose budget (less 10% and 512Mi) holds 4 GiB: (4 GiB + 512 MiB) / 0.9 = 5.00 GiB
+    # the least limit whose budget (less 10% and 768Mi) holds 4 GiB: (4 GiB + 768 MiB) / 0.9 = 5.28 GiB
     assert entry.state == REFUSED
-    assert "raise the pool's spec.resources.limits.memory to at least 5.00 GiB" in entry.message
+    assert "raise the pool's spec.resources.limits.memory to at least 5.28 GiB" in entry.message
     assert budget(pool()) is None
     assert judge(member("huge", 500 * GiB), "shared", pool()).state == LISTED  # the pods refuse at load
 
