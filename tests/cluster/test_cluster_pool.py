@@ -156,7 +156,8 @@ def test_a_member_is_built_listed_and_answers_through_the_pool_service(pools: Ku
     seen[A] = complete(address, A)
     assert models(address)[A]["state"] == "loaded"
     eng = pools.wait_for(f"{A} Ready through the pool", lambda: (
-        (e := pools.engine(A, ENGINE_NS)) and (e["status"] or {}).get("phase") == "Ready" and e), timeout=120)
+        (e := pools.engine(A, ENGINE_NS)) and (e["status"] or {}).get("phase") == "Ready" and e),
+        timeout=300)  # Ready 90 s after it was listed (the kubelet's ConfigMap sync), at its next timer reconcile
     assert eng["status"]["endpoint"] == pool["status"]["endpoint"]
     assert {k: eng["status"]["pool"].get(k) for k in ("name", "state")} == {"name": POOL, "state": "Listed"}
 
