@@ -21,6 +21,8 @@ import httpx
 import pytest
 from conftest import REPO, child_env, fresh_version, kiln, make_artifact_dir, measured
 
+from kiln.cache_stamp import stamp_path
+
 KiB = 1024
 
 
@@ -125,7 +127,8 @@ def test_store_unreachable_mid_fetch_exits_1_in_one_line_leaves_no_engine_dir_an
 
     proxy.restore()
     recovered = serves_again(uri, cache, tmp_path / "serve-2.log")
-    assert sorted(p.name for p in cache.iterdir()) == [version]
+    # the copy, and its verification stamp beside it (kiln.cache_stamp): no temp folder left
+    assert sorted(p.name for p in cache.iterdir()) == sorted([version, stamp_path(cache / version).name])
     measured("store unreachable mid-fetch", saw=f"exit {failed.code}: {errors[0].split(' ERROR ', 1)[1]}",
              failure_reported_within_s=round(seen_after_cut, 1), recover_s=round(recovered, 1),
              lost="nothing: no engine dir, no temp folder left in --cache-dir")
@@ -156,7 +159,7 @@ def test_pod_killed_mid_fetch_leaves_no_engine_dir_and_a_restart_serves(proxied_
     proxied_store.proxy.restore()
     recovered = serves_again(uri, cache, tmp_path / "serve-2.log")
     after = sorted(p.name for p in cache.iterdir())
-    stale = [name for name in after if name != version]
+    stale = [name for name in after if name not in (version, stamp_path(cache / version).name)]
     measured("serving pod SIGKILL mid-fetch", saw="exit -9; restart fetched and served", recover_s=round(recovered, 1),
              lost="nothing", stale_temp_folders=stale)
     assert version in after
