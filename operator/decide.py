@@ -19,7 +19,7 @@ from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, owner_re
 from kiln.operator.pool_member import PoolView, pool_view
 from kiln.operator.scheduling import unschedulable
 from kiln.operator.settings import OperatorConfig
-from kiln.operator.status import JobState, Observation, job_state, rollout_complete, serving_version
+from kiln.operator.status import JobState, ObjectRead, Observation, job_state, rollout_complete, serving_version
 from kiln.operator.trust import pinned_digest
 from kiln.operator.workloads import endpoint
 
@@ -32,7 +32,7 @@ SCALE_DOWN_DEPLOYMENT, DELETE_LWS = "scale-down-deployment", "delete-lws"  # ret
 
 
 @dataclass(frozen=True)
-class World:
+class World(ObjectRead):
     """What one reconcile read, once, at its top (``reconcile.observe``). Reads stop where the rest could
     change nothing: an invalid spec reads no workloads, a missing LeaderWorkerSet API no store, and the
     build Job is read only while it matters (no valid artifact yet, or a build just finished)."""
@@ -54,23 +54,6 @@ class World:
     # spec.lora's adapters for the wanted base and the one serving, read once the base is trusted in the store
     adapters: tuple[AdapterView, ...] = ()
     pool: dict[str, Any] | None = None  # the LLMEnginePool of spec.serving.pool, when it names one and it exists
-
-    @property
-    def name(self) -> str:
-        return self.body["metadata"]["name"]
-
-    @property
-    def namespace(self) -> str:
-        return self.body["metadata"]["namespace"]
-
-    @property
-    def old(self) -> dict[str, Any]:
-        """The status as read: what this reconcile compares with and builds on."""
-        return self.body.get("status") or {}
-
-    @property
-    def generation(self) -> int:
-        return self.body["metadata"].get("generation") or 0
 
     @property
     def pinned(self) -> str | None:

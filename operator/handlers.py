@@ -127,6 +127,15 @@ def retried() -> Iterator[None]:
         raise kopf.TemporaryError(f"Kubernetes API: {exc or type(exc).__name__}", delay=5) from None
 
 
+def settle(result: Result | PoolResult, kind: str) -> None:
+    """A change handler's end: again soon when the status write lost a race; a PermanentError for an invalid spec
+    (status says Failed; a spec edit retries)."""
+    if result.stale:
+        raise kopf.TemporaryError(f"the {kind} changed while reconciling; again", delay=1)
+    if result.invalid:
+        raise kopf.PermanentError(result.invalid)
+
+
 def lock(memo: kopf.Memo, kind: str, namespace: str, name: str) -> asyncio.Lock:
     """The one lock of the engine (``kind`` "engine_locks") or pool ("pool_locks") ``namespace/name``, shared by
     every object's memo (``configure`` puts the dicts on the global memo)."""
@@ -150,11 +159,7 @@ async def _reconcile(namespace: str, name: str, memo: kopf.Memo, logger: logging
 @kopf.on.update(GROUP, VERSION, PLURAL)
 async def reconcile_on_change(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
                               **_: Any) -> None:
-    result = await _reconcile(namespace, name, memo, logger)
-    if result.stale:
-        raise kopf.TemporaryError("the LLMEngine changed while reconciling; again", delay=1)
-    if result.invalid:
-        raise kopf.PermanentError(result.invalid)  # status says Failed; a spec edit retries
+    settle(await _reconcile(namespace, name, memo, logger), "LLMEngine")
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=INTERVAL, initial_delay=INTERVAL)
@@ -228,11 +233,7 @@ async def _follow_pools(namespace: str, name: str, result: Result, memo: kopf.Me
 @kopf.on.update(GROUP, VERSION, POOL_PLURAL)
 async def reconcile_pool_on_change(namespace: str, name: str, memo: kopf.Memo, logger: logging.Logger,
                                    **_: Any) -> None:
-    result = await _reconcile_pool(namespace, name, memo, logger)
-    if result.stale:
-        raise kopf.TemporaryError("the LLMEnginePool changed while reconciling; again", delay=1)
-    if result.invalid:
-        raise kopf.PermanentError(result.invalid)  # status says Failed; a spec edit retries
+    settle(await _reconcile_pool(namespace, name, memo, logger), "LLMEnginePool")
 
 
 @kopf.timer(GROUP, VERSION, POOL_PLURAL, interval=INTERVAL, initial_delay=INTERVAL)

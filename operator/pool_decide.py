@@ -35,7 +35,7 @@ from typing import Any
 
 from kiln.operator.naming import pool_workload_name
 from kiln.operator.pools import pool_endpoint
-from kiln.operator.status import condition
+from kiln.operator.status import ObjectRead, condition
 
 from kiln import adapter_list
 from kiln.api import LLMEngineSpec
@@ -68,7 +68,7 @@ class MemberView:
 
 
 @dataclass(frozen=True)
-class PoolWorld:
+class PoolWorld(ObjectRead):
     """What one pool reconcile read, once (``pool_reconcile.observe_pool``)."""
 
     body: dict[str, Any]  # the LLMEnginePool
@@ -77,22 +77,6 @@ class PoolWorld:
     members: tuple[MemberView, ...] = ()
     deployment: dict[str, Any] | None = None  # the pool's Deployment, as read or as applied
     scaler_problem: str | None = None  # why spec.autoscaling's object could not be applied (its API is missing)
-
-    @property
-    def name(self) -> str:
-        return self.body["metadata"]["name"]
-
-    @property
-    def namespace(self) -> str:
-        return self.body["metadata"]["namespace"]
-
-    @property
-    def old(self) -> dict[str, Any]:
-        return self.body.get("status") or {}
-
-    @property
-    def generation(self) -> int:
-        return self.body["metadata"].get("generation") or 0
 
 
 def budget(spec: LLMEnginePoolSpec) -> tuple[int, str] | None:

@@ -21,6 +21,30 @@ BUILT, READY = "Built", "Ready"
 MESSAGE_TAIL = 2000
 
 
+
+class ObjectRead:
+    """What a reconcile's read of one object (``self.body``: an LLMEngine or an LLMEnginePool) names: the object,
+    its status as read (what the reconcile compares with and builds on) and its generation."""
+
+    body: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.body["metadata"]["name"]
+
+    @property
+    def namespace(self) -> str:
+        return self.body["metadata"]["namespace"]
+
+    @property
+    def old(self) -> dict[str, Any]:
+        """The status as read: what this reconcile compares with and builds on."""
+        return self.body.get("status") or {}
+
+    @property
+    def generation(self) -> int:
+        return self.body["metadata"].get("generation") or 0
+
 @dataclass(frozen=True)
 class JobState:
     state: str  # "running" | "succeeded" | "failed"
