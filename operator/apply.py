@@ -4,7 +4,8 @@ A hash of the rendered object, stored in its ``serving.kiln.dev/rendered-hash`` 
 decides whether anything changed; a diff against the live object would see every field the
 API server defaults. Merge patches keep keys they do not name, so the pod fields the
 operator owns (:data:`MANAGED_POD_FIELDS`) are cleared explicitly, and an autoscaled
-workload's ``spec.replicas`` is set on create only: the autoscaler owns it after that.
+workload's ``spec.replicas`` is set on create only: the autoscaler owns it after that. An object another
+object controls is never changed (a 409): two owners whose names clash do not take turns rewriting it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from kiln.operator import scale_out
 from kiln.operator.autoscaling import REPLICAS_OWNER
 from kiln.operator.kube import ApiError, KubeClient, api_path
-from kiln.operator.naming import LWS_PLURAL
+from kiln.operator.naming import LWS_PLURAL, controller_of
 
 HASH_ANNOTATION = "serving.kiln.dev/rendered-hash"
 MANAGED_POD_FIELDS = ("nodeSelector", "tolerations", "serviceAccountName")
@@ -44,6 +45,9 @@ async def apply(kube: KubeClient, desired: dict[str, Any]) -> dict[str, Any]:
             if exc.status != 409:
                 raise
             live = await kube.get(path) or {}
+    if (theirs := controller_of(live)) is not None and theirs.get("uid") != (controller_of(desired) or {}).get("uid"):
+        raise ApiError(409, "Conflict", f"{desired['kind']} {meta['namespace']}/{meta['name']} belongs to "
+                       f"{theirs.get('kind')} {theirs.get('name')}: not changed (its name clashes)")
     if (live.get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][
             HASH_ANNOTATION]:
         return live

@@ -49,6 +49,7 @@ class World(ObjectRead):
     untrusted: str | None = None  # why this operator will not serve that artifact (kiln.operator.trust)
     job: dict[str, Any] | None = None  # the build Job of ``version``
     conflict: str | None = None  # the Job under its name is another version's (naming.job_conflict): not adopted
+    taken: str | None = None  # another object controls the workload under its name (naming.taken_name): untouched
     failure: retry.Failure = retry.Failure()  # what a failed build Job's pods said
     now: datetime | None = None  # when this was read (a retry is due at status.build.retryAt)
     # spec.lora's adapters for the wanted base and the one serving, read once the base is trusted in the store
@@ -128,8 +129,8 @@ def decide(world: World) -> Plan:
     if world.untrusted is not None:
         warning = f"{world.artifact_uri}: not serving it: {world.untrusted}"
         return Plan(REPORT, warning=warning if is_new or phase != "Failed" else None)
-    if world.conflict is not None:
-        return Plan(REPORT, warning=world.conflict if phase != "Failed" else None)
+    if (clash := world.conflict or world.taken) is not None:
+        return Plan(REPORT, warning=clash if phase != "Failed" else None)
     if world.manifest is None:
         step = retry.build_step(world.record, world.job, world.generation, world.now)
         return Plan({retry.BUILD: BUILD, retry.RETRY: RETRY, retry.WAIT: REPORT}[step],
@@ -165,7 +166,8 @@ def observation(world: World, plan: Plan, outcome: Outcome, config: OperatorConf
         return Observation(**base, built=True, prerequisite=outcome.prerequisite, artifact=pin(world),
                            build=world.record, adapters=adapters, adapters_known=True,
                            **scale_out_view(world, outcome, serving, config))
-    if world.manifest is None and world.lws_served and world.untrusted is None and world.conflict is None:
+    if world.manifest is None and world.lws_served and world.untrusted is None and world.conflict is None \
+            and world.taken is None:
         job = outcome.job if plan.step in (BUILD, RETRY) else world.job
         record = retry.next_record(world.record, version, job, world.failure, world.generation,
                                    world.now or EPOCH, job_name(version), config)
@@ -174,7 +176,7 @@ def observation(world: World, plan: Plan, outcome: Outcome, config: OperatorConf
                            artifact=unbuilt_pin(world, record), build=record)
     missing_api = None if world.lws_served else lws_missing_message(spec)
     return Observation(**base, missing_api=missing_api, untrusted=world.untrusted, conflict=world.conflict,
-                       artifact=old.get("artifact"), build=old.get("build"))
+                       taken=world.taken, artifact=old.get("artifact"), build=old.get("build"))
 
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # the clock of a World read without one (tests)

@@ -171,6 +171,28 @@ def pool_name_problem(name: str) -> str | None:
     return None
 
 
+def controller_of(obj: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ownerReference marked ``controller`` on ``obj``; None when absent or nothing controls it."""
+    refs = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+    return next((ref for ref in refs if ref.get("controller")), None)
+
+
+def taken_name(obj: dict[str, Any] | None, owner: dict[str, Any]) -> str | None:
+    """Why the live ``obj``, under a name ``owner`` (an LLMEngine or LLMEnginePool body) renders, is not its to
+    change: another object controls it (an LLMEnginePool ``P`` names its Deployment and Service ``P-pool``, so an
+    LLMEngine called ``P-pool`` wants the same names). None when ``owner`` controls it or nothing does."""
+    ctrl = controller_of(obj)
+    meta = owner["metadata"]
+    if obj is None or ctrl is None or ctrl.get("uid") == meta.get("uid"):
+        return None
+    kind = owner.get("kind") or KIND
+    live = obj["metadata"]
+    return (f"{obj.get('kind') or 'the object'} {live.get('namespace')}/{live.get('name')} belongs to "
+            f"{ctrl.get('kind')} {ctrl.get('name')}, and this {kind} names its own the same (an {POOL_KIND} P names "
+            f"its Deployment and Service P-pool, an {KIND} E names its E), so the operator leaves it as it is and "
+            f"serves nothing for this {kind}; recreate this {kind} (or the other) under another name")
+
+
 def owner_reference(body: dict[str, Any], controller: bool = True) -> dict[str, Any]:
     """An ownerReference to an LLMEngine; ``controller=False`` for shared objects (build Jobs)."""
     meta = body["metadata"]

@@ -46,9 +46,9 @@ from kiln.pool_api import LLMEnginePoolSpec, PoolMember
 BUILDING, LISTED, REFUSED = "Building", "Listed", "Refused"
 PENDING, READY, FAILED = "Pending", "Ready", "Failed"
 # The Ready condition's reasons; a Failed one is posted as a Warning event.
-INVALID_SPEC, BUDGET_TOO_SMALL, NO_REPLICAS, PODS_NOT_READY, SERVING, AUTOSCALER_MISSING = (
-    "InvalidSpec", "BudgetTooSmall", "NoReplicas", "PodsNotReady", "Serving", "AutoscalerMissing")
-POOL_FAILURES = {INVALID_SPEC, BUDGET_TOO_SMALL}
+INVALID_SPEC, BUDGET_TOO_SMALL, NO_REPLICAS, PODS_NOT_READY, SERVING, AUTOSCALER_MISSING, NAME_CONFLICT = (
+    "InvalidSpec", "BudgetTooSmall", "NoReplicas", "PodsNotReady", "Serving", "AutoscalerMissing", "NameConflict")
+POOL_FAILURES = {INVALID_SPEC, BUDGET_TOO_SMALL, NAME_CONFLICT}
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ class PoolWorld(ObjectRead):
     members: tuple[MemberView, ...] = ()
     deployment: dict[str, Any] | None = None  # the pool's Deployment, as read or as applied
     scaler_problem: str | None = None  # why spec.autoscaling's object could not be applied (its API is missing)
+    taken: str | None = None  # another object controls the Deployment under its name (naming.taken_name)
 
 
 def budget(spec: LLMEnginePoolSpec) -> tuple[int, str] | None:
@@ -222,6 +223,8 @@ def _ready(world: PoolWorld, judged: list[PoolMember]) -> tuple[str, bool, str, 
     """(phase, Ready, reason, message)."""
     if world.invalid is not None:
         return FAILED, False, INVALID_SPEC, world.invalid
+    if world.taken is not None:
+        return FAILED, False, NAME_CONFLICT, world.taken
     if (too_small := budget_too_small(world, judged)) is not None:
         return FAILED, False, BUDGET_TOO_SMALL, too_small
     assert world.spec is not None

@@ -28,7 +28,7 @@ from kiln.operator.adapters import ADAPTERS_FILE_KEY, configmap_name
 from kiln.operator.apply import apply
 from kiln.operator.context import Context, key_pair
 from kiln.operator.kube import ApiError, api_path
-from kiln.operator.naming import pool_owner_reference, pool_workload_name
+from kiln.operator.naming import pool_owner_reference, pool_workload_name, taken_name
 from kiln.operator.pool_decide import (
     LISTED,
     POOL_FAILURES,
@@ -82,7 +82,7 @@ async def reconcile_pool(ctx: Context, namespace: str, name: str, logger: loggin
     if world is None:
         return PoolResult()  # gone, or being deleted: the garbage collector removes its objects
     judged = judge_all(world, now_iso()) if world.spec is not None else []
-    if world.spec is not None:
+    if world.spec is not None and world.taken is None:
         deployment = await act(ctx, world, listed_entries(world, judged), listed_adapters(world, judged))
         scaler = await converge_scaler(ctx, world, [j.name for j in judged if j.state == LISTED])
         world = replace(world, deployment=deployment, scaler_problem=scaler)
@@ -109,6 +109,8 @@ async def observe_pool(ctx: Context, namespace: str, name: str) -> PoolWorld | N
                 view = replace(view, adapters=await read_adapter_list(ctx, namespace, view.name))
             members.append(view)
     deployment = await ctx.kube.get(api_path("apps/v1", "deployments", namespace, pool_workload_name(name)))
+    if taken := taken_name(deployment, body):  # a name clash: the pool touches none of its objects
+        return PoolWorld(body, spec=spec, members=tuple(members), taken=taken)
     return PoolWorld(body, spec=spec, members=tuple(members), deployment=deployment)
 
 

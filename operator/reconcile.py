@@ -59,6 +59,7 @@ from kiln.operator.naming import (
     job_name,
     lws_name,
     owner_reference,
+    taken_name,
 )
 from kiln.operator.network import build_network_policy
 from kiln.operator.retry import Failure
@@ -124,6 +125,8 @@ async def observe(ctx: Context, namespace: str, name: str) -> World | None:
         return World(body, invalid=str(exc))
     version = engine_version(spec)
     deployment, lws = await live_workloads(ctx, namespace, name)
+    if taken := taken_name(deployment, body) or taken_name(lws, body):  # a name clash: touch neither object
+        return World(body, spec=spec, version=version, artifact_uri=ctx.store.artifact_uri(version), taken=taken)
     pool = await ctx.kube.get(api_path(API_VERSION, POOL_PLURAL, namespace, spec.serving.pool)) \
         if spec.serving.pool is not None else None  # what it serves from (kiln.operator.pool_member)
     seen = dict(body=body, spec=spec, version=version, artifact_uri=ctx.store.artifact_uri(version),

@@ -206,6 +206,7 @@ class Observation:
     untrusted: str | None = None  # it is, but this operator did not build it (why; kiln.operator.trust)
     missing_api: str | None = None  # the spec needs an API (LeaderWorkerSet) this cluster does not serve
     conflict: str | None = None  # the build Job's name is taken by another version's Job (naming.job_conflict)
+    taken: str | None = None  # its workload's name is another object's (naming.taken_name)
     job: JobState | None = None  # the build Job, when not built
     job_name: str | None = None
     failure_detail: str = ""  # tail of the builder's termination message
@@ -260,6 +261,8 @@ def compose_status(obs: Observation, now: str | None = None) -> dict[str, Any]:
         status.update(phase="Failed", conditions=_failed(cond, "ArtifactUntrusted", _untrusted_message(obs), still))
     elif obs.conflict is not None:
         status.update(phase="Failed", conditions=_failed(cond, "BuildJobConflict", obs.conflict, still))
+    elif obs.taken is not None:
+        status.update(phase="Failed", conditions=_failed(cond, "NameConflict", obs.taken, still))
     elif not obs.built:
         status.update(_build_progress(obs, cond, still))
     else:

@@ -219,3 +219,32 @@ def test_a_rebuilt_member_keeps_its_listed_build_in_the_engine_list_until_the_ne
         until(lambda: listed(c, "shared")["chat"]["artifactURI"] == c.store.artifact_uri(new), "the new build listed")
         until(lambda: entry(c, "shared", "chat").get("engineVersion") == new, "the entry on the new version")
         assert "message" not in entry(c, "shared", "chat")
+
+
+def test_a_pool_and_an_engine_whose_names_clash_leave_each_other_s_objects_alone_and_fail_naming_the_owner(
+        cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(ENGINES, manifest("shared-pool"))  # its Deployment and Service are shared-pool, as pool shared's
+        c.build(c.wait_job(), SPEC)
+        until(lambda: c.deployment("shared-pool"), "the engine's Deployment")
+        before = c.deployment("shared-pool")
+        c.kube.create(POOLS, pool_manifest("shared", memoryBudget="2Gi"))
+        wait_pool(c, "shared", "Failed", phase="Failed")
+        cond = ready_condition(c, "shared")
+        assert cond["reason"] == "NameConflict" and "belongs to LLMEngine shared-pool" in cond["message"]
+        assert "recreate this LLMEnginePool (or the other) under another name" in cond["message"]
+        after = c.deployment("shared-pool")
+        assert after["metadata"]["ownerReferences"] == before["metadata"]["ownerReferences"]
+        assert after["spec"]["template"] == before["spec"]["template"]
+        assert c.kube.get(f"{CONFIGMAPS}/shared-pool-engines") is None
+        until(lambda: "NameConflict" in c.event_reasons("shared"), "a NameConflict event")
+
+        c.kube.create(POOLS, pool_manifest("other", memoryBudget="2Gi"))  # the other way round: the pool came first
+        until(lambda: c.deployment("other-pool"), "pool other's Deployment")
+        c.kube.create(ENGINES, manifest("other-pool"))
+        status = c.wait_status("other-pool", "the engine Failed", phase="Failed")
+        ready = c.condition("other-pool", "Ready")
+        assert ready["reason"] == "NameConflict" and "belongs to LLMEnginePool other" in ready["message"], status
+        dep = c.deployment("other-pool")
+        assert dep["metadata"]["ownerReferences"][0]["kind"] == "LLMEnginePool" and dep["spec"]["replicas"] == 1
