@@ -17,7 +17,7 @@ from typing import Any
 from kiln.operator import scale_out
 from kiln.operator.autoscaling import REPLICAS_OWNER
 from kiln.operator.kube import ApiError, KubeClient, api_path
-from kiln.operator.naming import LWS_PLURAL, controller_of
+from kiln.operator.naming import LWS_PLURAL, controller_of, same_owner
 
 HASH_ANNOTATION = "serving.kiln.dev/rendered-hash"
 MANAGED_POD_FIELDS = ("nodeSelector", "tolerations", "serviceAccountName")
@@ -45,7 +45,7 @@ async def apply(kube: KubeClient, desired: dict[str, Any]) -> dict[str, Any]:
             if exc.status != 409:
                 raise
             live = await kube.get(path) or {}
-    if (theirs := controller_of(live)) is not None and theirs.get("uid") != (controller_of(desired) or {}).get("uid"):
+    if (theirs := controller_of(live)) is not None and not same_owner(theirs, controller_of(desired) or {}):
         raise ApiError(409, "Conflict", f"{desired['kind']} {meta['namespace']}/{meta['name']} belongs to "
                        f"{theirs.get('kind')} {theirs.get('name')}: not changed (its name clashes)")
     if (live.get("metadata", {}).get("annotations") or {}).get(HASH_ANNOTATION) == meta["annotations"][

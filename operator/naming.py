@@ -177,15 +177,20 @@ def controller_of(obj: dict[str, Any] | None) -> dict[str, Any] | None:
     return next((ref for ref in refs if ref.get("controller")), None)
 
 
+def same_owner(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two ownerReferences name the same owner: kind and name (a uid changes when it is created again)."""
+    return (a.get("kind"), a.get("name")) == (b.get("kind"), b.get("name"))
+
+
 def taken_name(obj: dict[str, Any] | None, owner: dict[str, Any]) -> str | None:
     """Why the live ``obj``, under a name ``owner`` (an LLMEngine or LLMEnginePool body) renders, is not its to
     change: another object controls it (an LLMEnginePool ``P`` names its Deployment and Service ``P-pool``, so an
-    LLMEngine called ``P-pool`` wants the same names). None when ``owner`` controls it or nothing does."""
-    ctrl = controller_of(obj)
-    meta = owner["metadata"]
-    if obj is None or ctrl is None or ctrl.get("uid") == meta.get("uid"):
+    LLMEngine called ``P-pool`` wants the same names). None when ``owner`` controls it, or an earlier object of its
+    kind and name does (deleted and created again before the garbage collector came: it is adopted), or nothing does.
+    """
+    ctrl, kind = controller_of(obj), owner.get("kind") or KIND
+    if obj is None or ctrl is None or same_owner(ctrl, {"kind": kind, "name": owner["metadata"]["name"]}):
         return None
-    kind = owner.get("kind") or KIND
     live = obj["metadata"]
     return (f"{obj.get('kind') or 'the object'} {live.get('namespace')}/{live.get('name')} belongs to "
             f"{ctrl.get('kind')} {ctrl.get('name')}, and this {kind} names its own the same (an {POOL_KIND} P names "

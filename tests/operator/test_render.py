@@ -394,3 +394,24 @@ def test_a_pool_s_api_key_guards_every_member_and_a_member_s_own_key_is_refused(
     member = {"model": {"source": "hf://org/m"}, "gpu": "cpu", "serving": {"pool": "small", "apiKeySecret": "k"}}
     with pytest.raises(InvalidSpec, match=r"spec.serving.apiKeySecret: .*set it as the pool's spec.apiKeySecret"):
         validate_spec(member, CONFIG)
+
+
+def test_an_object_is_taken_only_when_another_owner_controls_it_and_an_earlier_one_of_the_same_name_is_adopted():
+    from kiln.operator.naming import taken_name
+
+    pool = {"kind": "LLMEnginePool", "metadata": {"name": "shared", "namespace": "ml", "uid": "u-pool"}}
+    engine = {"kind": "LLMEngine", "metadata": {"name": "shared-pool", "namespace": "ml", "uid": "u-new"}}
+
+    def deployment(*owners: dict) -> dict:
+        return {"kind": "Deployment", "metadata": {"name": "shared-pool", "namespace": "ml",
+                                                   "ownerReferences": list(owners)}}
+
+    mine = {"kind": "LLMEngine", "name": "shared-pool", "uid": "u-old", "controller": True}  # deleted, created again
+    theirs = {"kind": "LLMEnginePool", "name": "shared", "uid": "u-pool", "controller": True}
+    assert taken_name(None, engine) is None and taken_name(deployment(), engine) is None
+    assert taken_name(deployment(mine), engine) is None
+    assert taken_name(deployment({**theirs, "controller": False}), engine) is None  # not controlled by it
+    message = taken_name(deployment(theirs), engine)
+    assert message is not None and message.startswith("Deployment ml/shared-pool belongs to LLMEnginePool shared")
+    assert "recreate this LLMEngine (or the other) under another name" in message
+    assert "belongs to LLMEngine shared-pool" in (taken_name(deployment(mine), pool) or "")
