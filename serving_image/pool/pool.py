@@ -9,13 +9,6 @@ bounded queue (``--pool-queue-size``) for a change (a request finishing, a load 
 ``--load-timeout``; past either it gets 503 with Retry-After. Loads and unloads run as tasks that every request
 waiting on the engine shares; the decisions are made on the event loop, so no two of them race.
 
-No thrashing: an engine is evicted for another only once it has been loaded for as long as its load took
-(``RESIDENCY`` times it). That is the ski-rental rule: a swap's cost is a load, and an engine that was just paid
-for serves at least that long, so a skewed workload whose cold engines' requests keep arriving swaps at most
-about twice as often as the best order known in advance, instead of once per request. A request that would evict
-a younger engine waits (in the bounded queue) until the youngest eligible one comes of age, its requests served
-by the engines already loaded meanwhile.
-
 A request's engine is returned loaded and the request path admits the request (``ServerState.admit``) before it
 next yields to the loop: from then on its admission is what keeps the engine from being evicted.
 """
@@ -44,8 +37,6 @@ from kiln.engine_list import EngineEntry
 from kiln.memory_budget import human
 
 log = logging.getLogger("kiln.serving")
-
-RESIDENCY = 1.0  # an engine is evicted for another only after it was loaded this many times its own load seconds
 
 
 @dataclass
@@ -164,7 +155,7 @@ class EnginePool:
                 continue
             if slot.load_error is not None and time.monotonic() - slot.failed_at < RETRY_S:
                 raise self._load_failed(slot)  # not tried again for every request: once per RETRY_S
-            victims, hold = self._room_for(slot)
+            victims = self._room_for(slot)
             if victims is not None:
                 self._start_load(slot, victims)
                 continue
@@ -172,9 +163,8 @@ class EnginePool:
                 raise self._busy(f"the engine {slot.name!r} is not loaded, every loaded engine is busy and the pool's "
                                  f"queue is full ({self.num_queued} waiting, --pool-queue-size)", "queue_full")
             self.num_queued += 1
-            try:  # a change, or an engine that was too young to evict coming of age
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), hold)
+            try:
+                await self._changed.wait()
             finally:
                 self.num_queued -= 1
 
@@ -193,25 +183,18 @@ class EnginePool:
         cap = self.settings.max_loaded_engines
         return used + slot.memory_bytes <= self.budget and (cap is None or count + 1 <= cap)
 
-    def _room_for(self, slot: EngineSlot) -> tuple[list[EngineSlot] | None, float | None]:
-        """(the engines to evict so ``slot`` fits: least recently used first, idle ones loaded for at least
-        ``RESIDENCY`` times their load only; None: it cannot fit now, and the seconds until an idle engine too young
-        to evict comes of age, None when none is)."""
+    def _room_for(self, slot: EngineSlot) -> list[EngineSlot] | None:
+        """The engines to evict (least recently used first, idle ones only) so ``slot`` fits; None: it cannot now."""
         resident = [s for s in self.slots.values() if s.status != UNLOADED and s is not slot]
         resident += [s for s in self.leaving if s.status != UNLOADED]
         used, count = sum(s.memory_bytes for s in resident), len(resident)
-        idle = [s for s in resident if s.status == LOADED and not s.is_busy]
-        now = time.monotonic()
-        young = [s.loaded_at + RESIDENCY * s.load_seconds - now for s in idle]
         victims: list[EngineSlot] = []
-        for s in sorted((s for s, left in zip(idle, young) if left <= 0), key=lambda s: s.last_used):
+        for s in sorted((s for s in resident if s.status == LOADED and not s.is_busy), key=lambda s: s.last_used):
             if self._fits(used, count, slot):
                 break
             victims.append(s)
             used, count = used - s.memory_bytes, count - 1
-        if self._fits(used, count, slot):
-            return victims, None
-        return None, min((left for left in young if left > 0), default=None)
+        return victims if self._fits(used, count, slot) else None
 
     def _start_load(self, slot: EngineSlot, victims: list[EngineSlot]) -> None:
         unloads = [self.start_unload(v, "lru") for v in victims]
@@ -235,8 +218,7 @@ class EnginePool:
             raise
         else:
             slot.status, slot.load_error = LOADED, None
-            slot.loaded_at = time.monotonic()
-            seconds = slot.load_seconds = slot.loaded_at - started
+            seconds = time.monotonic() - started
             self.pool_metrics.loaded(slot.name, seconds)
             log.info("pool: engine %r loaded in %.2fs (%d loaded, %s of %s)", slot.name, seconds, self.num_loaded,
                      human(self.memory_in_use), human(self.budget))

@@ -54,8 +54,6 @@ class EngineSlot:
         self.num_waiting = 0  # requests that asked for this engine and wait for it to load
         self.load_error: str | None = None
         self.failed_at = 0.0  # when the last load failed (monotonic)
-        self.loaded_at = 0.0  # when its last load ended (monotonic)
-        self.load_seconds = 0.0  # how long that load took: it is not evicted for another sooner after (RESIDENCY)
 
     @property
     def is_busy(self) -> bool:
