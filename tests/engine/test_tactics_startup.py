@@ -118,3 +118,28 @@ def test_an_artifact_on_another_host_serves_the_default_and_caches_the_retimed_t
     assert job.result.model["decoder_stack"] == {"winner": "modules"} and job.cache_path.is_file()
     again, info = resolve.resolve(str(path), sites, kernels, str(tmp_path / "cache"))
     assert info["origin"] == "cache" and info["source"] == "re-timed (cached)" and len(calls) == 1
+
+
+def test_an_artifacts_table_as_built_on_this_kind_of_host_times_nothing_at_load_not_even_the_mlp_slice(
+        toy_model, make_llm, fresh_cache, monkeypatch, tmp_path):
+    """A build records the MLP's slice only where its prefill had a choice; a load of that table on the build's kind
+    of host keeps the default the build ran (timing it at every load was 0.9 s of SmolLM2 GGUF's 1.3 s cold load)."""
+    from kiln.engine.models.llama import CPU_MLP_ROWS
+    from kiln.engine.tactics import bind
+    from kiln.engine.tactics.table import TacticTable
+
+    monkeypatch.delenv(deferred.MODE_ENV, raising=False)
+    model_dir = toy_model("llama-tiny")
+    timed = make_llm(model_dir, attention_backend="auto", num_kv_blocks=16, device="cpu")
+    saved = TacticTable.load(next(fresh_cache.glob("*.json")))
+    saved.model.pop("mlp_rows", None)  # as a build whose prefill had one slice to run records it
+    built = saved.save(tmp_path / "tactics.json")
+    reference = timed.generate(PROMPT, GREEDY)[0].token_ids
+    monkeypatch.setattr(bind, "time_mlp_slices", lambda *a, **k: pytest.fail("the MLP slice was timed at load"))
+    monkeypatch.setattr(resolve, "_memo", {})
+    llm = make_llm(model_dir, attention_backend="auto", num_kv_blocks=16, device="cpu", tactics=str(built))
+    assert llm.engine.config.tactics_info["origin"] == "artifact"
+    assert "mlp_rows" not in llm.engine.runner.tactics.model
+    assert all(m.mlp_rows == CPU_MLP_ROWS for m in llm.engine.runner.model.modules()
+               if hasattr(m, "mlp_rows") and m.rows_per_call)
+    assert llm.generate(PROMPT, GREEDY)[0].token_ids == reference
