@@ -15,6 +15,7 @@ import json
 import os
 import ssl
 import tempfile
+from datetime import datetime
 from typing import Any
 
 import aiohttp
@@ -34,6 +35,16 @@ def in_cluster_server(info: kopf.ConnectionInfo | None) -> kopf.ConnectionInfo |
         return info
     host = f"[{host}]" if ":" in host else host
     return dataclasses.replace(info, server=f"https://{host}:{port}")
+
+
+def parse_time(text: str) -> datetime:
+    """A timestamp as the API server writes it (RFC 3339, ``...Z``)."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def iso(moment: datetime) -> str:
+    """``moment`` as the API server writes a timestamp: whole seconds, ``...Z``."""
+    return moment.replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 class ApiError(Exception):

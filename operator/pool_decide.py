@@ -168,10 +168,15 @@ def judge_all(world: PoolWorld, now: str | None = None) -> list[PoolMember]:
     return listed_since(judged, world.old, now) if now is not None else judged
 
 
+def entries_by_name(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A pool status's ``engines`` entries, by name."""
+    return {e.get("name"): e for e in status.get("engines") or []}
+
+
 def listed_since(judged: list[PoolMember], old: dict[str, Any], now: str) -> list[PoolMember]:
     """Each Listed entry with when its version was first listed: kept from the old status while it lists the same
     version, else ``now``."""
-    before = {e.get("name"): e for e in old.get("engines") or []}
+    before = entries_by_name(old)
     out = []
     for j in judged:
         prior = before.get(j.name) or {}
@@ -268,8 +273,8 @@ def compose_pool_status(world: PoolWorld, judged: list[PoolMember], now: str | N
 def changed_members(old: dict[str, Any], new: dict[str, Any]) -> set[str]:
     """The engines whose view of the pool changed between two of its statuses (their status follows it): all of
     them when the pool's phase or endpoint changed, else those whose entry changed, appeared or went."""
-    entries = [{e.get("name"): e for e in status.get("engines") or []} for status in (old, new)]
-    names = set(entries[0]) | set(entries[1])
+    was, now = entries_by_name(old), entries_by_name(new)
+    names = set(was) | set(now)
     if any(old.get(key) != new.get(key) for key in ("phase", "endpoint")):
         return {n for n in names if n}
-    return {n for n in names if n and entries[0].get(n) != entries[1].get(n)}
+    return {n for n in names if n and was.get(n) != now.get(n)}

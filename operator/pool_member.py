@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from kiln.operator.kube import parse_time
+
 from kiln.api import LLMEngineSpec
 
 ENGINE_TOO_BIG, POOL_MISMATCH = "EngineTooBigForPool", "PoolMismatch"  # the Ready condition's reason when Refused
@@ -87,7 +89,7 @@ def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, An
 def _time(value: Any) -> datetime | None:
     """An RFC 3339 timestamp as written (``...Z``); None when absent or not one."""
     try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")) if isinstance(value, str) else None
+        return parse_time(value) if isinstance(value, str) else None
     except ValueError:
         return None
 

@@ -35,6 +35,7 @@ from kiln.operator.pool_decide import (
     MemberView,
     PoolWorld,
     compose_pool_status,
+    entries_by_name,
     judge_all,
     listed_adapters,
     listed_entries,
@@ -99,7 +100,7 @@ async def observe_pool(ctx: Context, namespace: str, name: str) -> PoolWorld | N
     except InvalidSpec as exc:
         return PoolWorld(body, invalid=str(exc))
     members = []
-    before = {e.get("name"): e for e in (body.get("status") or {}).get("engines") or []}
+    before = entries_by_name(body.get("status") or {})
     for engine in await ctx.kube.list(api_path(API_VERSION, PLURAL, namespace)):
         mine = member_spec(engine, name)
         if mine is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from kiln.operator.kube import iso, parse_time
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import JobState, failure_message, job_state
 
@@ -32,14 +33,6 @@ class Failure:
 
     detail: str = ""
     exit_code: int | None = None
-
-
-def parse_time(text: str) -> datetime:
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
-
-
-def iso(moment: datetime) -> str:
-    return moment.replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def record_of(status: dict[str, Any], version: str | None) -> dict[str, Any] | None:

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from kiln.operator.kube import iso, parse_time
 from kiln.operator.naming import ANNOTATION_VERSION
 from kiln.operator.pool_member import POOL_MISMATCH, PoolView, listing_message, not_found_message
 
 BUILT, READY = "Built", "Ready"
 MESSAGE_TAIL = 2000
-
 
 
 class ObjectRead:
@@ -45,6 +45,7 @@ class ObjectRead:
     def generation(self) -> int:
         return self.body["metadata"].get("generation") or 0
 
+
 @dataclass(frozen=True)
 class JobState:
     state: str  # "running" | "succeeded" | "failed"
@@ -53,7 +54,7 @@ class JobState:
 
 
 def now_iso() -> str:
-    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return iso(datetime.now(UTC))
 
 
 def job_state(job: dict[str, Any]) -> JobState:
@@ -103,8 +104,7 @@ def job_duration_seconds(job: dict[str, Any]) -> float | None:
     start, end = status.get("startTime"), status.get("completionTime")
     if not start or not end:
         return None
-    parse = lambda s: datetime.fromisoformat(s.replace("Z", "+00:00"))  # noqa: E731
-    return (parse(end) - parse(start)).total_seconds()
+    return (parse_time(end) - parse_time(start)).total_seconds()
 
 
 def rollout_complete(workload: dict[str, Any]) -> bool:
