@@ -14,11 +14,11 @@ where that is not enough.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 
 import torch
 from kiln.engine.config import EngineConfig
+from kiln.engine.host_pages import anonymous
 from kiln.engine.layers.attention import Attention
 from torch import nn
 
@@ -55,13 +55,7 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Te
     0.4-0.6 s CPU for SmolLM2's first token, 180 huge pages, where 4 KiB pages cost 1.5 ms)."""
     if device != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if not nbytes:
-        return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # even where the host's THP setting is "always"
-        pages.madvise(mmap.MADV_NOHUGEPAGE)
-    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
+    return anonymous(math.prod(shape) * dtype.itemsize, huge=False).view(dtype).view(shape)
 
 
 def allocate_kv_cache(model: nn.Module, config: EngineConfig, num_blocks: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ from kiln.engine.spec_decode.draft_model import DraftModel, DraftModelProposer, 
 from kiln.engine.spec_decode.proposer import speculation_stats
 from kiln.engine.spec_decode.verify import num_accepted, rewind_generator
 from kiln.engine.stopping import make_detokenizer, stop_reason
-from kiln.engine.tokenizer import load_tokenizer_beside
+from kiln.engine.tokenizer import load_tokenizer_beside, shelve
 
 log = logging.getLogger("kiln.engine")
 
@@ -346,3 +346,4 @@ class LLMEngine(LoRAEngineMixin):
         if self.group is not None:
             self.group.stop()
             self.group = None
+        shelve(self.config.model, self.tokenizer)  # for this model's next engine (a pool's reload)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from kiln.engine.host_pages import anonymous
 from kiln.engine.kernels.packed import GEMM_KERNELS, ROW_BUCKETS, KilnWeight, PackedLinear
 
 # type name -> (ggml type id, bytes per block of 32)
@@ -148,7 +149,7 @@ class PackedGGUF(PackedLinear):
         self.out_features, self.in_features = weight.shape[0], in_features(weight, kind)
         code = GGUF_TYPES[kind][0]
         api = kernels.gguf
-        self.panels = torch.empty(api["size"](self.out_features, self.in_features, code), dtype=torch.uint8)
+        self.panels = anonymous(api["size"](self.out_features, self.in_features, code), huge=True)
         api["pack"](weight.data_ptr(), self.panels.data_ptr(), self.out_features, self.in_features, code)
         self._kernels = kernels
         self.weight = KilnWeight(self.panels.data_ptr(), 0, 0, self.out_features, self.in_features,

@@ -16,10 +16,12 @@ for byte), never assumed.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
+from kiln.engine.host_pages import anonymous
 
 ROW_BUCKETS = 16  # = KILN_ROW_BUCKETS: bucket b holds calls of (2^(b-1), 2^b] rows
 # = enum kiln_gemm_kernel; oneDNN's runs from Python (C: FMA); W8A8 runs int8 weights only; the gguf ones GGUF
@@ -122,7 +124,8 @@ class PackedLinear:
             self.scales[:self.out_features] = scales.float()
             self.bsums = torch.zeros((panels, pairs // 16, panel), dtype=torch.int16)  # per 32-block of K
         if self.onednn is None:
-            self.panels = weight.new_empty((panels, *per_panel))
+            shape = (panels, *per_panel)
+            self.panels = anonymous(math.prod(shape) * weight.itemsize, huge=True).view(weight.dtype).view(shape)
             extra = (self.bsums.data_ptr(),) if self.int8 else ()
             kernels._pack_linear[weight.dtype](weight.data_ptr(), self.panels.data_ptr(), *extra, self.out_features,
                                                k, weight.stride(0))

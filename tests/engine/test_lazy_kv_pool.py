@@ -4,22 +4,8 @@ that writes one block per layer and KV head pays for a few pages, not for a 2 Mi
 from __future__ import annotations
 
 import torch
+from engine_testlib import mapping_fields as memory_of
 from kiln.engine.kv_cache import _zeroed
-
-
-def memory_of(t: torch.Tensor) -> dict[str, int]:
-    """The /proc/self/smaps fields (kB) summed over the mappings that hold ``t``'s bytes (an madvise splits one)."""
-    lo_t, hi_t = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    fields: dict[str, int] = {}
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo < hi_t and lo_t < hi
-        elif inside and head.endswith(":") and line.split()[1].isdigit():
-            fields[head[:-1]] = fields.get(head[:-1], 0) + int(line.split()[1])
-    return fields
 
 
 def test_a_pool_costs_only_the_pages_its_first_writes_touch():

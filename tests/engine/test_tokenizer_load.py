@@ -98,3 +98,41 @@ def test_concurrent_first_loads_in_a_fresh_process_all_succeed(toy_model):
         out = subprocess.run([sys.executable, "-P", "-c", probe, str(toy_model("llama-tiny"))], capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
+def test_a_shelved_tokenizer_goes_to_the_next_engine_of_its_model_one_engine_at_a_time(toy_model, tmp_path):
+    """A pool's reload takes the tokenizer its engine had (parsing tokenizer.json again held the GIL for 0.35 s
+    of SmolLM2's reload), never one another engine holds, and never one of files changed since."""
+    from kiln.engine import tokenizer as tk
+
+    model = _copy_with(toy_model("llama-tiny"), tmp_path / "m")
+    first = tk.load_tokenizer_beside(str(model)).result()
+    tk.shelve(str(model), first)
+    assert tk.load_tokenizer_beside(str(model)).result() is first
+    second = tk.load_tokenizer_beside(str(model)).result()  # the shelf is empty again: a load of its own
+    assert second is not first
+    _same(first, second)
+    tk.shelve(str(model), first)
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "model_max_length": 77}))
+    third = tk.load_tokenizer_beside(str(model)).result()
+    assert third is not first and third.model_max_length == 77
+    others = [_copy_with(toy_model("llama-tiny"), tmp_path / f"o{i}") for i in range(tk.SHELF_SIZE)]
+    tk.shelve(str(model), third)
+    for other in others:  # SHELF_SIZE more: the oldest (model's) is dropped
+        tk.shelve(str(other), first)
+    assert tk.load_tokenizer_beside(str(model)).result() is not third
+    assert tk.load_tokenizer_beside(str(others[-1])).result() is first
+
+
+def test_an_engine_shut_down_hands_its_tokenizer_to_the_next_engine_of_its_model(toy_model):
+    from kiln.engine.llm import LLM
+    from kiln.engine.sampling_params import SamplingParams
+
+    model = toy_model("llama-tiny")
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    with LLM(str(model), num_kv_blocks=32, block_size=4) as llm:
+        tokenizer, before = llm.engine.tokenizer, llm.generate(["Hello world"], params)[0].text
+    with LLM(str(model), num_kv_blocks=32, block_size=4) as again:
+        assert again.engine.tokenizer is tokenizer
+        assert again.generate(["Hello world"], params)[0].text == before

@@ -1,0 +1,60 @@
+"""Host memory from the OS (``kiln.engine.host_pages``): packed weight panels in huge pages, the KV pool never, both
+unmapped with their last tensor; and the packs that use it give the bytes they gave before."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+from engine_testlib import mapping_fields
+from kiln.engine.host_pages import HUGE_PAGE, anonymous
+
+
+def _mapped(lo: int, hi: int) -> list[str]:
+    return [line for line in open("/proc/self/maps")
+            if (lambda a, b: a < hi and lo < b)(*(int(x, 16) for x in line.split()[0].split("-")))]
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+def test_weight_panels_ask_for_huge_pages_aligned_to_them_and_go_with_their_last_tensor():
+    nbytes = 3 * HUGE_PAGE + 12345
+    t = anonymous(nbytes, huge=True)
+    assert t.dtype == torch.uint8 and t.numel() == nbytes and t.data_ptr() % HUGE_PAGE == 0
+    assert float(t[:: 4096].float().sum()) == 0.0  # zero pages
+    fields = mapping_fields(t)
+    assert "hg" in fields["VmFlags"] and "nh" not in fields["VmFlags"], fields
+    t.fill_(7)
+    assert int(t[-1]) == 7 and int(t[0]) == 7
+    view = t[HUGE_PAGE:]  # a view keeps the mapping
+    lo, hi = t.data_ptr(), t.data_ptr() + nbytes
+    del t
+    assert _mapped(lo, hi) and int(view[0]) == 7
+    del view
+    assert _mapped(lo, hi) == [], "the panels' pages are still mapped"
+
+
+def test_small_buffers_and_the_kv_pool_never_ask_for_huge_pages():
+    small = anonymous(HUGE_PAGE - 4096, huge=True)  # under one huge page: none to ask for
+    pool = anonymous(8 * HUGE_PAGE, huge=False)
+    for t in (small, pool):
+        assert "hg" not in mapping_fields(t)["VmFlags"]
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        assert "nh" in mapping_fields(pool)["VmFlags"]
+    assert anonymous(0, huge=True).numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_packed_into_huge_pages_multiplies_as_before(dtype):
+    from kiln.engine.kernels import native
+
+    kernels = native.kernels()
+    if kernels is None or dtype not in kernels.linear_dtypes:
+        pytest.skip(f"kiln's CPU kernels do not multiply {dtype} on this host")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 576, generator=g).to(dtype)  # SmolLM2's MLP: 3.5 MB of float32 panels, huge pages
+    x = torch.randn(5, 576, generator=g).to(dtype)
+    packed = kernels.pack_linear(w)
+    assert packed.panels.data_ptr() % HUGE_PAGE == 0 and "hg" in mapping_fields(packed.panels)["VmFlags"]
+    torch.testing.assert_close(packed(x).float(), torch.nn.functional.linear(x.float(), w.float()).to(dtype).float(),
+                               rtol=2e-2, atol=2e-2)
