@@ -1,6 +1,7 @@
 """The pool's series, on the server's own registry (``ServingMetrics.registry``), labelled by engine:
 loads, evictions (by reason: ``lru``, ``idle``, ``removed``), load seconds, engines loaded, memory in use and
-the budget. The gauges are read when Prometheus scrapes.
+the budget; and every loaded engine's engine-level series under its name (:class:`EnginesCollector`). The gauges
+are read when Prometheus scrapes.
 
 ``kiln:num_requests_waiting``, what KEDA and the HPA scale on (docs/scale-out.md), is the pool's in one family: each
 loaded engine's queue under its name (``model_name``), and the requests waiting for their engine to be placed or
@@ -11,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from kiln.serving.metrics import EngineStatsCollector
 from kiln.serving.pool.slot import LOADED
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -36,7 +38,7 @@ class PoolMetrics:
             lambda: pool.budget)
         Gauge("kiln:pool_queue_length", "Requests waiting for an engine to be placed.", registry=r).set_function(
             lambda: pool.num_queued)
-        r.register(WaitingCollector(pool))
+        r.register(EnginesCollector(pool))
 
     def loaded(self, engine: str, seconds: float) -> None:
         self.loads.labels(engine=engine).inc()
@@ -46,24 +48,51 @@ class PoolMetrics:
         self.evictions.labels(engine=engine, reason=reason).inc()
 
 
-class WaitingCollector(Collector):
-    """``kiln:num_requests_waiting`` in a pool (the single engine's collector has no engine there): a row per
-    loaded engine, its engine's queue, and the pool's row, the requests no engine has admitted yet."""
+class EnginesCollector(Collector):
+    """The engine-level series a single server exports (:class:`kiln.serving.metrics.EngineStatsCollector`: running
+    and waiting requests, KV-cache usage, prefix-cache queries and hits, preemptions, batch sizes, speculative
+    decoding, the endpoint picker's ``vllm:`` names), a row per loaded engine under its name (the single engine's
+    collector has no engine in a pool), read when Prometheus scrapes. ``kiln:num_requests_waiting`` has one more row,
+    under the pool's name: the requests no engine has admitted yet.
+
+    One family per name, and one sample per label set: an engine named as the pool, or a slot draining beside its
+    successor under one name, sum into one row (Prometheus would drop one of two, and an autoscaler read the other);
+    of an ``_info`` series, which carries its value in its labels, the first is kept."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        own = self.pool.metrics.labels
-        family = GaugeMetricFamily("kiln:num_requests_waiting", "Requests queued in an engine, not yet running; "
-                                   "under the pool's name: requests waiting for their engine to be placed or "
-                                   "loaded.", labels=list(own))
-        rows: dict[tuple[str, ...], float] = {tuple(own.values()): float(self.pool.num_waiting)}
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
         for slot in [*self.pool.slots.values(), *self.pool.leaving]:
             engine = slot.state.engine
-            if slot.status == LOADED and engine is not None:  # one row per label set: an engine named as the pool,
-                key = tuple(slot.metrics.labels.values())  # or a slot draining beside its successor, sums into it
-                rows[key] = rows.get(key, 0.0) + float(engine.stats().num_waiting)
-        for values, waiting in rows.items():
-            family.add_metric(list(values), waiting)
-        yield family
+            if slot.status != LOADED or engine is None:
+                continue
+            lora = getattr(getattr(engine, "engine", None), "lora_info", lambda: None)
+            for family in EngineStatsCollector(engine.stats, slot.metrics.labels, lora).collect():
+                _merge(families, family)
+        own = self.pool.metrics.labels
+        queued = GaugeMetricFamily(WAITING, "Requests queued in an engine, not yet running; under the pool's name: "
+                                   "requests waiting for their engine to be placed or loaded.", labels=list(own))
+        queued.add_metric(list(own.values()), float(self.pool.num_waiting))
+        _merge(families, queued)
+        yield from families.values()
+
+
+WAITING = "kiln:num_requests_waiting"
+
+
+def _merge(families: dict[str, Metric], family: Metric) -> None:
+    """``family``'s samples into the family of its name in ``families``: a sample whose name and labels are there
+    already adds its value to it (an ``_info`` family's is dropped)."""
+    into = families.setdefault(family.name, family)
+    if into is family:
+        return
+    index = {(x.name, tuple(sorted(x.labels.items()))): i for i, x in enumerate(into.samples)}
+    for sample in family.samples:
+        at = index.get((sample.name, tuple(sorted(sample.labels.items()))))
+        if at is None:
+            index[(sample.name, tuple(sorted(sample.labels.items())))] = len(into.samples)
+            into.samples.append(sample)
+        elif not family.name.endswith("_info"):
+            into.samples[at] = into.samples[at]._replace(value=into.samples[at].value + sample.value)

@@ -103,6 +103,7 @@ def test_a_pool_serves_each_engine_as_alone_within_its_budget(start_server, arti
     assert loads >= 6 and evictions == loads - list(states(srv).values()).count("loaded")
     assert metrics[("kiln:pool_memory_in_use_bytes", ())] <= 250 * MIB
     assert metrics[("kiln:pool_engine_load_seconds_count", (("engine", "a"),))] >= 1
+    engine_series_are_per_loaded_engine(srv)
 
     missing = complete(srv, "nope")
     assert missing.status_code == 404
@@ -124,6 +125,26 @@ def test_a_pool_serves_each_engine_as_alone_within_its_budget(start_server, arti
     while "loaded" in states(srv).values() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert set(states(srv).values()) == {"unloaded"}
+
+
+def engine_series_are_per_loaded_engine(srv: Server) -> None:
+    """Every engine-level series a single server exports, a row per loaded engine under its name, none for an
+    unloaded one; one family per name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = list(text_string_to_metric_families(httpx.get(f"{srv.url}/metrics", timeout=10).text))
+    assert len({f.name for f in families}) == len(families)
+    rows = {(x.name, x.labels.get("model_name")): x.value for f in families for x in f.samples}
+    loaded = {name for name, state in states(srv).items() if state == "loaded"}
+    assert loaded
+    for name in states(srv):
+        for series in ("kiln:kv_cache_total_blocks", "kiln:num_requests_running", "vllm:kv_cache_usage_perc",
+                       "kiln:prefix_cache_queries_total", "kiln:iteration_batch_size_count"):
+            assert ((series, name) in rows) == (name in loaded), (series, name)
+        if name in loaded:
+            assert rows[("kiln:kv_cache_total_blocks", name)] == LIMITS["num_kv_blocks"]
+            assert rows[("kiln:iteration_batch_size_count", name)] >= 1  # it ran steps
+            assert rows[("kiln:num_requests_running", name)] == 0
 
 
 def test_a_request_that_cannot_be_placed_gets_503_and_in_flight_engines_are_never_evicted(start_server,

@@ -56,7 +56,8 @@ class FakeEngine:
         self.block_size, self.num_waiting = BLOCK[name], 0
 
     def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(block_size=self.block_size, num_total_blocks=64, num_waiting=self.num_waiting)
+        return SimpleNamespace(block_size=self.block_size, num_total_blocks=64, num_waiting=self.num_waiting,
+                               num_running=0, kv_usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0)
 
     def lora_digest(self, name: str) -> str | None:
         return DIGEST if name == "tone" else None
@@ -271,19 +272,34 @@ def test_a_real_pools_keys_predict_each_engines_cache_hits(start_server, toy_mod
 
 def test_num_requests_waiting_has_one_row_per_label_set():
     """An engine named as the pool, or a slot draining beside its successor under one name: their rows sum, never two
-    samples with one label set (Prometheus would drop one, and the autoscaler read the other)."""
+    samples with one label set (Prometheus would drop one, and the autoscaler read the other); so do the other
+    engine-level series, but for an ``_info`` one, whose first row stays."""
     from types import SimpleNamespace
 
-    from kiln.serving.pool.metrics import WaitingCollector
+    from kiln.serving.pool.metrics import EnginesCollector
     from kiln.serving.pool.slot import LOADED
 
     def slot(name: str, waiting: int) -> SimpleNamespace:
-        engine = SimpleNamespace(stats=lambda: SimpleNamespace(num_waiting=waiting))
+        stats = SimpleNamespace(num_waiting=waiting, num_running=1, kv_usage=0.25, num_total_blocks=64,
+                                prefix_cache_queries=10, prefix_cache_hits=4, num_steps=3, sum_running=3,
+                                block_size=16)
+        engine = SimpleNamespace(stats=lambda: stats, engine=SimpleNamespace(lora_info=lambda: None))
         return SimpleNamespace(status=LOADED, state=SimpleNamespace(engine=engine),
                                metrics=SimpleNamespace(labels={"model_name": name}))
 
     pool = SimpleNamespace(metrics=SimpleNamespace(labels={"model_name": "chat"}), num_waiting=5,
                            slots={"chat": slot("chat", 3), "b": slot("b", 1)}, leaving=[slot("b", 2)])
-    [family] = list(WaitingCollector(pool).collect())
-    rows = [(s.labels["model_name"], s.value) for s in family.samples]
-    assert sorted(rows) == [("b", 3.0), ("chat", 8.0)]
+    families = {f.name: f for f in EnginesCollector(pool).collect()}
+    assert len(families) == len(list(EnginesCollector(pool).collect()))
+
+    def rows(name: str) -> list[tuple[str, float]]:
+        return sorted((s.labels["model_name"], s.value) for s in families[name].samples if s.name == name)
+
+    assert rows("kiln:num_requests_waiting") == [("b", 3.0), ("chat", 8.0)]
+    assert rows("kiln:num_requests_running") == [("b", 2.0), ("chat", 1.0)]
+    assert rows("vllm:num_requests_waiting") == [("b", 3.0), ("chat", 3.0)]  # the engines' own: no pool row
+    info = [(s.labels["model_name"], s.value) for s in families["vllm:cache_config_info"].samples]
+    assert sorted(info) == [("b", 1.0), ("chat", 1.0)]  # one row of b's two, its value not summed
+    empty = SimpleNamespace(metrics=pool.metrics, num_waiting=2, slots={}, leaving=[])
+    assert [(f.name, [s.value for s in f.samples]) for f in EnginesCollector(empty).collect()] == \
+        [("kiln:num_requests_waiting", [2.0])]
