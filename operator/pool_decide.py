@@ -193,21 +193,62 @@ def listed_entries(world: PoolWorld, judged: list[PoolMember]) -> list[EngineEnt
     return [EngineEntry(j.name, view.artifact_uri or "", view.digest) for j, view in views]
 
 
-def listed_adapters(world: PoolWorld, judged: list[PoolMember]) -> list[dict[str, str]]:
-    """The adapter list the pool's pods follow: each Listed member's pinned adapters of the version the pool lists
-    (its ConfigMap also keeps its old base's adapters while that base's own pods serve: not the pool's)."""
+def _listed_adapters_by_member(world: PoolWorld, judged: list[PoolMember]) -> list[tuple[str, str, dict[str, str]]]:
+    """(member, base version, entry) of each Listed member's pinned adapters of the version the pool lists (its
+    ConfigMap also keeps its old base's adapters while that base's own pods serve: not the pool's), the member
+    listed first first (``listedSince``, then name)."""
     by_name = {m.name: m for m in world.members}
-    out: dict[tuple[str, str], dict[str, str]] = {}
-    for judged_member in judged:
+    out = []
+    for judged_member in sorted(judged, key=lambda j: (j.listed_since or "", j.name)):
         member = by_name[judged_member.name]
         base = listed_view(member, judged_member).version
         if judged_member.state != LISTED or base is None:
             continue
         for item in adapter_list.wanted(member.adapters, base).values():
             if isinstance(item.get("version"), str) and isinstance(item.get("contentDigest"), str):
-                out[(base, item["name"])] = adapter_list.entry(
-                    item["name"], item["artifactURI"], item["version"], base, item["contentDigest"])
+                out.append((member.name, base, adapter_list.entry(
+                    item["name"], item["artifactURI"], item["version"], base, item["contentDigest"])))
+    return out
+
+
+def adapter_clashes(world: PoolWorld, judged: list[PoolMember]) -> dict[tuple[str, str], str]:
+    """(member, adapter) -> why the pool's pods are not given that adapter of that member: a request names an
+    adapter as it names an engine (``model``), so within a pool the name must say which. An adapter named as one of
+    the pool's engines is left out (requests naming it reach that engine); of one name on two bases, the member
+    listed first keeps it. (One base listed under two names shares its adapters: no clash.)"""
+    engines = {m.name for m in world.members}
+    owner: dict[str, tuple[str, str]] = {}  # adapter -> (member, base) that serves it in the pool
+    out = {}
+    for member, base, entry in _listed_adapters_by_member(world, judged):
+        name = entry["name"]
+        if name in engines:
+            out[(member, name)] = (f"its adapter {name!r} is not served by the pool: the pool has an engine of that "
+                                   "name, which requests naming it reach; rename the adapter")
+        elif owner.setdefault(name, (member, base))[1] != base:
+            out[(member, name)] = (f"its adapter {name!r} is not served by the pool: {owner[name][0]!r}, listed "
+                                   "before it, has an adapter of that name; rename one of them")
+    return out
+
+
+def listed_adapters(world: PoolWorld, judged: list[PoolMember]) -> list[dict[str, str]]:
+    """The adapter list the pool's pods follow: each Listed member's pinned adapters of the version the pool lists,
+    less those :func:`adapter_clashes` leaves out."""
+    clashes = adapter_clashes(world, judged)
+    out: dict[tuple[str, str], dict[str, str]] = {}
+    for member, base, entry in _listed_adapters_by_member(world, judged):
+        if (member, entry["name"]) not in clashes:
+            out[(base, entry["name"])] = entry
     return list(out.values())
+
+
+def with_adapter_clashes(world: PoolWorld, judged: list[PoolMember]) -> list[PoolMember]:
+    """``judged`` with each member's left-out adapters said in its ``message``."""
+    clashes = adapter_clashes(world, judged)
+    out = []
+    for j in judged:
+        said = [why for (member, _), why in sorted(clashes.items()) if member == j.name]
+        out.append(j.model_copy(update={"message": "; ".join(filter(None, [j.message, *said]))}) if said else j)
+    return out
 
 
 def budget_too_small(world: PoolWorld, judged: list[PoolMember]) -> str | None:
@@ -265,7 +306,8 @@ def compose_pool_status(world: PoolWorld, judged: list[PoolMember], now: str | N
     room = budget(world.spec)
     ready = ((world.deployment or {}).get("status") or {}).get("readyReplicas") or 0
     return {**status, "endpoint": pool_endpoint(world.name, world.namespace, world.spec),
-            "memoryBudgetBytes": room[0] if room else None, "engines": [j.to_k8s() for j in judged],
+            "memoryBudgetBytes": room[0] if room else None,
+            "engines": [j.to_k8s() for j in with_adapter_clashes(world, judged)],
             "listedEngines": sum(j.state == LISTED for j in judged), "replicas": desired_replicas(world),
             "readyReplicas": ready}
 

@@ -193,6 +193,28 @@ def test_the_pools_adapter_list_holds_the_pinned_adapters_of_each_listed_members
     assert listed_adapters(world(pool(), member("chat", GiB, lora)), [judge(member("chat"), "shared", pool())]) == []
 
 
+def test_an_adapter_name_says_which_engine_within_a_pool_so_a_clash_is_left_out_and_said():
+    """A request names an adapter as it names an engine: of one adapter name on two members' bases, the member
+    listed first keeps it; an adapter named as one of the pool's engines is left out; both are said on the
+    member's entry of the pool's status."""
+    lora = engine(lora={"adapters": [{"name": "sql", "source": "s3://adapters/sql", "revision": "v1"}]})
+    w = world(pool(memoryBudget="8Gi"),
+              member("chat", GiB, lora, adapters=adapters(("sql", "chat-v", DIGEST), ("tone", "chat-v", DIGEST))),
+              member("code", GiB, lora, adapters=adapters(("sql", "code-v", DIGEST), ("chat", "code-v", DIGEST),
+                                                          ("docs", "code-v", DIGEST))))
+    judged = [j.model_copy(update={"listed_since": since}) for j, since in
+              zip(judge_all(w), ["2026-01-02T00:00:00Z", "2026-01-01T00:00:00Z"], strict=True)]  # code listed first
+    listed = {(e["baseEngineVersion"], e["name"]) for e in listed_adapters(w, judged)}
+    assert listed == {("code-v", "sql"), ("code-v", "docs"), ("chat-v", "tone")}
+    entries = {e["name"]: e for e in compose_pool_status(w, judged)["engines"]}
+    assert "'sql' is not served by the pool: 'code', listed before it" in entries["chat"]["message"]
+    assert "'chat' is not served by the pool: the pool has an engine of that name" in entries["code"]["message"]
+    assert "sql" not in entries["code"]["message"] and "tone" not in entries["chat"]["message"]
+    # listed in the other order, chat keeps sql
+    judged = [j.model_copy(update={"listed_since": None}) for j in judged]
+    assert ("chat-v", "sql") in {(e["baseEngineVersion"], e["name"]) for e in listed_adapters(w, judged)}
+
+
 def test_the_pools_pods_follow_the_adapter_list_beside_the_engine_list_and_it_never_rolls_them():
     config = OperatorConfig(store_uri="s3://b/kiln")
     listed = [adapter_list.entry("sql", "s3://b/kiln/engines/chat-v-sql", "chat-v-sql", "chat-v", DIGEST)]
