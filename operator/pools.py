@@ -186,6 +186,22 @@ def build_pool_service(spec: LLMEnginePoolSpec, pool: str, namespace: str,
     }
 
 
+def build_pool_pdb(spec: LLMEnginePoolSpec, pool: str, namespace: str,
+                   owner: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """maxUnavailable 1 over the pool's pods from 2 pods up (``spec.replicas``, or autoscaled ``minReplicas``): a
+    node drain takes them one at a time; none for fewer, which could never be evicted (the drain would hang), as an
+    engine's (``workloads.build_pdb``)."""
+    floor = spec.autoscaling.min_replicas if spec.autoscaling is not None else spec.replicas
+    if floor < 2:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(pool_workload_name(pool), namespace, pool_labels(pool), owner),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": pool_selector_labels(pool)}},
+    }
+
+
 def pool_queue_query(pool: str, namespace: str, members: list[str]) -> str:
     """PromQL of the pool's queue: ``kiln:num_requests_waiting`` under the pool's name (requests waiting for their
     engine to be placed or loaded) and under each listed engine's (docs/pools.md, Metrics)."""
@@ -197,8 +213,8 @@ def build_pool_scaler(spec: LLMEnginePoolSpec, pool: str, namespace: str, config
                       members: list[str], owner: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """``spec.autoscaling`` as this operator renders it (None when unset): a KEDA ScaledObject on
     :func:`pool_queue_query`, or an HPA on the Pods metric of the same series (the metrics adapter sums a pod's
-    series), each aiming at ``targetWaitingRequests`` per pod. The pods export no ``num_requests_running`` of
-    their engines, so the queue alone scales them (scale-down waits the stabilization window)."""
+    series), each aiming at ``targetWaitingRequests`` per pod. The queue alone scales them, not the engines'
+    running requests (scale-down waits the stabilization window)."""
     scaling = spec.autoscaling
     if scaling is None:
         return None
@@ -240,8 +256,8 @@ def build_engines_configmap(pool: str, namespace: str, entries: list[EngineEntry
 def render_pool(pool_body_or_spec: Any, name: str, namespace: str, config: OperatorConfig,
                 entries: list[EngineEntry] | None = None) -> list[dict[str, Any]]:
     """The objects the operator applies for a pool (``kiln render``): the engine-list ConfigMap (``entries``:
-    none unless given; the operator lists the members it finds), the Deployment, the Service and, with
-    ``spec.autoscaling``, its ScaledObject or HPA. Takes the
+    none unless given; the operator lists the members it finds), the Deployment, the Service, from 2 pods up its
+    PodDisruptionBudget and, with ``spec.autoscaling``, its ScaledObject or HPA. Takes the
     LLMEnginePool (a dict with ``spec``, or :class:`LLMEnginePool`), its spec (dict or
     :class:`LLMEnginePoolSpec`); :class:`InvalidSpec` naming the field as the operator. No ownerReferences (the
     pool's uid is the cluster's), no ``rendered-hash`` annotation."""
@@ -255,6 +271,8 @@ def render_pool(pool_body_or_spec: Any, name: str, namespace: str, config: Opera
     spec = validate_pool(name, raw, config)
     objects = [build_engines_configmap(name, namespace, list(entries or [])),
                build_pool_deployment(spec, name, namespace, config), build_pool_service(spec, name, namespace)]
+    if (pdb := build_pool_pdb(spec, name, namespace)) is not None:
+        objects.append(pdb)
     if (scaler := build_pool_scaler(spec, name, namespace, config, [e.name for e in entries or []])) is not None:
         objects.append(scaler)
     return [json.loads(json.dumps(obj)) for obj in objects]

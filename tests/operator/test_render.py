@@ -288,7 +288,8 @@ def test_cluster_examples_pass_the_operator_and_render_valid_objects(path: Path)
     if yaml.safe_load(path.read_text())["kind"] == "LLMEnginePool":
         pool = load_pool(path)
         objects = render_pool(pool, pool.metadata.name, "default", CONFIG)
-        assert [o["kind"] for o in objects] == ["ConfigMap", "Deployment", "Service"]
+        pdb = ["PodDisruptionBudget"] if pool.spec.replicas >= 2 else []
+        assert [o["kind"] for o in objects] == ["ConfigMap", "Deployment", "Service", *pdb]
         for obj in objects:
             validate(obj)
         return
@@ -327,7 +328,7 @@ def test_kiln_render_prints_a_pool_s_objects_from_the_operator_s_renderer(monkey
     assert docs == render_pool(pool, "cpu-pool", "ml", OperatorConfig.from_env())
     assert [(d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs] == [
         ("ConfigMap", "cpu-pool-pool-engines", "ml"), ("Deployment", "cpu-pool-pool", "ml"),
-        ("Service", "cpu-pool-pool", "ml")]
+        ("Service", "cpu-pool-pool", "ml"), ("PodDisruptionBudget", "cpu-pool-pool", "ml")]
     assert result.stdout.startswith("# the engine list is empty here")
     for doc in docs:
         validate(doc)

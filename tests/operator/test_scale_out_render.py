@@ -265,14 +265,15 @@ POOL_BODY = {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool",
 
 def test_a_pool_scales_its_deployment_on_the_pools_queue_with_keda_or_an_hpa():
     members = [EngineEntry("chat", "s3://b/p/engines/v1"), EngineEntry("sql", "s3://b/p/engines/v2")]
-    _, deployment, _, so = render_pool(POOL_BODY, "shared", "ml", KEDA, members)
+    _, deployment, _, pdb, so = render_pool(POOL_BODY, "shared", "ml", KEDA, members)
     validate(so)
+    validate(pdb)
     validate(deployment)
     assert deployment["spec"]["replicas"] == 2  # minReplicas on create, not spec.replicas: then the scaler's
     assert deployment["metadata"]["annotations"][REPLICAS_OWNER] == "autoscaler"
     assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "shared-pool"}
     assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"], so["spec"]["cooldownPeriod"]) == (2, 6, 120)
-    [trigger] = so["spec"]["triggers"]  # the queue alone: pool pods export no engine's num_requests_running
+    [trigger] = so["spec"]["triggers"]  # the queue alone, not the engines' running requests
     assert trigger["metadata"]["query"] == \
         'sum(kiln:num_requests_waiting{namespace="ml",model_name=~"chat|shared|sql"})'  # its engines' and its own
     assert trigger["metadata"]["threshold"] == "3" and trigger["metricType"] == "AverageValue"
@@ -284,7 +285,7 @@ def test_a_pool_scales_its_deployment_on_the_pools_queue_with_keda_or_an_hpa():
         "metric": {"name": HPA.hpa_metric_prefix + "num_requests_waiting"},
         "target": {"type": "AverageValue", "averageValue": "3"}}}]
     plain = render_pool({**POOL_BODY, "spec": {"replicas": 5}}, "shared", "ml", KEDA)
-    assert len(plain) == 3 and plain[1]["spec"]["replicas"] == 5 and REPLICAS_OWNER not in (
+    assert len(plain) == 4 and plain[1]["spec"]["replicas"] == 5 and REPLICAS_OWNER not in (  # and its PDB
         plain[1]["metadata"].get("annotations") or {})
     with pytest.raises(InvalidSpec, match=r"^spec.autoscaling.minReplicas: 0 .*set minReplicas to 1 or more"):
         render_pool({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}, "shared", "ml", KEDA)

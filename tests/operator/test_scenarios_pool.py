@@ -12,7 +12,19 @@ from typing import Any
 
 import pytest
 from conftest import wait_for
-from harness import CONFIGMAPS, ENGINES, JOBS, POOLS, SERVICES, SPEC, VERSION_LABEL, Cluster, manifest, running_operator
+from harness import (
+    CONFIGMAPS,
+    ENGINES,
+    JOBS,
+    PDBS,
+    POOLS,
+    SERVICES,
+    SPEC,
+    VERSION_LABEL,
+    Cluster,
+    manifest,
+    running_operator,
+)
 
 from kiln.api import LLMEngineSpec
 from kiln.artifact_manifest import BUILT_BY_ENV, BuiltBy
@@ -127,6 +139,18 @@ def test_a_pool_serves_its_members_and_they_join_and_leave_without_rolling_its_p
         c.kube.delete(f"{ENGINES}/chat")
         until(lambda: "chat" not in listed(c, "shared"), "a deleted engine dropped from the engine list")
         assert c.deployment("shared-pool")["spec"]["template"] == before["spec"]["template"]
+
+
+def test_a_pool_of_two_pods_or_more_has_a_disruption_budget_and_one_of_fewer_none(cluster: Cluster):
+    c = cluster
+    with running_operator():
+        c.kube.create(POOLS, pool_manifest("shared", memoryBudget="2Gi", replicas=2))
+        pdb = until(lambda: c.kube.get(f"{PDBS}/shared-pool"), "the pool's PodDisruptionBudget")
+        deployment = c.deployment("shared-pool")
+        assert pdb["spec"] == {"maxUnavailable": 1, "selector": deployment["spec"]["selector"]}
+        assert pdb["metadata"]["ownerReferences"][0]["kind"] == "LLMEnginePool"
+        c.kube.patch(f"{POOLS}/shared", {"spec": {"replicas": 1}})  # one pod: a budget would hang every drain
+        until(lambda: c.kube.get(f"{PDBS}/shared-pool") is None, "the PodDisruptionBudget deleted at 1 pod")
 
 
 def test_an_engine_too_big_is_refused_and_a_budget_too_small_for_all_fails_the_pool_naming_the_field(
