@@ -31,9 +31,17 @@ def anonymous(nbytes: int, huge: bool) -> torch.Tensor:
     pages = mmap.mmap(-1, nbytes + (HUGE_PAGE if huge else 0), flags=mmap.MAP_PRIVATE)
     if not huge:
         if hasattr(mmap, "MADV_NOHUGEPAGE"):  # even where the host's THP setting is "always"
-            pages.madvise(mmap.MADV_NOHUGEPAGE)
+            _advise(pages, mmap.MADV_NOHUGEPAGE, 0, nbytes)
         return torch.frombuffer(pages, dtype=torch.uint8)
     whole = torch.frombuffer(pages, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
-    pages.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    _advise(pages, mmap.MADV_HUGEPAGE, start, nbytes)
     return whole[start:start + nbytes]  # the view keeps the mapping alive; it is unmapped with the last view
+
+
+def _advise(pages: mmap.mmap, advice: int, start: int, length: int) -> None:
+    """A page-size hint, dropped where the kernel has no transparent huge pages (EINVAL): the pages are the same."""
+    try:
+        pages.madvise(advice, start, length)
+    except OSError:
+        pass

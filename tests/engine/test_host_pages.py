@@ -4,6 +4,7 @@ unmapped with their last tensor; and the packs that use it give the bytes they g
 from __future__ import annotations
 
 import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,10 @@ def _mapped(lo: int, hi: int) -> list[str]:
             if (lambda a, b: a < hi and lo < b)(*(int(x, 16) for x in line.split()[0].split("-")))]
 
 
-@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not THP, reason="no transparent huge pages on this host")
 def test_weight_panels_ask_for_huge_pages_aligned_to_them_and_go_with_their_last_tensor():
     nbytes = 3 * HUGE_PAGE + 12345
     t = anonymous(nbytes, huge=True)
@@ -39,7 +43,7 @@ def test_small_buffers_and_the_kv_pool_never_ask_for_huge_pages():
     pool = anonymous(8 * HUGE_PAGE, huge=False)
     for t in (small, pool):
         assert "hg" not in mapping_fields(t)["VmFlags"]
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+    if hasattr(mmap, "MADV_NOHUGEPAGE") and THP:
         assert "nh" in mapping_fields(pool)["VmFlags"]
     assert anonymous(0, huge=True).numel() == 0
 
@@ -55,6 +59,17 @@ def test_a_weight_packed_into_huge_pages_multiplies_as_before(dtype):
     w = torch.randn(1536, 576, generator=g).to(dtype)  # SmolLM2's MLP: 3.5 MB of float32 panels, huge pages
     x = torch.randn(5, 576, generator=g).to(dtype)
     packed = kernels.pack_linear(w)
-    assert packed.panels.data_ptr() % HUGE_PAGE == 0 and "hg" in mapping_fields(packed.panels)["VmFlags"]
+    assert packed.panels.data_ptr() % HUGE_PAGE == 0
+    assert "hg" in mapping_fields(packed.panels)["VmFlags"] or not THP
     torch.testing.assert_close(packed(x).float(), torch.nn.functional.linear(x.float(), w.float()).to(dtype).float(),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_a_kernel_without_transparent_huge_pages_only_loses_the_hint():
+    from kiln.engine import host_pages
+
+    class NoTHP:  # madvise(MADV_HUGEPAGE) on a kernel built without THP: EINVAL
+        def madvise(self, *args: int) -> None:
+            raise OSError(22, "Invalid argument")
+
+    host_pages._advise(NoTHP(), getattr(mmap, "MADV_HUGEPAGE", 14), 0, HUGE_PAGE)  # no error
