@@ -132,12 +132,15 @@ def engine_series_are_per_loaded_engine(srv: Server) -> None:
     unloaded one; one family per name."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    before = states(srv)
     families = list(text_string_to_metric_families(httpx.get(f"{srv.url}/metrics", timeout=10).text))
+    after = states(srv)  # an engine unloaded (--idle-unload-after) or loaded meanwhile is not judged
     assert len({f.name for f in families}) == len(families)
     rows = {(x.name, x.labels.get("model_name")): x.value for f in families for x in f.samples}
-    loaded = {name for name, state in states(srv).items() if state == "loaded"}
-    assert loaded
-    for name in states(srv):
+    steady = [name for name in after if before.get(name) == after[name] and after[name] in ("loaded", "unloaded")]
+    loaded = {name for name in steady if after[name] == "loaded"}
+    assert loaded, (before, after)
+    for name in steady:
         for series in ("kiln:kv_cache_total_blocks", "kiln:num_requests_running", "vllm:kv_cache_usage_perc",
                        "kiln:prefix_cache_queries_total", "kiln:iteration_batch_size_count"):
             assert ((series, name) in rows) == (name in loaded), (series, name)
