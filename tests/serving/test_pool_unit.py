@@ -93,8 +93,9 @@ class FakeEngine:
     class engine_config:  # noqa: N801 - what ServerState reads of an engine
         max_batch_size = 4
 
-    def stats(self) -> SimpleNamespace:  # what the pool's /metrics reads of a loaded engine (its queue)
-        return SimpleNamespace(num_waiting=0)
+    def stats(self) -> SimpleNamespace:  # what the pool's /metrics reads of a loaded engine (EnginesCollector)
+        return SimpleNamespace(num_waiting=0, num_running=0, kv_usage=0.0, num_total_blocks=8,
+                               prefix_cache_queries=0, prefix_cache_hits=0, block_size=16)
 
 
 class Recorder:
