@@ -32,6 +32,10 @@ def raw(text: str) -> bytes:
 
 
 NESTED = '{"a":' * 100_000 + "1" + "}" * 100_000
+# A refusal is checked before any engine work, so it is quick: the largest case (50k prompts, a 300 kB body) took
+# 1.08 s twice in a row on a shared 2-core host beside two busy loops and the real-cluster suite (one second failed
+# it). The work it refuses (800k sequences: 50k prompts, n=16) would take far longer than this bound.
+REJECT_WITHIN_S = 2.0
 # (name, path, body, expected status, expected param or None)
 CORPUS = [
     # The request from the issue: an id past the vocabulary, masked below min_tokens, killed the engine.
@@ -112,12 +116,12 @@ def test_adversarial_corpus_alongside_a_normal_stream(server, scrape):
                 assert error["message"] and "Traceback" not in error["message"], name
                 if param is not None:
                     assert error["param"] == param, (name, error)
-                if elapsed < 1.0:
+                if elapsed < REJECT_WITHIN_S:
                     break
             else:
                 slow.append((name, round(elapsed, 2)))
             assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200, name
-    assert not slow, f"4xx slower than a second: {slow}"
+    assert not slow, f"4xx slower than {REJECT_WITHIN_S:g} s: {slow}"
     thread.join(timeout=240)
     assert neighbour == {"status": 200, "last": "data: [DONE]", "finish": "length"}
     metrics = scrape(server.url)
