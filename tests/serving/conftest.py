@@ -153,3 +153,14 @@ def scrape() -> Callable[[str], dict]:
         return metric_values(response.text)
 
     return get
+
+
+def engine_stats(**fields: object) -> object:
+    """An engine's ``stats()`` (``kiln.engine.outputs.EngineStats``), zero but for ``fields``: what a fake engine
+    answers a server's /metrics with."""
+    from kiln.engine.outputs import EngineStats
+
+    zero = dict(num_running=0, num_waiting=0, kv_usage=0.0, num_free_blocks=0, num_total_blocks=0,
+                prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, num_steps=0, num_computed_tokens=0,
+                num_generated_tokens=0, sum_running=0, sum_kv_usage=0.0)
+    return EngineStats(**{**zero, **fields})

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from conftest import engine_stats
 from kiln.engine.prefix_hash import block_keys
 from kiln.serving.app import create_app
 from kiln.serving.config import ServeConfig
@@ -55,9 +56,8 @@ class FakeEngine:
         self.engine_config = SimpleNamespace(enable_prefix_caching=True, max_batch_size=4, max_seq_len=256)
         self.block_size, self.num_waiting = BLOCK[name], 0
 
-    def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(block_size=self.block_size, num_total_blocks=64, num_waiting=self.num_waiting,
-                               num_running=0, kv_usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0)
+    def stats(self) -> object:
+        return engine_stats(block_size=self.block_size, num_total_blocks=64, num_waiting=self.num_waiting)
 
     def lora_digest(self, name: str) -> str | None:
         return DIGEST if name == "tone" else None
@@ -280,9 +280,8 @@ def test_num_requests_waiting_has_one_row_per_label_set():
     from kiln.serving.pool.slot import LOADED
 
     def slot(name: str, waiting: int) -> SimpleNamespace:
-        stats = SimpleNamespace(num_waiting=waiting, num_running=1, kv_usage=0.25, num_total_blocks=64,
-                                prefix_cache_queries=10, prefix_cache_hits=4, num_steps=3, sum_running=3,
-                                block_size=16)
+        stats = engine_stats(num_waiting=waiting, num_running=1, kv_usage=0.25, num_total_blocks=64,
+                             prefix_cache_queries=10, prefix_cache_hits=4, num_steps=3, sum_running=3, block_size=16)
         engine = SimpleNamespace(stats=lambda: stats, engine=SimpleNamespace(lora_info=lambda: None))
         return SimpleNamespace(status=LOADED, state=SimpleNamespace(engine=engine),
                                metrics=SimpleNamespace(labels={"model_name": name}))

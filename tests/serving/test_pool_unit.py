@@ -11,6 +11,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from conftest import engine_stats
 from kiln.serving.config import ServeConfig
 from kiln.serving.errors import APIError
 from kiln.serving.metrics import ServingMetrics
@@ -93,9 +94,8 @@ class FakeEngine:
     class engine_config:  # noqa: N801 - what ServerState reads of an engine
         max_batch_size = 4
 
-    def stats(self) -> SimpleNamespace:  # what the pool's /metrics reads of a loaded engine (EnginesCollector)
-        return SimpleNamespace(num_waiting=0, num_running=0, kv_usage=0.0, num_total_blocks=8,
-                               prefix_cache_queries=0, prefix_cache_hits=0, block_size=16)
+    def stats(self) -> object:  # what the pool's /metrics reads of a loaded engine (EnginesCollector)
+        return engine_stats(num_total_blocks=8, block_size=16)
 
 
 class Recorder:
@@ -453,7 +453,6 @@ def test_an_engines_memory_is_read_only_from_a_verified_engine_json(tmp_path):
 
 
 def test_a_malformed_engine_json_refuses_that_engine_naming_the_field_and_following_goes_on(tmp_path, monkeypatch):
-    from types import SimpleNamespace
 
     from kiln.serving import app
     from kiln.serving.pool.follow import EngineFileFollower
