@@ -70,7 +70,8 @@ def _shelf_key(model_dir: str) -> tuple | None:
     since the tokenizer was shelved is a different key (None: the directory cannot be read)."""
     try:
         root = Path(model_dir).resolve()
-        files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(root) if e.is_file())
+        stats = [(e.name, e.stat()) for e in os.scandir(root) if e.is_file()]
+        files = sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats)
     except OSError:
         return None
     return (str(root), tuple(files))

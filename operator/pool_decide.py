@@ -216,10 +216,14 @@ def adapter_clashes(world: PoolWorld, judged: list[PoolMember]) -> dict[tuple[st
     adapter as it names an engine (``model``), so within a pool the name must say which. An adapter named as one of
     the pool's engines is left out (requests naming it reach that engine); of one name on two bases, the member
     listed first keeps it. (One base listed under two names shares its adapters: no clash.)"""
+    return _clashes(world, _listed_adapters_by_member(world, judged))
+
+
+def _clashes(world: PoolWorld, rows: list[tuple[str, str, dict[str, str]]]) -> dict[tuple[str, str], str]:
     engines = {m.name for m in world.members}
     owner: dict[str, tuple[str, str]] = {}  # adapter -> (member, base) that serves it in the pool
     out = {}
-    for member, base, entry in _listed_adapters_by_member(world, judged):
+    for member, base, entry in rows:
         name = entry["name"]
         if name in engines:
             out[(member, name)] = (f"its adapter {name!r} is not served by the pool: the pool has an engine of that "
@@ -233,9 +237,10 @@ def adapter_clashes(world: PoolWorld, judged: list[PoolMember]) -> dict[tuple[st
 def listed_adapters(world: PoolWorld, judged: list[PoolMember]) -> list[dict[str, str]]:
     """The adapter list the pool's pods follow: each Listed member's pinned adapters of the version the pool lists,
     less those :func:`adapter_clashes` leaves out."""
-    clashes = adapter_clashes(world, judged)
+    rows = _listed_adapters_by_member(world, judged)
+    clashes = _clashes(world, rows)
     out: dict[tuple[str, str], dict[str, str]] = {}
-    for member, base, entry in _listed_adapters_by_member(world, judged):
+    for member, base, entry in rows:
         if (member, entry["name"]) not in clashes:
             out[(base, entry["name"])] = entry
     return list(out.values())
