@@ -34,7 +34,7 @@ from kiln.builder.timing import measure as measure_engine
 from kiln.builder.timing import total_ms
 from kiln.engine import SamplingParams
 from kiln.engine.artifact import TACTICS_FILE
-from kiln.engine.models.llama import MLP_ROWS_CHOICES
+from kiln.engine.models.llama import mlp_rows_choices
 from kiln.engine.tactics import report
 from kiln.engine.tactics.bind import attention_shape
 from kiln.engine.tactics.resolve import budget, measure
@@ -75,11 +75,12 @@ def _prefill_ms(llm, tokens: int, vocab_size: int, seed: int) -> float:
 
 
 def _mlp_rows(llm, spec, vocab_size: int) -> dict[str, Any] | None:
-    """The MLP's prefill slice (models/llama.MLP_ROWS_CHOICES) timed on a prefill of maxNumTokens tokens,
-    two interleaved rounds; None where the MLP is not sliced (not kiln's kernels, short steps)."""
+    """The MLP's prefill slice (``models/llama.mlp_rows_choices``, the rule a load's timing shares) timed on a
+    prefill of maxNumTokens tokens, two interleaved rounds; None where the MLP is not sliced (not kiln's kernels,
+    short steps)."""
     tokens = min(spec.max_num_tokens, spec.max_input_len)
     mlps = [m for m in llm.engine.runner.model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
-    choices = [r for r in MLP_ROWS_CHOICES if r < tokens or r == MLP_ROWS_CHOICES[0]]
+    choices = mlp_rows_choices(tokens)
     if not mlps or len(choices) < 2:
         return None
     stack = getattr(llm.engine.runner.model.model, "native_stack", None)

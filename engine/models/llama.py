@@ -71,6 +71,20 @@ CPU_MLP_ROWS = 256
 MLP_ROWS_CHOICES = (256, 512, 1024)
 
 
+def mlp_rows_choices(tokens: int) -> tuple[int, ...]:
+    """The slices worth timing for a prefill step of ``tokens`` rows (the one rule a build and a load share):
+    each choice smaller than the step, and the smallest that holds the step whole (any larger one runs the same
+    unsliced MLP). Fewer than two: nothing to choose."""
+    return tuple(r for r in MLP_ROWS_CHOICES if r < tokens) + tuple(r for r in MLP_ROWS_CHOICES if r >= tokens)[:1]
+
+
+def mlp_rows_at_load(max_num_tokens: int) -> tuple[int, tuple[int, ...]]:
+    """(rows, choices) a load times one layer's MLP on where its table has no slice: the step's tokens, capped at
+    the largest choice (a longer step only repeats its slices, and costs the load more)."""
+    rows = min(max_num_tokens, max(MLP_ROWS_CHOICES))
+    return rows, mlp_rows_choices(rows)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()

@@ -25,7 +25,7 @@ from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead
 from kiln.engine.layers.linear import LinearBase
 from kiln.engine.layers.quant import quantize_weight
-from kiln.engine.models.llama import MLP_ROWS_CHOICES
+from kiln.engine.models.llama import mlp_rows_at_load
 from kiln.engine.tactics.resolve import packing, persist, resolve
 from kiln.engine.tactics.table import TacticTable
 from kiln.engine.tactics.timing import LinearSite, time_mlp_slices
@@ -195,8 +195,7 @@ def apply(model: nn.Module, config, native, stack: bool = True
     # on this kind of host: its build timed the slice where it had a choice, and where it recorded none the
     # default it ran stands (timing it at every load cost SmolLM2 GGUF 0.9 s of a 1.3 s cold load).
     if mlps and "mlp_rows" not in table.model and info.get("origin") != "artifact":
-        tokens = min(config.max_num_tokens, max(MLP_ROWS_CHOICES))
-        choices = tuple(r for r in MLP_ROWS_CHOICES if r <= tokens)
+        tokens, choices = mlp_rows_at_load(config.max_num_tokens)
         if len(choices) > 1:
             us = {k: round(v * 1e6, 1) for k, v in time_mlp_slices(
                 mlps[0], mlps[0].gate_up_proj.input_size, config.torch_dtype, tokens, choices).items()}

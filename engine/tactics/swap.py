@@ -81,11 +81,10 @@ def prepare_deferred(table: TacticTable, model, config, native) -> Deferred | No
     job.native = native
     mlps = [m for m in model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
     if mlps:
-        from kiln.engine.models.llama import MLP_ROWS_CHOICES
+        from kiln.engine.models.llama import mlp_rows_at_load
 
-        tokens = min(config.max_num_tokens, max(MLP_ROWS_CHOICES))
-        args = (mlps[0], mlps[0].gate_up_proj.input_size, config.torch_dtype, tokens,
-                tuple(r for r in MLP_ROWS_CHOICES if r <= tokens), native)
+        tokens, choices = mlp_rows_at_load(config.max_num_tokens)
+        args = (mlps[0], mlps[0].gate_up_proj.input_size, config.torch_dtype, tokens, choices, native)
         job.time_mlp = lambda table: time_mlp_copy(table, *args)
     return job
 

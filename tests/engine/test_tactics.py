@@ -338,3 +338,15 @@ def test_a_tensor_parallel_rank_times_its_mlp_slices_without_collectives(monkeyp
         assert set(us) == {"256", "512"} and mlp.mlp_rows == 256
         with pytest.raises(AssertionError, match="collective"):  # outside the timing the layer does all-reduce
             mlp(torch.randn(4, 64))
+
+
+@pytest.mark.parametrize("tokens,choices", [(100, (256,)), (256, (256,)), (300, (256, 512)), (512, (256, 512)),
+                                            (1024, (256, 512, 1024)), (4096, (256, 512, 1024))])
+def test_a_build_and_a_load_time_the_same_mlp_slices_for_a_step(tokens, choices):
+    """One rule for both: each slice smaller than the step and the smallest holding it whole (a larger one runs
+    the same unsliced MLP); a load caps its step at the largest slice."""
+    from kiln.engine.models.llama import MLP_ROWS_CHOICES, mlp_rows_at_load, mlp_rows_choices
+
+    assert mlp_rows_choices(tokens) == choices
+    rows, at_load = mlp_rows_at_load(tokens)
+    assert rows == min(tokens, max(MLP_ROWS_CHOICES)) and at_load == mlp_rows_choices(rows)
