@@ -15,6 +15,7 @@ from typing import Any
 
 from kiln.operator import retry, scale_out
 from kiln.operator.adapters import AdapterPlan, AdapterView, plan_adapters
+from kiln.operator.kube import iso
 from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, owner_reference
 from kiln.operator.pool_member import PoolView, pool_view
 from kiln.operator.scheduling import unschedulable
@@ -203,7 +204,7 @@ def history_entry(world: World) -> dict[str, Any]:
     """The ``status.history`` entry of the version being served: what it is, and when it was built."""
     assert world.manifest is not None
     return {"engineVersion": world.version, "artifactURI": world.artifact_uri,
-            "builtAt": world.manifest.created_at.isoformat().replace("+00:00", "Z"),
+            "builtAt": iso(world.manifest.created_at),
             "contentDigest": pin(world)["contentDigest"]}
 
 

@@ -170,6 +170,9 @@ def test_serving_adds_the_version_to_history_and_reports_the_rollout():
     assert rolling["history"] == [{"engineVersion": VERSION, "artifactURI": URI, "builtAt": "2026-01-01T12:00:00Z",
                                    "contentDigest": manifest().content_digest}, {"engineVersion": "v1"}]
     assert rolling["phase"] == "Deploying" and reasons(rolling) == ["ArtifactAvailable", "RollingOut"]
+    precise = world(old, manifest=manifest().model_copy(update={"created_at": BUILT_AT.replace(microsecond=123456)}))
+    assert status_of(precise, Outcome(deployment=workload(VERSION)))["history"][0]["builtAt"] == \
+        "2026-01-01T12:00:00Z"  # whole seconds, as the API server writes its own timestamps
     assert rolling["replicas"] == {"desired": 2, "current": 2, "ready": 0, "updated": 0, "owner": "operator"}
     done = status_of(w, Outcome(deployment=workload(VERSION)))
     assert done["phase"] == "Ready" and done["servingVersion"] == VERSION and done["endpoint"].endswith("/v1")
