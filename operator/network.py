@@ -15,7 +15,8 @@ creator cannot read the token Secret cannot compute it (one who can read the eng
 copy it: what stops that one is the token the ranks check, docs/operator-trust.md). Without the value (None) no
 pod is admitted to the rank ports. A NetworkPolicy cannot say "the same group index as the destination", so
 within one LeaderWorkerSet the groups are told apart by ``$KILN_GROUP_TOKEN``, not by the network. Egress is left
-open: pods fetch from the store.
+open: pods fetch from the store. A pool's pods run no ranks: theirs admits the serving port alone
+(``pools.build_pool_network_policy``).
 """
 
 from __future__ import annotations
@@ -38,14 +39,24 @@ def rank_ports() -> list[dict[str, Any]]:
 
 def build_network_policy(spec: LLMEngineSpec, name: str, namespace: str, owner: dict[str, Any] | None = None,
                          rank_group: str | None = None) -> dict[str, Any]:
-    ingress: list[dict[str, Any]] = [{"ports": [{"protocol": "TCP", "port": spec.serving.port}]}]
+    ingress = serving_port_only(spec.serving.port)
     if spec.replica_shape.multi_node and rank_group:
         group = {"podSelector": {"matchLabels": {**engine_pod_labels(name), LABEL_RANK_GROUP: rank_group}}}
         ingress.append({"from": [group], "ports": rank_ports()})
+    return network_policy(object_meta(name, namespace, serving_labels(name), owner), engine_pod_labels(name), ingress)
+
+
+def serving_port_only(port: int) -> list[dict[str, Any]]:
+    """Ingress to the serving port alone (from anywhere): what a pod that runs no ranks admits."""
+    return [{"ports": [{"protocol": "TCP", "port": port}]}]
+
+
+def network_policy(metadata: dict[str, Any], selector: dict[str, str], ingress: list[dict[str, Any]]
+                   ) -> dict[str, Any]:
+    """A NetworkPolicy over the pods ``selector`` matches, admitting ``ingress`` alone; egress left open."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": object_meta(name, namespace, serving_labels(name), owner),
-        "spec": {"podSelector": {"matchLabels": engine_pod_labels(name)}, "policyTypes": ["Ingress"],
-                 "ingress": ingress},
+        "metadata": metadata,
+        "spec": {"podSelector": {"matchLabels": selector}, "policyTypes": ["Ingress"], "ingress": ingress},
     }

@@ -43,6 +43,7 @@ from kiln.operator.pool_decide import (
 from kiln.operator.pools import (
     build_engines_configmap,
     build_pool_deployment,
+    build_pool_network_policy,
     build_pool_pdb,
     build_pool_scaler,
     build_pool_service,
@@ -208,7 +209,7 @@ async def member_memory(ctx: Context, manifest: Manifest, digest: str) -> tuple[
 
 async def act(ctx: Context, world: PoolWorld, entries: list[Any], adapters: list[dict[str, str]]) -> dict[str, Any]:
     """The verify key the pods check members with, the engine list and the members' adapter list, the Deployment,
-    the Service and the PodDisruptionBudget (from 2 pods up); returns the Deployment as the API server answered."""
+    the Service, the PodDisruptionBudget (from 2 pods up) and the NetworkPolicy; returns the Deployment as the API server answered."""
     assert world.spec is not None
     owner = pool_owner_reference(world.body)
     await keys.ensure_copy(ctx.kube, keys.verify_key_copy(world.namespace, await key_pair(ctx)))
@@ -221,6 +222,8 @@ async def act(ctx: Context, world: PoolWorld, entries: list[Any], adapters: list
     else:  # fewer than 2 pods: a budget would block every drain
         await ctx.kube.delete(api_path("policy/v1", "poddisruptionbudgets", world.namespace,
                                        pool_workload_name(world.name)))
+    if ctx.config.network_policy:
+        await apply(ctx.kube, build_pool_network_policy(world.spec, world.name, world.namespace, owner))
     return deployment
 
 

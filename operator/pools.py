@@ -29,6 +29,7 @@ from kiln.operator.adapters import ADAPTERS_FILE_KEY
 from kiln.operator.autoscaling import HPA_API, KEDA_API, POLLING_SECONDS, REPLICAS_OWNER, _behavior
 from kiln.operator.jobs import shm_volumes, sku_placement
 from kiln.operator.keys import verify_key_mount, verify_key_volume
+from kiln.operator.network import network_policy, serving_port_only
 from kiln.operator.naming import (
     object_meta,
     pool_engines_name,
@@ -202,6 +203,14 @@ def build_pool_pdb(spec: LLMEnginePoolSpec, pool: str, namespace: str,
     }
 
 
+def build_pool_network_policy(spec: LLMEnginePoolSpec, pool: str, namespace: str,
+                              owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The pool's pods admit their serving port alone (the OpenAI API, ``/metrics``, the probes), from anywhere:
+    a pool's engines run in one pod each, so there are no rank ports to open (``network.build_network_policy``)."""
+    return network_policy(object_meta(pool_workload_name(pool), namespace, pool_labels(pool), owner),
+                          pool_selector_labels(pool), serving_port_only(spec.port))
+
+
 def pool_queue_query(pool: str, namespace: str, members: list[str]) -> str:
     """PromQL of the pool's queue: ``kiln:num_requests_waiting`` under the pool's name (requests waiting for their
     engine to be placed or loaded) and under each listed engine's (docs/pools.md, Metrics)."""
@@ -257,7 +266,8 @@ def render_pool(pool_body_or_spec: Any, name: str, namespace: str, config: Opera
                 entries: list[EngineEntry] | None = None) -> list[dict[str, Any]]:
     """The objects the operator applies for a pool (``kiln render``): the engine-list ConfigMap (``entries``:
     none unless given; the operator lists the members it finds), the Deployment, the Service, from 2 pods up its
-    PodDisruptionBudget and, with ``spec.autoscaling``, its ScaledObject or HPA. Takes the
+    PodDisruptionBudget, its NetworkPolicy (chart value ``networkPolicy``) and, with ``spec.autoscaling``, its
+    ScaledObject or HPA. Takes the
     LLMEnginePool (a dict with ``spec``, or :class:`LLMEnginePool`), its spec (dict or
     :class:`LLMEnginePoolSpec`); :class:`InvalidSpec` naming the field as the operator. No ownerReferences (the
     pool's uid is the cluster's), no ``rendered-hash`` annotation."""
@@ -273,6 +283,8 @@ def render_pool(pool_body_or_spec: Any, name: str, namespace: str, config: Opera
                build_pool_deployment(spec, name, namespace, config), build_pool_service(spec, name, namespace)]
     if (pdb := build_pool_pdb(spec, name, namespace)) is not None:
         objects.append(pdb)
+    if config.network_policy:
+        objects.append(build_pool_network_policy(spec, name, namespace))
     if (scaler := build_pool_scaler(spec, name, namespace, config, [e.name for e in entries or []])) is not None:
         objects.append(scaler)
     return [json.loads(json.dumps(obj)) for obj in objects]

@@ -233,14 +233,20 @@ def test_render_pool_lists_no_engine_in_the_pod_template_and_refuses_a_bad_spec_
     config = OperatorConfig(store_uri="s3://b/kiln")
     body = {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool", "metadata": {"name": "shared"},
             "spec": {"memoryBudget": "6Gi", "replicas": 2, "nodeSelector": {"pool": "yes"}}}
-    configmap, deployment, service, pdb = render_pool(body, "shared", "ml", config)
+    configmap, deployment, service, pdb, netpol = render_pool(body, "shared", "ml", config)
     assert (configmap["metadata"]["name"], deployment["metadata"]["name"], service["metadata"]["name"]) == (
         "shared-pool-engines", "shared-pool", "shared-pool")
     # 2 pods: a node drain takes them one at a time; 1 pod (or an autoscaled floor of 1): no budget to hang a drain
     assert (pdb["kind"], pdb["metadata"]["name"], pdb["spec"]) == (
         "PodDisruptionBudget", "shared-pool", {"maxUnavailable": 1, "selector": deployment["spec"]["selector"]})
     assert [o["kind"] for o in render_pool({"replicas": 1}, "shared", "ml", config)] == [
-        "ConfigMap", "Deployment", "Service"]
+        "ConfigMap", "Deployment", "Service", "NetworkPolicy"]
+    # The pods run no ranks: the serving port alone is open, from anywhere; off with the chart's networkPolicy
+    assert (netpol["kind"], netpol["metadata"]["name"], netpol["spec"]) == ("NetworkPolicy", "shared-pool", {
+        "podSelector": deployment["spec"]["selector"], "policyTypes": ["Ingress"],
+        "ingress": [{"ports": [{"protocol": "TCP", "port": service["spec"]["ports"][0]["port"]}]}]})
+    quiet = OperatorConfig(store_uri="s3://b/kiln", network_policy=False)
+    assert "NetworkPolicy" not in [o["kind"] for o in render_pool(body, "shared", "ml", quiet)]
     scaled = {"autoscaling": {"minReplicas": 2, "maxReplicas": 4}, "replicas": 1}
     assert "PodDisruptionBudget" in [o["kind"] for o in render_pool(scaled, "shared", "ml", config)]
     assert json.loads(configmap["data"]["engines.json"]) == {"format": 1, "engines": []}

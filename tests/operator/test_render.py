@@ -289,7 +289,7 @@ def test_cluster_examples_pass_the_operator_and_render_valid_objects(path: Path)
         pool = load_pool(path)
         objects = render_pool(pool, pool.metadata.name, "default", CONFIG)
         pdb = ["PodDisruptionBudget"] if pool.spec.replicas >= 2 else []
-        assert [o["kind"] for o in objects] == ["ConfigMap", "Deployment", "Service", *pdb]
+        assert [o["kind"] for o in objects] == ["ConfigMap", "Deployment", "Service", *pdb, "NetworkPolicy"]
         for obj in objects:
             validate(obj)
         return
@@ -328,7 +328,8 @@ def test_kiln_render_prints_a_pool_s_objects_from_the_operator_s_renderer(monkey
     assert docs == render_pool(pool, "cpu-pool", "ml", OperatorConfig.from_env())
     assert [(d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs] == [
         ("ConfigMap", "cpu-pool-pool-engines", "ml"), ("Deployment", "cpu-pool-pool", "ml"),
-        ("Service", "cpu-pool-pool", "ml"), ("PodDisruptionBudget", "cpu-pool-pool", "ml")]
+        ("Service", "cpu-pool-pool", "ml"), ("PodDisruptionBudget", "cpu-pool-pool", "ml"),
+        ("NetworkPolicy", "cpu-pool-pool", "ml")]
     assert result.stdout.startswith("# the engine list is empty here")
     for doc in docs:
         validate(doc)

@@ -265,7 +265,7 @@ POOL_BODY = {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool",
 
 def test_a_pool_scales_its_deployment_on_the_pools_queue_with_keda_or_an_hpa():
     members = [EngineEntry("chat", "s3://b/p/engines/v1"), EngineEntry("sql", "s3://b/p/engines/v2")]
-    _, deployment, _, pdb, so = render_pool(POOL_BODY, "shared", "ml", KEDA, members)
+    _, deployment, _, pdb, _, so = render_pool(POOL_BODY, "shared", "ml", KEDA, members)
     validate(so)
     validate(pdb)
     validate(deployment)
@@ -285,7 +285,7 @@ def test_a_pool_scales_its_deployment_on_the_pools_queue_with_keda_or_an_hpa():
         "metric": {"name": HPA.hpa_metric_prefix + "num_requests_waiting"},
         "target": {"type": "AverageValue", "averageValue": "3"}}}]
     plain = render_pool({**POOL_BODY, "spec": {"replicas": 5}}, "shared", "ml", KEDA)
-    assert len(plain) == 4 and plain[1]["spec"]["replicas"] == 5 and REPLICAS_OWNER not in (  # and its PDB
+    assert len(plain) == 5 and plain[1]["spec"]["replicas"] == 5 and REPLICAS_OWNER not in (  # its PDB and NetworkPolicy
         plain[1]["metadata"].get("annotations") or {})
     with pytest.raises(InvalidSpec, match=r"^spec.autoscaling.minReplicas: 0 .*set minReplicas to 1 or more"):
         render_pool({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}, "shared", "ml", KEDA)

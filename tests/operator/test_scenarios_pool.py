@@ -16,6 +16,7 @@ from harness import (
     CONFIGMAPS,
     ENGINES,
     JOBS,
+    NS,
     PDBS,
     POOLS,
     SERVICES,
@@ -141,7 +142,8 @@ def test_a_pool_serves_its_members_and_they_join_and_leave_without_rolling_its_p
         assert c.deployment("shared-pool")["spec"]["template"] == before["spec"]["template"]
 
 
-def test_a_pool_of_two_pods_or_more_has_a_disruption_budget_and_one_of_fewer_none(cluster: Cluster):
+def test_a_pool_of_two_pods_or_more_has_a_disruption_budget_and_one_of_fewer_none_and_a_network_policy(
+        cluster: Cluster):
     c = cluster
     with running_operator():
         c.kube.create(POOLS, pool_manifest("shared", memoryBudget="2Gi", replicas=2))
@@ -149,6 +151,11 @@ def test_a_pool_of_two_pods_or_more_has_a_disruption_budget_and_one_of_fewer_non
         deployment = c.deployment("shared-pool")
         assert pdb["spec"] == {"maxUnavailable": 1, "selector": deployment["spec"]["selector"]}
         assert pdb["metadata"]["ownerReferences"][0]["kind"] == "LLMEnginePool"
+        policy = c.kube.get(f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/shared-pool")
+        assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]  # the serving port alone admitted
+        assert [p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]] == [
+            deployment["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]]
+        assert policy["metadata"]["ownerReferences"][0]["kind"] == "LLMEnginePool"
         c.kube.patch(f"{POOLS}/shared", {"spec": {"replicas": 1}})  # one pod: a budget would hang every drain
         until(lambda: c.kube.get(f"{PDBS}/shared-pool") is None, "the PodDisruptionBudget deleted at 1 pod")
 
