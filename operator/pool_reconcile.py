@@ -209,7 +209,8 @@ async def member_memory(ctx: Context, manifest: Manifest, digest: str) -> tuple[
 
 async def act(ctx: Context, world: PoolWorld, entries: list[Any], adapters: list[dict[str, str]]) -> dict[str, Any]:
     """The verify key the pods check members with, the engine list and the members' adapter list, the Deployment,
-    the Service, the PodDisruptionBudget (from 2 pods up) and the NetworkPolicy; returns the Deployment as the API server answered."""
+    the Service, the PodDisruptionBudget (from 2 pods up) and the NetworkPolicy; returns the Deployment as the API
+    server answered."""
     assert world.spec is not None
     owner = pool_owner_reference(world.body)
     await keys.ensure_copy(ctx.kube, keys.verify_key_copy(world.namespace, await key_pair(ctx)))

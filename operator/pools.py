@@ -29,7 +29,6 @@ from kiln.operator.adapters import ADAPTERS_FILE_KEY
 from kiln.operator.autoscaling import HPA_API, KEDA_API, POLLING_SECONDS, REPLICAS_OWNER, _behavior
 from kiln.operator.jobs import shm_volumes, sku_placement
 from kiln.operator.keys import verify_key_mount, verify_key_volume
-from kiln.operator.network import network_policy, serving_port_only
 from kiln.operator.naming import (
     object_meta,
     pool_engines_name,
@@ -38,6 +37,7 @@ from kiln.operator.naming import (
     pool_selector_labels,
     pool_workload_name,
 )
+from kiln.operator.network import network_policy, serving_port_only
 from kiln.operator.scheduling import GPU_RESOURCE
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import image_problem

@@ -285,7 +285,7 @@ def test_a_pool_scales_its_deployment_on_the_pools_queue_with_keda_or_an_hpa():
         "metric": {"name": HPA.hpa_metric_prefix + "num_requests_waiting"},
         "target": {"type": "AverageValue", "averageValue": "3"}}}]
     plain = render_pool({**POOL_BODY, "spec": {"replicas": 5}}, "shared", "ml", KEDA)
-    assert len(plain) == 5 and plain[1]["spec"]["replicas"] == 5 and REPLICAS_OWNER not in (  # its PDB and NetworkPolicy
+    assert len(plain) == 5 and plain[1]["spec"]["replicas"] == 5 and REPLICAS_OWNER not in (  # + PDB, policy
         plain[1]["metadata"].get("annotations") or {})
     with pytest.raises(InvalidSpec, match=r"^spec.autoscaling.minReplicas: 0 .*set minReplicas to 1 or more"):
         render_pool({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}, "shared", "ml", KEDA)
