@@ -107,7 +107,8 @@ class AdapterStatus(_Model):
     version: str | None = Field(default=None, description="The adapter's artifact version.")
     artifact_uri: str | None = Field(default=None, alias="artifactURI", description="Where that artifact lives.")
     job_name: str | None = Field(default=None, description="The adapter's build Job.")
-    message: str | None = Field(default=None, max_length=4096, description="Why it failed.")
+    message: str | None = Field(default=None, max_length=4096, description="Why it failed; or, Ready in a pool "
+                                "that does not serve it (its name clashes there), why (spec.serving.pool).")
 
 
 PoolMemberState = Literal["Building", "Listed", "Refused"]  # an engine in its pool's status.engines

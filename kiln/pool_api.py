@@ -123,6 +123,13 @@ SERVE_FLAGS: dict[str, str] = {
 MemberState = PoolMemberState  # one list: an engine's status.pool.state says the same
 
 
+class LeftOutAdapter(_Model):
+    """An adapter of a member the pool's pods are not given (its name says another engine or adapter)."""
+
+    name: str = Field(description="The adapter (spec.lora.adapters[].name of the member).")
+    message: str = Field(max_length=4096, description="Why the pool leaves it out, and the fix.")
+
+
 class PoolMember(_Model):
     """One engine of ``status.engines``: an LLMEngine whose ``spec.serving.pool`` names this pool."""
 
@@ -135,6 +142,10 @@ class PoolMember(_Model):
     listed_since: str | None = Field(
         default=None, description="Listed: when this version was first listed (RFC 3339); the pods follow the "
         "engine list within the kubelet's ConfigMap sync, so the engine counts as served by the pool a while after.")
+    adapters_left_out: list[LeftOutAdapter] | None = Field(
+        default=None, description="Its LoRA adapters the pool's pods are not given: a request names an "
+        "adapter as it names an engine, so within a pool a name must say which (the member's status.adapters says "
+        "so too).")
 
 
 class LLMEnginePoolStatus(_Model):

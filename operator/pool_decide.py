@@ -41,7 +41,7 @@ from kiln import adapter_list
 from kiln.api import LLMEngineSpec
 from kiln.engine_list import EngineEntry
 from kiln.memory_budget import MARGIN_FRACTION, SERVER_MARGIN_BYTES, budget_of, human
-from kiln.pool_api import LLMEnginePoolSpec, PoolMember
+from kiln.pool_api import LeftOutAdapter, LLMEnginePoolSpec, PoolMember
 
 BUILDING, LISTED, REFUSED = "Building", "Listed", "Refused"
 PENDING, READY, FAILED = "Pending", "Ready", "Failed"
@@ -247,12 +247,14 @@ def listed_adapters(world: PoolWorld, judged: list[PoolMember]) -> list[dict[str
 
 
 def with_adapter_clashes(world: PoolWorld, judged: list[PoolMember]) -> list[PoolMember]:
-    """``judged`` with each member's left-out adapters said in its ``message``."""
+    """``judged`` with each member's left-out adapters in ``adaptersLeftOut`` and said in its ``message``."""
     clashes = adapter_clashes(world, judged)
     out = []
     for j in judged:
-        said = [why for (member, _), why in sorted(clashes.items()) if member == j.name]
-        out.append(j.model_copy(update={"message": "; ".join(filter(None, [j.message, *said]))}) if said else j)
+        left = [LeftOutAdapter(name=name, message=why) for (member, name), why in sorted(clashes.items())
+                if member == j.name]
+        out.append(j.model_copy(update={"message": "; ".join(filter(None, [j.message, *(a.message for a in left)])),
+                                        "adapters_left_out": left}) if left else j)
     return out
 
 

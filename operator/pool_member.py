@@ -45,6 +45,7 @@ class PoolView:
     endpoint: str | None = None  # the pool's status.endpoint (its Service)
     listed_since: datetime | None = None  # the entry's listedSince: when its version was first listed
     now: datetime | None = None  # when the engine's reconcile read it (None: the list counts as synced)
+    left_out: tuple[tuple[str, str], ...] = ()  # the entry's adaptersLeftOut: (adapter, why) the pods are not given
 
     @property
     def synced(self) -> bool:
@@ -65,6 +66,13 @@ class PoolView:
         """``status.pool`` (kiln.engine_status.PoolMembership)."""
         return {"name": self.name, "state": self.state, "message": self.message}
 
+    def adapter_statuses(self, adapters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``status.adapters`` with what the pool says of each: an adapter it leaves out keeps its phase (it is
+        built) and gets the pool's reason as its message."""
+        why = dict(self.left_out)
+        return [{**a, "message": f"built, but the pool {self.name!r} does not serve it: {why[a['name']]}"[:4096]}
+                if a.get("name") in why and a.get("phase") == "Ready" else a for a in adapters]
+
 
 def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, Any] | None,
               now: datetime | None = None) -> PoolView | None:
@@ -83,7 +91,9 @@ def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, An
                     message=entry.get("message"), refusal=refusal(entry) if state == "Refused" else None,
                     ready=status.get("phase") == "Ready", failed=status.get("phase") == "Failed",
                     pool_message=ready.get("message") or "", endpoint=status.get("endpoint"),
-                    listed_since=_time(entry.get("listedSince")), now=now)
+                    listed_since=_time(entry.get("listedSince")), now=now,
+                    left_out=tuple((str(a.get("name")), str(a.get("message") or "")) for a in
+                                   entry.get("adaptersLeftOut") or [] if isinstance(a, dict)))
 
 
 def _time(value: Any) -> datetime | None:

@@ -252,7 +252,7 @@ def compose_status(obs: Observation, now: str | None = None) -> dict[str, Any]:
         status["history"] = obs.history
     status.update(artifact=obs.artifact, build=obs.build)
     if obs.adapters_known:
-        status["adapters"] = obs.adapters
+        status["adapters"] = obs.pool.adapter_statuses(obs.adapters) if obs.pool and obs.adapters else obs.adapters
     status["endpoint"] = obs.endpoint if obs.serving else None  # None: a merge patch removes it
     status["pool"] = obs.pool.status() if obs.pool is not None else None
     if obs.missing_api is not None:  # nothing is built or rolled out until the API is there

@@ -327,6 +327,27 @@ def pooled(status: dict | None = None, pool_body: dict | None = None, **fields) 
     return world(status, spec=POOLED, **{"manifest": manifest(), "pool": pool_body, **fields})
 
 
+def test_an_adapter_its_pool_leaves_out_keeps_ready_and_says_why_on_the_engine_s_own_status():
+    spec = validate_spec({**LORA.to_k8s(), "serving": {"pool": "shared"}}, CONFIG)
+    why = ("its adapter 'sql' is not served by the pool: 'code', listed before it, has an adapter of that name; "
+           "rename one of them")
+    views = (adapter_view("sql", built=True, content_digest="d" * 64),
+             adapter_view("chat", built=True, content_digest="e" * 64))
+    w = world(spec=spec, manifest=manifest(), adapters=views,
+              pool=pool("Listed", adaptersLeftOut=[{"name": "sql", "message": why}]))
+    w.body["metadata"]["uid"] = "u-1"
+    plan = decide(w)
+    adapters = {a["name"]: a for a in compose_status(observation(w, plan, Outcome(), CONFIG), NOW)["adapters"]}
+    assert (adapters["sql"]["phase"], adapters["sql"]["message"]) == (
+        "Ready", f"built, but the pool 'shared' does not serve it: {why}")
+    assert adapters["chat"]["phase"] == "Ready" and "message" not in adapters["chat"]
+    # the pool serves it again (renamed elsewhere): the message goes with the next status
+    w = world(spec=spec, manifest=manifest(), adapters=views, pool=pool("Listed", adaptersLeftOut=[]))
+    w.body["metadata"]["uid"] = "u-1"
+    again = compose_status(observation(w, decide(w), Outcome(), CONFIG), NOW)["adapters"]
+    assert all("message" not in a for a in again)
+
+
 def test_an_engine_of_a_pool_is_built_as_any_other_and_rolls_out_nothing_of_its_own():
     assert engine_version(POOLED) == VERSION  # spec.serving is not in the build envelope
     assert decide(pooled(manifest=None)).step == BUILD

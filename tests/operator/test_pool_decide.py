@@ -210,6 +210,10 @@ def test_an_adapter_name_says_which_engine_within_a_pool_so_a_clash_is_left_out_
     assert "'sql' is not served by the pool: 'code', listed before it" in entries["chat"]["message"]
     assert "'chat' is not served by the pool: the pool has an engine of that name" in entries["code"]["message"]
     assert "sql" not in entries["code"]["message"] and "tone" not in entries["chat"]["message"]
+    # ... and listed by name, which the member's status.adapters reads (kiln.operator.pool_member)
+    assert [a["name"] for a in entries["chat"]["adaptersLeftOut"]] == ["sql"]
+    assert [a["name"] for a in entries["code"]["adaptersLeftOut"]] == ["chat"]
+    assert entries["code"]["adaptersLeftOut"][0]["message"] in entries["code"]["message"]
     # listed in the other order, chat keeps sql
     judged = [j.model_copy(update={"listed_since": None}) for j in judged]
     assert ("chat-v", "sql") in {(e["baseEngineVersion"], e["name"]) for e in listed_adapters(w, judged)}

@@ -94,6 +94,12 @@ def build_adapter(c: Cluster, base: str, spec: dict[str, Any]) -> tuple[str, str
     return version, c.store.read_signed_manifest(version)[0].content_digest
 
 
+def adapter_message(c: Cluster, engine: str, adapter: str) -> str | None:
+    """The message of ``adapter`` in the engine's status.adapters (None: none, or no such adapter yet)."""
+    status = (c.kube.get(f"{ENGINES}/{engine}") or {}).get("status") or {}
+    return next((a.get("message") for a in status.get("adapters") or [] if a["name"] == adapter), None)
+
+
 def entry(c: Cluster, pool: str, engine: str) -> dict[str, Any]:
     return next((e for e in pool_status(c, pool).get("engines") or [] if e["name"] == engine), {})
 
@@ -223,6 +229,33 @@ def test_a_members_adapters_are_listed_beside_the_engine_list_and_leave_with_it_
         c.kube.patch(f"{ENGINES}/chat", {"spec": {"serving": {"pool": None}}})  # the member leaves: its adapters too
         until(lambda: pool_adapters(c, "shared") == {} and listed(c, "shared") == {}, "chat and sql dropped")
         assert c.deployment("shared-pool")["spec"]["template"] == before["spec"]["template"]
+
+
+def test_an_adapter_named_as_an_engine_of_the_pool_is_left_out_and_said_on_the_members_own_status(cluster: Cluster):
+    """An engine named sql joins: requests naming sql reach it, so chat's adapter sql is left out of the pool's
+    adapter list, and said so on the pool's entry for chat and on chat's own status.adapters; back when sql leaves."""
+    c = cluster
+    lora = {"maxLoras": 2, "adapters": [{"name": "sql", "source": "s3://adapters/sql", "revision": "v1"}]}
+    with running_operator():
+        c.kube.create(POOLS, pool_manifest("shared", memoryBudget="2Gi"))
+        c.kube.create(ENGINES, member("chat", lora=lora))
+        spec = {**copy.deepcopy(SPEC), "lora": lora}
+        base = c.build(c.wait_job(), spec, memory=GiB)
+        build_adapter(c, base, spec)
+        until(lambda: "sql" in pool_adapters(c, "shared"), "sql in the pool's adapter list")
+        c.kube.create(ENGINES, member("sql"))
+        sql = until(lambda: entry(c, "shared", "sql").get("engineVersion"), "the engine sql in the pool's status")
+        if sql != base:  # a build of its own (else chat's base is its build too)
+            job = until(lambda: next((j for j in c.jobs() if j["metadata"]["annotations"].get(VERSION_LABEL) == sql),
+                                     None), "the engine sql's build Job")
+            c.build(job, SPEC, memory=GiB)
+        until(lambda: "sql" in listed(c, "shared") and "sql" not in pool_adapters(c, "shared"), "chat's sql left out")
+        assert [a["name"] for a in entry(c, "shared", "chat")["adaptersLeftOut"]] == ["sql"]
+        said = until(lambda: adapter_message(c, "chat", "sql"), "chat's status.adapters saying so")
+        assert said.startswith("built, but the pool 'shared' does not serve it: ") and "rename the adapter" in said
+        c.kube.delete(f"{ENGINES}/sql")
+        until(lambda: "sql" in pool_adapters(c, "shared"), "chat's sql listed again once the engine sql left")
+        until(lambda: adapter_message(c, "chat", "sql") is None, "the message gone from chat's status.adapters")
 
 
 def test_a_rebuilt_member_keeps_its_listed_build_in_the_engine_list_until_the_new_one_is_pinned(cluster: Cluster):
