@@ -51,6 +51,12 @@ def ask(address: tuple[str, int], question: str = "What is the capital of France
         return json.loads(resp.read())["choices"][0]["message"]["content"]
 
 
+def served_engine(address: tuple[str, int]) -> dict:
+    """The pod's ``/version``: what it serves (engine_version, artifact_uri) and how (cpu_target, tactics)."""
+    with urllib.request.urlopen(f"http://{address[0]}:{address[1]}/version", timeout=60) as resp:
+        return json.loads(resp.read())
+
+
 def build_jobs(kube: Kube) -> list[dict]:
     return build_jobs_of(kube, NAME)
 
@@ -90,8 +96,16 @@ def test_scaling_to_two_replicas_runs_no_new_job(installed: Kube, smollm2_s3):
     installed.wait_for("two ready endpoints", lambda: len(endpoint_addresses(installed, NAME, ENGINE_NS)) == 2,
                        timeout=300, every=2)
     assert len(build_jobs(installed)) == before
-    answers = {ask(a) for a in endpoint_addresses(installed, NAME, ENGINE_NS)}
-    assert len(answers) == 1  # greedy: both replicas serve the same engine
+    addresses = endpoint_addresses(installed, NAME, ENGINE_NS)
+    served = [served_engine(a) for a in addresses]
+    assert len({(v["engine_version"], v["artifact_uri"]) for v in served}) == 1, served  # the same engine
+    # Greedy answers agree, but are not held bit-equal: where a pod's host signature (its threads among it) is
+    # not the build's, each pod re-times the artifact's tactic table itself, in the background and under this
+    # suite's load, and two pods can pick different kernels, which sum in another order and part at a near tie
+    # (seen once: the same first 6 words, then "la France," against "la Ville,").
+    answers = [ask(a) for a in addresses]
+    how = [((v.get("tactics") or {}).get("source"), v.get("cpu_target")) for v in served]
+    assert all(answers) and len({a.split()[0] for a in answers}) == 1, (answers, how)
 
 
 def restart_operator_pod(kube: Kube) -> None:
