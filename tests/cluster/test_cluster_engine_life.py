@@ -99,10 +99,11 @@ def test_scaling_to_two_replicas_runs_no_new_job(installed: Kube, smollm2_s3):
     addresses = endpoint_addresses(installed, NAME, ENGINE_NS)
     served = [served_engine(a) for a in addresses]
     assert len({(v["engine_version"], v["artifact_uri"]) for v in served}) == 1, served  # the same engine
-    # Greedy answers agree, but are not held bit-equal: where a pod's host signature (its threads among it) is
-    # not the build's, each pod re-times the artifact's tactic table itself, in the background and under this
-    # suite's load, and two pods can pick different kernels, which sum in another order and part at a near tie
-    # (seen once: the same first 6 words, then "la France," against "la Ville,").
+    # Greedy answers agree, but are not held bit-equal: the first pod has answered this question before, so its
+    # prefix cache holds the prompt and only the last prompt token is computed anew, in a one-row step, where the
+    # fresh pod computes it inside the whole prompt's prefill. kiln's kernels are not batch-invariant (a row's sum
+    # can differ with the step's row count), so the two can part at a near tie (seen once: the same first 6 words,
+    # then "la France," against "la Ville,"; one process asked twice parts the same way).
     answers = [ask(a) for a in addresses]
     how = [((v.get("tactics") or {}).get("source"), v.get("cpu_target")) for v in served]
     assert all(answers) and len({a.split()[0] for a in answers}) == 1, (answers, how)
