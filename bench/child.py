@@ -43,7 +43,7 @@ def run_job(job: dict) -> dict:
             _warm_static(baselines, model, workload)
             run = baselines.run_hf_static(model, workload, batch, pad_id=job["pad_id"])
             run.system = system
-    elif system in ("kiln", "kiln-reference") or system.startswith("kiln-pp"):
+    elif system in ("kiln", "kiln-reference", "kiln-batch-invariant") or system.startswith("kiln-pp"):
         from kiln_bench import run_kiln
 
         llm = run_kiln.load(model_dir, job)

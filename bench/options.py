@@ -51,7 +51,8 @@ class BenchOptions:
         help="Run every system N times round-robin; the table shows medians.")
     systems: str = option("--systems", default=",".join(SYSTEMS), show_default=True,
         help="Comma-separated systems to run; also kiln-pp2 / kiln-pp2-nomb: two pipeline stages "
-        "in two processes with / without micro-batches in flight (--threads each).")
+        "in two processes with / without micro-batches in flight (--threads each); kiln-batch-invariant: kiln "
+        "with batch_invariant (one kernel per linear at every row count).")
     baselines: str = option("--baselines", default="",
         help="Comma-separated peer engines to add as systems, each in its own "
         "environment under .kiln-work/baselines (created on first use): openvino (OpenVINO GenAI "

@@ -26,7 +26,7 @@ def engine_kwargs(job: dict) -> dict:
         "num_kv_blocks": job.get("num_kv_blocks"),
         "enable_prefix_caching": job.get("enable_prefix_caching", True),
         "device": job.get("device", "cpu"),
-        **job.get("engine_extra", {}),  # pipeline_parallel_size / num_micro_batches of the kiln-pp2* systems
+        **job.get("engine_extra", {}),  # the kiln-pp2* systems' parallel sizes, kiln-batch-invariant's setting
     }
 
 

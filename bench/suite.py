@@ -28,10 +28,12 @@ from kiln_bench.workload import Request, Workload
 
 SYSTEMS = ("kiln", "hf-static-b8", "hf-static-b32", "hf-generate-batch")
 # kiln with two pipeline stages (two rank processes over gloo/NCCL, --threads each), with two
-# micro-batches in flight per step and without: opt-in (--systems), not in the default run.
+# micro-batches in flight per step and without; and kiln with batch_invariant (one kernel per linear at every
+# row count: what determinism costs): opt-in (--systems), not in the default run.
 PIPELINE_SYSTEMS: dict[str, dict] = {
     "kiln-pp2": {"pipeline_parallel_size": 2, "num_micro_batches": 2},
     "kiln-pp2-nomb": {"pipeline_parallel_size": 2, "num_micro_batches": 1},
+    "kiln-batch-invariant": {"batch_invariant": True},
 }
 ALL_SYSTEMS = SYSTEMS + tuple(PIPELINE_SYSTEMS)
 # --max-isa: the environment that keeps each system's libraries at or below an ISA, so that one host runs

@@ -175,6 +175,12 @@ class EngineConfig:
              "build's quality gate measured W8A8 so); 'off' keeps it in the engine's dtype (a build sets it "
              "when W8A8 passes the gate only with the head kept).")
     tactics_info: dict[str, Any] | None = setting(None, repr=False, help="Set at load: where the table came from.")
+    batch_invariant: bool = setting(
+        False, flag=True, reported=True,
+        help="A CPU engine runs each linear on one kernel at every row count (of those its tactic table chose, "
+             "the fastest over all row counts) and prefill attention off AMX tiles, so a request's greedy output "
+             "does not depend on its batch, its prefill chunks or a prefix-cache hit; slower where the table "
+             "chose by rows (docs/tactics.md).")
     tactics_background: bool = setting(False, flag=True, reported=True, help="Time this host's tactic table "
                                        "after load, serving on the default (kiln serve: on; $KILN_TACTICS_AT_LOAD).")
     thread_governor: bool = setting(False, flag=True, reported=True, help="A single-rank CPU engine re-chooses its "
@@ -255,6 +261,9 @@ class EngineConfig:
                                            f"({self.distributed_timeout_s})"))
         yield (self.tactics in ("auto", *LINEAR) or Path(self.tactics).is_file(),
                got("tactics", f"must be 'auto', a candidate ({', '.join(LINEAR)}) or a tactics.json file"))
+        yield (not self.batch_invariant or self.device == "cpu",
+               got("batch_invariant", "is for CPU engines (kiln's tactic table); a CUDA engine has no such mode "
+                                      "yet: set batch_invariant false"))
         yield (_known_candidates(self.tactics_exclude),
                got("tactics_exclude", f"must list candidates ({', '.join(LINEAR)}) or 'w8a8'"))
         yield (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,

@@ -27,7 +27,7 @@ from kiln.engine.layers.linear import LinearBase
 from kiln.engine.layers.quant import quantize_weight
 from kiln.engine.models.llama import mlp_rows_at_load
 from kiln.engine.tactics.resolve import packing, persist, resolve
-from kiln.engine.tactics.table import TacticTable
+from kiln.engine.tactics.table import TacticsError, TacticTable
 from kiln.engine.tactics.timing import LinearSite, time_mlp_slices
 from torch import nn
 
@@ -95,18 +95,25 @@ def stack_layout(table: TacticTable, modules: list[tuple[nn.Module, LinearSite]]
     return True, f"kiln's layout within {STACK_MARGIN:g}x of the best for every layer shape"
 
 
+def amx_queries(table: TacticTable, stack: bool, batch_invariant: bool) -> int:
+    """From how many queries a prefill group's attention runs on AMX tiles (0: never): the table's timing, off
+    the decoder stack never, and never with ``batch_invariant`` (a tile sums in another order than a decode's)."""
+    if not stack or batch_invariant:
+        return 0
+    return int((table.model.get("attention_tiles") or {}).get("min_queries", 0))
+
+
 def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: TacticTable, native,
-         batch_hint: int, stack: bool = True, exclude=()) -> dict[str, int]:
+         batch_hint: int, stack: bool = True, exclude=(), one_kernel: bool = False) -> dict[str, int]:
     """Pack every module of ``model`` by its table entry; returns how many linears went to each layout.
     ``stack``: the decoder stack can run here (kiln's attention kernels serve the model); ``exclude``: the
-    engine's ``tactics_exclude``."""
+    engine's ``tactics_exclude``; ``one_kernel``: one kernel per linear at every row count (``batch_invariant``)."""
     fuse, why = stack_layout(table, modules, native if stack else None, exclude)
     log.info("tactics: decoder layers %s (%s)", "in kiln's layout for the stack" if fuse else "per shape", why)
     counts: dict[str, int] = {}
     for m, site in modules:
         stacked = fuse and site.stacked  # kiln's layout; oneDNN (from Python) only where it beats the stack's saving
-        layout, kernels = packing(table.linear[site.key], site, native, "kiln" if stacked else None,
-                                  STACK_MARGIN if stacked else None, exclude)
+        layout, kernels = _packing(table.linear[site.key], site, native, stacked, exclude, one_kernel)
         counts[layout] = counts.get(layout, 0) + 1
         if layout == "plain":
             continue
@@ -118,7 +125,7 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
             if "onednn" not in (kernels or []):
                 raise
             log.warning("tactics: %s (%s); its buckets run kiln's C kernels instead", exc, site.key)
-            _, kernels = packing(table.linear[site.key], site, native, "kiln", float("inf"), exclude)
+            _, kernels = packing(table.linear[site.key], site, native, "kiln", float("inf"), exclude, one_kernel)
             packed = candidates.pack(layout, weight, native, batch_hint, kernels, scale, site.dtype)
         m.packed_weight = packed
         tied = isinstance(m, ParallelLMHead) and any(
@@ -128,6 +135,21 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
         if isinstance(m, ParallelLMHead):  # its int8 copy lives in the packing now (a head left plain keeps
             m.weight_int8 = m.weight_scale = None  # the copy for a later swap, its float weight running meanwhile)
     return counts
+
+
+def _packing(choice, site: LinearSite, native, stacked: bool, exclude, one_kernel: bool
+             ) -> tuple[str, list[str] | None]:
+    """``resolve.packing`` for a module; with ``one_kernel`` in kiln's layout where the table timed a kiln candidate
+    for it: kiln's C kernels sum each output row alike at every row count, while ATen's and oneDNN's pick their
+    own kernel by shape (ATen's float32 576x576 row at 1 row differed from the same row among 37 by 3e-6)."""
+    if one_kernel and not stacked and choice.layout != "kiln":
+        try:
+            return packing(choice, site, native, "kiln", None, exclude, True)
+        except TacticsError:
+            log.warning("tactics: batch_invariant: %s has no kiln candidate timed; it runs %s, whose kernel may "
+                        "differ by rows", site.key, choice.layout)
+    return packing(choice, site, native, "kiln" if stacked else None, STACK_MARGIN if stacked else None, exclude,
+                   one_kernel)
 
 
 def quantize_head(model: nn.Module, dtype: torch.dtype, native, exclude=()) -> str:
@@ -188,8 +210,8 @@ def apply(model: nn.Module, config, native, stack: bool = True
     sites = linear_sites(modules)
     table, info = resolve(config.tactics, sites, native, config.tactics_cache,
                           attention_shape(model, config) if stack else None, exclude, config.tactics_background)
-    if native is not None:  # prefill groups on AMX tiles where the table timed that faster
-        native.attention_amx_queries = (table.model.get("attention_tiles") or {}).get("min_queries", 0) if stack else 0
+    if native is not None:  # prefill groups on AMX tiles where the table timed that faster (a decode never)
+        native.attention_amx_queries = amx_queries(table, stack, config.batch_invariant)
     mlps = [m for m in model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
     # Not the build's (end to end): timed on one layer's MLP here, unless this is the artifact's table as built
     # on this kind of host: its build timed the slice where it had a choice, and where it recorded none the
@@ -206,7 +228,7 @@ def apply(model: nn.Module, config, native, stack: bool = True
     rows = (table.model.get("mlp_rows") or {}).get("winner")
     for m in mlps if rows else ():  # the MLP's prefill slice timed fastest
         m.mlp_rows = int(rows)
-    counts = bind(model, modules, table, native, config.max_batch_size, stack, exclude)
+    counts = bind(model, modules, table, native, config.max_batch_size, stack, exclude, config.batch_invariant)
     info["layouts"], info["lm_head"] = counts, head
     log.info("tactics (%s): %s", info["source"], ", ".join(f"{n} linear(s) {k}" for k, n in sorted(counts.items())))
     return table, info, sites

@@ -275,12 +275,15 @@ def persist(table: TacticTable, info: dict[str, Any]) -> None:
 
 
 def packing(choice: LinearChoice, site: LinearSite, native, layout: str | None = None,
-            python_margin: float | None = None, exclude=()) -> tuple[str, list[str] | None]:
+            python_margin: float | None = None, exclude=(), one_kernel: bool = False) -> tuple[str, list[str] | None]:
     """(layout, kiln GEMM kernel per row bucket or None) for ``site``, which the table chose ``choice`` for (in
-    ``layout`` when given: the decoder stack needs kiln's; ``python_margin``: see ``LinearChoice.kernels``);
-    ``TacticsError`` if a bucket names a candidate this host cannot run."""
+    ``layout`` when given: the decoder stack needs kiln's; ``python_margin``: see ``LinearChoice.kernels``;
+    ``one_kernel``: every bucket runs :func:`one_for_all_rows`); ``TacticsError`` if a bucket names a candidate
+    this host cannot run."""
     layout = layout or choice.layout
     runs = choice.kernels(layout, python_margin)
+    if one_kernel:
+        runs = [one_for_all_rows(runs, choice.buckets)] * len(runs)
     for name in set(runs):
         why = candidates.why_not(name, site.dtype, native, site.quant, exclude)
         if why:
@@ -290,6 +293,19 @@ def packing(choice: LinearChoice, site: LinearSite, native, layout: str | None =
         return layout, None
     names = (runs + [runs[-1]] * ROW_BUCKETS)[:ROW_BUCKETS]
     return "kiln", [candidates.LINEAR[n].gemm_kernel for n in names]
+
+
+def one_for_all_rows(runs: list[str], buckets: list[dict[str, Any]]) -> str:
+    """Of the candidates ``runs`` names (one per row bucket), the one to run at every row count (batch
+    invariance: candidates round differently, e.g. a GGUF kernel quantizing its activations against the
+    dequantized float32 one): the least summed time over the buckets where each was timed at all of them, else
+    the one running the most buckets (a tie: the one at the most rows)."""
+    names = list(dict.fromkeys(reversed(runs)))  # the most rows' first
+    timed = {n: sum(b["us"][n] for b in buckets) for n in names
+             if len(buckets) == len(runs) and all(n in (b.get("us") or {}) for b in buckets)}
+    if timed:
+        return min(names, key=lambda n: timed.get(n, float("inf")))
+    return max(names, key=runs.count)
 
 
 def runnable(table: TacticTable, sites: list[LinearSite], native, exclude=()) -> str | None:

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import torch
-from kiln.engine.tactics.bind import bind, linear_modules
+from kiln.engine.tactics.bind import amx_queries, bind, linear_modules
 from kiln.engine.tactics.deferred import Deferred
 from kiln.engine.tactics.table import TacticTable
 from kiln.engine.tactics.timing import time_mlp_slices
@@ -49,13 +49,13 @@ def swap(model, config, native, stack: bool, job: Deferred) -> tuple[TacticTable
     modules = [(m, s) for m, s in linear_modules(model, config.max_num_tokens, config.max_batch_size,
                                                   config.torch_dtype) if getattr(m, "packed_weight", None) is None]
     if native is not None:
-        native.attention_amx_queries = (table.model.get("attention_tiles") or {}).get("min_queries", 0) \
-            if stack else 0
+        native.attention_amx_queries = amx_queries(table, stack, config.batch_invariant)
     rows = (table.model.get("mlp_rows") or {}).get("winner")
     for m in model.modules() if rows else ():
         if hasattr(m, "mlp_rows") and m.rows_per_call:
             m.mlp_rows = int(rows)
-    counts = bind(model, modules, table, native, config.max_batch_size, stack, config.tactics_exclude or ())
+    counts = bind(model, modules, table, native, config.max_batch_size, stack, config.tactics_exclude or (),
+                  config.batch_invariant)
     stacked = "not bound"
     if native is not None and stack and (table.model.get("decoder_stack") or {}).get("winner") != "modules":
         why = model.bind_native_stack(native)
