@@ -46,6 +46,9 @@ def bench(**options) -> None:
         raise click.UsageError(f"--systems: unknown {', '.join(unknown) or '(none given)'}; "
                                f"choose from {', '.join(ALL_SYSTEMS)}")
     peer_names = opts.peer_names
+    if opts.batch_invariant and not opts.pool:  # the suite's systems say it by name: kiln-batch-invariant
+        raise click.UsageError("--batch-invariant goes with --pool (the suite runs it as --systems "
+                               "kiln-batch-invariant)")
     if opts.gguf is not None or "llamacpp" in peer_names:  # bench/llamacpp.py: the GGUF baseline, on the same file
         modes.gguf(opts, peer_names)
         return

@@ -110,6 +110,9 @@ class BenchOptions:
         "two random-weight models; --quick: four tiny ones) under a seeded skewed workload at the largest "
         "--concurrency, against one kiln serve per engine and (not --quick) llama.cpp's multi-model server: "
         "greedy equality, sampled RSS against the budget, loads/evictions, cold load, throughput (docs/pools.md).")
+    batch_invariant: bool = option("--batch-invariant", is_flag=True,
+        help="--pool: every kiln server (the pool and each one per engine) runs with --batch-invariant, so the "
+        "workload's answers are compared on kernels that do not depend on the batch (docs/tactics.md).")
     draft_model: Path | None = option("--draft-model", type=click.Path(file_okay=False, exists=True, path_type=Path),
         default=None,
         help="--speculative: drafts from this checkpoint (same tokenizer) instead of prompt lookup.")

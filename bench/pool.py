@@ -58,13 +58,15 @@ def budget_flags(memory: dict[str, int]) -> tuple[int, list[str], str]:
     return budget, flags, "--memory-budget alone: it holds any two engines and no three"
 
 
-def _kiln(args: list[str], port: int) -> list[str]:
+def _kiln(args: list[str], port: int, serve_flags: list[str]) -> list[str]:
     return [sys.executable, "-P", "-m", "kiln", "serve", *args, "--port", str(port), "--no-tactics-background",
-            "--no-thread-governor"]
+            "--no-thread-governor", *serve_flags]
 
 
-def start_servers(built: dict, flags: list[str], threads: int, scratch: Path, llamacpp: Path | None, say) -> dict:
-    """name -> Server: ``pool``, one per engine (``alone:NAME``), and ``llama.cpp`` when its interpreter is given."""
+def start_servers(built: dict, flags: list[str], threads: int, scratch: Path, llamacpp: Path | None, say,
+                  serve_flags: list[str]) -> dict:
+    """name -> Server: ``pool``, one per engine (``alone:NAME``), and ``llama.cpp`` when its interpreter is given;
+    ``serve_flags`` go to every kiln server."""
     from kiln_bench.server import Server, _free_port
 
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -73,12 +75,12 @@ def start_servers(built: dict, flags: list[str], threads: int, scratch: Path, ll
     port = _free_port()
     engines = [a for name, e in built.items() for a in ("--engine", f"{name}={e['uri']}")]
     say(f"starting the pool: kiln serve {' '.join(flags)} with {len(built)} engines ...")
-    servers["pool"] = Server("pool", _kiln([*engines, *flags, "--cache-dir", str(cache / "pool")], port), env, port,
-                             scratch / "pool.log", scratch, "/ready")
+    servers["pool"] = Server("pool", _kiln([*engines, *flags, "--cache-dir", str(cache / "pool")], port, serve_flags),
+                             env, port, scratch / "pool.log", scratch, "/ready")
     for name, e in built.items():
         port = _free_port()
         servers[f"alone:{name}"] = Server(name, _kiln(["--artifact", e["uri"], "--served-model-name", name,
-                                                       "--cache-dir", str(cache / name)], port),
+                                                       "--cache-dir", str(cache / name)], port, serve_flags),
                                           env, port, scratch / f"{name}.log", scratch, "/ready")
     ggufs = [(n, e) for n, e in built.items() if e["kind"] == "gguf"]
     if llamacpp is not None and ggufs:
@@ -170,8 +172,10 @@ def _summary(runs: dict[str, list[dict]]) -> dict:
 
 
 def run(quick: bool, repeats: int, num_requests: int, concurrency: int, max_tokens: int, seed: int, threads: int,
-        check_per_engine: int, llamacpp: Path | None, llamacpp_skipped: str | None, say) -> dict:
-    """The whole measurement; the document ``text`` prints and ``--json`` writes."""
+        check_per_engine: int, llamacpp: Path | None, llamacpp_skipped: str | None, say,
+        serve_flags: list[str] | None = None) -> dict:
+    """The whole measurement; the document ``text`` prints and ``--json`` writes (``serve_flags``: to every kiln
+    server)."""
     from kiln_bench.server import _host
 
     from kiln.memory_budget import SERVER_MARGIN_BYTES
@@ -183,7 +187,7 @@ def run(quick: bool, repeats: int, num_requests: int, concurrency: int, max_toke
     cold = cold_load(built[first]["uri"], threads, 1 if quick else 3)
     requests = parts.workload(list(built), num_requests, max_tokens, seed)
     scratch = Path(tempfile.mkdtemp(prefix="kiln-bench-pool-"))
-    servers = start_servers(built, flags, threads, scratch, llamacpp, say)
+    servers = start_servers(built, flags, threads, scratch, llamacpp, say, list(serve_flags or []))
     try:
         pids = {k: s.proc.pid for k, s in servers.items()}
         with parts.RssSampler(list(pids.values())) as sampler:
@@ -204,7 +208,7 @@ def run(quick: bool, repeats: int, num_requests: int, concurrency: int, max_toke
         "concurrency": concurrency, "max_tokens": max_tokens, "num_requests": num_requests, "skew": parts.SKEW,
         "requests_per_engine": {n: sum(q["engine"] == n for q in requests) for n in built},
         "engines": built,
-        "pool_flags": flags, "budget_choice": how,
+        "pool_flags": flags, "budget_choice": how, "serve_flags": list(serve_flags or []),
         "equality": {**equality(checks), "workload_identical": agree, "workload_requests": len(requests)},
         "rss": {**rss_check(peaks["pool"], budget, SERVER_MARGIN_BYTES), "samples": sampler.samples,
                 "per_engine_peak_bytes": {k.removeprefix("alone:"): v for k, v in peaks.items() if k != "pool"}},
@@ -250,7 +254,7 @@ def main(opts, say) -> dict:
     num = opts.num_requests if opts.num_requests is not None else (24 if opts.quick else 160)
     return run(opts.quick, opts.repeats, num, concurrency, 6 if opts.quick else 16, opts.seed, opts.threads or 1,
                opts.check_requests if opts.check_requests is not None else 2 if opts.quick else 4, llamacpp, skipped,
-               say)
+               say, ["--batch-invariant"] if opts.batch_invariant else [])
 
 
 def _gib(n: float | None) -> str:
@@ -265,7 +269,8 @@ def text(doc: dict) -> str:
              f"({doc['requests_per_engine']}), concurrency {doc['concurrency']}, greedy, "
              f"{doc['max_tokens']} tokens max, "
              f"{doc['threads_per_engine']} thread(s) per engine, medians of {doc['repeats']} round(s)",
-             f"host: {doc['host']}", f"pool: {' '.join(doc['pool_flags'])} ({doc['budget_choice']})", "",
+             f"host: {doc['host']}", f"pool: {' '.join(doc['pool_flags'])} ({doc['budget_choice']})",
+             f"every kiln server: {' '.join(doc.get('serve_flags') or []) or 'no extra flags'}", "",
              "| engine | kind | counts |", "|---|---|---:|"]
     lines += [f"| {n} | {e['kind']} {e['preset']} | {_gib(e['memory_bytes'])} |" for n, e in doc["engines"].items()]
     lines += ["", "| system | out tok/s | seconds | errors | runs |", "|---|---:|---:|---:|---|"]

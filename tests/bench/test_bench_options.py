@@ -14,7 +14,7 @@ FLAGS = ["--num-requests", "--seed", "--arrival-rate", "--shared-prefix", "--pre
          "--threads", "--device", "--repeats", "--systems", "--baselines", "--max-batch-size", "--max-num-tokens",
          "--check-requests", "--max-isa", "--json", "--quick", "--strict", "--structured", "--lora", "--gguf",
          "--server", "--concurrency", "--isl", "--osl", "--endpoints", "--speculative", "--profile", "--pool",
-         "--draft-model", "--draft-layers", "--pair-scale"]
+         "--batch-invariant", "--draft-model", "--draft-layers", "--pair-scale"]
 
 
 def test_every_field_is_one_option_with_its_default():
@@ -34,3 +34,15 @@ def test_a_field_declared_with_option_is_a_flag_of_the_command():
     declared = option("--pair-scale", type=click.FloatRange(min=0, min_open=True), default=None, help="x")
     assert declared.default is None and declared.metadata["decls"] == ("--pair-scale",)
     assert option("--quick", is_flag=True, help="x").default is False
+
+
+def test_batch_invariant_goes_to_every_kiln_server_of_the_pool_bench_and_is_refused_elsewhere():
+    from click.testing import CliRunner
+    from kiln_bench import pool
+    from kiln_bench.suite import ALL_SYSTEMS
+
+    assert pool._kiln(["--artifact", "file:///x"], 8000, ["--batch-invariant"])[-1] == "--batch-invariant"
+    for args in (["--batch-invariant"], ["--batch-invariant", "--gguf", "/dev/null"]):
+        result = CliRunner().invoke(bench, args)
+        assert result.exit_code == 2 and "--batch-invariant goes with --pool" in result.output
+    assert "kiln-batch-invariant" in ALL_SYSTEMS  # the suite's name for it
