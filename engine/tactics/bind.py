@@ -139,17 +139,18 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
 
 def _packing(choice, site: LinearSite, native, stacked: bool, exclude, one_kernel: bool
              ) -> tuple[str, list[str] | None]:
-    """``resolve.packing`` for a module; with ``one_kernel`` in kiln's layout where the table timed a kiln candidate
-    for it: kiln's C kernels sum each output row alike at every row count, while ATen's and oneDNN's pick their
+    """``resolve.packing`` for a module; with ``one_kernel`` on kiln's C kernels where the table timed one for it:
+    they sum each output row alike at every row count, while ATen and oneDNN (``onednn-panels`` too) pick their
     own kernel by shape (ATen's float32 576x576 row at 1 row differed from the same row among 37 by 3e-6)."""
+    margin = float("inf") if one_kernel else STACK_MARGIN if stacked else None  # inf: never a Python candidate
     if one_kernel and not stacked and choice.layout != "kiln":
         try:
-            return packing(choice, site, native, "kiln", None, exclude, True)
+            return packing(choice, site, native, "kiln", margin, exclude, True)
         except TacticsError:
             log.warning("tactics: batch_invariant: %s has no kiln candidate timed; it runs %s, whose kernel may "
                         "differ by rows", site.key, choice.layout)
-    return packing(choice, site, native, "kiln" if stacked else None, STACK_MARGIN if stacked else None, exclude,
-                   one_kernel)
+            margin = None
+    return packing(choice, site, native, "kiln" if stacked else None, margin, exclude, one_kernel)
 
 
 def quantize_head(model: nn.Module, dtype: torch.dtype, native, exclude=()) -> str:
