@@ -25,7 +25,7 @@ import torch
 from kiln.engine.compile import COMPILE_MODES, check_compile
 from kiln.engine.errors import ConfigError
 from kiln.engine.kernels import native
-from kiln.engine.kernels.candidates import LINEAR, expand
+from kiln.engine.kernels.candidates import LINEAR, known
 from kiln.engine.kernels.formats import BY_QUANTIZATION
 from kiln.engine.lora.config import LoRAConfig
 from kiln.engine.rope_config import max_positions
@@ -85,14 +85,6 @@ def settings() -> tuple[Field, ...]:
 def reported_settings(config: EngineConfig) -> dict[str, Any]:
     """What ``/version`` reports of a loaded engine's settings."""
     return {f.name: getattr(config, f.name, None) for f in settings() if f.metadata.get("reported")}
-
-
-def _known_candidates(names: Any) -> bool:
-    try:
-        expand(names or ())
-    except (ValueError, TypeError):
-        return False
-    return True
 
 
 @dataclass
@@ -175,12 +167,10 @@ class EngineConfig:
              "build's quality gate measured W8A8 so); 'off' keeps it in the engine's dtype (a build sets it "
              "when W8A8 passes the gate only with the head kept).")
     tactics_info: dict[str, Any] | None = setting(None, repr=False, help="Set at load: where the table came from.")
-    batch_invariant: bool = setting(
-        False, flag=True, reported=True,
-        help="A CPU engine runs each linear on one kernel at every row count (of those its tactic table chose, "
-             "the fastest over all row counts) and prefill attention off AMX tiles, so a request's greedy output "
-             "does not depend on its batch, its prefill chunks or a prefix-cache hit; slower where the table "
-             "chose by rows (docs/tactics.md).")
+    batch_invariant: bool = setting(False, flag=True, reported=True, help="A CPU engine runs each linear on one "
+                                    "kernel at every row count, so a greedy answer does not depend on its batch, "
+                                    "chunks or a prefix-cache hit; slower where the table chose by rows "
+                                    "(docs/tactics.md, Batch invariance).")
     tactics_background: bool = setting(False, flag=True, reported=True, help="Time this host's tactic table "
                                        "after load, serving on the default (kiln serve: on; $KILN_TACTICS_AT_LOAD).")
     thread_governor: bool = setting(False, flag=True, reported=True, help="A single-rank CPU engine re-chooses its "
@@ -264,7 +254,7 @@ class EngineConfig:
         yield (not self.batch_invariant or self.device == "cpu",
                got("batch_invariant", "is for CPU engines (kiln's tactic table); a CUDA engine has no such mode "
                                       "yet: set batch_invariant false"))
-        yield (_known_candidates(self.tactics_exclude),
+        yield (known(self.tactics_exclude),
                got("tactics_exclude", f"must list candidates ({', '.join(LINEAR)}) or 'w8a8'"))
         yield (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
                got("max_cpu_loras", f"must be >= max_loras ({self.max_loras})"))

@@ -100,6 +100,15 @@ def expand(names) -> frozenset[str]:
     return frozenset(out)
 
 
+def known(names) -> bool:
+    """Every name is a candidate or an alias (:func:`expand` would take them)."""
+    try:
+        expand(names or ())
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def excluded(configured=()) -> frozenset[str]:
     """The candidates taken out of a table: ``configured`` (an engine's ``tactics_exclude``, passed by whoever
     loads it) plus ``$KILN_TACTICS_EXCLUDE``'s (names, or ``w8a8``: every candidate that quantizes activations;

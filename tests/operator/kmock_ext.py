@@ -128,9 +128,12 @@ class StrictKubernetesEmulator(kmock.KubernetesEmulator):
     async def _serve_namespaces(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         if raw_request.query.get("watch") == "true":
             response = aiohttp.web.StreamResponse()
-            await response.prepare(raw_request)
-            await asyncio.sleep(float(raw_request.query.get("timeoutSeconds") or 60))
-            await response.write_eof()
+            try:
+                await response.prepare(raw_request)
+                await asyncio.sleep(float(raw_request.query.get("timeoutSeconds") or 60))
+                await response.write_eof()
+            except ConnectionResetError:  # the operator hung up (it is stopping): a client may, as on a real server
+                pass
             return response
         names = {ns for _, ns, _ in self.objects.keys() if ns} | self.extra_namespaces
         items = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "resourceVersion": "1"}}
