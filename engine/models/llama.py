@@ -85,6 +85,18 @@ def mlp_rows_at_load(max_num_tokens: int) -> tuple[int, tuple[int, ...]]:
     return rows, mlp_rows_choices(rows)
 
 
+def sliced_mlps(model) -> list:
+    """The model's MLPs that run a prefill step in slices of ``mlp_rows`` (those on the native path)."""
+    return [m for m in model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
+
+
+def apply_mlp_rows(mlps: list, table) -> None:
+    """Set each of ``mlps`` to the slice ``table`` timed fastest (``model["mlp_rows"]``); none timed: unchanged."""
+    rows = (table.model.get("mlp_rows") or {}).get("winner")
+    for m in mlps if rows else ():
+        m.mlp_rows = int(rows)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
