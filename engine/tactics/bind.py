@@ -25,7 +25,7 @@ from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead
 from kiln.engine.layers.linear import LinearBase
 from kiln.engine.layers.quant import quantize_weight
-from kiln.engine.models.llama import mlp_rows_at_load
+from kiln.engine.models.llama import apply_mlp_rows, mlp_rows_at_load, sliced_mlps
 from kiln.engine.tactics.resolve import packing, persist, resolve
 from kiln.engine.tactics.table import TacticsError, TacticTable
 from kiln.engine.tactics.timing import LinearSite, time_mlp_slices
@@ -137,6 +137,19 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
     return counts
 
 
+def invariance(counts: dict[str, int]) -> str:
+    """What ``/version`` says of ``batch_invariant`` for a model bound into ``counts`` (layout -> linears): whether
+    every linear runs kiln's C kernels (one kernel at every row count), or how many could not (no kiln candidate
+    timed for them here, e.g. bfloat16 on a host without AVX512-BF16) and so may still differ by batch."""
+    total = sum(counts.values())
+    other = {k: n for k, n in sorted(counts.items()) if k != "kiln"}
+    if not other:
+        return f"every linear ({total}) on one kiln kernel at every row count"
+    runs = ", ".join(f"{n} {'ATen' if k == 'plain' else k}" for k, n in other.items())
+    return (f"partial: {sum(other.values())} of {total} linear(s) have no kiln kernel timed here and run {runs}, "
+            f"whose kernel may differ by rows (their answers may depend on the batch)")
+
+
 def _packing(choice, site: LinearSite, native, stacked: bool, exclude, one_kernel: bool
              ) -> tuple[str, list[str] | None]:
     """``resolve.packing`` for a module; with ``one_kernel`` on kiln's C kernels where the table timed one for it:
@@ -213,7 +226,7 @@ def apply(model: nn.Module, config, native, stack: bool = True
                           attention_shape(model, config) if stack else None, exclude, config.tactics_background)
     if native is not None:  # prefill groups on AMX tiles where the table timed that faster (a decode never)
         native.attention_amx_queries = amx_queries(table, stack, config.batch_invariant)
-    mlps = [m for m in model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
+    mlps = sliced_mlps(model)
     # Not the build's (end to end): timed on one layer's MLP here, unless this is the artifact's table as built
     # on this kind of host: its build timed the slice where it had a choice, and where it recorded none the
     # default it ran stands (timing it at every load cost SmolLM2 GGUF 0.9 s of a 1.3 s cold load).
@@ -226,10 +239,10 @@ def apply(model: nn.Module, config, native, stack: bool = True
             persist(table, info)  # with it, so that the next start on this host times nothing
     if parallel.world_size() > 1 and torch.distributed.is_initialized():  # none to agree with offline
         table = take_rank0s(table, config.join_timeout_s)
-    rows = (table.model.get("mlp_rows") or {}).get("winner")
-    for m in mlps if rows else ():  # the MLP's prefill slice timed fastest
-        m.mlp_rows = int(rows)
+    apply_mlp_rows(mlps, table)  # the MLP's prefill slice timed fastest
     counts = bind(model, modules, table, native, config.max_batch_size, stack, exclude, config.batch_invariant)
     info["layouts"], info["lm_head"] = counts, head
+    if config.batch_invariant:
+        info["batch_invariant"] = invariance(counts)
     log.info("tactics (%s): %s", info["source"], ", ".join(f"{n} linear(s) {k}" for k, n in sorted(counts.items())))
     return table, info, sites

@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 import torch
-from kiln.engine.tactics.bind import amx_queries, bind, linear_modules
+from kiln.engine.models.llama import apply_mlp_rows, mlp_rows_at_load, sliced_mlps
+from kiln.engine.tactics.bind import amx_queries, bind, invariance, linear_modules
 from kiln.engine.tactics.deferred import Deferred
 from kiln.engine.tactics.table import TacticTable
 from kiln.engine.tactics.timing import time_mlp_slices
@@ -50,10 +51,7 @@ def swap(model, config, native, stack: bool, job: Deferred) -> tuple[TacticTable
                                                   config.torch_dtype) if getattr(m, "packed_weight", None) is None]
     if native is not None:
         native.attention_amx_queries = amx_queries(table, stack, config.batch_invariant)
-    rows = (table.model.get("mlp_rows") or {}).get("winner")
-    for m in model.modules() if rows else ():
-        if hasattr(m, "mlp_rows") and m.rows_per_call:
-            m.mlp_rows = int(rows)
+    apply_mlp_rows(sliced_mlps(model), table)
     counts = bind(model, modules, table, native, config.max_batch_size, stack, config.tactics_exclude or (),
                   config.batch_invariant)
     stacked = "not bound"
@@ -67,6 +65,8 @@ def swap(model, config, native, stack: bool, job: Deferred) -> tuple[TacticTable
                    f"(repacked {len(modules)} linears in {time.monotonic() - started:.2f}s; decoder stack {stacked})",
             "table": str(job.cache_path) if job.cache_path else None}
     info.pop("why_timed", None)
+    if config.batch_invariant:
+        info["batch_invariant"] = invariance(counts)
     log.warning("tactics: %s", info["why"])
     return table, info
 
@@ -79,10 +79,8 @@ def prepare_deferred(table: TacticTable, model, config, native) -> Deferred | No
         return None
     table.pending = None
     job.native = native
-    mlps = [m for m in model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
+    mlps = sliced_mlps(model)
     if mlps:
-        from kiln.engine.models.llama import mlp_rows_at_load
-
         tokens, choices = mlp_rows_at_load(config.max_num_tokens)
         args = (mlps[0], mlps[0].gate_up_proj.input_size, config.torch_dtype, tokens, choices, native)
         job.time_mlp = lambda table: time_mlp_copy(table, *args)

@@ -60,10 +60,13 @@ def test_batch_invariant_runs_every_linear_on_one_of_kilns_kernels_whose_rows_do
     model_dir, table = aten_table
     as_timed = make_llm(model_dir, device="cpu", attention_backend="native", num_kv_blocks=64, tactics=table)
     assert set(as_timed.engine.config.tactics_info["layouts"]) == {"plain"}
+    assert "batch_invariant" not in as_timed.engine.config.tactics_info
     as_timed.shutdown()
     llm = make_llm(model_dir, device="cpu", attention_backend="native", num_kv_blocks=64, tactics=table,
                    batch_invariant=True)
-    assert set(llm.engine.config.tactics_info["layouts"]) == {"kiln"}
+    info = llm.engine.config.tactics_info
+    assert set(info["layouts"]) == {"kiln"}
+    assert info["batch_invariant"] == f"every linear ({info['layouts']['kiln']}) on one kiln kernel at every row count"
     torch.manual_seed(0)
     with torch.no_grad():
         for m in linears(llm):
@@ -88,6 +91,26 @@ def test_with_batch_invariant_a_greedy_answer_is_the_same_alone_in_a_batch_and_f
     assert [o.token_ids for o in again] == alone
     batched = [o.token_ids for o in llm.generate(prompts, GREEDY)]  # one batch, prefill chunked by 64 tokens
     assert batched == alone
+
+
+def test_linears_with_no_kiln_kernel_timed_keep_their_layout_and_the_engine_says_how_many_may_still_vary(
+        toy_model, make_llm, tmp_path):
+    # as bfloat16 on a host without AVX512-BF16: the table timed ATen alone, so there is no kiln kernel to move to
+    model_dir = toy_model("llama-tiny")
+    llm = make_llm(model_dir, device="cpu", attention_backend="native", num_kv_blocks=64, tactics="kiln-fma")
+    table = TacticTable.from_json(json.loads(json.dumps(llm.engine.runner.tactics.to_json())))
+    llm.shutdown()
+    for choice in table.linear.values():
+        choice.layout = "plain"
+        choice.buckets = [bucket(b["rows"], "aten", {"aten": 1.0}) for b in choice.buckets]
+    path = str(table.save(tmp_path / "tactics.json"))
+    llm = make_llm(model_dir, device="cpu", attention_backend="native", num_kv_blocks=64, tactics=path,
+                   batch_invariant=True)
+    info = llm.engine.config.tactics_info
+    n = info["layouts"]["plain"]
+    assert set(info["layouts"]) == {"plain"} and n > 0
+    assert info["batch_invariant"].startswith(f"partial: {n} of {n} linear(s) have no kiln kernel timed here and "
+                                              f"run {n} ATen")
 
 
 def test_batch_invariant_is_refused_on_a_cuda_engine_naming_the_setting(toy_model, monkeypatch):
