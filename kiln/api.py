@@ -240,7 +240,7 @@ class LLMEngineSpec(_Model):
         problems += scheme_problems(self.model, "model")
         if shape := shape_problem(self.gpu, self.tensor_parallel, self.pipeline_parallel, self.gpus_per_node):
             problems.append(shape)
-        problems += scale_out_problems(self.serving)
+        problems += scale_out_problems(self.serving, self.gpu)
         problems += speculative_problems(self.speculative, self.max_num_tokens, self.model.credentials_secret)
         problems += lora_problems(self.lora, self.gpu)
         if problems:

@@ -7,9 +7,10 @@ Pydantic emits JSON Schema 2020-12, so :func:`structural` rewrites it: ``$ref`` 
 inlined (sibling keys such as ``description`` win), ``X | None`` becomes ``X`` with
 ``nullable: true``, ``const`` becomes a one-value ``enum``, titles and ``null``
 defaults go. The CEL rules for cross-field checks come from
-``kiln.api.CROSS_FIELD_RULES`` via the spec's ``x-kubernetes-validations``. The pool's CRD carries two
+``kiln.api.CROSS_FIELD_RULES`` via the spec's ``x-kubernetes-validations``. The pool's CRD carries three
 admission rules of its own (:data:`POOL_RULES`; the operator checks the same, ``kiln.operator.pools.validate_pool``):
-``spec.engines`` is for ``kiln up`` only, and the name leaves room for the ``-pool`` suffix of its Service.
+``spec.engines`` is for ``kiln up`` only, the name leaves room for the ``-pool`` suffix of its Service, and
+``spec.batchInvariant`` is for a CPU pool.
 
 Output is deterministic (properties in declaration order, everything else as built
 here), so the committed ``crds/`` file only changes when the API does.
@@ -78,6 +79,10 @@ POOL_RULES: tuple[tuple[str, str, str, str], ...] = (
      f"metadata.name of an LLMEnginePool is a DNS-1035 label of at most {MAX_POOL_NAME} characters (lowercase "
      "letters, digits and '-', starting with a letter), as it names the Service <name>-pool; choose such a name",
      ".metadata.name"),
+    ("pool_batch_invariant_cpu",
+     "!has(self.spec.batchInvariant) || !self.spec.batchInvariant || !has(self.spec.gpu) || self.spec.gpu == 'cpu'",
+     "spec.batchInvariant is for CPU pools (kiln's tactic table); set it false, or spec.gpu cpu",
+     ".spec.batchInvariant"),
 )
 
 

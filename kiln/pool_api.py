@@ -13,14 +13,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kiln.api import API_VERSION, Metadata
 from kiln.api_base import DNS1123_SUBDOMAIN
 from kiln.api_base import APIModel as _Model
 from kiln.engine_status import Condition, PoolMemberState
 from kiln.memory_budget import parse_quantity
-from kiln.serving_options import AutoscalingOptions, check_resources
+from kiln.serving_options import BATCH_INVARIANT_FLAG, AutoscalingOptions, batch_invariant_problem, check_resources
 from kiln.skus import GPUName
 
 POOL_KIND = "LLMEnginePool"
@@ -89,6 +89,17 @@ class LLMEnginePoolSpec(_Model):
         default=30, ge=0, le=3600,
         description="On shutdown, how long in-flight requests may finish before being aborted.",
     )
+    batch_invariant: bool = Field(
+        default=False,
+        description="kiln serve --batch-invariant for every engine the pool loads: a greedy answer does not depend "
+        "on its batch (docs/tactics.md). CPU pools only (spec.gpu cpu).",
+    )
+
+    @model_validator(mode="after")
+    def _check_cross_field(self) -> LLMEnginePoolSpec:  # the twin of kiln.crd.POOL_RULES' batch_invariant_cpu
+        if problem := batch_invariant_problem("batchInvariant", self.batch_invariant, self.gpu):
+            raise ValueError(problem)
+        return self
 
     @field_validator("resources")
     @classmethod
@@ -188,7 +199,7 @@ def serve_flags(spec: LLMEnginePoolSpec) -> list[str]:
     values = {"maxLoadedEngines": spec.max_loaded_engines, "memoryBudget": spec.memory_budget,
               "idleUnloadAfter": spec.idle_unload_after, "loadTimeout": spec.load_timeout,
               "queueSize": spec.queue_size}
-    flags = ["--max-queue-len", str(spec.max_queue_len)]
+    flags = ["--max-queue-len", str(spec.max_queue_len), *([BATCH_INVARIANT_FLAG] if spec.batch_invariant else [])]
     for field, flag in SERVE_FLAGS.items():
         if values[field] is not None:
             flags += [flag, str(values[field])]

@@ -2,9 +2,9 @@
 
 Serving fields only: none of them is in the build envelope (:mod:`kiln.envelope`), so changing
 them never changes the engine version. Autoscaling, routing and the rollout strategy are
-described in docs/scale-out.md. :data:`SCALE_OUT_RULES` are the cross-field rules of this part of
-the spec (CEL, joined into ``kiln.api.CROSS_FIELD_RULES``); :func:`scale_out_problems` is their
-Python twin.
+described in docs/scale-out.md, batchInvariant in docs/tactics.md. :data:`SCALE_OUT_RULES` are
+the cross-field rules of this part of the spec (CEL, joined into ``kiln.api.CROSS_FIELD_RULES``);
+:func:`scale_out_problems` is their Python twin.
 """
 
 from __future__ import annotations
@@ -101,6 +101,12 @@ class ServingOptions(_Model):
         "usual, then listed in the pool's engine list instead of getting a Deployment of its own. Unset: its own "
         "pods. replicas, resources, autoscaling, routing and rolloutStrategy are then the pool's.",
     )
+    batch_invariant: bool = Field(
+        default=False,
+        description="kiln serve --batch-invariant: each linear runs one of kiln's C kernels at every row count, so "
+        "a greedy answer does not depend on its batch, its prefill chunks or a prefix-cache hit (docs/tactics.md). "
+        "CPU engines only (spec.gpu cpu); /version says whether every linear got one.",
+    )
     rollout_strategy: RolloutStrategy = Field(
         default="Surge",
         description="Surge: a new pod starts beside the old ones, which serve until it is Ready (needs one spare "
@@ -112,6 +118,21 @@ class ServingOptions(_Model):
     @classmethod
     def _check_resources(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return check_resources(value)
+
+    def serve_flags(self) -> list[str]:
+        """The ``kiln serve`` flags of these options that the server's defaults do not already say."""
+        return [BATCH_INVARIANT_FLAG] if self.batch_invariant else []
+
+
+BATCH_INVARIANT_FLAG = "--batch-invariant"
+
+
+def batch_invariant_problem(field: str, on: bool, gpu: str) -> str | None:
+    """``<field>: <what + fix>`` where ``batchInvariant`` is asked of a GPU SKU (its twin: :data:`SCALE_OUT_RULES`)."""
+    if on and gpu != "cpu":
+        return (f"{field}: is for CPU engines (kiln's tactic table), not spec.gpu {gpu}; a CUDA engine has no such "
+                "mode yet: set it false, or spec.gpu cpu")
+    return None
 
 
 def check_resources(value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -133,13 +154,19 @@ SCALE_OUT_RULES: tuple[tuple[str, str, str, str], ...] = (
      "!has(self.serving.autoscaling) || self.serving.autoscaling.minReplicas <= self.serving.autoscaling.maxReplicas",
      "spec.serving.autoscaling.minReplicas must be at most maxReplicas; lower minReplicas or raise maxReplicas",
      ".serving.autoscaling.minReplicas"),
+    ("batch_invariant_cpu", "!has(self.serving.batchInvariant) || !self.serving.batchInvariant || self.gpu == 'cpu'",
+     "spec.serving.batchInvariant is for CPU engines (kiln's tactic table); set it false, or spec.gpu cpu",
+     ".serving.batchInvariant"),
 )
 
 
-def scale_out_problems(serving: ServingOptions) -> list[str]:
+def scale_out_problems(serving: ServingOptions, gpu: str) -> list[str]:
     """The Python twins of :data:`SCALE_OUT_RULES`, one ``<field path>: <what + fix>`` line each."""
+    problems = []
     scaling = serving.autoscaling
     if scaling is not None and scaling.min_replicas > scaling.max_replicas:
-        return [f"serving.autoscaling.minReplicas: must be at most maxReplicas ({scaling.min_replicas} > "
-                f"{scaling.max_replicas}); lower minReplicas or raise maxReplicas"]
-    return []
+        problems.append(f"serving.autoscaling.minReplicas: must be at most maxReplicas ({scaling.min_replicas} > "
+                        f"{scaling.max_replicas}); lower minReplicas or raise maxReplicas")
+    if problem := batch_invariant_problem("serving.batchInvariant", serving.batch_invariant, gpu):
+        problems.append(problem)
+    return problems

@@ -38,7 +38,7 @@ def serve_command(artifact_uri: str, engine, host: str, port: int, verify_key: P
     return [
         sys.executable, "-m", "kiln", "serve", "--artifact", artifact_uri, "--host", host, "--port", str(port),
         "--served-model-name", engine.metadata.name, "--max-queue-len", str(serving.max_queue_len),
-        "--drain-timeout", str(serving.drain_timeout_seconds), "--verify-key", str(verify_key),
+        "--drain-timeout", str(serving.drain_timeout_seconds), "--verify-key", str(verify_key), *serving.serve_flags(),
     ]
 
 

@@ -4,13 +4,11 @@ A replica that fits one pod (:func:`kiln.skus.replica_shape`) is a Deployment; o
 pods is a ``leaderworkerset.x-k8s.io/v1`` LeaderWorkerSet group of ``pods`` pods (see
 :func:`build_leader_worker_set` for its readiness and restart design).
 
-The engine version appears in the pod template (a label and an annotation) and
-nowhere else that changes with it, so a version change rolls the pods and a
-replicas or label edit does not. The rollout keeps every old pod until a new one
-is Ready (maxUnavailable 0, maxSurge 1): the old version serves until the new
-one can. Shutdown order: the preStop sleep lets Endpoints drop the pod before
-SIGTERM arrives; the server then drains in-flight requests for
-``drainTimeoutSeconds``; the grace period covers both with a margin.
+The engine version appears in the pod template (a label and an annotation) and nowhere else that changes with
+it, so a version change rolls the pods and a replicas or label edit does not. The rollout keeps every old pod
+until a new one is Ready (maxUnavailable 0, maxSurge 1): the old version serves until the new one can. Shutdown
+order: the preStop sleep lets Endpoints drop the pod before SIGTERM arrives; the server then drains in-flight
+requests for ``drainTimeoutSeconds``; the grace period covers both with a margin.
 """
 
 from __future__ import annotations
@@ -107,7 +105,8 @@ def serving_container(spec: LLMEngineSpec, name: str, artifact_uri: str, config:
         env.append({"name": EXPECT_ENV, "value": expect.to_env()})
     key_mount, key_env = verify_key_mount()  # the public key: a manifest not signed by it is refused
     env.append(key_env)
-    args = ["--artifact", artifact_uri, "--host", "0.0.0.0", "--port", str(spec.serving.port)]
+    args = ["--artifact", artifact_uri, "--host", "0.0.0.0", "--port", str(spec.serving.port),
+            *spec.serving.serve_flags()]
     mounts = [*server_mounts(), key_mount]
     if spec.serving.api_key_secret:  # a read-only file, not an env var (env leaks into /proc, dumps, logs)
         mounts.append({"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True})

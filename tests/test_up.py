@@ -168,7 +168,7 @@ def test_a_pool_manifest_names_its_engines_and_becomes_serve_flags(toy_model, tm
     pool.write_text(yaml.safe_dump({
         "apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool", "metadata": {"name": "small"},
         "spec": {"engines": ["engines/one.yaml", "engines/two.yaml"], "maxLoadedEngines": 1,
-                 "memoryBudget": "6Gi", "idleUnloadAfter": 600, "port": 8123},
+                 "memoryBudget": "6Gi", "idleUnloadAfter": 600, "port": 8123, "batchInvariant": True},
     }))
     engines, manifest = read_manifests((pool,))
     assert [e.metadata.name for e in engines] == ["one", "two"] and manifest.port == 8123
@@ -181,6 +181,7 @@ def test_a_pool_manifest_names_its_engines_and_becomes_serve_flags(toy_model, tm
                         ("--load-timeout", "300"), ("--pool-queue-size", "64"), ("--max-queue-len", "256"),
                         ("--drain-timeout", "30")):
         assert cmd[cmd.index(flag) + 1] == value and cmd.count(flag) == 1, flag
+    assert cmd.count("--batch-invariant") == 1
 
 
 def test_a_pool_manifest_is_read_as_the_cluster_s_llmenginepool(toy_model, tmp_path):

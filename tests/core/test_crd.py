@@ -171,7 +171,8 @@ def test_pool_crd_schema_rejects_what_pydantic_rejects(field: str, value: object
 
 @pytest.mark.parametrize(("name", "spec"), [
     ("cpu-pool", {}), ("a" * 58, {}), ("a" * 59, {}), ("9pool", {}), ("pool-", {}), ("p", {"engines": ["a.yaml"]}),
-    ("p", {"engines": []}),
+    ("p", {"engines": []}), ("p", {"batchInvariant": True}), ("p", {"gpu": "L4", "batchInvariant": True}),
+    ("p", {"gpu": "L4", "batchInvariant": False}),
 ])
 def test_pool_cel_rules_agree_with_the_operator(name: str, spec: dict):
     """The pool CRD refuses at admission what the operator's validate_pool refuses of the name and spec.engines."""
@@ -275,6 +276,10 @@ CEL_SAMPLES = [
     {"serving": {"autoscaling": {"minReplicas": 0, "maxReplicas": 1}}},
     {"serving": {"autoscaling": {"minReplicas": 4, "maxReplicas": 3}}},
     {"serving": {"autoscaling": {"minReplicas": 3, "maxReplicas": 3}, "rolloutStrategy": "RecreateOneAtATime"}},
+    # batchInvariant: CPU engines only (kiln's tactic table)
+    {"serving": {"batchInvariant": True}},
+    {"gpu": "L4", "serving": {"batchInvariant": True}},
+    {"gpu": "L4", "serving": {"batchInvariant": False}},
     # spec.speculative: lookup bounds, and a verified row (1 + k tokens) must fit one step.
     {"speculative": {"method": "ngram"}},
     {"speculative": {"method": "off"}},

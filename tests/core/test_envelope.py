@@ -119,6 +119,7 @@ INSENSITIVE = [
     (CPU, "serving.routing.endpointPickerPort", 9003),
     (CPU, "serving.routing.endpointPickerFailureMode", "FailOpen"),
     (CPU, "serving.rolloutStrategy", "RecreateOneAtATime"),
+    (CPU, "serving.batchInvariant", True),  # how the pods bind the same artifact's kernels
     (CPU, "serving.pool", "small-models"),
     (CPU, "build.image", "registry.example/kiln-build:2"),
     (CPU, "build.timeoutSeconds", 600),

@@ -266,8 +266,12 @@ def test_render_pool_lists_no_engine_in_the_pod_template_and_refuses_a_bad_spec_
     listed = render_pool(body, "shared", "ml", config, [EngineEntry("chat", "s3://b/kiln/engines/v", DIGEST)])
     assert json.loads(listed[0]["data"]["engines.json"])["engines"][0]["contentDigest"] == DIGEST
     assert listed[1] == deployment  # the engine list is not in the pod template: a member joining rolls no pod
+    assert "--batch-invariant" not in container["args"]
+    steady = render_pool({**body["spec"], "batchInvariant": True}, "shared", "ml", config)[1]
+    assert "--batch-invariant" in steady["spec"]["template"]["spec"]["containers"][0]["args"]
     for bad, field in (({"engines": ["a.yaml"]}, "spec.engines"), ({"memoryBudget": "6 GB"}, "spec.memoryBudget"),
-                       ({"image": "evil.example/kiln:1"}, "spec.image")):
+                       ({"image": "evil.example/kiln:1"}, "spec.image"),
+                       ({"gpu": "L4", "batchInvariant": True}, "spec.batchInvariant: is for CPU engines")):
         with pytest.raises(InvalidSpec, match=field):
             render_pool(bad, "shared", "ml", config)
     with pytest.raises(InvalidSpec, match="metadata.name"):

@@ -182,6 +182,16 @@ def test_job_names_are_deterministic_bounded_and_distinct():
     assert service_name("7b-chat").startswith("llme-") and service_name("chat") == "chat"
 
 
+def test_batch_invariant_is_a_serve_flag_of_a_cpu_engine_and_outside_the_engine_version():
+    cpu = dict(gpu="cpu", dtype="float32", quantization="none")
+    plain, steady = spec(**cpu), spec(**cpu, serving={"batchInvariant": True})
+    assert engine_version(plain) == engine_version(steady)  # a serving setting: no rebuild
+    uri = "s3://kiln-engines/prod/engines/v"
+    args = container(validate(build_deployment(steady, "demo", "ml", "v", uri, CONFIG, OWNER)))["args"]
+    assert args.count("--batch-invariant") == 1
+    assert "--batch-invariant" not in container(build_deployment(plain, "demo", "ml", "v", uri, CONFIG, OWNER))["args"]
+
+
 def test_deployment_serves_the_artifact_safely():
     s = spec(tensorParallel=2, serving={"replicas": 3, "port": 9000, "drainTimeoutSeconds": 40,
                                          "apiKeySecret": "api-key"})
@@ -191,6 +201,7 @@ def test_deployment_serves_the_artifact_safely():
     c = container(dep)
     assert c["command"] == ["kiln", "serve"] and c["args"][:2] == ["--artifact", uri]
     assert c["args"][c["args"].index("--port") + 1] == "9000"
+    assert "--batch-invariant" not in c["args"]
     assert env(dep)["KILN_SERVED_MODEL_NAME"] == "demo"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
