@@ -99,7 +99,7 @@ class ServingOptions(_Model):
         default=None, max_length=MAX_POOL_NAME, pattern=DNS1035_LABEL,
         description="An LLMEnginePool of this namespace to serve the engine from (docs/pools.md): it is built as "
         "usual, then listed in the pool's engine list instead of getting a Deployment of its own. Unset: its own "
-        "pods. replicas, resources, autoscaling, routing and rolloutStrategy are then the pool's.",
+        "pods. replicas, resources, autoscaling, routing, rolloutStrategy and batchInvariant are then the pool's.",
     )
     batch_invariant: bool = Field(
         default=False,
