@@ -102,6 +102,10 @@ def pool_problem(spec: LLMEngineSpec) -> str | None:
         return (f"spec.serving.apiKeySecret: this engine is served by LLMEnginePool {pool} (spec.serving.pool), whose "
                 "pods check one key for every member; set it as the pool's spec.apiKeySecret and remove it here, or "
                 "remove spec.serving.pool to serve the engine from its own pods with its own key")
+    if spec.serving.batch_invariant:
+        return (f"spec.serving.batchInvariant: this engine is served by LLMEnginePool {pool} (spec.serving.pool), "
+                "whose pods run every member with one setting; set it as the pool's spec.batchInvariant and remove "
+                "it here, or remove spec.serving.pool to serve the engine from its own pods")
     shape = spec.replica_shape
     if shape.pods > 1:
         return (f"spec.serving.pool: one replica of this engine spans {shape.pods} pods (tensorParallel "

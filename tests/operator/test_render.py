@@ -407,6 +407,9 @@ def test_a_pool_s_api_key_guards_every_member_and_a_member_s_own_key_is_refused(
     member = {"model": {"source": "hf://org/m"}, "gpu": "cpu", "serving": {"pool": "small", "apiKeySecret": "k"}}
     with pytest.raises(InvalidSpec, match=r"spec.serving.apiKeySecret: .*set it as the pool's spec.apiKeySecret"):
         validate_spec(member, CONFIG)
+    steady = {**member, "serving": {"pool": "small", "batchInvariant": True}}  # the pool's pods say it for all
+    with pytest.raises(InvalidSpec, match=r"spec.serving.batchInvariant: .*set it as the pool's spec.batchInvariant"):
+        validate_spec(steady, CONFIG)
 
 
 def test_an_object_is_taken_only_when_another_owner_controls_it_and_an_earlier_one_of_the_same_name_is_adopted():
