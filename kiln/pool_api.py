@@ -96,8 +96,8 @@ class LLMEnginePoolSpec(_Model):
     )
 
     @model_validator(mode="after")
-    def _check_cross_field(self) -> LLMEnginePoolSpec:  # the twin of kiln.crd.POOL_RULES' batch_invariant_cpu
-        if problem := batch_invariant_problem("batchInvariant", self.batch_invariant, self.gpu):
+    def _check_cross_field(self) -> LLMEnginePoolSpec:  # the twin of kiln.crd.POOL_RULES' pool_batch_invariant_cpu
+        if problem := batch_invariant_problem("batchInvariant", self.batch_invariant, self.gpu, "pools"):
             raise ValueError(problem)
         return self
 

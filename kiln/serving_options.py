@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 from kiln.api_base import DNS1035_LABEL, DNS1123_LABEL, DNS1123_SUBDOMAIN, MAX_POOL_NAME
 from kiln.api_base import APIModel as _Model
 
+BATCH_INVARIANT_FLAG = "--batch-invariant"  # kiln serve's, for spec.serving.batchInvariant (and a pool's)
 RolloutStrategy = Literal["Surge", "RecreateOneAtATime"]
 EndpointPickerFailureMode = Literal["FailOpen", "FailClose"]
 
@@ -124,13 +125,10 @@ class ServingOptions(_Model):
         return [BATCH_INVARIANT_FLAG] if self.batch_invariant else []
 
 
-BATCH_INVARIANT_FLAG = "--batch-invariant"
-
-
-def batch_invariant_problem(field: str, on: bool, gpu: str) -> str | None:
+def batch_invariant_problem(field: str, on: bool, gpu: str, of: str = "engines") -> str | None:
     """``<field>: <what + fix>`` where ``batchInvariant`` is asked of a GPU SKU (its twin: :data:`SCALE_OUT_RULES`)."""
     if on and gpu != "cpu":
-        return (f"{field}: is for CPU engines (kiln's tactic table), not spec.gpu {gpu}; a CUDA engine has no such "
+        return (f"{field}: is for CPU {of} (kiln's tactic table), not spec.gpu {gpu}; a CUDA engine has no such "
                 "mode yet: set it false, or spec.gpu cpu")
     return None
 

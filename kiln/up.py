@@ -109,7 +109,26 @@ def read_manifests(paths: tuple[Path, ...]) -> tuple[list, PoolManifest | None]:
             raise ManifestError(f"metadata.name: {engine.metadata.name!r} is served twice; clients pick an engine "
                                 "by this name, so give each its own", engine.metadata.name)
         seen.add(engine.metadata.name)
+    check_one_process(engines, pool)
     return engines, pool
+
+
+def check_one_process(engines: list, pool: PoolManifest | None) -> None:
+    """Several engines are served by one ``kiln serve``, which runs them all with one ``--batch-invariant``: the
+    pool manifest's (a member's own is refused, as the operator refuses it), else the engines' when they agree."""
+    from kiln.manifest import ManifestError
+
+    asked = {e.metadata.name: e.spec.serving.batch_invariant for e in engines}
+    if pool is not None and any(asked.values()):
+        name = next(n for n, on in asked.items() if on)
+        raise ManifestError(f"spec.serving.batchInvariant: {name!r} is served by the pool manifest {pool.name!r}, "
+                            "whose one process runs every engine with one setting; set it as the pool's "
+                            "spec.batchInvariant and remove it here", name)
+    if pool is None and len(set(asked.values())) > 1:
+        on = ", ".join(repr(n) for n, v in asked.items() if v)
+        raise ManifestError(f"spec.serving.batchInvariant: {on} ask for it and the other engines do not, but one "
+                            "process serves them all with one setting; make them agree, or serve them from a pool "
+                            "manifest with spec.batchInvariant", on)
 
 
 def pool_serve_command(built: list, pool: PoolManifest | None, host: str, port: int, verify_key: Path) -> list[str]:
@@ -121,7 +140,8 @@ def pool_serve_command(built: list, pool: PoolManifest | None, host: str, port: 
     for engine, uri in built:
         cmd += ["--engine", f"{engine.metadata.name}={uri}"]
     return cmd + (pool.flags if pool is not None else ["--max-queue-len", str(serving.max_queue_len),
-                                                       "--drain-timeout", str(serving.drain_timeout_seconds)])
+                                                       "--drain-timeout", str(serving.drain_timeout_seconds),
+                                                       *serving.serve_flags()])
 
 
 def default_key_dir() -> Path:

@@ -184,6 +184,33 @@ def test_a_pool_manifest_names_its_engines_and_becomes_serve_flags(toy_model, tm
     assert cmd.count("--batch-invariant") == 1
 
 
+def test_engines_served_in_one_process_run_one_batch_invariant_setting(toy_model, tmp_path):
+    from kiln.manifest import ManifestError
+    from kiln.up import pool_serve_command, read_manifests
+
+    paths = [_engine_manifest(tmp_path / f"{n}.yaml", n, toy_model("llama-tiny")) for n in ("one", "two")]
+
+    def steady(path: Path) -> None:
+        doc = yaml.safe_load(path.read_text())
+        doc["spec"]["serving"] = {"batchInvariant": True}
+        path.write_text(yaml.safe_dump(doc))
+
+    steady(paths[0])
+    with pytest.raises(ManifestError, match=r"spec.serving.batchInvariant: 'one' ask for it and the other engines "
+                                            r"do not.*make them agree, or serve them from a pool manifest"):
+        read_manifests(tuple(paths))
+    steady(paths[1])
+    engines, _ = read_manifests(tuple(paths))  # both ask: the one process runs with it
+    cmd = pool_serve_command([(e, "file:///s") for e in engines], None, "127.0.0.1", 8000, tmp_path / "key.pem")
+    assert cmd.count("--batch-invariant") == 1
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"},
+                                    "spec": {"engines": ["one.yaml"], "batchInvariant": True}}))
+    with pytest.raises(ManifestError, match=r"spec.serving.batchInvariant: 'one' is served by the pool manifest 'p'.*"
+                                            r"set it as the pool's spec.batchInvariant and remove it here"):
+        read_manifests((pool,))
+
+
 def test_a_pool_manifest_is_read_as_the_cluster_s_llmenginepool(toy_model, tmp_path):
     """kiln up and the operator read one type (kiln.pool_api.LLMEnginePool): its rules and its kiln serve flags."""
     from kiln.manifest import ManifestError

@@ -271,7 +271,7 @@ def test_render_pool_lists_no_engine_in_the_pod_template_and_refuses_a_bad_spec_
     assert "--batch-invariant" in steady["spec"]["template"]["spec"]["containers"][0]["args"]
     for bad, field in (({"engines": ["a.yaml"]}, "spec.engines"), ({"memoryBudget": "6 GB"}, "spec.memoryBudget"),
                        ({"image": "evil.example/kiln:1"}, "spec.image"),
-                       ({"gpu": "L4", "batchInvariant": True}, "spec.batchInvariant: is for CPU engines")):
+                       ({"gpu": "L4", "batchInvariant": True}, "spec.batchInvariant: is for CPU pools")):
         with pytest.raises(InvalidSpec, match=field):
             render_pool(bad, "shared", "ml", config)
     with pytest.raises(InvalidSpec, match="metadata.name"):
