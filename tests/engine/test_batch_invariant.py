@@ -36,19 +36,23 @@ def test_one_kernel_for_all_rows_is_the_least_summed_time_else_the_one_running_m
     assert one_for_all_rows(["kiln-fma"] * 3, [bucket(r, "kiln-fma", {}) for r in (1, 2, 4)]) == "kiln-fma"
 
 
-@pytest.fixture
-def aten_table(toy_model, make_llm, tmp_path):
-    """(model dir, a tactics.json of this host running every linear on ATen at every row count, with kiln-fma
-    timed beside it): ATen's float32 GEMM picks its own kernel by shape, so a row's sum can differ with the row
-    count (seen: 3e-6 on SmolLM2's 576x576 at 1 row against 37)."""
+def aten_everywhere(toy_model, make_llm, tmp_path, us: dict[str, float]) -> tuple:
+    """(model dir, a tactics.json of this host running every linear on ATen at every row count, ``us`` timed)."""
     model_dir = toy_model("llama-tiny")
     llm = make_llm(model_dir, device="cpu", attention_backend="native", num_kv_blocks=64, tactics="kiln-fma")
     table = TacticTable.from_json(json.loads(json.dumps(llm.engine.runner.tactics.to_json())))
     llm.shutdown()
     for choice in table.linear.values():
         choice.layout = "plain"
-        choice.buckets = [bucket(b["rows"], "aten", {"aten": 1.0, "kiln-fma": 2.0}) for b in choice.buckets]
+        choice.buckets = [bucket(b["rows"], "aten", us) for b in choice.buckets]
     return model_dir, str(table.save(tmp_path / "tactics.json"))
+
+
+@pytest.fixture
+def aten_table(toy_model, make_llm, tmp_path):
+    """A table running every linear on ATen with kiln-fma timed beside it: ATen's float32 GEMM picks its own kernel
+    by shape, so a row's sum can differ with the row count (seen: 3e-6 on SmolLM2's 576x576 at 1 row against 37)."""
+    return aten_everywhere(toy_model, make_llm, tmp_path, {"aten": 1.0, "kiln-fma": 2.0})
 
 
 def linears(llm) -> list:
@@ -96,14 +100,7 @@ def test_with_batch_invariant_a_greedy_answer_is_the_same_alone_in_a_batch_and_f
 def test_linears_with_no_kiln_kernel_timed_keep_their_layout_and_the_engine_says_how_many_may_still_vary(
         toy_model, make_llm, tmp_path):
     # as bfloat16 on a host without AVX512-BF16: the table timed ATen alone, so there is no kiln kernel to move to
-    model_dir = toy_model("llama-tiny")
-    llm = make_llm(model_dir, device="cpu", attention_backend="native", num_kv_blocks=64, tactics="kiln-fma")
-    table = TacticTable.from_json(json.loads(json.dumps(llm.engine.runner.tactics.to_json())))
-    llm.shutdown()
-    for choice in table.linear.values():
-        choice.layout = "plain"
-        choice.buckets = [bucket(b["rows"], "aten", {"aten": 1.0}) for b in choice.buckets]
-    path = str(table.save(tmp_path / "tactics.json"))
+    model_dir, path = aten_everywhere(toy_model, make_llm, tmp_path, {"aten": 1.0})
     llm = make_llm(model_dir, device="cpu", attention_backend="native", num_kv_blocks=64, tactics=path,
                    batch_invariant=True)
     info = llm.engine.config.tactics_info
