@@ -115,18 +115,21 @@ def read_manifests(paths: tuple[Path, ...]) -> tuple[list, PoolManifest | None]:
 
 def check_one_process(engines: list, pool: PoolManifest | None) -> None:
     """Several engines are served by one ``kiln serve``, which runs them all with one ``--batch-invariant``: the
-    pool manifest's (a member's own is refused, as the operator refuses it), else the engines' when they agree."""
+    pool manifest's, else the engines' when they agree. A pool manifest's member is refused what the operator
+    refuses a pool's member (:func:`kiln.pool_api.member_problem`: its own key, batchInvariant, autoscaling...)."""
     from kiln.manifest import ManifestError
+    from kiln.pool_api import member_problem
 
+    for engine in engines if pool is not None else []:
+        alone = "serve it on its own (`kiln up -f` its manifest alone)"
+        if problem := member_problem(engine.spec, f"the pool manifest {pool.name!r}", alone):
+            raise ManifestError(problem, engine.metadata.name)
     asked = {e.metadata.name: e.spec.serving.batch_invariant for e in engines}
-    if pool is not None and any(asked.values()):
-        name = next(n for n, on in asked.items() if on)
-        raise ManifestError(f"spec.serving.batchInvariant: {name!r} is served by the pool manifest {pool.name!r}, "
-                            "whose one process runs every engine with one setting; set it as the pool's "
-                            "spec.batchInvariant and remove it here", name)
     if pool is None and len(set(asked.values())) > 1:
-        on = ", ".join(repr(n) for n, v in asked.items() if v)
-        raise ManifestError(f"spec.serving.batchInvariant: {on} ask for it and the other engines do not, but one "
+        names = [repr(n) for n, v in asked.items() if v]
+        on = ", ".join(names)
+        verb = "asks" if len(names) == 1 else "ask"
+        raise ManifestError(f"spec.serving.batchInvariant: {on} {verb} for it and the other engines do not, but one "
                             "process serves them all with one setting; make them agree, or serve them from a pool "
                             "manifest with spec.batchInvariant", on)
 

@@ -19,6 +19,7 @@ from kiln.operator.trust import spec_image_problem
 from pydantic import ValidationError
 
 from kiln.api import LLMEngineSpec
+from kiln.pool_api import member_problem
 
 
 class InvalidSpec(ValueError):
@@ -83,36 +84,12 @@ def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
 
 
 def pool_problem(spec: LLMEngineSpec) -> str | None:
-    """What an engine of a pool (``spec.serving.pool``) cannot ask for: its pool's pods serve it, so their count
-    and routing are the pool's, and a pool pod holds whole engines (one pod per replica)."""
+    """What an engine of a pool (``spec.serving.pool``) cannot ask for (:func:`kiln.pool_api.member_problem`)."""
     pool = spec.serving.pool
     if pool is None:
         return None
-    if spec.serving.autoscaling is not None:
-        return (f"spec.serving.autoscaling: this engine is served by LLMEnginePool {pool} (spec.serving.pool), whose "
-                "pods serve every engine of the pool and are scaled by the pool (its spec.replicas, or its "
-                "spec.autoscaling), not per engine; remove spec.serving.autoscaling, or remove "
-                "spec.serving.pool to serve the engine from its own autoscaled pods")
-    if spec.serving.routing.inference_pool:
-        return (f"spec.serving.routing.inferencePool: this engine is served by LLMEnginePool {pool} "
-                "(spec.serving.pool), whose Service answers every engine of the pool; routing is the pool's, not "
-                "per engine (an InferencePool per pool is not supported yet); remove spec.serving.routing."
-                "inferencePool, or remove spec.serving.pool to serve the engine from its own pods")
-    if spec.serving.api_key_secret:
-        return (f"spec.serving.apiKeySecret: this engine is served by LLMEnginePool {pool} (spec.serving.pool), whose "
-                "pods check one key for every member; set it as the pool's spec.apiKeySecret and remove it here, or "
-                "remove spec.serving.pool to serve the engine from its own pods with its own key")
-    if spec.serving.batch_invariant:
-        return (f"spec.serving.batchInvariant: this engine is served by LLMEnginePool {pool} (spec.serving.pool), "
-                "whose pods run every member with one setting; set it as the pool's spec.batchInvariant and remove "
-                "it here, or remove spec.serving.pool to serve the engine from its own pods")
-    shape = spec.replica_shape
-    if shape.pods > 1:
-        return (f"spec.serving.pool: one replica of this engine spans {shape.pods} pods (tensorParallel "
-                f"{shape.tensor_parallel} x pipelineParallel {shape.pipeline_parallel} ranks, {shape.ranks_per_pod} "
-                f"per node), but a pool's pod holds whole engines; lower tensorParallel x pipelineParallel to fit "
-                "one node, or remove spec.serving.pool to serve it from its own pods")
-    return None
+    return member_problem(spec, f"LLMEnginePool {pool} (spec.serving.pool)",
+                          "remove spec.serving.pool to serve the engine from its own pods")
 
 
 def validate_namespace(spec: LLMEngineSpec, namespace: str, config: OperatorConfig) -> None:

@@ -196,7 +196,7 @@ def test_engines_served_in_one_process_run_one_batch_invariant_setting(toy_model
         path.write_text(yaml.safe_dump(doc))
 
     steady(paths[0])
-    with pytest.raises(ManifestError, match=r"spec.serving.batchInvariant: 'one' ask for it and the other engines "
+    with pytest.raises(ManifestError, match=r"spec.serving.batchInvariant: 'one' asks for it and the other engines "
                                             r"do not.*make them agree, or serve them from a pool manifest"):
         read_manifests(tuple(paths))
     steady(paths[1])
@@ -206,9 +206,30 @@ def test_engines_served_in_one_process_run_one_batch_invariant_setting(toy_model
     pool = tmp_path / "pool.yaml"
     pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"},
                                     "spec": {"engines": ["one.yaml"], "batchInvariant": True}}))
-    with pytest.raises(ManifestError, match=r"spec.serving.batchInvariant: 'one' is served by the pool manifest 'p'.*"
-                                            r"set it as the pool's spec.batchInvariant and remove it here"):
+    with pytest.raises(ManifestError, match=r"spec.serving.batchInvariant: this engine is served by the pool "
+                                            r"manifest 'p'.*set it as the pool's spec.batchInvariant and remove it"):
         read_manifests((pool,))
+
+
+def test_a_pool_manifest_member_is_refused_what_the_operator_refuses_a_pool_member(toy_model, tmp_path):
+    """kiln up and the operator share kiln.pool_api.member_problem: a member's own key is refused, not ignored."""
+    from kiln.manifest import ManifestError
+    from kiln.up import read_manifests
+
+    path = _engine_manifest(tmp_path / "one.yaml", "one", toy_model("llama-tiny"))
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["serving"] = {"apiKeySecret": "one-key"}
+    path.write_text(yaml.safe_dump(doc))
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"},
+                                    "spec": {"engines": ["one.yaml"]}}))
+    with pytest.raises(ManifestError, match=r"spec.serving.apiKeySecret: this engine is served by the pool manifest "
+                                            r"'p'.*set it as the pool's spec.apiKeySecret and remove it here, or "
+                                            r"serve it on its own") as err:
+        read_manifests((pool,))
+    assert err.value.origin == "one"
+    engines, _ = read_manifests((path,))  # on its own, its manifest is served as it is
+    assert engines[0].spec.serving.api_key_secret == "one-key"
 
 
 def test_a_pool_manifest_is_read_as_the_cluster_s_llmenginepool(toy_model, tmp_path):
