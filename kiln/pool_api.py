@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from kiln.api import API_VERSION, Metadata
+from kiln.api import API_VERSION, LLMEngineSpec, Metadata
 from kiln.api_base import DNS1123_SUBDOMAIN
 from kiln.api_base import APIModel as _Model
 from kiln.engine_status import Condition, PoolMemberState
@@ -206,31 +206,31 @@ def serve_flags(spec: LLMEnginePoolSpec) -> list[str]:
     return flags
 
 
-def member_problem(spec: Any, by: str, alone: str) -> str | None:
-    """What a pool's member (an ``LLMEngineSpec``) cannot ask for, as ``<field>: <what + fix>``: the pool's pods
-    serve it, so their count, routing, key and ``--batch-invariant`` are the pool's, and a pool pod holds whole
-    engines (one pod per replica). ``by`` names the pool (the operator: ``LLMEnginePool NAME
-    (spec.serving.pool)``; ``kiln up``: its pool manifest), ``alone`` how to serve the engine on its own instead.
-    The operator and ``kiln up`` refuse the same fields."""
+def member_problem(spec: LLMEngineSpec, by: str, alone: str) -> str | None:
+    """What a pool's member cannot ask for, as ``<field>: <what + fix>``: the pool's pods serve it, so their count,
+    routing, key and ``--batch-invariant`` are the pool's, and a pool pod holds whole engines (one pod per
+    replica). ``by`` names the pool (the operator: ``LLMEnginePool NAME (spec.serving.pool)``; ``kiln up``: its
+    pool manifest), ``alone`` the other fix: serving the engine on its own. The operator and ``kiln up`` refuse
+    the same fields."""
     serving = spec.serving
     if serving.autoscaling is not None:
         return (f"spec.serving.autoscaling: this engine is served by {by}, whose pods serve every engine of the pool "
                 "and are scaled by the pool (its spec.replicas, or its spec.autoscaling), not per engine; remove "
-                f"spec.serving.autoscaling, or {alone} with its own autoscaling")
+                f"spec.serving.autoscaling, or {alone}")
     if serving.routing.inference_pool:
         return (f"spec.serving.routing.inferencePool: this engine is served by {by}, whose Service answers every "
                 "engine of the pool; routing is the pool's, not per engine (an InferencePool per pool is not "
                 f"supported yet); remove spec.serving.routing.inferencePool, or {alone}")
     if serving.api_key_secret:
         return (f"spec.serving.apiKeySecret: this engine is served by {by}, whose pods check one key for every "
-                f"member; set it as the pool's spec.apiKeySecret and remove it here, or {alone} with its own key")
+                f"member; set it as the pool's spec.apiKeySecret and remove it here, or {alone}")
     if serving.batch_invariant:
         return (f"spec.serving.batchInvariant: this engine is served by {by}, whose pods run every member with one "
                 f"setting; set it as the pool's spec.batchInvariant and remove it here, or {alone}")
     shape = spec.replica_shape
     if shape.pods > 1:
-        return (f"spec.serving.pool: one replica of this engine spans {shape.pods} pods (tensorParallel "
-                f"{shape.tensor_parallel} x pipelineParallel {shape.pipeline_parallel} ranks, {shape.ranks_per_pod} "
-                f"per node), but a pool's pod holds whole engines; lower tensorParallel x pipelineParallel to fit "
-                f"one node, or {alone}")
+        return (f"spec.tensorParallel x spec.pipelineParallel: this engine is served by {by}, but one replica of it "
+                f"spans {shape.pods} pods ({shape.tensor_parallel} x {shape.pipeline_parallel} ranks, "
+                f"{shape.ranks_per_pod} per node) and a pool's pod holds whole engines; lower tensorParallel x "
+                f"pipelineParallel to fit one node, or {alone}")
     return None

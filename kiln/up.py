@@ -89,7 +89,7 @@ def read_manifests(paths: tuple[Path, ...]) -> tuple[list, PoolManifest | None]:
 
     from kiln.manifest import ManifestError, load_manifest
 
-    engines, pool = [], None
+    engines, origins, pool = [], [], None
     for path in paths:
         try:
             doc = yaml.safe_load(path.read_text())
@@ -101,29 +101,32 @@ def read_manifests(paths: tuple[Path, ...]) -> tuple[list, PoolManifest | None]:
                                     f"{POOL_KIND} manifest {path}")
             pool = read_pool(path, doc)
             engines += [load_manifest(p) for p in pool.engines]
+            origins += [str(p) for p in pool.engines]
         else:
             engines.append(load_manifest(path))
+            origins.append(str(path))
     seen: set[str] = set()
     for engine in engines:
         if engine.metadata.name in seen:
             raise ManifestError(f"metadata.name: {engine.metadata.name!r} is served twice; clients pick an engine "
                                 "by this name, so give each its own", engine.metadata.name)
         seen.add(engine.metadata.name)
-    check_one_process(engines, pool)
+    check_one_process(engines, pool, origins)
     return engines, pool
 
 
-def check_one_process(engines: list, pool: PoolManifest | None) -> None:
+def check_one_process(engines: list, pool: PoolManifest | None, origins: list[str]) -> None:
     """Several engines are served by one ``kiln serve``, which runs them all with one ``--batch-invariant``: the
     pool manifest's, else the engines' when they agree. A pool manifest's member is refused what the operator
     refuses a pool's member (:func:`kiln.pool_api.member_problem`: its own key, batchInvariant, autoscaling...)."""
     from kiln.manifest import ManifestError
     from kiln.pool_api import member_problem
 
-    for engine in engines if pool is not None else []:
-        alone = "serve it on its own (`kiln up -f` its manifest alone)"
-        if problem := member_problem(engine.spec, f"the pool manifest {pool.name!r}", alone):
-            raise ManifestError(problem, engine.metadata.name)
+    if pool is not None:
+        by = f"the pool manifest {pool.name!r} (in a cluster, that LLMEnginePool)"
+        for engine, origin in zip(engines, origins, strict=True):  # every engine: one process serves them all
+            if problem := member_problem(engine.spec, by, "serve it outside the pool (`kiln up -f` its manifest)"):
+                raise ManifestError(problem, origin)
     asked = {e.metadata.name: e.spec.serving.batch_invariant for e in engines}
     if pool is None and len(set(asked.values())) > 1:
         names = [repr(n) for n, v in asked.items() if v]

@@ -225,9 +225,9 @@ def test_a_pool_manifest_member_is_refused_what_the_operator_refuses_a_pool_memb
                                     "spec": {"engines": ["one.yaml"]}}))
     with pytest.raises(ManifestError, match=r"spec.serving.apiKeySecret: this engine is served by the pool manifest "
                                             r"'p'.*set it as the pool's spec.apiKeySecret and remove it here, or "
-                                            r"serve it on its own") as err:
+                                            r"serve it outside the pool") as err:
         read_manifests((pool,))
-    assert err.value.origin == "one"
+    assert err.value.origin == str(path)
     engines, _ = read_manifests((path,))  # on its own, its manifest is served as it is
     assert engines[0].spec.serving.api_key_secret == "one-key"
 
