@@ -28,9 +28,20 @@ def _native_or_skip():
     return lib
 
 
+def _unclaimed(doc: dict) -> dict[tuple[str, str], float]:
+    """Each cell's ``other`` as a share of its step."""
+    return {(kind, batch): cell["other"] / cell["step"] for kind, by_batch in doc["profile"].items()
+            for batch, cell in by_batch.items()}
+
+
 def test_the_table_has_every_component_and_adds_up_to_the_step(tiny):
     _native_or_skip()
-    doc = profile.run(tiny, "float32", threads=1, prompt_len=8, decode_steps=4, tactics="kiln-fma", log=lambda m: None)
+
+    def measure() -> dict:
+        return profile.run(tiny, "float32", threads=1, prompt_len=8, decode_steps=4, tactics="kiln-fma",
+                           log=lambda m: None)
+
+    doc = measure()
     assert tuple(doc["rows"]) == ROWS
     assert set(doc["profile"]) == {"decode", "prefill"}
     for kind, by_batch in doc["profile"].items():
@@ -39,11 +50,19 @@ def test_the_table_has_every_component_and_adds_up_to_the_step(tiny):
             parts = sum(cell[r] for r in ROWS)
             assert parts == pytest.approx(cell["step"], rel=1e-9), (kind, batch)
             assert cell["other"] >= 0 and cell["forward_rest"] >= 0, (kind, batch, cell)
-            assert cell["other"] <= 0.05 * cell["step"], f"the phases leave {cell['other']:.3f} ms unclaimed"
             for timed in ("gemm", "attention", "kv_write", "norm", "rope", "activation", "schedule", "prepare",
                           "sample", "output"):
                 assert cell[timed] > 0, (kind, batch, timed)
     assert doc["profile"]["decode"]["1"]["steps"] == 4 and doc["profile"]["prefill"]["64"]["steps"] == 1
+    # The phases cover the step: what no timer claims is a small share of it. A thread descheduled between two
+    # phases (a busy host: 1.9 of 12.6 ms once, in a clean run beside two busy loops) lands there, so a cell over
+    # 5 % is measured once more and each cell keeps its smaller share; code outside every phase would be in both.
+    shares = _unclaimed(doc)
+    if max(shares.values()) > 0.05:
+        again = _unclaimed(measure())
+        shares = {cell: min(share, again[cell]) for cell, share in shares.items()}
+    worst = max(shares, key=shares.get)
+    assert shares[worst] <= 0.05, f"the phases leave {100 * shares[worst]:.1f} % of the {worst} step unclaimed"
     doc.update(machine=profile.host(1), model="llama-tiny", notes=[profile.OPENVINO_NOTE])
     table = profile.text(doc)
     for row in ROWS:
