@@ -16,6 +16,7 @@ agreement of an int8 engine running W8A8 (forced) or weight-only int8 against th
 
     OMP_NUM_THREADS=1 python -P -m kiln_bench.w8a8 linears --shapes 960x576,576x576,3072x576,576x1536
     OMP_NUM_THREADS=1 python -P -m kiln_bench.w8a8 decode --model DIR --batch 1 32
+    KILN_CPU_ISA=x86-64-v3 python -P -m kiln_bench.w8a8 linears --dtype float32   # what an AVX2 host runs
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def _interleaved(fns: dict, rounds: int = 15, sample_s: float = 2e-3) -> dict[st
     return {n: sorted(s)[len(s) // 2] * 1e6 for n, s in samples.items()}
 
 
-def linears(shapes, rows=(1, 4, 16, 32), rounds: int = 15) -> list[dict]:
-    """Per (shape, rows): median microseconds of each candidate this host runs (see the module doc)."""
+def linears(shapes, rows=(1, 4, 16, 32), rounds: int = 15, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Per (shape, rows): median microseconds of each candidate this host runs (see the module doc), the
+    activations in ``dtype`` (float32 where the host has no bf16 kernels: an AVX2 host, or one capped there)."""
     from kiln.engine.kernels import candidates, native
     from kiln.engine.kernels.quant_linear import quantized_linear
     from kiln.engine.kernels.torch_w8a8 import QLinear
@@ -65,13 +67,13 @@ def linears(shapes, rows=(1, 4, 16, 32), rounds: int = 15) -> list[dict]:
         w = torch.randn(n, k, generator=gen) * 0.02
         q, s = quantize_weight(w, "int8")
         packs = {}
-        i8 = kernels.pack_linear(q, ["fma"] * 16, s, torch.bfloat16)
+        i8 = kernels.pack_linear(q, ["fma"] * 16, s, dtype)
         for name, kern in (("kiln-w8a8", "w8a8"), ("int8-fma", "fma"), ("int8-amx", "amx")):
-            if kernels.gemm_kernels[torch.bfloat16][kern] is None:
+            if kernels.gemm_kernels[dtype][kern] is None:
                 packs[name] = (i8, kern)
         fns_for = {}
         for rows_ in rows:
-            x = torch.randn(rows_, k, generator=gen).bfloat16()
+            x = torch.randn(rows_, k, generator=gen).to(dtype)
             fns = {}
             for name, (p, kern) in packs.items():
                 def fn(p=p, kern=kern, x=x):
@@ -80,7 +82,7 @@ def linears(shapes, rows=(1, 4, 16, 32), rounds: int = 15) -> list[dict]:
                     return p(x)
                 fns[name] = fn
             fns_for[rows_] = (x, fns)
-        qlin = QLinear(q, s) if candidates.why_not("torch-w8a8", torch.bfloat16, kernels, "int8") is None else None
+        qlin = QLinear(q, s) if candidates.why_not("torch-w8a8", dtype, kernels, "int8") is None else None
         bf16 = kernels.pack_linear(w.bfloat16()) if torch.bfloat16 in kernels.linear_dtypes else None
         f32 = kernels.pack_linear(w)
         for rows_, (x, fns) in fns_for.items():
@@ -89,7 +91,7 @@ def linears(shapes, rows=(1, 4, 16, 32), rounds: int = 15) -> list[dict]:
             if k % 32 == 0:
                 fns["int8-aten"] = lambda x=x, q=q, s=s: quantized_linear(x, q, s, None)
             if bf16 is not None:
-                fns["bf16-fma"] = lambda x=x, bf16=bf16: bf16(x)
+                fns["bf16-fma"] = lambda xb=x.bfloat16(), bf16=bf16: bf16(xb)
             fns["f32-fma"] = lambda x32=x.float(), f32=f32: f32(x32)
             with torch.inference_mode():
                 us = _interleaved(fns, rounds)
@@ -105,15 +107,19 @@ def _engine(model: str, batch: int, **kw):
     return LLM(model, max_batch_size=batch, max_num_tokens=max(256, batch), device="cpu", **kw)
 
 
-def decode(model: str, batches=(1, 32), tokens: int = 64, rounds: int = 5, prompt_len: int = 16) -> list[dict]:
-    """Decode tok/s per setting (bf16 float; int8 with the table free to pick; int8 without W8A8), interleaved."""
+def decode(model: str, batches=(1, 32), tokens: int = 64, rounds: int = 5, prompt_len: int = 16,
+           dtype: str = "bfloat16") -> list[dict]:
+    """Decode tok/s per setting (the float engine; int8 with the table free to pick; int8 without torch's W8A8;
+    int8 without any W8A8), the activations in ``dtype``, interleaved."""
     import os
 
     from kiln.engine.sampling_params import SamplingParams
 
-    settings = {"bf16": {"dtype": "bfloat16"},
-                "int8": {"dtype": "bfloat16", "quantization": "int8"},
-                "int8-weight-only": {"dtype": "bfloat16", "quantization": "int8", "exclude": "w8a8"}}
+    settings = {"bf16" if dtype == "bfloat16" else "float32": {"dtype": dtype},
+                "int8": {"dtype": dtype, "quantization": "int8"},
+                # what a build whose quality gate refused torch's 7-bit W8A8 ships (SmolLM2's: quantization.md)
+                "int8-no-torch-w8a8": {"dtype": dtype, "quantization": "int8", "exclude": "torch-w8a8"},
+                "int8-weight-only": {"dtype": dtype, "quantization": "int8", "exclude": "w8a8"}}
     out = []
     for batch in batches:
         engines = {}
@@ -212,7 +218,8 @@ def main(argv=None) -> None:
     lin.add_argument("--shapes", default="smollm2", help="smollm2, llama-bench, or NxK,NxK,...")
     lin.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
     lin.add_argument("--rounds", type=int, default=15)
-    dec = sub.add_parser("decode")
+    for sp in (lin, dec := sub.add_parser("decode")):
+        sp.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the activations'")
     dec.add_argument("--model", required=True)
     dec.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     dec.add_argument("--tokens", type=int, default=64)
@@ -224,9 +231,9 @@ def main(argv=None) -> None:
     if args.cmd == "linears":
         named = {"smollm2": SMOLLM2, "llama-bench": LLAMA_BENCH}
         shapes = named.get(args.shapes) or [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
-        linears(shapes, tuple(args.rows), args.rounds)
+        linears(shapes, tuple(args.rows), args.rounds, getattr(torch, args.dtype))
     elif args.cmd == "decode":
-        decode(args.model, tuple(args.batch), args.tokens, args.rounds)
+        decode(args.model, tuple(args.batch), args.tokens, args.rounds, dtype=args.dtype)
     else:
         quality(args.model)
 

@@ -4,13 +4,14 @@ every library below an ISA so that one host can run what another kind runs.
 A library is compiled per ISA level (the x86-64 micro-architecture levels: ``x86-64-v4`` = AVX-512
 F/BW/CD/DQ/VL, ``x86-64-v3`` = AVX2 + FMA + ...; ``armv8-a`` on aarch64), and a host runs a level only if
 its ``/proc/cpuinfo`` flags include every flag of it (``LEVEL_FLAGS``), so a kernel built for AVX-512 never
-dies on an illegal instruction on an AVX2-only host. Past the level, three GEMM kernels need features of
-their own (``FEATURE_FLAGS``): W8A8 on vpdpbusd (AVX512-VNNI), the vdpbf16ps tiles (AVX512-BF16) and the
-AMX tiles. Which one *runs* is
+dies on an illegal instruction on an AVX2-only host. Past the level, GEMM kernels need features of their own
+(``FEATURE_FLAGS``): W8A8 on vpdpbusd (AVX512-VNNI in the x86-64-v4 library; AVX-VNNI in the x86-64-v3 one,
+whose W8A8 otherwise runs on AVX2), the vdpbf16ps tiles (AVX512-BF16) and the AMX tiles. Which one *runs* is
 not read from these flags: the tactic table (``kiln.engine.tactics``) times the ones the host can run.
 
 ``$KILN_CPU_ISA`` caps what kiln's kernels use, in ``CAP_ORDER`` (e.g. ``x86-64-v3`` on an AVX-512 host
-runs what an AVX2-only host runs; ``x86-64-v4`` keeps VNNI, vdpbf16ps and AMX off, as on a Skylake-SP;
+runs what an AVX2-only host runs; ``avx_vnni`` what an Alder Lake or Zen 5 client part runs; ``x86-64-v4``
+keeps VNNI, vdpbf16ps and AMX off, as on a Skylake-SP;
 ``avx512_bf16`` keeps AMX off). ``ISA_CAPS`` is the environment that
 holds torch's libraries at the same point (oneDNN, ATen, MKL): ``kiln bench --max-isa`` and the tests'
 capped runs set it before torch starts.
@@ -36,13 +37,15 @@ LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
 ARCH_LEVELS = {"x86_64": ("x86-64-v4", "x86-64-v3"), "aarch64": ("armv8-a",)}
 # feature -> (the library level it is compiled into, the flags a host needs to run it)
 FEATURE_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "avx_vnni": ("x86-64-v3", ("avx_vnni",)),
     "avx512_vnni": ("x86-64-v4", ("avx512_vnni",)),
     "avx512_bf16": ("x86-64-v4", ("avx512_bf16",)),
     "amx": ("x86-64-v4", ("amx_tile", "amx_bf16")),
 }
 ISA_ENV = "KILN_CPU_ISA"
 # What $KILN_CPU_ISA may name, lowest first: a cap allows everything at or below it.
-CAP_ORDER = {"x86_64": ("x86-64-v3", "x86-64-v4", "avx512_vnni", "avx512_bf16", "amx"), "aarch64": ("armv8-a",)}
+CAP_ORDER = {"x86_64": ("x86-64-v3", "avx_vnni", "x86-64-v4", "avx512_vnni", "avx512_bf16", "amx"),
+             "aarch64": ("armv8-a",)}
 # --max-isa name -> the environment that holds every library at or below it (set before torch starts).
 ISA_CAPS: dict[str, dict[str, str]] = {
     "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",

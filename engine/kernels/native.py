@@ -17,12 +17,28 @@ from pathlib import Path
 
 import torch
 from kiln.engine.kernels import cpu_library, gguf_blocks
-from kiln.engine.kernels.isa import feature_missing, log
+from kiln.engine.kernels.isa import FEATURE_FLAGS, feature_missing, log
 from kiln.engine.kernels.kernel_timers import GEMM, KernelTimers
 from kiln.engine.kernels.packed import GEMM_KERNELS, ROW_BUCKETS, KilnWeight, PackedLinear, row_bucket
 
 __all__ = ["GEMM_KERNELS", "ROW_BUCKETS", "DecoderStack", "Kernels", "KilnWeight", "PackedLinear", "kernels",
            "reset", "row_bucket", "supports"]
+
+
+def _w8a8_units(declare, level: str) -> tuple[str | None, str | None]:
+    """W8A8 (int8 weights x int8 activations, ``csrc/gemm_w8a8.c``) in a library of ``level``: (why it may not
+    run here, or None; the instruction its tiles use). The x86-64-v4 library's tiles are vpdpbusd on zmm and
+    need AVX512-VNNI; the x86-64-v3 library's use AVX-VNNI where the CPU's flags and ``$KILN_CPU_ISA`` allow it,
+    else AVX2 (the same integer sums either way, so the choice is not a timing question)."""
+    if not declare("kiln_w8a8_available", ctypes.c_int)():
+        return f"the {level} library has no W8A8 kernel", None
+    if level == FEATURE_FLAGS["avx512_vnni"][0]:
+        why = feature_missing("avx512_vnni", level)
+        return why, None if why else "avx512_vnni"
+    vnni = feature_missing("avx_vnni", level) is None
+    declare("kiln_w8a8_allow_vnni", None, ctypes.c_int)(int(vnni))
+    return None, "avx_vnni" if vnni else "avx2"
+
 
 class Kernels:
     """The loaded library, with argument types declared once."""
@@ -65,13 +81,10 @@ class Kernels:
         amx = feature_missing("amx", level) or bf16_fma
         if amx is None and not declare("kiln_amx_ready", ctypes.c_int)():
             amx = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-        # W8A8 (int8 weights x int8 activations) on vpdpbusd: the library says whether it has the kernel, the
-        # CPU's flags and $KILN_CPU_ISA whether it may run here
-        w8a8 = None if declare("kiln_w8a8_available", ctypes.c_int)() else f"the {level} library has no W8A8 kernel"
-        w8a8 = w8a8 or feature_missing("avx512_vnni", level)
+        w8a8, self.w8a8_isa = _w8a8_units(declare, level)
         # GGUF block weights (gguf_blocks.PackedGGUF): vpdpbusd where VNNI may run here, else AVX2 / portable code
         self.gguf = gguf_blocks.declare(lib)
-        self.gguf["set_vnni"](int(w8a8 is None))
+        self.gguf["set_vnni"](int(feature_missing("avx512_vnni", level) is None))
         mkldnn = torch.ops.mkldnn
         onednn = None if torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_bf16_supported() else \
             "torch's oneDNN has no bf16 kernels on this CPU"

@@ -31,7 +31,8 @@ def cpu_signature(threads: int | None = None, exclude=()) -> dict[str, Any]:
             "flags": sorted(f for f in cpu_target.RELEVANT_FLAGS if f in flags),
             "threads": int(threads or torch.get_num_threads()), "caps": caps_in_effect(),
             "torch": torch.__version__,
-            "kernels": None if kernels is None else {"level": kernels.level, "source": source_digest()[:16]}}
+            "kernels": None if kernels is None else {"level": kernels.level, "source": source_digest()[:16],
+                                                     "w8a8": kernels.w8a8_isa}}
 
 
 def signature_key(signature: dict[str, Any]) -> str:
@@ -44,6 +45,7 @@ def describe(signature: dict[str, Any]) -> str:
     caps = signature.get("caps") or {}
     return (f"{signature.get('model')} [{' '.join(signature.get('flags') or [])}], {signature.get('threads')} "
             f"thread(s), kiln kernels {kernels.get('level', 'none')}"
+            + (f" (W8A8 on {kernels['w8a8']})" if kernels.get("w8a8") else "")
             + (f", capped {' '.join(f'{k}={v}' for k, v in sorted(caps.items()))}" if caps else ""))
 
 

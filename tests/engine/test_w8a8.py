@@ -1,6 +1,7 @@
-"""W8A8 on the int8 units (issue 33): kiln's vpdpbusd kernel against the same quantized math in float64, the
-candidate through the table (pack, run, why_not, timing, choice), an int8 engine forced onto it against the
-float engine, the quality gate's switch, and hosts without AVX512-VNNI (simulated by the ISA cap)."""
+"""W8A8 on the int8 units (issues 33, 41): kiln's kernels (vpdpbusd on zmm or ymm, or AVX2's vpmaddubsw) against
+the same quantized math in float64, each instruction the host can run (chosen by the ISA cap), the candidate
+through the table (pack, run, why_not, timing, choice), an int8 engine forced onto it against the float engine,
+the quality gate's switch, and hosts without VNNI (simulated by the ISA cap)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 import pytest
 import torch
 from engine_testlib import random_prompts
+from kiln.engine.cpu_target import cpu_flags
 from kiln.engine.kernels import candidates, cpu_library, isa, native
 from kiln.engine.layers.quant import quantize_weight
 from kiln.engine.sampling_params import SamplingParams
@@ -39,11 +41,31 @@ def module_kernels_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def vnni(fresh):
+def units(fresh):
     kernels = native.kernels()
     why = "kiln's kernels do not load" if kernels is None else kernels.gemm_kernels[torch.float32]["w8a8"]
     if why:
         pytest.skip(f"W8A8 does not run here: {why}")
+    return kernels
+
+
+# $KILN_CPU_ISA -> the instruction W8A8's tiles then use (None: the host's best)
+ISA_TILES = {None: None, "x86-64-v3": "avx2", "avx_vnni": "avx_vnni"}
+
+
+@pytest.fixture(params=list(ISA_TILES), ids=lambda cap: cap or "best")
+def each_units(fresh, monkeypatch, request):
+    """The kernels once per instruction W8A8 can run on here: the host's best, and the x86-64-v3 library's AVX2
+    and AVX-VNNI tiles (skipped where the CPU lacks avx_vnni)."""
+    if request.param:
+        monkeypatch.setenv(isa.ISA_ENV, request.param)
+    native.reset()
+    kernels = native.kernels()
+    why = "kiln's kernels do not load" if kernels is None else kernels.gemm_kernels[torch.float32]["w8a8"]
+    if why:
+        pytest.skip(f"W8A8 does not run here: {why}")
+    if ISA_TILES[request.param] and kernels.w8a8_isa != ISA_TILES[request.param]:
+        pytest.skip(f"$KILN_CPU_ISA={request.param} runs W8A8 on {kernels.w8a8_isa} here (the CPU lacks avx_vnni)")
     return kernels
 
 
@@ -73,7 +95,7 @@ def _w8a8_math(xq: torch.Tensor, sx: torch.Tensor, q: torch.Tensor, s: torch.Ten
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), [(72, 200), (130, 37), (5, 3), (200, 1001), (64, 64), (257, 130)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_is_the_quantized_math(vnni, dtype, n, k, bias):
+def test_kernel_is_the_quantized_math(each_units, dtype, n, k, bias):
     """Odd N and K (no tile, panel, quad or block divides them), rows 1..40: the activations are quantized
     exactly as the reference does (int8 equal, block scales equal), and the output is each block's exact int32
     sum times its scale, summed, times the channel's scale, plus the bias: within float32's roundings of that
@@ -81,11 +103,14 @@ def test_kernel_is_the_quantized_math(vnni, dtype, n, k, bias):
     gen = torch.Generator().manual_seed(n * k)
     q, s = quantize_weight(torch.randn(n, k, generator=gen) * 0.05, "int8")
     b = torch.randn(n, generator=gen) if bias else None
-    packed = vnni.pack_linear(q, ["w8a8"] * 16, s, dtype)
+    units = each_units
+    if units.gemm_kernels[dtype]["w8a8"]:
+        pytest.skip(f"W8A8 of {dtype} activations does not run here: {units.gemm_kernels[dtype]['w8a8']}")
+    packed = units.pack_linear(q, ["w8a8"] * 16, s, dtype)
     for m in (1, 2, 5, 6, 7, 13, 40):
         x = torch.randn(m, k, generator=gen).to(dtype)
         x[0, 0] = 0.0
-        xq, sx = vnni.w8a8_quantize(x)
+        xq, sx = units.w8a8_quantize(x)
         ref_q, ref_s = _reference_quantize(x)
         assert torch.equal(xq, ref_q) and torch.equal(sx, ref_s)
         product = _w8a8_math(xq, sx, q, s)
@@ -99,56 +124,73 @@ def test_kernel_is_the_quantized_math(vnni, dtype, n, k, bias):
         assert ((y - ref).abs() <= bound).all(), (m, (y - ref).abs().max())
 
 
-def test_a_zero_row_gives_the_bias(vnni):
+def test_a_zero_row_gives_the_bias(each_units):
     q, s = quantize_weight(torch.randn(40, 24), "int8")
     b = torch.randn(40)
-    y = vnni.pack_linear(q, ["w8a8"] * 16, s, torch.float32)(torch.zeros(3, 24), b)
+    y = each_units.pack_linear(q, ["w8a8"] * 16, s, torch.float32)(torch.zeros(3, 24), b)
     assert torch.equal(y, b.expand(3, 40))
 
 
-def test_the_same_panels_run_weight_only_and_w8a8_per_bucket(vnni):
+def test_the_extreme_bytes_do_not_saturate(each_units):
+    """Weights of -128 and +127 against activations at +-127 (every int16 pair sum AVX2's vpmaddubsw makes at
+    its largest): the sums are exact, so the output is the float64 product within float32's roundings."""
+    k = 64
+    q = torch.full((24, k), 127, dtype=torch.int8)
+    q[::2] = -128
+    s = torch.full((24,), 0.01)
+    packed = each_units.pack_linear(q, ["w8a8"] * 16, s, torch.float32)
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    xq, sx = each_units.w8a8_quantize(x)
+    assert xq.abs().max() == 127
+    ref = _w8a8_math(xq, sx, q, s)
+    assert torch.allclose(packed(x).double(), ref, rtol=1e-6, atol=0), (packed(x), ref)
+
+
+def test_the_same_panels_run_weight_only_and_w8a8_per_bucket(units):
     """One packed copy: a bucket running W8A8 and one running the weight-only kernel on the same weight."""
     gen = torch.Generator().manual_seed(3)
     q, s = quantize_weight(torch.randn(96, 80, generator=gen), "int8")
     x = torch.randn(8, 80, generator=gen)
     weight_only = x.double() @ (q.double() * s.double()[:, None]).t()
-    packed = vnni.pack_linear(q, ["w8a8"] + ["fma"] * 15, s, torch.float32)
+    packed = units.pack_linear(q, ["w8a8"] + ["fma"] * 15, s, torch.float32)
     assert torch.allclose(packed(x).double(), weight_only, rtol=1e-5, atol=1e-5)  # 8 rows: bucket 3, fma
-    xq, sx = vnni.w8a8_quantize(x[:1])
+    xq, sx = units.w8a8_quantize(x[:1])
     w8a8 = _w8a8_math(xq, sx, q, s)
     assert torch.allclose(packed(x[:1]).double(), w8a8, rtol=1e-5, atol=1e-5)  # 1 row: bucket 0, W8A8
     with pytest.raises(ValueError, match="int8 weights"):
-        vnni.pack_linear(torch.randn(16, 16), ["w8a8"] * 16)
+        units.pack_linear(torch.randn(16, 16), ["w8a8"] * 16)
 
 
-def test_candidate_pack_run_why_not(vnni):
+def test_candidate_pack_run_why_not(units):
     assert candidates.LINEAR["kiln-w8a8"].layout == "kiln" and "kiln-w8a8" in candidates.ACTIVATION_QUANT
-    assert "float ones" in candidates.why_not("kiln-w8a8", torch.float32, vnni, None)
-    assert candidates.why_not("kiln-w8a8", torch.float32, vnni, "int8") is None
-    assert candidates.why_not("kiln-w8a8", torch.bfloat16, vnni, "int8") == vnni.gemm_kernels[torch.bfloat16]["fma"]
+    assert "float ones" in candidates.why_not("kiln-w8a8", torch.float32, units, None)
+    assert candidates.why_not("kiln-w8a8", torch.float32, units, "int8") is None
+    assert candidates.why_not("kiln-w8a8", torch.bfloat16, units, "int8") == units.gemm_kernels[torch.bfloat16]["fma"]
     q, s = quantize_weight(torch.randn(33, 48), "int8")
-    p = candidates.pack("kiln", q, vnni, tactics=["w8a8"] * 16, scale=s, dtype=torch.float32)
+    p = candidates.pack("kiln", q, units, tactics=["w8a8"] * 16, scale=s, dtype=torch.float32)
     x = torch.randn(3, 48)
     assert torch.equal(candidates.run(p, x, None), p(x))
-    if candidates.why_not("torch-w8a8", torch.float32, vnni, "int8") is None:
-        t = candidates.pack("qlinear", q, vnni, scale=s, dtype=torch.float32)
+    if candidates.why_not("torch-w8a8", torch.float32, units, "int8") is None:
+        t = candidates.pack("qlinear", q, units, scale=s, dtype=torch.float32)
         ref = x @ (q.float() * s[:, None]).t()
         assert (candidates.run(t, x, None) - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def test_the_table_times_and_picks_it(vnni):
+def test_the_table_times_and_picks_it(units):
     """An int8 site is timed on W8A8 beside the weight-only kernels; a bucket W8A8 wins runs it, packed so."""
     site = LinearSite(torch.float32, 128, 256, max_rows=4, quant="int8")
-    table = measure([site], vnni, budget_s=5.0)
+    table = measure([site], units, budget_s=5.0)
     timed = {name for b in table.linear[site.key].buckets for name in b["us"]}
     assert {"kiln-w8a8", "kiln-fma"} <= timed
     timings = [BucketTiming(rows, {"kiln-w8a8": 1e-6, "kiln-fma": 3e-6, "aten": 5e-6}) for rows in (1, 2, 4)]
     choice = choose(site.key, timings)
     assert choice.layout == "kiln" and [b["runs"] for b in choice.buckets] == ["kiln-w8a8"] * 3
-    assert packing(choice, site, vnni) == ("kiln", ["w8a8"] * 16)
+    assert packing(choice, site, units) == ("kiln", ["w8a8"] * 16)
 
 
-def test_the_quality_switch_takes_it_out(vnni, monkeypatch):
+def test_the_quality_switch_takes_it_out(units, monkeypatch):
     """$KILN_TACTICS_EXCLUDE=w8a8 (the quality gate's switch): never timed, a table that runs it is refused
     here, and the host signature says so (a table measured with it is not this host's)."""
     site = LinearSite(torch.float32, 64, 64, max_rows=2, quant="int8")
@@ -156,40 +198,46 @@ def test_the_quality_switch_takes_it_out(vnni, monkeypatch):
     choice = choose(site.key, [BucketTiming(r, {"kiln-w8a8": 1e-6, "kiln-fma": 2e-6}) for r in (1, 2)])
     monkeypatch.setenv(candidates.EXCLUDE_ENV, "w8a8")
     assert candidates.excluded() == frozenset(candidates.ACTIVATION_QUANT)
-    assert "KILN_TACTICS_EXCLUDE" in candidates.why_not("kiln-w8a8", torch.float32, vnni, "int8")
-    table = measure([site], vnni, budget_s=2.0)
+    assert "KILN_TACTICS_EXCLUDE" in candidates.why_not("kiln-w8a8", torch.float32, units, "int8")
+    table = measure([site], units, budget_s=2.0)
     assert not {name for b in table.linear[site.key].buckets for name in b["us"]} & set(candidates.ACTIVATION_QUANT)
     with pytest.raises(Exception, match="cannot run here"):
-        packing(choice, site, vnni)
+        packing(choice, site, units)
     assert host_signature.cpu_signature()["excluded"] == sorted(candidates.ACTIVATION_QUANT)
     assert host_signature.signature_key(host_signature.cpu_signature()) != before
 
 
-@pytest.mark.parametrize("cap", ["x86-64-v4", "x86-64-v3"])
-def test_a_host_without_vnni_never_offers_it(fresh, monkeypatch, cap):
-    """The AVX-512 library capped below VNNI (a Skylake-SP), and the AVX2 library (which has no W8A8 kernel)."""
+@pytest.mark.parametrize("cap", ["x86-64-v4", "avx_vnni", "x86-64-v3"])
+def test_a_host_without_avx512_vnni_runs_it_on_256_bit_tiles_or_not_at_all(fresh, monkeypatch, cap):
+    """The x86-64-v3 library (an AVX2-only host, or any host capped there) runs W8A8 on AVX-VNNI where the CPU
+    and the cap allow it, else on AVX2, and the table times it; the AVX-512 library capped below VNNI (a
+    Skylake-SP) has no tile to run and never offers it."""
     monkeypatch.setenv(isa.ISA_ENV, cap)
     native.reset()
     kernels = native.kernels()
     if kernels is None:
         pytest.skip("kiln's kernels do not load")
     why = candidates.why_not("kiln-w8a8", torch.float32, kernels, "int8")
-    assert why and (f"$KILN_CPU_ISA={cap} caps it off" in why or "no W8A8 kernel" in why or "lacks" in why)
     site = LinearSite(torch.float32, 64, 64, max_rows=2, quant="int8")
-    table = measure([site], kernels, budget_s=2.0)
-    assert all("kiln-w8a8" not in b["us"] for b in table.linear[site.key].buckets)
-    with pytest.raises(ValueError, match="w8a8"):
-        kernels.pack_linear(torch.zeros(8, 8, dtype=torch.int8), ["w8a8"] * 16, torch.ones(8), torch.float32)
+    timed = {name for b in measure([site], kernels, budget_s=2.0).linear[site.key].buckets for name in b["us"]}
+    if kernels.level == "x86-64-v4":
+        assert why and ("caps it off" in why or "lacks avx512_vnni" in why) and kernels.w8a8_isa is None
+        assert "kiln-w8a8" not in timed
+        with pytest.raises(ValueError, match="w8a8"):
+            kernels.pack_linear(torch.zeros(8, 8, dtype=torch.int8), ["w8a8"] * 16, torch.ones(8), torch.float32)
+        return
+    vnni = "avx_vnni" in cpu_flags() and cap == "avx_vnni"
+    assert why is None and kernels.w8a8_isa == ("avx_vnni" if vnni else "avx2") and "kiln-w8a8" in timed
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_an_int8_engine_on_w8a8_follows_the_float_engine(vnni, toy_model, make_llm, dtype):
+def test_an_int8_engine_on_w8a8_follows_the_float_engine(units, toy_model, make_llm, dtype):
     """The toy model, quantization int8, every int8 linear forced onto kiln-w8a8 (the stack runs it too): its
     greedy tokens against the float engine's. Measured: float32 20/20 and bf16 19-20/20 tokens agree (the
     random toy's logits are far apart); held to 80 %, and to the weight-only int8 engine's agreement
     minus 10 points."""
-    if candidates.why_not("kiln-w8a8", getattr(torch, dtype), vnni, "int8"):
-        pytest.skip(candidates.why_not("kiln-w8a8", getattr(torch, dtype), vnni, "int8"))
+    if candidates.why_not("kiln-w8a8", getattr(torch, dtype), units, "int8"):
+        pytest.skip(candidates.why_not("kiln-w8a8", getattr(torch, dtype), units, "int8"))
     model_dir = toy_model("llama-tiny", dtype=dtype)
     prompts = random_prompts([12, 30, 7, 21], seed=4)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -233,7 +281,7 @@ def test_tactics_exclude_is_an_engine_setting_passed_not_global(toy_model, fresh
         EngineConfig(model=model, device="cpu", tactics_exclude=["int4"])
 
 
-def test_an_int8_engine_packs_its_lm_head_int8_only_where_w8a8_may_run(vnni, toy_model, make_llm, monkeypatch):
+def test_an_int8_engine_packs_its_lm_head_int8_only_where_w8a8_may_run(units, toy_model, make_llm, monkeypatch):
     """The LM head of an int8 engine gets an int8 copy (run by the int8 candidates the table times) where a
     W8A8 candidate may run; with W8A8 excluded (the gate's verdict), lm_head_int8 'off', or a float engine,
     it stays in the engine's dtype. (Whether the head's rounding is acceptable for a model is the build's

@@ -1,4 +1,4 @@
-/* ---- W8A8: int8 weights x int8 activations, int32 sums on the int8 units (AVX512-VNNI vpdpbusd) ----
+/* ---- W8A8: int8 weights x int8 activations, int32 sums on the int8 units ----
  *
  * y[m, n] = s[n] * sum_b dx[m, b] (sum_{k in b} xq[m, k] q[n, k]) + bias[n]: the activations are quantized on
  * each call per row and per 32-block of K (llama.cpp's Q8_0 activations), symmetric: dx = max|x_b| / 127,
@@ -8,27 +8,41 @@
  * of weight-only int8). This still changes what the linear computes, which is why a tactic table may be told
  * not to pick it (kiln.engine.kernels.candidates.EXCLUDE_ENV) where a quality gate says so.
  *
- * The weight is the int8 weight-only kernel's copy, same bytes (gemm_int8.c): panels of 64 output columns with
- * K in groups of 4, [ceil(N / 64)][K quads][64][4], so one 64-byte load is 16 columns x 4 K values: what
- * vpdpbusd multiplies against 4 bytes of one activation row broadcast, adding the four products into each
- * column's int32 lane. vpdpbusd takes unsigned x signed bytes: the activations are stored as xq + 128 (0..255)
- * and 128 * (each column's sum of q over the block) is subtracted before the block's scale: ``bsums``
- * [ceil(N / 64)][K quads / 8][64] int16, made at pack time (|sum| <= 32 x 127). The K quads are a multiple of
- * 8 (i8_quads), so the blocks are whole; K past the weight is zero in the panels and its blocks' scales are 0.
+ * The weight is the int8 weight-only kernel's copy, same bytes (gemm_int8.c): panels of KILN_PANEL output
+ * columns with K in groups of 4, [ceil(N / KILN_PANEL)][K quads][KILN_PANEL][4], so one vector load is 16
+ * (zmm) or 8 (ymm) columns x 4 K values: what vpdpbusd multiplies against 4 bytes of one activation row
+ * broadcast, adding the four products into each column's int32 lane. vpdpbusd takes unsigned x signed bytes:
+ * the activations are stored as xq + 128 (0..255) and 128 * (each column's sum of q over the block) is
+ * subtracted before the block's scale: ``bsums`` [panels][K quads / 8][KILN_PANEL] int16, made at pack time
+ * (|sum| <= 32 x 128). The K quads are a multiple of 8 (i8_quads), so the blocks are whole; K past the weight is
+ * zero in the panels and its blocks' scales are 0.
  *
- * A register tile of up to W8_MR rows x 64 columns (4 zmm int32 accumulators for a block, 4 float32 ones for
- * the row) runs the whole K (a panel is K x 64 bytes: L2 for any K a model has); rows are split into tiles of
- * near-equal height, chunks of W8_MC rows and the panels shared out between threads as gemm.c does. Compiled
- * into the x86-64-v4 library, the VNNI parts under their own target: kiln_w8a8_available() says the library
- * has it, and the caller checks the CPU's avx512_vnni flag (kernels/isa.py) before running it. */
+ * Three instructions do the int8 products, each summing the same integers exactly (so all three give the same
+ * int32 sums, and the float epilogue runs in the same order):
+ *   - AVX512-VNNI (the x86-64-v4 library, 64-column panels): vpdpbusd on zmm, tiles of up to 3 rows x 64
+ *     columns (4 zmm int32 accumulators for a block, 4 float32 ones for the row);
+ *   - AVX-VNNI (the x86-64-v3 library, 16-column panels; Alder Lake and later, Zen 5): vpdpbusd on ymm, tiles of
+ *     up to 3 rows x 16 columns;
+ *   - AVX2 (the x86-64-v3 library on any other CPU): vpmaddubsw + vpmaddwd, whose int16 pair sums would
+ *     overflow on 255 x 127, so there the sign trick: |q| x sign(xq, q), which is q xq, pairs at most
+ *     2 x 128 x 127; no offset to subtract.
+ * Rows are split into tiles of near-equal height, chunks of W8_MC rows and the panels shared out between
+ * threads as gemm.c does. kiln_w8a8_available() says the library has a W8A8 kernel; which of its instructions
+ * may run is the caller's to say (kiln_w8a8_allow_vnni: the CPU's flags and $KILN_CPU_ISA, kernels/isa.py), and
+ * the library checks the CPU once more so a caller that skipped the check gets AVX2 or the fallback, never a
+ * fault. */
 #include "kiln_cpu.h"
 
-#define W8_MR 3
 #define W8_MC 192
 #define W8_BLOCK 32 /* K per activation scale */
 
 /* K quads -> activation blocks of one row */
 static inline int64_t w8_blocks(int64_t kq) { return kq / (W8_BLOCK / 4); }
+
+/* kiln_w8a8_allow_vnni: whether the x86-64-v3 library's tiles may use AVX-VNNI (the caller's leave, from the
+ * CPU's flags and $KILN_CPU_ISA); the x86-64-v4 library's use AVX512-VNNI, whose leave is loading them at all */
+static int w8_vnni = 0;
+void kiln_w8a8_allow_vnni(int on) { w8_vnni = on; }
 
 /* the block column sums W8A8 subtracts: packed int8 panels (kq quads) -> bsums [panels][kq / 8][KILN_PANEL] */
 void kiln_w8a8_block_sums(const int8_t *packed, int16_t *bsums, int64_t n, int64_t k) {
@@ -71,6 +85,7 @@ static void w8_quantize_row(const void *x, int64_t k, int64_t kq4, int bf16, uin
 #define W8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define W8_QTARGET __attribute__((target("avx512f,avx512bw,avx512vl"))) /* the x86-64-v4 library's own */
 #define W8_QUAD (4 * KILN_PANEL) /* bytes of one K quad of a panel */
+#define W8_MR 3                    /* rows of a tile */
 
 /* acc += u8 x s8 quads of xb and w, the accumulators typed as the instruction's own int32 lanes: with GCC 12
  * the intrinsic (__m512i, cast inside) makes every accumulator live on the stack and be moved each step
@@ -165,10 +180,25 @@ W8_QTARGET static void w8_quantize_row_vec(const void *x, int64_t k, int64_t kq4
             }                                                                                                 \
     }
 W8_TILE(1) W8_TILE(2) W8_TILE(3)
-typedef void (*w8_tile_fn)(const uint8_t *, int64_t, const float *, const int8_t *, int64_t, const int16_t *,
-                           const float *, const float *, void *, int64_t, int, int);
-static const w8_tile_fn w8_tiles[W8_MR + 1] = {0, w8_tile1, w8_tile2, w8_tile3};
+static const kiln_w8a8_tile w8_zmm[W8_MR + 1] = {0, w8_tile1, w8_tile2, w8_tile3};
 
+/* this library's tiles for the call: vpdpbusd on zmm where the CPU has AVX512-VNNI, else none */
+static const kiln_w8a8_tile *w8_tiles(void) {
+    static int vnni = -1; /* the CPU's, asked once: a caller that skipped isa.py's check gets the fallback */
+    if (vnni < 0) vnni = __builtin_cpu_supports("avx512vnni");
+    return vnni ? w8_zmm : 0;
+}
+#define W8_QUANTIZE_ROW w8_quantize_row_vec
+#define W8_HAVE 1
+#elif defined(__x86_64__) && defined(__AVX2__) && (defined(__clang__) || __GNUC__ >= 11)
+#define W8_QUAD (4 * KILN_PANEL)
+#define W8_MR KILN_W8A8_YMM_MR
+static const kiln_w8a8_tile *w8_tiles(void) { return kiln_w8a8_ymm_tiles(w8_vnni); }
+#define W8_QUANTIZE_ROW w8_quantize_row
+#define W8_HAVE 1
+#endif
+
+#ifdef W8_HAVE
 static __thread void *w8_buf; /* the quantized activations (kiln_scratch) */
 static __thread size_t w8_cap;
 
@@ -176,12 +206,12 @@ int kiln_w8a8_available(void) { return 1; }
 
 /* y [m, n] (bf16 or float32 as x, row stride ldy) = W8A8 of x [m, k] (row stride ldx) and the int8 panels
  * (gemm_int8.c's layout) with their scales and block sums (kiln_w8a8_block_sums), + bias (float32 or NULL).
- * Returns 0, -1 when the quantized activations could not be allocated, or 1 on a CPU without AVX512-VNNI. */
+ * Returns 0, -1 when the quantized activations could not be allocated, or 1 where this library has no tile the
+ * CPU runs (the x86-64-v4 library on a CPU without AVX512-VNNI). */
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16) {
-    static int vnni = -1; /* the CPU's, asked once: a caller that skipped isa.py's check gets the fallback */
-    if (vnni < 0) vnni = __builtin_cpu_supports("avx512vnni");
-    if (!vnni) return 1;
+    const kiln_w8a8_tile *tile = w8_tiles(); /* by rows */
+    if (!tile) return 1;
     const int64_t kq = i8_quads(k), ldq = 4 * kq, nb = w8_blocks(kq), panels = (n + KILN_PANEL - 1) / KILN_PANEL;
     uint8_t *xq = (uint8_t *)kiln_scratch(&w8_buf, &w8_cap, (size_t)m * ldq + (size_t)m * nb * sizeof(float));
     if (!xq) return -1;
@@ -189,7 +219,7 @@ int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, c
     const size_t esize = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (m * k > 65536)
     for (int64_t r = 0; r < m; r++)
-        w8_quantize_row_vec((const char *)x + r * ldx * esize, k, ldq, bf16, xq + r * ldq, sx + r * nb);
+        W8_QUANTIZE_ROW((const char *)x + r * ldx * esize, k, ldq, bf16, xq + r * ldq, sx + r * nb);
     const int64_t chunks = (m + W8_MC - 1) / W8_MC, mc = (m + chunks - 1) / chunks;
 #pragma omp parallel for collapse(2) schedule(static) if (panels > 1)
     for (int64_t ch = 0; ch < chunks; ch++)
@@ -200,7 +230,7 @@ int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, c
             const int8_t *wp = packed + p * kq * W8_QUAD;
             for (int64_t t = 0, m0 = m0c, mr; t < tiles; t++, m0 += mr) {
                 mr = rows / tiles + (t < rows % tiles);
-                w8_tiles[mr](xq + m0 * ldq, ldq, sx + m0 * nb, wp, nb, bsums + p * nb * KILN_PANEL, scales + col,
+                tile[mr](xq + m0 * ldq, ldq, sx + m0 * nb, wp, nb, bsums + p * nb * KILN_PANEL, scales + col,
                              bias ? bias + col : 0, (char *)y + (m0 * ldy + col) * esize, ldy, bf16, ncols);
             }
         }

@@ -11,7 +11,8 @@
  *   gemm.c       linears over weights packed once into panels: float32 and bf16 (vdpbf16ps) FMA tiles
  *   gemm_amx.c   the bf16 linear on AMX tiles, over the same panels
  *   gemm_int8.c  int8 weights (weight-only quantization) through the kernels above, widened panel by panel
- *   gemm_w8a8.c  int8 weights x int8 activations quantized per 32-block (W8A8) on AVX512-VNNI, same int8 panels
+ *   gemm_w8a8.c  int8 weights x int8 activations quantized per 32-block (W8A8), same int8 panels: AVX512-VNNI tiles
+ *   gemm_w8a8_ymm.c  its tiles on 256-bit vectors (AVX-VNNI, AVX2) for the x86-64-v3 library
  *   gemm_gguf.c  GGUF block weights (Q8_0, Q4_0, Q4_1) x activations quantized per 32-block, VNNI / AVX2
  *   gguf_pack.c  GGUF block weights packed into kiln's records (gguf_layout.h), and dequantized (kiln-gguf-f32)
  *   gemm_dispatch.c  kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count:
@@ -29,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KILN_ABI_VERSION 12
+#define KILN_ABI_VERSION 13
 #define KILN_HIDDEN __attribute__((visibility("hidden")))
 
 /* ---- opt-in timers (profile.c): an entry point opens with KILN_TIMED(component) ---- */
@@ -154,6 +155,16 @@ int kiln_linear_i8(const void *x, const int8_t *packed, const float *scales, con
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16);
 void kiln_w8a8_block_sums(const int8_t *packed, int16_t *bsums, int64_t n, int64_t k);
+/* a W8A8 register tile (gemm_w8a8.c calls it per row tile and panel): rows [0, R) of the quantized activations
+ * (row stride ldq, block scales sx with row stride nb) x one panel (nb blocks, block sums bs) -> y; the
+ * 256-bit tiles take up to KILN_W8A8_YMM_MR rows */
+#define KILN_W8A8_YMM_MR 4
+typedef void (*kiln_w8a8_tile)(const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *w, int64_t nb,
+                               const int16_t *bs, const float *scale, const float *bias, void *y, int64_t ldy,
+                               int bf16, int ncols);
+/* the 256-bit tiles by R = 1..KILN_W8A8_YMM_MR (gemm_w8a8_ymm.c): AVX-VNNI where vnni and the CPU has it, else AVX2; NULL in a library
+ * without them */
+KILN_HIDDEN const kiln_w8a8_tile *kiln_w8a8_ymm_tiles(int vnni);
 KILN_HIDDEN int kiln_gguf_linear_f32(const float *x, const uint8_t *w, int qt, const float *bias, float *y,
                                      int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy);
 int kiln_linear_gguf(const void *x, const uint8_t *w, int qt, const float *bias, void *y, int64_t m, int64_t n,
