@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from conftest import OPERATOR_NS, Kube, wait_for
+from conftest import OPERATOR_NS, WAIT_S, Kube, wait_for
 from kopf.testing import KopfRunner
 
 from kiln.api import LLMEngineSpec
@@ -101,7 +101,7 @@ class Cluster:
     def jobs(self) -> list[dict[str, Any]]:
         return self.kube.list(JOBS)
 
-    def wait_status(self, name: str, what: str, timeout: float = 20, **fields: Any) -> dict[str, Any]:
+    def wait_status(self, name: str, what: str, timeout: float = WAIT_S, **fields: Any) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
             status = self.status(name)
             return status if all(status.get(k) == v for k, v in fields.items()) else None
