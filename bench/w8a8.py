@@ -219,7 +219,8 @@ def main(argv=None) -> None:
     lin.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
     lin.add_argument("--rounds", type=int, default=15)
     for sp in (lin, dec := sub.add_parser("decode")):
-        sp.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the activations'")
+        sp.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="the activations' (default: bfloat16 where kiln's kernels multiply it, else float32)")
     dec.add_argument("--model", required=True)
     dec.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     dec.add_argument("--tokens", type=int, default=64)
@@ -228,6 +229,11 @@ def main(argv=None) -> None:
     qual.add_argument("--model", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.cmd in ("linears", "decode") and args.dtype is None:
+        from kiln.engine.kernels import native
+
+        kernels = native.kernels()
+        args.dtype = "bfloat16" if kernels is not None and torch.bfloat16 in kernels.linear_dtypes else "float32"
     if args.cmd == "linears":
         named = {"smollm2": SMOLLM2, "llama-bench": LLAMA_BENCH}
         shapes = named.get(args.shapes) or [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]

@@ -10,7 +10,7 @@ whose W8A8 otherwise runs on AVX2), the vdpbf16ps tiles (AVX512-BF16) and the AM
 not read from these flags: the tactic table (``kiln.engine.tactics``) times the ones the host can run.
 
 ``$KILN_CPU_ISA`` caps what kiln's kernels use, in ``CAP_ORDER`` (e.g. ``x86-64-v3`` on an AVX-512 host
-runs what an AVX2-only host runs; ``avx_vnni`` what an Alder Lake or Zen 5 client part runs; ``x86-64-v4``
+runs what an AVX2-only host runs; ``avx_vnni`` what an Intel client part from Alder Lake on runs; ``x86-64-v4``
 keeps VNNI, vdpbf16ps and AMX off, as on a Skylake-SP;
 ``avx512_bf16`` keeps AMX off). ``ISA_CAPS`` is the environment that
 holds torch's libraries at the same point (oneDNN, ATen, MKL): ``kiln bench --max-isa`` and the tests'

@@ -2,8 +2,8 @@
 
 Everything that changes which kernel is fastest is in it: the CPU model and the flags that decide the
 matmul kernels (``cpu_target.RELEVANT_FLAGS``), the thread count the timings ran at, the ISA caps in the
-environment, the kiln kernel library (level and source), torch's version (oneDNN comes with it) and the
-candidates the engine's ``tactics_exclude`` and ``$KILN_TACTICS_EXCLUDE`` take out (``kernels.candidates.excluded``;
+environment, the kiln kernel library (level, source, and the instruction its W8A8 runs on), torch's version
+(oneDNN comes with it) and the candidates the engine's ``tactics_exclude`` and ``$KILN_TACTICS_EXCLUDE`` take out (``kernels.candidates.excluded``;
 only when set). The CPU count
 is not: a pod with the same CPU type and the same threads times the same.
 """

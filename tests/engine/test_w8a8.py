@@ -226,8 +226,28 @@ def test_a_host_without_avx512_vnni_runs_it_on_256_bit_tiles_or_not_at_all(fresh
         with pytest.raises(ValueError, match="w8a8"):
             kernels.pack_linear(torch.zeros(8, 8, dtype=torch.int8), ["w8a8"] * 16, torch.ones(8), torch.float32)
         return
-    vnni = "avx_vnni" in cpu_flags() and cap == "avx_vnni"
+    vnni = isa.feature_missing("avx_vnni", kernels.level) is None  # the CPU has it, the cap allows it
+    assert vnni == ("avx_vnni" in cpu_flags() and cap != "x86-64-v3")
     assert why is None and kernels.w8a8_isa == ("avx_vnni" if vnni else "avx2") and "kiln-w8a8" in timed
+
+
+def test_the_256_bit_tiles_give_the_zmm_tiles_bits(fresh, monkeypatch):
+    """Every form sums the same integers exactly and runs the same float epilogue: on a host that loads the
+    AVX-512 library with VNNI, its output equals, bit for bit, the x86-64-v3 library's (AVX2 tiles, or AVX-VNNI
+    where the CPU has it) on the same weight and activations."""
+    best = native.kernels()
+    if best is None or best.w8a8_isa != "avx512_vnni":
+        pytest.skip("needs a host whose best library runs W8A8 on AVX512-VNNI")
+    gen = torch.Generator().manual_seed(7)
+    cases = [(quantize_weight(torch.randn(n, k, generator=gen) * 0.05, "int8"), torch.randn(n, generator=gen),
+              torch.randn(m, k, generator=gen)) for n, k, m in ((72, 200, 5), (257, 130, 1), (960, 576, 13))]
+    outs = [best.pack_linear(q, ["w8a8"] * 16, s, torch.float32)(x, b) for (q, s), b, x in cases]
+    monkeypatch.setenv(isa.ISA_ENV, "avx_vnni")
+    native.reset()
+    ymm = native.kernels()
+    assert ymm.level == "x86-64-v3" and ymm.w8a8_isa in ("avx2", "avx_vnni")
+    for ((q, s), b, x), want in zip(cases, outs, strict=True):
+        assert torch.equal(ymm.pack_linear(q, ["w8a8"] * 16, s, torch.float32)(x, b), want)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -288,6 +308,8 @@ def test_an_int8_engine_packs_its_lm_head_int8_only_where_w8a8_may_run(units, to
     quality gate's call, which measures W8A8 with the head in int8 and again without: tests/builder.)"""
     from kiln.engine.layers.embedding import ParallelLMHead
 
+    if candidates.why_not("kiln-w8a8", torch.bfloat16, units, "int8"):  # an AVX2 host: W8A8 of float32 only
+        pytest.skip(candidates.why_not("kiln-w8a8", torch.bfloat16, units, "int8"))
     model_dir = toy_model("llama-tiny", dtype="bfloat16")
     kw = dict(attention_backend="native", dtype="bfloat16", num_kv_blocks=64, block_size=16, max_num_tokens=256,
               max_batch_size=4, device="cpu")

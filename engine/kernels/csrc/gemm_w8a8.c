@@ -21,8 +21,8 @@
  * int32 sums, and the float epilogue runs in the same order):
  *   - AVX512-VNNI (the x86-64-v4 library, 64-column panels): vpdpbusd on zmm, tiles of up to 3 rows x 64
  *     columns (4 zmm int32 accumulators for a block, 4 float32 ones for the row);
- *   - AVX-VNNI (the x86-64-v3 library, 16-column panels; Alder Lake and later, Zen 5): vpdpbusd on ymm, tiles of
- *     up to 3 rows x 16 columns;
+ *   - AVX-VNNI (the x86-64-v3 library, 16-column panels; Intel's client parts from Alder Lake on, Sierra
+ *     Forest: AVX-VNNI without AVX-512): vpdpbusd on ymm, tiles of up to 4 rows x 16 columns;
  *   - AVX2 (the x86-64-v3 library on any other CPU): vpmaddubsw + vpmaddwd, whose int16 pair sums would
  *     overflow on 255 x 127, so there the sign trick: |q| x sign(xq, q), which is q xq, pairs at most
  *     2 x 128 x 127; no offset to subtract.
@@ -190,7 +190,7 @@ static const kiln_w8a8_tile *w8_tiles(void) {
 }
 #define W8_QUANTIZE_ROW w8_quantize_row_vec
 #define W8_HAVE 1
-#elif defined(__x86_64__) && defined(__AVX2__) && (defined(__clang__) || __GNUC__ >= 11)
+#elif defined(__x86_64__) && defined(__AVX2__) && (defined(__clang__) || __GNUC__ >= 10)
 #define W8_QUAD (4 * KILN_PANEL)
 #define W8_MR KILN_W8A8_YMM_MR
 static const kiln_w8a8_tile *w8_tiles(void) { return kiln_w8a8_ymm_tiles(w8_vnni); }

@@ -1,6 +1,7 @@
 /* ---- W8A8's register tiles on 256-bit vectors: AVX-VNNI and AVX2, for the x86-64-v3 library ----
  *
- * gemm_w8a8.c quantizes the activations, shares out the panels and calls one of these per row tile; here one
+ * gemm_w8a8.c quantizes the activations, shares out the panels and calls one of these per tile of up to
+ * KILN_W8A8_YMM_MR rows; here one
  * 16-column panel (KILN_PANEL in this library) is two ymm of 8 columns x 4 K per K quad. Both tiles sum the
  * same integers exactly and run the float epilogue in gemm_w8a8.c's AVX-512 tiles' order, per column:
  *   f += float(acc_b) * dx_b for each 32-block b, then y = f * s (+ bias).
@@ -10,9 +11,14 @@
  * int16 pair sum stays within 2 x 128 x 127 (vpmaddubsw saturates, and 255 x 127 would). */
 #include "kiln_cpu.h"
 
-#if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 11)
+#if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
+#include <cpuid.h>
 #include <immintrin.h>
 
+/* the AVX-VNNI tiles where the compiler knows the instruction (GCC 11, clang 12); else AVX2's alone */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define YT_HAVE_VNNI 1
+#endif
 #define YT_AVX2 __attribute__((target("avx2,fma")))
 #define YT_VNNI __attribute__((target("avx2,fma,avxvnni")))
 /* acc += u8 x s8 quads, on the instruction's own int32 lanes (gemm_w8a8.c says why the builtin, not the
@@ -92,18 +98,33 @@ YT_AVX2 static inline void yt_block(__m256 f[][2], __v8si acc[][2], int R, const
             _mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(xs, w1)), one));                       \
     } while (0)
 
-YT_TILE(yt_vnni1, YT_VNNI, 1, YT_VNNI_STEP, 1) YT_TILE(yt_vnni2, YT_VNNI, 2, YT_VNNI_STEP, 1)
-YT_TILE(yt_vnni3, YT_VNNI, 3, YT_VNNI_STEP, 1) YT_TILE(yt_vnni4, YT_VNNI, 4, YT_VNNI_STEP, 1)
 YT_TILE(yt_avx2_1, YT_AVX2, 1, YT_AVX2_STEP, 0) YT_TILE(yt_avx2_2, YT_AVX2, 2, YT_AVX2_STEP, 0)
 YT_TILE(yt_avx2_3, YT_AVX2, 3, YT_AVX2_STEP, 0) YT_TILE(yt_avx2_4, YT_AVX2, 4, YT_AVX2_STEP, 0)
 
-static const kiln_w8a8_tile yt_vnni[KILN_W8A8_YMM_MR + 1] = {0, yt_vnni1, yt_vnni2, yt_vnni3, yt_vnni4};
 static const kiln_w8a8_tile yt_avx2[KILN_W8A8_YMM_MR + 1] = {0, yt_avx2_1, yt_avx2_2, yt_avx2_3, yt_avx2_4};
 
+#ifdef YT_HAVE_VNNI
+YT_TILE(yt_vnni1, YT_VNNI, 1, YT_VNNI_STEP, 1) YT_TILE(yt_vnni2, YT_VNNI, 2, YT_VNNI_STEP, 1)
+YT_TILE(yt_vnni3, YT_VNNI, 3, YT_VNNI_STEP, 1) YT_TILE(yt_vnni4, YT_VNNI, 4, YT_VNNI_STEP, 1)
+static const kiln_w8a8_tile yt_vnni[KILN_W8A8_YMM_MR + 1] = {0, yt_vnni1, yt_vnni2, yt_vnni3, yt_vnni4};
+
+/* AVX-VNNI from CPUID (leaf 7, sub-leaf 1, EAX bit 4): older compilers' __builtin_cpu_supports lack its name.
+ * The OS keeps the ymm state: this library already runs AVX2. */
+static int yt_cpu_vnni(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+}
+#endif
+
 const kiln_w8a8_tile *kiln_w8a8_ymm_tiles(int vnni) {
+#ifdef YT_HAVE_VNNI
     static int cpu_vnni = -1; /* asked once: a caller's leave without the CPU's gets AVX2, never a fault */
-    if (cpu_vnni < 0) cpu_vnni = __builtin_cpu_supports("avxvnni");
-    return vnni && cpu_vnni ? yt_vnni : yt_avx2;
+    if (cpu_vnni < 0) cpu_vnni = yt_cpu_vnni();
+    if (vnni && cpu_vnni) return yt_vnni;
+#else
+    (void)vnni;
+#endif
+    return yt_avx2;
 }
 #else
 const kiln_w8a8_tile *kiln_w8a8_ymm_tiles(int vnni) {
