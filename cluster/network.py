@@ -65,12 +65,16 @@ class Network:
     def namespaces(self) -> list[str]:
         return [p.name for p in Path("/var/run/netns").glob(f"{self.bridge}-*")]
 
+    def veth(self, n: int) -> str:
+        """The host end of pod ``n``'s veth pair (its other end is the pod's eth0)."""
+        return f"k{self.index}v{n}"
+
     def pod_ip(self, n: int) -> str:
         return f"{self.prefix}.{n // 254}.{n % 254 + 1}"
 
     def add_pod(self, n: int) -> tuple[str, str]:
         """A namespace with eth0 on the bridge for pod number ``n`` (>= 1): (its netns path, its IP)."""
-        ns, veth, ip = f"{self.bridge}-{n}", f"k{self.index}v{n}", self.pod_ip(n)
+        ns, veth, ip = f"{self.bridge}-{n}", self.veth(n), self.pod_ip(n)
         self.remove_pod(n)
         _ip("netns", "add", ns)
         _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -83,4 +87,8 @@ class Network:
         return f"/var/run/netns/{ns}", ip
 
     def remove_pod(self, n: int) -> None:
+        """Pod ``n``'s namespace and its veth pair. The pair goes by its host end: a namespace whose name is
+        deleted lives on while a process of a run killed without its teardown (its sandbox) is still in it,
+        and with it the pair, whose name the next run's pod ``n`` would then find taken."""
         _ip("netns", "delete", f"{self.bridge}-{n}", check=False)
+        _ip("link", "delete", self.veth(n), check=False)
