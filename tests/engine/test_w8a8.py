@@ -40,13 +40,17 @@ def module_kernels_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cpu-kernels")
 
 
-@pytest.fixture
-def units(fresh):
+def _w8a8_kernels_or_skip() -> native.Kernels:
     kernels = native.kernels()
     why = "kiln's kernels do not load" if kernels is None else kernels.gemm_kernels[torch.float32]["w8a8"]
     if why:
         pytest.skip(f"W8A8 does not run here: {why}")
     return kernels
+
+
+@pytest.fixture
+def units(fresh):
+    return _w8a8_kernels_or_skip()
 
 
 # $KILN_CPU_ISA -> the instruction W8A8's tiles then use (None: the host's best)
@@ -60,10 +64,7 @@ def each_units(fresh, monkeypatch, request):
     if request.param:
         monkeypatch.setenv(isa.ISA_ENV, request.param)
     native.reset()
-    kernels = native.kernels()
-    why = "kiln's kernels do not load" if kernels is None else kernels.gemm_kernels[torch.float32]["w8a8"]
-    if why:
-        pytest.skip(f"W8A8 does not run here: {why}")
+    kernels = _w8a8_kernels_or_skip()
     if ISA_TILES[request.param] and kernels.w8a8_isa != ISA_TILES[request.param]:
         pytest.skip(f"$KILN_CPU_ISA={request.param} runs W8A8 on {kernels.w8a8_isa} here (the CPU lacks avx_vnni)")
     return kernels

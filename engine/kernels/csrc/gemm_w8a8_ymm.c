@@ -32,15 +32,13 @@
 /* the epilogue of a tile: rows [0, R) of y (row stride ldy, bf16 or float32) = f * scale + bias, ncols columns */
 YT_AVX2 static inline void yt_store(__m256 f[][2], int R, const float *scale, const float *bias, void *y,
                                     int64_t ldy, int bf16, int ncols) {
+    float b16[16] = {0}; /* the bias past ncols is not the caller's memory: padded here, once for every row */
+    for (int c = 0; bias && c < ncols; c++) b16[c] = bias[c];
     for (int r = 0; r < R; r++) {
         float out[16];
         for (int h = 0; h < 2; h++) {
             __m256 v = _mm256_mul_ps(f[r][h], _mm256_loadu_ps(scale + 8 * h));
-            if (bias) {  /* the bias past ncols is not the caller's memory: padded here */
-                float b8[8] = {0};
-                for (int c = 0; c < 8 && 8 * h + c < ncols; c++) b8[c] = bias[8 * h + c];
-                v = _mm256_add_ps(v, _mm256_loadu_ps(b8));
-            }
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(b16 + 8 * h));
             _mm256_storeu_ps(out + 8 * h, v);
         }
         for (int c = 0; c < ncols; c++) st(y, r * ldy + c, out[c], bf16);
