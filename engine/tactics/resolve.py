@@ -33,7 +33,15 @@ from kiln.engine.kernels import candidates
 from kiln.engine.kernels.native import ROW_BUCKETS
 from kiln.engine.tactics import deferred, host_signature
 from kiln.engine.tactics.table import LinearChoice, TacticsError, TacticTable, choose
-from kiln.engine.tactics.timing import TIMED_COLUMNS, LinearSite, bucket_rows, time_attention, time_site
+from kiln.engine.tactics.timing import (
+    SETTLE_S,
+    TIMED_COLUMNS,
+    LinearSite,
+    bucket_rows,
+    settle,
+    time_attention,
+    time_site,
+)
 
 log = logging.getLogger("kiln.engine.tactics")
 
@@ -70,6 +78,9 @@ def measure(sites: list[LinearSite], native, budget_s: float, only: str | None =
     table = TacticTable(host=host_signature.cpu_signature(exclude=exclude))
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
+        waited = settle(min(SETTLE_S, budget_s / 4))
+        if waited > 0.1:
+            log.info("tactics: waited %.2fs for the timing thread to keep the CPU before timing", waited)
         for site in sorted(sites, key=lambda s: s.n * s.k):
             names = [n for n in candidates.LINEAR
                      if candidates.why_not(n, site.dtype, native, site.quant, exclude) is None]
