@@ -19,7 +19,7 @@ import logging
 from typing import Any
 
 import torch
-from kiln.engine import parallel
+from kiln.engine import host_pages, parallel
 from kiln.engine.kernels import candidates, formats
 from kiln.engine.layers.attention import Attention
 from kiln.engine.layers.embedding import ParallelLMHead
@@ -111,30 +111,37 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
     fuse, why = stack_layout(table, modules, native if stack else None, exclude)
     log.info("tactics: decoder layers %s (%s)", "in kiln's layout for the stack" if fuse else "per shape", why)
     counts: dict[str, int] = {}
-    for m, site in modules:
-        stacked = fuse and site.stacked  # kiln's layout; oneDNN (from Python) only where it beats the stack's saving
-        layout, kernels = _packing(table.linear[site.key], site, native, stacked, exclude, one_kernel)
-        counts[layout] = counts.get(layout, 0) + 1
-        if layout == "plain":
-            continue
-        scale = getattr(m, "weight_scale", None) if site.quant else None
-        weight = m.weight if getattr(m, "weight_int8", None) is None else m.weight_int8  # an int8 engine's head
-        try:
-            packed = candidates.pack(layout, weight, native, batch_hint, kernels, scale, site.dtype)
-        except ValueError as exc:  # oneDNN packed this weight otherwise than the timed one of its shape
-            if "onednn" not in (kernels or []):
-                raise
-            log.warning("tactics: %s (%s); its buckets run kiln's C kernels instead", exc, site.key)
-            _, kernels = packing(table.linear[site.key], site, native, "kiln", float("inf"), exclude, one_kernel)
-            packed = candidates.pack(layout, weight, native, batch_hint, kernels, scale, site.dtype)
-        m.packed_weight = packed
-        tied = isinstance(m, ParallelLMHead) and any(
-            p is m.weight for other in model.modules() if other is not m for p in other.parameters(recurse=False))
-        if not tied:  # a tied head's weight is the embedding's, which keeps it for lookups
-            m.weight.data = torch.empty(0, dtype=m.weight.dtype, device=m.weight.device)
-        if isinstance(m, ParallelLMHead):  # its int8 copy lives in the packing now (a head left plain keeps
-            m.weight_int8 = m.weight_scale = None  # the copy for a later swap, its float weight running meanwhile)
+    with host_pages.arena():  # the model's weights side by side in huge pages (host_pages.py says why)
+        for m, site in modules:
+            _bind_one(model, m, site, table, native, fuse, exclude, one_kernel, batch_hint, counts)
     return counts
+
+
+def _bind_one(model: nn.Module, m: nn.Module, site: LinearSite, table: TacticTable, native, fuse: bool, exclude,
+              one_kernel: bool, batch_hint: int, counts: dict[str, int]) -> None:
+    """Pack one module by its table entry (``bind``), counted into ``counts`` by layout."""
+    stacked = fuse and site.stacked  # kiln's layout; oneDNN (from Python) only where it beats the stack's saving
+    layout, kernels = _packing(table.linear[site.key], site, native, stacked, exclude, one_kernel)
+    counts[layout] = counts.get(layout, 0) + 1
+    if layout == "plain":
+        return
+    scale = getattr(m, "weight_scale", None) if site.quant else None
+    weight = m.weight if getattr(m, "weight_int8", None) is None else m.weight_int8  # an int8 engine's head
+    try:
+        packed = candidates.pack(layout, weight, native, batch_hint, kernels, scale, site.dtype)
+    except ValueError as exc:  # oneDNN packed this weight otherwise than the timed one of its shape
+        if "onednn" not in (kernels or []):
+            raise
+        log.warning("tactics: %s (%s); its buckets run kiln's C kernels instead", exc, site.key)
+        _, kernels = packing(table.linear[site.key], site, native, "kiln", float("inf"), exclude, one_kernel)
+        packed = candidates.pack(layout, weight, native, batch_hint, kernels, scale, site.dtype)
+    m.packed_weight = packed
+    tied = isinstance(m, ParallelLMHead) and any(
+        p is m.weight for other in model.modules() if other is not m for p in other.parameters(recurse=False))
+    if not tied:  # a tied head's weight is the embedding's, which keeps it for lookups
+        m.weight.data = torch.empty(0, dtype=m.weight.dtype, device=m.weight.device)
+    if isinstance(m, ParallelLMHead):  # its int8 copy lives in the packing now (a head left plain keeps
+        m.weight_int8 = m.weight_scale = None  # the copy for a later swap, its float weight running meanwhile)
 
 
 def invariance(counts: dict[str, int]) -> str:

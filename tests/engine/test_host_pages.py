@@ -75,3 +75,57 @@ def test_a_kernel_without_transparent_huge_pages_only_loses_the_hint():
             raise OSError(22, "Invalid argument")
 
     host_pages._advise(NoTHP(), getattr(mmap, "MADV_HUGEPAGE", 14), 0, HUGE_PAGE)  # no error
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not THP, reason="no transparent huge pages on this host")
+def test_an_arena_lays_small_weights_side_by_side_in_huge_pages_and_goes_with_the_last(monkeypatch):
+    from kiln.engine import host_pages
+
+    monkeypatch.delenv("KILN_HUGE_PAGES", raising=False)
+    sizes = [324 * 1024, 5000, HUGE_PAGE + 1, 1 << 20]  # SmolLM2's int8 576x576, a bias-sized one, 2 MiB + 1, ...
+    with host_pages.arena():
+        pieces = [anonymous(n, huge=True) for n in sizes]
+        big = anonymous(host_pages.ARENA_CHUNK // 2 + 1, huge=True)  # over half a chunk: its own mapping
+    outside = anonymous(sizes[0], huge=True)  # the arena ends with its block
+    base = pieces[0].data_ptr()
+    assert base % HUGE_PAGE == 0
+    for n, piece, nxt in zip(sizes, pieces, pieces[1:], strict=False):
+        assert piece.numel() == n and nxt.data_ptr() == piece.data_ptr() + -(-n // host_pages.ARENA_ALIGN) * 4096
+    for piece in pieces:
+        assert "hg" in mapping_fields(piece)["VmFlags"]
+        assert piece.untyped_storage().data_ptr() == pieces[0].untyped_storage().data_ptr(), "not one chunk"
+    assert big.untyped_storage().data_ptr() != pieces[0].untyped_storage().data_ptr()
+    assert "hg" not in mapping_fields(outside)["VmFlags"], "a small buffer outside an arena asked for huge pages"
+    for piece in pieces:
+        piece.fill_(3)
+    lo = pieces[0].untyped_storage().data_ptr()
+    chunk = _mapped(lo, lo + 1)  # the chunk's mapping, as /proc/self/maps lists it
+    last = pieces.pop()
+    del piece, nxt  # the loops' names hold pieces too
+    pieces.clear()
+    assert _mapped(lo, lo + 1) == chunk and int(last[-1]) == 3, "a piece still held lost its chunk"
+    del last
+    assert not set(_mapped(lo, lo + 1)) & set(chunk), "the chunk outlived its last weight"
+
+
+def test_without_huge_pages_an_arena_hands_out_plain_buffers(monkeypatch):
+    from kiln.engine import host_pages
+
+    monkeypatch.setenv("KILN_HUGE_PAGES", "0")
+    with host_pages.arena():
+        a, b = anonymous(4096, huge=True), anonymous(4096, huge=True)
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert "hg" not in mapping_fields(a)["VmFlags"]
+
+
+def test_an_engine_packs_its_small_weights_into_one_arena(toy_model, make_llm):
+    from kiln.engine.kernels import native
+    from kiln.engine.kernels.packed import PackedLinear
+
+    if native.kernels() is None:
+        pytest.skip("kiln's CPU kernels do not load on this host")
+    llm = make_llm(toy_model("llama-tiny"), num_kv_blocks=16, device="cpu", tactics="kiln-fma")
+    chunks = {m.packed_weight.panels.untyped_storage().data_ptr()
+              for m in llm.engine.runner.model.modules()
+              if isinstance(getattr(m, "packed_weight", None), PackedLinear)}
+    assert len(chunks) == 1, f"the toy model's linears lie in {len(chunks)} mappings"
