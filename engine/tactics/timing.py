@@ -14,7 +14,7 @@ least disturbed. Before the first shape, :func:`settle` waits (at most ``SETTLE_
 undisturbed samples in a row, so the load's own work beside it ends first: the tokenizer's import, on its own
 thread, holds the GIL, which every candidate leaves and must take back. On a 2-core VM the first shape timed
 after a load lost up to 99 % of a sample so; the cached table ran o_proj on ATen and took the decoder stack
-away at every later start (float32 decode 1.15-1.2x slower on the bench model).
+away at every later start (float32 decode 1.19-1.27x slower on the bench model).
 
 Wide weights are timed on their first ``TIMED_COLUMNS`` output columns: every candidate's time grows
 linearly in the columns past a few hundred, and a full LM head packed three ways would cost gigabytes.
