@@ -68,19 +68,10 @@ class _Arena:
 
     def take(self, nbytes: int) -> torch.Tensor:
         if self.chunk is None or self.used + nbytes > self.chunk.numel():
-            self.chunk, self.used = anonymous_chunk(), 0
+            self.chunk, self.used = anonymous(ARENA_CHUNK, huge=True), 0  # over half a chunk: not carved
         piece = self.chunk[self.used:self.used + nbytes]
         self.used += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
         return piece
-
-
-def anonymous_chunk() -> torch.Tensor:
-    """A chunk of ``ARENA_CHUNK`` bytes in huge pages, outside any arena."""
-    previous, _arenas.current = getattr(_arenas, "current", None), None
-    try:
-        return anonymous(ARENA_CHUNK, huge=True)
-    finally:
-        _arenas.current = previous
 
 
 @contextlib.contextmanager

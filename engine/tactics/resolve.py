@@ -77,10 +77,8 @@ def measure(sites: list[LinearSite], native, budget_s: float, only: str | None =
     deadline = started + budget_s
     table = TacticTable(host=host_signature.cpu_signature(exclude=exclude))
     gen = torch.Generator().manual_seed(0)
+    settled = False
     with torch.inference_mode():
-        waited = settle(min(SETTLE_S, budget_s / 4))
-        if waited > 0.1:
-            log.info("tactics: waited %.2fs for the timing thread to keep the CPU before timing", waited)
         for site in sorted(sites, key=lambda s: s.n * s.k):
             names = [n for n in candidates.LINEAR
                      if candidates.why_not(n, site.dtype, native, site.quant, exclude) is None]
@@ -89,6 +87,9 @@ def measure(sites: list[LinearSite], native, budget_s: float, only: str | None =
                     {"rows": rows, "runs": only, "winner": only, "runner_up": None, "us": {}, "pruned": [],
                      "inferred_from": None} for rows in bucket_rows(site.max_rows)])
                 continue
+            if not settled:  # once, before the first shape that is timed (a forced table times none)
+                _settle(budget_s)
+                settled = True
             timings = time_site(site, names, native, deadline, gen)
             table.linear[site.key] = choose(site.key, timings, min(site.n, TIMED_COLUMNS))
         tiles = measure_attention(native, attention)
@@ -96,6 +97,13 @@ def measure(sites: list[LinearSite], native, budget_s: float, only: str | None =
             table.model["attention_tiles"] = tiles
     table.seconds = time.monotonic() - started
     return table
+
+
+def _settle(budget_s: float) -> None:
+    """``timing.settle`` within a quarter of the budget, logged where it waited."""
+    waited = settle(min(SETTLE_S, budget_s / 4))
+    if waited > 0.1:
+        log.info("tactics: waited %.2fs for the timing thread to keep the CPU before timing", waited)
 
 
 def budget(default: float = LOAD_BUDGET_S) -> float:

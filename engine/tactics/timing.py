@@ -84,12 +84,16 @@ def _run(fn, inner: int) -> tuple[float, float]:
     return wall - (time.thread_time() - cpu), wall
 
 
+def _undisturbed(off: float, wall: float) -> bool:
+    return off <= OFF_CPU_SHARE * wall
+
+
 def _sample(fn, inner: int) -> float:
     """Seconds per call of ``inner`` calls, the least disturbed of up to ``1 + RETAKES`` tries (see above)."""
     best = (math.inf, math.inf)
     for _ in range(1 + RETAKES):
-        off, wall = best = min(best, _run(fn, inner))
-        if off <= OFF_CPU_SHARE * wall:
+        best = min(best, _run(fn, inner))
+        if _undisturbed(*best):
             break
     return best[1] / inner
 
@@ -105,7 +109,7 @@ def settle(limit_s: float = SETTLE_S) -> float:
         cpu, t0 = time.thread_time(), time.perf_counter()
         while (wall := time.perf_counter() - t0) < span:
             ctypes.memset(buf, 0, len(buf))
-        clean = clean + 1 if wall - (time.thread_time() - cpu) <= OFF_CPU_SHARE * wall else 0
+        clean = clean + 1 if _undisturbed(wall - (time.thread_time() - cpu), wall) else 0
     return time.monotonic() - started
 
 
