@@ -16,6 +16,7 @@ workload ``output_len`` tokens, like kiln with ``ignore_eos``:
 
 from __future__ import annotations
 
+import inspect
 import time
 from math import ceil
 from pathlib import Path
@@ -99,8 +100,10 @@ def run_hf_continuous(model, workload: Workload, max_num_tokens: int, max_batch_
 
     page = 256
     num_blocks = sum(ceil((len(r.prompt_token_ids) + r.output_len) / page) for r in workload.requests) + 2
+    # transformers 5.24 calls the page `page_size`; 5.17 (the GPU machines' image) called it `block_size`
+    named = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
     cb_config = ContinuousBatchingConfig(
-        page_size=page, num_blocks=num_blocks, max_batch_tokens=max_num_tokens,
+        **{named: page}, num_blocks=num_blocks, max_batch_tokens=max_num_tokens,
         max_requests_per_batch=max_batch_size,
     )
     gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,

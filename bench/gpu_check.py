@@ -67,7 +67,7 @@ def requirements() -> list[str]:
 def probe(python: str) -> dict:
     """What torch in ``python`` sees; ``{"error": ...}`` where torch does not import."""
     try:
-        out = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([python, "-P", "-c", PROBE], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": str(exc)}
     if out.returncode:
@@ -85,16 +85,30 @@ def run(argv: list[str], timeout: int, env: dict | None = None) -> dict:
     except subprocess.TimeoutExpired as exc:
         rc, out = 124, f"{exc.stdout or ''}{exc.stderr or ''}\n(timed out after {timeout}s)"
         out = out if isinstance(out, str) else out.decode(errors="replace")
-    return {"rc": rc, "seconds": round(time.monotonic() - t0, 1), "output": out[-12000:]}
+    return {"rc": rc, "seconds": round(time.monotonic() - t0, 1), "output": out}
+
+
+SITE = "import json, site, sysconfig; print(json.dumps([*site.getsitepackages(), sysconfig.get_path('purelib')]))"
+
+
+def _see_machine_packages(python: str) -> None:
+    """``--system-site-packages`` reaches the base interpreter's site-packages only; where the machine's
+    torch lives in a venv of its own (``/opt/torch/.venv``), a ``.pth`` in ours lists that venv's too."""
+    theirs = json.loads(subprocess.run([python, "-P", "-c", SITE], capture_output=True, text=True,
+                                       check=True).stdout.strip().splitlines()[-1])
+    ours = subprocess.run([str(VENV / "bin" / "python"), "-P", "-c", "import sysconfig; print(sysconfig.get_path("
+                           "'purelib'))"], capture_output=True, text=True, check=True).stdout.strip()
+    Path(ours, "zz_machine_site.pth").write_text("\n".join(dict.fromkeys(theirs)) + "\n")
 
 
 def install(python: str) -> dict:
     """kiln into a venv that sees the machine's torch and triton; nothing of theirs is replaced."""
     if not (VENV / "bin" / "python").exists():
-        made = run([python, "-m", "venv", "--system-site-packages", str(VENV)], 300)
+        made = run([python, "-P", "-m", "venv", "--system-site-packages", str(VENV)], 300)
         if made["rc"]:
             return made
-    pip = [str(VENV / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        _see_machine_packages(python)
+    pip = [str(VENV / "bin" / "python"), "-P", "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     offline = ["--no-index", "--find-links", str(WHEELS)] if WHEELS.is_dir() else []
     result = {"rc": 0, "seconds": 0.0, "output": ""}
     for what in (["--no-deps", "-e", ".", "-e", "./bench"], requirements()):  # kiln itself, then its needs
@@ -117,7 +131,7 @@ def steps(py: str, out: Path, cap: str) -> dict[str, tuple[list[str], int, dict,
     """name -> (argv, timeout s, env, figures from the output)."""
     def bandwidth(o: str) -> dict:
         return {**_pytest_counts(o), "decode": re.findall(r"paged decode .*GB/s", o),
-                "cold_start": re.findall(r"cold start .*", o)}
+                "cold_start": re.findall(r"cold start .*", o), "linears": re.findall(r"^(?:int8|fp8) M=.*", o, re.M)}
 
     def aot(o: str) -> dict:
         return {"problems": re.findall(r"^PROBLEM .*", o, re.M)}
@@ -130,10 +144,10 @@ def steps(py: str, out: Path, cap: str) -> dict[str, tuple[list[str], int, dict,
         return {k: doc.get(k) for k in ("systems", "ratios", "equality", "ceiling", "failed")}
 
     return {
-        "aot": ([py, "-P", "-m", "kiln.builder.kernels_aot", "--capabilities", cap.replace(".", ""), "--check"],
-                300, {"KILN_AOT_CACHE": str(out / "aot-cache")}, aot),
         "tests": ([py, "-P", "-m", "pytest", "-q", "-rfEs", "-s", "-p", "no:cacheprovider", "-m", "gpu or kernels",
                    "--timeout", "300", *GPU_TESTS], 420, {}, bandwidth),
+        "aot": ([py, "-P", "-m", "kiln.builder.kernels_aot", "--capabilities", cap.replace(".", ""), "--check"],
+                300, {"KILN_AOT_CACHE": str(out / "aot-cache")}, aot),
         "bench": ([str(VENV / "bin" / "kiln"), "bench", "--device", "cuda", "--dtype", "bfloat16", "--repeats", "1",
                    "--num-requests", "32", "--json", str(out / "bench.json")], 300, {}, bench),
     }
@@ -141,7 +155,10 @@ def steps(py: str, out: Path, cap: str) -> dict[str, tuple[list[str], int, dict,
 
 def report(out: Path, doc: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(doc, indent=1))
+    for name, r in doc["steps"].items():  # each step's whole output; the report keeps the tails
+        (out / f"{name}.log").write_text(r["output"])
+    tails = {**doc, "steps": {n: {**r, "output": r["output"][-12000:]} for n, r in doc["steps"].items()}}
+    (out / "report.json").write_text(json.dumps(tails, indent=1))
     dev = doc["device"]
     lines = [f"# kiln gpu-check, {doc['date']}", "",
              f"{dev.get('name')} (sm_{dev.get('capability', '?').replace('.', '')}, {dev.get('memory_gib')} GiB), "
@@ -187,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run(cmd, timeout, env)
             doc["steps"][name] = {**result, "figures": figures(result["output"])}
             print(f"gpu-check: {name} exit {result['rc']} in {result['seconds']}s", flush=True)
+            report(out, doc)  # after every step: a call cut off at the device's limit keeps what it ran
     path = report(out, doc)
     print(f"gpu-check: report {path} (and report.json beside it)")
     return 0 if all(r["rc"] == 0 for r in doc["steps"].values()) else 1

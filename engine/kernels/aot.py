@@ -64,8 +64,10 @@ class KernelReport:
     stack: int
     shared: int  # bytes of shared memory per block
 
-    def problems(self, spill_baseline: int = 0) -> list[str]:
-        """Why this kernel would fail or slow down on its capability (empty: it fits)."""
+    def problems(self, spill_baseline: int | None = None) -> list[str]:
+        """Why this kernel would fail or slow down on its capability (empty: it fits). ``spill_baseline`` None:
+        the reviewed one for this kernel and the installed Triton (:func:`reviewed_spills`)."""
+        spill_baseline = reviewed_spills(self.kernel) if spill_baseline is None else spill_baseline
         out = []
         limit = SMEM_PER_BLOCK.get(self.capability)
         if limit is None:
@@ -86,6 +88,25 @@ class KernelReport:
             out.append(f"spills {self.spill_stores} B stores / {self.spill_loads} B loads "
                        f"(reviewed baseline {spill_baseline} B)")
         return out
+
+
+# Reviewed spills per Triton minor version and kernel (bytes of stores + loads, the most any variant shows);
+# anything above these, or in another kernel, is a problem. Triton 3.7 (PyPI's torch 2.13.0, the polyglot
+# machines): 16 B in the float32 d128 prefill tiles at sm_80/89/90 (40 B at sm_89, chunk512) and 8 B in the
+# bf16 int8 GEMM's BLOCK_K=128 config at sm_80, read from ptxas, not timed. Triton 3.6 (the H200 machines'
+# torch 2.11, gpu-check 2026-11-30, sm_90): 12 B in the float32 d128 prefill tiles, and up to 1956 B in the
+# float32 d128 decode tile of 64 keys, which was timed there against the 32-key tile the rule would otherwise
+# pick (32 sequences x 2048 keys, 8 KV heads): 733 against 719 us at GQA group 1, 477 against 806 us at
+# group 4 (the 32-key tile spills 80-200 B there too), so 64 stays.
+SPILL_BASELINES = {"3.6": {"_prefill_kernel": 12, "_decode_split_kernel": 1956},
+                   "3.7": {"_prefill_kernel": 40, "_int8_weight_only_kernel": 8}}
+
+
+def reviewed_spills(kernel: str) -> int:
+    """The spill bytes reviewed for ``kernel`` under the installed Triton (0 where none were)."""
+    import triton
+
+    return SPILL_BASELINES.get(".".join(triton.__version__.split(".")[:2]), {}).get(kernel, 0)
 
 
 def block_registers(registers: int, num_warps: int) -> int:

@@ -26,7 +26,8 @@ _BLOCK_N = 64  # context tokens per inner-loop tile (spans several KV blocks)
 def block_n(dtype: torch.dtype, head_dim: int, capability: int | None = None) -> int:
     """Context tokens per tile: 64, or 32 for float32 at head sizes past 64 below sm_89, where a 64-token tile
     spilled 1.2 KB per thread on sm_80 (and 32 spills ~0.5 KB on sm_89/90: the ahead-of-time check,
-    tests/engine/test_aot_compile.py). ``capability`` None: as sm_80."""
+    tests/engine/test_aot_compile.py). On an H200 with Triton 3.6 the 64-token tile spills too and still
+    timed as fast or faster (``aot.SPILL_BASELINES``). ``capability`` None: as sm_80."""
     return 32 if dtype == torch.float32 and head_dim > 64 and (capability or 0) < 89 else _BLOCK_N
 
 

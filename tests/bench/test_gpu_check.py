@@ -44,3 +44,30 @@ def test_the_report_is_markdown_and_json(tmp_path):
     assert "NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB)" in text and "| tests | 0 | 12.5 |" in text
     assert gpu_check._pytest_counts("1 failed, 3 passed, 2 skipped\nFAILED tests/x.py::t - boom") == {
         "counts": {"failed": 1, "passed": 3, "skipped": 2}, "failed": ["tests/x.py::t"]}
+
+
+def test_the_report_keeps_each_steps_whole_output_beside_it(tmp_path):
+    long = "\n".join(f"line {i}: paged decode 64x1k 2500 GB/s" if i == 10 else f"line {i}" for i in range(4000))
+    doc = {"date": "2026-11-30", "device": {"name": "H200", "capability": "9.0"},
+           "steps": {"tests": {"rc": 1, "seconds": 1.0, "output": long, "figures": {}}}}
+    gpu_check.report(tmp_path, doc)
+    assert (tmp_path / "tests.log").read_text() == long  # the figures early in a long output survive
+    assert json.loads((tmp_path / "report.json").read_text())["steps"]["tests"]["output"] == long[-12000:]
+
+
+def test_its_venv_sees_the_packages_of_a_machine_python_that_is_itself_a_venv(tmp_path, monkeypatch):
+    """The H200 machines' torch lives in /opt/torch/.venv: ``--system-site-packages`` from there reaches only
+    the base interpreter's site-packages, so kiln's venv lists that venv's own in a .pth."""
+    machine = tmp_path / "machine"
+    subprocess.run([sys.executable, "-P", "-m", "venv", "--without-pip", str(machine)], check=True, timeout=120)
+    machine_py = str(machine / "bin" / "python")
+    site = subprocess.run([machine_py, "-P", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "machine_only_pkg.py").write_text("WHERE = 'machine'\n")
+    monkeypatch.setattr(gpu_check, "VENV", tmp_path / "kiln-venv")
+    subprocess.run([machine_py, "-P", "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(gpu_check.VENV)], check=True, timeout=120)
+    seen = [str(gpu_check.VENV / "bin" / "python"), "-P", "-c", "import machine_only_pkg as m; print(m.WHERE)"]
+    assert subprocess.run(seen, capture_output=True, text=True).returncode != 0  # the gap the .pth closes
+    gpu_check._see_machine_packages(machine_py)
+    assert subprocess.run(seen, capture_output=True, text=True, check=True).stdout.strip() == "machine"

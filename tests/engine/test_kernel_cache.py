@@ -51,7 +51,7 @@ def _tuner(do_bench):
 
 
 def _launch(tuner, n: int) -> torch.Tensor:
-    x = torch.arange(n, dtype=torch.float32)
+    x = torch.arange(n, dtype=torch.float32, device="cuda" if torch.cuda.is_available() else "cpu")
     y = torch.empty_like(x)
     tuner[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n)
     assert torch.equal(y, 2 * x)

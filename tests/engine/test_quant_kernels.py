@@ -125,12 +125,26 @@ def fp8_problem(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0, devic
     return x.to(device), q.to(device), scale.to(device), torch.randn(n, generator=g).to(dtype).to(device)
 
 
-def assert_fp8_close(y, emulated, bias):
-    """The GEMM's bf16 output and the bias add round once each: within an ulp of each term (plus
-    fp32 summation-order noise)."""
+# Hopper's FP8 tensor cores keep about 14 bits of a running sum between cuBLAS's promotions to float32
+# (DeepSeek-V3 technical report, section 3.3.2): a few such additions per promoted chunk put each output within
+# 2^-11 of the sum of its terms' magnitudes. Seen on an H200 (2026-11-30): at K=4096 some outputs a bf16 ulp
+# or two off where the terms cancel, past the float32 bound the CPU's _scaled_mm meets.
+FP8_ACCUMULATION = 2.0 ** -11
+
+
+def assert_fp8_close(y, emulated, bias, x=None, weight=None, weight_scale=None):
+    """The GEMM's bf16 output and the bias add round once each: within an ulp of each term (plus fp32
+    summation-order noise). Given the operands, also within the tensor cores' accumulation bound of the
+    terms' magnitudes, and no more than an ulp off on average."""
     b = bias.float()
     bound = 2 * EPS[torch.bfloat16] * ((emulated - b).abs() + b.abs()) + 1e-5 * emulated.abs().max()
-    assert ((y.float() - emulated).abs() <= bound).all()
+    err = (y.float() - emulated).abs()
+    if x is not None:
+        x_q, x_scale = quantize_activation(x.reshape(-1, x.shape[-1]))
+        terms = (x_q.float().abs() @ weight.float().abs().t()) * x_scale * weight_scale.float()[None, :]
+        bound = bound + FP8_ACCUMULATION * terms
+        assert err.mean() <= EPS[torch.bfloat16] * emulated.abs().mean()
+    assert (err <= bound).all(), f"worst {(err - bound).max().item():.3g} past the bound"
 
 
 def test_activation_quantization_round_trip():
@@ -291,7 +305,8 @@ def test_fp8_linear_on_cuda_runs_scaled_mm(m):
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     assert quant_path(x, layer.weight) == "scaled_mm"
     y = layer(x)
-    assert_fp8_close(y, emulate_fp8_linear(x, layer.weight, layer.weight_scale, layer.bias).float(), layer.bias)
+    assert_fp8_close(y, emulate_fp8_linear(x, layer.weight, layer.weight_scale, layer.bias).float(), layer.bias,
+                     x, layer.weight, layer.weight_scale)
     w16 = dequantize(layer.weight, layer.weight_scale, torch.bfloat16)
     print(f"\nfp8 M={m} K=4096 N=11008: _scaled_mm {_time(lambda: layer(x)):.1f} us, "
           f"bf16 F.linear {_time(lambda: F.linear(x, w16, layer.bias)):.1f} us")
