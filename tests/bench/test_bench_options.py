@@ -46,3 +46,20 @@ def test_batch_invariant_goes_to_every_kiln_server_of_the_pool_bench_and_is_refu
         result = CliRunner().invoke(bench, args)
         assert result.exit_code == 2 and "--batch-invariant goes with --pool" in result.output
     assert "kiln-batch-invariant" in ALL_SYSTEMS  # the suite's name for it
+
+
+def test_kiln_warms_on_cuda_every_shape_a_build_compiles_and_on_cpu_one_request(monkeypatch):
+    from types import SimpleNamespace
+
+    from kiln.builder import kernel_cache
+    from kiln_bench import run_kiln
+
+    warmed = []
+    monkeypatch.setattr(kernel_cache, "warm_up", lambda llm: warmed.append(llm))
+    for device in ("cpu", "cuda"):
+        calls = []
+        llm = SimpleNamespace(engine_config=SimpleNamespace(device=device),
+                              generate=lambda prompts, params, calls=calls: calls.append(len(prompts)))
+        run_kiln.warm(llm)
+        assert calls == [2]
+    assert len(warmed) == 1 and warmed[0].engine_config.device == "cuda"
