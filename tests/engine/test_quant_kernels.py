@@ -271,14 +271,33 @@ def test_cpu_paths_are_unchanged(method, dtype, k, path):
 
 # -- on a GPU -----------------------------------------------------------------------------------
 
-def _time(fn, reps: int = 50) -> float:
+def _time(fn, reps: int = 50) -> str:
+    """Microseconds a call, eager (back to back: launches included) and replayed from a CUDA graph (the GPU's
+    own time, as a served decode step runs it). The H200's first figures were eager alone, which cannot tell
+    a slow kernel from a launch-bound one (docs/gpu.md)."""
     fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(reps):
         fn()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps * 1e6
+    eager = (time.perf_counter() - t) / reps * 1e6
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps // 10):
+        graph.replay()
+    torch.cuda.synchronize()
+    return f"{eager:.1f} eager / {(time.perf_counter() - t) / (reps // 10 * 10) * 1e6:.1f} graph"
 
 
 @pytest.mark.gpu
@@ -291,8 +310,8 @@ def test_int8_linear_on_cuda_runs_the_triton_kernel(m):
     assert quant_path(x, layer.weight) == "triton_int8"
     assert_close_in(torch.bfloat16, layer(x), int8_reference(x, layer.weight, layer.weight_scale, layer.bias))
     w16 = dequantize(layer.weight, layer.weight_scale, torch.bfloat16)
-    print(f"\nint8 M={m} K=4096 N=11008: triton {_time(lambda: layer(x)):.1f} us, "
-          f"bf16 F.linear {_time(lambda: F.linear(x, w16, layer.bias)):.1f} us")
+    print(f"\nint8 M={m} K=4096 N=11008: triton {_time(lambda: layer(x))} us, "
+          f"bf16 F.linear {_time(lambda: F.linear(x, w16, layer.bias))} us")
 
 
 @pytest.mark.gpu
@@ -308,5 +327,5 @@ def test_fp8_linear_on_cuda_runs_scaled_mm(m):
     assert_fp8_close(y, emulate_fp8_linear(x, layer.weight, layer.weight_scale, layer.bias).float(), layer.bias,
                      x, layer.weight, layer.weight_scale)
     w16 = dequantize(layer.weight, layer.weight_scale, torch.bfloat16)
-    print(f"\nfp8 M={m} K=4096 N=11008: _scaled_mm {_time(lambda: layer(x)):.1f} us, "
-          f"bf16 F.linear {_time(lambda: F.linear(x, w16, layer.bias)):.1f} us")
+    print(f"\nfp8 M={m} K=4096 N=11008: _scaled_mm {_time(lambda: layer(x))} us, "
+          f"bf16 F.linear {_time(lambda: F.linear(x, w16, layer.bias))} us")
