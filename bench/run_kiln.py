@@ -38,7 +38,7 @@ def load(model_dir: Path, job: dict):
 
 def warm(llm) -> None:
     """A short request; on CUDA also every shape a build compiles into the artifact's kernel cache
-    (``kiln.builder.kernel_cache.warm_up``), so that a served artifact's kernels are not compiled on the clock
+    (``kiln.engine.kernels.cache.warm_up``), so that a served artifact's kernels are not compiled on the clock
     here either. The first GPU run (H200, 2026-11-30) warmed with the short request alone, so the long-chunk
     prefill tiles compiled on the clock; its median time to first token was 0.9-1.0 s (how much of it was
     compiling is not yet measured)."""
@@ -47,7 +47,7 @@ def warm(llm) -> None:
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]] * 2, params)
     if llm.engine_config.device == "cuda":
-        from kiln.builder.kernel_cache import warm_up
+        from kiln.engine.kernels.cache import warm_up
 
         warm_up(llm)
 

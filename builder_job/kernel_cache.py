@@ -26,53 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from kiln.builder.errors import BuildError
-from kiln.engine.kernels.cache import CACHE_DIR, copy_cache, relocate_groups
+from kiln.engine.kernels.cache import CACHE_DIR, copy_cache, relocate_groups, warm_up
 
 log = logging.getLogger("kiln.build.kernels")
 
 WARM_UP_TIMEOUT_S = 3600
-
-
-def m_buckets() -> list[int]:
-    """Every value of the int8 GEMM's M bucket (its autotuning key); imports triton."""
-    from kiln.engine.kernels.int8_gemm import m_bucket
-
-    return sorted({m_bucket(2**i) for i in range(16)})
-
-
-def prompt_lengths(max_prompt: int) -> list[int]:
-    """Prefill lengths that meet every int8-GEMM M bucket, specialized and not, up to ``max_prompt``."""
-    lengths = {1}
-    for b in m_buckets():
-        lengths |= {n for n in (b - 1, b) if 1 <= n <= max_prompt}
-    lengths.add(max_prompt)
-    return sorted(lengths)
-
-
-def decode_batches(config) -> list[int]:
-    """Eager decode batch sizes to run (graphs capture their buckets at load): one per M bucket."""
-    if not config.enforce_eager:
-        return []
-    return sorted({min(b, config.max_batch_size) for b in (1, *m_buckets())})
-
-
-def warm_up(llm) -> dict[str, Any]:
-    """Run the shapes above through ``llm``; returns what ran."""
-    from kiln.engine import SamplingParams
-
-    config = llm.engine_config
-    max_prompt = max(1, min(config.max_num_tokens, config.max_input_len, config.max_seq_len - 2))
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    lengths = prompt_lengths(max_prompt)
-    for n in lengths:
-        prompt = [3 + (i % 97) for i in range(n)]
-        llm.generate([prompt], params)
-        llm.generate([prompt], params)  # a prefix hit where caching is on
-    batches = decode_batches(config)
-    for b in batches:
-        llm.generate([[5 + i, 7, 11] for i in range(b)], SamplingParams(temperature=0.0, max_tokens=4,
-                                                                          ignore_eos=True))
-    return {"prompt_lengths": lengths, "eager_decode_batches": batches}
 
 
 def pack(cache_dir: Path, artifact_dir: Path) -> dict[str, int]:

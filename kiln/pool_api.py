@@ -16,11 +16,17 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kiln.api import API_VERSION, LLMEngineSpec, Metadata
-from kiln.api_base import DNS1123_SUBDOMAIN
+from kiln.api_base import DNS1123_LABEL, DNS1123_SUBDOMAIN
 from kiln.api_base import APIModel as _Model
 from kiln.engine_status import Condition, PoolMemberState
 from kiln.memory_budget import parse_quantity
-from kiln.serving_options import BATCH_INVARIANT_FLAG, AutoscalingOptions, batch_invariant_problem, check_resources
+from kiln.serving_options import (
+    BATCH_INVARIANT_FLAG,
+    AutoscalingOptions,
+    RoutingOptions,
+    batch_invariant_problem,
+    check_resources,
+)
 from kiln.skus import GPUName
 
 POOL_KIND = "LLMEnginePool"
@@ -29,6 +35,22 @@ POOL_SINGULAR = "llmenginepool"
 POOL_SHORT_NAME = "llmep"
 # Kubernetes quantity, as the API server's resource.Quantity accepts for memory (decimal and binary suffixes).
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+
+
+class PoolRoutingOptions(RoutingOptions):
+    """An engine's routing settings (:class:`kiln.serving_options.RoutingOptions`), for the pool's pods."""
+
+    inference_pool: bool = Field(
+        default=False,
+        description="Render a Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) "
+        "<pool>-pool over the pool's pods, for an endpoint picker that scores their queues, KV-cache use and which "
+        "engines each has loaded (docs/pools.md, Routing).",
+    )
+    endpoint_picker: str | None = Field(
+        default=None, max_length=63, pattern=DNS1123_LABEL,
+        description="Service of the endpoint picker (EPP) serving the pool's InferencePool; unset means "
+        "<pool>-pool-epp.",
+    )
 
 
 class LLMEnginePoolSpec(_Model):
@@ -93,6 +115,10 @@ class LLMEnginePoolSpec(_Model):
         default=False,
         description="kiln serve --batch-invariant for every engine the pool loads: a greedy answer does not depend "
         "on its batch (docs/tactics.md). CPU pools only (spec.gpu cpu).",
+    )
+    routing: PoolRoutingOptions = Field(
+        default_factory=PoolRoutingOptions, json_schema_extra={"default": {}},
+        description="Routing across the pool's pods (Gateway API Inference Extension).",
     )
 
     @model_validator(mode="after")
@@ -219,8 +245,8 @@ def member_problem(spec: LLMEngineSpec, by: str, alone: str) -> str | None:
                 f"spec.serving.autoscaling, or {alone}")
     if serving.routing.inference_pool:
         return (f"spec.serving.routing.inferencePool: this engine is served by {by}, whose Service answers every "
-                "engine of the pool; routing is the pool's, not per engine (an InferencePool per pool is not "
-                f"supported yet); remove spec.serving.routing.inferencePool, or {alone}")
+                "engine of the pool; routing is the pool's, not per engine: set the pool's "
+                f"spec.routing.inferencePool and remove spec.serving.routing.inferencePool here, or {alone}")
     if serving.api_key_secret:
         return (f"spec.serving.apiKeySecret: this engine is served by {by}, whose pods check one key for every "
                 f"member; set it as the pool's spec.apiKeySecret and remove it here, or {alone}")

@@ -48,6 +48,7 @@ PENDING, READY, FAILED = "Pending", "Ready", "Failed"
 # The Ready condition's reasons; a Failed one is posted as a Warning event.
 INVALID_SPEC, BUDGET_TOO_SMALL, NO_REPLICAS, PODS_NOT_READY, SERVING, AUTOSCALER_MISSING, NAME_CONFLICT = (
     "InvalidSpec", "BudgetTooSmall", "NoReplicas", "PodsNotReady", "Serving", "AutoscalerMissing", "NameConflict")
+PREREQUISITE_MISSING = "PrerequisiteMissing"  # an engine's reason too (status.py): here, the InferencePool CRD
 POOL_FAILURES = {INVALID_SPEC, BUDGET_TOO_SMALL, NAME_CONFLICT}
 
 
@@ -77,6 +78,7 @@ class PoolWorld(ObjectRead):
     members: tuple[MemberView, ...] = ()
     deployment: dict[str, Any] | None = None  # the pool's Deployment, as read or as applied
     scaler_problem: str | None = None  # why spec.autoscaling's object could not be applied (its API is missing)
+    routing_problem: str | None = None  # why spec.routing.inferencePool's InferencePool could not be (likewise)
     taken: str | None = None  # another object controls the Deployment under its name (naming.taken_name)
 
 
@@ -283,6 +285,8 @@ def _ready(world: PoolWorld, judged: list[PoolMember]) -> tuple[str, bool, str, 
     assert world.spec is not None
     if world.scaler_problem is not None:
         return PENDING, False, AUTOSCALER_MISSING, world.scaler_problem
+    if world.routing_problem is not None:
+        return PENDING, False, PREREQUISITE_MISSING, world.routing_problem
     listed, desired = sum(j.state == LISTED for j in judged), desired_replicas(world)
     if desired == 0:
         return PENDING, False, NO_REPLICAS, "spec.replicas is 0: no pod serves the pool; raise it to serve"

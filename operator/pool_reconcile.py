@@ -43,12 +43,14 @@ from kiln.operator.pool_decide import (
 from kiln.operator.pools import (
     build_engines_configmap,
     build_pool_deployment,
+    build_pool_inference_pool,
     build_pool_network_policy,
     build_pool_pdb,
     build_pool_scaler,
     build_pool_service,
     validate_pool,
 )
+from kiln.operator.routing import INFERENCE_API
 from kiln.operator.scale_out import KINDS
 from kiln.operator.status import now_iso, same_status, transitions
 from kiln.operator.trust import manifest_problem
@@ -88,7 +90,8 @@ async def reconcile_pool(ctx: Context, namespace: str, name: str, logger: loggin
     if world.spec is not None and world.taken is None:
         deployment = await act(ctx, world, listed_entries(world, judged), listed_adapters(world, judged))
         scaler = await converge_scaler(ctx, world, [j.name for j in judged if j.state == LISTED])
-        world = replace(world, deployment=deployment, scaler_problem=scaler)
+        world = replace(world, deployment=deployment, scaler_problem=scaler, routing_problem=await converge_routing(
+            ctx, world))
     return await write_pool_status(ctx, world, compose_pool_status(world, judged))
 
 
@@ -247,6 +250,26 @@ async def converge_scaler(ctx: Context, world: PoolWorld, members: list[str]) ->
             raise
         return (f"spec.autoscaling needs {kind} ({api_version}), which this cluster does not serve (no {plural} "
                 f"in namespace {world.namespace}); {fix}, or remove spec.autoscaling")
+    return None
+
+
+async def converge_routing(ctx: Context, world: PoolWorld) -> str | None:
+    """Apply the InferencePool ``spec.routing.inferencePool`` asks for, or delete it when it asks for none; the
+    message naming the field and the fix when the cluster does not serve InferencePools, else None."""
+    assert world.spec is not None
+    wanted = build_pool_inference_pool(world.spec, world.name, world.namespace, pool_owner_reference(world.body))
+    if wanted is None:
+        await ctx.kube.delete(api_path(INFERENCE_API, "inferencepools", world.namespace,
+                                       pool_workload_name(world.name)))
+        return None
+    try:
+        await apply(ctx.kube, wanted)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+        return (f"spec.routing.inferencePool needs InferencePool ({INFERENCE_API}), which this cluster does not serve "
+                f"(no inferencepools in namespace {world.namespace}); install the Gateway API Inference Extension "
+                "CRDs (https://gateway-api-inference-extension.sigs.k8s.io/), or set spec.routing.inferencePool: false")
     return None
 
 

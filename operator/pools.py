@@ -15,6 +15,8 @@ its engine list, its Deployment and its Service (docs/pools.md).
 - With ``spec.autoscaling``: a KEDA ScaledObject or an HPA ``<pool>-pool`` (the operator's autoscaler) scaling the
   Deployment on the pool's queue (:func:`build_pool_scaler`); the Deployment's ``replicas`` is then set on create
   only.
+- With ``spec.routing.inferencePool``: an InferencePool ``<pool>-pool`` over the pods
+  (:func:`build_pool_inference_pool`).
 
 A pool pod on a GPU SKU holds ``spec.resources.limits["nvidia.com/gpu"]`` GPUs (default 1); a member engine
 needing more per pod is refused (:mod:`kiln.operator.pool_decide`).
@@ -38,6 +40,7 @@ from kiln.operator.naming import (
     pool_workload_name,
 )
 from kiln.operator.network import network_policy, serving_port_only
+from kiln.operator.routing import build_inference_pool
 from kiln.operator.scheduling import GPU_RESOURCE
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import image_problem
@@ -211,6 +214,18 @@ def build_pool_network_policy(spec: LLMEnginePoolSpec, pool: str, namespace: str
                           pool_selector_labels(pool), serving_port_only(spec.port))
 
 
+def build_pool_inference_pool(spec: LLMEnginePoolSpec, pool: str, namespace: str,
+                              owner: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """``spec.routing.inferencePool``: an InferencePool ``<pool>-pool`` over the pool's pods (None when off), scored
+    by the picker Service ``spec.routing.endpointPicker`` (default ``<pool>-pool-epp``). A pool pod reports itself to
+    the picker as one model server whose loaded engines are its active models (``kiln.serving.pool.metrics``)."""
+    if not spec.routing.inference_pool:
+        return None
+    name = pool_workload_name(pool)
+    return build_inference_pool(spec.routing, name, namespace, pool_labels(pool), pool_selector_labels(pool),
+                                spec.port, spec.routing.endpoint_picker or f"{name}-epp", owner)
+
+
 def pool_queue_query(pool: str, namespace: str, members: list[str]) -> str:
     """PromQL of the pool's queue: ``kiln:num_requests_waiting`` under the pool's name (requests waiting for their
     engine to be placed or loaded) and under each listed engine's (docs/pools.md, Metrics)."""
@@ -266,8 +281,8 @@ def render_pool(pool_body_or_spec: Any, name: str, namespace: str, config: Opera
                 entries: list[EngineEntry] | None = None) -> list[dict[str, Any]]:
     """The objects the operator applies for a pool (``kiln render``): the engine-list ConfigMap (``entries``:
     none unless given; the operator lists the members it finds), the Deployment, the Service, from 2 pods up its
-    PodDisruptionBudget, its NetworkPolicy (chart value ``networkPolicy``) and, with ``spec.autoscaling``, its
-    ScaledObject or HPA. Takes the
+    PodDisruptionBudget, its NetworkPolicy (chart value ``networkPolicy``), with ``spec.autoscaling`` its
+    ScaledObject or HPA, and with ``spec.routing.inferencePool`` its InferencePool. Takes the
     LLMEnginePool (a dict with ``spec``, or :class:`LLMEnginePool`), its spec (dict or
     :class:`LLMEnginePoolSpec`); :class:`InvalidSpec` naming the field as the operator. No ownerReferences (the
     pool's uid is the cluster's), no ``rendered-hash`` annotation."""
@@ -287,4 +302,6 @@ def render_pool(pool_body_or_spec: Any, name: str, namespace: str, config: Opera
         objects.append(build_pool_network_policy(spec, name, namespace))
     if (scaler := build_pool_scaler(spec, name, namespace, config, [e.name for e in entries or []])) is not None:
         objects.append(scaler)
+    if (routing := build_pool_inference_pool(spec, name, namespace)) is not None:
+        objects.append(routing)
     return [json.loads(json.dumps(obj)) for obj in objects]

@@ -15,6 +15,7 @@ from typing import Any
 from kiln.operator.naming import selector_labels, serving_labels
 
 from kiln.api import LLMEngineSpec
+from kiln.serving_options import RoutingOptions
 
 INFERENCE_API = "inference.networking.k8s.io/v1"
 
@@ -29,7 +30,16 @@ def inference_pool(spec: LLMEngineSpec, name: str, namespace: str,
     routing = spec.serving.routing
     if not routing.inference_pool:
         return None
-    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": serving_labels(name)}
+    return build_inference_pool(routing, name, namespace, serving_labels(name), selector_labels(name),
+                                spec.serving.port, endpoint_picker_name(spec, name), owner)
+
+
+def build_inference_pool(routing: RoutingOptions, name: str, namespace: str, labels: dict[str, str],
+                         selector: dict[str, str], port: int, picker: str,
+                         owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An InferencePool ``name`` over the pods ``selector`` matches, on ``port``, scored by the picker Service
+    ``picker`` (an engine's, above, or a pool's: ``kiln.operator.pools.build_pool_inference_pool``)."""
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels}
     if owner:
         meta["ownerReferences"] = [owner]
     return {
@@ -37,10 +47,10 @@ def inference_pool(spec: LLMEngineSpec, name: str, namespace: str,
         "kind": "InferencePool",
         "metadata": meta,
         "spec": {
-            "selector": {"matchLabels": selector_labels(name)},
-            "targetPorts": [{"number": spec.serving.port}],
+            "selector": {"matchLabels": selector},
+            "targetPorts": [{"number": port}],
             "endpointPickerRef": {
-                "group": "", "kind": "Service", "name": endpoint_picker_name(spec, name),
+                "group": "", "kind": "Service", "name": picker,
                 "port": {"number": routing.endpoint_picker_port},
                 "failureMode": routing.endpoint_picker_failure_mode,
             },

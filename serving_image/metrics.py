@@ -70,7 +70,7 @@ class EngineStatsCollector(Collector):
                       getattr(stats, "num_preemptions", 0))
         yield _batch_histogram(stats, names, values)
         yield from _spec_decode_metrics(stats, names, values)
-        yield from _endpoint_picker_metrics(stats, names, values, self._lora_info())
+        yield from endpoint_picker_metrics(stats, names, values, self._lora_info())
 
 
 def _spec_decode_metrics(stats: Any, names: list[str], values: list[str]) -> Iterator[Any]:
@@ -99,7 +99,10 @@ def _spec_decode_metrics(stats: Any, names: list[str], values: list[str]) -> Ite
     yield rate
 
 
-def _endpoint_picker_metrics(stats: Any, names: list[str], values: list[str],
+ENDPOINT_PICKER_PREFIX = "vllm:"  # the names the endpoint picker reads: one pod, one series each
+
+
+def endpoint_picker_metrics(stats: Any, names: list[str], values: list[str],
                              lora: dict[str, Any] | None = None) -> Iterator[Any]:
     """The series the Gateway API Inference Extension's endpoint picker scrapes by default
     (its model-server protocol speaks vLLM's names), so an InferencePool over kiln pods

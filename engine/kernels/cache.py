@@ -1,7 +1,8 @@
 """Kernels compiled at build time: the record in ``engine.json``, the shipped cache, the seeded autotuner.
 
-A CUDA build runs every kernel shape the engine meets with ``TRITON_CACHE_DIR`` pointed at a fresh
-directory (``kiln.builder.kernel_cache``), then ships that directory in the artifact under
+A CUDA build runs every kernel shape the engine meets (:func:`warm_up`, which ``kiln bench`` also runs before
+its clock on a GPU) with ``TRITON_CACHE_DIR`` pointed at a fresh directory (``kiln.builder.kernel_cache``), then
+ships that directory in the artifact under
 :data:`CACHE_DIR` and records under ``engine.json["kernels"]``:
 
 - ``target``: what the compiled code is valid for (:func:`host_target`: Triton and torch versions,
@@ -203,3 +204,50 @@ def seed_from_environment() -> int:
         return 0
     log.info("autotuner seeded with %d recorded configs", seeded)
     return seeded
+
+
+# -- the shapes a build compiles into the cache (kiln.builder.kernel_cache), and kiln bench warms on a GPU --------
+def m_buckets() -> list[int]:
+    """Every value of the int8 GEMM's M bucket (its autotuning key); imports triton."""
+    from kiln.engine.kernels.int8_gemm import m_bucket
+
+    return sorted({m_bucket(2**i) for i in range(16)})
+
+
+def prompt_lengths(max_prompt: int) -> list[int]:
+    """Prefill lengths that meet every int8-GEMM M bucket, specialized and not, up to ``max_prompt``."""
+    lengths = {1}
+    for b in m_buckets():
+        lengths |= {n for n in (b - 1, b) if 1 <= n <= max_prompt}
+    lengths.add(max_prompt)
+    return sorted(lengths)
+
+
+def decode_batches(config) -> list[int]:
+    """Eager decode batch sizes to run (graphs capture their buckets at load): one per M bucket."""
+    if not config.enforce_eager:
+        return []
+    return sorted({min(b, config.max_batch_size) for b in (1, *m_buckets())})
+
+
+def warm_up(llm) -> dict[str, Any]:
+    """Run through ``llm`` every shape its Triton kernels meet, so each is compiled (and autotuned) once: single
+    prompts of 1 token and of each int8-GEMM M bucket and one token below it (Triton specializes integer arguments
+    on ``== 1`` and divisibility by 16) up to ``max_num_tokens``, each twice (the second a prefix-cache hit: the
+    prefill kernel over cached blocks), and with eager decode a batch at each bucket (graphs capture theirs at
+    load). Returns what ran."""
+    from kiln.engine import SamplingParams
+
+    config = llm.engine_config
+    max_prompt = max(1, min(config.max_num_tokens, config.max_input_len, config.max_seq_len - 2))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    lengths = prompt_lengths(max_prompt)
+    for n in lengths:
+        prompt = [3 + (i % 97) for i in range(n)]
+        llm.generate([prompt], params)
+        llm.generate([prompt], params)  # a prefix hit where caching is on
+    batches = decode_batches(config)
+    for b in batches:
+        llm.generate([[5 + i, 7, 11] for i in range(b)], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                          ignore_eos=True))
+    return {"prompt_lengths": lengths, "eager_decode_batches": batches}

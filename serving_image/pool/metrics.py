@@ -10,9 +10,10 @@ loaded under the server's own name, so ``sum(kiln:num_requests_waiting)`` over a
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
-from kiln.serving.metrics import EngineStatsCollector
+from kiln.serving.metrics import ENDPOINT_PICKER_PREFIX, EngineStatsCollector, endpoint_picker_metrics
 from kiln.serving.pool.slot import LOADED
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -51,9 +52,10 @@ class PoolMetrics:
 class EnginesCollector(Collector):
     """The engine-level series a single server exports (:class:`kiln.serving.metrics.EngineStatsCollector`: running
     and waiting requests, KV-cache usage, prefix-cache queries and hits, preemptions, batch sizes, speculative
-    decoding, the endpoint picker's ``vllm:`` names), a row per loaded engine under its name (the single engine's
-    collector has no engine in a pool), read when Prometheus scrapes. ``kiln:num_requests_waiting`` has one more row,
-    under the pool's name: the requests no engine has admitted yet.
+    decoding), a row per loaded engine under its name (the single engine's collector has no engine in a pool), read
+    when Prometheus scrapes. ``kiln:num_requests_waiting`` has one more row, under the pool's name: the requests no
+    engine has admitted yet. The endpoint picker's ``vllm:`` names are the pod's, one row each under the pool's
+    name (:func:`pod_stats`, :func:`pod_models`): the picker scores pods, not engines.
 
     One family per name, and one sample per label set: an engine named as the pool, or a slot draining beside its
     successor under one name, sum into one row (Prometheus would drop one of two, and an autoscaler read the other);
@@ -64,19 +66,51 @@ class EnginesCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
+        loaded = []
         for slot in [*self.pool.slots.values(), *self.pool.leaving]:
             engine = slot.state.engine
             if slot.status != LOADED or engine is None:
                 continue
             lora = getattr(getattr(engine, "engine", None), "lora_info", lambda: None)
+            loaded.append((slot, engine.stats(), lora()))
             for family in EngineStatsCollector(engine.stats, slot.metrics.labels, lora).collect():
-                _merge(families, family)
+                if not family.name.startswith(ENDPOINT_PICKER_PREFIX):  # the pod's own, below
+                    _merge(families, family)
         own = self.pool.metrics.labels
         queued = GaugeMetricFamily(WAITING, "Requests queued in an engine, not yet running; under the pool's name: "
                                    "requests waiting for their engine to be placed or loaded.", labels=list(own))
         queued.add_metric(list(own.values()), float(self.pool.num_waiting))
         _merge(families, queued)
         yield from families.values()
+        yield from endpoint_picker_metrics(pod_stats(self.pool, loaded), list(own), list(own.values()),
+                                           pod_models(self.pool, loaded))
+
+
+def pod_stats(pool: Any, loaded: list[tuple[Any, Any, Any]]) -> SimpleNamespace:
+    """The pod as one model server, for the endpoint picker (an InferencePool over pool pods scores pods, and reads
+    one series of each name): every loaded engine's queue plus the requests waiting for their engine to be placed or
+    loaded, their running requests, the fullest KV cache, and the first loaded engine's cache shape."""
+    stats = [s for _, s, _ in loaded if s is not None]
+    return SimpleNamespace(num_waiting=sum(s.num_waiting for s in stats) + pool.num_waiting,
+                           num_running=sum(s.num_running for s in stats),
+                           kv_usage=max((s.kv_usage for s in stats), default=0.0),
+                           block_size=getattr(stats[0], "block_size", 0) if stats else 0,
+                           num_total_blocks=stats[0].num_total_blocks if stats else 0)
+
+
+def pod_models(pool: Any, loaded: list[tuple[Any, Any, Any]]) -> dict[str, Any]:
+    """The pod's models as vLLM reports LoRA adapters (``vllm:lora_requests_info``), which is what the endpoint
+    picker's LoRA-affinity scorer reads: running, the loaded engines and the adapters running in them; waiting, the
+    engines requests wait to see loaded and the adapters waiting in loaded engines; ``max_lora``, how many engines
+    the pod holds at once (``--max-loaded-engines``, else every listed engine: the budget decides). So the picker
+    sends a model's requests to a pod that has it loaded, else to one with room, as it does for adapters."""
+    running = [slot.name for slot, _, _ in loaded]
+    waiting = [s.name for s in pool.slots.values() if s.num_waiting and s.status != LOADED]
+    for _, _, lora in loaded:
+        running += (lora or {}).get("running", [])
+        waiting += (lora or {}).get("waiting", [])
+    limit = pool.settings.max_loaded_engines or len(pool.slots)
+    return {"running": list(dict.fromkeys(running)), "waiting": list(dict.fromkeys(waiting)), "max_lora": limit}
 
 
 WAITING = "kiln:num_requests_waiting"

@@ -51,7 +51,7 @@ def test_batch_invariant_goes_to_every_kiln_server_of_the_pool_bench_and_is_refu
 def test_kiln_warms_on_cuda_every_shape_a_build_compiles_and_on_cpu_one_request(monkeypatch):
     from types import SimpleNamespace
 
-    from kiln.builder import kernel_cache
+    from kiln.engine.kernels import cache as kernel_cache
     from kiln_bench import run_kiln
 
     warmed = []

@@ -44,3 +44,15 @@ def test_the_rendered_scaled_object_and_inference_pool_are_accepted_by_their_rea
     assert sorted(d["kind"] for d in wanted) == ["InferencePool", "ScaledObject"]
     out = installed.apply(wanted, "--server-side", "--dry-run=server")
     assert out.count("(server dry run)") == 2, out
+
+
+def test_a_pools_rendered_inference_pool_is_accepted_by_the_real_crd(installed: Kube, tmp_path):
+    pool = yaml.safe_load((ROOT / "examples" / "pool-cpu.yaml").read_text())
+    pool["spec"]["routing"] = {"inferencePool": True}
+    (tmp_path / "pool.yaml").write_text(yaml.safe_dump(pool))
+    done = subprocess.run([sys.executable, "-P", "-m", "kiln", "render", "-f", str(tmp_path / "pool.yaml"), "-n",
+                           ENGINE_NS], capture_output=True, text=True, check=True)
+    wanted = [d for d in yaml.safe_load_all(done.stdout) if d and d["kind"] == "InferencePool"]
+    assert [d["metadata"]["name"] for d in wanted] == ["cpu-pool-pool"]
+    out = installed.apply(wanted, "--server-side", "--dry-run=server")
+    assert out.count("(server dry run)") == 1, out

@@ -28,8 +28,9 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from kiln.builder.kernel_cache import build_kernel_cache, m_buckets, pack, prompt_lengths  # noqa: E402
+from kiln.builder.kernel_cache import build_kernel_cache, pack  # noqa: E402
 from kiln.engine.kernels import cache  # noqa: E402
+from kiln.engine.kernels.cache import m_buckets, prompt_lengths  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
@@ -211,7 +212,7 @@ def test_warm_up_prompts_meet_every_gemm_bucket():
 
 
 def test_warm_up_runs_its_shapes_through_an_engine(toy_model, make_llm):
-    from kiln.builder.kernel_cache import warm_up
+    from kiln.engine.kernels.cache import warm_up
 
     llm = make_llm(toy_model("llama-tiny"), max_num_tokens=40, max_input_len=40, max_seq_len=64, max_batch_size=4,
                    block_size=8, num_kv_blocks=64, enforce_eager=True)

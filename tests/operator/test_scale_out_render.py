@@ -289,3 +289,23 @@ def test_a_pool_scales_its_deployment_on_the_pools_queue_with_keda_or_an_hpa():
         plain[1]["metadata"].get("annotations") or {})
     with pytest.raises(InvalidSpec, match=r"^spec.autoscaling.minReplicas: 0 .*set minReplicas to 1 or more"):
         render_pool({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}, "shared", "ml", KEDA)
+
+
+def test_a_pool_with_routing_renders_one_inference_pool_over_its_pods():
+    body = {**POOL_BODY, "spec": {"replicas": 1, "port": 8080, "routing": {
+        "inferencePool": True, "endpointPickerFailureMode": "FailOpen"}}}
+    objects = render_pool(body, "shared", "ml", KEDA)
+    (pool,) = [o for o in objects if o["kind"] == "InferencePool"]
+    validate(pool)
+    deployment = by_kind(objects)["Deployment"]
+    assert pool["metadata"]["name"] == "shared-pool"
+    assert pool["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert pool["spec"]["targetPorts"] == [{"number": 8080}]
+    assert pool["spec"]["endpointPickerRef"] == {"group": "", "kind": "Service", "name": "shared-pool-epp",
+                                                 "port": {"number": 9002}, "failureMode": "FailOpen"}
+    named = {**body, "spec": {**body["spec"], "routing": {"inferencePool": True, "endpointPicker": "epp"}}}
+    assert by_kind(render_pool(named, "shared", "ml", KEDA))["InferencePool"]["spec"]["endpointPickerRef"][
+        "name"] == "epp"
+    assert "InferencePool" not in by_kind(render_pool({**body, "spec": {"replicas": 1}}, "shared", "ml", KEDA))
+    with pytest.raises(InvalidSpec, match=r"^spec.routing.endpointPicker"):
+        render_pool({**body, "spec": {"routing": {"endpointPicker": "Not_A_Name"}}}, "shared", "ml", KEDA)

@@ -216,3 +216,41 @@ def test_an_autoscaled_pool_scales_on_its_queue_and_the_operator_never_overwrite
         message = pool_status(c)["conditions"][0]["message"]
         assert message.startswith("spec.autoscaling needs ScaledObject (keda.sh/v1alpha1)")
         assert "install KEDA" in message and message.endswith("or remove spec.autoscaling")
+
+
+def test_a_pools_inference_pool_selects_its_pods_and_goes_with_the_field_or_the_crd(cluster: Cluster, emulator):
+    """``spec.routing.inferencePool`` of an LLMEnginePool: one InferencePool over the pool's pods (the picker then
+    scores pods by the engines each has loaded: kiln.serving.pool.metrics), deleted when the field goes, and on a
+    cluster without the Inference Extension the pool is Pending naming the field and what to install."""
+    c = cluster
+    body = {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool",
+            "metadata": {"name": "shared", "namespace": "ml"},
+            "spec": {"replicas": 1, "memoryBudget": "2Gi", "routing": {"inferencePool": True}}}
+    with running_operator():
+        c.kube.create(ENGINE_POOLS, body)
+        pool = wait_for(lambda: c.kube.get(f"{POOLS}/shared-pool"), what="the pool's InferencePool")
+        assert pool["spec"]["selector"]["matchLabels"] == c.deployment("shared-pool")["spec"]["selector"][
+            "matchLabels"]
+        assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+        assert pool["spec"]["endpointPickerRef"]["name"] == "shared-pool-epp"
+        assert pool["metadata"]["ownerReferences"][0]["kind"] == "LLMEnginePool"
+        c.kube.create(ENGINES, manifest("chat", serving={**copy.deepcopy(SPEC["serving"]), "pool": "shared"}))
+        c.build(c.wait_job(), SPEC, memory=GiB)
+        c.roll_out("shared-pool")
+        wait_for(lambda: pool_status(c).get("phase") == "Ready", what="the pool Ready")
+
+        c.kube.patch(f"{ENGINE_POOLS}/shared", {"spec": {"routing": {"inferencePool": False}}})
+        wait_for(lambda: c.kube.get(f"{POOLS}/shared-pool") is None, what="the InferencePool deleted")
+
+        emulator.handler.uninstalled.add("inferencepools")  # a cluster without the Inference Extension
+        c.kube.patch(f"{ENGINE_POOLS}/shared", {"spec": {"routing": {"inferencePool": True,
+                                                                     "endpointPicker": "picker"}}})
+        wait_for(lambda: pool_status(c).get("phase") == "Pending" and pool_status(c)["conditions"][0]["reason"]
+                 == "PrerequisiteMissing", what="PrerequisiteMissing")
+        message = pool_status(c)["conditions"][0]["message"]
+        assert message.startswith("spec.routing.inferencePool needs InferencePool (inference.networking.k8s.io/v1)")
+        assert message.endswith("or set spec.routing.inferencePool: false")
+
+        emulator.handler.uninstalled.discard("inferencepools")  # the admin installs the CRDs
+        wait_for(lambda: pool_status(c).get("phase") == "Ready", what="Ready with the InferencePool")
+        assert c.kube.get(f"{POOLS}/shared-pool")["spec"]["endpointPickerRef"]["name"] == "picker"

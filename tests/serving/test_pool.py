@@ -141,13 +141,15 @@ def engine_series_are_per_loaded_engine(srv: Server) -> None:
     loaded = {name for name in steady if after[name] == "loaded"}
     assert loaded, (before, after)
     for name in steady:
-        for series in ("kiln:kv_cache_total_blocks", "kiln:num_requests_running", "vllm:kv_cache_usage_perc",
+        for series in ("kiln:kv_cache_total_blocks", "kiln:num_requests_running", "kiln:kv_cache_usage_perc",
                        "kiln:prefix_cache_queries_total", "kiln:iteration_batch_size_count"):
             assert ((series, name) in rows) == (name in loaded), (series, name)
         if name in loaded:
             assert rows[("kiln:kv_cache_total_blocks", name)] == LIMITS["num_kv_blocks"]
             assert rows[("kiln:iteration_batch_size_count", name)] >= 1  # it ran steps
             assert rows[("kiln:num_requests_running", name)] == 0
+    picker = [x.labels.get("model_name") for f in families if f.name == "vllm:num_requests_waiting" for x in f.samples]
+    assert len(picker) == 1 and picker[0] not in after  # the pod's one row, under the server's name
 
 
 def test_a_request_that_cannot_be_placed_gets_503_and_in_flight_engines_are_never_evicted(start_server,

@@ -279,15 +279,16 @@ def test_num_requests_waiting_has_one_row_per_label_set():
     from kiln.serving.pool.metrics import EnginesCollector
     from kiln.serving.pool.slot import LOADED
 
-    def slot(name: str, waiting: int) -> SimpleNamespace:
-        stats = engine_stats(num_waiting=waiting, num_running=1, kv_usage=0.25, num_total_blocks=64,
+    def slot(name: str, waiting: int, kv: float = 0.25) -> SimpleNamespace:
+        stats = engine_stats(num_waiting=waiting, num_running=1, kv_usage=kv, num_total_blocks=64,
                              prefix_cache_queries=10, prefix_cache_hits=4, num_steps=3, sum_running=3, block_size=16)
         engine = SimpleNamespace(stats=lambda: stats, engine=SimpleNamespace(lora_info=lambda: None))
-        return SimpleNamespace(status=LOADED, state=SimpleNamespace(engine=engine),
+        return SimpleNamespace(name=name, status=LOADED, state=SimpleNamespace(engine=engine), num_waiting=0,
                                metrics=SimpleNamespace(labels={"model_name": name}))
 
     pool = SimpleNamespace(metrics=SimpleNamespace(labels={"model_name": "chat"}), num_waiting=5,
-                           slots={"chat": slot("chat", 3), "b": slot("b", 1)}, leaving=[slot("b", 2)])
+                           slots={"chat": slot("chat", 3), "b": slot("b", 1, kv=0.5)}, leaving=[slot("b", 2)],
+                           settings=SimpleNamespace(max_loaded_engines=2))
     families = {f.name: f for f in EnginesCollector(pool).collect()}
     assert len(families) == len(list(EnginesCollector(pool).collect()))
 
@@ -296,9 +297,41 @@ def test_num_requests_waiting_has_one_row_per_label_set():
 
     assert rows("kiln:num_requests_waiting") == [("b", 3.0), ("chat", 8.0)]
     assert rows("kiln:num_requests_running") == [("b", 2.0), ("chat", 1.0)]
-    assert rows("vllm:num_requests_waiting") == [("b", 3.0), ("chat", 3.0)]  # the engines' own: no pool row
-    info = [(s.labels["model_name"], s.value) for s in families["vllm:cache_config_info"].samples]
-    assert sorted(info) == [("b", 1.0), ("chat", 1.0)]  # one row of b's two, its value not summed
-    empty = SimpleNamespace(metrics=pool.metrics, num_waiting=2, slots={}, leaving=[])
-    assert [(f.name, [s.value for s in f.samples]) for f in EnginesCollector(empty).collect()] == \
-        [("kiln:num_requests_waiting", [2.0])]
+    # The endpoint picker's names are the pod's, one row under the pool's name: every queue (3 + 1 + 2 + the 5 no
+    # engine has admitted), every running request, the fullest KV cache.
+    assert rows("vllm:num_requests_waiting") == [("chat", 11.0)]
+    assert rows("vllm:num_requests_running") == [("chat", 3.0)]
+    assert rows("vllm:kv_cache_usage_perc") == [("chat", 0.5)]
+    assert [s.labels["block_size"] for s in families["vllm:cache_config_info"].samples] == ["16"]
+    empty = SimpleNamespace(metrics=pool.metrics, num_waiting=2, slots={}, leaving=[],
+                            settings=SimpleNamespace(max_loaded_engines=None))
+    got = {f.name: [s.value for s in f.samples] for f in EnginesCollector(empty).collect()}
+    assert got["kiln:num_requests_waiting"] == [2.0] and got["vllm:num_requests_waiting"] == [2.0]
+    assert not [n for n in got if n.startswith("kiln:") and n != "kiln:num_requests_waiting"]
+
+
+def test_the_endpoint_picker_sees_a_pool_pods_loaded_engines_as_active_models():
+    """An InferencePool over pool pods (``spec.routing.inferencePool`` of the pool): the picker's LoRA-affinity
+    scorer reads ``vllm:lora_requests_info``, so a pool pod lists its loaded engines (and the adapters running in
+    them) as running, the engines requests wait to see loaded as waiting, and how many it holds as max_lora."""
+    from types import SimpleNamespace
+
+    from kiln.serving.pool.metrics import EnginesCollector
+    from kiln.serving.pool.slot import LOADED, UNLOADED
+
+    def slot(name: str, status: str, waiting: int = 0, lora=None) -> SimpleNamespace:
+        stats = engine_stats(num_waiting=0, num_running=0, kv_usage=0.0, num_total_blocks=8, prefix_cache_queries=0,
+                             prefix_cache_hits=0, num_steps=0, sum_running=0, block_size=16)
+        engine = SimpleNamespace(stats=lambda: stats, engine=SimpleNamespace(lora_info=lambda: lora))
+        return SimpleNamespace(name=name, status=status, num_waiting=waiting, metrics=SimpleNamespace(
+            labels={"model_name": name}), state=SimpleNamespace(engine=engine if status == LOADED else None))
+
+    slots = {"a": slot("a", LOADED, lora={"running": ["sql"], "waiting": ["poem"], "max_lora": 4}),
+             "b": slot("b", UNLOADED, waiting=2), "c": slot("c", UNLOADED), "d": slot("d", LOADED)}
+    for limit, max_lora in ((2, "2"), (None, "4")):  # --max-loaded-engines, else every listed engine
+        pool = SimpleNamespace(metrics=SimpleNamespace(labels={"model_name": "shared"}), num_waiting=2, slots=slots,
+                               leaving=[], settings=SimpleNamespace(max_loaded_engines=limit))
+        families = {f.name: f for f in EnginesCollector(pool).collect()}
+        (info,) = families["vllm:lora_requests_info"].samples
+        assert info.labels == {"model_name": "shared", "running_lora_adapters": "a,d,sql",
+                               "waiting_lora_adapters": "b,poem", "max_lora": max_lora}
