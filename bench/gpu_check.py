@@ -136,6 +136,10 @@ def steps(py: str, out: Path, cap: str) -> dict[str, tuple[list[str], int, dict,
     def aot(o: str) -> dict:
         return {"problems": re.findall(r"^PROBLEM .*", o, re.M)}
 
+    def gpu_profile(o: str) -> dict:
+        path = out / "profile.json"
+        return {"gpu_busy": json.loads(path.read_text()).get("gpu_busy")} if path.is_file() else {}
+
     def bench(o: str) -> dict:
         path = out / "bench.json"
         if not path.is_file():
@@ -148,6 +152,8 @@ def steps(py: str, out: Path, cap: str) -> dict[str, tuple[list[str], int, dict,
                    "--timeout", "300", *GPU_TESTS], 420, {}, bandwidth),
         "aot": ([py, "-P", "-m", "kiln.builder.kernels_aot", "--capabilities", cap.replace(".", ""), "--check"],
                 300, {"KILN_AOT_CACHE": str(out / "aot-cache")}, aot),
+        "profile": ([str(VENV / "bin" / "kiln"), "bench", "--profile", "--device", "cuda", "--dtype", "bfloat16",
+                     "--json", str(out / "profile.json")], 300, {}, gpu_profile),
         "bench": ([str(VENV / "bin" / "kiln"), "bench", "--device", "cuda", "--dtype", "bfloat16", "--repeats", "1",
                    "--num-requests", "32", "--json", str(out / "bench.json")], 300, {}, bench),
     }
@@ -176,7 +182,7 @@ def report(out: Path, doc: dict) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / ".kiln-work" / "gpu-check"), help="where the report goes")
-    parser.add_argument("--only", default="", help="comma-separated steps (aot, tests, bench); default: all")
+    parser.add_argument("--only", default="", help="comma-separated steps (tests, aot, profile, bench); default: all")
     parser.add_argument("--requirements", action="store_true", help="print what make gpu-wheels downloads")
     args = parser.parse_args(argv)
     if args.requirements:

@@ -173,6 +173,8 @@ def run(model_dir: Path, dtype: str, threads: int, device: str = "cpu", batches:
                     prompts = _prompts(b, prompt_len, vocab, 1000 * r + b)
                     for kind, rows in _round(engine, prompts, params, timers).items():
                         steps[kind][b] += rows
+        busy = {str(b): _gpu_busy(engine, _prompts(b, prompt_len, vocab, 7 * b), decode_steps)
+                for b in batches} if device == "cuda" else {}
     finally:
         if timers is not None:
             timers.enable(False)
@@ -183,7 +185,41 @@ def run(model_dir: Path, dtype: str, threads: int, device: str = "cpu", batches:
                        "prompt_len": prompt_len, "decode_steps": decode_steps, "repeats": repeats, "tactics": tactics,
                        "kernel_timers": timers is not None},
             "rows": rows,
-            "profile": {k: {str(b): _means(v) for b, v in by_batch.items() if v} for k, by_batch in steps.items()}}
+            "profile": {k: {str(b): _means(v) for b, v in by_batch.items() if v} for k, by_batch in steps.items()},
+            "gpu_busy": busy}
+
+
+def _gpu_busy(engine, prompts: list[list[int]], decode_steps: int) -> dict[str, Any]:
+    """On a GPU: ``decode_steps`` decode-only steps of these prompts under torch's profiler; the GPU's kernel time
+    a step (the device time of every op, summed) against the step's wall time, in ms. What it says: a step far
+    longer than its kernels waits on the host. An error is reported, not raised (the table above stands)."""
+    import torch
+    from kiln.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=2 * decode_steps + 2, ignore_eos=True)
+    try:
+        for ids in prompts:
+            engine.add(engine.make_request(ids, params))
+        while engine.has_unfinished():  # to the first step that only decodes
+            tokens, seqs = engine.num_computed_tokens, engine.sum_running
+            engine.step()
+            if engine.num_computed_tokens - tokens == engine.sum_running - seqs:
+                break
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(decode_steps):
+                engine.step()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        device_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+                        for e in prof.key_averages())
+        return {"step_ms": wall / decode_steps * 1e3, "kernels_ms": device_us / decode_steps / 1e3}
+    except Exception as exc:  # noqa: BLE001 - a profiler that will not run on this build: said, not fatal
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        while engine.has_unfinished():
+            engine.step()
 
 
 def host(threads: int) -> dict[str, Any]:
@@ -226,6 +262,10 @@ def text(doc: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if not c["kernel_timers"]:
         lines.append("(kiln's CPU kernels are not loaded here: the whole forward is in its 'outside' row)")
+    for b, busy in doc.get("gpu_busy", {}).items():
+        lines.append(f"GPU, decode b={b}: " + (busy["error"] if "error" in busy else
+                     f"kernels {busy['kernels_ms']:.3f} ms of a {busy['step_ms']:.3f} ms step under the profiler "
+                     f"({100 * busy['kernels_ms'] / busy['step_ms']:.0f}% busy)"))
     return "\n".join(lines)
 
 

@@ -139,3 +139,35 @@ def test_kiln_bench_profile_refuses_baselines_it_would_not_run(tmp_path):
     result = CliRunner().invoke(bench, ["--profile", "--quick", "--device", "cpu", "--baselines", "openvino",
                                         "--model-dir", str(tmp_path / "model")])
     assert result.exit_code == 2 and "drop --baselines openvino" in result.output
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_the_gpu_row_runs_decode_only_steps_under_the_profiler_and_reports_an_error_instead_of_failing(
+        tiny, monkeypatch):
+    """``_gpu_busy`` (run on CUDA only) exercised on CPU: the steps it profiles are decodes of every prompt, the
+    engine is drained after, and a profiler that cannot run is an error in the table, not a failed profile."""
+    import torch
+    from kiln.engine import LLM
+
+    llm = LLM(str(tiny), dtype="float32", max_batch_size=4, max_num_tokens=64, enable_prefix_caching=False,
+              tactics="aten")
+    try:
+        engine = llm.engine
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        seqs = engine.sum_running
+        busy = profile._gpu_busy(engine, [[5, 6, 7, 8]] * 3, decode_steps=4)
+        assert busy["step_ms"] > 0 and busy["kernels_ms"] == 0  # no GPU: no device time
+        assert not engine.has_unfinished()
+        assert engine.sum_running - seqs >= 3 * 5  # the decodes ran with all three in the batch
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: (_ for _ in ()).throw(RuntimeError("no GPU")))
+        failed = profile._gpu_busy(engine, [[5, 6, 7]], decode_steps=2)
+        assert failed == {"error": "RuntimeError: no GPU"} and not engine.has_unfinished()
+    finally:
+        llm.shutdown()
+    doc = {"machine": {"cpu": "x", "cpu_count": 16, "flags": [], "torch": "2", "loadavg": [0.1]},
+           "config": {"threads": 1, "dtype": "bfloat16", "tactics": "auto", "prompt_len": 8, "decode_steps": 4,
+                      "repeats": 1, "batches": [], "kernel_timers": False},
+           "model": "llama-1b", "notes": [], "rows": [], "profile": {},
+           "gpu_busy": {"16": {"step_ms": 4.0, "kernels_ms": 1.0}, "64": failed}}
+    assert "GPU, decode b=16: kernels 1.000 ms of a 4.000 ms step under the profiler (25% busy)" in profile.text(doc)
+    assert "GPU, decode b=64: RuntimeError: no GPU" in profile.text(doc)
