@@ -27,17 +27,17 @@ __all__ = ["GEMM_KERNELS", "ROW_BUCKETS", "DecoderStack", "Kernels", "KilnWeight
 
 def _w8a8_units(declare, level: str) -> tuple[str | None, str | None]:
     """W8A8 (int8 weights x int8 activations, ``csrc/gemm_w8a8.c``) in a library of ``level``: (why it may not
-    run here, or None; the instruction its tiles use). The x86-64-v4 library's tiles are vpdpbusd on zmm and
-    need AVX512-VNNI; the x86-64-v3 library's use AVX-VNNI where the CPU's flags and ``$KILN_CPU_ISA`` allow it,
-    else AVX2 (the same integer sums either way, so the choice is not a timing question)."""
+    run here, or None; the instruction its tiles use). The x86-64-v4 library's tiles are vpdpbusd on zmm where
+    the CPU's flags and ``$KILN_CPU_ISA`` allow AVX512-VNNI, else AVX512BW's vpmaddubsw (Skylake-SP); the
+    x86-64-v3 library's vpdpbusd on ymm where they allow AVX-VNNI, else AVX2's (the same integer sums each way,
+    so the choice within a library is not a timing question)."""
     if not declare("kiln_w8a8_available", ctypes.c_int)():
         return f"the {level} library has no W8A8 kernel", None
-    if level == FEATURE_FLAGS["avx512_vnni"][0]:
-        why = feature_missing("avx512_vnni", level)
-        return why, None if why else "avx512_vnni"
-    vnni = feature_missing("avx_vnni", level) is None
+    wide = level == FEATURE_FLAGS["avx512_vnni"][0]
+    flag = "avx512_vnni" if wide else "avx_vnni"
+    vnni = feature_missing(flag, level) is None
     declare("kiln_w8a8_allow_vnni", None, ctypes.c_int)(int(vnni))
-    return None, "avx_vnni" if vnni else "avx2"
+    return None, flag if vnni else ("avx512bw" if wide else "avx2")
 
 
 class Kernels:

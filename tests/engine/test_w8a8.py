@@ -54,19 +54,21 @@ def units(fresh):
 
 
 # $KILN_CPU_ISA -> the instruction W8A8's tiles then use (None: the host's best)
-ISA_TILES = {None: None, "x86-64-v3": "avx2", "avx_vnni": "avx_vnni"}
+ISA_TILES = {None: None, "x86-64-v3": "avx2", "avx_vnni": "avx_vnni", "x86-64-v4": "avx512bw"}
 
 
 @pytest.fixture(params=list(ISA_TILES), ids=lambda cap: cap or "best")
 def each_units(fresh, monkeypatch, request):
-    """The kernels once per instruction W8A8 can run on here: the host's best, and the x86-64-v3 library's AVX2
-    and AVX-VNNI tiles (skipped where the CPU lacks avx_vnni)."""
+    """The kernels once per instruction W8A8 can run on here: the host's best, the x86-64-v3 library's AVX2
+    and AVX-VNNI tiles (skipped where the CPU lacks avx_vnni), and the x86-64-v4 library's AVX512BW tiles (a
+    Skylake-SP; skipped where the CPU has no AVX-512)."""
     if request.param:
         monkeypatch.setenv(isa.ISA_ENV, request.param)
     native.reset()
     kernels = _w8a8_kernels_or_skip()
     if ISA_TILES[request.param] and kernels.w8a8_isa != ISA_TILES[request.param]:
-        pytest.skip(f"$KILN_CPU_ISA={request.param} runs W8A8 on {kernels.w8a8_isa} here (the CPU lacks avx_vnni)")
+        pytest.skip(f"$KILN_CPU_ISA={request.param} runs W8A8 on {kernels.w8a8_isa} here (the CPU lacks "
+                    f"{ISA_TILES[request.param]})")
     return kernels
 
 
@@ -209,10 +211,10 @@ def test_the_quality_switch_takes_it_out(units, monkeypatch):
 
 
 @pytest.mark.parametrize("cap", ["x86-64-v4", "avx_vnni", "x86-64-v3"])
-def test_a_host_without_avx512_vnni_runs_it_on_256_bit_tiles_or_not_at_all(fresh, monkeypatch, cap):
+def test_a_host_without_avx512_vnni_runs_it_on_its_own_tiles(fresh, monkeypatch, cap):
     """The x86-64-v3 library (an AVX2-only host, or any host capped there) runs W8A8 on AVX-VNNI where the CPU
-    and the cap allow it, else on AVX2, and the table times it; the AVX-512 library capped below VNNI (a
-    Skylake-SP) has no tile to run and never offers it."""
+    and the cap allow it, else on AVX2; the AVX-512 library capped below VNNI (a Skylake-SP) on AVX512BW's
+    vpmaddubsw; and the table times it either way."""
     monkeypatch.setenv(isa.ISA_ENV, cap)
     native.reset()
     kernels = native.kernels()
@@ -222,20 +224,18 @@ def test_a_host_without_avx512_vnni_runs_it_on_256_bit_tiles_or_not_at_all(fresh
     site = LinearSite(torch.float32, 64, 64, max_rows=2, quant="int8")
     timed = {name for b in measure([site], kernels, budget_s=2.0).linear[site.key].buckets for name in b["us"]}
     if kernels.level == "x86-64-v4":
-        assert why and ("caps it off" in why or "lacks avx512_vnni" in why) and kernels.w8a8_isa is None
-        assert "kiln-w8a8" not in timed
-        with pytest.raises(ValueError, match="w8a8"):
-            kernels.pack_linear(torch.zeros(8, 8, dtype=torch.int8), ["w8a8"] * 16, torch.ones(8), torch.float32)
+        assert why is None and kernels.w8a8_isa == "avx512bw" and "kiln-w8a8" in timed
         return
     vnni = isa.feature_missing("avx_vnni", kernels.level) is None  # the CPU has it, the cap allows it
     assert vnni == ("avx_vnni" in cpu_flags() and cap != "x86-64-v3")
     assert why is None and kernels.w8a8_isa == ("avx_vnni" if vnni else "avx2") and "kiln-w8a8" in timed
 
 
-def test_the_256_bit_tiles_give_the_zmm_tiles_bits(fresh, monkeypatch):
+def test_the_256_bit_and_avx512bw_tiles_give_the_zmm_tiles_bits(fresh, monkeypatch):
     """Every form sums the same integers exactly and runs the same float epilogue: on a host that loads the
     AVX-512 library with VNNI, its output equals, bit for bit, the x86-64-v3 library's (AVX2 tiles, or AVX-VNNI
-    where the CPU has it) on the same weight and activations."""
+    where the CPU has it) and the AVX512BW tiles' (the same library capped below VNNI) on the same weight and
+    activations."""
     best = native.kernels()
     if best is None or best.w8a8_isa != "avx512_vnni":
         pytest.skip("needs a host whose best library runs W8A8 on AVX512-VNNI")
@@ -249,6 +249,12 @@ def test_the_256_bit_tiles_give_the_zmm_tiles_bits(fresh, monkeypatch):
     assert ymm.level == "x86-64-v3" and ymm.w8a8_isa in ("avx2", "avx_vnni")
     for ((q, s), b, x), want in zip(cases, outs, strict=True):
         assert torch.equal(ymm.pack_linear(q, ["w8a8"] * 16, s, torch.float32)(x, b), want)
+    monkeypatch.setenv(isa.ISA_ENV, "x86-64-v4")
+    native.reset()
+    bw = native.kernels()
+    assert bw.level == "x86-64-v4" and bw.w8a8_isa == "avx512bw"
+    for ((q, s), b, x), want in zip(cases, outs, strict=True):
+        assert torch.equal(bw.pack_linear(q, ["w8a8"] * 16, s, torch.float32)(x, b), want)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

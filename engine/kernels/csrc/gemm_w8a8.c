@@ -20,7 +20,8 @@
  * Three instructions do the int8 products, each summing the same integers exactly (so all three give the same
  * int32 sums, and the float epilogue runs in the same order):
  *   - AVX512-VNNI (the x86-64-v4 library, 64-column panels): vpdpbusd on zmm, tiles of up to 3 rows x 64
- *     columns (4 zmm int32 accumulators for a block, 4 float32 ones for the row);
+ *     columns (4 zmm int32 accumulators for a block, 4 float32 ones for the row); on an AVX-512 CPU without
+ *     VNNI (Skylake-SP) the same tiles with AVX2's sign trick below on zmm (AVX512BW);
  *   - AVX-VNNI (the x86-64-v3 library, 16-column panels; Intel's client parts from Alder Lake on, Sierra
  *     Forest: AVX-VNNI without AVX-512): vpdpbusd on ymm, tiles of up to 4 rows x 16 columns;
  *   - AVX2 (the x86-64-v3 library on any other CPU): vpmaddubsw + vpmaddwd, whose int16 pair sums would
@@ -39,8 +40,8 @@
 /* K quads -> activation blocks of one row */
 static inline int64_t w8_blocks(int64_t kq) { return kq / (W8_BLOCK / 4); }
 
-/* kiln_w8a8_allow_vnni: whether the x86-64-v3 library's tiles may use AVX-VNNI (the caller's leave, from the
- * CPU's flags and $KILN_CPU_ISA); the x86-64-v4 library's use AVX512-VNNI, whose leave is loading them at all */
+/* kiln_w8a8_allow_vnni: whether the tiles may use vpdpbusd (the caller's leave, from the CPU's flags and
+ * $KILN_CPU_ISA): AVX-VNNI in the x86-64-v3 library, AVX512-VNNI in the x86-64-v4 one */
 static int w8_vnni = 0;
 void kiln_w8a8_allow_vnni(int on) { w8_vnni = on; }
 
@@ -140,12 +141,36 @@ W8_QTARGET static void w8_quantize_row_vec(const void *x, int64_t k, int64_t kq4
     }
 }
 
+/* one K quad (i) of rows [0, R) against the panel's 4 weight vectors wv: vpdpbusd of the activations + 128 */
+#define W8_VNNI_STEP(R)                                                                                       \
+    for (int r = 0; r < R; r++) {                                                                             \
+        int32_t quad;                                                                                         \
+        memcpy(&quad, xq + r * ldq + 4 * i, sizeof quad);                                                     \
+        const __m512i xb = _mm512_set1_epi32(quad);                                                           \
+        for (int c = 0; c < 4; c++) W8_DPBUSD(acc[r][c], xb, wv[c]);                                          \
+    }
+/* the same sums on AVX512BW without VNNI (Skylake-SP): the sign trick of the AVX2 tiles (gemm_w8a8_ymm.c), |q| x
+ * (xq negated where q < 0) through vpmaddubsw + vpmaddwd; AVX-512 has no vpsignb, so a masked negation. The
+ * activation quad loses its +128 by a xor of its top bits; the int16 pair sums stay within 2 x 128 x 127. */
+#define W8_BW_STEP(R)                                                                                         \
+    __m512i aw[4];                                                                                            \
+    __mmask64 neg[4];                                                                                         \
+    for (int c = 0; c < 4; c++) aw[c] = _mm512_abs_epi8(wv[c]), neg[c] = _mm512_movepi8_mask(wv[c]);          \
+    for (int r = 0; r < R; r++) {                                                                             \
+        int32_t quad;                                                                                         \
+        memcpy(&quad, xq + r * ldq + 4 * i, sizeof quad);                                                     \
+        const __m512i xs = _mm512_xor_si512(_mm512_set1_epi32(quad), _mm512_set1_epi8((char)0x80));           \
+        for (int c = 0; c < 4; c++)                                                                           \
+            acc[r][c] = (__v16si)_mm512_add_epi32((__m512i)acc[r][c], _mm512_madd_epi16(_mm512_maddubs_epi16( \
+                aw[c], _mm512_mask_sub_epi8(xs, neg[c], _mm512_setzero_si512(), xs)), _mm512_set1_epi16(1))); \
+    }
+
 /* rows [0, R) of xq (row stride ldq, block scales sx with row stride nb) x one panel w (nb blocks of 8 quads,
- * block sums bs): y = s * sum_b (acc_b - 128 bsum_b) dx_b + bias */
-#define W8_TILE(R)                                                                                            \
-    W8_TARGET static void w8_tile##R(const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *w,        \
-                                     int64_t nb, const int16_t *bs, const float *scale, const float *bias,   \
-                                     void *y, int64_t ldy, int bf16, int ncols) {                            \
+ * block sums bs): y = s * sum_b (acc_b - OFF x 128 bsum_b) dx_b + bias, the quads summed by STEP */
+#define W8_TILE(NAME, TARGET, R, STEP, OFF)                                                                   \
+    TARGET static void NAME(const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *w, int64_t nb,     \
+                            const int16_t *bs, const float *scale, const float *bias, void *y, int64_t ldy,   \
+                            int bf16, int ncols) {                                                            \
         __m512 f[R][4];                                                                                       \
         for (int r = 0; r < R; r++)                                                                           \
             for (int c = 0; c < 4; c++) f[r][c] = _mm512_setzero_ps();                                        \
@@ -156,16 +181,11 @@ W8_QTARGET static void w8_quantize_row_vec(const void *x, int64_t k, int64_t kq4
             for (int64_t i = 8 * b; i < 8 * b + 8; i++) {                                                     \
                 __m512i wv[4];                                                                                \
                 for (int c = 0; c < 4; c++) wv[c] = _mm512_loadu_si512(w + i * W8_QUAD + 64 * c);             \
-                for (int r = 0; r < R; r++) {                                                                 \
-                    int32_t quad;                                                                             \
-                    memcpy(&quad, xq + r * ldq + 4 * i, sizeof quad);                                         \
-                    const __m512i xb = _mm512_set1_epi32(quad);                                               \
-                    for (int c = 0; c < 4; c++) W8_DPBUSD(acc[r][c], xb, wv[c]);                              \
-                }                                                                                             \
+                STEP(R)                                                                                       \
             }                                                                                                 \
             for (int c = 0; c < 4; c++) {                                                                     \
-                const __m512i off = _mm512_slli_epi32(                                                        \
-                    _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(bs + b * KILN_PANEL + 16 * c))), 7); \
+                const __m512i off = OFF ? _mm512_slli_epi32(_mm512_cvtepi16_epi32(                            \
+                    _mm256_loadu_si256((const __m256i *)(bs + b * KILN_PANEL + 16 * c))), 7) : _mm512_setzero_si512(); \
                 for (int r = 0; r < R; r++)                                                                   \
                     f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][c], off)),  \
                                               _mm512_set1_ps(sx[r * nb + b]), f[r][c]);                       \
@@ -179,14 +199,19 @@ W8_QTARGET static void w8_quantize_row_vec(const void *x, int64_t k, int64_t kq4
                 w8_store(y, r * ldy + 16 * c, v, mask, bf16);                                                 \
             }                                                                                                 \
     }
-W8_TILE(1) W8_TILE(2) W8_TILE(3)
-static const kiln_w8a8_tile w8_zmm[W8_MR + 1] = {0, w8_tile1, w8_tile2, w8_tile3};
+W8_TILE(w8_vnni1, W8_TARGET, 1, W8_VNNI_STEP, 1) W8_TILE(w8_vnni2, W8_TARGET, 2, W8_VNNI_STEP, 1)
+W8_TILE(w8_vnni3, W8_TARGET, 3, W8_VNNI_STEP, 1)
+W8_TILE(w8_bw1, W8_QTARGET, 1, W8_BW_STEP, 0) W8_TILE(w8_bw2, W8_QTARGET, 2, W8_BW_STEP, 0)
+W8_TILE(w8_bw3, W8_QTARGET, 3, W8_BW_STEP, 0)
+static const kiln_w8a8_tile w8_zmm_vnni[W8_MR + 1] = {0, w8_vnni1, w8_vnni2, w8_vnni3};
+static const kiln_w8a8_tile w8_zmm_bw[W8_MR + 1] = {0, w8_bw1, w8_bw2, w8_bw3};
 
-/* this library's tiles for the call: vpdpbusd on zmm where the CPU has AVX512-VNNI, else none */
+/* this library's tiles for the call: vpdpbusd on zmm where the caller allows AVX512-VNNI (the CPU's flags and
+ * $KILN_CPU_ISA) and the CPU has it, else AVX512BW's (every CPU that loads this library has AVX512BW) */
 static const kiln_w8a8_tile *w8_tiles(void) {
-    static int vnni = -1; /* the CPU's, asked once: a caller that skipped isa.py's check gets the fallback */
+    static int vnni = -1; /* the CPU's, asked once: a caller that skipped isa.py's check gets the BW tiles */
     if (vnni < 0) vnni = __builtin_cpu_supports("avx512vnni");
-    return vnni ? w8_zmm : 0;
+    return vnni && w8_vnni ? w8_zmm_vnni : w8_zmm_bw;
 }
 #define W8_QUANTIZE_ROW w8_quantize_row_vec
 #define W8_HAVE 1
@@ -207,7 +232,7 @@ int kiln_w8a8_available(void) { return 1; }
 /* y [m, n] (bf16 or float32 as x, row stride ldy) = W8A8 of x [m, k] (row stride ldx) and the int8 panels
  * (gemm_int8.c's layout) with their scales and block sums (kiln_w8a8_block_sums), + bias (float32 or NULL).
  * Returns 0, -1 when the quantized activations could not be allocated, or 1 where this library has no tile the
- * CPU runs (the x86-64-v4 library on a CPU without AVX512-VNNI). */
+ * CPU runs (none of kiln's x86-64 libraries: the fallback of a library without W8A8). */
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16) {
     const kiln_w8a8_tile *tile = w8_tiles(); /* by rows */
