@@ -71,9 +71,9 @@ class EnginesCollector(Collector):
             engine = slot.state.engine
             if slot.status != LOADED or engine is None:
                 continue
-            lora = getattr(getattr(engine, "engine", None), "lora_info", lambda: None)
-            loaded.append((slot, engine.stats(), lora()))
-            for family in EngineStatsCollector(engine.stats, slot.metrics.labels, lora).collect():
+            stats, lora = engine.stats(), getattr(getattr(engine, "engine", None), "lora_info", lambda: None)()
+            loaded.append((slot, stats, lora))  # one reading for the engine's rows and the pod's
+            for family in EngineStatsCollector(lambda s=stats: s, slot.metrics.labels, lambda x=lora: x).collect():
                 if not family.name.startswith(ENDPOINT_PICKER_PREFIX):  # the pod's own, below
                     _merge(families, family)
         own = self.pool.metrics.labels
