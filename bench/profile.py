@@ -196,7 +196,8 @@ def _gpu_busy(engine, prompts: list[list[int]], decode_steps: int) -> dict[str, 
     import torch
     from kiln.engine import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=2 * decode_steps + 2, ignore_eos=True)
+    # within run()'s max_seq_len (prompt + decode_steps + 8): the prefill's token, then decode_steps decodes
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + 2, ignore_eos=True)
     try:
         for ids in prompts:
             engine.add(engine.make_request(ids, params))

@@ -149,16 +149,17 @@ def test_the_gpu_row_runs_decode_only_steps_under_the_profiler_and_reports_an_er
     import torch
     from kiln.engine import LLM
 
-    llm = LLM(str(tiny), dtype="float32", max_batch_size=4, max_num_tokens=64, enable_prefix_caching=False,
-              tactics="aten")
+    # sized as profile.run sizes its engine: the prompt, the decode steps and 8 more
+    llm = LLM(str(tiny), dtype="float32", max_batch_size=4, max_num_tokens=64, max_seq_len=4 + 8 + 8,
+              enable_prefix_caching=False, tactics="aten")
     try:
         engine = llm.engine
         monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
         seqs = engine.sum_running
-        busy = profile._gpu_busy(engine, [[5, 6, 7, 8]] * 3, decode_steps=4)
+        busy = profile._gpu_busy(engine, [[5, 6, 7, 8]] * 3, decode_steps=8)
         assert busy["step_ms"] > 0 and busy["kernels_ms"] == 0  # no GPU: no device time
         assert not engine.has_unfinished()
-        assert engine.sum_running - seqs >= 3 * 5  # the decodes ran with all three in the batch
+        assert engine.sum_running - seqs >= 3 * 9  # the prefill and 8 decodes ran with all three in the batch
         monkeypatch.setattr(torch.cuda, "synchronize", lambda: (_ for _ in ()).throw(RuntimeError("no GPU")))
         failed = profile._gpu_busy(engine, [[5, 6, 7]], decode_steps=2)
         assert failed == {"error": "RuntimeError: no GPU"} and not engine.has_unfinished()
