@@ -40,7 +40,7 @@ def warm(llm) -> None:
     """A short request; on CUDA also every shape a build compiles into the artifact's kernel cache
     (``kiln.engine.kernels.cache.warm_up``), so that a served artifact's kernels are not compiled on the clock
     here either. The first GPU run (H200, 2026-11-30) warmed with the short request alone, so the long-chunk
-    prefill tiles compiled on the clock; its median time to first token was 0.9-1.0 s (how much of it was
+    prefill tiles could compile on the clock; its median time to first token was 0.9-1.0 s (how much of it was
     compiling is not yet measured)."""
     from kiln.engine import SamplingParams
 
