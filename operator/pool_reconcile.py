@@ -50,8 +50,7 @@ from kiln.operator.pools import (
     build_pool_service,
     validate_pool,
 )
-from kiln.operator.routing import INFERENCE_API
-from kiln.operator.scale_out import KINDS
+from kiln.operator.scale_out import KINDS, missing_prerequisite
 from kiln.operator.status import now_iso, same_status, transitions
 from kiln.operator.trust import manifest_problem
 from kiln.operator.validation import InvalidSpec
@@ -239,7 +238,25 @@ async def converge_scaler(ctx: Context, world: PoolWorld, members: list[str]) ->
     wanted = build_pool_scaler(world.spec, world.name, world.namespace, ctx.config, members,
                                pool_owner_reference(world.body))
     kind = "HorizontalPodAutoscaler" if ctx.config.autoscaler == "hpa" else "ScaledObject"
-    api_version, plural, _, fix = KINDS[kind]
+    return await _converge(ctx, world, kind, wanted, "spec.autoscaling",
+                           f"{KINDS[kind][3]}, or remove spec.autoscaling")
+
+
+async def converge_routing(ctx: Context, world: PoolWorld) -> str | None:
+    """Apply the InferencePool ``spec.routing.inferencePool`` asks for, or delete it when it asks for none; the
+    message naming the field and the fix when the cluster does not serve InferencePools, else None."""
+    assert world.spec is not None
+    wanted = build_pool_inference_pool(world.spec, world.name, world.namespace, pool_owner_reference(world.body))
+    return await _converge(ctx, world, "InferencePool", wanted, "spec.routing.inferencePool",
+                           "install the Gateway API Inference Extension CRDs (https://gateway-api-inference-extension."
+                           "sigs.k8s.io/), or set spec.routing.inferencePool: false")
+
+
+async def _converge(ctx: Context, world: PoolWorld, kind: str, wanted: dict[str, Any] | None, field: str,
+                    fix: str) -> str | None:
+    """One optional object of the pool, named ``<pool>-pool``: applied when wanted, else deleted; on a cluster
+    without its kind, the message naming ``field`` and ``fix`` (as an engine's, ``scale_out.missing_prerequisite``)."""
+    api_version, plural, _, _ = KINDS[kind]
     if wanted is None:
         await ctx.kube.delete(api_path(api_version, plural, world.namespace, pool_workload_name(world.name)))
         return None
@@ -248,28 +265,7 @@ async def converge_scaler(ctx: Context, world: PoolWorld, members: list[str]) ->
     except ApiError as exc:
         if exc.status != 404:
             raise
-        return (f"spec.autoscaling needs {kind} ({api_version}), which this cluster does not serve (no {plural} "
-                f"in namespace {world.namespace}); {fix}, or remove spec.autoscaling")
-    return None
-
-
-async def converge_routing(ctx: Context, world: PoolWorld) -> str | None:
-    """Apply the InferencePool ``spec.routing.inferencePool`` asks for, or delete it when it asks for none; the
-    message naming the field and the fix when the cluster does not serve InferencePools, else None."""
-    assert world.spec is not None
-    wanted = build_pool_inference_pool(world.spec, world.name, world.namespace, pool_owner_reference(world.body))
-    if wanted is None:
-        await ctx.kube.delete(api_path(INFERENCE_API, "inferencepools", world.namespace,
-                                       pool_workload_name(world.name)))
-        return None
-    try:
-        await apply(ctx.kube, wanted)
-    except ApiError as exc:
-        if exc.status != 404:
-            raise
-        return (f"spec.routing.inferencePool needs InferencePool ({INFERENCE_API}), which this cluster does not serve "
-                f"(no inferencepools in namespace {world.namespace}); install the Gateway API Inference Extension "
-                "CRDs (https://gateway-api-inference-extension.sigs.k8s.io/), or set spec.routing.inferencePool: false")
+        return missing_prerequisite(kind, world.namespace, field, fix)
     return None
 
 

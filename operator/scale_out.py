@@ -55,10 +55,12 @@ def extra_objects(spec: LLMEngineSpec, name: str, namespace: str, version: str |
     return objects
 
 
-def missing_prerequisite(kind: str, namespace: str) -> str:
-    api_version, plural, field, fix = KINDS[kind]
-    return (f"{field} needs {kind} ({api_version}), which this cluster does not serve "
-            f"(no {plural} in namespace {namespace}); {fix}")
+def missing_prerequisite(kind: str, namespace: str, field: str | None = None, fix: str | None = None) -> str:
+    """Why ``kind`` could not be applied: the field that asks for it and the fix (an engine's, unless a pool's are
+    given)."""
+    api_version, plural, engine_field, engine_fix = KINDS[kind]
+    return (f"{field or engine_field} needs {kind} ({api_version}), which this cluster does not serve "
+            f"(no {plural} in namespace {namespace}); {fix or engine_fix}")
 
 
 async def converge(kube: KubeClient, apply: Apply, spec: LLMEngineSpec, name: str, namespace: str,
