@@ -24,7 +24,7 @@ from kiln.serving.auth import require_api_key
 from kiln.serving.config import ServeConfig
 from kiln.serving.constraints import close_compiler
 from kiln.serving.errors import APIError, install_error_handlers
-from kiln.serving.loader import build_engine, in_daemon_thread, warm_up
+from kiln.serving.loader import build_engine, in_daemon_thread, warm_up, warm_up_grammar
 from kiln.serving.lora import LoRARegistry, runtime_updating_allowed
 from kiln.serving.lora_sync import POLL_S, AdapterSync, adapters_file
 from kiln.serving.metrics import CONTENT_TYPE, ServingMetrics
@@ -53,6 +53,7 @@ class ServingContext:
         # Several engines (docs/pools.md): requests are placed by their model; None: this one engine serves all.
         self.pool = EnginePool(pool, config, self.metrics) if pool is not None else None
         self.pool_follower: Any = None
+        self.grammar_warm_up: asyncio.Task | None = None  # started once ready (loader.warm_up_grammar)
         self.created = int(time.time())
         self.exit_code = 0
         self.on_fatal: Callable[[], None] | None = None  # set by the server: stop after a failed load
@@ -109,6 +110,7 @@ class ServingContext:
             self.state.phase = READY
         log.info("model %r ready in %.1fs (max_batch_size=%d, max_queue_len=%d)", self.served_model_name,
                  time.monotonic() - started, engine.engine_config.max_batch_size, self.config.max_queue_len)
+        self.grammar_warm_up = asyncio.create_task(warm_up_grammar(engine))  # after /ready: structured requests only
 
 
     async def _start_pool(self) -> None:
