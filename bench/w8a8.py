@@ -117,6 +117,8 @@ def decode(model: str, batches=(1, 32), tokens: int = 64, rounds: int = 5, promp
 
     settings = {"bf16" if dtype == "bfloat16" else "float32": {"dtype": dtype},
                 "int8": {"dtype": dtype, "quantization": "int8"},
+                # one copy of every weight: the table's one layout per weight (before candidates.SECOND_COPY)
+                "int8-one-copy": {"dtype": dtype, "quantization": "int8", "env": {"KILN_TACTICS_SECOND_COPY": "0"}},
                 # what a build whose quality gate refused torch's 7-bit W8A8 ships (SmolLM2's: quantization.md)
                 "int8-no-torch-w8a8": {"dtype": dtype, "quantization": "int8", "exclude": "torch-w8a8"},
                 # what a host without kiln's W8A8 tiles ran (a Skylake-SP before the AVX512BW ones)
@@ -127,16 +129,16 @@ def decode(model: str, batches=(1, 32), tokens: int = 64, rounds: int = 5, promp
         engines = {}
         for name, kw in settings.items():
             kw = dict(kw)
-            exclude = kw.pop("exclude", None)
-            before = os.environ.pop("KILN_TACTICS_EXCLUDE", None)
-            if exclude:
-                os.environ["KILN_TACTICS_EXCLUDE"] = exclude
+            env = {**kw.pop("env", {}), **({"KILN_TACTICS_EXCLUDE": kw.pop("exclude")} if "exclude" in kw else {})}
+            before = {k: os.environ.pop(k, None) for k in ("KILN_TACTICS_EXCLUDE", *env)}
+            os.environ.update(env)
             try:
                 engines[name] = _engine(model, batch, **kw)
             finally:
-                os.environ.pop("KILN_TACTICS_EXCLUDE", None)
-                if before is not None:
-                    os.environ["KILN_TACTICS_EXCLUDE"] = before
+                for k, v in before.items():
+                    os.environ.pop(k, None)
+                    if v is not None:
+                        os.environ[k] = v
         prompts = [[(7 * i + j) % 500 + 10 for j in range(prompt_len)] for i in range(batch)]
         sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         times = {n: [] for n in engines}

@@ -84,6 +84,15 @@ LINEAR: dict[str, Candidate] = {c.name: c for c in (
     Candidate("kiln-gguf-f32", "kiln", "gguf_f32", accepts=_BLOCKS),
 )}
 LAYOUTS = ("kiln", "onednn", "plain", "qlinear")
+# Candidates of another layout that a weight in kiln's layout may run too, from a second copy of the weight held
+# beside its panels, with the ``PackedLinear`` kernel that runs it (``packed.PackedLinear.qlinear``). Held only for
+# the row buckets where that candidate is ``SECOND_COPY_MARGIN`` times faster than kiln's best (tactics.resolve
+# ``packing``): FBGEMM's W8A8 wins prefill-sized buckets where kiln's wins decode (AVX2 and AVX-512 without VNNI),
+# and one layout per weight made batch-1 decode pay 1.9x. The copy costs the int8 weight once more;
+# ``$KILN_TACTICS_SECOND_COPY=0`` keeps one copy of every weight.
+SECOND_COPY = {"torch-w8a8": "qlinear"}
+SECOND_COPY_MARGIN = 1.25
+SECOND_COPY_ENV = "KILN_TACTICS_SECOND_COPY"
 # the candidates that quantize activations where the format does not (W8A8): what a quality gate turns off
 ACTIVATION_QUANT = tuple(c.name for c in LINEAR.values() if c.changes_semantics)
 EXCLUDE_ENV = "KILN_TACTICS_EXCLUDE"
@@ -98,6 +107,12 @@ def expand(names) -> frozenset[str]:
             raise ValueError(f"{name!r} is not a candidate ({', '.join(LINEAR)}) or {' or '.join(ALIASES)}")
         out.update(ALIASES.get(name, (name,)))
     return frozenset(out)
+
+
+def second_copy_margin() -> float | None:
+    """How much faster a ``SECOND_COPY`` candidate must be to run a bucket of a kiln-layout weight (None: never,
+    ``$KILN_TACTICS_SECOND_COPY=0``)."""
+    return None if os.environ.get(SECOND_COPY_ENV, "1").strip() == "0" else SECOND_COPY_MARGIN
 
 
 def known(names) -> bool:

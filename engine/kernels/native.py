@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from kiln.engine.kernels import cpu_library, gguf_blocks
+from kiln.engine.kernels import cpu_library, gguf_blocks, torch_w8a8
 from kiln.engine.kernels.isa import FEATURE_FLAGS, feature_missing, log
 from kiln.engine.kernels.kernel_timers import GEMM, KernelTimers
-from kiln.engine.kernels.packed import GEMM_KERNELS, ROW_BUCKETS, KilnWeight, PackedLinear, row_bucket
+from kiln.engine.kernels.packed import GEMM_KERNELS, PYTHON_KERNELS, ROW_BUCKETS, KilnWeight, PackedLinear, row_bucket
 
 __all__ = ["GEMM_KERNELS", "ROW_BUCKETS", "DecoderStack", "Kernels", "KilnWeight", "PackedLinear", "kernels",
            "reset", "row_bucket", "supports"]
@@ -91,9 +91,10 @@ class Kernels:
         self.gemm_kernels: dict[torch.dtype, dict[str, str | None]] = {
             torch.float32: {"fma": None, "amx": "AMX multiplies bf16, not float32",
                             "onednn": "oneDNN packs float32 weights in another layout than kiln's panels",
-                            "w8a8": w8a8, "gguf": None, "gguf_f32": None},
+                            "w8a8": w8a8, "gguf": None, "gguf_f32": None, "qlinear": torch_w8a8.unavailable()},
             torch.bfloat16: {"fma": bf16_fma, "amx": amx, "onednn": bf16_fma or onednn, "w8a8": bf16_fma or w8a8,
-                             "gguf": None, "gguf_f32": "the dequantizing GGUF kernel takes float32 activations"}}
+                             "gguf": None, "gguf_f32": "the dequantizing GGUF kernel takes float32 activations",
+                             "qlinear": torch_w8a8.unavailable()}}
         self.linear_dtypes = tuple(dt for dt, ks in self.gemm_kernels.items() if ks["fma"] is None)
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -199,9 +200,11 @@ class Kernels:
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        if packed.tactics[row_bucket(x2.shape[0])] == "onednn":  # oneDNN's GEMM on the same panels
+        kernel = packed.tactics[row_bucket(x2.shape[0])]
+        if kernel in PYTHON_KERNELS:  # oneDNN's GEMM on the same panels, or torch's W8A8 on its own copy
             start = time.perf_counter_ns() if self.timers.on else 0
-            y = torch.ops.mkldnn._linear_pointwise(x2, packed.onednn, bias, "none", [], "")
+            y = torch.ops.mkldnn._linear_pointwise(x2, packed.onednn, bias, "none", [], "") if kernel == "onednn" \
+                else packed.qlinear(x2, bias)
             if start:
                 self.timers.add(GEMM, start)
             return y.view(*x.shape[:-1], n)
@@ -256,7 +259,7 @@ class DecoderStack:
         self.num_layers = len(layers)
         self._workspace = torch.empty(0, dtype=torch.uint8)
         # Row buckets some linear runs on oneDNN, which only Python can call: such a step takes the module path.
-        self._python = {role: {b for layer in layers for b, t in enumerate(layer[role].tactics) if t == "onednn"}
+        self._python = {role: {b for layer in layers for b, t in enumerate(layer[role].tactics) if t in PYTHON_KERNELS}
                         for role in ("qkv", "o", "gate_up", "down")}
 
     def can_run(self, tokens: int) -> bool:

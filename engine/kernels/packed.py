@@ -22,11 +22,14 @@ from typing import Protocol
 
 import torch
 from kiln.engine.host_pages import anonymous
+from kiln.engine.kernels import torch_w8a8
 
 ROW_BUCKETS = 16  # = KILN_ROW_BUCKETS: bucket b holds calls of (2^(b-1), 2^b] rows
 # = enum kiln_gemm_kernel; oneDNN's runs from Python (C: FMA); W8A8 runs int8 weights only; the gguf ones GGUF
-# block weights only (gguf_blocks.PackedGGUF)
-GEMM_KERNELS = {"fma": 0, "amx": 1, "onednn": 0, "w8a8": 2, "gguf": 3, "gguf_f32": 4}
+# block weights only (gguf_blocks.PackedGGUF); torch's W8A8 ("qlinear") from Python on a second copy of an int8
+# weight (PackedLinear.qlinear)
+GEMM_KERNELS = {"fma": 0, "amx": 1, "onednn": 0, "w8a8": 2, "gguf": 3, "gguf_f32": 4, "qlinear": 0}
+PYTHON_KERNELS = ("onednn", "qlinear")  # called from Python: a step with a bucket on one leaves the decoder stack
 
 
 def row_bucket(rows: int) -> int:
@@ -119,6 +122,8 @@ class PackedLinear:
         if self.onednn is not None:  # one copy: kiln's kernels read oneDNN's buffer
             self.panels, ptr = self.onednn, torch.ops.mkldnn.data_ptr(self.onednn)
         self.scales = self.bsums = None
+        # torch's prepacked copy (a second copy of the weight), made only when a bucket runs it
+        self.qlinear = torch_w8a8.QLinear(weight, scales) if self.int8 and tactics and "qlinear" in tactics else None
         if self.int8:  # padded to whole panels: the kernels read a panel's scales (and block sums) as vectors
             self.scales = torch.zeros(panels * panel, dtype=torch.float32)
             self.scales[:self.out_features] = scales.float()
@@ -144,8 +149,10 @@ class PackedLinear:
             why = self._kernels.gemm_kernels[self.dtype].get(name, f"not one of {', '.join(GEMM_KERNELS)}")
             if name == "onednn" and self.onednn is None:
                 why = "oneDNN's packing of this weight is not these panels (or it was packed without it)"
-            if name == "w8a8" and not self.int8:
+            if name in ("w8a8", "qlinear") and not self.int8:
                 why = why or "W8A8 multiplies int8 weights, not float ones"
+            if name == "qlinear" and self.qlinear is None:
+                why = why or "torch's W8A8 runs its own copy of the weight, which was not made (pack with it)"
             if name.startswith("gguf"):
                 why = "the GGUF kernels multiply GGUF block weights"
             if why:

@@ -27,7 +27,7 @@ from kiln.engine.layers.linear import LinearBase
 from kiln.engine.layers.quant import quantize_weight
 from kiln.engine.models.llama import apply_mlp_rows, mlp_rows_at_load, sliced_mlps
 from kiln.engine.tactics.resolve import packing, persist, resolve
-from kiln.engine.tactics.table import TacticsError, TacticTable
+from kiln.engine.tactics.table import TacticsError, TacticTable, both_copies, second_copy
 from kiln.engine.tactics.timing import LinearSite, time_mlp_slices
 from torch import nn
 
@@ -78,8 +78,9 @@ def linear_sites(modules: list[tuple[nn.Module, LinearSite]]) -> list[LinearSite
 
 
 def stack_layout(table: TacticTable, modules: list[tuple[nn.Module, LinearSite]], native,
-                 exclude=()) -> tuple[bool, str]:
-    """(pack the layers' linears in kiln's layout, why) by the table's ``decoder_stack`` entry or the margin."""
+                 exclude=(), one_kernel: bool = False) -> tuple[bool, str]:
+    """(pack the layers' linears in kiln's layout, why) by the table's ``decoder_stack`` entry or the margin (a
+    shape holding a second copy beside kiln's panels, ``table.both_copies``, costs the faster side's time)."""
     layer_sites = {site.key: site for _, site in modules if site.stacked}
     if native is None or not layer_sites:
         return False, "no decoder stack: kiln's attention kernels do not run here"
@@ -88,11 +89,14 @@ def stack_layout(table: TacticTable, modules: list[tuple[nn.Module, LinearSite]]
     entry = (table.model.get("decoder_stack") or {}).get("winner")
     if entry is not None:
         return entry == "fused" and kiln_ok, f"the table's decoder_stack: {entry}"
-    for key in layer_sites:
-        scores = table.linear[key].scores
-        if not kiln_ok or "kiln" not in scores or scores["kiln"] > STACK_MARGIN * min(scores.values()):
+    for key, site in layer_sites.items():
+        choice = table.linear[key]
+        scores = choice.scores
+        if not kiln_ok or "kiln" not in scores or scores["kiln"] > STACK_MARGIN * min(scores.values()) and \
+                both_copies(choice, second_copy(choice, site, native, exclude, one_kernel), STACK_MARGIN, True) is None:
             return False, f"{key}: kiln's layout is not within {STACK_MARGIN:g}x of the best"
-    return True, f"kiln's layout within {STACK_MARGIN:g}x of the best for every layer shape"
+    return True, (f"kiln's layout (or its panels beside a second copy) within {STACK_MARGIN:g}x of the best for "
+                  "every layer shape")
 
 
 def amx_queries(table: TacticTable, stack: bool, batch_invariant: bool) -> int:
@@ -108,7 +112,7 @@ def bind(model: nn.Module, modules: list[tuple[nn.Module, LinearSite]], table: T
     """Pack every module of ``model`` by its table entry; returns how many linears went to each layout.
     ``stack``: the decoder stack can run here (kiln's attention kernels serve the model); ``exclude``: the
     engine's ``tactics_exclude``; ``one_kernel``: one kernel per linear at every row count (``batch_invariant``)."""
-    fuse, why = stack_layout(table, modules, native if stack else None, exclude)
+    fuse, why = stack_layout(table, modules, native if stack else None, exclude, one_kernel)
     log.info("tactics: decoder layers %s (%s)", "in kiln's layout for the stack" if fuse else "per shape", why)
     counts: dict[str, int] = {}
     with host_pages.arena():  # the model's weights side by side in huge pages (host_pages.py says why)
@@ -122,7 +126,8 @@ def _bind_one(model: nn.Module, m: nn.Module, site: LinearSite, table: TacticTab
     """Pack one module by its table entry (``bind``), counted into ``counts`` by layout."""
     stacked = fuse and site.stacked  # kiln's layout; oneDNN (from Python) only where it beats the stack's saving
     layout, kernels = _packing(table.linear[site.key], site, native, stacked, exclude, one_kernel)
-    counts[layout] = counts.get(layout, 0) + 1
+    key = layout + "".join(f"+{k}" for k in sorted(set(kernels or ())) if k in candidates.SECOND_COPY.values())
+    counts[key] = counts.get(key, 0) + 1  # "kiln+qlinear": kiln's panels and a second copy (candidates.SECOND_COPY)
     if layout == "plain":
         return
     scale = getattr(m, "weight_scale", None) if site.quant else None

@@ -32,7 +32,14 @@ import torch
 from kiln.engine.kernels import candidates
 from kiln.engine.kernels.native import ROW_BUCKETS
 from kiln.engine.tactics import deferred, host_signature
-from kiln.engine.tactics.table import LinearChoice, TacticsError, TacticTable, choose
+from kiln.engine.tactics.table import (
+    LinearChoice,
+    TacticsError,
+    TacticTable,
+    both_copies,
+    choose,
+    second_copy,
+)
 from kiln.engine.tactics.timing import (
     SETTLE_S,
     TIMED_COLUMNS,
@@ -298,9 +305,12 @@ def packing(choice: LinearChoice, site: LinearSite, native, layout: str | None =
     """(layout, kiln GEMM kernel per row bucket or None) for ``site``, which the table chose ``choice`` for (in
     ``layout`` when given: the decoder stack needs kiln's; ``python_margin``: see ``LinearChoice.kernels``;
     ``one_kernel``: every bucket runs :func:`one_for_all_rows`); ``TacticsError`` if a bucket names a candidate
-    this host cannot run."""
-    layout = layout or choice.layout
-    runs = choice.kernels(layout, python_margin)
+    this host cannot run. A weight in kiln's layout may run a ``candidates.SECOND_COPY`` candidate in the buckets
+    where it is that much faster, from a second copy (``table.both_copies``)."""
+    both = None if layout not in (None, "kiln") else \
+        both_copies(choice, second_copy(choice, site, native, exclude, one_kernel), python_margin, site.stacked)
+    layout = "kiln" if both else layout or choice.layout
+    runs = both or choice.kernels(layout, python_margin)
     if one_kernel:
         runs = [one_for_all_rows(runs, choice.buckets)] * len(runs)
     for name in set(runs):
@@ -311,7 +321,7 @@ def packing(choice: LinearChoice, site: LinearSite, native, layout: str | None =
     if layout != "kiln":
         return layout, None
     names = (runs + [runs[-1]] * ROW_BUCKETS)[:ROW_BUCKETS]
-    return "kiln", [candidates.LINEAR[n].gemm_kernel for n in names]
+    return "kiln", [candidates.LINEAR[n].gemm_kernel or candidates.SECOND_COPY[n] for n in names]
 
 
 def one_for_all_rows(runs: list[str], buckets: list[dict[str, Any]]) -> str:

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln.engine.errors import ConfigError
-from kiln.engine.kernels.candidates import LAYOUTS, LINEAR
+from kiln.engine.kernels.candidates import LAYOUTS, LINEAR, SECOND_COPY, second_copy_margin, why_not
 from kiln.engine.kernels.formats import SITE_KEYS as QUANT_KEYS
-from kiln.engine.tactics.timing import BucketTiming
+from kiln.engine.tactics.timing import BucketTiming, LinearSite
 
 FORMAT = "kiln-tactics/1"
 DTYPES = ("float32", "bfloat16")
@@ -66,6 +66,50 @@ class LinearChoice:
                 best = best if times[best] * python_margin < in_c[c_best] else c_best
             out.append(best)
         return out
+
+
+def second_copy(choice: LinearChoice, site: LinearSite, native, exclude, one_kernel: bool) -> float | None:
+    """The margin by which each side must win some bucket for this site to hold a second copy (None: it holds none:
+    ``one_kernel``, turned off, or a timed ``SECOND_COPY`` candidate that cannot run here)."""
+    margin = None if one_kernel else second_copy_margin()
+    timed = {n for b in choice.buckets for n in (b.get("us") or {}) if n in SECOND_COPY}
+    if margin is None or not timed or any(why_not(n, site.dtype, native, site.quant, exclude) for n in timed):
+        return None
+    return margin
+
+
+def both_copies(choice: LinearChoice, margin: float | None, python_margin: float | None = None,
+                stacked: bool = False) -> list[str] | None:
+    """The candidate per bucket with kiln's panels and a ``SECOND_COPY`` candidate's copy both held, or None: one
+    copy, the table's layout, is all the weight needs. Outside the decoder stack (the LM head) each bucket runs the
+    table's layout unless the other side wins it by ``margin``, and the copy is held where some bucket does. A
+    decoder layer's linear (``stacked``) runs kiln's side wherever it is faster at all, the copy where it is (by
+    ``python_margin`` where the stack would run the bucket: the copy is called from Python), and holds the copy
+    where it wins some bucket by ``margin``.
+
+    Kiln's side wins by any margin in the stack because these timings run one weight over and over in cache, while
+    a decode step streams every weight from memory through the decoder stack, which needs kiln's panels: llama-bench
+    int8, batch 1, AVX2 tiles, the 4096x768 gate_up timed 78.8 us on kiln's against 80.4 on FBGEMM's, and the model
+    decoded 230 tok/s on kiln's W8A8 against 104 on FBGEMM's (quantization.md)."""
+    if margin is None:
+        return None
+    runs, copy_by_margin = [], False
+    for b in choice.buckets:
+        us = b.get("us") or {}
+        kiln = {n: t for n, t in us.items() if LINEAR[n].layout == "kiln"}
+        copies = {n: us[n] for n in SECOND_COPY if n in us}
+        if not kiln or not copies:
+            return None
+        k, c = min(kiln, key=kiln.get), min(copies, key=copies.get)
+        copy_by_margin |= copies[c] * margin <= kiln[k]
+        if stacked:
+            runs.append(c if copies[c] * (python_margin or 1.0) < kiln[k] else k)
+        elif choice.layout == "kiln":
+            runs.append(c if copies[c] * margin <= kiln[k] else k)
+        else:
+            runs.append(k if kiln[k] * margin <= copies[c] else c)
+    mixed = {n in SECOND_COPY for n in runs} == {True, False}
+    return runs if mixed and (copy_by_margin or not stacked) else None
 
 
 def choose(key: str, timings: list[BucketTiming], timed_columns: int | None = None) -> LinearChoice:
