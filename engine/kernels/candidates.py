@@ -2,7 +2,8 @@
 
 A candidate runs on weights in one *layout*; every candidate of a layout shares the packed copy, so a
 linear holds one copy of its weight and the table can still pick a different kernel per row bucket
-among the candidates of its layout:
+among the candidates of its layout (one exception, ``SECOND_COPY``: an int8 weight may hold torch's W8A8 copy
+beside kiln's panels, each running the buckets it wins):
 
 ====================  ========  ====================================================================
 candidate             layout    what runs
@@ -85,11 +86,11 @@ LINEAR: dict[str, Candidate] = {c.name: c for c in (
 )}
 LAYOUTS = ("kiln", "onednn", "plain", "qlinear")
 # Candidates of another layout that a weight in kiln's layout may run too, from a second copy of the weight held
-# beside its panels, with the ``PackedLinear`` kernel that runs it (``packed.PackedLinear.qlinear``). Held only for
-# the row buckets where that candidate is ``SECOND_COPY_MARGIN`` times faster than kiln's best (tactics.resolve
-# ``packing``): FBGEMM's W8A8 wins prefill-sized buckets where kiln's wins decode (AVX2 and AVX-512 without VNNI),
-# and one layout per weight made batch-1 decode pay 1.9x. The copy costs the int8 weight once more;
-# ``$KILN_TACTICS_SECOND_COPY=0`` keeps one copy of every weight.
+# beside its panels, with the ``PackedLinear`` kernel that runs it (``packed.PackedLinear.qlinear``). Held where the
+# copy wins some row bucket by ``SECOND_COPY_MARGIN`` and kiln's kernels win another (``tactics.table.both_copies``):
+# FBGEMM's W8A8 wins prefill-sized buckets where kiln's wins decode (AVX2 and AVX-512 without VNNI), and one layout
+# per weight made batch-1 decode pay 2x. The copy costs the int8 weight once more; ``$KILN_TACTICS_SECOND_COPY=0``
+# keeps one copy of every weight.
 SECOND_COPY = {"torch-w8a8": "qlinear"}
 SECOND_COPY_MARGIN = 1.25
 SECOND_COPY_ENV = "KILN_TACTICS_SECOND_COPY"
@@ -110,8 +111,8 @@ def expand(names) -> frozenset[str]:
 
 
 def second_copy_margin() -> float | None:
-    """How much faster a ``SECOND_COPY`` candidate must be to run a bucket of a kiln-layout weight (None: never,
-    ``$KILN_TACTICS_SECOND_COPY=0``)."""
+    """By how much a ``SECOND_COPY`` candidate must win some row bucket for a weight to hold its copy beside kiln's
+    panels (None: never, ``$KILN_TACTICS_SECOND_COPY=0``)."""
     return None if os.environ.get(SECOND_COPY_ENV, "1").strip() == "0" else SECOND_COPY_MARGIN
 
 

@@ -92,8 +92,8 @@ def stack_layout(table: TacticTable, modules: list[tuple[nn.Module, LinearSite]]
     for key, site in layer_sites.items():
         choice = table.linear[key]
         scores = choice.scores
-        if not kiln_ok or "kiln" not in scores or scores["kiln"] > STACK_MARGIN * min(scores.values()) and \
-                both_copies(choice, second_copy(choice, site, native, exclude, one_kernel), STACK_MARGIN, True) is None:
+        both = both_copies(choice, second_copy(choice, site, native, exclude, one_kernel), STACK_MARGIN, True)
+        if not kiln_ok or "kiln" not in scores or (scores["kiln"] > STACK_MARGIN * min(scores.values()) and not both):
             return False, f"{key}: kiln's layout is not within {STACK_MARGIN:g}x of the best"
     return True, (f"kiln's layout (or its panels beside a second copy) within {STACK_MARGIN:g}x of the best for "
                   "every layer shape")
