@@ -14,6 +14,8 @@ from kiln.serving import app as app_module
 from kiln.serving.config import ServeConfig
 from kiln.serving.server_state import READY
 
+from kiln.adapter_list import ADAPTERS_FILE_ENV
+
 
 class Compiler:
     def __init__(self, fail: Exception | None = None) -> None:
@@ -44,7 +46,7 @@ def load(monkeypatch, compiler: Compiler) -> app_module.ServingContext:
         pass
 
     monkeypatch.setattr(app_module, "warm_up", generation)
-    monkeypatch.delenv("KILN_ADAPTERS_FILE", raising=False)
+    monkeypatch.delenv(ADAPTERS_FILE_ENV, raising=False)  # no adapter list to follow
     return app_module.ServingContext(ServeConfig(model=Path("/nonexistent"), served_model_name="m"))
 
 
