@@ -167,7 +167,13 @@ class Volumes:
                          "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": meta["name"],
                                             "uid": meta["uid"]}}}
         sa = self.pod["spec"].get("serviceAccountName") or "default"
-        resp = self.api.core.create_namespaced_service_account_token(sa, self.ns, body)
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            resp = self.api.core.create_namespaced_service_account_token(sa, self.ns, body)
+        except ApiException as exc:  # e.g. 403 "no relationship found between node ... and this object": the
+            # apiserver's node authorizer has not yet seen the pod bound here; the kubelet retries, and so does this
+            raise VolumeError(f"serviceAccountToken of {sa!r} in {self.ns}: {exc.reason} ({exc.status})") from None
         token = resp.status.token.encode()
         self._contents[key] = {spec["path"]: (token, 0o644)}
         self._token_at = time.monotonic()
