@@ -100,7 +100,8 @@ def test_the_packed_weight_runs_each_bucket_on_its_copy(units):
         units.pack_linear(torch.randn(16, 16), ["qlinear"] * 16)
 
 
-def test_an_int8_engine_runs_decode_in_the_stack_and_prefill_on_the_copy(units, toy_model, make_llm, tmp_path):
+def test_an_int8_engine_runs_decode_in_the_stack_and_prefill_on_the_copy(units, toy_model, make_llm, tmp_path,
+                                                                          monkeypatch):
     """A table whose every int8 site is won by kiln at one row and by torch above it: every layer linear holds
     both copies, the decoder stack is bound (a decode step of one sequence runs it in C), a prefill runs the
     copy, and the greedy tokens follow the float engine's as the W8A8 engines' do (test_w8a8.py)."""
@@ -127,13 +128,11 @@ def test_an_int8_engine_runs_decode_in_the_stack_and_prefill_on_the_copy(units, 
     assert stack is not None and stack.can_run(1) and not stack.can_run(12)
     calls = []
     original = torch_w8a8.QLinear.__call__
-    torch_w8a8.QLinear.__call__ = lambda self, x, bias=None: calls.append(x.shape[0]) or original(self, x, bias)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-        prompts = random_prompts([12, 30, 7, 21], seed=4)
-        got = [o.token_ids for o in llm.generate(prompts, params)]
-    finally:
-        torch_w8a8.QLinear.__call__ = original
+    monkeypatch.setattr(torch_w8a8.QLinear, "__call__",
+                        lambda self, x, bias=None: calls.append(x.shape[0]) or original(self, x, bias))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = random_prompts([12, 30, 7, 21], seed=4)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
     assert calls and min(calls) > 1  # prefills on the copy; no one-row call left the stack's W8A8
     float_llm = make_llm(model_dir, **kw)
     want = [o.token_ids for o in float_llm.generate(prompts, params)]
