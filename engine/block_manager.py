@@ -29,12 +29,37 @@ class Block:
         self.adapter: str | None = None  # the content digest of the LoRA adapter it was computed under
 
 
+class Blocks:
+    """The pool's blocks by id, each made on its first use: making 100k ``Block`` objects up front was 0.13 s of
+    an engine's load. Iterates the blocks made so far, by id (a block never made has no contents)."""
+
+    __slots__ = ("_made", "_count")
+
+    def __init__(self, count: int) -> None:
+        self._made: dict[int, Block] = {}
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, block_id: int) -> Block:
+        block = self._made.get(block_id)
+        if block is None:
+            if not 0 <= block_id < self._count:
+                raise IndexError(f"block {block_id} outside the pool's {self._count}")
+            block = self._made[block_id] = Block(block_id)
+        return block
+
+    def __iter__(self):
+        return iter([self._made[i] for i in sorted(self._made)])
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = Blocks(num_blocks)
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
         self.prefix_cache_queries = 0  # prompt tokens looked up at first admission

@@ -50,6 +50,12 @@ def raw_decoder(tokenizer: Any) -> Callable[..., str] | None:
     (about a fifth of a batch-64 step on a tiny model). Tokenizer classes that override
     ``decode`` or ``_decode`` (slow ones, Whisper, ...) keep the wrapper.
     """
+    from kiln.engine.light_tokenizer import LightTokenizer
+
+    if isinstance(tokenizer, LightTokenizer):  # its decode is the backend's, and the clean-up is refused
+        return tokenizer.backend_tokenizer.decode
+    if not type(tokenizer).__module__.startswith("transformers"):
+        return None  # not transformers' (a test's stand-in): its own decode
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend

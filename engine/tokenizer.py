@@ -9,6 +9,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kiln.engine.light_tokenizer import enabled as light_enabled
+from kiln.engine.light_tokenizer import load_light, record_key, save_record
+
 # Tokenizers of engines that were shut down, kept for the next engine of the same model directory (a pool's
 # reload): parsing tokenizer.json is Python that holds the GIL beside the weights' load and the other engines'
 # steps, 0.35 s of SmolLM2's 0.7 s reload measured. Each is handed to one engine at a time (taken off the shelf,
@@ -57,6 +60,20 @@ _IMPORT_LOCK = threading.Lock()
 
 
 def load_tokenizer(model_dir: str) -> Any:
+    """The model's tokenizer: from its record when this host has one for these files (no transformers import,
+    :mod:`kiln.engine.light_tokenizer`), else through transformers, then recorded for the next load."""
+    key = record_key(model_dir) if light_enabled() else None
+    light = load_light(model_dir, key)
+    if light is not None:
+        return light
+    tokenizer = load_hf_tokenizer(model_dir)
+    if key is not None:
+        save_record(key, tokenizer)
+    return tokenizer
+
+
+def load_hf_tokenizer(model_dir: str) -> Any:
+    """transformers' ``AutoTokenizer`` for the directory (its config given as data where it can be)."""
     with _IMPORT_LOCK:
         from transformers import AutoTokenizer
 
@@ -96,8 +113,9 @@ def _take_shelved(model_dir: str) -> Any | None:
 
 
 def load_tokenizer_beside(model_dir: str) -> Future:
-    """:func:`load_tokenizer` on a thread of its own: most of its 1-1.5 s is transformers' import, Python that
-    runs beside a model load spending its time in C without the GIL (the engine takes the result after). A
+    """:func:`load_tokenizer` on a thread of its own: 0.1-0.2 s from a record, else 1-1.5 s, mostly transformers'
+    import, Python that runs beside a model load spending its time in C without the GIL (the engine takes the
+    result after). A
     tokenizer put by :func:`shelve` on the shelf for this directory is taken instead, loaded already."""
     shelved = _take_shelved(model_dir)
     if shelved is not None:

@@ -52,6 +52,23 @@ class CompiledGrammar:
         return GrammarState(self._matcher.deep_copy(), self.executor)
 
 
+def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
+    """llguidance's view of a fast tokenizer, built from its Rust backend as ``llguidance.hf.from_tokenizer``
+    builds it (a copy without padding or truncation, serialized), without that module's transformers import:
+    transformers' tokenizer and kiln's light one both have ``backend_tokenizer``."""
+    import copy
+
+    import llguidance
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"{type(tokenizer).__name__} is not a fast (Rust) tokenizer")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token_ids)
+
+
 class GrammarCompiler:
     """Per engine: the tokenizer as llguidance sees it (built on first use), and the compile cache."""
 
@@ -73,11 +90,9 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance
-                import llguidance.hf
 
                 try:
-                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                        self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_token_ids)
+                    self._ll_tokenizer = ll_tokenizer(self._hf_tokenizer, self._vocab_size, self._eos_token_ids)
                 except Exception as exc:  # a slow (non-Rust) tokenizer, or one llguidance cannot read
                     raise RequestError(param, f"structured outputs need a fast (Rust) tokenizer, and this "
                                               f"model's cannot be used for them: {exc}") from None

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kiln.engine.host_cache import host_cache_dir
 from kiln.engine.kernels import candidates
 from kiln.engine.kernels.native import ROW_BUCKETS
 from kiln.engine.tactics import deferred, host_signature
@@ -123,7 +124,7 @@ def budget(default: float = LOAD_BUDGET_S) -> float:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln" / "tactics"
+    return host_cache_dir("tactics")
 
 
 def _sites_key(sites: list[LinearSite]) -> tuple:

@@ -68,6 +68,33 @@ def test_gguf_checkpoint_carries_config_tokenizer_template_and_identity(smollm2)
     assert template and tok.chat_template == template  # the GGUF's own template, not a default
 
 
+def test_the_light_tokenizer_is_transformers_on_the_real_model(smollm2, tmp_path, monkeypatch):
+    """kiln's tokenizer from its record (kiln.engine.light_tokenizer, no transformers) against transformers' own on
+    SmolLM2's files: the ids serving computes for prompts and chats, and the text it streams back."""
+    import random
+
+    from kiln.engine.light_tokenizer import LightTokenizer
+    from kiln.engine.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _, ckpt, _ = smollm2
+    hf, light = load_tokenizer(str(ckpt.path)), load_tokenizer(str(ckpt.path))
+    assert isinstance(light, LightTokenizer) and not isinstance(hf, LightTokenizer)
+    for text in [*CHAT_PROMPTS, "  Paris, France!\n\t中文 🙂 <|im_start|>x<|im_end|>", ""]:
+        assert light.encode(text) == hf.encode(text)
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text},
+                {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "And?"}]
+        for gen in (True, False):
+            assert light.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False) == \
+                hf.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False)
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(hf)) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert light.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    assert (light.eos_token_id, light.bos_token_id, len(light)) == (hf.eos_token_id, hf.bos_token_id, len(hf))
+
+
 def test_kiln_greedy_equals_transformers_on_chat_prompts(smollm2):
     from kiln.engine import LLM, SamplingParams
     from transformers import AutoModelForCausalLM, AutoTokenizer

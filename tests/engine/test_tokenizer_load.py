@@ -1,4 +1,5 @@
-"""The engine's tokenizer load: the same tokenizer AutoTokenizer gives, without importing the modeling stack."""
+"""The engine's tokenizer load through transformers: the same tokenizer AutoTokenizer gives, without importing the
+modeling stack (the load from a record, without transformers at all: test_light_tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kiln.engine.tokenizer import load_tokenizer, tokenizer_config_hint
+from kiln.engine.tokenizer import load_hf_tokenizer, tokenizer_config_hint
 
 TEXTS = ["Hello world, this is kiln.", "  leading spaces\tand\ttabs\n", "ünïcödé — 東京 🙂", "</s><s> specials"]
 
@@ -58,7 +59,7 @@ def test_same_tokenizer_as_autotokenizer(toy_model, tmp_path, model_type, tokeni
     src = toy_model("llama-tiny") if model_type != "qwen2" else toy_model("qwen2-tiny")
     model = _copy_with(src, tmp_path / "m", model_type, tokenizer_class)
     assert tokenizer_config_hint(str(model)) is not None
-    _same(load_tokenizer(str(model)), AutoTokenizer.from_pretrained(str(model), trust_remote_code=False))
+    _same(load_hf_tokenizer(str(model)), AutoTokenizer.from_pretrained(str(model), trust_remote_code=False))
 
 
 def test_falls_back_to_autotokenizer_when_the_class_is_not_named(toy_model, tmp_path):
@@ -66,7 +67,7 @@ def test_falls_back_to_autotokenizer_when_the_class_is_not_named(toy_model, tmp_
 
     no_class = _copy_with(toy_model("llama-tiny"), tmp_path / "a", drop_class=True)
     assert tokenizer_config_hint(str(no_class)) is None
-    _same(load_tokenizer(str(no_class)), AutoTokenizer.from_pretrained(str(no_class)))
+    _same(load_hf_tokenizer(str(no_class)), AutoTokenizer.from_pretrained(str(no_class)))
     assert tokenizer_config_hint(str(_copy_with(toy_model("llama-tiny"), tmp_path / "b", auto_map=True))) is None
     broken = _copy_with(toy_model("llama-tiny"), tmp_path / "c")
     (broken / "config.json").write_text("{not json")
@@ -77,7 +78,7 @@ def test_falls_back_to_autotokenizer_when_the_class_is_not_named(toy_model, tmp_
 
 def test_load_does_not_import_the_modeling_stack(toy_model):
     """The reason for the hint: the modeling imports are ~170 MiB of a serving process's memory."""
-    probe = ("import sys; from kiln.engine.tokenizer import load_tokenizer; load_tokenizer(sys.argv[1]); "
+    probe = ("import sys; from kiln.engine.tokenizer import load_hf_tokenizer; load_hf_tokenizer(sys.argv[1]); "
              "print(sorted(m for m in ('transformers.core_model_loading', 'transformers.models.llama.configuration_llama',"
              " 'sympy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-P", "-c", probe, str(toy_model("llama-tiny"))], capture_output=True,
@@ -88,7 +89,7 @@ def test_load_does_not_import_the_modeling_stack(toy_model):
 def test_concurrent_first_loads_in_a_fresh_process_all_succeed(toy_model):
     """A pool loads two engines at once: their tokenizers' first import of transformers raced (the second failed with
     "cannot import name 'AutoTokenizer' from 'transformers'", seen by kiln bench --pool). Four threads, fresh process."""
-    probe = ("import sys, threading\nfrom kiln.engine.tokenizer import load_tokenizer\n"
+    probe = ("import sys, threading\nfrom kiln.engine.tokenizer import load_hf_tokenizer as load_tokenizer\n"
              "barrier, errors = threading.Barrier(4), []\n"
              "def load():\n    barrier.wait()\n    try:\n        load_tokenizer(sys.argv[1])\n"
              "    except Exception as exc:\n        errors.append(repr(exc))\n"
@@ -100,11 +101,13 @@ def test_concurrent_first_loads_in_a_fresh_process_all_succeed(toy_model):
         assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
 
 
-def test_a_shelved_tokenizer_goes_to_the_next_engine_of_its_model_one_engine_at_a_time(toy_model, tmp_path):
+def test_a_shelved_tokenizer_goes_to_the_next_engine_of_its_model_one_engine_at_a_time(toy_model, tmp_path,
+                                                                                          monkeypatch):
     """A pool's reload takes the tokenizer its engine had (parsing tokenizer.json again held the GIL for 0.35 s
     of SmolLM2's reload), never one another engine holds, and never one of files changed since."""
     from kiln.engine import tokenizer as tk
 
+    monkeypatch.setenv("KILN_LIGHT_TOKENIZER", "0")  # transformers' tokenizer, whose model_max_length is read below
     model = _copy_with(toy_model("llama-tiny"), tmp_path / "m")
     first = tk.load_tokenizer_beside(str(model)).result()
     tk.shelve(str(model), first)

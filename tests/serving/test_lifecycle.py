@@ -11,12 +11,15 @@ import pytest
 
 M = "tiny"
 KEY = "sk-kiln-test-0123456789"
+# The toy engine loads in a few tens of ms once its tokenizer has a record on the host (kiln.engine.light_tokenizer):
+# these tests probe the server while it loads, so its tokenizer goes through transformers' import (0.5-1.5 s).
+SLOW_LOAD = {"KILN_LIGHT_TOKENIZER": "0"}
 
 
 def test_ready_only_after_load_then_sigterm_drains_in_flight_stream(start_server):
-    srv = start_server("--max-seq-len", "512", "--drain-timeout", "60")
+    srv = start_server("--max-seq-len", "512", "--drain-timeout", "60", env=SLOW_LOAD)
     srv.wait_listening()
-    # The socket is bound before torch is even imported: probes answer during the load.
+    # The socket is bound before the engine loads: probes answer during the load.
     assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
     ready = httpx.get(f"{srv.url}/ready", timeout=10)
     assert ready.status_code == 503 and ready.json()["status"] == "loading"
@@ -49,7 +52,7 @@ def test_ready_only_after_load_then_sigterm_drains_in_flight_stream(start_server
 
 
 def test_sigterm_while_loading_exits_zero_promptly(start_server):
-    srv = start_server()
+    srv = start_server(env=SLOW_LOAD)
     srv.wait_listening()
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(timeout=30) == 0
