@@ -7,7 +7,9 @@ tokens and post-processor included), its special tokens and its chat template. T
 host goes through transformers and writes that down (:func:`save_record`, a *record*, under
 ``$XDG_CACHE_HOME/kiln/tokenizers/``, keyed by the digest of every small file in the model directory and the
 versions of transformers, tokenizers and jinja2); a later load of the same files builds a
-:class:`LightTokenizer` from the record in about 0.12 s.
+:class:`LightTokenizer` from the record in about 0.12 s. A built artifact carries its own record
+(:data:`ARTIFACT_RECORD`, written by the builder), used where this host's versions are the builder's, so a
+serving pod's first load of it needs no transformers either.
 
 Only a tokenizer whose behaviour *is* its backend gets a record: transformers' ``TokenizersBackend`` with none of
 the methods serving calls overridden by its class, special tokens not split, and no decode clean-up (see
@@ -42,9 +44,22 @@ SERVED_METHODS = ("_encode_plus", "_decode", "encode", "decode", "__call__", "__
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".npz")
 _MAX_KEYED_BYTES = 64 << 20
 _KEYED_SUBDIRS = ("additional_chat_templates",)  # transformers 5 reads named templates from here
+# The record an artifact carries (written by the builder, save_artifact_record): valid where the versions it names
+# are this host's and the files it names still have the digests it names.
+ARTIFACT_RECORD = "tokenizer.kiln.json"
 # transformers' apply_chat_template arguments the light tokenizer does not implement (refused, not rendered).
 _NOT_OFFERED = ("continue_final_message", "sanitize_control_tokens", "return_dict", "return_assistant_tokens_mask",
                 "padding", "truncation", "max_length", "return_tensors", "tokenizer_kwargs")
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in ("transformers", "tokenizers", "jinja2"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "none"
+    return out
 
 
 def enabled() -> bool:
@@ -56,18 +71,16 @@ def _keyed_files(root: Path) -> list[Path]:
     for sub in _KEYED_SUBDIRS:
         if (root / sub).is_dir():
             files += [p for p in (root / sub).iterdir() if p.is_file()]
-    return sorted(p for p in files if not p.name.endswith(_WEIGHT_SUFFIXES) and p.stat().st_size <= _MAX_KEYED_BYTES)
+    return sorted(p for p in files if not p.name.endswith(_WEIGHT_SUFFIXES) and p.name != ARTIFACT_RECORD
+                  and p.stat().st_size <= _MAX_KEYED_BYTES)
 
 
 def record_key(model_dir: str | os.PathLike) -> str | None:
     """The digest a record is filed under: the model directory's small files by name and content, and the
     libraries that read them; None when the directory cannot be read."""
     digest = hashlib.sha256(f"kiln-tokenizer-record/{RECORD_FORMAT}\n".encode())
-    for dist in ("transformers", "tokenizers", "jinja2"):
-        try:
-            digest.update(f"{dist}={version(dist)}\n".encode())
-        except PackageNotFoundError:
-            digest.update(f"{dist}=none\n".encode())
+    for dist, ver in _versions().items():
+        digest.update(f"{dist}={ver}\n".encode())
     try:
         root = Path(model_dir)
         for path in _keyed_files(root):
@@ -110,26 +123,28 @@ def _decode_cleans(tokenizer: Any) -> bool:
                                    False))
 
 
-def save_record(key: str, tokenizer: Any) -> Path | None:
-    """Write the record of ``tokenizer`` (loaded by transformers) under ``key``, atomically; None, logged,
+def make_record(tokenizer: Any) -> dict[str, Any] | None:
+    """What a :class:`LightTokenizer` is built from, of ``tokenizer`` (loaded by transformers); None, logged,
     when it cannot have one."""
     why = why_not_recordable(tokenizer)
     if why is not None:
         log.info("tokenizer loaded through transformers at every start: %s", why)
         return None
     special = dict(tokenizer.special_tokens_map)
-    record = {"format": RECORD_FORMAT, "class": type(tokenizer).__name__,
-              "backend": tokenizer.backend_tokenizer.to_str(), "special_tokens_map": special,
-              "special_ids": {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in special.items()
-                              if isinstance(tok, str)},
-              "all_special_ids": list(tokenizer.all_special_ids), "chat_template": tokenizer.chat_template}
-    path = _record_path(key)
+    return {"format": RECORD_FORMAT, "class": type(tokenizer).__name__,
+            "backend": tokenizer.backend_tokenizer.to_str(), "special_tokens_map": special,
+            "special_ids": {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in special.items()
+                            if isinstance(tok, str)},
+            "all_special_ids": list(tokenizer.all_special_ids), "chat_template": tokenizer.chat_template}
+
+
+def _write(path: Path, record: dict[str, Any]) -> Path | None:
     try:
-        json.dumps(record)  # everything in it is plain data, or there is no record
+        text = json.dumps(record)  # everything in it is plain data, or there is no record
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".record-", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
+            f.write(text)
         os.replace(tmp, path)
     except (OSError, TypeError, ValueError) as exc:
         log.warning("tokenizer record not written (%s): the next load goes through transformers again", exc)
@@ -137,17 +152,49 @@ def save_record(key: str, tokenizer: Any) -> Path | None:
     return path
 
 
+def save_record(key: str, tokenizer: Any) -> Path | None:
+    """Write the record of ``tokenizer`` on this host's cache under ``key``, atomically (None: not written)."""
+    record = make_record(tokenizer)
+    return None if record is None else _write(_record_path(key), record)
+
+
+def save_artifact_record(model_dir: str | os.PathLike, tokenizer: Any, names: Sequence[str]) -> Path | None:
+    """The builder's record, in the artifact itself (:data:`ARTIFACT_RECORD`): a pod's first load of it then
+    needs no transformers either. It names the files it was made from (``names`` present in ``model_dir``) by
+    digest, and the versions that made it."""
+    record = make_record(tokenizer)
+    if record is None:
+        return None
+    root = Path(model_dir)
+    record["files"] = {n: hashlib.sha256((root / n).read_bytes()).hexdigest() for n in names if (root / n).is_file()}
+    record["versions"] = _versions()
+    return _write(root / ARTIFACT_RECORD, record)
+
+
+def _artifact_record(model_dir: str) -> dict[str, Any] | None:
+    path = Path(model_dir) / ARTIFACT_RECORD
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("versions") != _versions():
+        return None  # made by other versions of the libraries: this host resolves it again
+    root = Path(model_dir)
+    for name, digest in dict(record.get("files") or {}).items():
+        if not (root / name).is_file() or hashlib.sha256((root / name).read_bytes()).hexdigest() != digest:
+            return None
+    return record
+
+
 def load_light(model_dir: str, key: str | None) -> LightTokenizer | None:
     """The tokenizer from its record, or None (no record, another format, unreadable: transformers loads it)."""
     if key is None or not enabled():
         return None
     try:
-        record = json.loads(_record_path(key).read_text())
-        if record.get("format") != RECORD_FORMAT:
+        path = _record_path(key)
+        record = json.loads(path.read_text()) if path.is_file() else _artifact_record(model_dir)
+        if record is None or record.get("format") != RECORD_FORMAT:
             return None
         return LightTokenizer(record, model_dir)
-    except FileNotFoundError:
-        return None
     except Exception as exc:  # noqa: BLE001 (a record that does not load: transformers loads the tokenizer)
         log.warning("tokenizer record %s unreadable (%s): loading through transformers", key[:12], exc)
         return None

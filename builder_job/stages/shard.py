@@ -32,10 +32,26 @@ from kiln.engine.errors import ConfigError
 log = logging.getLogger("kiln.build.shard")
 
 
+def record_tokenizer(out: Path, copied: list[str]) -> None:
+    """The tokenizer's record in the artifact (kiln.engine.light_tokenizer): a serving pod's first load of the
+    artifact builds it without importing transformers (1.0-1.2 s of a start). Made from the tokenizer as serving
+    loads it from these files; a tokenizer that cannot have one is loaded through transformers at every start."""
+    from kiln.engine.light_tokenizer import save_artifact_record
+    from kiln.engine.tokenizer import load_hf_tokenizer
+
+    try:
+        recorded = save_artifact_record(out, load_hf_tokenizer(str(out)), copied)
+    except Exception as exc:  # noqa: BLE001 - the record only saves time; the quality stage judges the tokenizer
+        log.warning("tokenizer not recorded (%s: %s): serving loads it through transformers", type(exc).__name__, exc)
+        return
+    if recorded is not None:
+        log.info("tokenizer: recorded for loads without transformers")
+
+
 def run(ctx: BuildContext) -> None:
     """Config and tokenizer copied, one weights file per rank (and the draft's); the sizes into the report."""
     ckpt, out = ctx.checkpoint, ctx.out
-    copy_model_files(ckpt.path, out)
+    record_tokenizer(out, copy_model_files(ckpt.path, out))
     rank_files = shard_weights(ckpt.path, out / "weights", ctx.spec)
     weights_per_rank = max(p.stat().st_size for p in rank_files)
     ctx.report.record("sizes", {"source_weight_bytes": sum(s for n, s in ckpt.files.items()

@@ -34,7 +34,7 @@ def upload_dir(bucket: str, prefix: str, local: Path) -> None:
 
 
 def test_file_source_into_s3_store_matches_transformers_then_cache_hit(
-        toy_model, s3_bucket, write_manifest, kiln_build, tmp_path):
+        toy_model, s3_bucket, write_manifest, kiln_build, tmp_path, monkeypatch):
     from kiln.artifacts import ArtifactStore
     from kiln.signing import Verifier, generate_key_pair
 
@@ -64,6 +64,13 @@ def test_file_source_into_s3_store_matches_transformers_then_cache_hit(
     assert q["passed"] and q["kl_divergence"] == 0.0 and q["runtime_token_agreement"] == 1.0
     assert doc["tuning"]["measurement"]["decode"][0]["decode_tokens_per_s"] > 0
     assert (artifact / "weights" / "rank-0-of-1.safetensors").is_file() and (artifact / "tokenizer.json").is_file()
+    from kiln.engine.light_tokenizer import ARTIFACT_RECORD, LightTokenizer
+    from kiln.engine.tokenizer import load_hf_tokenizer, load_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh-cache"))  # no record on this host: the artifact's
+    assert (artifact / ARTIFACT_RECORD).is_file()
+    light, hf = load_tokenizer(str(artifact)), load_hf_tokenizer(str(artifact))
+    assert isinstance(light, LightTokenizer) and [light.encode(p) for p in PROMPTS] == [hf.encode(p) for p in PROMPTS]
 
     assert runtime_greedy(artifact, PROMPTS, NEW_TOKENS) == hf_greedy(model, PROMPTS, NEW_TOKENS)
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from kiln.engine import light_tokenizer
 from kiln.engine.chat_template import render
 from kiln.engine.light_tokenizer import LightTokenizer, record_key, save_record, why_not_recordable
 from kiln.engine.random_checkpoint import make_tokenizer
@@ -156,6 +157,28 @@ def test_changed_files_or_the_switch_go_through_transformers(tmp_path, cache, mo
     assert isinstance(load_tokenizer(model_dir), LightTokenizer)
     monkeypatch.setenv("KILN_LIGHT_TOKENIZER", "0")
     assert not isinstance(load_tokenizer(model_dir), LightTokenizer)
+
+
+def test_an_artifacts_own_record_serves_its_first_load_while_its_files_and_versions_hold(tmp_path, cache,
+                                                                                         monkeypatch):
+    """The builder writes the record into the artifact (light_tokenizer.save_artifact_record): a fresh host loads
+    without transformers, unless a file it names changed or this host's libraries are not the builder's."""
+    model_dir = _saved(tmp_path)
+    hf, key = load_hf_tokenizer(model_dir), record_key(model_dir)
+    names = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "missing.json"]
+    assert light_tokenizer.save_artifact_record(model_dir, hf, names) is not None
+    assert record_key(model_dir) == key  # the record file is not part of the host's key
+    light = light_tokenizer.load_light(model_dir, record_key(model_dir))
+    assert isinstance(light, LightTokenizer) and light.get_vocab() == hf.get_vocab()
+    _agree_on_chats(hf, light)
+    assert not list(cache.glob("kiln/tokenizers/*.json")), "nothing needed writing on the host"
+    real = light_tokenizer._versions()
+    monkeypatch.setattr(light_tokenizer, "_versions", lambda: {**real, "tokenizers": "0.0.1"})
+    assert light_tokenizer.load_light(model_dir, "0" * 64) is None
+    monkeypatch.setattr(light_tokenizer, "_versions", lambda: real)
+    path = tmp_path / "model" / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token": "<|im_end|>"}))
+    assert light_tokenizer.load_light(model_dir, "0" * 64) is None
 
 
 def test_a_broken_record_is_not_used(tmp_path, cache):
