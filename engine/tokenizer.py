@@ -115,8 +115,8 @@ def _take_shelved(model_dir: str) -> Any | None:
 def load_tokenizer_beside(model_dir: str) -> Future:
     """:func:`load_tokenizer` on a thread of its own: 0.1-0.2 s from a record, else 1-1.5 s, mostly transformers'
     import, Python that runs beside a model load spending its time in C without the GIL (the engine takes the
-    result after). A
-    tokenizer put by :func:`shelve` on the shelf for this directory is taken instead, loaded already."""
+    result after). A tokenizer put by :func:`shelve` on the shelf for this directory is taken instead, loaded
+    already."""
     shelved = _take_shelved(model_dir)
     if shelved is not None:
         done: Future = Future()
