@@ -29,7 +29,8 @@ from kiln.serving.lora import LoRARegistry, runtime_updating_allowed
 from kiln.serving.lora_sync import POLL_S, AdapterSync, adapters_file
 from kiln.serving.metrics import CONTENT_TYPE, ServingMetrics
 from kiln.serving.pool.follow import start_pool
-from kiln.serving.pool.pool import EnginePool, PoolSettings
+from kiln.serving.pool.pool import EnginePool
+from kiln.serving.pool.settings import PoolSettings
 from kiln.serving.server_state import DRAINING, FAILED, LOADING, READY, ServerState
 
 from kiln import __version__

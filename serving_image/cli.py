@@ -158,7 +158,7 @@ def _pool_settings(flags: dict[str, Any], model: Path | None, artifact: str | No
                                        "--engines-file PATH, or drop it")
         return None
     _check_pool_flags(model, artifact, lora_modules, runtime_lora, rank, world_size)
-    from kiln.serving.pool.pool import PoolSettings
+    from kiln.serving.pool.settings import PoolSettings
 
     from kiln.engine_list import unique
     from kiln.memory_budget import parse_quantity

@@ -23,7 +23,7 @@ from types import FrameType
 import uvicorn
 from kiln.serving.app import ServingContext, create_app
 from kiln.serving.config import ServeConfig
-from kiln.serving.pool.pool import PoolSettings
+from kiln.serving.pool.settings import PoolSettings
 from kiln.serving.server_state import DRAINING, READY
 from uvicorn.protocols.http.h11_impl import H11Protocol
 

@@ -20,15 +20,14 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kiln.serving.config import ServeConfig
 from kiln.serving.errors import APIError
 from kiln.serving.lora_sync import RETRY_S, adapters_file
-from kiln.serving.pool.budget import default_budget
+from kiln.serving.pool.budget import default_budget, process_rss
 from kiln.serving.pool.metrics import PoolMetrics
+from kiln.serving.pool.settings import PoolSettings
 from kiln.serving.pool.slot import LOADED, UNLOADED, UNLOADING, EngineSlot
 from kiln.serving.server_state import LOADING
 
@@ -37,20 +36,6 @@ from kiln.engine_list import EngineEntry
 from kiln.memory_budget import human
 
 log = logging.getLogger("kiln.serving")
-
-
-@dataclass
-class PoolSettings:
-    """``kiln serve``'s pool flags (docs/pools.md)."""
-
-    engines: dict[str, EngineEntry] = field(default_factory=dict)  # --engine NAME=URI
-    engines_file: Path | None = None  # --engines-file, followed while serving
-    max_loaded_engines: int | None = None
-    memory_budget: int | None = None  # bytes; None: default_budget()
-    idle_unload_after: float | None = None  # seconds; None: never
-    queue_size: int = 64
-    load_timeout: float = 300.0
-    retry_after_s: int = 1
 
 
 class EnginePool:
@@ -64,6 +49,7 @@ class EnginePool:
         self.num_queued = 0
         self.leaving: list[EngineSlot] = []  # removed from the list, not yet unloaded: their memory still counts
         self._changed = asyncio.Event()
+        self._changes, self._loaded_once = 0, False  # loads and unloads started; any load done (_quiet_rss)
         self.pool_metrics = PoolMetrics(metrics.registry, self)
 
     # -- the engines ---------------------------------------------------------------------------------------
@@ -189,7 +175,7 @@ class EnginePool:
         resident += [s for s in self.leaving if s.status != UNLOADED]
         used, count = sum(s.memory_bytes for s in resident), len(resident)
         victims: list[EngineSlot] = []
-        for s in sorted((s for s in resident if s.status == LOADED and not s.is_busy), key=lambda s: s.last_used):
+        for s in self._evictable(keep=slot):
             if self._fits(used, count, slot):
                 break
             victims.append(s)
@@ -198,17 +184,41 @@ class EnginePool:
 
     def _start_load(self, slot: EngineSlot, victims: list[EngineSlot]) -> None:
         unloads = [self.start_unload(v, "lru") for v in victims]
+        self._changes += 1  # loads and unloads started: a load's RSS is its own only while this stays put
         slot.status = LOADING
         slot.task = _task(self._load(slot, unloads), f"kiln-pool-load-{slot.name}")
 
+    def _evictable(self, keep: EngineSlot) -> list[EngineSlot]:
+        """Loaded engines with nothing in flight or waiting, least recently used first (``keep`` left out)."""
+        return sorted((s for s in self._members() if s is not keep and s.status == LOADED and not s.is_busy),
+                      key=lambda s: s.last_used)
+
+    def _shed(self, keep: EngineSlot) -> None:
+        """Back within the budget after ``keep``'s count rose (learn_memory): idle engines unloaded, LRU first."""
+        used = self.memory_in_use
+        for s in self._evictable(keep):
+            if used <= self.budget:
+                break
+            self.start_unload(s, "lru")
+            used -= s.memory_bytes
+
+    def _quiet_rss(self, slot: EngineSlot) -> int | None:
+        """The server's RSS where nothing but ``slot``'s load moves it (no other load or unload under way, no
+        request in any other engine), else None: what a load added is then measured, not guessed."""
+        others = [s for s in self._members() if s is not slot]
+        if any(s.task is not None or s.state.num_in_flight for s in others):
+            return None
+        return process_rss()
+
     def start_unload(self, slot: EngineSlot, reason: str) -> asyncio.Task[None]:
+        self._changes += 1
         slot.status = UNLOADING
         slot.task = _task(self._unload(slot, reason), f"kiln-pool-unload-{slot.name}")
         return slot.task
 
     async def _load(self, slot: EngineSlot, unloads: list[asyncio.Task[None]]) -> None:
         await asyncio.gather(*unloads, return_exceptions=True)
-        started = time.monotonic()
+        started, before, changes = time.monotonic(), self._quiet_rss(slot), self._changes
         try:
             await slot.load()
         except BaseException as exc:
@@ -220,6 +230,10 @@ class EnginePool:
             slot.status, slot.load_error = LOADED, None
             seconds = time.monotonic() - started
             self.pool_metrics.loaded(slot.name, seconds)
+            after = self._quiet_rss(slot) if changes == self._changes and self._loaded_once else None
+            if before is not None and after is not None and slot.learn_memory(after - before):
+                self._shed(keep=slot)
+            self._loaded_once = True  # the process's own first-use costs (libraries, threads) came with it
             log.info("pool: engine %r loaded in %.2fs (%d loaded, %s of %s)", slot.name, seconds, self.num_loaded,
                      human(self.memory_in_use), human(self.budget))
         finally:

@@ -25,11 +25,14 @@ from kiln.serving.lora_sync import AdapterSync, adapters_file, pinned_problem
 from kiln.serving.server_state import LOADING, READY, ServerState
 
 from kiln.engine_list import EngineEntry
-from kiln.memory_budget import engine_memory
+from kiln.memory_budget import engine_memory, human
 
 log = logging.getLogger("kiln.serving")
 
 UNLOADED, LOADED, UNLOADING = "unloaded", "loaded", "unloading"  # and LOADING, the server's own word
+# A load that added more to the server's RSS than the engine counts, by both of these (a tenth, and more than the
+# allocator's and Python's own drift), raises what it counts (learn_memory).
+LEARN_ABOVE, LEARN_ABOVE_BYTES = 1.1, 64 * 2**20
 
 
 class EngineSlot:
@@ -49,6 +52,7 @@ class EngineSlot:
         self.task: Any = None  # the load or unload under way (an asyncio.Task)
         self.memory_bytes = 0
         self.memory_source = ""
+        self.learned_bytes = 0  # the RSS a load of it added here, where above what its artifact says (learn_memory)
         self.version = ""  # the artifact's version (its engine_version), read with its memory
         self.last_used = time.monotonic()
         self.num_waiting = 0  # requests that asked for this engine and wait for it to load
@@ -68,6 +72,21 @@ class EngineSlot:
             self.memory_bytes, self.memory_source = engine_memory(json.loads(raw))
         except ValueError as exc:  # not JSON, or a field not what a build writes: this engine refused, naming it
             raise ValueError(f"engine {self.name!r} ({self.entry.artifact_uri}): engine.json: {exc}") from None
+
+    def learn_memory(self, added: int) -> bool:
+        """Count ``added``, the RSS a load of this engine added to the server with nothing else under way, from
+        now on where it is more than the engine counts (by ``LEARN_ABOVE`` and ``LEARN_ABOVE_BYTES``): its build
+        measured it on another kind of host (an int8 engine re-timed here may hold a second copy of its weights),
+        or measured less than a load here takes. Never lowers the count (a load may reuse memory freed before)."""
+        if added <= self.memory_bytes * LEARN_ABOVE or added - self.memory_bytes <= LEARN_ABOVE_BYTES:
+            return False
+        log.warning("pool: engine %r added %s to the server's RSS when it loaded, above the %s it counted (%s): "
+                    "it counts %s from now on", self.name, human(added), human(self.memory_bytes),
+                    self.memory_source, human(added))
+        self.memory_source = f"the RSS its load added in this server, above the {human(self.memory_bytes)} " \
+                             f"{self.memory_source}"
+        self.memory_bytes = self.learned_bytes = added
+        return True
 
     def _verified_engine_json(self) -> bytes:
         """``engine.json`` after the checks every fetch makes first (:meth:`ArtifactStore.fetch`): the store's

@@ -20,7 +20,8 @@ from kiln.engine.prefix_hash import block_keys
 from kiln.serving.app import create_app
 from kiln.serving.config import ServeConfig
 from kiln.serving.metrics import ServingMetrics
-from kiln.serving.pool.pool import EnginePool, PoolSettings
+from kiln.serving.pool.pool import EnginePool
+from kiln.serving.pool.settings import PoolSettings
 from kiln.serving.pool.slot import EngineSlot
 from kiln.serving.server_state import READY
 from prometheus_client.parser import text_string_to_metric_families

@@ -17,7 +17,8 @@ from kiln.serving.errors import APIError
 from kiln.serving.metrics import ServingMetrics
 from kiln.serving.pool import budget as budget_mod
 from kiln.serving.pool.budget import default_budget
-from kiln.serving.pool.pool import EnginePool, PoolSettings
+from kiln.serving.pool.pool import EnginePool
+from kiln.serving.pool.settings import PoolSettings
 from kiln.serving.pool.slot import LOADED, UNLOADED, EngineSlot
 from kiln.serving.server_state import READY
 
