@@ -42,8 +42,9 @@ def ensure_env(env: Path, make: bool) -> Path:
         return python
     if not make:
         raise click.ClickException(f"no llama.cpp environment at {env}; pass --make-env to build it (minutes)")
-    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "llama-cpp-python[server]"], check=True,
+    # -P: run from the repository, the working directory's packages (kiln's operator/) would shadow the stdlib's
+    subprocess.run([sys.executable, "-P", "-m", "venv", str(env)], check=True)
+    subprocess.run([str(python), "-P", "-m", "pip", "install", "llama-cpp-python[server]"], check=True,
                    env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL",
                                                                                      str(os.cpu_count() or 2))})
     return python
