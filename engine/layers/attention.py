@@ -26,6 +26,7 @@ Triton decode launch (+ its split combine) and one prefill launch over the pool,
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -206,23 +207,24 @@ class Attention(nn.Module):
         return keys.to(dtype), vals.to(dtype)
 
 
-_layers: list[Attention] = []  # the compiled model's attention layers, by layer_index
+# The compiled model's attention layers, by layer_index, for the thread that runs it: a pool's engines step on
+# threads of their own, and one module-wide list would hand one engine's graph another's KV cache.
+_bound = threading.local()
 
 
 def bind_layers(layers: list[Attention]) -> None:
-    """Number ``layers`` and make them the ones ``kiln::paged_attention`` runs (set before each call
-    of a compiled model: compiled graphs hold the index, never the module or its KV cache)."""
-    global _layers
+    """Number ``layers`` and make them the ones ``kiln::paged_attention`` runs in this thread (set before each
+    call of a compiled model: compiled graphs hold the index, never the module or its KV cache)."""
     for i, layer in enumerate(layers):
         layer.layer_index = i
-    _layers = layers
+    _bound.layers = layers
 
 
 @torch.library.custom_op("kiln::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """Layer ``layer``'s paged attention (it writes k/v into that layer's cache), kept whole and
     opaque inside compiled graphs, as vLLM's piecewise compile keeps its attention."""
-    return _layers[layer].attend(q, k, v)
+    return _bound.layers[layer].attend(q, k, v)
 
 
 @paged_attention.register_fake

@@ -20,6 +20,7 @@ then serves the linear (``packed_linear``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 
 import torch
@@ -45,23 +46,25 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-_born_quantized: str | None = None  # set by born_quantized()
+# Set by born_quantized(), for the thread that builds a model: a pool builds several engines at once, each on a
+# thread of its own, and one module-wide value gave a float32 engine's linears the GGUF engine's empty blocks.
+_born_quantized: contextvars.ContextVar[str | None] = contextvars.ContextVar("kiln_born_quantized", default=None)
 
 
 @contextlib.contextmanager
 def born_quantized(method: str | None) -> Iterator[None]:
-    """Linears constructed inside hold empty ``method`` (int8/fp8) weights and scales from the start.
+    """Linears constructed inside (in this thread) hold empty ``method`` (int8/fp8) weights and scales from the
+    start.
 
     A quantized artifact's model is thus never allocated in full precision first: building the float
     linears and then swapping them (``make_quantized_``) peaks at the unquantized size, which is what
     quantizing was meant to avoid (70B fp8 on one 80 GB GPU would not fit its own bf16 copy).
     """
-    global _born_quantized
-    before, _born_quantized = _born_quantized, method
+    token = _born_quantized.set(method)
     try:
         yield
     finally:
-        _born_quantized = before
+        _born_quantized.reset(token)
 
 
 class LinearBase(nn.Module):
@@ -73,7 +76,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = parallel.tp_rank(), parallel.tp_size()
         self.input_size, self.output_size = input_size, output_size
-        method = _born_quantized
+        method = _born_quantized.get()
         # block formats: the file's blocks (uint8, sized at load by weights.load_engine_state, gguf_blocks.py)
         self.weight = nn.Parameter(torch.empty(output_size, 0 if formats.is_blocks(method) else input_size,
                                                dtype=formats.storage(method)), requires_grad=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -27,6 +28,12 @@ def model_class(hf_config: dict[str, Any]) -> type[nn.Module]:
     )
 
 
+# torch's default dtype is the process's, not a thread's: a pool builds engines on threads of their own, and two
+# builds of different dtypes at once would each build with the other's and could leave the process on the wrong
+# one. One model is built at a time (tens of ms; the weights load after, in parallel).
+_BUILD_LOCK = threading.Lock()
+
+
 def create_model(hf_config: dict[str, Any], max_position: int, dtype: torch.dtype, device: str | torch.device,
                  quantization: str | None = None) -> nn.Module:
     """This rank's shard of the model with unloaded parameters, every parameter and buffer on ``device``.
@@ -36,11 +43,12 @@ def create_model(hf_config: dict[str, Any], max_position: int, dtype: torch.dtyp
     tests: nothing may land on another device.
     """
     cls = model_class(hf_config)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device), born_quantized(quantization):  # never a full-precision copy first
-            model = cls(hf_config, max_position)
-    finally:
-        torch.set_default_dtype(old)
+    with _BUILD_LOCK:
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device), born_quantized(quantization):  # never a full-precision copy first
+                model = cls(hf_config, max_position)
+        finally:
+            torch.set_default_dtype(old)
     return model
