@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from kiln.engine.forward_context import get_forward_context
 from kiln.engine.layers.attention_metadata import AttentionMetadata, DecodeGroup, PrefillChunk
+from kiln.engine.layers.building import build_dtype
 from kiln.engine.layers.paged_metadata import PagedMetadata
 from torch import nn
 
@@ -84,8 +85,8 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.k_cache = torch.empty(0)  # [kv_heads, num_blocks, block_size, head_dim], bound by the runner
-        self.v_cache = torch.empty(0)
+        self.k_cache = torch.empty(0, dtype=build_dtype())  # [kv_heads, num_blocks, block_size, head_dim], bound later
+        self.v_cache = torch.empty(0, dtype=build_dtype())
         self.layer_index = -1  # this layer's place in a compiled model's layer table (bind_layers)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

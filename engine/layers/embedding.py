@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from kiln.engine import parallel
 from kiln.engine.kernels import formats, gguf_blocks
+from kiln.engine.layers.building import build_dtype
 from kiln.engine.layers.linear import packed_linear
 from torch import nn
 
@@ -22,7 +23,8 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
         # Not zeroed here: weight_loader zeroes it (padded rows), and an artifact's rows replace it whole.
-        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim, dtype=build_dtype()),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -31,6 +31,7 @@ from kiln.engine.kernels.candidates import run
 from kiln.engine.kernels.gguf_blocks import gguf_linear
 from kiln.engine.kernels.native import Kernels
 from kiln.engine.kernels.quant_linear import quantized_linear
+from kiln.engine.layers.building import build_dtype
 from kiln.engine.layers.quant import quantize_weight
 from kiln.engine.lora.config import LoRAConfig
 from kiln.engine.lora.layers import LoRASlots, PartKey
@@ -79,10 +80,10 @@ class LinearBase(nn.Module):
         method = _born_quantized.get()
         # block formats: the file's blocks (uint8, sized at load by weights.load_engine_state, gguf_blocks.py)
         self.weight = nn.Parameter(torch.empty(output_size, 0 if formats.is_blocks(method) else input_size,
-                                               dtype=formats.storage(method)), requires_grad=False)
+                                               dtype=formats.storage(method) or build_dtype()), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=build_dtype()), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)

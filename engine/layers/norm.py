@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from kiln.engine.layers.building import build_dtype
 from torch import nn
 
 
@@ -12,7 +13,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=build_dtype()), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual)."""

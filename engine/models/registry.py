@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 from kiln.engine.errors import UnsupportedModelError
+from kiln.engine.layers.building import building_in
 from kiln.engine.layers.linear import born_quantized
 from kiln.engine.models import SUPPORTED_ARCHITECTURES
 from kiln.engine.models.llama import LlamaForCausalLM
@@ -28,12 +28,6 @@ def model_class(hf_config: dict[str, Any]) -> type[nn.Module]:
     )
 
 
-# torch's default dtype is the process's, not a thread's: a pool builds engines on threads of their own, and two
-# builds of different dtypes at once would each build with the other's and could leave the process on the wrong
-# one. One model is built at a time (tens of ms; the weights load after, in parallel).
-_BUILD_LOCK = threading.Lock()
-
-
 def create_model(hf_config: dict[str, Any], max_position: int, dtype: torch.dtype, device: str | torch.device,
                  quantization: str | None = None) -> nn.Module:
     """This rank's shard of the model with unloaded parameters, every parameter and buffer on ``device``.
@@ -43,12 +37,7 @@ def create_model(hf_config: dict[str, Any], max_position: int, dtype: torch.dtyp
     tests: nothing may land on another device.
     """
     cls = model_class(hf_config)
-    with _BUILD_LOCK:
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device), born_quantized(quantization):  # never a full-precision copy first
-                model = cls(hf_config, max_position)
-        finally:
-            torch.set_default_dtype(old)
-    return model
+    # The dtype is this thread's (building_in), never torch's process-wide default: a pool builds engines on
+    # threads of their own while the loaded ones step.
+    with torch.device(device), building_in(dtype), born_quantized(quantization):  # never a full-precision copy
+        return cls(hf_config, max_position)
