@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import re
 import resource
 import sys
 import time
@@ -29,6 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from kiln.memory_budget import proc_status_bytes
 
 log = logging.getLogger("kiln.build")
 
@@ -46,15 +47,6 @@ def setup_logging(verbose: bool = False) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     root.propagate = False
-
-
-def _proc_status_bytes(field: str) -> int | None:
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
-    return int(m.group(1)) * 1024 if m else None
 
 
 def _reset_host_peak() -> bool:
@@ -82,13 +74,13 @@ class StageMemory:
 
     def __init__(self) -> None:
         self.is_stage_scoped = _reset_host_peak()
-        self.host_start = _proc_status_bytes("VmRSS") or 0
+        self.host_start = proc_status_bytes("VmRSS") or 0
         torch = _cuda_in_use()
         if torch is not None:
             torch.cuda.reset_peak_memory_stats()
 
     def finish(self) -> dict[str, Any]:
-        peak = _proc_status_bytes("VmHWM") if self.is_stage_scoped else _maxrss_bytes(resource.RUSAGE_SELF)
+        peak = proc_status_bytes("VmHWM") if self.is_stage_scoped else _maxrss_bytes(resource.RUSAGE_SELF)
         out = {"host_peak_rss_bytes": peak, "host_start_rss_bytes": self.host_start,
                "host_extra_bytes": max(0, peak - self.host_start),
                "host_peak_scope": "stage" if self.is_stage_scoped else "process"}

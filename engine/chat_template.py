@@ -175,10 +175,7 @@ def render(source: str, conversation: Any, special_tokens: Mapping[str, Any], to
     for document in documents or ():
         if not isinstance(document, dict):
             raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
-    chat = plain(normalize(conversation))
-    for message in chat:
-        if not isinstance(message, dict):
-            raise TypeError(f"Chat messages should be dicts, but got {message!r}.")
+    chat = plain(normalize(conversation))  # normalize refused anything but dicts; plain keeps dicts dicts
     variables = plain({**special_tokens, **kwargs})
     return compile_template(source).render(messages=_alias_reasoning(chat), tools=plain(tools),
                                            documents=plain(documents), add_generation_prompt=add_generation_prompt,

@@ -20,6 +20,7 @@ vocabulary and chat templates.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -52,7 +53,9 @@ _NOT_OFFERED = ("continue_final_message", "sanitize_control_tokens", "return_dic
                 "padding", "truncation", "max_length", "return_tensors", "tokenizer_kwargs")
 
 
+@functools.cache
 def _versions() -> dict[str, str]:
+    """The libraries that resolve a tokenizer, by version (once per process: every load keys on them)."""
     out = {}
     for dist in ("transformers", "tokenizers", "jinja2"):
         try:
@@ -216,7 +219,6 @@ class LightTokenizer:
         self._special_ids: dict[str, int] = dict(record["special_ids"])
         self.all_special_ids: list[int] = list(record["all_special_ids"])
         self.chat_template: str | dict[str, str] | None = record["chat_template"]
-        self.recorded_class = record.get("class")
 
     @property
     def backend_tokenizer(self) -> Any:

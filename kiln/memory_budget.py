@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 MARGIN_FRACTION = 0.1
@@ -39,6 +40,17 @@ def parse_quantity(text: str, name: str = "--memory-budget") -> int:
     if value <= 0:
         raise ValueError(f"{name} {text!r} must be more than zero bytes; e.g. 6Gi")
     return value
+
+
+def proc_status_bytes(field: str) -> int | None:
+    """A memory field of this process's ``/proc/self/status`` in bytes (``VmRSS``: resident now, ``VmHWM``: its
+    peak), None where there is no ``/proc`` or no such field."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+    return int(m.group(1)) * 1024 if m else None
 
 
 def human(num_bytes: float) -> str:

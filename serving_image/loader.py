@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kiln.engine.host_cache import host_cache_dir
 from kiln.serving.config import ServeConfig
 
 from kiln import __version__
@@ -57,8 +58,7 @@ def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None)
 
 
 def default_cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "kiln" / "engines"
+    return host_cache_dir("engines")
 
 
 def fetch_artifact(uri: str, cache_dir: Path | None, verify_key: Path | None = None, pinned: bool = True) -> Path:

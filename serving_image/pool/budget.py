@@ -26,14 +26,6 @@ def cgroup_memory_limit(v2: Path = CGROUP_V2_MEMORY, v1: Path = CGROUP_V1_MEMORY
     return None
 
 
-def process_rss() -> int | None:
-    """This process's resident memory in bytes (``/proc/self/statm``), None where there is no ``/proc``."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

@@ -25,7 +25,7 @@ from typing import Any
 from kiln.serving.config import ServeConfig
 from kiln.serving.errors import APIError
 from kiln.serving.lora_sync import RETRY_S, adapters_file
-from kiln.serving.pool.budget import default_budget, process_rss
+from kiln.serving.pool.budget import default_budget
 from kiln.serving.pool.metrics import PoolMetrics
 from kiln.serving.pool.settings import PoolSettings
 from kiln.serving.pool.slot import LOADED, UNLOADED, UNLOADING, EngineSlot
@@ -33,7 +33,7 @@ from kiln.serving.server_state import LOADING
 
 from kiln.adapter_list import wanted
 from kiln.engine_list import EngineEntry
-from kiln.memory_budget import human
+from kiln.memory_budget import human, proc_status_bytes
 
 log = logging.getLogger("kiln.serving")
 
@@ -208,7 +208,7 @@ class EnginePool:
         others = [s for s in self._members() if s is not slot]
         if any(s.task is not None or s.state.num_in_flight for s in others):
             return None
-        return process_rss()
+        return proc_status_bytes("VmRSS")
 
     def start_unload(self, slot: EngineSlot, reason: str) -> asyncio.Task[None]:
         self._changes += 1

@@ -15,7 +15,8 @@ class FakeRSS:
     def __init__(self, adds: dict[str, list[int]]) -> None:
         self.adds, self.value = adds, 500 * MIB
 
-    def read(self) -> int:
+    def read(self, field: str) -> int:
+        assert field == "VmRSS"
         return self.value
 
 
@@ -27,7 +28,7 @@ def _with_rss(monkeypatch, rss: FakeRSS) -> None:
         rss.value += rss.adds[slot.name].pop(0)
 
     monkeypatch.setattr(pool_mod.EngineSlot, "load", load_and_grow)
-    monkeypatch.setattr(pool_mod, "process_rss", rss.read)
+    monkeypatch.setattr(pool_mod, "proc_status_bytes", rss.read)
 
 
 def test_a_load_that_adds_more_than_it_counts_is_counted_by_what_it_added(monkeypatch):
