@@ -5,6 +5,7 @@ timed interleaved (one sample of each in turn, the order rotating each round; th
 so a neighbour's burst on a shared host slows them all alike:
 
 - ``kiln-w8a8``: int8 weight x int8 activations quantized per row and 32-block of K, on vpdpbusd;
+- ``kiln-w8a8-amx``: the same sums on AMX-INT8 tiles (where the host has ``amx_int8``);
 - ``torch-w8a8``: torch's dynamic int8 linear (x86 engine), activations quantized per call;
 - ``int8-fma`` / ``int8-amx``: today's weight-only int8 (kiln's panels widened per call), and ``int8-aten``
   (torch's int8 x bf16 kernel);
@@ -68,7 +69,8 @@ def linears(shapes, rows=(1, 4, 16, 32), rounds: int = 15, dtype: torch.dtype = 
         q, s = quantize_weight(w, "int8")
         packs = {}
         i8 = kernels.pack_linear(q, ["fma"] * 16, s, dtype)
-        for name, kern in (("kiln-w8a8", "w8a8"), ("int8-fma", "fma"), ("int8-amx", "amx")):
+        for name, kern in (("kiln-w8a8", "w8a8"), ("kiln-w8a8-amx", "w8a8_amx"), ("int8-fma", "fma"),
+                           ("int8-amx", "amx")):
             if kernels.gemm_kernels[dtype][kern] is None:
                 packs[name] = (i8, kern)
         fns_for = {}

@@ -19,6 +19,8 @@ candidate             layout    what runs
                                 weight torch's int8 path (``kernels.quant_linear.quantized_linear``)
 ``kiln-w8a8``         kiln      int8 weights only: the activations quantized per row and 32-block on each
                                 call and multiplied int8 x int8 on vpdpbusd (AVX512-VNNI), same int8 panels
+``kiln-w8a8-amx``     kiln      int8 weights only: ``kiln-w8a8``'s integer sums on AMX-INT8 tiles (tdpbusd), up
+                                to 16 rows a tile, its epilogue: the same results bit for bit, timed as its own
 ``torch-w8a8``        qlinear   int8 weights only: torch's ``quantized.linear_dynamic`` (x86 engine:
                                 FBGEMM / oneDNN), activations quantized per call, one 7-bit scale (``torch_w8a8.py``)
 ``kiln-gguf``         kiln      GGUF block weights only (Q8_0 / Q4_0 / Q4_1, ``gguf_blocks.py``): the
@@ -80,6 +82,7 @@ LINEAR: dict[str, Candidate] = {c.name: c for c in (
     Candidate("onednn", "onednn", accepts=("float",)),
     Candidate("aten", "plain", accepts=tuple(f for f in formats.FORMATS if f not in _BLOCKS)),
     Candidate("kiln-w8a8", "kiln", "w8a8", accepts=("int8",), quantizes_activations=True),
+    Candidate("kiln-w8a8-amx", "kiln", "w8a8_amx", accepts=("int8",), quantizes_activations=True),
     Candidate("torch-w8a8", "qlinear", accepts=("int8",), quantizes_activations=True),
     Candidate("kiln-gguf", "kiln", "gguf", accepts=_BLOCKS, quantizes_activations=True),
     Candidate("kiln-gguf-f32", "kiln", "gguf_f32", accepts=_BLOCKS),

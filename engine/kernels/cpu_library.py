@@ -29,7 +29,7 @@ from kiln.engine.kernels.isa import ARCH_LEVELS, LEVEL_FLAGS, host_levels, log
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("*.c")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
-ABI_VERSION = 13  # = KILN_ABI_VERSION in csrc/kiln_cpu.h
+ABI_VERSION = 14  # = KILN_ABI_VERSION in csrc/kiln_cpu.h
 _EXTRA = {"x86-64-v4": ("-mprefer-vector-width=512",)}
 CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
 CPU_DIR = "kernels/cpu"  # where an artifact holds its compiled libraries, one <level>.so per ISA level

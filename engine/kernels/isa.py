@@ -6,7 +6,8 @@ F/BW/CD/DQ/VL, ``x86-64-v3`` = AVX2 + FMA + ...; ``armv8-a`` on aarch64), and a 
 its ``/proc/cpuinfo`` flags include every flag of it (``LEVEL_FLAGS``), so a kernel built for AVX-512 never
 dies on an illegal instruction on an AVX2-only host. Past the level, GEMM kernels need features of their own
 (``FEATURE_FLAGS``): W8A8 on vpdpbusd (AVX512-VNNI in the x86-64-v4 library; AVX-VNNI in the x86-64-v3 one,
-whose W8A8 otherwise runs on AVX2), the vdpbf16ps tiles (AVX512-BF16) and the AMX tiles. Which one *runs* is
+whose W8A8 otherwise runs on AVX2), the vdpbf16ps tiles (AVX512-BF16) and the AMX tiles (bf16; W8A8 on
+AMX-INT8). Which one *runs* is
 not read from these flags: the tactic table (``kiln.engine.tactics``) times the ones the host can run.
 
 ``$KILN_CPU_ISA`` caps what kiln's kernels use, in ``CAP_ORDER`` (e.g. ``x86-64-v3`` on an AVX-512 host
@@ -41,7 +42,10 @@ FEATURE_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "avx512_vnni": ("x86-64-v4", ("avx512_vnni",)),
     "avx512_bf16": ("x86-64-v4", ("avx512_bf16",)),
     "amx": ("x86-64-v4", ("amx_tile", "amx_bf16")),
+    "amx_int8": ("x86-64-v4", ("amx_tile", "amx_int8")),
 }
+# features that ``$KILN_CPU_ISA`` caps as another of CAP_ORDER's names: AMX-INT8 goes with AMX
+CAPPED_AS = {"amx_int8": "amx"}
 ISA_ENV = "KILN_CPU_ISA"
 # What $KILN_CPU_ISA may name, lowest first: a cap allows everything at or below it.
 CAP_ORDER = {"x86_64": ("x86-64-v3", "avx_vnni", "x86-64-v4", "avx512_vnni", "avx512_bf16", "amx"),
@@ -72,6 +76,7 @@ def _cap_index() -> int | None:
 
 
 def _allowed(name: str) -> bool:
+    name = CAPPED_AS.get(name, name)
     cap = _cap_index()
     order = CAP_ORDER.get(platform.machine(), ())
     return cap is None or (name in order and order.index(name) <= cap)

@@ -40,6 +40,17 @@ def _w8a8_units(declare, level: str) -> tuple[str | None, str | None]:
     return None, flag if vnni else ("avx512bw" if wide else "avx2")
 
 
+def _w8a8_amx(declare, level: str, w8a8: str | None) -> str | None:
+    """Why W8A8's sums may not run on AMX-INT8 tiles here (``csrc/gemm_w8a8_amx.c``; None: they may), told to the
+    library, which runs its vector tiles instead wherever this is not None."""
+    why = w8a8 or (None if declare("kiln_w8a8_amx_available", ctypes.c_int)() else f"not in the {level} library")
+    why = why or feature_missing("amx_int8", level)
+    if why is None and not declare("kiln_amx_ready", ctypes.c_int)():
+        why = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    declare("kiln_w8a8_allow_amx", None, ctypes.c_int)(int(why is None))
+    return why
+
+
 class Kernels:
     """The loaded library, with argument types declared once."""
 
@@ -82,6 +93,7 @@ class Kernels:
         if amx is None and not declare("kiln_amx_ready", ctypes.c_int)():
             amx = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
         w8a8, self.w8a8_isa = _w8a8_units(declare, level)
+        w8a8_amx = _w8a8_amx(declare, level, w8a8)
         # GGUF block weights (gguf_blocks.PackedGGUF): vpdpbusd where VNNI may run here, else AVX2 / portable code
         self.gguf = gguf_blocks.declare(lib)
         self.gguf["set_vnni"](int(feature_missing("avx512_vnni", level) is None))
@@ -91,8 +103,10 @@ class Kernels:
         self.gemm_kernels: dict[torch.dtype, dict[str, str | None]] = {
             torch.float32: {"fma": None, "amx": "AMX multiplies bf16, not float32",
                             "onednn": "oneDNN packs float32 weights in another layout than kiln's panels",
-                            "w8a8": w8a8, "gguf": None, "gguf_f32": None, "qlinear": torch_w8a8.unavailable()},
+                            "w8a8": w8a8, "w8a8_amx": w8a8_amx, "gguf": None, "gguf_f32": None,
+                            "qlinear": torch_w8a8.unavailable()},
             torch.bfloat16: {"fma": bf16_fma, "amx": amx, "onednn": bf16_fma or onednn, "w8a8": bf16_fma or w8a8,
+                             "w8a8_amx": bf16_fma or w8a8_amx,
                              "gguf": None, "gguf_f32": "the dequantizing GGUF kernel takes float32 activations",
                              "qlinear": torch_w8a8.unavailable()}}
         self.linear_dtypes = tuple(dt for dt, ks in self.gemm_kernels.items() if ks["fma"] is None)

@@ -25,10 +25,11 @@ from kiln.engine.host_pages import anonymous
 from kiln.engine.kernels import torch_w8a8
 
 ROW_BUCKETS = 16  # = KILN_ROW_BUCKETS: bucket b holds calls of (2^(b-1), 2^b] rows
-# = enum kiln_gemm_kernel; oneDNN's runs from Python (C: FMA); W8A8 runs int8 weights only; the gguf ones GGUF
+# = enum kiln_gemm_kernel; oneDNN's runs from Python (C: FMA); W8A8 (on vector or AMX-INT8 tiles) runs int8 weights
+# only; the gguf ones GGUF
 # block weights only (gguf_blocks.PackedGGUF); torch's W8A8 ("qlinear") from Python on a second copy of an int8
 # weight (PackedLinear.qlinear)
-GEMM_KERNELS = {"fma": 0, "amx": 1, "onednn": 0, "w8a8": 2, "gguf": 3, "gguf_f32": 4, "qlinear": 0}
+GEMM_KERNELS = {"fma": 0, "amx": 1, "onednn": 0, "w8a8": 2, "gguf": 3, "gguf_f32": 4, "qlinear": 0, "w8a8_amx": 5}
 PYTHON_KERNELS = ("onednn", "qlinear")  # called from Python: a step with a bucket on one leaves the decoder stack
 
 
@@ -149,7 +150,7 @@ class PackedLinear:
             why = self._kernels.gemm_kernels[self.dtype].get(name, f"not one of {', '.join(GEMM_KERNELS)}")
             if name == "onednn" and self.onednn is None:
                 why = "oneDNN's packing of this weight is not these panels (or it was packed without it)"
-            if name in ("w8a8", "qlinear") and not self.int8:
+            if name in ("w8a8", "w8a8_amx", "qlinear") and not self.int8:
                 why = why or "W8A8 multiplies int8 weights, not float ones"
             if name == "qlinear" and self.qlinear is None:
                 why = why or "torch's W8A8 runs its own copy of the weight, which was not made (pack with it)"

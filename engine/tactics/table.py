@@ -60,7 +60,7 @@ class LinearChoice:
                     continue
                 raise TacticsError(f"tactic table entry {self.key} has no {layout} candidate timed at {b['rows']} rows")
             best = min(times, key=times.get)
-            in_c = {n: t for n, t in times.items() if LINEAR[n].gemm_kernel in ("fma", "amx", "w8a8")}
+            in_c = {n: t for n, t in times.items() if LINEAR[n].gemm_kernel in ("fma", "amx", "w8a8", "w8a8_amx")}
             if python_margin and in_c and LINEAR[best].gemm_kernel == "onednn":
                 c_best = min(in_c, key=in_c.get)
                 best = best if times[best] * python_margin < in_c[c_best] else c_best

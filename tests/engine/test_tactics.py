@@ -260,7 +260,8 @@ def test_a_bad_tactics_setting_names_the_field(toy_model):
     from kiln.engine.config import EngineConfig
 
     with pytest.raises(ConfigError, match=r"^tactics must be 'auto', a candidate \(kiln-fma, kiln-amx, onednn-panels, "
-                                          r"onednn, aten, kiln-w8a8, torch-w8a8, kiln-gguf, kiln-gguf-f32\) or a tactics.json file, "
+                                          r"onednn, aten, kiln-w8a8, kiln-w8a8-amx, torch-w8a8, kiln-gguf, kiln-gguf-f32\) or a "
+                                          r"tactics.json file, "
                                           r"got 'fastest'$"):
         EngineConfig(model=str(toy_model("llama-tiny")), device="cpu", tactics="fastest")
 

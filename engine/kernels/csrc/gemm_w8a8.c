@@ -27,6 +27,9 @@
  *   - AVX2 (the x86-64-v3 library on any other CPU): vpmaddubsw + vpmaddwd, whose int16 pair sums would
  *     overflow on 255 x 127, so there the sign trick: |q| x sign(xq, q), which is q xq, pairs at most
  *     2 x 128 x 127; no offset to subtract.
+ * And where the tactic table picked the AMX-INT8 kernel (KILN_GEMM_W8A8_AMX) and the caller allowed it
+ * (kiln_w8a8_allow_amx), the x86-64-v4 library sums on AMX tiles of up to 16 rows (gemm_w8a8_amx.c, tdpbusd:
+ * vpdpbusd's integers) and runs the zmm tiles' epilogue on them.
  * Rows are split into tiles of near-equal height, chunks of W8_MC rows and the panels shared out between
  * threads as gemm.c does. kiln_w8a8_available() says the library has a W8A8 kernel; which of its instructions
  * may run is the caller's to say (kiln_w8a8_allow_vnni: the CPU's flags and $KILN_CPU_ISA, kernels/isa.py), and
@@ -204,6 +207,24 @@ W8_TILE(w8_vnni3, W8_TARGET, 3, W8_VNNI_STEP, 1)
 W8_TILE(w8_bw1, W8_QTARGET, 1, W8_BW_STEP, 0) W8_TILE(w8_bw2, W8_QTARGET, 2, W8_BW_STEP, 0)
 W8_TILE(w8_bw3, W8_QTARGET, 3, W8_BW_STEP, 0)
 static const kiln_w8a8_tile w8_zmm_vnni[W8_MR + 1] = {0, w8_vnni1, w8_vnni2, w8_vnni3};
+#define W8_AMX_MR 16 /* rows of an AMX-INT8 tile */
+
+/* rows [0, R), R <= W8_AMX_MR, of one panel with the sums on AMX-INT8 tiles (gemm_w8a8_amx.c) and W8_TILE's
+ * epilogue; 0 (nothing written) where they may not run */
+W8_QTARGET static int w8_amx_tile(int R, const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *w, int64_t nb,
+                                  const int16_t *bs, const float *scale, const float *bias, void *y, int64_t ldy,
+                                  int bf16, int ncols, int *cfg) {
+    float f[W8_AMX_MR * KILN_PANEL] __attribute__((aligned(64)));
+    if (!kiln_w8a8_amx_sums(R, xq, ldq, sx, w, nb, bs, f, cfg)) return 0;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4 && 16 * c < ncols; c++) {
+            const __mmask16 mask = w8_mask(ncols - 16 * c);
+            __m512 v = _mm512_mul_ps(_mm512_load_ps(f + r * KILN_PANEL + 16 * c), _mm512_loadu_ps(scale + 16 * c));
+            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + 16 * c));
+            w8_store(y, r * ldy + 16 * c, v, mask, bf16);
+        }
+    return 1;
+}
 static const kiln_w8a8_tile w8_zmm_bw[W8_MR + 1] = {0, w8_bw1, w8_bw2, w8_bw3};
 
 /* this library's tiles for the call: vpdpbusd on zmm where the caller allows AVX512-VNNI (the CPU's flags and
@@ -215,6 +236,7 @@ static const kiln_w8a8_tile *w8_tiles(void) {
 }
 #define W8_QUANTIZE_ROW w8_quantize_row_vec
 #define W8_HAVE 1
+#define W8_AMX 1
 #elif defined(__x86_64__) && defined(__AVX2__) && (defined(__clang__) || __GNUC__ >= 10)
 #define W8_QUAD (4 * KILN_PANEL)
 #define W8_MR KILN_W8A8_YMM_MR
@@ -234,9 +256,17 @@ int kiln_w8a8_available(void) { return 1; }
  * Returns 0, -1 when the quantized activations could not be allocated, or 1 where this library has no tile the
  * CPU runs (none of kiln's x86-64 libraries: the fallback of a library without W8A8). */
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
-                     const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16) {
+                     const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16,
+                     int amx) {
     const kiln_w8a8_tile *tile = w8_tiles(); /* by rows */
     if (!tile) return 1;
+#ifdef W8_AMX
+    amx = amx && kiln_w8a8_amx_ready();
+    const int mr_max = amx ? W8_AMX_MR : W8_MR;
+#else
+    const int mr_max = W8_MR;
+    (void)amx;
+#endif
     const int64_t kq = i8_quads(k), ldq = 4 * kq, nb = w8_blocks(kq), panels = (n + KILN_PANEL - 1) / KILN_PANEL;
     uint8_t *xq = (uint8_t *)kiln_scratch(&w8_buf, &w8_cap, (size_t)m * ldq + (size_t)m * nb * sizeof(float));
     if (!xq) return -1;
@@ -246,27 +276,47 @@ int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, c
     for (int64_t r = 0; r < m; r++)
         W8_QUANTIZE_ROW((const char *)x + r * ldx * esize, k, ldq, bf16, xq + r * ldq, sx + r * nb);
     const int64_t chunks = (m + W8_MC - 1) / W8_MC, mc = (m + chunks - 1) / chunks;
-#pragma omp parallel for collapse(2) schedule(static) if (panels > 1)
-    for (int64_t ch = 0; ch < chunks; ch++)
-        for (int64_t p = 0; p < panels; p++) {
-            const int64_t m0c = ch * mc, rows = (m0c + mc < m ? m0c + mc : m) - m0c;
-            const int64_t tiles = (rows + W8_MR - 1) / W8_MR, col = p * KILN_PANEL;
-            const int ncols = n - col < KILN_PANEL ? (int)(n - col) : KILN_PANEL;
-            const int8_t *wp = packed + p * kq * W8_QUAD;
-            for (int64_t t = 0, m0 = m0c, mr; t < tiles; t++, m0 += mr) {
-                mr = rows / tiles + (t < rows % tiles);
-                tile[mr](xq + m0 * ldq, ldq, sx + m0 * nb, wp, nb, bsums + p * nb * KILN_PANEL, scales + col,
-                             bias ? bias + col : 0, (char *)y + (m0 * ldy + col) * esize, ldy, bf16, ncols);
+#pragma omp parallel if (panels > 1)
+    {
+#ifdef W8_AMX
+        int cfg = -1; /* the rows this thread's AMX tiles were last configured for, in this call */
+#endif
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t ch = 0; ch < chunks; ch++)
+            for (int64_t p = 0; p < panels; p++) {
+                const int64_t m0c = ch * mc, rows = (m0c + mc < m ? m0c + mc : m) - m0c;
+                const int64_t tiles = (rows + mr_max - 1) / mr_max, col = p * KILN_PANEL;
+                const int ncols = n - col < KILN_PANEL ? (int)(n - col) : KILN_PANEL;
+                const int8_t *wp = packed + p * kq * W8_QUAD;
+                for (int64_t t = 0, m0 = m0c, mr; t < tiles; t++, m0 += mr) {
+                    mr = rows / tiles + (t < rows % tiles);
+                    const uint8_t *xt = xq + m0 * ldq;
+                    const float *st = sx + m0 * nb, *sc = scales + col, *bt = bias ? bias + col : 0;
+                    const int16_t *bs = bsums + p * nb * KILN_PANEL;
+                    void *yt = (char *)y + (m0 * ldy + col) * esize;
+#ifdef W8_AMX
+                    if (amx && w8_amx_tile((int)mr, xt, ldq, st, wp, nb, bs, sc, bt, yt, ldy, bf16, ncols, &cfg)) continue;
+#endif
+                    for (int64_t s = 0, sr; s < mr; s += sr) { /* the vector tiles, W8_MR rows at most */
+                        sr = mr - s < W8_MR ? mr - s : W8_MR;
+                        tile[sr](xt + s * ldq, ldq, st + s * nb, wp, nb, bs, sc, bt, (char *)yt + s * ldy * esize, ldy,
+                                 bf16, ncols);
+                    }
+                }
             }
-        }
+#ifdef W8_AMX
+        if (cfg >= 0) kiln_w8a8_amx_release();
+#endif
+    }
     return 0;
 }
 #else
 int kiln_w8a8_available(void) { return 0; }
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
-                     const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16) {
+                     const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16,
+                     int amx) {
     (void)x, (void)packed, (void)scales, (void)bsums, (void)bias, (void)y, (void)m, (void)n, (void)k, (void)ldx;
-    (void)ldy, (void)bf16;
+    (void)ldy, (void)bf16, (void)amx;
     return 1;
 }
 #endif

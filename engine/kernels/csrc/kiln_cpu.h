@@ -13,6 +13,7 @@
  *   gemm_int8.c  int8 weights (weight-only quantization) through the kernels above, widened panel by panel
  *   gemm_w8a8.c  int8 weights x int8 activations quantized per 32-block (W8A8), same int8 panels: AVX512-VNNI tiles
  *   gemm_w8a8_ymm.c  its tiles on 256-bit vectors (AVX-VNNI, AVX2) for the x86-64-v3 library
+ *   gemm_w8a8_amx.c  its sums on AMX-INT8 tiles, up to 16 rows at a time, for the x86-64-v4 library
  *   gemm_gguf.c  GGUF block weights (Q8_0, Q4_0, Q4_1) x activations quantized per 32-block, VNNI / AVX2
  *   gguf_pack.c  GGUF block weights packed into kiln's records (gguf_layout.h), and dequantized (kiln-gguf-f32)
  *   gemm_dispatch.c  kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count:
@@ -30,7 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KILN_ABI_VERSION 13
+#define KILN_ABI_VERSION 14
 #define KILN_HIDDEN __attribute__((visibility("hidden")))
 
 /* ---- opt-in timers (profile.c): an entry point opens with KILN_TIMED(component) ---- */
@@ -128,7 +129,8 @@ static inline void *kiln_scratch(void **buf, size_t *cap, size_t need) {
 /* Row buckets of a tactic table: bucket b holds calls of (2^(b-1), 2^b] rows (b = 0: one row). */
 #define KILN_ROW_BUCKETS 16
 enum kiln_gemm_kernel { KILN_GEMM_FMA = 0, KILN_GEMM_AMX = 1, KILN_GEMM_W8A8 = 2 /* int8 weights only */,
-                        KILN_GEMM_GGUF = 3, KILN_GEMM_GGUF_F32 = 4 /* GGUF block weights only (qtype set) */ };
+                        KILN_GEMM_GGUF = 3, KILN_GEMM_GGUF_F32 = 4 /* GGUF block weights only (qtype set) */,
+                        KILN_GEMM_W8A8_AMX = 5 /* int8 weights only: W8A8 on AMX-INT8 tiles */ };
 
 /* A packed weight and, per row bucket, the kernel that multiplies it (its tactic table's winners). */
 struct kiln_weight {
@@ -153,7 +155,13 @@ int kiln_amx_ready(void);
 int kiln_linear_i8(const void *x, const int8_t *packed, const float *scales, const float *bias, void *y, int64_t m,
                    int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16, int amx);
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
-                     const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16);
+                     const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16,
+                     int amx);
+/* W8A8's sums on AMX-INT8 tiles, rows [0, rows <= 16) of one panel (gemm_w8a8_amx.c; 0 where it may not run) */
+KILN_HIDDEN int kiln_w8a8_amx_ready(void);
+KILN_HIDDEN void kiln_w8a8_amx_release(void);
+KILN_HIDDEN int kiln_w8a8_amx_sums(int rows, const uint8_t *xq, int64_t ldq, const float *sx, const int8_t *w,
+                                   int64_t nb, const int16_t *bs, float *f, int *cfg);
 void kiln_w8a8_block_sums(const int8_t *packed, int16_t *bsums, int64_t n, int64_t k);
 /* a W8A8 register tile (gemm_w8a8.c calls it per row tile and panel): rows [0, R) of the quantized activations
  * (row stride ldq, block scales sx with row stride nb) x one panel (nb blocks, block sums bs) -> y; the
