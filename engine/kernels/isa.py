@@ -8,7 +8,8 @@ dies on an illegal instruction on an AVX2-only host. Past the level, GEMM kernel
 (``FEATURE_FLAGS``): W8A8 on vpdpbusd (AVX512-VNNI in the x86-64-v4 library; AVX-VNNI in the x86-64-v3 one,
 whose W8A8 otherwise runs on AVX2), the vdpbf16ps tiles (AVX512-BF16) and the AMX tiles (bf16; W8A8 on
 AMX-INT8). Which one *runs* is
-not read from these flags: the tactic table (``kiln.engine.tactics``) times the ones the host can run.
+not read from these flags: the tactic table (``kiln.engine.tactics``) times the ones the host can run. The
+W8A8 kernels are told here which of their instructions they may use (``w8a8_units``, ``w8a8_amx_units``).
 
 ``$KILN_CPU_ISA`` caps what kiln's kernels use, in ``CAP_ORDER`` (e.g. ``x86-64-v3`` on an AVX-512 host
 runs what an AVX2-only host runs; ``avx_vnni`` what an Intel client part from Alder Lake on runs; ``x86-64-v4``
@@ -20,6 +21,7 @@ capped runs set it before torch starts.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import platform
@@ -106,3 +108,29 @@ def feature_missing(feature: str, level: str, flags: frozenset[str] | None = Non
 def caps_in_effect() -> dict[str, str]:
     """The ISA caps set in this process's environment (they change what runs, so tactic tables record them)."""
     return {k: os.environ[k] for k in CAP_ENV_VARS if os.environ.get(k)}
+
+
+def w8a8_units(declare, level: str) -> tuple[str | None, str | None]:
+    """W8A8 (int8 weights x int8 activations, ``csrc/gemm_w8a8.c``) in a library of ``level``: (why it may not
+    run here, or None; the instruction its tiles use). The x86-64-v4 library's tiles are vpdpbusd on zmm where
+    the CPU's flags and ``$KILN_CPU_ISA`` allow AVX512-VNNI, else AVX512BW's vpmaddubsw (Skylake-SP); the
+    x86-64-v3 library's vpdpbusd on ymm where they allow AVX-VNNI, else AVX2's (the same integer sums each way,
+    so the choice within a library is not a timing question)."""
+    if not declare("kiln_w8a8_available", ctypes.c_int)():
+        return f"the {level} library has no W8A8 kernel", None
+    wide = level == FEATURE_FLAGS["avx512_vnni"][0]
+    flag = "avx512_vnni" if wide else "avx_vnni"
+    vnni = feature_missing(flag, level) is None
+    declare("kiln_w8a8_allow_vnni", None, ctypes.c_int)(int(vnni))
+    return None, flag if vnni else ("avx512bw" if wide else "avx2")
+
+
+def w8a8_amx_units(declare, level: str, w8a8: str | None) -> str | None:
+    """Why W8A8's sums may not run on AMX-INT8 tiles here (``csrc/gemm_w8a8_amx.c``; None: they may), told to the
+    library, which runs its vector tiles instead wherever this is not None."""
+    why = w8a8 or (None if declare("kiln_w8a8_amx_available", ctypes.c_int)() else f"not in the {level} library")
+    why = why or feature_missing("amx_int8", level)
+    if why is None and not declare("kiln_amx_ready", ctypes.c_int)():
+        why = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    declare("kiln_w8a8_allow_amx", None, ctypes.c_int)(int(why is None))
+    return why

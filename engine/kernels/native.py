@@ -17,38 +17,12 @@ from pathlib import Path
 
 import torch
 from kiln.engine.kernels import cpu_library, gguf_blocks, torch_w8a8
-from kiln.engine.kernels.isa import FEATURE_FLAGS, feature_missing, log
+from kiln.engine.kernels.isa import feature_missing, log, w8a8_amx_units, w8a8_units
 from kiln.engine.kernels.kernel_timers import GEMM, KernelTimers
 from kiln.engine.kernels.packed import GEMM_KERNELS, PYTHON_KERNELS, ROW_BUCKETS, KilnWeight, PackedLinear, row_bucket
 
 __all__ = ["GEMM_KERNELS", "ROW_BUCKETS", "DecoderStack", "Kernels", "KilnWeight", "PackedLinear", "kernels",
            "reset", "row_bucket", "supports"]
-
-
-def _w8a8_units(declare, level: str) -> tuple[str | None, str | None]:
-    """W8A8 (int8 weights x int8 activations, ``csrc/gemm_w8a8.c``) in a library of ``level``: (why it may not
-    run here, or None; the instruction its tiles use). The x86-64-v4 library's tiles are vpdpbusd on zmm where
-    the CPU's flags and ``$KILN_CPU_ISA`` allow AVX512-VNNI, else AVX512BW's vpmaddubsw (Skylake-SP); the
-    x86-64-v3 library's vpdpbusd on ymm where they allow AVX-VNNI, else AVX2's (the same integer sums each way,
-    so the choice within a library is not a timing question)."""
-    if not declare("kiln_w8a8_available", ctypes.c_int)():
-        return f"the {level} library has no W8A8 kernel", None
-    wide = level == FEATURE_FLAGS["avx512_vnni"][0]
-    flag = "avx512_vnni" if wide else "avx_vnni"
-    vnni = feature_missing(flag, level) is None
-    declare("kiln_w8a8_allow_vnni", None, ctypes.c_int)(int(vnni))
-    return None, flag if vnni else ("avx512bw" if wide else "avx2")
-
-
-def _w8a8_amx(declare, level: str, w8a8: str | None) -> str | None:
-    """Why W8A8's sums may not run on AMX-INT8 tiles here (``csrc/gemm_w8a8_amx.c``; None: they may), told to the
-    library, which runs its vector tiles instead wherever this is not None."""
-    why = w8a8 or (None if declare("kiln_w8a8_amx_available", ctypes.c_int)() else f"not in the {level} library")
-    why = why or feature_missing("amx_int8", level)
-    if why is None and not declare("kiln_amx_ready", ctypes.c_int)():
-        why = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-    declare("kiln_w8a8_allow_amx", None, ctypes.c_int)(int(why is None))
-    return why
 
 
 class Kernels:
@@ -92,8 +66,8 @@ class Kernels:
         amx = feature_missing("amx", level) or bf16_fma
         if amx is None and not declare("kiln_amx_ready", ctypes.c_int)():
             amx = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-        w8a8, self.w8a8_isa = _w8a8_units(declare, level)
-        w8a8_amx = _w8a8_amx(declare, level, w8a8)
+        w8a8, self.w8a8_isa = w8a8_units(declare, level)
+        w8a8_amx = w8a8_amx_units(declare, level, w8a8)
         # GGUF block weights (gguf_blocks.PackedGGUF): vpdpbusd where VNNI may run here, else AVX2 / portable code
         self.gguf = gguf_blocks.declare(lib)
         self.gguf["set_vnni"](int(feature_missing("avx512_vnni", level) is None))

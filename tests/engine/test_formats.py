@@ -40,7 +40,7 @@ def test_candidates_declare_the_formats_they_accept():
     assert "not int8 ones" in candidates.why_not("onednn", torch.float32, None, "int8")
     assert candidates.why_not("aten", torch.float32, None, "fp8") is None
     assert candidates.LINEAR["kiln-gguf"].quantizes_activations and "kiln-gguf" not in candidates.ACTIVATION_QUANT
-    assert set(candidates.ACTIVATION_QUANT) == {"kiln-w8a8", "torch-w8a8"}
+    assert set(candidates.ACTIVATION_QUANT) == {"kiln-w8a8", "kiln-w8a8-amx", "torch-w8a8"}
     assert candidates.stack_candidate("q8_0") == "kiln-gguf" and candidates.stack_candidate(None) == "kiln-fma"
 
 
