@@ -111,7 +111,8 @@ class ServingContext:
             self.state.phase = READY
         log.info("model %r ready in %.1fs (max_batch_size=%d, max_queue_len=%d)", self.served_model_name,
                  time.monotonic() - started, engine.engine_config.max_batch_size, self.config.max_queue_len)
-        self.grammar_warm_up = asyncio.create_task(warm_up_grammar(engine))  # after /ready: structured requests only
+        # after /ready, once idle: structured requests only
+        self.grammar_warm_up = asyncio.create_task(warm_up_grammar(engine, lambda: self.state.num_in_flight))
 
 
     async def _start_pool(self) -> None:

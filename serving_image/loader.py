@@ -190,18 +190,34 @@ async def warm_up(engine: Any) -> None:
         pass
 
 
-async def warm_up_grammar(engine: Any) -> None:
-    """The grammar engine's view of the vocabulary and its checker processes, made after ``/ready``: 0.5-0.9 s
-    of a 3.5 s start measured (SmolLM2, one thread), which only structured requests need. One that comes
-    first builds what it needs itself (``GrammarCompiler._tokenizer`` under its lock, a checker per compile
-    thread on first use), so nothing waits for this and nothing is done twice."""
+# The grammar warm-up waits for this long without a request in flight (loader.warm_up_grammar).
+GRAMMAR_WARM_UP_IDLE_S = 1.0
+
+
+async def warm_up_grammar(engine: Any, in_flight: Callable[[], int] = lambda: 0,
+                          idle_s: float | None = None) -> None:
+    """The grammar engine's view of the vocabulary and its checker processes, made after ``/ready`` once the server
+    has had no request in flight for ``idle_s`` (``GRAMMAR_WARM_UP_IDLE_S``): only structured requests need them,
+    and llguidance builds the view in one call that holds the GIL (0.3 s for SmolLM2's 49k tokens), which stalls
+    every request it overlaps. Run at once after ready, it made the first request after ready take 0.5 s, not
+    0.02 (SmolLM2, one thread), which is when a rolling update sends a new pod its traffic. A structured request
+    that comes first builds what it needs itself (``GrammarCompiler._tokenizer`` under its lock, a checker per
+    compile thread on first use), so nothing waits for this and nothing is done twice."""
+    idle_s = GRAMMAR_WARM_UP_IDLE_S if idle_s is None else idle_s
+    quiet_since = time.monotonic()
+    while True:
+        if in_flight():
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= idle_s:
+            break
+        await asyncio.sleep(min(0.1, idle_s / 4 or 0.01))
     from kiln.engine.errors import RequestError
 
     started = time.monotonic()
     try:
         compiler = engine.engine.grammar_compiler  # made here, on the loop's thread, as a request would make it
         await in_daemon_thread(compiler.warm_up)
-        log.info("grammar compiler warmed up in %.1fs (after ready)", time.monotonic() - started)
+        log.info("grammar compiler warmed up in %.1fs (after ready, once idle)", time.monotonic() - started)
     except RequestError as exc:  # the model serves; constrained requests get this as a 400
         log.warning("structured outputs are unavailable for this model: %s", exc)
     except Exception as exc:  # noqa: BLE001 - a warm-up's failure must not take a serving engine down

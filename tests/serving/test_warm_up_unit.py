@@ -1,5 +1,6 @@
 """The server is ready before the grammar compiler's warm-up: only structured requests need it, and it was 0.5-0.9 s
-of a 3.5 s start (loader.warm_up_grammar). Without a model: the engine is a stand-in."""
+of a 3.5 s start; and the warm-up waits for the server to be idle, since it holds the GIL for 0.3 s and so stalls
+whatever request it overlaps (loader.warm_up_grammar). Without a model: the engine is a stand-in."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from kiln.serving import app as app_module
+from kiln.serving import loader
 from kiln.serving.config import ServeConfig
 from kiln.serving.server_state import READY
 
@@ -52,6 +54,7 @@ def load(monkeypatch, compiler: Compiler) -> app_module.ServingContext:
 
 @pytest.mark.parametrize("fail", [None, RuntimeError("checker would not start")])
 def test_ready_comes_before_the_grammar_warm_up_which_then_runs(monkeypatch, caplog, fail):
+    monkeypatch.setattr(loader, "GRAMMAR_WARM_UP_IDLE_S", 0.05)
     compiler = Compiler(fail)
     ctx = load(monkeypatch, compiler)
 
@@ -73,3 +76,22 @@ def test_ready_comes_before_the_grammar_warm_up_which_then_runs(monkeypatch, cap
         assert text.index("ready in") < text.index("grammar compiler warmed up")
     else:
         assert "the grammar compiler's warm-up failed (checker would not start)" in text
+
+
+def test_the_grammar_warm_up_waits_until_no_request_has_been_in_flight_for_a_while():
+    compiler, busy = Compiler(), [1]
+
+    async def run() -> float:
+        task = asyncio.create_task(loader.warm_up_grammar(Engine(compiler), lambda: busy[0], idle_s=0.3))
+        await asyncio.sleep(0.8)
+        assert not compiler.started.is_set(), "the warm-up started while a request was in flight"
+        busy[0] = 0
+        idle_at = asyncio.get_running_loop().time()
+        await asyncio.to_thread(compiler.started.wait, 10)
+        waited = asyncio.get_running_loop().time() - idle_at
+        compiler.release.set()
+        await task
+        return waited
+
+    waited = asyncio.run(run())
+    assert compiler.done and 0.25 <= waited < 5, waited
