@@ -112,7 +112,8 @@ def _engine(model: str, batch: int, **kw):
 def decode(model: str, batches=(1, 32), tokens: int = 64, rounds: int = 5, prompt_len: int = 16,
            dtype: str = "bfloat16") -> list[dict]:
     """Decode tok/s per setting (the float engine; int8 with the table free to pick; int8 without torch's W8A8;
-    int8 without kiln's; int8 without any W8A8), the activations in ``dtype``, interleaved."""
+    int8 without kiln's; int8 without its AMX-INT8 tiles; int8 without any W8A8), the activations in ``dtype``,
+    interleaved."""
     import os
 
     from kiln.engine.sampling_params import SamplingParams
@@ -125,6 +126,8 @@ def decode(model: str, batches=(1, 32), tokens: int = 64, rounds: int = 5, promp
                 "int8-no-torch-w8a8": {"dtype": dtype, "quantization": "int8", "exclude": "torch-w8a8"},
                 # what a host without kiln's W8A8 tiles ran (a Skylake-SP before the AVX512BW ones)
                 "int8-no-kiln-w8a8": {"dtype": dtype, "quantization": "int8", "exclude": "kiln-w8a8"},
+                # an AMX host without its AMX-INT8 tiles (the same as "int8" wherever the CPU has none)
+                "int8-no-w8a8-amx": {"dtype": dtype, "quantization": "int8", "exclude": "kiln-w8a8-amx"},
                 "int8-weight-only": {"dtype": dtype, "quantization": "int8", "exclude": "w8a8"}}
     out = []
     for batch in batches:
