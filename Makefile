@@ -8,9 +8,7 @@ PYTEST_ARGS ?=
 # The slowest tests of each run are listed at its end, so a run's time can be read, not guessed.
 DURATIONS ?= --durations=20
 # make test's worker processes (pytest-xdist): each test file runs whole in one worker; 1 runs in this process.
-# Three on two cores: the suite spends much of its time waiting on the servers and processes it starts, and a
-# third worker fills that (the main suite alone on a quiet Zen 4: 443 s with three, 545 s with two).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 
 .PHONY: install test test-slow lint crds demo bench gpu-check gpu-wheels clean cluster cluster-down cluster-bins
 

@@ -17,7 +17,7 @@ import pytest
 from netutil import free_port, wait_for_port
 
 # Keep torch to the machine's 2 cores and quiet; tests spawn servers too.
-if os.environ.get("PYTEST_XDIST_WORKER"):  # make test: the workers share the cores, one OpenMP thread each
+if os.environ.get("PYTEST_XDIST_WORKER"):  # make test: two workers share the cores, one OpenMP thread each
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # (set before torch loads; children inherit it)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,11 +30,7 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 
 # The longest modules, run first: under pytest-xdist (make test) whole files go to the workers in collection
 # order, so a long file collected late would be the suite's tail while the other worker idles.
-LONG_MODULES = (  # by their durations in a make test run (--durations=0)
-    "tests/operator/test_scenarios.py", "tests/builder/test_job_contract.py", "tests/builder/test_build.py",
-    "tests/serving/test_fuzz.py", "tests/engine/test_cpu_kernels.py", "tests/serving/test_multiprocess.py",
-    "tests/operator/test_scenarios_pool.py", "tests/engine/test_rank_barrier.py", "tests/bench/test_bench.py",
-    "tests/engine/test_aot_compile.py")
+LONG_MODULES = ("tests/engine/test_aot_compile.py", "tests/serving/test_fuzz.py", "tests/bench/test_bench.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
