@@ -1,7 +1,7 @@
 /* A software AMX for tests: the tile instructions kiln's AMX-INT8 W8A8 kernel uses (engine/kernels/csrc/
  * gemm_w8a8_amx.c, compiled with -DKILN_AMX_EMULATE -include this file), run in plain C on any host, with every
- * check the hardware makes on the tile configuration and the operands' shapes (Intel SDM vol. 3, ch. 3.1.3 and
- * the TDPBUSD / TILELOADD / LDTILECFG pages): a shape the hardware would fault on aborts here, naming it.
+ * check the SDM's LDTILECFG, TILELOADD and TDPBUSD pages list for the tile configuration and the operands'
+ * shapes: a shape the hardware would fault on aborts here, naming it.
  *
  * Palette 1: 8 tiles of up to 16 rows x 64 bytes. TILELOADD reads rows x colsb bytes, row r at base + r x
  * stride; TILESTORED writes them; TDPBUSD C += A (u8) x B (s8): C is M x N int32 (colsb = 4N), A is M x K bytes,
