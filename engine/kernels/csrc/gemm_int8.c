@@ -21,6 +21,20 @@
 static __thread void *i8_buf;
 static __thread size_t i8_cap;
 
+/* the block column sums W8A8 subtracts: packed int8 panels (kq quads) -> bsums [panels][kq / 8][KILN_PANEL] */
+void kiln_w8a8_block_sums(const int8_t *packed, int16_t *bsums, int64_t n, int64_t k) {
+    const int64_t kq = i8_quads(k), nb = kq / 8 /* 32-blocks */, panels = (n + KILN_PANEL - 1) / KILN_PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t j = 0; j < KILN_PANEL; j++) {
+                int32_t sum = 0;
+                for (int64_t i = 8 * b; i < 8 * b + 8; i++)
+                    for (int e = 0; e < 4; e++) sum += packed[(p * kq + i) * 4 * KILN_PANEL + 4 * j + e];
+                bsums[(p * nb + b) * KILN_PANEL + j] = (int16_t)sum;
+            }
+}
+
 /* w [N, K] int8 (row stride ldw) -> packed [ceil(N / KILN_PANEL)][i8_quads(K)][KILN_PANEL][4] (K in groups of 4
  * per column: what vpdpbusd multiplies, gemm_w8a8.c; zero past N and K), and bsums = each column's sum of its
  * int8 values per 32-block of K (W8A8's epilogue: kiln_w8a8_block_sums), zero past N */

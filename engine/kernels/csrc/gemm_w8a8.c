@@ -48,20 +48,6 @@ static inline int64_t w8_blocks(int64_t kq) { return kq / (W8_BLOCK / 4); }
 static int w8_vnni = 0;
 void kiln_w8a8_allow_vnni(int on) { w8_vnni = on; }
 
-/* the block column sums W8A8 subtracts: packed int8 panels (kq quads) -> bsums [panels][kq / 8][KILN_PANEL] */
-void kiln_w8a8_block_sums(const int8_t *packed, int16_t *bsums, int64_t n, int64_t k) {
-    const int64_t kq = i8_quads(k), nb = w8_blocks(kq), panels = (n + KILN_PANEL - 1) / KILN_PANEL;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t b = 0; b < nb; b++)
-            for (int64_t j = 0; j < KILN_PANEL; j++) {
-                int32_t sum = 0;
-                for (int64_t i = 8 * b; i < 8 * b + 8; i++)
-                    for (int e = 0; e < 4; e++) sum += packed[(p * kq + i) * 4 * KILN_PANEL + 4 * j + e];
-                bsums[(p * nb + b) * KILN_PANEL + j] = (int16_t)sum;
-            }
-}
-
 #if !(defined(__x86_64__) && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10))
 /* The scalar form of the quantization (the vector one below computes the same bits): row r of x -> xq + 128
  * into q [kq4] (the bytes past k: 128, i.e. zero), each block's scale into sx [kq4 / 32]. */
@@ -245,16 +231,55 @@ static const kiln_w8a8_tile *w8_tiles(void) { return kiln_w8a8_ymm_tiles(w8_vnni
 #define W8_HAVE 1
 #endif
 
+#ifndef W8_AMX_MR
+#define W8_AMX_MR W8_MR /* a library without AMX-INT8 tiles */
+#endif
+
 #ifdef W8_HAVE
 static __thread void *w8_buf; /* the quantized activations (kiln_scratch) */
 static __thread size_t w8_cap;
 
 int kiln_w8a8_available(void) { return 1; }
 
+struct w8_call { /* what every (row chunk, panel) of one kiln_linear_w8a8 call shares */
+    const kiln_w8a8_tile *tile; const uint8_t *xq; const float *sx, *scales, *bias; const int8_t *packed;
+    const int16_t *bsums; char *y; int64_t m, n, mc, kq, ldq, nb, ldy, mr_max; size_t esize; int bf16;
+};
+
+/* rows [ch x mc, ...) of panel p: tiles of near-equal height, on AMX-INT8 where cfg is given (this thread's tile
+ * configuration, gemm_w8a8_amx.c) and it runs, else the vector tiles */
+__attribute__((always_inline)) static inline void w8_panel(const struct w8_call *c, int64_t ch, int64_t p, int *cfg) {
+    const int64_t m0c = ch * c->mc, rows = (m0c + c->mc < c->m ? m0c + c->mc : c->m) - m0c;
+    const int64_t tiles = (rows + c->mr_max - 1) / c->mr_max, col = p * KILN_PANEL, nb = c->nb, ldq = c->ldq;
+    const int ncols = c->n - col < KILN_PANEL ? (int)(c->n - col) : KILN_PANEL;
+    const int8_t *wp = c->packed + p * c->kq * W8_QUAD;
+    const int16_t *bs = c->bsums + p * nb * KILN_PANEL;
+    const float *sc = c->scales + col, *bt = c->bias ? c->bias + col : 0;
+    for (int64_t t = 0, m0 = m0c, mr; t < tiles; t++, m0 += mr) {
+        mr = rows / tiles + (t < rows % tiles);
+        const uint8_t *xt = c->xq + m0 * ldq;
+        const float *st = c->sx + m0 * nb;
+        char *yt = c->y + (m0 * c->ldy + col) * c->esize;
+        if (!cfg) { /* mr <= W8_MR: one vector tile */
+            c->tile[mr](xt, ldq, st, wp, nb, bs, sc, bt, yt, c->ldy, c->bf16, ncols);
+            continue;
+        }
+#ifdef W8_AMX
+        if (w8_amx_tile((int)mr, xt, ldq, st, wp, nb, bs, sc, bt, yt, c->ldy, c->bf16, ncols, cfg)) continue;
+#endif
+        for (int64_t s = 0, sr; s < mr; s += sr) { /* AMX refused: the vector tiles, W8_MR rows at most */
+            sr = mr - s < W8_MR ? mr - s : W8_MR;
+            c->tile[sr](xt + s * ldq, ldq, st + s * nb, wp, nb, bs, sc, bt, yt + s * c->ldy * c->esize, c->ldy,
+                        c->bf16, ncols);
+        }
+    }
+}
+
 /* y [m, n] (bf16 or float32 as x, row stride ldy) = W8A8 of x [m, k] (row stride ldx) and the int8 panels
- * (gemm_int8.c's layout) with their scales and block sums (kiln_w8a8_block_sums), + bias (float32 or NULL).
- * Returns 0, -1 when the quantized activations could not be allocated, or 1 where this library has no tile the
- * CPU runs (none of kiln's x86-64 libraries: the fallback of a library without W8A8). */
+ * (gemm_int8.c's layout) with their scales and block sums (kiln_w8a8_block_sums), + bias (float32 or NULL); amx:
+ * the sums on AMX-INT8 tiles where they run (kiln_w8a8_amx_ready). Returns 0, -1 when the quantized activations
+ * could not be allocated, or 1 where this library has no tile the CPU runs (none of kiln's x86-64 libraries: the
+ * fallback of a library without W8A8). */
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16,
                      int amx) {
@@ -262,10 +287,8 @@ int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, c
     if (!tile) return 1;
 #ifdef W8_AMX
     amx = amx && kiln_w8a8_amx_ready();
-    const int mr_max = amx ? W8_AMX_MR : W8_MR;
 #else
-    const int mr_max = W8_MR;
-    (void)amx;
+    amx = 0;
 #endif
     const int64_t kq = i8_quads(k), ldq = 4 * kq, nb = w8_blocks(kq), panels = (n + KILN_PANEL - 1) / KILN_PANEL;
     uint8_t *xq = (uint8_t *)kiln_scratch(&w8_buf, &w8_cap, (size_t)m * ldq + (size_t)m * nb * sizeof(float));
@@ -276,37 +299,21 @@ int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, c
     for (int64_t r = 0; r < m; r++)
         W8_QUANTIZE_ROW((const char *)x + r * ldx * esize, k, ldq, bf16, xq + r * ldq, sx + r * nb);
     const int64_t chunks = (m + W8_MC - 1) / W8_MC, mc = (m + chunks - 1) / chunks;
+    const struct w8_call c = {tile, xq, sx, scales, bias, packed, bsums, (char *)y, m, n, mc, kq, ldq, nb, ldy,
+                              amx ? W8_AMX_MR : W8_MR, esize, bf16};
+    if (!amx) { /* the vector tiles alone: no tile state per thread (one parallel loop, as before AMX-INT8) */
+#pragma omp parallel for collapse(2) schedule(static) if (panels > 1)
+        for (int64_t ch = 0; ch < chunks; ch++)
+            for (int64_t p = 0; p < panels; p++) w8_panel(&c, ch, p, 0);
+        return 0;
+    }
 #pragma omp parallel if (panels > 1)
     {
-#ifdef W8_AMX
         int cfg = -1; /* the rows this thread's AMX tiles were last configured for, in this call */
-#endif
 #pragma omp for collapse(2) schedule(static)
         for (int64_t ch = 0; ch < chunks; ch++)
-            for (int64_t p = 0; p < panels; p++) {
-                const int64_t m0c = ch * mc, rows = (m0c + mc < m ? m0c + mc : m) - m0c;
-                const int64_t tiles = (rows + mr_max - 1) / mr_max, col = p * KILN_PANEL;
-                const int ncols = n - col < KILN_PANEL ? (int)(n - col) : KILN_PANEL;
-                const int8_t *wp = packed + p * kq * W8_QUAD;
-                for (int64_t t = 0, m0 = m0c, mr; t < tiles; t++, m0 += mr) {
-                    mr = rows / tiles + (t < rows % tiles);
-                    const uint8_t *xt = xq + m0 * ldq;
-                    const float *st = sx + m0 * nb, *sc = scales + col, *bt = bias ? bias + col : 0;
-                    const int16_t *bs = bsums + p * nb * KILN_PANEL;
-                    void *yt = (char *)y + (m0 * ldy + col) * esize;
-#ifdef W8_AMX
-                    if (amx && w8_amx_tile((int)mr, xt, ldq, st, wp, nb, bs, sc, bt, yt, ldy, bf16, ncols, &cfg)) continue;
-#endif
-                    for (int64_t s = 0, sr; s < mr; s += sr) { /* the vector tiles, W8_MR rows at most */
-                        sr = mr - s < W8_MR ? mr - s : W8_MR;
-                        tile[sr](xt + s * ldq, ldq, st + s * nb, wp, nb, bs, sc, bt, (char *)yt + s * ldy * esize, ldy,
-                                 bf16, ncols);
-                    }
-                }
-            }
-#ifdef W8_AMX
+            for (int64_t p = 0; p < panels; p++) w8_panel(&c, ch, p, &cfg);
         if (cfg >= 0) kiln_w8a8_amx_release();
-#endif
     }
     return 0;
 }
