@@ -129,8 +129,14 @@ def w8a8_amx_units(declare, level: str, w8a8: str | None) -> str | None:
     """Why W8A8's sums may not run on AMX-INT8 tiles here (``csrc/gemm_w8a8_amx.c``; None: they may), told to the
     library, which runs its vector tiles instead wherever this is not None."""
     why = w8a8 or (None if declare("kiln_w8a8_amx_available", ctypes.c_int)() else f"not in the {level} library")
-    why = why or feature_missing("amx_int8", level)
-    if why is None and not declare("kiln_amx_ready", ctypes.c_int)():
-        why = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    why = why or feature_missing("amx_int8", level) or amx_tile_state(declare)
     declare("kiln_w8a8_allow_amx", None, ctypes.c_int)(int(why is None))
     return why
+
+
+def amx_tile_state(declare) -> str | None:
+    """Why the library's AMX tiles may not run in this process although the CPU has them (None: they may): Linux
+    grants the tile state only to a process that asks (``kiln_amx_ready``). Ask only where the CPU has AMX."""
+    if declare("kiln_amx_ready", ctypes.c_int)():
+        return None
+    return "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"

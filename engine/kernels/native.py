@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from kiln.engine.kernels import cpu_library, gguf_blocks, torch_w8a8
-from kiln.engine.kernels.isa import feature_missing, log, w8a8_amx_units, w8a8_units
+from kiln.engine.kernels.isa import amx_tile_state, feature_missing, log, w8a8_amx_units, w8a8_units
 from kiln.engine.kernels.kernel_timers import GEMM, KernelTimers
 from kiln.engine.kernels.packed import GEMM_KERNELS, PYTHON_KERNELS, ROW_BUCKETS, KilnWeight, PackedLinear, row_bucket
 
@@ -63,9 +63,7 @@ class Kernels:
         # CPU with AVX512-BF16) to pack and to run at all; AMX tiles also need the kernel's leave to use them.
         bf16_fma = None if declare("kiln_linear_bf16_available", ctypes.c_int)() else f"not in the {level} library"
         bf16_fma = bf16_fma or feature_missing("avx512_bf16", level)
-        amx = feature_missing("amx", level) or bf16_fma
-        if amx is None and not declare("kiln_amx_ready", ctypes.c_int)():
-            amx = "the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        amx = feature_missing("amx", level) or bf16_fma or amx_tile_state(declare)
         w8a8, self.w8a8_isa = w8a8_units(declare, level)
         w8a8_amx = w8a8_amx_units(declare, level, w8a8)
         # GGUF block weights (gguf_blocks.PackedGGUF): vpdpbusd where VNNI may run here, else AVX2 / portable code

@@ -68,3 +68,23 @@ def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
         return _HF_OUT[key]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def module_kernels_dir(tmp_path_factory):
+    """Where a test module's kiln CPU libraries compile (each level once for the module: a compile is seconds)."""
+    return tmp_path_factory.mktemp("cpu-kernels")
+
+
+@pytest.fixture
+def w8a8_fresh(monkeypatch, tmp_path, module_kernels_dir):
+    """No kiln CPU library loaded or shipped, no ISA cap and no excluded candidate: the host's own W8A8 tiles."""
+    from kiln.engine.kernels import candidates, cpu_library, isa, native
+
+    monkeypatch.setenv("KILN_CPU_KERNELS_DIR", str(module_kernels_dir))
+    monkeypatch.delenv(isa.ISA_ENV, raising=False)
+    monkeypatch.delenv(candidates.EXCLUDE_ENV, raising=False)
+    monkeypatch.setattr(cpu_library, "_shipped", {})
+    native.reset()
+    yield tmp_path
+    native.reset()

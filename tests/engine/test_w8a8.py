@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_testlib import random_prompts
 from kiln.engine.cpu_target import cpu_flags
-from kiln.engine.kernels import candidates, cpu_library, isa, native
+from kiln.engine.kernels import candidates, isa, native
 from kiln.engine.layers.quant import quantize_weight
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.tactics import host_signature
@@ -24,22 +24,6 @@ pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("
                                 reason="W8A8 runs in kiln's x86-64 library, compiled here")
 
 
-@pytest.fixture
-def fresh(monkeypatch, tmp_path, module_kernels_dir):
-    monkeypatch.setenv("KILN_CPU_KERNELS_DIR", str(module_kernels_dir))
-    monkeypatch.delenv(isa.ISA_ENV, raising=False)
-    monkeypatch.delenv(candidates.EXCLUDE_ENV, raising=False)
-    monkeypatch.setattr(cpu_library, "_shipped", {})
-    native.reset()
-    yield tmp_path
-    native.reset()
-
-
-@pytest.fixture(scope="module")
-def module_kernels_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cpu-kernels")
-
-
 def _w8a8_kernels_or_skip() -> native.Kernels:
     kernels = native.kernels()
     why = "kiln's kernels do not load" if kernels is None else kernels.gemm_kernels[torch.float32]["w8a8"]
@@ -49,7 +33,7 @@ def _w8a8_kernels_or_skip() -> native.Kernels:
 
 
 @pytest.fixture
-def units(fresh):
+def units(w8a8_fresh):
     return _w8a8_kernels_or_skip()
 
 
@@ -58,7 +42,7 @@ ISA_TILES = {None: None, "x86-64-v3": "avx2", "avx_vnni": "avx_vnni", "x86-64-v4
 
 
 @pytest.fixture(params=list(ISA_TILES), ids=lambda cap: cap or "best")
-def each_units(fresh, monkeypatch, request):
+def each_units(w8a8_fresh, monkeypatch, request):
     """The kernels once per instruction W8A8 can run on here: the host's best, the x86-64-v3 library's AVX2
     and AVX-VNNI tiles (skipped where the CPU lacks avx_vnni), and the x86-64-v4 library's AVX512BW tiles (a
     Skylake-SP; skipped where the CPU has no AVX-512)."""
@@ -211,7 +195,7 @@ def test_the_quality_switch_takes_it_out(units, monkeypatch):
 
 
 @pytest.mark.parametrize("cap", ["x86-64-v4", "avx_vnni", "x86-64-v3"])
-def test_a_host_without_avx512_vnni_runs_it_on_its_own_tiles(fresh, monkeypatch, cap):
+def test_a_host_without_avx512_vnni_runs_it_on_its_own_tiles(w8a8_fresh, monkeypatch, cap):
     """The x86-64-v3 library (an AVX2-only host, or any host capped there) runs W8A8 on AVX-VNNI where the CPU
     and the cap allow it, else on AVX2; the AVX-512 library capped below VNNI (a Skylake-SP) on AVX512BW's
     vpmaddubsw; and the table times it either way."""
@@ -231,7 +215,7 @@ def test_a_host_without_avx512_vnni_runs_it_on_its_own_tiles(fresh, monkeypatch,
     assert why is None and kernels.w8a8_isa == ("avx_vnni" if vnni else "avx2") and "kiln-w8a8" in timed
 
 
-def test_the_256_bit_and_avx512bw_tiles_give_the_zmm_tiles_bits(fresh, monkeypatch):
+def test_the_256_bit_and_avx512bw_tiles_give_the_zmm_tiles_bits(w8a8_fresh, monkeypatch):
     """Every form sums the same integers exactly and runs the same float epilogue: on a host that loads the
     AVX-512 library with VNNI, its output equals, bit for bit, the x86-64-v3 library's (AVX2 tiles, or AVX-VNNI
     where the CPU has it) and the AVX512BW tiles' (the same library capped below VNNI) on the same weight and
@@ -286,7 +270,7 @@ def test_an_int8_engine_on_w8a8_follows_the_float_engine(units, toy_model, make_
     assert agree("w8a8") >= max(0.8, agree("int8") - 0.1), (agree("w8a8"), agree("int8"))
 
 
-def test_tactics_exclude_is_an_engine_setting_passed_not_global(toy_model, fresh):
+def test_tactics_exclude_is_an_engine_setting_passed_not_global(toy_model, w8a8_fresh):
     """What the build writes into engine.json when its quality gate refuses W8A8 for a model: the engine that
     loads it passes its ``tactics_exclude`` to the tactics (a parameter), so its tables leave W8A8 out and
     their host signature says so, while another engine of the same process, or a second config, is not

@@ -118,18 +118,7 @@ def test_the_emulator_faults_where_the_hardware_does(tmp_path, source):
     assert run.returncode != 0 and "the hardware would fault" in run.stderr
 
 
-@pytest.fixture
-def fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv("KILN_CPU_KERNELS_DIR", str(tmp_path))
-    monkeypatch.delenv(isa.ISA_ENV, raising=False)
-    monkeypatch.delenv(candidates.EXCLUDE_ENV, raising=False)
-    monkeypatch.setattr(cpu_library, "_shipped", {})
-    native.reset()
-    yield
-    native.reset()
-
-
-def test_the_candidate_says_why_not_and_a_forced_weight_still_answers(fresh):
+def test_the_candidate_says_why_not_and_a_forced_weight_still_answers(w8a8_fresh):
     """The real library: on an AMX host the tiles themselves against the vector ones; elsewhere the candidate names
     what is missing, ``set_tactics`` refuses it, and a weight forced onto it gets the vector tiles' answer."""
     kernels = native.kernels()
