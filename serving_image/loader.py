@@ -12,6 +12,7 @@ runs in a daemon thread, so a SIGTERM during a long load can still exit.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -29,6 +30,21 @@ from kiln.serving.config import ServeConfig
 from kiln import __version__
 
 log = logging.getLogger("kiln.serving")
+
+
+def freeze_heap() -> int:
+    """Import the engine stack, collect, and move every object alive then out of the cyclic collector's reach
+    (``gc.freeze``); returns how many. For a pool's process, before its first load: each unload collects its
+    engine's cycles at once (the budget counts on the memory going), and that full collection walked every object
+    torch and the server had made, 100 ms on the event loop (no request streamed meanwhile) against 2-8 ms frozen
+    (SmolLM2 float32, Zen 4). Frozen objects are still freed when their last reference goes; only cycles among
+    them would stay, so nothing an engine makes is frozen."""
+    import kiln.engine  # noqa: F401 - what an engine's build imports; its module objects live as long as the process
+    import torch  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 async def in_daemon_thread(fn: Callable[[], Any]) -> Any:

@@ -23,6 +23,7 @@ from types import FrameType
 import uvicorn
 from kiln.serving.app import ServingContext, create_app
 from kiln.serving.config import ServeConfig
+from kiln.serving.loader import freeze_heap
 from kiln.serving.pool.settings import PoolSettings
 from kiln.serving.server_state import DRAINING, READY
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -144,5 +145,7 @@ def run_server(config: ServeConfig, pool: PoolSettings | None = None) -> int:
         timeout_keep_alive=5, h11_max_incomplete_event_size=_MAX_HEADER_BYTES,
     )
     server = KilnServer(uv_config, ctx, drain_timeout=config.drain_timeout)
+    if pool is not None:
+        log.info("pool: %d objects frozen out of the cyclic collector before any engine loads", freeze_heap())
     server.run()
     return ctx.exit_code if server.started or ctx.exit_code else 1

@@ -492,3 +492,32 @@ def test_a_malformed_engine_json_refuses_that_engine_naming_the_field_and_follow
         following.cancel()
 
     asyncio.run(run())
+
+
+def test_a_pools_process_freezes_its_heap_before_any_load_and_an_engines_cycles_still_go(monkeypatch):
+    import gc
+    import weakref
+
+    from kiln.serving import loader, server
+
+    frozen = []
+    monkeypatch.setattr(server, "freeze_heap", lambda: frozen.append(1) or 1)
+    monkeypatch.setattr(server.KilnServer, "run", lambda self: None)
+    server.run_server(ServeConfig(served_model_name="one"))
+    assert frozen == []  # one engine: nothing frozen
+    server.run_server(ServeConfig(served_model_name="pool"), PoolSettings(memory_budget=2**30))
+    assert frozen == [1]
+
+    class Node:
+        pass
+
+    try:
+        assert loader.freeze_heap() > 1000 and gc.get_freeze_count() > 1000  # torch's objects among them
+        made_after = Node()
+        made_after.self = made_after  # a cycle, as an engine's modules make: freed by the collection alone
+        gone = weakref.ref(made_after)
+        del made_after
+        gc.collect()
+        assert gone() is None
+    finally:
+        gc.unfreeze()
