@@ -343,6 +343,7 @@ class LLMEngine(LoRAEngineMixin):
         )
 
     def shutdown(self) -> None:
+        self.runner.let_go()
         if self.group is not None:
             self.group.stop()
             self.group = None

@@ -156,6 +156,12 @@ class ModelRunner:
             self.tactics, self.config.tactics_info, self.tactics_job = tick(
                 self.tactics_job, self.tactics, self.config, self.model, self.native is not None)
 
+    def let_go(self) -> None:
+        """The engine shut down: a table still timed in the background lets go of the model (``Deferred.let_go``;
+        a pool's unload counts on the weights going)."""
+        if self.tactics_job is not None:
+            self.tactics_job.let_go()
+
     # -- rank 0 ---------------------------------------------------------------------------
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
         """Pack the step; returns the inputs and, in row order, the requests that get a token (a

@@ -89,12 +89,20 @@ class Deferred:
             self.thread = threading.Thread(target=self._run, args=(threads,), name="kiln-tactics", daemon=True)
             self.thread.start()
 
+    def let_go(self) -> None:
+        """The engine shut down (a pool's unload): drop the MLP the prefill slice would be timed on, the one
+        thing of the engine's model the job holds (through it, the panels its weights share), so a timing still
+        under way keeps shapes only and the engine's memory goes with it. The linears it times are still cached
+        for the model's next engine."""
+        self.time_mlp = None
+
     def _run(self, threads: int) -> None:
         try:
             torch.set_num_threads(threads)  # this thread's OpenMP team: the engine's count (the signature's)
             table = self.measure()
-            if self.time_mlp is not None and "mlp_rows" not in table.model:
-                slices = self.time_mlp(table)
+            time_mlp = self.time_mlp  # None once the engine let go (let_go)
+            if time_mlp is not None and "mlp_rows" not in table.model:
+                slices = time_mlp(table)
                 if slices:
                     table.model["mlp_rows"] = slices
             if self.cache_path is not None:
