@@ -69,12 +69,19 @@ def default_table(sites: list[LinearSite], native, exclude=()) -> TacticTable:
     return table
 
 
+# One background timing at a time in a process: two would time each other's load, and a pool's reload of a model
+# waits for the table its last engine is still timing (Deferred.reuse) rather than time it again.
+_TIMING = threading.Lock()
+
+
 class Deferred:
     """The background measurement of one engine's table. ``measure()`` returns the table (``resolve``'s);
     ``done`` says the result (or the failure) is in."""
 
-    def __init__(self, measure, info: dict[str, Any], cache_path: Path | None) -> None:
+    def __init__(self, measure, info: dict[str, Any], cache_path: Path | None, reuse=None) -> None:
         self.measure, self.info, self.cache_path = measure, info, cache_path
+        self.reuse = reuse  # () -> the table another engine of this process timed meanwhile (cached), or None
+        self.reused = False
         self.result: TacticTable | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -89,6 +96,20 @@ class Deferred:
             self.thread = threading.Thread(target=self._run, args=(threads,), name="kiln-tactics", daemon=True)
             self.thread.start()
 
+    def _measured(self) -> TacticTable:
+        table = self.measure()
+        time_mlp = self.time_mlp  # None once the engine let go (let_go)
+        if time_mlp is not None and "mlp_rows" not in table.model:
+            slices = time_mlp(table)
+            if slices:
+                table.model["mlp_rows"] = slices
+        if self.cache_path is not None:
+            try:
+                table.save(self.cache_path)
+            except OSError as exc:
+                log.warning("could not cache the tactic table at %s (%s)", self.cache_path, exc)
+        return table
+
     def let_go(self) -> None:
         """The engine shut down (a pool's unload): drop the MLP the prefill slice would be timed on, the one
         thing of the engine's model the job holds (through it, the panels its weights share), so a timing still
@@ -98,19 +119,13 @@ class Deferred:
 
     def _run(self, threads: int) -> None:
         try:
-            torch.set_num_threads(threads)  # this thread's OpenMP team: the engine's count (the signature's)
-            table = self.measure()
-            time_mlp = self.time_mlp  # None once the engine let go (let_go)
-            if time_mlp is not None and "mlp_rows" not in table.model:
-                slices = time_mlp(table)
-                if slices:
-                    table.model["mlp_rows"] = slices
-            if self.cache_path is not None:
-                try:
-                    table.save(self.cache_path)
-                except OSError as exc:
-                    log.warning("could not cache the tactic table at %s (%s)", self.cache_path, exc)
-            self.result = table
+            with _TIMING:
+                torch.set_num_threads(threads)  # this thread's OpenMP team: the engine's count (the signature's)
+                table = self.reuse() if self.reuse is not None else None
+                self.reused = table is not None
+                self.result = table if table is not None else self._measured()
+            if self.reused:
+                log.info("tactics: %s was timed meanwhile by another engine of this process", self.cache_path)
         except BaseException as exc:  # noqa: BLE001 - the engine keeps serving on the default
             log.exception("tactics: timing this host's table in the background failed; the default stays")
             self.error = exc

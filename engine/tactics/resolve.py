@@ -151,16 +151,17 @@ def _check_covers(table: TacticTable, sites: list[LinearSite], what: str) -> Non
                            f"(another model's table?); rebuild the engine, or delete it so that it is measured again")
 
 
-def _load_cached(path: Path, sites: list[LinearSite]) -> TacticTable | None:
+def _load_cached(path: Path, sites: list[LinearSite], native, exclude=()) -> TacticTable | None:
+    """The table cached at ``path`` where it covers ``sites`` and this host can run it, else None."""
     if not path.is_file():
         return None
     try:
         table = TacticTable.load(path)
         _check_covers(table, sites, f"tactic table {path}")
-        return table
     except TacticsError as exc:
         log.warning("%s; measuring again", exc)
         return None
+    return table if runnable(table, sites, native, exclude) is None else None
 
 
 def _save(table: TacticTable, path: Path) -> Path | None:
@@ -213,8 +214,8 @@ def _from_artifact(source: str, sites: list[LinearSite], native, cache_dir: str 
                                                "the build did not load were timed here"}
     diffs = host_signature.differences(built.host, here) + ([cannot] if cannot else [])
     cached_path = Path(cache_dir or _cache_dir()) / f"{key}-{_sites_hash(sites)}.json"
-    cached = _load_cached(cached_path, sites)
-    if cached is not None and runnable(cached, sites, native, exclude) is None:
+    cached = _load_cached(cached_path, sites, native, exclude)
+    if cached is not None:
         cached.model = {**built.model, **_host_model(cached)}
         log.info("tactics: this host differs from the build's (%s): using the table re-timed here before, %s",
                  "; ".join(diffs), cached_path)
@@ -261,8 +262,8 @@ def _this_hosts(sites: list[LinearSite], native, attention: dict[str, Any] | Non
         return _memo[memo_key], {**info, "source": "measured (this process)", "origin": "cache",
                                  "why": "timed by an earlier engine of this process"}
     path = _cache_dir() / f"{key}-{_sites_hash(sites)}.json"
-    table = _load_cached(path, sites)
-    if table is not None and runnable(table, sites, native, exclude) is None:
+    table = _load_cached(path, sites, native, exclude)
+    if table is not None:
         _memo[memo_key] = table
         return table, {**info, "source": "measured (cached)", "origin": "cache", "table": str(path),
                        "why": "no table came with the model: the one timed on this host at an earlier start"}
@@ -285,7 +286,7 @@ def _defer(sites: list[LinearSite], native, timed, final: dict[str, Any], path: 
            exclude=()) -> tuple[TacticTable, dict]:
     """The default table now, with the job that times the real one (``deferred.py``) on it as ``pending``."""
     table = deferred.default_table(sites, native, exclude)
-    table.pending = deferred.Deferred(timed, final, path)
+    table.pending = deferred.Deferred(timed, final, path, reuse=lambda: _load_cached(path, sites, native, exclude))
     names = sorted({c.buckets[0]["runs"] for c in table.linear.values()})
     return table, {**{k: v for k, v in final.items() if k != "why_timed"}, "source": "default-until-timed",
                    "origin": "default-until-timed", "table": None,

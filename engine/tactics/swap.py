@@ -59,8 +59,11 @@ def swap(model, config, native, stack: bool, job: Deferred) -> tuple[TacticTable
         why = model.bind_native_stack(native)
         stacked = why or "bound"
     seconds = round(time.monotonic() - (job.started_at or started), 2)
-    info = {**job.info, "origin": "timed-here", "layouts": counts, "seconds": round(table.seconds, 2),
-            "why": f"{job.info.get('why_timed', 'no table for this host')}: timed in the background after /ready "
+    how = ("timed meanwhile by another engine of this process (its cached table)" if job.reused else
+           "timed in the background after /ready")
+    info = {**job.info, "origin": "cache" if job.reused else "timed-here", "layouts": counts,
+            "seconds": round(table.seconds, 2),
+            "why": f"{job.info.get('why_timed', 'no table for this host')}: {how} "
                    f"({seconds}s from the start of timing), swapped in between steps "
                    f"(repacked {len(modules)} linears in {time.monotonic() - started:.2f}s; decoder stack {stacked})",
             "table": str(job.cache_path) if job.cache_path else None}

@@ -102,6 +102,31 @@ def test_an_engine_shut_down_while_its_table_is_timed_lets_go_of_its_model(toy_m
     assert len(list(fresh_cache.glob("*.json"))) == 1  # the linears timed, for the model's next engine
 
 
+def test_a_second_engine_of_the_model_waits_for_the_table_the_first_is_timing(toy_model, make_llm, fresh_cache,
+                                                                               monkeypatch):
+    """A pool reloads a model before its last engine's background timing ended: the new engine's job waits for
+    that table (one timing at a time in a process) and takes it from the cache rather than timing it again."""
+    gate, calls = threading.Event(), []
+    real = resolve.measure
+    monkeypatch.setattr(resolve, "measure", lambda *a, **k: calls.append(1) or (gate.wait(60) and real(*a, **k)))
+    monkeypatch.setenv(deferred.MODE_ENV, "background")
+    model_dir = toy_model("llama-tiny")
+    first = make_llm(model_dir, attention_backend="auto", num_kv_blocks=16, device="cpu")
+    first.engine.between_steps.idle()
+    second = make_llm(model_dir, attention_backend="auto", num_kv_blocks=16, device="cpu")
+    job = second.engine.runner.tactics_job
+    assert job is not None  # nothing cached yet: it serves the default too
+    second.engine.between_steps.idle()
+    time.sleep(0.2)
+    assert calls == [1] and not job.done.is_set()  # waiting for the first's table, not timing its own
+    gate.set()
+    _wait_swapped(first)
+    _wait_swapped(second)
+    info = second.engine.config.tactics_info
+    assert calls == [1] and job.reused and info["origin"] == "cache" and "another engine" in info["why"]
+    assert first.generate(PROMPT, GREEDY)[0].token_ids == second.generate(PROMPT, GREEDY)[0].token_ids
+
+
 def test_the_library_still_times_at_load(toy_model, make_llm, fresh_cache, monkeypatch):
     """Without ``$KILN_TACTICS_AT_LOAD=background`` (LLM() in a script, a build) the table is timed at load, and
     the MLP slice chosen there is cached with it: the next start times nothing, not even the slice."""
