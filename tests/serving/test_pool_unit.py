@@ -521,3 +521,29 @@ def test_a_pools_process_freezes_its_heap_before_any_load_and_an_engines_cycles_
         assert gone() is None
     finally:
         gc.unfreeze()
+
+
+def test_an_engine_builds_with_a_quick_handover_of_the_interpreters_lock(monkeypatch):
+    import sys
+
+    from kiln.serving.pool import slot as slot_mod
+
+    usual, seen = sys.getswitchinterval(), []
+
+    def build(self):  # what the load's build thread sees, then a failed build (nothing to start)
+        seen.append(sys.getswitchinterval())
+        raise ValueError("no weights")
+
+    monkeypatch.setattr(EngineSlot, "build", build)
+
+    async def run() -> None:
+        with slot_mod.quick_handover():  # two builds overlapping: the interval stays short until both end
+            with pytest.raises(ValueError, match="no weights"):
+                await EngineSlot(EngineEntry("a", "file:///store/engines/a"), ServeConfig(),
+                                 ServingMetrics("pool", lambda: None)).load()
+            seen.append(sys.getswitchinterval())
+        seen.append(sys.getswitchinterval())
+
+    asyncio.run(run())
+    assert seen == [slot_mod.LOAD_SWITCH_INTERVAL_S, slot_mod.LOAD_SWITCH_INTERVAL_S, usual]
+    assert slot_mod.LOAD_SWITCH_INTERVAL_S < usual
