@@ -79,7 +79,9 @@ def complete(srv: Server, model: str, max_tokens: int = 8) -> httpx.Response:
 
 
 def states(srv: Server) -> dict[str, str]:
-    return {card["id"]: card["state"] for card in httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"]}
+    """The engines' states (an adapter's card has none)."""
+    return {card["id"]: card["state"] for card in httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"]
+            if "state" in card}
 
 
 def test_a_pool_serves_each_engine_as_alone_within_its_budget(start_server, artifacts, alone, scrape, tmp_path):
@@ -184,3 +186,46 @@ def test_an_engine_too_big_for_the_budget_is_refused_at_start_naming_both(artifa
         srv.stop()
     log = srv.log()
     assert "100.0 MiB" in log and "50.0 MiB" in log and "--memory-budget" in log and "Traceback" not in log
+
+
+def test_an_engines_adapters_are_served_by_the_pool_and_come_back_with_its_reload(start_server, artifacts, toy_model,
+                                                                                   tmp_path):
+    """The adapter list a pool's pods follow (docs/pools.md, "LoRA adapters"): an adapter of engine a's version
+    places a (loading it) and answers as the same artifact with that adapter offline; another engine's adapter is
+    not a's; a evicted and loaded again serves its adapter again, the same process all along."""
+    from kiln.engine.lora import LoRARequest
+    from test_lora_serving import make_adapter
+
+    from kiln.signing import Signer, generate_key_pair
+
+    adapter = make_adapter(toy_model("llama-tiny", seed=0), tmp_path / "adapter", ["q_proj", "down_proj"], 7)
+    private, public = generate_key_pair(tmp_path / "keys")
+    store = ArtifactStore.from_uri(f"file://{tmp_path / 'store'}")
+    store.publish("pool-adapter-0123", adapter, {"kind": "lora-adapter"}, signer=Signer.from_pem(private))
+    entry = {"name": "story", "artifactURI": store.artifact_uri("pool-adapter-0123"), "version": "pool-adapter-0123",
+             "baseEngineVersion": "pool-a-0123456789ab"}
+    listing = tmp_path / "adapters.json"
+    listing.write_text(json.dumps({"format": 1, "adapters": [entry, {**entry, "name": "of-b",
+                                                                     "baseEngineVersion": "pool-b-0123456789ab"}]}))
+    lora = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+    llm = LLM.from_artifact(artifacts["a"][1], tactics="aten", enable_lora=True, max_loras=2, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want, base = [o.text for o in llm.generate(["Tell story a story"] * 2, params,
+                                                lora_request=[LoRARequest("story", 1, str(adapter)), None])]
+    llm.shutdown()
+    assert want != base  # the adapter changes the answer
+
+    flags = [f for n in "abc" for f in ("--engine", f"{n}={artifacts[n][0]}")]
+    srv = start_server(*POOL_FLAGS, *lora, "--cache-dir", str(tmp_path / "cache"), source=flags,
+                       env={"KILN_LORA_ADAPTERS_FILE": str(listing)})
+    srv.wait_ready()
+    for _ in range(2):  # first load, then a reload after a was evicted by b and c
+        got = complete(srv, "story")
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == want and states(srv)["a"] == "loaded"
+        cards = {c["id"]: c for c in httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"]}
+        assert cards["story"]["parent"] == "a" and "of-b" not in cards  # b is not loaded, a does not serve it
+        for name in "bc":
+            assert complete(srv, name).status_code == 200
+        assert states(srv)["a"] == "unloaded"
+    assert "story" not in {c["id"] for c in httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"]}
