@@ -117,6 +117,9 @@ def test_a_second_engine_of_the_model_waits_for_the_table_the_first_is_timing(to
     job = second.engine.runner.tactics_job
     assert job is not None  # nothing cached yet: it serves the default too
     second.engine.between_steps.idle()
+    deadline = time.monotonic() + 30
+    while not calls and time.monotonic() < deadline:  # the first's timing under way
+        time.sleep(0.01)
     time.sleep(0.2)
     assert calls == [1] and not job.done.is_set()  # waiting for the first's table, not timing its own
     gate.set()

@@ -199,7 +199,7 @@ def test_an_engines_adapters_are_served_by_the_pool_and_come_back_with_its_reloa
     from kiln.signing import Signer, generate_key_pair
 
     adapter = make_adapter(toy_model("llama-tiny", seed=0), tmp_path / "adapter", ["q_proj", "down_proj"], 7)
-    private, public = generate_key_pair(tmp_path / "keys")
+    private, _ = generate_key_pair(tmp_path / "keys")
     store = ArtifactStore.from_uri(f"file://{tmp_path / 'store'}")
     store.publish("pool-adapter-0123", adapter, {"kind": "lora-adapter"}, signer=Signer.from_pem(private))
     entry = {"name": "story", "artifactURI": store.artifact_uri("pool-adapter-0123"), "version": "pool-adapter-0123",
