@@ -90,14 +90,16 @@ def test_an_engine_shut_down_while_its_table_is_timed_lets_go_of_its_model(toy_m
     monkeypatch.setenv(deferred.MODE_ENV, "background")
     llm = LLM(toy_model("llama-tiny"), attention_backend="auto", num_kv_blocks=16, device="cpu")
     job = llm.engine.runner.tactics_job
-    llm.engine.between_steps.idle()  # the engine loop's idle tick starts the job
-    assert job.thread is not None and job.thread.is_alive() and job.time_mlp is not None
-    mlps = [weakref.ref(m) for m in llm.engine.runner.model.modules() if hasattr(m, "gate_up_proj")]
-    llm.shutdown()
-    del llm
-    gc.collect()
-    assert mlps and all(ref() is None for ref in mlps) and job.thread.is_alive()  # gone while the timing runs
-    gate.set()
+    try:  # a job left waiting would hold the process's one timing (deferred._TIMING) for the tests after
+        llm.engine.between_steps.idle()  # the engine loop's idle tick starts the job
+        assert job.thread is not None and job.thread.is_alive() and job.time_mlp is not None
+        mlps = [weakref.ref(m) for m in llm.engine.runner.model.modules() if hasattr(m, "gate_up_proj")]
+        llm.shutdown()
+        del llm
+        gc.collect()
+        assert mlps and all(ref() is None for ref in mlps) and job.thread.is_alive()  # gone while the timing runs
+    finally:
+        gate.set()
     assert job.done.wait(60) and job.result is not None and "mlp_rows" not in job.result.model
     assert len(list(fresh_cache.glob("*.json"))) == 1  # the linears timed, for the model's next engine
 
@@ -117,12 +119,14 @@ def test_a_second_engine_of_the_model_waits_for_the_table_the_first_is_timing(to
     job = second.engine.runner.tactics_job
     assert job is not None  # nothing cached yet: it serves the default too
     second.engine.between_steps.idle()
-    deadline = time.monotonic() + 30
-    while not calls and time.monotonic() < deadline:  # the first's timing under way
-        time.sleep(0.01)
-    time.sleep(0.2)
-    assert calls == [1] and not job.done.is_set()  # waiting for the first's table, not timing its own
-    gate.set()
+    try:
+        deadline = time.monotonic() + 30
+        while not calls and time.monotonic() < deadline:  # the first's timing under way
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert calls == [1] and not job.done.is_set()  # waiting for the first's table, not timing its own
+    finally:
+        gate.set()
     _wait_swapped(first)
     _wait_swapped(second)
     info = second.engine.config.tactics_info
