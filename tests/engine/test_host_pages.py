@@ -67,22 +67,28 @@ def test_a_weight_packed_into_huge_pages_multiplies_as_before(dtype):
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(3, 5), (64, 16), (65, 17), (130, 37), (200, 33), (129, 64)])
-def test_float32_panels_hold_the_weight_in_their_layout(n, k):
-    """[ceil(n / P)][K][P], columns past n zero, from a weight whose rows are strided: the blocked packer (16 of K
-    at a time) writes what the column-by-column one did, whatever K's remainder."""
+def test_panels_hold_the_weight_in_their_layout(n, k, dtype):
+    """float32 [ceil(n / P)][K][P] and bf16 [ceil(n / P)][pairs][P][2] (pairs: K's, padded to whole AMX tiles),
+    past n and K zero, from a weight whose rows are strided: the blocked packers (16 of K at a time) write what the
+    column-by-column ones did, whatever K's remainder."""
     from kiln.engine.kernels import native
 
     kernels = native.kernels()
-    if kernels is None:
-        pytest.skip("no kiln CPU kernels on this host")
+    if kernels is None or dtype not in kernels.linear_dtypes:
+        pytest.skip(f"kiln's CPU kernels do not pack {dtype} on this host")
     panel = kernels.linear_panel
-    wide = torch.randn(n, k + 7, generator=torch.Generator().manual_seed(n * k))
+    depth = k if dtype == torch.float32 else 2 * kernels.bf16_panel_pairs(k)
+    wide = torch.randn(n, k + 7, generator=torch.Generator().manual_seed(n * k)).to(dtype)
     w = wide[:, :k]  # row stride k + 7
-    padded = torch.zeros(-(-n // panel) * panel, k)
-    padded[:n] = w
-    expected = padded.view(-1, panel, k).transpose(1, 2)
-    assert torch.equal(kernels.pack_linear(w).panels.view(-1, k, panel), expected)
+    padded = torch.zeros(-(-n // panel) * panel, depth, dtype=dtype)
+    padded[:n, :k] = w
+    if dtype == torch.float32:
+        expected = padded.view(-1, panel, k).transpose(1, 2)
+    else:
+        expected = padded.view(-1, panel, depth // 2, 2).transpose(1, 2)
+    assert torch.equal(kernels.pack_linear(w).panels.reshape(expected.shape), expected)
 
 
 def test_a_kernel_without_transparent_huge_pages_only_loses_the_hint():
