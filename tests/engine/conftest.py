@@ -70,18 +70,13 @@ def hf_greedy() -> Callable[[Path, list[int], int], list[int]]:
     return run
 
 
-@pytest.fixture(scope="module")
-def module_kernels_dir(tmp_path_factory):
-    """Where a test module's kiln CPU libraries compile (each level once for the module: a compile is seconds)."""
-    return tmp_path_factory.mktemp("cpu-kernels")
-
-
 @pytest.fixture
-def w8a8_fresh(monkeypatch, tmp_path, module_kernels_dir):
-    """No kiln CPU library loaded or shipped, no ISA cap and no excluded candidate: the host's own W8A8 tiles."""
+def w8a8_fresh(monkeypatch, tmp_path):
+    """No kiln CPU library loaded or shipped, no ISA cap and no excluded candidate: the host's own W8A8 tiles. The
+    libraries come from the compile cache every engine uses (their names hold the sources' and flags' hash, so a
+    cached one is this kiln's): a compile is 5-25 s a level on a busy host, once per cache, not once per module."""
     from kiln.engine.kernels import candidates, cpu_library, isa, native
 
-    monkeypatch.setenv("KILN_CPU_KERNELS_DIR", str(module_kernels_dir))
     monkeypatch.delenv(isa.ISA_ENV, raising=False)
     monkeypatch.delenv(candidates.EXCLUDE_ENV, raising=False)
     monkeypatch.setattr(cpu_library, "_shipped", {})

@@ -10,6 +10,8 @@ cannot run, and a weight forced onto it still gets the vector tiles' answer (no 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
 import platform
 import shutil
 import subprocess
@@ -35,20 +37,36 @@ def _needs_v4() -> None:
 
 
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory) -> tuple[native.Kernels, ctypes.CDLL]:
+def emulated() -> tuple[native.Kernels, ctypes.CDLL]:
     """kiln's x86-64-v4 library with the AMX tile instructions emulated, and the W8A8 tiles allowed onto them."""
     _needs_v4()
-    out = tmp_path_factory.mktemp("amx-emulated") / "kiln-emulated.so"
-    cmd = cpu_library.compile_command(LEVEL, out)
-    sources = len(cpu_library.SOURCES)
-    cmd[-sources:-sources] = ["-DKILN_AMX_EMULATE", "-include", str(EMULATOR)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    out = _emulated_library()
     kernels = native.Kernels(out, LEVEL)
     lib = ctypes.CDLL(str(out))  # the same loaded library
     if kernels.gemm_kernels[torch.float32]["w8a8"]:
         pytest.skip(f"W8A8 does not run here: {kernels.gemm_kernels[torch.float32]['w8a8']}")
     lib.kiln_w8a8_allow_amx(1)  # the host's flags said no; the emulator runs anywhere
     return kernels, lib
+
+
+def _emulated_library() -> Path:
+    """The emulated library, compiled once per sources, flags and emulator into the compile cache beside kiln's own
+    libraries (a compile of the whole library is 5-25 s), atomically (two test workers may both compile it)."""
+    sources = len(cpu_library.SOURCES)
+    flags = cpu_library.compile_command(LEVEL, Path("x"))[:-sources]
+    key = hashlib.sha256(f"{cpu_library.source_digest()} {' '.join(flags)}".encode() + EMULATOR.read_bytes())
+    out = cpu_library.default_dir() / f"kiln-amx-emulated-{LEVEL}-{key.hexdigest()[:12]}.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        cmd = cpu_library.compile_command(LEVEL, tmp)
+        cmd[-sources:-sources] = ["-DKILN_AMX_EMULATE", "-include", str(EMULATOR)]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return out
 
 
 def _emulated_ops(lib: ctypes.CDLL) -> int:
