@@ -93,11 +93,12 @@ void kiln_pack_linear_f32(const float *w, float *packed, int64_t n, int64_t k, i
         for (int64_t i0 = 0; i0 < k; i0 += 16) {
             const int64_t ib = k - i0 < 16 ? k - i0 : 16;
             float *dst = packed + (p * k + i0) * LIN_PANEL;
-            for (int64_t j = 0; j < LIN_PANEL; j++) {
+            for (int64_t j = 0; j < cols; j++) {
                 const float *src = w + (p * LIN_PANEL + j) * ldw + i0;
-                for (int64_t i = 0; i < ib; i++)
-                    dst[i * LIN_PANEL + j] = j < cols ? src[i] : 0.0f;
+                for (int64_t i = 0; i < ib; i++) dst[i * LIN_PANEL + j] = src[i];
             }
+            for (int64_t j = cols; j < LIN_PANEL; j++) /* the last panel's columns past N */
+                for (int64_t i = 0; i < ib; i++) dst[i * LIN_PANEL + j] = 0.0f;
         }
     }
 }

@@ -23,7 +23,7 @@ static __thread size_t i8_cap;
 
 /* the block column sums W8A8 subtracts: packed int8 panels (kq quads) -> bsums [panels][kq / 8][KILN_PANEL] */
 void kiln_w8a8_block_sums(const int8_t *packed, int16_t *bsums, int64_t n, int64_t k) {
-    const int64_t kq = i8_quads(k), nb = kq / 8 /* 32-blocks */, panels = (n + KILN_PANEL - 1) / KILN_PANEL;
+    const int64_t kq = i8_quads(k), nb = w8_blocks(kq), panels = (n + KILN_PANEL - 1) / KILN_PANEL;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < nb; b++)

@@ -38,10 +38,6 @@
 #include "kiln_cpu.h"
 
 #define W8_MC 192
-#define W8_BLOCK 32 /* K per activation scale */
-
-/* K quads -> activation blocks of one row */
-static inline int64_t w8_blocks(int64_t kq) { return kq / (W8_BLOCK / 4); }
 
 /* kiln_w8a8_allow_vnni: whether the tiles may use vpdpbusd (the caller's leave, from the CPU's flags and
  * $KILN_CPU_ISA): AVX-VNNI in the x86-64-v3 library, AVX512-VNNI in the x86-64-v4 one */

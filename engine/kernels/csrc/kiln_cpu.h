@@ -113,6 +113,10 @@ static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf
 static inline int64_t bf16_panel_pairs(int64_t k) { return ((k + 1) / 2 + 15) / 16 * 16; }
 /* K quads per int8 panel (gemm_int8.c, gemm_w8a8.c): half the bf16 pairs, so a widened panel is a bf16 one */
 static inline int64_t i8_quads(int64_t k) { return bf16_panel_pairs(k) / 2; }
+/* W8A8's blocks of K: one activation scale and one weight column sum each (gemm_w8a8.c, gemm_int8.c) */
+#define W8_BLOCK 32
+/* K quads -> blocks of one row (the quads are a multiple of 8: the blocks are whole) */
+static inline int64_t w8_blocks(int64_t kq) { return kq / (W8_BLOCK / 4); }
 
 /* A per-thread scratch buffer (64-byte aligned, grown in 4 KiB steps, kept across calls so a decode step
  * allocates nothing): each file passes its own __thread buffer and capacity. NULL when allocation fails. */
