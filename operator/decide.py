@@ -10,14 +10,14 @@ here is tested without a cluster (tests/operator/test_decide.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kiln.operator import retry, scale_out
 from kiln.operator.adapters import AdapterPlan, AdapterView, plan_adapters
 from kiln.operator.kube import iso
 from kiln.operator.naming import LWS_API_VERSION, LWS_PLURAL, job_name, owner_reference
-from kiln.operator.pool_member import PoolView, pool_view
+from kiln.operator.pool_member import LIST_SYNC, PoolView, pool_view
 from kiln.operator.scheduling import unschedulable
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.status import JobState, ObjectRead, Observation, job_state, rollout_complete, serving_version
@@ -56,6 +56,7 @@ class World(ObjectRead):
     # spec.lora's adapters for the wanted base and the one serving, read once the base is trusted in the store
     adapters: tuple[AdapterView, ...] = ()
     pool: dict[str, Any] | None = None  # the LLMEnginePool of spec.serving.pool, when it names one and it exists
+    list_sync: timedelta = LIST_SYNC  # OperatorConfig.pool_list_sync_seconds: when its pods have loaded its list
 
     @property
     def pinned(self) -> str | None:
@@ -70,7 +71,8 @@ class World(ObjectRead):
     @property
     def membership(self) -> PoolView | None:
         """How the pool of spec.serving.pool lists this engine (kiln.operator.pool_member); None: not in a pool."""
-        return pool_view(self.spec, self.name, self.namespace, self.pool, self.now) if self.spec is not None else None
+        return pool_view(self.spec, self.name, self.namespace, self.pool, self.now, self.list_sync) \
+            if self.spec is not None else None
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,15 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from kiln.operator.kube import parse_time
+from kiln.operator.settings import OperatorConfig
 
 from kiln.api import LLMEngineSpec
 
 ENGINE_TOO_BIG, POOL_MISMATCH = "EngineTooBigForPool", "PoolMismatch"  # the Ready condition's reason when Refused
-# How long after its entry is first listed the pool's pods have surely loaded the engine list: the kubelet syncs a
-# mounted ConfigMap within about a minute, the pods read the file every 2 s.
-LIST_SYNC = timedelta(seconds=90)
+# How long after its entry is first listed the pool's pods have surely loaded the engine list, unless the operator
+# is told otherwise (OperatorConfig.pool_list_sync_seconds): the kubelet syncs a mounted ConfigMap within about a
+# minute, the pods read the file every 2 s.
+LIST_SYNC = timedelta(seconds=OperatorConfig.pool_list_sync_seconds)
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,12 @@ class PoolView:
     listed_since: datetime | None = None  # the entry's listedSince: when its version was first listed
     now: datetime | None = None  # when the engine's reconcile read it (None: the list counts as synced)
     left_out: tuple[tuple[str, str], ...] = ()  # the entry's adaptersLeftOut: (adapter, why) the pods are not given
+    list_sync: timedelta = LIST_SYNC  # how long after listedSince the pods have surely loaded the list
 
     @property
     def synced(self) -> bool:
-        """The pods have had the time to load the engine list that lists the entry (:data:`LIST_SYNC`)."""
-        return self.listed_since is None or self.now is None or self.now >= self.listed_since + LIST_SYNC
+        """The pods have had the time to load the engine list that lists the entry (:attr:`list_sync`)."""
+        return self.listed_since is None or self.now is None or self.now >= self.listed_since + self.list_sync
 
     @property
     def serves(self) -> bool:
@@ -75,9 +78,9 @@ class PoolView:
 
 
 def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, Any] | None,
-              now: datetime | None = None) -> PoolView | None:
-    """How the LLMEnginePool ``pool`` (as read at ``now``; None: there is none) lists the engine ``name``; None when
-    the engine is not in a pool."""
+              now: datetime | None = None, list_sync: timedelta = LIST_SYNC) -> PoolView | None:
+    """How the LLMEnginePool ``pool`` (as read at ``now``; None: there is none) lists the engine ``name``, its pods
+    having loaded a list ``list_sync`` after it first listed the engine; None when the engine is not in a pool."""
     wanted = spec.serving.pool
     if wanted is None:
         return None
@@ -91,7 +94,7 @@ def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, An
                     message=entry.get("message"), refusal=refusal(entry) if state == "Refused" else None,
                     ready=status.get("phase") == "Ready", failed=status.get("phase") == "Failed",
                     pool_message=ready.get("message") or "", endpoint=status.get("endpoint"),
-                    listed_since=_time(entry.get("listedSince")), now=now,
+                    listed_since=_time(entry.get("listedSince")), now=now, list_sync=list_sync,
                     left_out=tuple((str(a.get("name")), str(a.get("message") or "")) for a in
                                    entry.get("adaptersLeftOut") or [] if isinstance(a, dict)))
 
@@ -123,7 +126,7 @@ def listing_message(view: PoolView, version: str | None) -> str:
         return f"LLMEnginePool {view.name} is Failed: {view.pool_message or 'see its Ready condition'}"
     if view.lists(version) == "Listed" and view.ready and not view.synced:
         return (f"LLMEnginePool {view.name} lists {version} since {view.listed_since:%H:%M:%S}; its pods load the "
-                f"engine list within {LIST_SYNC.seconds} s (the kubelet syncs its ConfigMap)")
+                f"engine list within {view.list_sync.total_seconds():g} s (the kubelet syncs its ConfigMap)")
     if view.lists(version) == "Listed":
         why = f": {view.pool_message}" if view.pool_message else ""
         return f"LLMEnginePool {view.name} lists {version}, but its pods do not serve yet{why}"

@@ -25,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kiln.operator import keys, metrics, scale_out
@@ -129,8 +129,8 @@ async def observe(ctx: Context, namespace: str, name: str) -> World | None:
         return World(body, spec=spec, version=version, artifact_uri=ctx.store.artifact_uri(version), taken=taken)
     pool = await ctx.kube.get(api_path(API_VERSION, POOL_PLURAL, namespace, spec.serving.pool)) \
         if spec.serving.pool is not None else None  # what it serves from (kiln.operator.pool_member)
-    seen = dict(body=body, spec=spec, version=version, artifact_uri=ctx.store.artifact_uri(version),
-                deployment=deployment, lws=lws, pool=pool)
+    seen = dict(body=body, spec=spec, version=version, artifact_uri=ctx.store.artifact_uri(version), deployment=deployment,
+                lws=lws, pool=pool, list_sync=timedelta(seconds=ctx.config.pool_list_sync_seconds))
     if spec.replica_shape.multi_node and not await ctx.kube.serves(LWS_API_VERSION, LWS_PLURAL):
         return World(**seen, lws_served=False)
     manifest, document = await asyncio.to_thread(ctx.store.read_signed_manifest, version)

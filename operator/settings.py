@@ -148,6 +148,10 @@ class OperatorConfig:
     builder_service_account: str | None = None
     serving_service_account: str | None = None
     reconcile_interval: float = 15.0
+    # How long after a pool first lists an engine its pods have surely loaded the engine list (its mounted
+    # ConfigMap synced by the kubelet: about a minute with the kubelet's default --sync-frequency; chart value
+    # pools.listSyncSeconds). Until then an engine that served alone keeps its own pods (docs/pools.md).
+    pool_list_sync_seconds: float = 90.0
     metrics_port: int = 0  # 0 = no metrics server
     ha: bool = False
     # -- scale out (docs/scale-out.md): what renders spec.serving.autoscaling, and where the scalers live --
@@ -189,6 +193,8 @@ class OperatorConfig:
             builder_service_account=env.get("KILN_BUILDER_SERVICE_ACCOUNT", "").strip() or None,
             serving_service_account=env.get("KILN_SERVING_SERVICE_ACCOUNT", "").strip() or None,
             reconcile_interval=reconcile_interval_from_env(env),
+            pool_list_sync_seconds=_positive_env(env, "KILN_POOL_LIST_SYNC_SECONDS", base.pool_list_sync_seconds,
+                                                 "pools.listSyncSeconds"),
             metrics_port=_int_env(env, "KILN_METRICS_PORT", 0),
             ha=_bool_env(env, "KILN_HA", False),
         )))
@@ -260,10 +266,15 @@ def _with_scale_out(env: Mapping[str, str], config: OperatorConfig) -> OperatorC
     )
 
 
+def _positive_env(env: Mapping[str, str], name: str, default: float, value_name: str) -> float:
+    """``name``, seconds, more than 0 (chart value ``value_name``)."""
+    value = _float_env(env, name, default)
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0 seconds, got {value:g} (chart value {value_name})")
+    return value
+
+
 def reconcile_interval_from_env(env: Mapping[str, str]) -> float:
     """``KILN_RECONCILE_INTERVAL`` seconds (default 15): the one reading of it. kopf needs the value
     when the handlers module is imported (its timer decorator), before ``from_env`` runs."""
-    value = _float_env(env, "KILN_RECONCILE_INTERVAL", OperatorConfig.reconcile_interval)
-    if value <= 0:
-        raise ConfigError(f"KILN_RECONCILE_INTERVAL must be > 0 seconds, got {value:g}")
-    return value
+    return _positive_env(env, "KILN_RECONCILE_INTERVAL", OperatorConfig.reconcile_interval, "reconcileIntervalSeconds")

@@ -157,7 +157,7 @@ def test_a_member_is_built_listed_and_answers_through_the_pool_service(pools: Ku
     assert models(address)[A]["state"] == "loaded"
     eng = pools.wait_for(f"{A} Ready through the pool", lambda: (
         (e := pools.engine(A, ENGINE_NS)) and (e["status"] or {}).get("phase") == "Ready" and e),
-        timeout=300)  # Ready 90 s after it was listed (the kubelet's ConfigMap sync), at its next timer reconcile
+        timeout=300)  # Ready pools.listSyncSeconds (10 s in the local values) after it was listed, at its next timer
     assert eng["status"]["endpoint"] == pool["status"]["endpoint"]
     assert {k: eng["status"]["pool"].get(k) for k in ("name", "state")} == {"name": POOL, "state": "Listed"}
 

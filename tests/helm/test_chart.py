@@ -239,6 +239,10 @@ def test_operator_deployment_carries_the_configuration(helm: Path, tmp_path: Pat
     hpa = OperatorConfig.from_env({k: v for k, v in env_of(operator_container(render(
         helm, "autoscaling.engine=hpa", "autoscaling.hpa.metricPrefix=custom_"))).items() if v is not None})
     assert (hpa.autoscaler, hpa.hpa_metric_prefix) == ("hpa", "custom_")
+    assert config.pool_list_sync_seconds == 90
+    synced = OperatorConfig.from_env({k: v for k, v in env_of(operator_container(render(
+        helm, "pools.listSyncSeconds=12"))).items() if v is not None})
+    assert synced.pool_list_sync_seconds == 12
     (deployment,) = by_kind(docs, "Deployment")
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
 
@@ -362,7 +366,8 @@ def test_ha_runs_replicas_with_peering(helm: Path):
                                  "gpuNodeLabels.B200.x=y", "unknownKey=1", "metrics.port=8080",
                                  "allowedImages[0]=reg.io/*/x", "allowedImages[0]=a b",
                                  "autoscaling.engine=knative", "autoscaling.prometheus.address=prometheus:9090",
-                                 "signing.secretName=kiln-verify-key", "build.retries=-1", "networkPolicy.on=1"])
+                                 "signing.secretName=kiln-verify-key", "build.retries=-1", "networkPolicy.on=1",
+                                 "pools.listSyncSeconds=0"])
 def test_values_schema_rejects_bad_values(helm: Path, bad: str):
     proc = run_helm(helm, "template", "kiln", str(CHART), "--set", bad)
     assert proc.returncode != 0 and "schema" in proc.stderr.lower(), proc.stderr

@@ -456,6 +456,14 @@ def test_its_own_pods_are_retired_and_it_is_ready_only_once_the_pods_have_had_th
         assert (status["phase"] == "Ready") is serves
         if not serves:
             assert "its pods load the engine list within 90 s" in status["conditions"][1]["message"]
+    # An operator told its kubelets sync faster (chart pools.listSyncSeconds) counts that instead.
+    for ago, serves in ((9, False), (10, True)):
+        since = (now - timedelta(seconds=ago)).isoformat().replace("+00:00", "Z")
+        w = pooled(pool_body=pool("Listed", listedSince=since), now=now, list_sync=timedelta(seconds=10))
+        assert w.membership.serves is serves
+        if not serves:
+            message = status_of(w, Outcome(deployment=own))["conditions"][1]["message"]
+            assert "its pods load the engine list within 10 s" in message
 
 
 class RecordingKube:

@@ -162,3 +162,7 @@ def test_reconcile_interval_is_read_in_one_place():
     assert OperatorConfig.from_env({"KILN_RECONCILE_INTERVAL": "7.5"}).reconcile_interval == 7.5
     with pytest.raises(ConfigError, match="KILN_RECONCILE_INTERVAL"):
         reconcile_interval_from_env({"KILN_RECONCILE_INTERVAL": "0"})
+    assert OperatorConfig.from_env({}).pool_list_sync_seconds == 90
+    assert OperatorConfig.from_env({"KILN_POOL_LIST_SYNC_SECONDS": "12"}).pool_list_sync_seconds == 12
+    with pytest.raises(ConfigError, match=r"KILN_POOL_LIST_SYNC_SECONDS must be > 0.*pools\.listSyncSeconds"):
+        OperatorConfig.from_env({"KILN_POOL_LIST_SYNC_SECONDS": "-1"})
