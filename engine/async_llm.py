@@ -69,6 +69,7 @@ class AsyncLLM:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+            self._settle_leftovers()  # queued between the loop's last look and the join
         for rid in list(self._streams):
             self._end_stream(rid, "abort")
         self.engine.shutdown()
@@ -175,6 +176,7 @@ class AsyncLLM:
         finally:
             for req in list(self.engine.requests.values()):
                 self.engine.abort(req.request_id)
+            self._settle_leftovers()
 
     def _drain_commands(self) -> None:
         while True:
@@ -192,6 +194,19 @@ class AsyncLLM:
                 if req is not None:  # with no token streamed yet, this is the request's first delta
                     queue_time = req.queue_time if req.first_token_time is None else None
                     self._post(arg, self._delta(req, [], req.abort_text, None, "abort", queue_time))
+
+    def _settle_leftovers(self) -> None:
+        """Commands the stopped loop will never take: an adapter's removal still runs (no step runs now) and its
+        caller gets the answer (a pool unloads an engine while its adapter follower removes one of its adapters:
+        that caller waited for good); requests and aborts need nothing, every stream is ended."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "remove_lora":
+                name, done = arg
+                self._settle(done, self.engine.remove_lora, name)
 
     def _settle(self, done: asyncio.Future, fn: Any, *args: Any) -> None:
         """Run ``fn`` here (the step thread) and hand its result or error to ``done`` on the event loop."""

@@ -63,6 +63,27 @@ def tiny_s3(cluster: Kube, smollm2_s3, tmp_path_factory) -> str:
     return f"s3://{MODELS_BUCKET}/tiny"
 
 
+@pytest.fixture(scope="session")
+def tiny_adapter_s3(cluster: Kube, tiny_s3, tmp_path_factory) -> str:
+    """A rank-8 LoRA adapter (q_proj, v_proj; random, so it changes greedy answers) of the :func:`tiny_s3`
+    model, made with peft, in the cluster's S3."""
+    import torch
+    from kiln.engine.random_checkpoint import make_random_model
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base_dir = make_random_model(tmp_path_factory.mktemp("tiny-base"), "llama-tiny", seed=3)  # tiny_s3's
+    torch.manual_seed(5)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
+    out = tmp_path_factory.mktemp("tiny-adapter")
+    model.save_pretrained(out)
+    for path in out.iterdir():
+        cluster.s3().upload_file(str(path), MODELS_BUCKET, f"tiny-adapter/{path.name}")
+    return f"s3://{MODELS_BUCKET}/tiny-adapter"
+
+
 def build_jobs_of(kube: Kube, name: str, ns: str = ENGINE_NS) -> list[dict]:
     """The build Jobs an engine asked for: they run where builds run (the operator's namespace, which holds the
     signing key; docs/operator-trust.md), owned by no engine, marked with the engine they build for."""

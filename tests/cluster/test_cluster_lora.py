@@ -9,25 +9,12 @@ import urllib.request
 
 import pytest
 from clusterlib import GROUP, Kube, endpoint_addresses
-from conftest import ENGINE_NS, MODELS_BUCKET, engine_manifest
+from conftest import ENGINE_NS, engine_manifest
 
 pytestmark = pytest.mark.timeout(1800)  # builds and rollouts on a busy 2-core machine
 
 NAME = "tiny-lora"
 LORA = {"maxLoras": 1, "maxLoraRank": 8}
-
-
-def make_adapter(model_dir, out_dir):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(5)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 def served_models(address: tuple[str, int]) -> list[str]:
@@ -44,25 +31,14 @@ def complete(address: tuple[str, int], model: str) -> str:
 
 
 def test_an_adapter_added_to_spec_lora_reaches_the_running_pod_without_a_restart(installed: Kube, tiny_s3,
-                                                                                   tmp_path):
-    import boto3  # noqa: F401  (the s3 client below)
-
-    model_dir = tmp_path / "base"
-    s3 = installed.s3()
-    model_dir.mkdir()
-    for obj in s3.list_objects_v2(Bucket=MODELS_BUCKET, Prefix="tiny/")["Contents"]:
-        s3.download_file(MODELS_BUCKET, obj["Key"], str(model_dir / obj["Key"].split("/", 1)[1]))
-    adapter = make_adapter(model_dir, tmp_path / "adapter")
-    for path in adapter.iterdir():
-        s3.upload_file(str(path), MODELS_BUCKET, f"tiny-adapter/{path.name}")
-
+                                                                                   tiny_adapter_s3):
     installed.apply(engine_manifest(NAME, tiny_s3, "r1", lora=dict(LORA, adapters=[])))
     (address,) = installed.wait_for("the engine's endpoint", lambda: endpoint_addresses(installed, NAME, ENGINE_NS),
                                     timeout=600, every=2)
     (pod,) = installed.get("pods", ns=ENGINE_NS, selector=f"serving.kiln.dev/engine={NAME}")
     base_text = complete(address, NAME)
 
-    adapters = [{"name": "tiny-a", "source": f"s3://{MODELS_BUCKET}/tiny-adapter", "credentialsSecret": "models"}]
+    adapters = [{"name": "tiny-a", "source": tiny_adapter_s3, "credentialsSecret": "models"}]
     installed.apply(engine_manifest(NAME, tiny_s3, "r1", lora=dict(LORA, adapters=adapters)))
     installed.wait_for("tiny-a served", lambda: "tiny-a" in served_models(address), timeout=600, every=2)
     assert complete(address, "tiny-a") != base_text, "the adapter changes the greedy output"

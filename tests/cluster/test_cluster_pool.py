@@ -1,10 +1,11 @@
 """Engine pools on the real control plane (issue 42, docs/pools.md): an LLMEnginePool's pod serves the engines
 whose spec.serving.pool names it. An engine built as usual is listed in the pool's engine list (a ConfigMap the
-pod follows through the kubelet-style volume refresh) and answers through the pool's Service under its name; a
-second engine joins the running pod without a restart; one that leaves is unloaded, is a 404 naming the pool's
-models, and gets its own Deployment again, whose greedy answer is the one the pool gave; an engine that cannot
-fit a pool's budget is refused naming both figures, and that pool goes Failed naming spec.memoryBudget; a
-member deleted is dropped from the pod's list within seconds.
+pod follows through the kubelet-style volume refresh) and answers through the pool's Service under its name; the
+member's LoRA adapter, built by its own Job, answers through the pool under its own name; a second engine joins
+the running pod without a restart; one that leaves is unloaded, is a 404 naming the pool's models, and gets its
+own Deployment again, whose greedy answers (its own and its adapter's) are the pool's; an engine that cannot fit
+a pool's budget is refused naming both figures, and that pool goes Failed naming spec.memoryBudget; a member
+deleted is dropped from the pod's list within seconds.
 
 The tests run in file order and share the pool and its engines (one story, as in test_cluster_engine_life)."""
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.timeout(1800)  # builds and rollouts on a busy 2-core m
 
 POOL, TIGHT = "tiny-pool", "tiny-tight"
 A, B = "pool-a", "pool-b"
+ADAPTER = "pool-a-lora"  # pool-a's LoRA adapter: a request names it as it names an engine of the pool
 BUDGET, TIGHT_BUDGET = "2Gi", "1Mi"  # a tiny engine's plan alone (KV pool and weights) is above 1.8 MiB
 BUILD_TIMEOUT = 900
 POOLS = f"llmenginepools.{GROUP}"
@@ -39,8 +41,16 @@ def pool_manifest(name: str, budget: str, replicas: int = 1) -> dict:
                      "maxLoadedEngines": 2}}
 
 
-def member_manifest(name: str, source: str, pool: str | None) -> dict:
-    return engine_manifest(name, source, "r1", **({"serving": {"pool": pool}} if pool else {}))
+def member_manifest(name: str, source: str, pool: str | None, lora: dict | None = None) -> dict:
+    return engine_manifest(name, source, "r1", **({"serving": {"pool": pool}} if pool else {}),
+                           **({"lora": lora} if lora else {}))
+
+
+@pytest.fixture(scope="module")
+def a_lora(tiny_adapter_s3: str) -> dict:
+    """pool-a's spec.lora, the same in each of its manifests here (so one build envelope): one adapter."""
+    return {"maxLoras": 1, "maxLoraRank": 8,
+            "adapters": [{"name": ADAPTER, "source": tiny_adapter_s3, "credentialsSecret": "models"}]}
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +95,12 @@ def call(address: tuple[str, int], path: str, body: dict | None = None) -> tuple
         return exc.code, json.loads(exc.read() or b"{}")
 
 
-def complete(address: tuple[str, int], model: str) -> str:
+def complete(address: tuple[str, int], model: str, answered: bool = True) -> str | None:
+    """``model``'s greedy answer; with ``answered=False``, None while the pod does not know the name (404)."""
     status, body = call(address, "/v1/completions",
                         {"model": model, "prompt": "hello there", "max_tokens": 8, "temperature": 0})
+    if status == 404 and not answered:
+        return None
     assert status == 200, f"{model}: {status} {body}"
     return body["choices"][0]["text"]
 
@@ -139,9 +152,9 @@ def engine_list(kube: Kube) -> dict[str, dict]:
     return {e["name"]: e for e in doc["engines"]}
 
 
-def test_a_member_is_built_listed_and_answers_through_the_pool_service(pools: Kube, tiny_s3):
+def test_a_member_is_built_listed_and_answers_through_the_pool_service(pools: Kube, tiny_s3, a_lora):
     pools.apply(pool_manifest(POOL, BUDGET))
-    pools.apply(member_manifest(A, tiny_s3, POOL))
+    pools.apply(member_manifest(A, tiny_s3, POOL, a_lora))
     pool = pools.wait_for(f"{A} listed in {POOL}", lambda: listed(pools, A), timeout=BUILD_TIMEOUT, every=2)
     eng = pools.engine(A, ENGINE_NS)
     entry = engine_list(pools)[A]
@@ -160,6 +173,12 @@ def test_a_member_is_built_listed_and_answers_through_the_pool_service(pools: Ku
         timeout=300)  # Ready pools.listSyncSeconds (10 s in the local values) after it was listed, at its next timer
     assert eng["status"]["endpoint"] == pool["status"]["endpoint"]
     assert {k: eng["status"]["pool"].get(k) for k in ("name", "state")} == {"name": POOL, "state": "Listed"}
+    # Its adapter, built by its own Job against that version, reaches the pod through the pool's adapter list.
+    seen[ADAPTER] = pools.wait_for(f"{ADAPTER} answering through the pool", lambda: complete(
+        address, ADAPTER, answered=False), timeout=BUILD_TIMEOUT, every=2)
+    assert seen[ADAPTER] != seen[A], "the adapter changes the greedy output"
+    assert models(address)[ADAPTER]["parent"] == A
+    assert [a["phase"] for a in pools.engine(A, ENGINE_NS)["status"]["adapters"]] == ["Ready"]
 
 
 def test_an_engine_joins_the_running_pool_and_answers_without_a_pod_restart(pools: Kube, tiny_b_s3):
@@ -170,15 +189,15 @@ def test_an_engine_joins_the_running_pool_and_answers_without_a_pod_restart(pool
     seen[B] = complete(address, B)
     assert seen[B] != seen[A], "each name runs its own engine (two random models answer differently)"
     assert complete(address, A) == seen[A]
-    assert {m["state"] for m in models(address).values()} == {"loaded"}
+    assert {m["state"] for m in models(address).values() if "state" in m} == {"loaded"}  # adapters have none
     after = pool_pod(pools)
     assert after["metadata"]["uid"] == pod["metadata"]["uid"], "the pool's pod followed its engine list"
     assert after["status"]["containerStatuses"][0]["restartCount"] == 0
 
 
-def test_an_engine_that_leaves_is_unloaded_and_serves_alone_as_it_did_in_the_pool(pools: Kube, tiny_s3):
+def test_an_engine_that_leaves_is_unloaded_and_serves_alone_as_it_did_in_the_pool(pools: Kube, tiny_s3, a_lora):
     address, pod = pool_address(pools), pool_pod(pools)
-    pools.apply(member_manifest(A, tiny_s3, None))
+    pools.apply(member_manifest(A, tiny_s3, None, a_lora))
     pools.wait_for(f"{A} gone from the pod's /v1/models", lambda: A not in models(address), timeout=120, every=2)
     assert A not in engine_list(pools) and not member(get_pool(pools), A)
     status, body = call(address, "/v1/completions", {"model": A, "prompt": "hello there", "max_tokens": 8})
@@ -190,11 +209,13 @@ def test_an_engine_that_leaves_is_unloaded_and_serves_alone_as_it_did_in_the_poo
     (alone,) = pools.wait_for(f"{A}'s own endpoint", lambda: endpoint_addresses(pools, A, ENGINE_NS),
                               timeout=600, every=2)
     assert complete(alone, A) == seen[A], "greedy: the pool answered as the engine alone does"
+    assert pools.wait_for(f"{ADAPTER} on {A}'s own pod", lambda: complete(alone, ADAPTER, answered=False),
+                          timeout=300, every=2) == seen[ADAPTER], "and its adapter as it does there"
 
 
-def test_an_engine_too_big_for_a_pool_is_refused_naming_both_figures(pools: Kube, tiny_s3):
+def test_an_engine_too_big_for_a_pool_is_refused_naming_both_figures(pools: Kube, tiny_s3, a_lora):
     pools.apply(pool_manifest(TIGHT, TIGHT_BUDGET, replicas=0))
-    pools.apply(member_manifest(A, tiny_s3, TIGHT))
+    pools.apply(member_manifest(A, tiny_s3, TIGHT, a_lora))
 
     def refused():
         eng, pool = pools.engine(A, ENGINE_NS) or {}, get_pool(pools, TIGHT)

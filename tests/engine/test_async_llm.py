@@ -125,3 +125,18 @@ async def test_churn_with_random_aborts_leaves_no_blocks(toy_model):
         reasons = await asyncio.gather(*(one(i) for i in range(30)))
         assert set(reasons) <= {"length", "abort"} and "abort" in reasons and "length" in reasons
     assert_no_leaks(engine)
+
+
+async def test_an_adapter_removal_queued_as_the_engine_stops_is_answered(toy_model):
+    """A pool unloading an engine while its adapter follower removes one of its adapters: the removal was queued
+    for a loop that had stopped taking commands, and its caller (the pool's follower) waited for good."""
+    engine = AsyncLLM(toy_model("llama-tiny"), num_kv_blocks=16, block_size=4)
+    await engine.start()
+    engine._stopping = True  # the loop stops taking commands (what shutdown starts with) ...
+    engine._wakeup.set()
+    await asyncio.to_thread(engine._thread.join)
+    removal = asyncio.ensure_future(engine.remove_lora("gone"))  # ... and then a removal is queued
+    await asyncio.sleep(0)
+    assert not removal.done()
+    await engine.shutdown()
+    assert await asyncio.wait_for(removal, 10) is False  # answered: nothing was loaded under that name
