@@ -269,22 +269,30 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 
 async def _follow_pool(ctx: ServingContext) -> None:
-    """Once the pool started: idle unloads, the engines file and each loaded engine's adapters."""
+    """Once the pool started: idle unloads, the engines file and each loaded engine's adapters, each in a loop of
+    its own (an adapter's fetch, however long, does not hold up an engine added to or removed from the list)."""
     while ctx.state.phase == LOADING:
         await asyncio.sleep(0.1)
     assert ctx.pool is not None
-    idle = asyncio.create_task(ctx.pool.run_idle_unloads())
+    loops = [asyncio.create_task(ctx.pool.run_idle_unloads()), asyncio.create_task(_follow_adapters(ctx))]
     try:
-        while True:  # each step guarded: one that fails is logged and tried again, the others go on
+        while ctx.pool_follower is not None:  # each pass guarded: one that fails is logged and tried again
             await asyncio.sleep(POLL_S)
-            if ctx.pool_follower is not None:
-                await _logged(f"following the engines file {ctx.pool_follower.path}", ctx.pool_follower.sync())
-            for slot in list(ctx.pool.slots.values()):
-                if slot.adapter_sync is not None and slot.state.engine is not None:
-                    await _logged(f"engine {slot.name!r}: following its adapters",
-                                  slot.adapter_sync.sync(slot.state.engine_info.get("engine_version")))
+            await _logged(f"following the engines file {ctx.pool_follower.path}", ctx.pool_follower.sync())
+        await asyncio.gather(*loops)
     finally:
-        idle.cancel()
+        for loop in loops:
+            loop.cancel()
+
+
+async def _follow_adapters(ctx: ServingContext) -> None:
+    assert ctx.pool is not None
+    while True:
+        await asyncio.sleep(POLL_S)
+        for slot in list(ctx.pool.slots.values()):
+            if slot.adapter_sync is not None and slot.state.engine is not None:
+                await _logged(f"engine {slot.name!r}: following its adapters",
+                              slot.adapter_sync.sync(slot.state.engine_info.get("engine_version")))
 
 
 async def _logged(what: str, step: Any) -> None:

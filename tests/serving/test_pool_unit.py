@@ -547,3 +547,40 @@ def test_an_engine_builds_with_a_quick_handover_of_the_interpreters_lock(monkeyp
     asyncio.run(run())
     assert seen == [slot_mod.LOAD_SWITCH_INTERVAL_S, slot_mod.LOAD_SWITCH_INTERVAL_S, usual]
     assert slot_mod.LOAD_SWITCH_INTERVAL_S < usual
+
+
+def test_an_adapter_pass_that_hangs_does_not_hold_up_the_engine_list(monkeypatch):
+    """The pool follows its engines file and its engines' adapters in loops of their own: an adapter's fetch
+    that takes minutes (or, before the fix in kiln.engine.async_llm, a removal never answered) leaves engines
+    still added to and removed from the list."""
+    from kiln.serving import app as app_mod
+
+    monkeypatch.setattr(app_mod, "POLL_S", 0.01)
+    passes, stuck = [], asyncio.Event()
+
+    class Follower:
+        path = "engines.json"
+
+        async def sync(self):
+            passes.append("engines")
+
+    class Adapters:
+        async def sync(self, version):
+            passes.append("adapters")
+            await asyncio.Event().wait()  # never ends
+
+    slot = SimpleNamespace(name="a", adapter_sync=Adapters(), state=SimpleNamespace(engine=object(), engine_info={}))
+
+    async def idle():
+        await stuck.wait()
+
+    pool = SimpleNamespace(slots={"a": slot}, run_idle_unloads=idle)
+    ctx = SimpleNamespace(state=SimpleNamespace(phase=READY), pool=pool, pool_follower=Follower())
+
+    async def run():
+        task = asyncio.create_task(app_mod._follow_pool(ctx))
+        await asyncio.sleep(0.3)
+        task.cancel()
+
+    asyncio.run(run())
+    assert passes.count("adapters") == 1 and passes.count("engines") >= 5, passes
