@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -178,12 +178,16 @@ class AsyncLLM:
                 self.engine.abort(req.request_id)
             self._settle_leftovers()
 
-    def _drain_commands(self) -> None:
+    def _queued(self) -> Iterator[tuple[str, Any]]:
+        """The commands queued so far, each taken once."""
         while True:
             try:
-                kind, arg = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_commands(self) -> None:
+        for kind, arg in self._queued():
             if kind == "add":
                 self.engine.add(arg)
             elif kind == "remove_lora":
@@ -199,11 +203,7 @@ class AsyncLLM:
         """Commands the stopped loop will never take: an adapter's removal still runs (no step runs now) and its
         caller gets the answer (a pool unloads an engine while its adapter follower removes one of its adapters:
         that caller waited for good); requests and aborts need nothing, every stream is ended."""
-        while True:
-            try:
-                kind, arg = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for kind, arg in self._queued():
             if kind == "remove_lora":
                 name, done = arg
                 self._settle(done, self.engine.remove_lora, name)
