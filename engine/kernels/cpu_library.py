@@ -35,8 +35,8 @@ CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "
 CPU_DIR = "kernels/cpu"  # where an artifact holds its compiled libraries, one <level>.so per ISA level
 
 
-def compile_command(level: str, out: Path) -> list[str]:
-    return [os.environ.get("CC", "cc"), f"-march={level}", *_EXTRA.get(level, ()), *CFLAGS, "-o", str(out),
+def compile_command(level: str, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    return [os.environ.get("CC", "cc"), f"-march={level}", *_EXTRA.get(level, ()), *CFLAGS, *extra, "-o", str(out),
             *map(str, SOURCES)]
 
 
@@ -48,20 +48,25 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def library_name(level: str) -> str:
-    """A file name that changes whenever the sources or the compile flags do."""
-    flags = " ".join(compile_command(level, Path("x"))[1:-len(SOURCES)])
+def library_name(level: str, extra: tuple[str, ...] = ()) -> str:
+    """A file name that changes whenever the sources or the compile flags do (a file ``extra`` flags name, such as
+    an ``-include``, by its content)."""
+    flags = " ".join(compile_command(level, Path("x"), extra)[1:-len(SOURCES)])
     digest = hashlib.sha256((source_digest() + flags).encode())
+    for flag in extra:
+        if Path(flag).is_file():
+            digest.update(Path(flag).read_bytes())
     return f"kiln-cpu-kernels-{level}-{digest.hexdigest()[:12]}.so"
 
 
-def compile_library(level: str, dest_dir: Path) -> Path:
-    """Compile for ``level`` into ``dest_dir`` (atomically); raises RuntimeError naming the compiler's error."""
+def compile_library(level: str, dest_dir: Path, extra: tuple[str, ...] = ()) -> Path:
+    """Compile for ``level`` (with ``extra`` flags) into ``dest_dir`` (atomically); raises RuntimeError naming the
+    compiler's error."""
     dest_dir.mkdir(parents=True, exist_ok=True)
-    dest = dest_dir / library_name(level)
+    dest = dest_dir / library_name(level, extra)
     if dest.exists():
         return dest
-    cmd = compile_command(level, dest)
+    cmd = compile_command(level, dest, extra)
     if shutil.which(cmd[0]) is None:
         raise RuntimeError(f"no C compiler: {cmd[0]!r} is not on PATH (set $CC)")
     fd, tmp = tempfile.mkstemp(dir=dest_dir, suffix=".so.tmp")

@@ -461,6 +461,15 @@ def test_another_kilns_kernels_are_not_used(fresh_cache, caplog):
     assert native.kernels().path.parent == fresh_cache / "cache"  # compiled here instead
 
 
+def test_a_librarys_name_follows_its_extra_flags_and_the_files_they_name(tmp_path):
+    header = tmp_path / "extra.h"
+    header.write_text("#define A 1\n")
+    plain, with_header = cpu_library.library_name("x86-64-v3"), cpu_library.library_name(
+        "x86-64-v3", ("-include", str(header)))
+    header.write_text("#define A 2\n")
+    assert len({plain, with_header, cpu_library.library_name("x86-64-v3", ("-include", str(header)))}) == 3
+
+
 def test_an_unverified_artifacts_library_is_never_loaded(fresh_cache, caplog):
     """A shipped library runs its constructors when it is loaded, so only a verified artifact's is loaded
     (kiln serve --verify-key); any other artifact runs the kernels this kiln compiles from its own source."""

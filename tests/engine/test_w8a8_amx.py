@@ -10,8 +10,6 @@ cannot run, and a weight forced onto it still gets the vector tiles' answer (no 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import platform
 import shutil
 import subprocess
@@ -51,22 +49,9 @@ def emulated() -> tuple[native.Kernels, ctypes.CDLL]:
 
 def _emulated_library() -> Path:
     """The emulated library, compiled once per sources, flags and emulator into the compile cache beside kiln's own
-    libraries (a compile of the whole library is 5-25 s), atomically (two test workers may both compile it)."""
-    sources = len(cpu_library.SOURCES)
-    flags = cpu_library.compile_command(LEVEL, Path("x"))[:-sources]
-    key = hashlib.sha256(f"{cpu_library.source_digest()} {' '.join(flags)}".encode() + EMULATOR.read_bytes())
-    out = cpu_library.default_dir() / f"kiln-amx-emulated-{LEVEL}-{key.hexdigest()[:12]}.so"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-        cmd = cpu_library.compile_command(LEVEL, tmp)
-        cmd[-sources:-sources] = ["-DKILN_AMX_EMULATE", "-include", str(EMULATOR)]
-        try:
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return out
+    libraries (a compile of the whole library is 5-25 s)."""
+    return cpu_library.compile_library(LEVEL, cpu_library.default_dir(),
+                                       extra=("-DKILN_AMX_EMULATE", "-include", str(EMULATOR)))
 
 
 def _emulated_ops(lib: ctypes.CDLL) -> int:
