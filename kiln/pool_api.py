@@ -67,7 +67,9 @@ class LLMEnginePoolSpec(_Model):
     autoscaling: AutoscalingOptions | None = Field(
         default=None, description="Scale the pool's pods on the pool's queue (kiln:num_requests_waiting of its "
         "engines and of the pool, summed over its pods) with a KEDA ScaledObject or an HPA, as the operator renders "
-        "them (docs/scale-out.md); replicas is then only the count on create. minReplicas must be 1 or more.",
+        "them (docs/scale-out.md); replicas is then only the count on create. minReplicas 0 scales the pool to "
+        "zero when idle: needs KEDA and its HTTP add-on, whose interceptor holds requests while a pod starts "
+        "(docs/pools.md).",
     )
     port: int = Field(default=8000, ge=1024, le=65535, description="Container and Service port of the API.")
     resources: dict[str, Any] | None = Field(

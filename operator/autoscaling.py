@@ -36,6 +36,7 @@ from kiln.operator.naming import (
 from kiln.operator.settings import OperatorConfig
 
 from kiln.api import LLMEngineSpec
+from kiln.serving_options import AutoscalingOptions
 
 KEDA_API = "keda.sh/v1alpha1"
 KEDA_HTTP_API = "http.keda.sh/v1alpha1"
@@ -66,9 +67,14 @@ def floor_replicas(spec: LLMEngineSpec) -> int:
 
 def autoscaling_problem(spec: LLMEngineSpec, config: OperatorConfig) -> str | None:
     """A spec this operator's autoscaler cannot run (depends on the chart, so not a CRD rule)."""
-    scaling = spec.serving.autoscaling
+    return zero_problem(spec.serving.autoscaling, "spec.serving.autoscaling", config)
+
+
+def zero_problem(scaling: AutoscalingOptions | None, field: str, config: OperatorConfig) -> str | None:
+    """``minReplicas: 0`` of an engine's or a pool's ``field`` on an operator that renders HPAs (which cannot
+    scale to zero), else None."""
     if scaling is not None and scaling.min_replicas == 0 and config.autoscaler == "hpa":
-        return ("spec.serving.autoscaling.minReplicas: 0 needs KEDA and its HTTP add-on, but this operator renders "
+        return (f"{field}.minReplicas: 0 needs KEDA and its HTTP add-on, but this operator renders "
                 "HorizontalPodAutoscalers (chart value autoscaling.engine: hpa), which cannot scale to zero; "
                 "set minReplicas to 1 or more, or ask the operator's admin for autoscaling.engine: keda")
     return None
@@ -112,8 +118,7 @@ def scaled_object(spec: LLMEngineSpec, name: str, namespace: str, config: Operat
                       "ignoreNullValues": "true"}}
         for metric, query in queries.items()]
     if scaling.min_replicas == 0:  # the interceptor's held requests wake the engine from zero
-        triggers.append({"type": "external-push", "name": "held-requests", "metadata": {
-            "scalerAddress": config.keda_http_scaler_address, "httpScaledObject": name}})
+        triggers.append(held_requests_trigger(name, config))
     stabilization = scaling.scale_down_stabilization_seconds
     return {
         "apiVersion": KEDA_API,
@@ -137,21 +142,36 @@ def http_scaled_object(spec: LLMEngineSpec, name: str, namespace: str, config: O
     (up to the operator's startup timeout), then forwards them to the engine's Service."""
     scaling = spec.serving.autoscaling
     assert scaling is not None
-    svc = service_name(name)
+    return held_requests(name, namespace, serving_labels(name), _target(spec, name), service_name(name),
+                         spec.serving.port, scaling, spec.max_batch_size, config, owner)
+
+
+def held_requests(name: str, namespace: str, labels: dict[str, str], target: dict[str, Any], svc: str, port: int,
+                  scaling: AutoscalingOptions, concurrency: int, config: OperatorConfig,
+                  owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The HTTPScaledObject ``name`` of an engine or a pool: requests for the Service ``svc``'s hosts wait in the
+    interceptor until a pod of ``target`` is Ready; ``concurrency`` is what one pod is meant to run at once."""
     return {
         "apiVersion": KEDA_HTTP_API,
         "kind": "HTTPScaledObject",
-        "metadata": object_meta(name, namespace, serving_labels(name), owner, {SKIP_SCALEDOBJECT: "true"}),
+        "metadata": object_meta(name, namespace, labels, owner, {SKIP_SCALEDOBJECT: "true"}),
         "spec": {
             "hosts": [f"{svc}.{namespace}.svc.cluster.local", f"{svc}.{namespace}.svc", f"{svc}.{namespace}"],
-            "scaleTargetRef": {**_target(spec, name), "service": svc, "port": spec.serving.port},
+            "scaleTargetRef": {**target, "service": svc, "port": port},
             "replicas": {"min": scaling.min_replicas, "max": scaling.max_replicas},
-            "scalingMetric": {"concurrency": {"targetValue": spec.max_batch_size}},
+            "scalingMetric": {"concurrency": {"targetValue": concurrency}},
             "scaledownPeriod": scaling.scale_down_stabilization_seconds,
             "timeouts": {"conditionWait": f"{config.startup_timeout_seconds}s",
                          "responseHeader": RESPONSE_HEADER_TIMEOUT},
         },
     }
+
+
+def held_requests_trigger(name: str, config: OperatorConfig) -> dict[str, Any]:
+    """The ScaledObject's trigger on the interceptor's held requests for the HTTPScaledObject ``name``: they
+    wake the workload from zero."""
+    return {"type": "external-push", "name": "held-requests", "metadata": {
+        "scalerAddress": config.keda_http_scaler_address, "httpScaledObject": name}}
 
 
 def horizontal_pod_autoscaler(spec: LLMEngineSpec, name: str, namespace: str, config: OperatorConfig,

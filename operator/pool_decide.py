@@ -24,7 +24,8 @@ The budget is ``spec.memoryBudget``, else ``spec.resources.limits.memory`` less 
 (:func:`kiln.memory_budget.budget_of`), else unknown: the node's memory, which only the pods know (nothing is
 refused for memory here; the runtime refuses at load). The pool is Failed when its spec is invalid, or when it
 has built members and every one of them is too big for the budget (reason BudgetTooSmall naming the field);
-Ready when its Deployment has a ready pod; else Pending.
+Ready when its Deployment has a ready pod, or when KEDA scaled it to zero (``minReplicas: 0``: Ready False,
+reason ScaledToZero, as an engine's; a request through the interceptor wakes it); else Pending.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.operator.naming import pool_workload_name
+from kiln.operator.pool_member import SCALED_TO_ZERO
 from kiln.operator.pools import pool_endpoint
 from kiln.operator.status import ObjectRead, condition
 
@@ -288,6 +290,11 @@ def _ready(world: PoolWorld, judged: list[PoolMember]) -> tuple[str, bool, str, 
     if world.routing_problem is not None:
         return PENDING, False, PREREQUISITE_MISSING, world.routing_problem
     listed, desired = sum(j.state == LISTED for j in judged), desired_replicas(world)
+    if desired == 0 and world.spec.autoscaling is not None:
+        svc = pool_workload_name(world.name)
+        return READY, False, SCALED_TO_ZERO, (
+            f"scaled to zero by ScaledObject/{svc}; a request through the KEDA HTTP add-on's interceptor (Host: "
+            f"{svc}.{world.namespace}.svc) starts a pod")
     if desired == 0:
         return PENDING, False, NO_REPLICAS, "spec.replicas is 0: no pod serves the pool; raise it to serve"
     ready = ((world.deployment or {}).get("status") or {}).get("readyReplicas") or 0
@@ -300,7 +307,7 @@ def _ready(world: PoolWorld, judged: list[PoolMember]) -> tuple[str, bool, str, 
 
 def desired_replicas(world: PoolWorld) -> int:
     """The pods the pool is meant to have: ``spec.replicas``, or, autoscaled, what the autoscaler last set on the
-    Deployment (at least ``minReplicas``, which is 1 or more)."""
+    Deployment (0 once KEDA took a pool of ``minReplicas: 0`` to zero)."""
     assert world.spec is not None
     if world.spec.autoscaling is None:
         return world.spec.replicas
@@ -325,9 +332,14 @@ def compose_pool_status(world: PoolWorld, judged: list[PoolMember], now: str | N
 
 def changed_members(old: dict[str, Any], new: dict[str, Any]) -> set[str]:
     """The engines whose view of the pool changed between two of its statuses (their status follows it): all of
-    them when the pool's phase or endpoint changed, else those whose entry changed, appeared or went."""
+    them when the pool's phase, endpoint or Ready reason changed (a Ready pool taken to zero), else those whose entry
+    changed, appeared or went."""
     was, now = entries_by_name(old), entries_by_name(new)
     names = set(was) | set(now)
-    if any(old.get(key) != new.get(key) for key in ("phase", "endpoint")):
+    if any(old.get(key) != new.get(key) for key in ("phase", "endpoint")) or _reason(old) != _reason(new):
         return {n for n in names if n}
     return {n for n in names if n and was.get(n) != now.get(n)}
+
+
+def _reason(status: dict[str, Any]) -> str | None:
+    return next((c.get("reason") for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)

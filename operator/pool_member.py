@@ -24,6 +24,7 @@ from kiln.operator.settings import OperatorConfig
 from kiln.api import LLMEngineSpec
 
 ENGINE_TOO_BIG, POOL_MISMATCH = "EngineTooBigForPool", "PoolMismatch"  # the Ready condition's reason when Refused
+SCALED_TO_ZERO = "ScaledToZero"  # the pool's Ready reason at zero pods (pool_decide), and then its members'
 # How long after its entry is first listed the pool's pods have surely loaded the engine list, unless the operator
 # is told otherwise (OperatorConfig.pool_list_sync_seconds): the kubelet syncs a mounted ConfigMap within about a
 # minute, the pods read the file every 2 s.
@@ -44,6 +45,7 @@ class PoolView:
     ready: bool = False  # the pool's phase is Ready: its pods serve
     failed: bool = False  # the pool's phase is Failed (its spec, its budget): it lists nothing new until fixed
     pool_message: str = ""  # the pool's Ready condition message (why it does not serve yet)
+    pool_reason: str = ""  # its reason (ScaledToZero: KEDA took the pool to zero; a request wakes it)
     endpoint: str | None = None  # the pool's status.endpoint (its Service)
     listed_since: datetime | None = None  # the entry's listedSince: when its version was first listed
     now: datetime | None = None  # when the engine's reconcile read it (None: the list counts as synced)
@@ -60,6 +62,13 @@ class PoolView:
         """The pool's pods serve this engine (the version of its entry): Listed, by a Ready pool, for long enough
         that the kubelet has synced the list into its pods (until then its own pods, if any, keep serving)."""
         return self.state == "Listed" and self.ready and self.version is not None and self.synced
+
+    def serving(self, version: str) -> tuple[bool, str, str]:
+        """(Ready, reason, message) of a member the pool serves (:attr:`serves`): Serving, or, while the pool is
+        scaled to zero, not Ready with the pool's reason and how a request wakes it (as an engine's at zero)."""
+        if self.pool_reason == SCALED_TO_ZERO:
+            return False, SCALED_TO_ZERO, f"LLMEnginePool {self.name} serves {version}; it is {self.pool_message}"
+        return True, "Serving", f"LLMEnginePool {self.name} serves {version} at {self.endpoint}"
 
     def lists(self, version: str | None) -> str | None:
         """The entry's state when it is for ``version`` (or names none); None when it is another version's."""
@@ -93,7 +102,8 @@ def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, An
     return PoolView(wanted, namespace, found=True, state=state, version=entry.get("engineVersion"),
                     message=entry.get("message"), refusal=refusal(entry) if state == "Refused" else None,
                     ready=status.get("phase") == "Ready", failed=status.get("phase") == "Failed",
-                    pool_message=ready.get("message") or "", endpoint=status.get("endpoint"),
+                    pool_message=ready.get("message") or "", pool_reason=ready.get("reason") or "",
+                    endpoint=status.get("endpoint"),
                     listed_since=_time(entry.get("listedSince")), now=now, list_sync=list_sync,
                     left_out=tuple((str(a.get("name")), str(a.get("message") or "")) for a in
                                    entry.get("adaptersLeftOut") or [] if isinstance(a, dict)))

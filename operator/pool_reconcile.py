@@ -43,6 +43,7 @@ from kiln.operator.pool_decide import (
 from kiln.operator.pools import (
     build_engines_configmap,
     build_pool_deployment,
+    build_pool_held_requests,
     build_pool_inference_pool,
     build_pool_network_policy,
     build_pool_pdb,
@@ -231,15 +232,24 @@ async def act(ctx: Context, world: PoolWorld, entries: list[Any], adapters: list
 
 
 async def converge_scaler(ctx: Context, world: PoolWorld, members: list[str]) -> str | None:
-    """Apply what ``spec.autoscaling`` asks for and delete the autoscaler kind this operator renders when it asks
-    for none (the count goes back to ``spec.replicas``); the message naming the field and the fix when the cluster
-    does not serve that kind (KEDA or autoscaling/v2 missing), else None."""
+    """Apply what ``spec.autoscaling`` asks for (with ``minReplicas: 0`` on KEDA, the HTTPScaledObject too) and
+    delete the autoscaler kinds this operator renders when it asks for none (the count goes back to
+    ``spec.replicas``); the message naming the field and the fix when the cluster does not serve a kind (KEDA, its
+    HTTP add-on or autoscaling/v2 missing), else None."""
     assert world.spec is not None
     wanted = build_pool_scaler(world.spec, world.name, world.namespace, ctx.config, members,
                                pool_owner_reference(world.body))
     kind = "HorizontalPodAutoscaler" if ctx.config.autoscaler == "hpa" else "ScaledObject"
-    return await _converge(ctx, world, kind, wanted, "spec.autoscaling",
-                           f"{KINDS[kind][3]}, or remove spec.autoscaling")
+    problem = await _converge(ctx, world, kind, wanted, "spec.autoscaling",
+                              f"{KINDS[kind][3]}, or remove spec.autoscaling")
+    if ctx.config.autoscaler != "keda":  # only KEDA's operator renders HTTPScaledObjects (scale_out._could_exist)
+        return problem
+    batches = [m.spec.max_batch_size for m in world.members if m.name in members]
+    held = build_pool_held_requests(world.spec, world.name, world.namespace, ctx.config, batches,
+                                    pool_owner_reference(world.body))
+    zero = await _converge(ctx, world, "HTTPScaledObject", held, "spec.autoscaling.minReplicas: 0",
+                           KINDS["HTTPScaledObject"][3])
+    return "; ".join(p for p in (problem, zero) if p) or None
 
 
 async def converge_routing(ctx: Context, world: PoolWorld) -> str | None:

@@ -14,7 +14,9 @@ its engine list, its Deployment and its Service (docs/pools.md).
 - Service ``<pool>-pool``: the pool's port; status.endpoint is its OpenAI base URL.
 - With ``spec.autoscaling``: a KEDA ScaledObject or an HPA ``<pool>-pool`` (the operator's autoscaler) scaling the
   Deployment on the pool's queue (:func:`build_pool_scaler`); the Deployment's ``replicas`` is then set on create
-  only.
+  only. With ``minReplicas: 0`` (KEDA only) also the HTTP add-on's HTTPScaledObject ``<pool>-pool``, whose
+  interceptor holds requests for the pool's Service while the pool is at zero and wakes it
+  (:func:`build_pool_held_requests`), as an engine's (docs/scale-out.md).
 - With ``spec.routing.inferencePool``: an InferencePool ``<pool>-pool`` over the pods
   (:func:`build_pool_inference_pool`).
 
@@ -28,7 +30,16 @@ import json
 from typing import Any
 
 from kiln.operator.adapters import ADAPTERS_FILE_KEY
-from kiln.operator.autoscaling import HPA_API, KEDA_API, POLLING_SECONDS, REPLICAS_OWNER, _behavior
+from kiln.operator.autoscaling import (
+    HPA_API,
+    KEDA_API,
+    POLLING_SECONDS,
+    REPLICAS_OWNER,
+    _behavior,
+    held_requests,
+    held_requests_trigger,
+    zero_problem,
+)
 from kiln.operator.jobs import shm_volumes, sku_placement
 from kiln.operator.keys import verify_key_mount, verify_key_volume
 from kiln.operator.naming import (
@@ -60,6 +71,7 @@ from pydantic import ValidationError
 
 from kiln import adapter_list
 from kiln.adapter_list import ADAPTERS_FILE_ENV
+from kiln.api import LLMEngineSpec
 from kiln.engine_list import EngineEntry, document
 from kiln.manifest import validation_error_lines
 from kiln.pool_api import LLMEnginePool, LLMEnginePoolSpec, serve_flags
@@ -69,6 +81,7 @@ ENGINES_DIR = "/etc/kiln/pool"
 ENGINES_KEY = "engines.json"
 ENGINES_FILE = f"{ENGINES_DIR}/{ENGINES_KEY}"
 ADAPTERS_FILE = f"{ENGINES_DIR}/{ADAPTERS_FILE_KEY}"  # the members' adapters, beside the engine list
+DEFAULT_BATCH = LLMEngineSpec.model_fields["max_batch_size"].default  # a pod's concurrency with no member listed
 
 
 def validate_pool(name: str, raw: dict[str, Any], config: OperatorConfig) -> LLMEnginePoolSpec:
@@ -90,9 +103,8 @@ def validate_pool(name: str, raw: dict[str, Any], config: OperatorConfig) -> LLM
                           f"with spec.serving.pool: {name}; remove spec.engines")
     if problem := image_problem("spec.image", spec.image, config):
         raise InvalidSpec(problem)
-    if spec.autoscaling is not None and spec.autoscaling.min_replicas == 0:
-        raise InvalidSpec("spec.autoscaling.minReplicas: 0 is not served for a pool yet (no interceptor holds its "
-                          "requests while a pod starts); set minReplicas to 1 or more")
+    if problem := zero_problem(spec.autoscaling, "spec.autoscaling", config):
+        raise InvalidSpec(problem)
     if config.node_selector(spec.gpu) is None:
         known = ", ".join(sorted(config.sku_node_labels))
         raise InvalidSpec(f"spec.gpu: {spec.gpu} has no node label in this operator's SKU map ({known}); add it to "
@@ -159,7 +171,8 @@ def build_pool_deployment(spec: LLMEnginePoolSpec, pool: str, namespace: str, co
         "kind": "Deployment",
         "metadata": object_meta(pool_workload_name(pool), namespace, labels, owner, scaled),
         "spec": {
-            "replicas": spec.replicas if spec.autoscaling is None else spec.autoscaling.min_replicas,
+            # autoscaled: at least one pod on create, so the first rollout proves the pool serves (as an engine's)
+            "replicas": spec.replicas if spec.autoscaling is None else max(spec.autoscaling.min_replicas, 1),
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": config.startup_timeout_seconds + 120,
             "selector": {"matchLabels": pool_selector_labels(pool)},
@@ -253,13 +266,30 @@ def build_pool_scaler(spec: LLMEnginePoolSpec, pool: str, namespace: str, config
             **common, "minReplicas": scaling.min_replicas, "maxReplicas": scaling.max_replicas, "behavior": behavior,
             "metrics": [{"type": "Pods", "pods": {"metric": metric,
                                                   "target": {"type": "AverageValue", "averageValue": target}}}]}}
-    trigger = {"type": "prometheus", "name": "num-requests-waiting", "metricType": "AverageValue", "metadata": {
+    triggers = [{"type": "prometheus", "name": "num-requests-waiting", "metricType": "AverageValue", "metadata": {
         "serverAddress": config.prometheus_address, "query": pool_queue_query(pool, namespace, members),
-        "threshold": target, "activationThreshold": "0", "ignoreNullValues": "true"}}
+        "threshold": target, "activationThreshold": "0", "ignoreNullValues": "true"}}]
+    if scaling.min_replicas == 0:  # the interceptor's held requests wake the pool from zero
+        triggers.append(held_requests_trigger(name, config))
     return {"apiVersion": KEDA_API, "kind": "ScaledObject", "metadata": meta, "spec": {
         **common, "minReplicaCount": scaling.min_replicas, "maxReplicaCount": scaling.max_replicas,
         "pollingInterval": POLLING_SECONDS, "cooldownPeriod": scaling.scale_down_stabilization_seconds,
-        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}}, "triggers": [trigger]}}
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}}, "triggers": triggers}}
+
+
+def build_pool_held_requests(spec: LLMEnginePoolSpec, pool: str, namespace: str, config: OperatorConfig,
+                             batches: list[int] | None = None,
+                             owner: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """With ``spec.autoscaling.minReplicas: 0`` on KEDA, the HTTP add-on's HTTPScaledObject over the pool's Service
+    (None otherwise): a request sent through the interceptor while the pool is at zero waits there until a pod is
+    Ready. One pod is meant to run the largest listed member's ``maxBatchSize`` (``batches``) at once."""
+    scaling = spec.autoscaling
+    if scaling is None or scaling.min_replicas > 0 or config.autoscaler != "keda":
+        return None
+    name = pool_workload_name(pool)
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+    return held_requests(name, namespace, pool_labels(pool), target, name, spec.port, scaling,
+                         max(batches or [], default=DEFAULT_BATCH), config, owner)
 
 
 def build_engines_configmap(pool: str, namespace: str, entries: list[EngineEntry],
@@ -282,10 +312,11 @@ def render_pool(pool_body_or_spec: Any, name: str, namespace: str, config: Opera
     """The objects the operator applies for a pool (``kiln render``): the engine-list ConfigMap (``entries``:
     none unless given; the operator lists the members it finds), the Deployment, the Service, from 2 pods up its
     PodDisruptionBudget, its NetworkPolicy (chart value ``networkPolicy``), with ``spec.autoscaling`` its
-    ScaledObject or HPA, and with ``spec.routing.inferencePool`` its InferencePool. Takes the
-    LLMEnginePool (a dict with ``spec``, or :class:`LLMEnginePool`), its spec (dict or
+    ScaledObject (and at ``minReplicas: 0`` its HTTPScaledObject) or HPA, and with ``spec.routing.inferencePool``
+    its InferencePool. Takes the LLMEnginePool (a dict with ``spec``, or :class:`LLMEnginePool`), its spec (dict or
     :class:`LLMEnginePoolSpec`); :class:`InvalidSpec` naming the field as the operator. No ownerReferences (the
-    pool's uid is the cluster's), no ``rendered-hash`` annotation."""
+    pool's uid is the cluster's), no ``rendered-hash`` annotation; the HTTPScaledObject's concurrency is the
+    default ``maxBatchSize`` (the operator's takes the listed members')."""
     raw = pool_body_or_spec
     if isinstance(raw, LLMEnginePool):
         raw = raw.spec
@@ -302,6 +333,8 @@ def render_pool(pool_body_or_spec: Any, name: str, namespace: str, config: Opera
         objects.append(build_pool_network_policy(spec, name, namespace))
     if (scaler := build_pool_scaler(spec, name, namespace, config, [e.name for e in entries or []])) is not None:
         objects.append(scaler)
+    if (held := build_pool_held_requests(spec, name, namespace, config)) is not None:
+        objects.append(held)
     if (routing := build_pool_inference_pool(spec, name, namespace)) is not None:
         objects.append(routing)
     return [json.loads(json.dumps(obj)) for obj in objects]

@@ -345,6 +345,6 @@ def _pooled(obs: Observation, pool: PoolView, cond: Cond, still: str) -> tuple[s
         message = pool.message or f"LLMEnginePool {pool.name} refuses it"
         return "Failed", cond(READY, False, pool.refusal or POOL_MISMATCH, message + still)
     if pool.serves and pool.version == version:
-        return "Ready", cond(READY, True, "Serving", f"LLMEnginePool {pool.name} serves {version} at {pool.endpoint}")
+        return "Ready", cond(READY, *pool.serving(version))
     reason = "PoolNotReady" if pool.lists(version) == "Listed" else "PoolListing"
     return "Deploying", cond(READY, False, reason, listing_message(pool, version) + still)

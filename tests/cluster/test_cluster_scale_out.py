@@ -1,7 +1,7 @@
 """Past one pod on the real control plane: a PP=2 CPU engine runs as a LeaderWorkerSet group of two pods
 (LWS's own controller and webhooks), whose ranks find each other through the headless Service's names and
-serve one model; the ScaledObject and InferencePool `kiln render` prints are accepted by their real CRDs
-(server-side dry-run: no KEDA or endpoint-picker controller runs here)."""
+serve one model; the ScaledObject and InferencePool `kiln render` prints for an engine and for a pool (one scaling
+to zero) are accepted by their real CRDs (server-side dry-run: no KEDA or endpoint-picker controller runs here)."""
 
 from __future__ import annotations
 
@@ -46,13 +46,20 @@ def test_the_rendered_scaled_object_and_inference_pool_are_accepted_by_their_rea
     assert out.count("(server dry run)") == 2, out
 
 
-def test_a_pools_rendered_inference_pool_is_accepted_by_the_real_crd(installed: Kube, tmp_path):
+def test_a_pools_rendered_inference_pool_and_scale_to_zero_scaled_object_are_accepted_by_the_real_crds(
+        installed: Kube, tmp_path):
     pool = yaml.safe_load((ROOT / "examples" / "pool-cpu.yaml").read_text())
     pool["spec"]["routing"] = {"inferencePool": True}
+    pool["spec"]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 3}
     (tmp_path / "pool.yaml").write_text(yaml.safe_dump(pool))
     done = subprocess.run([sys.executable, "-P", "-m", "kiln", "render", "-f", str(tmp_path / "pool.yaml"), "-n",
                            ENGINE_NS], capture_output=True, text=True, check=True)
-    wanted = [d for d in yaml.safe_load_all(done.stdout) if d and d["kind"] == "InferencePool"]
-    assert [d["metadata"]["name"] for d in wanted] == ["cpu-pool-pool"]
+    rendered = [d for d in yaml.safe_load_all(done.stdout) if d]
+    # The HTTPScaledObject is checked against the add-on's own schema in tests/operator (its CRD is not here).
+    assert [d["metadata"]["name"] for d in rendered if d["kind"] == "HTTPScaledObject"] == ["cpu-pool-pool"]
+    wanted = [d for d in rendered if d["kind"] in ("InferencePool", "ScaledObject")]
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in wanted) == [
+        ("InferencePool", "cpu-pool-pool"), ("ScaledObject", "cpu-pool-pool")]
+    assert "external-push" in [t["type"] for d in wanted if d["kind"] == "ScaledObject" for t in d["spec"]["triggers"]]
     out = installed.apply(wanted, "--server-side", "--dry-run=server")
-    assert out.count("(server dry run)") == 1, out
+    assert out.count("(server dry run)") == 2, out

@@ -372,6 +372,20 @@ def test_listed_by_a_ready_pool_is_ready_at_the_pool_s_endpoint():
     assert "0 of 1 pod(s) ready" in pending["conditions"][1]["message"] and pending["endpoint"] is None
 
 
+def test_a_member_of_a_pool_at_zero_is_ready_not_serving_with_the_pools_wake_up_message():
+    asleep = pool("Listed")
+    asleep["status"]["conditions"] = [{"type": "Ready", "status": "False", "reason": "ScaledToZero", "message": (
+        "scaled to zero by ScaledObject/shared-pool; a request through the KEDA HTTP add-on's interceptor (Host: "
+        "shared-pool.ml.svc) starts a pod")}]
+    w = pooled({"servingVersion": "v1"}, asleep, deployment=workload("v1"))
+    status = status_of(w, Outcome(deployment=workload("v1")))
+    assert status["phase"] == "Ready" and reasons(status) == ["ArtifactAvailable", "ScaledToZero"]
+    assert status["conditions"][1]["status"] == "False" and status["endpoint"] == POOL_URL
+    assert status["conditions"][1]["message"].startswith(
+        f"LLMEnginePool shared serves {VERSION}; it is scaled to zero by ScaledObject/shared-pool; a request")
+    assert retirements(w, workload("v1"), None) == (SCALE_DOWN_DEPLOYMENT,)  # the pool serves it: own pods go
+
+
 @pytest.mark.parametrize("entry,shows", [
     (None, "waiting for LLMEnginePool shared to list"),  # the pool has not seen it yet
     ("Building", "it waits for the build to be pinned"),

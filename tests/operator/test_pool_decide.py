@@ -153,6 +153,22 @@ def test_ready_once_a_pod_is_ready_pending_before_and_with_no_replicas():
     assert compose_pool_status(idle, [])["conditions"][0]["reason"] == "NoReplicas"
 
 
+def test_a_pool_keda_took_to_zero_is_ready_not_serving_and_says_how_a_request_wakes_it():
+    scaled = pool(memoryBudget="4Gi", autoscaling={"minReplicas": 0, "maxReplicas": 3})
+    w = world(scaled, member("chat"))
+    w = replace(w, deployment={"spec": {"replicas": 0}, "status": {}})  # KEDA's count after the cooldown
+    status = compose_pool_status(w, judge_all(w), now="t0")
+    (ready,) = status["conditions"]
+    assert status["phase"] == "Ready" and (ready["status"], ready["reason"]) == ("False", "ScaledToZero")
+    assert ready["message"] == ("scaled to zero by ScaledObject/shared-pool; a request through the KEDA HTTP add-on's "
+                                "interceptor (Host: shared-pool.ml.svc) starts a pod")
+    assert (status["replicas"], status["readyReplicas"], status["listedEngines"]) == (0, 0, 1)
+    woken = replace(w, deployment={"spec": {"replicas": 1}, "status": {"readyReplicas": 1}})
+    assert compose_pool_status(woken, judge_all(woken))["conditions"][0]["reason"] == "Serving"
+    starting = replace(w, deployment={"spec": {"replicas": 1}, "status": {}})  # the request's pod is starting
+    assert compose_pool_status(starting, judge_all(starting))["conditions"][0]["reason"] == "PodsNotReady"
+
+
 def test_an_invalid_pool_fails_with_the_field():
     w = PoolWorld({"metadata": {"name": "p", "namespace": "ml"}}, invalid="spec.engines: lists manifests")
     status = compose_pool_status(w, [])
@@ -167,6 +183,8 @@ def test_the_engines_whose_view_of_the_pool_changed():
     assert changed_members(old, {**old, "engines": [a, {**b, "state": "Listed"}]}) == {"b"}
     assert changed_members(old, {**old, "engines": [b]}) == {"a"}
     assert changed_members(old, {**old, "phase": "Pending"}) == {"a", "b"}
+    serving, zero = ([{"type": "Ready", "reason": reason}] for reason in ("Serving", "ScaledToZero"))
+    assert changed_members({**old, "conditions": serving}, {**old, "conditions": zero}) == {"a", "b"}  # still Ready
 
 
 def adapters(*items: tuple[str, str, str | None]) -> dict:

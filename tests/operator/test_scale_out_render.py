@@ -287,8 +287,29 @@ def test_a_pool_scales_its_deployment_on_the_pools_queue_with_keda_or_an_hpa():
     plain = render_pool({**POOL_BODY, "spec": {"replicas": 5}}, "shared", "ml", KEDA)
     assert len(plain) == 5 and plain[1]["spec"]["replicas"] == 5 and REPLICAS_OWNER not in (  # + PDB, policy
         plain[1]["metadata"].get("annotations") or {})
-    with pytest.raises(InvalidSpec, match=r"^spec.autoscaling.minReplicas: 0 .*set minReplicas to 1 or more"):
-        render_pool({"autoscaling": {"minReplicas": 0, "maxReplicas": 2}}, "shared", "ml", KEDA)
+    assert [o["kind"] for o in render_pool(POOL_BODY, "shared", "ml", KEDA)].count("HTTPScaledObject") == 0
+
+
+def test_a_pool_scales_to_zero_behind_the_http_add_ons_interceptor_on_keda_only():
+    body = {**POOL_BODY, "spec": {"port": 9000, "autoscaling": {"minReplicas": 0, "maxReplicas": 4}}}
+    objects = by_kind(render_pool(body, "shared", "ml", KEDA))
+    so, held, deployment = objects["ScaledObject"], objects["HTTPScaledObject"], objects["Deployment"]
+    validate(so), validate(held), validate(deployment)
+    assert deployment["spec"]["replicas"] == 1  # one pod on create proves the pool serves; then KEDA's count
+    assert so["spec"]["minReplicaCount"] == 0
+    push = next(t for t in so["spec"]["triggers"] if t["type"] == "external-push")
+    assert push["metadata"] == {"scalerAddress": KEDA.keda_http_scaler_address, "httpScaledObject": "shared-pool"}
+    assert held["metadata"]["name"] == "shared-pool"
+    assert held["metadata"]["annotations"] == {"httpscaledobject.keda.sh/skip-scaledobject-creation": "true"}
+    ref = held["spec"]["scaleTargetRef"]
+    assert (ref["kind"], ref["name"], ref["service"], ref["port"]) == ("Deployment", "shared-pool", "shared-pool", 9000)
+    assert held["spec"]["hosts"] == ["shared-pool.ml.svc.cluster.local", "shared-pool.ml.svc", "shared-pool.ml"]
+    assert held["spec"]["replicas"] == {"min": 0, "max": 4}
+    assert held["spec"]["timeouts"]["conditionWait"] == f"{KEDA.startup_timeout_seconds}s"
+    assert held["spec"]["scalingMetric"] == {"concurrency": {"targetValue": 64}}  # no member: the default batch
+    assert "PodDisruptionBudget" not in objects  # the floor is 0 pods
+    with pytest.raises(InvalidSpec, match=r"^spec.autoscaling.minReplicas: 0 needs KEDA.*autoscaling.engine: keda$"):
+        render_pool(body, "shared", "ml", HPA)
 
 
 def test_a_pool_with_routing_renders_one_inference_pool_over_its_pods():

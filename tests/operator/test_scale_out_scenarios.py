@@ -254,3 +254,56 @@ def test_a_pools_inference_pool_selects_its_pods_and_goes_with_the_field_or_the_
         emulator.handler.uninstalled.discard("inferencepools")  # the admin installs the CRDs
         wait_for(lambda: pool_status(c).get("phase") == "Ready", what="Ready with the InferencePool")
         assert c.kube.get(f"{POOLS}/shared-pool")["spec"]["endpointPickerRef"]["name"] == "picker"
+
+
+def pool_reason(c: Cluster) -> str | None:
+    return next((x["reason"] for x in pool_status(c).get("conditions") or [] if x["type"] == "Ready"), None)
+
+
+def test_a_pool_scaled_to_zero_waits_in_the_interceptor_and_its_member_says_so(cluster: Cluster, emulator,
+                                                                                 monkeypatch):
+    """``minReplicas: 0`` on a pool: the HTTP add-on's HTTPScaledObject over the pool's Service, KEDA (played here
+    through /scale) takes it to zero and back, the pool and its member say ScaledToZero at zero without an operator
+    write to the count, and a cluster without the add-on is named with the field."""
+    monkeypatch.setenv("KILN_POOL_LIST_SYNC_SECONDS", "1")  # the member counts as loaded by the pods at once
+    c = cluster
+    scaling = {"minReplicas": 0, "maxReplicas": 3, "targetWaitingRequests": 2}
+    with running_operator():
+        c.kube.create(ENGINE_POOLS, {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool",
+                                     "metadata": {"name": "shared", "namespace": "ml"},
+                                     "spec": {"memoryBudget": "2Gi", "autoscaling": scaling}})
+        held = wait_for(lambda: c.kube.get(f"{HTTPSCALEDOBJECTS}/shared-pool"), what="the pool's HTTPScaledObject")
+        assert held["spec"]["scaleTargetRef"]["service"] == "shared-pool"
+        assert held["metadata"]["ownerReferences"][0]["kind"] == "LLMEnginePool"
+        so = c.kube.get(f"{SCALEDOBJECTS}/shared-pool")
+        assert {t["type"] for t in so["spec"]["triggers"]} == {"prometheus", "external-push"}
+        assert c.deployment("shared-pool")["spec"]["replicas"] == 1  # one pod on create proves it serves
+        c.kube.create(ENGINES, manifest("chat", serving={**copy.deepcopy(SPEC["serving"]), "pool": "shared"},
+                                        maxBatchSize=48, maxNumTokens=2048))
+        c.build(c.wait_job(), {**SPEC, "maxBatchSize": 48, "maxNumTokens": 2048}, memory=GiB)
+        wait_for(lambda: c.kube.get(f"{HTTPSCALEDOBJECTS}/shared-pool")["spec"]["scalingMetric"] == {
+            "concurrency": {"targetValue": 48}}, what="a pod's concurrency: the listed member's batch")
+        c.roll_out("shared-pool")
+        c.wait_status("chat", "served by the pool", phase="Ready")
+        wait_for(lambda: c.condition("chat", "Ready").get("reason") == "Serving", what="chat Serving")
+
+        scale(c, "shared-pool", 0)  # idle past the cooldown: KEDA takes the pool to zero
+        wait_for(lambda: pool_reason(c) == "ScaledToZero", what="the pool ScaledToZero")
+        assert pool_status(c)["phase"] == "Ready" and pool_status(c)["replicas"] == 0
+        wait_for(lambda: c.condition("chat", "Ready").get("reason") == "ScaledToZero", what="chat ScaledToZero")
+        ready = c.condition("chat", "Ready")
+        assert ready["status"] == "False" and "Host: shared-pool.ml.svc" in ready["message"]
+        assert c.status("chat")["phase"] == "Ready"
+
+        scale(c, "shared-pool", 1)  # a request held by the interceptor: KEDA wakes the pool
+        wait_for(lambda: c.condition("chat", "Ready").get("reason") == "Serving", what="chat Serving again")
+        time.sleep(1)  # several reconciles: the count stays KEDA's
+        assert operator_replica_writes(emulator) == []
+
+        emulator.handler.uninstalled.add("httpscaledobjects")  # a cluster without the HTTP add-on
+        c.kube.delete(f"{HTTPSCALEDOBJECTS}/shared-pool")
+        c.kube.patch(f"{ENGINE_POOLS}/shared", {"spec": {"memoryBudget": "3Gi"}})
+        wait_for(lambda: pool_reason(c) == "AutoscalerMissing", what="AutoscalerMissing")
+        message = pool_status(c)["conditions"][0]["message"]
+        assert message.startswith("spec.autoscaling.minReplicas: 0 needs HTTPScaledObject (http.keda.sh/v1alpha1)")
+        assert "install the KEDA HTTP add-on" in message and message.endswith("or set minReplicas to 1 or more")
