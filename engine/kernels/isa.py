@@ -118,11 +118,16 @@ def w8a8_units(declare, level: str) -> tuple[str | None, str | None]:
     so the choice within a library is not a timing question)."""
     if not declare("kiln_w8a8_available", ctypes.c_int)():
         return f"the {level} library has no W8A8 kernel", None
-    wide = level == FEATURE_FLAGS["avx512_vnni"][0]
-    flag = "avx512_vnni" if wide else "avx_vnni"
+    flag = vnni_flag(level)
     vnni = feature_missing(flag, level) is None
     declare("kiln_w8a8_allow_vnni", None, ctypes.c_int)(int(vnni))
-    return None, flag if vnni else ("avx512bw" if wide else "avx2")
+    return None, flag if vnni else ("avx512bw" if flag == "avx512_vnni" else "avx2")
+
+
+def vnni_flag(level: str) -> str:
+    """The vpdpbusd a library of ``level`` has: AVX512-VNNI (zmm) in the x86-64-v4 library, AVX-VNNI (ymm) in the
+    others; what its W8A8 tiles and its GGUF groups are told they may run."""
+    return "avx512_vnni" if level == FEATURE_FLAGS["avx512_vnni"][0] else "avx_vnni"
 
 
 def w8a8_amx_units(declare, level: str, w8a8: str | None) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from kiln.engine.kernels import cpu_library, gguf_blocks, torch_w8a8
-from kiln.engine.kernels.isa import amx_tile_state, feature_missing, log, w8a8_amx_units, w8a8_units
+from kiln.engine.kernels.isa import amx_tile_state, feature_missing, log, vnni_flag, w8a8_amx_units, w8a8_units
 from kiln.engine.kernels.kernel_timers import GEMM, KernelTimers
 from kiln.engine.kernels.packed import GEMM_KERNELS, PYTHON_KERNELS, ROW_BUCKETS, KilnWeight, PackedLinear, row_bucket
 
@@ -66,9 +66,10 @@ class Kernels:
         amx = feature_missing("amx", level) or bf16_fma or amx_tile_state(declare)
         w8a8, self.w8a8_isa = w8a8_units(declare, level)
         w8a8_amx = w8a8_amx_units(declare, level, w8a8)
-        # GGUF block weights (gguf_blocks.PackedGGUF): vpdpbusd where VNNI may run here, else AVX2 / portable code
+        # GGUF block weights (gguf_blocks.PackedGGUF): vpdpbusd where VNNI may run here (the library's width, as
+        # W8A8's), else AVX2 / portable code
         self.gguf = gguf_blocks.declare(lib)
-        self.gguf["set_vnni"](int(feature_missing("avx512_vnni", level) is None))
+        self.gguf["set_vnni"](int(feature_missing(vnni_flag(level), level) is None))
         mkldnn = torch.ops.mkldnn
         onednn = None if torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_bf16_supported() else \
             "torch's oneDNN has no bf16 kernels on this CPU"

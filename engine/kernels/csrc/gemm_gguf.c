@@ -20,16 +20,19 @@
  *   Q4_1: d dx acc + m dx sum xq
  *
  * computed as y += d * fma(acc, dx, c2) (+ m * sx): c2 = -off dx sum xq, sx = dx sum xq, both made with the
- * quantized row. AVX2 (the x86-64-v3 library, and AVX-512 CPUs without VNNI) runs maddubs + madd over the same
- * records; maddubs's int16 pairs would overflow on Q8_0's 255 x 127, so there Q8_0 takes the sign trick
- * (|q| x sign(xq, q)) and off is 0. Register tiles of up to 4 rows x 32 columns (VNNI) / 2 x 16 (AVX2); the
- * column tiles are shared out between threads, as gemm.c does.
+ * quantized row. The x86-64-v3 library (and AVX-512 CPUs without VNNI) runs 16-column groups on ymm
+ * (gemm_gguf_ymm.c): AVX-VNNI's vpdpbusd where the CPU has it, the same integers and epilogue as here; else
+ * maddubs + madd, whose int16 pairs would overflow on Q8_0's 255 x 127, so there Q8_0 takes the sign trick
+ * (|q| x sign(xq, q)) and off is 0. Register tiles of up to 4 rows x 32 columns (AVX512-VNNI) / 2 x 16 (ymm);
+ * the column tiles are shared out between threads, as gemm.c does.
  *
  * The records are laid out and packed, and dequantized for the kiln-gguf-f32 mode, in gguf_pack.c
  * (gguf_layout.h: the record sizes both read). */
 #include "gguf_layout.h"
 
-static int gg_vnni = 1; /* kiln_gguf_set_vnni: $KILN_CPU_ISA / the CPU may run vpdpbusd */
+/* kiln_gguf_set_vnni: $KILN_CPU_ISA / the CPU may run vpdpbusd (AVX512-VNNI in the x86-64-v4 library,
+ * AVX-VNNI in the x86-64-v3 one) */
+static int gg_vnni = 1;
 void kiln_gguf_set_vnni(int on) { gg_vnni = on; }
 
 /* one row of x (k floats or bf16) -> xq [k] int8, and per block dx, c2, sx (see the top) */
@@ -83,58 +86,6 @@ static void gg_group_scalar(const int8_t *xq, int64_t ldq, const float *dx, cons
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-#define GG_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-/* AVX2: rows [0, R) x one group, 16 columns as two 8-column halves */
-GG_AVX2 static inline void gg_group_avx2(const int8_t *xq, int64_t ldq, const float *dx, const float *c2,
-                                         const float *sx, const uint8_t *w, int64_t nb, int qt, int R, float *out) {
-    const int64_t rec = gg_record(qt), qb = gg_qbytes(qt), bpr = ldq / 32;
-    __m256 y[2][2];
-    for (int r = 0; r < 2; r++) y[r][0] = y[r][1] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rp = w + b * rec;
-        __m256i acc[2][2];
-        for (int r = 0; r < 2; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-        for (int t = 0; t < (qt == GG_Q8_0 ? 8 : 4); t++)
-            for (int h = 0; h < 2; h++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(rp + t * 64 + 32 * h));
-                if (qt == GG_Q8_0) {
-                    const __m256i q = _mm256_xor_si256(v, flip), aq = _mm256_abs_epi8(q);
-                    for (int r = 0; r < R; r++) {
-                        int32_t quad;
-                        memcpy(&quad, xq + r * ldq + 32 * b + 4 * t, 4);
-                        const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_set1_epi32(quad), q));
-                        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
-                    }
-                } else {
-                    const __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-                    for (int r = 0; r < R; r++) {
-                        int32_t ql, qh;
-                        memcpy(&ql, xq + r * ldq + 32 * b + 4 * t, 4);
-                        memcpy(&qh, xq + r * ldq + 32 * b + 16 + 4 * t, 4);
-                        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(ql)), ones);
-                        p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(qh)), ones));
-                        acc[r][h] = _mm256_add_epi32(acc[r][h], p);
-                    }
-                }
-            }
-        for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rp + qb + 16 * h)));
-            const __m256 m = qt == GG_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rp + qb + 32 + 16 * h)))
-                                           : _mm256_setzero_ps();
-            for (int r = 0; r < R; r++) {
-                const int64_t i = r * bpr + b;
-                const float cc = qt == GG_Q8_0 ? 0.0f : c2[i];
-                const __m256 tv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(dx[i]), _mm256_set1_ps(cc));
-                y[r][h] = _mm256_fmadd_ps(d, tv, y[r][h]);
-                if (qt == GG_Q4_1) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[i]), y[r][h]);
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GG_COLS + 8 * h, y[r][h]);
-}
 
 #if defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
 #define GG_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
@@ -226,6 +177,20 @@ static const gg_vfn gg_vtiles[3][2][5] = {{GG_VROW(2, 1), GG_VROW(2, 2)}, {GG_VR
 #define GG_HAVE_VNNI 0
 #endif
 
+/* the AVX512-VNNI tiles run: the caller's leave and the CPU's (asked once) */
+static int gg_zmm_vnni(void) {
+#if GG_HAVE_VNNI
+    static int cpu_vnni = -1;
+    if (cpu_vnni < 0) cpu_vnni = __builtin_cpu_supports("avx512vnni");
+    return gg_vnni && cpu_vnni;
+#else
+    return 0;
+#endif
+}
+
+/* a call sums on vpdpbusd now, on zmm or ymm (what tests and the logs check) */
+int kiln_gguf_vnni_running(void) { return gg_zmm_vnni() || kiln_gguf_ymm_off(!GG_HAVE_VNNI && gg_vnni) == 128; }
+
 #define GG_MC 64 /* rows per chunk of a thread's work */
 #define GG_MR 4
 
@@ -235,15 +200,11 @@ int kiln_linear_gguf(const void *x, const uint8_t *w, int qt, const float *bias,
                      int64_t k, int64_t ldx, int64_t ldy, int bf16, int dequant) {
     if (dequant && !bf16) return kiln_gguf_linear_f32(x, w, qt, bias, y, m, n, k, ldx, ldy);
     const int64_t nb = k / 32, groups = (n + GG_COLS - 1) / GG_COLS, rec = gg_record(qt);
-#if GG_HAVE_VNNI
-    static int cpu_vnni = -1;
-    if (cpu_vnni < 0) cpu_vnni = __builtin_cpu_supports("avx512vnni");
-    const int vnni = gg_vnni && cpu_vnni;
-#else
-    const int vnni = 0;
-#endif
-    const int avx2 = !vnni && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    const int off = qt == GG_Q4_0 ? 8 : (qt == GG_Q8_0 && vnni ? 128 : 0);
+    const int vnni = gg_zmm_vnni();
+    /* else 16-column groups on ymm: AVX-VNNI where the x86-64-v3 library may run it, else AVX2 (or none) */
+    const int yv = !GG_HAVE_VNNI && gg_vnni; /* gg_vnni says AVX-VNNI in the x86-64-v3 library */
+    const kiln_gguf_group ymm = vnni ? 0 : kiln_gguf_ymm_group(yv);
+    const int off = qt == GG_Q4_0 ? 8 : (qt == GG_Q8_0 && (vnni || (ymm && kiln_gguf_ymm_off(yv))) ? 128 : 0);
     /* per row: xq [k] + dx, c2, sx [nb] each */
     const size_t row_bytes = (size_t)k + 3 * (size_t)nb * sizeof(float);
     uint8_t *buf = malloc((size_t)m * row_bytes + 64);
@@ -277,14 +238,11 @@ int kiln_linear_gguf(const void *x, const uint8_t *w, int qt, const float *bias,
                 } else
 #endif
                 {
-#if defined(__x86_64__)
-                    if (avx2) {
+                    if (ymm) {
                         for (int r0 = 0; r0 < rows; r0 += 2)
-                            gg_group_avx2(xr + r0 * k, k, dr + r0 * nb, cr + r0 * nb, sr + r0 * nb, wg, nb, qt,
-                                          rows - r0 < 2 ? rows - r0 : 2, out + r0 * GG_COLS);
-                    } else
-#endif
-                    {
+                            ymm(xr + r0 * k, k, dr + r0 * nb, cr + r0 * nb, sr + r0 * nb, wg, nb, qt,
+                                rows - r0 < 2 ? rows - r0 : 2, out + r0 * GG_COLS);
+                    } else {
                         memset(out, 0, sizeof out);
                         gg_group_scalar(xr, k, dr, cr, sr, wg, nb, qt, off, rows, out);
                     }

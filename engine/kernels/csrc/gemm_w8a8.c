@@ -216,6 +216,7 @@ static const kiln_w8a8_tile *w8_tiles(void) {
     if (vnni < 0) vnni = __builtin_cpu_supports("avx512vnni");
     return vnni && w8_vnni ? w8_zmm_vnni : w8_zmm_bw;
 }
+#define W8_VNNI_RUNNING() (w8_tiles() == w8_zmm_vnni)
 #define W8_QUANTIZE_ROW w8_quantize_row_vec
 #define W8_HAVE 1
 #define W8_AMX 1
@@ -223,6 +224,7 @@ static const kiln_w8a8_tile *w8_tiles(void) {
 #define W8_QUAD (4 * KILN_PANEL)
 #define W8_MR KILN_W8A8_YMM_MR
 static const kiln_w8a8_tile *w8_tiles(void) { return kiln_w8a8_ymm_tiles(w8_vnni); }
+#define W8_VNNI_RUNNING() (w8_tiles() != kiln_w8a8_ymm_tiles(0))
 #define W8_QUANTIZE_ROW w8_quantize_row
 #define W8_HAVE 1
 #endif
@@ -236,6 +238,8 @@ static __thread void *w8_buf; /* the quantized activations (kiln_scratch) */
 static __thread size_t w8_cap;
 
 int kiln_w8a8_available(void) { return 1; }
+/* the tiles a call runs now sum on vpdpbusd (the caller's leave and the CPU's): what tests and the logs check */
+int kiln_w8a8_vnni_running(void) { return W8_VNNI_RUNNING(); }
 
 struct w8_call { /* what every (row chunk, panel) of one kiln_linear_w8a8 call shares */
     const kiln_w8a8_tile *tile; const uint8_t *xq; const float *sx, *scales, *bias; const int8_t *packed;
@@ -315,6 +319,7 @@ int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, c
 }
 #else
 int kiln_w8a8_available(void) { return 0; }
+int kiln_w8a8_vnni_running(void) { return 0; }
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16,
                      int amx) {

@@ -12,22 +12,15 @@
 #include "kiln_cpu.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 10)
-#include <cpuid.h>
 #include <immintrin.h>
 
-/* the AVX-VNNI tiles where the compiler knows the instruction (GCC 11, clang 12); else AVX2's alone */
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+/* the AVX-VNNI tiles where the compiler knows the instruction (kiln_cpu.h: GCC 11, clang 12); else AVX2's alone */
+#ifdef KILN_HAVE_YMM_VNNI
 #define YT_HAVE_VNNI 1
 #endif
 #define YT_AVX2 __attribute__((target("avx2,fma")))
-#define YT_VNNI __attribute__((target("avx2,fma,avxvnni")))
-/* acc += u8 x s8 quads, on the instruction's own int32 lanes (gemm_w8a8.c says why the builtin, not the
- * intrinsic, for GCC) */
-#if defined(__clang__)
-#define YT_DPBUSD(acc, xb, w) ((acc) = (__v8si)_mm256_dpbusd_avx_epi32((__m256i)(acc), (xb), (w)))
-#else
-#define YT_DPBUSD(acc, xb, w) ((acc) = __builtin_ia32_vpdpbusd_v8si((acc), (__v8si)(xb), (__v8si)(w)))
-#endif
+#define YT_VNNI KILN_YMM_VNNI
+#define YT_DPBUSD KILN_YMM_DPBUSD
 
 /* the epilogue of a tile: rows [0, R) of y (row stride ldy, bf16 or float32) = f * scale + bias, ncols columns */
 YT_AVX2 static inline void yt_store(__m256 f[][2], int R, const float *scale, const float *bias, void *y,
@@ -105,19 +98,12 @@ static const kiln_w8a8_tile yt_avx2[KILN_W8A8_YMM_MR + 1] = {0, yt_avx2_1, yt_av
 YT_TILE(yt_vnni1, YT_VNNI, 1, YT_VNNI_STEP, 1) YT_TILE(yt_vnni2, YT_VNNI, 2, YT_VNNI_STEP, 1)
 YT_TILE(yt_vnni3, YT_VNNI, 3, YT_VNNI_STEP, 1) YT_TILE(yt_vnni4, YT_VNNI, 4, YT_VNNI_STEP, 1)
 static const kiln_w8a8_tile yt_vnni[KILN_W8A8_YMM_MR + 1] = {0, yt_vnni1, yt_vnni2, yt_vnni3, yt_vnni4};
-
-/* AVX-VNNI from CPUID (leaf 7, sub-leaf 1, EAX bit 4): older compilers' __builtin_cpu_supports lack its name.
- * The OS keeps the ymm state: this library already runs AVX2. */
-static int yt_cpu_vnni(void) {
-    unsigned a, b, c, d;
-    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
-}
 #endif
 
 const kiln_w8a8_tile *kiln_w8a8_ymm_tiles(int vnni) {
 #ifdef YT_HAVE_VNNI
     static int cpu_vnni = -1; /* asked once: a caller's leave without the CPU's gets AVX2, never a fault */
-    if (cpu_vnni < 0) cpu_vnni = yt_cpu_vnni();
+    if (cpu_vnni < 0) cpu_vnni = kiln_cpu_ymm_vnni();
     if (vnni && cpu_vnni) return yt_vnni;
 #else
     (void)vnni;

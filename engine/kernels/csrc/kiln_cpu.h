@@ -14,7 +14,8 @@
  *   gemm_w8a8.c  int8 weights x int8 activations quantized per 32-block (W8A8), same int8 panels: AVX512-VNNI tiles
  *   gemm_w8a8_ymm.c  its tiles on 256-bit vectors (AVX-VNNI, AVX2) for the x86-64-v3 library
  *   gemm_w8a8_amx.c  its sums on AMX-INT8 tiles, up to 16 rows at a time, for the x86-64-v4 library
- *   gemm_gguf.c  GGUF block weights (Q8_0, Q4_0, Q4_1) x activations quantized per 32-block, VNNI / AVX2
+ *   gemm_gguf.c  GGUF block weights (Q8_0, Q4_0, Q4_1) x activations quantized per 32-block: AVX512-VNNI tiles
+ *   gemm_gguf_ymm.c  its column groups on 256-bit vectors (AVX-VNNI for the x86-64-v3 library, AVX2)
  *   gguf_pack.c  GGUF block weights packed into kiln's records (gguf_layout.h), and dequantized (kiln-gguf-f32)
  *   gemm_dispatch.c  kiln_gemm, which runs the kernel a weight's tactic table picked for the call's row count:
  *                over the four GEMM files above, which never call it (gemm_int8.c calls down into gemm.c, gemm_amx.c)
@@ -158,6 +159,7 @@ int kiln_linear_amx(const uint16_t *x, const uint16_t *packed, const float *bias
 int kiln_amx_ready(void);
 int kiln_linear_i8(const void *x, const int8_t *packed, const float *scales, const float *bias, void *y, int64_t m,
                    int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16, int amx);
+int kiln_w8a8_vnni_running(void);
 int kiln_linear_w8a8(const void *x, const int8_t *packed, const float *scales, const int16_t *bsums,
                      const float *bias, void *y, int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy, int bf16,
                      int amx);
@@ -177,6 +179,50 @@ typedef void (*kiln_w8a8_tile)(const uint8_t *xq, int64_t ldq, const float *sx, 
 /* the 256-bit tiles by R = 1..KILN_W8A8_YMM_MR (gemm_w8a8_ymm.c): AVX-VNNI where vnni and the CPU has it, else AVX2; NULL in a library
  * without them */
 KILN_HIDDEN const kiln_w8a8_tile *kiln_w8a8_ymm_tiles(int vnni);
+/* A GGUF column group on 256-bit vectors (gemm_gguf_ymm.c): rows [0, R <= 2) of the quantized activations x 16
+ * columns; off: the Q8_0 offset the caller quantized with (128 for the AVX-VNNI group, kiln_gguf_ymm_off) */
+typedef void (*kiln_gguf_group)(const int8_t *xq, int64_t ldq, const float *dx, const float *c2, const float *sx,
+                                const uint8_t *w, int64_t nb, int qt, int R, float *out);
+KILN_HIDDEN kiln_gguf_group kiln_gguf_ymm_group(int vnni); /* AVX-VNNI where vnni and the CPU has it, else AVX2 */
+KILN_HIDDEN int kiln_gguf_ymm_off(int vnni);               /* the Q8_0 offset that group takes: 128 or 0 */
+
+/* AVX-VNNI's vpdpbusd on ymm (Intel's client parts from Alder Lake on, Sierra Forest: no AVX-512). Built with
+ * -DKILN_AVX_VNNI_EVEX (tests on an AVX512-VNNI host without AVX-VNNI: tests/engine/test_ymm_vnni.py), the same
+ * tiles take the instruction's EVEX encoding (AVX512VL + AVX512-VNNI) and ask the CPU for that instead. */
+#if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(KILN_AVX_VNNI_EVEX) ? (defined(__clang__) || __GNUC__ >= 10)                                             \
+                                : ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define KILN_HAVE_YMM_VNNI 1
+#endif
+#endif
+#ifdef KILN_HAVE_YMM_VNNI
+#include <cpuid.h>
+#include <immintrin.h>
+#ifdef KILN_AVX_VNNI_EVEX
+#define KILN_YMM_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#else
+#define KILN_YMM_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#endif
+/* acc += u8 x s8 quads on the instruction's own int32 lanes (gemm_w8a8.c says why the builtin, not the
+ * intrinsic, for GCC) */
+#if defined(__clang__) && defined(KILN_AVX_VNNI_EVEX)
+#define KILN_YMM_DPBUSD(acc, u, s) ((acc) = (__v8si)_mm256_dpbusd_epi32((__m256i)(acc), (u), (s)))
+#elif defined(__clang__)
+#define KILN_YMM_DPBUSD(acc, u, s) ((acc) = (__v8si)_mm256_dpbusd_avx_epi32((__m256i)(acc), (u), (s)))
+#else
+#define KILN_YMM_DPBUSD(acc, u, s) ((acc) = __builtin_ia32_vpdpbusd_v8si((acc), (__v8si)(u), (__v8si)(s)))
+#endif
+/* the CPU runs it: AVX-VNNI from CPUID (leaf 7, sub-leaf 1, EAX bit 4; older compilers' __builtin_cpu_supports
+ * lack its name; the OS keeps the ymm state: the library already runs AVX2), or the EVEX build's two flags */
+static inline int kiln_cpu_ymm_vnni(void) {
+#ifdef KILN_AVX_VNNI_EVEX
+    return __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+#endif
+}
+#endif
 KILN_HIDDEN int kiln_gguf_linear_f32(const float *x, const uint8_t *w, int qt, const float *bias, float *y,
                                      int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldy);
 int kiln_linear_gguf(const void *x, const uint8_t *w, int qt, const float *bias, void *y, int64_t m, int64_t n,
