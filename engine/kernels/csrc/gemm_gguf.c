@@ -203,7 +203,7 @@ int kiln_linear_gguf(const void *x, const uint8_t *w, int qt, const float *bias,
     const int vnni = gg_zmm_vnni();
     /* else 16-column groups on ymm: AVX-VNNI where the x86-64-v3 library may run it, else AVX2 (or none) */
     const int yv = !GG_HAVE_VNNI && gg_vnni; /* gg_vnni says AVX-VNNI in the x86-64-v3 library */
-    const kiln_gguf_group ymm = vnni ? 0 : kiln_gguf_ymm_group(yv);
+    const kiln_gguf_group *ymm = vnni ? 0 : kiln_gguf_ymm_group(yv); /* by rows: 1, 2 */
     const int off = qt == GG_Q4_0 ? 8 : (qt == GG_Q8_0 && (vnni || (ymm && kiln_gguf_ymm_off(yv))) ? 128 : 0);
     /* per row: xq [k] + dx, c2, sx [nb] each */
     const size_t row_bytes = (size_t)k + 3 * (size_t)nb * sizeof(float);
@@ -240,8 +240,8 @@ int kiln_linear_gguf(const void *x, const uint8_t *w, int qt, const float *bias,
                 {
                     if (ymm) {
                         for (int r0 = 0; r0 < rows; r0 += 2)
-                            ymm(xr + r0 * k, k, dr + r0 * nb, cr + r0 * nb, sr + r0 * nb, wg, nb, qt,
-                                rows - r0 < 2 ? rows - r0 : 2, out + r0 * GG_COLS);
+                            ymm[rows - r0 < 2 ? rows - r0 : 2](xr + r0 * k, k, dr + r0 * nb, cr + r0 * nb,
+                                                               sr + r0 * nb, wg, nb, qt, out + r0 * GG_COLS);
                     } else {
                         memset(out, 0, sizeof out);
                         gg_group_scalar(xr, k, dr, cr, sr, wg, nb, qt, off, rows, out);

@@ -1,6 +1,6 @@
 /* ---- GGUF's column groups on 256-bit vectors: AVX-VNNI (the x86-64-v3 library) and AVX2 ----
  *
- * gemm_gguf.c quantizes the activations and shares out the groups; here rows [0, R <= 2) x one group of 16
+ * gemm_gguf.c quantizes the activations and shares out the groups; here rows [0, R), R = 1 or 2, x one group of 16
  * columns (two ymm halves of 8), the records as gemm_gguf.c describes them. Per block and column both sum the
  * same integers exactly:
  *   AVX-VNNI: vpdpbusd of the stored unsigned bytes by the signed activation quads, as the AVX512-VNNI tiles do
@@ -38,9 +38,9 @@
     } while (0)
 
 /* rows [0, R) x one group; Q8_0's c2 is added where the group takes the offset (OFF8) */
-#define GG_GROUP(NAME, TARGET, ACC, PREP8, Q8, Q4, OFF8)                                                       \
+#define GG_GROUP(NAME, TARGET, ACC, PREP8, Q8, Q4, OFF8, R)                                                    \
     TARGET static void NAME(const int8_t *xq, int64_t ldq, const float *dx, const float *c2, const float *sx,  \
-                            const uint8_t *w, int64_t nb, int qt, int R, float *out) {                         \
+                            const uint8_t *w, int64_t nb, int qt, float *out) {                                \
         const int64_t rec = gg_record(qt), qb = gg_qbytes(qt), bpr = ldq / 32;                                 \
         __m256 y[2][2];                                                                                        \
         for (int r = 0; r < 2; r++) y[r][0] = y[r][1] = _mm256_setzero_ps();                                   \
@@ -89,9 +89,14 @@
             for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * GG_COLS + 8 * h, y[r][h]);                  \
     }
 
-GG_GROUP(gg_group_avx2, GG_AVX2, __m256i, GG_AVX2_PREP8, GG_AVX2_Q8, GG_AVX2_Q4, 0)
+/* one function per row count (1, 2): R a constant, so the sums stay in registers */
+GG_GROUP(gg_avx2_1, GG_AVX2, __m256i, GG_AVX2_PREP8, GG_AVX2_Q8, GG_AVX2_Q4, 0, 1)
+GG_GROUP(gg_avx2_2, GG_AVX2, __m256i, GG_AVX2_PREP8, GG_AVX2_Q8, GG_AVX2_Q4, 0, 2)
+static const kiln_gguf_group gg_avx2[3] = {0, gg_avx2_1, gg_avx2_2};
 #ifdef KILN_HAVE_YMM_VNNI
-GG_GROUP(gg_group_vnni, KILN_YMM_VNNI, __v8si, GG_VNNI_PREP8, GG_VNNI_Q8, GG_VNNI_Q4, 1)
+GG_GROUP(gg_vnni_1, KILN_YMM_VNNI, __v8si, GG_VNNI_PREP8, GG_VNNI_Q8, GG_VNNI_Q4, 1, 1)
+GG_GROUP(gg_vnni_2, KILN_YMM_VNNI, __v8si, GG_VNNI_PREP8, GG_VNNI_Q8, GG_VNNI_Q4, 1, 2)
+static const kiln_gguf_group gg_vnni[3] = {0, gg_vnni_1, gg_vnni_2};
 #endif
 
 static int gg_ymm_vnni(int vnni) {
@@ -105,18 +110,18 @@ static int gg_ymm_vnni(int vnni) {
 #endif
 }
 
-kiln_gguf_group kiln_gguf_ymm_group(int vnni) {
+const kiln_gguf_group *kiln_gguf_ymm_group(int vnni) {
 #ifdef KILN_HAVE_YMM_VNNI
-    if (gg_ymm_vnni(vnni)) return gg_group_vnni;
+    if (gg_ymm_vnni(vnni)) return gg_vnni;
 #else
     (void)vnni;
 #endif
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? gg_group_avx2 : 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? gg_avx2 : 0;
 }
 
 int kiln_gguf_ymm_off(int vnni) { return gg_ymm_vnni(vnni) ? 128 : 0; }
 #else
-kiln_gguf_group kiln_gguf_ymm_group(int vnni) {
+const kiln_gguf_group *kiln_gguf_ymm_group(int vnni) {
     (void)vnni;
     return 0;
 }

@@ -179,11 +179,11 @@ typedef void (*kiln_w8a8_tile)(const uint8_t *xq, int64_t ldq, const float *sx, 
 /* the 256-bit tiles by R = 1..KILN_W8A8_YMM_MR (gemm_w8a8_ymm.c): AVX-VNNI where vnni and the CPU has it, else AVX2; NULL in a library
  * without them */
 KILN_HIDDEN const kiln_w8a8_tile *kiln_w8a8_ymm_tiles(int vnni);
-/* A GGUF column group on 256-bit vectors (gemm_gguf_ymm.c): rows [0, R <= 2) of the quantized activations x 16
- * columns; off: the Q8_0 offset the caller quantized with (128 for the AVX-VNNI group, kiln_gguf_ymm_off) */
+/* A GGUF column group on 256-bit vectors (gemm_gguf_ymm.c): R rows of the quantized activations x 16 columns,
+ * by R = 1, 2; the caller quantized Q8_0 with the group's offset (kiln_gguf_ymm_off: 128 for AVX-VNNI, else 0) */
 typedef void (*kiln_gguf_group)(const int8_t *xq, int64_t ldq, const float *dx, const float *c2, const float *sx,
-                                const uint8_t *w, int64_t nb, int qt, int R, float *out);
-KILN_HIDDEN kiln_gguf_group kiln_gguf_ymm_group(int vnni); /* AVX-VNNI where vnni and the CPU has it, else AVX2 */
+                                const uint8_t *w, int64_t nb, int qt, float *out);
+KILN_HIDDEN const kiln_gguf_group *kiln_gguf_ymm_group(int vnni); /* AVX-VNNI where vnni and the CPU has it, else AVX2 */
 KILN_HIDDEN int kiln_gguf_ymm_off(int vnni);               /* the Q8_0 offset that group takes: 128 or 0 */
 
 /* AVX-VNNI's vpdpbusd on ymm (Intel's client parts from Alder Lake on, Sierra Forest: no AVX-512). Built with
@@ -196,8 +196,7 @@ KILN_HIDDEN int kiln_gguf_ymm_off(int vnni);               /* the Q8_0 offset th
 #endif
 #endif
 #ifdef KILN_HAVE_YMM_VNNI
-#include <cpuid.h>
-#include <immintrin.h>
+#include <cpuid.h> /* the files that use the macros below include <immintrin.h> (costly: not every file here) */
 #ifdef KILN_AVX_VNNI_EVEX
 #define KILN_YMM_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #else
