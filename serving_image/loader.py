@@ -220,11 +220,14 @@ async def warm_up_grammar(engine: Any, in_flight: Callable[[], int] = lambda: 0,
     that comes first builds what it needs itself (``GrammarCompiler._tokenizer`` under its lock, a checker per
     compile thread on first use), so nothing waits for this and nothing is done twice."""
     idle_s = GRAMMAR_WARM_UP_IDLE_S if idle_s is None else idle_s
-    quiet_since = time.monotonic()
+    quiet_since: float | None = None  # when a poll first saw nothing in flight (a request may have ended before)
     while True:
+        now = time.monotonic()
         if in_flight():
-            quiet_since = time.monotonic()
-        elif time.monotonic() - quiet_since >= idle_s:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        elif now - quiet_since >= idle_s:
             break
         await asyncio.sleep(min(0.1, idle_s / 4 or 0.01))
     from kiln.engine.errors import RequestError
