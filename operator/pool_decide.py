@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.operator.naming import pool_workload_name
-from kiln.operator.pool_member import SCALED_TO_ZERO
+from kiln.operator.pool_member import SCALED_TO_ZERO, ready_condition
 from kiln.operator.pools import pool_endpoint
 from kiln.operator.status import ObjectRead, condition
 
@@ -336,10 +336,7 @@ def changed_members(old: dict[str, Any], new: dict[str, Any]) -> set[str]:
     changed, appeared or went."""
     was, now = entries_by_name(old), entries_by_name(new)
     names = set(was) | set(now)
-    if any(old.get(key) != new.get(key) for key in ("phase", "endpoint")) or _reason(old) != _reason(new):
+    if any(old.get(key) != new.get(key) for key in ("phase", "endpoint")) or \
+            ready_condition(old).get("reason") != ready_condition(new).get("reason"):
         return {n for n in names if n}
     return {n for n in names if n and was.get(n) != now.get(n)}
-
-
-def _reason(status: dict[str, Any]) -> str | None:
-    return next((c.get("reason") for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)

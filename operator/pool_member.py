@@ -24,7 +24,7 @@ from kiln.operator.settings import OperatorConfig
 from kiln.api import LLMEngineSpec
 
 ENGINE_TOO_BIG, POOL_MISMATCH = "EngineTooBigForPool", "PoolMismatch"  # the Ready condition's reason when Refused
-SCALED_TO_ZERO = "ScaledToZero"  # the pool's Ready reason at zero pods (pool_decide), and then its members'
+SCALED_TO_ZERO = "ScaledToZero"  # Ready False at zero pods: an engine's (status), a pool's (pool_decide), its members'
 # How long after its entry is first listed the pool's pods have surely loaded the engine list, unless the operator
 # is told otherwise (OperatorConfig.pool_list_sync_seconds): the kubelet syncs a mounted ConfigMap within about a
 # minute, the pods read the file every 2 s.
@@ -97,7 +97,7 @@ def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, An
         return PoolView(wanted, namespace)
     status = pool.get("status") or {}
     entry = next((e for e in status.get("engines") or [] if e.get("name") == name), {})
-    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    ready = ready_condition(status)
     state = entry.get("state")
     return PoolView(wanted, namespace, found=True, state=state, version=entry.get("engineVersion"),
                     message=entry.get("message"), refusal=refusal(entry) if state == "Refused" else None,
@@ -107,6 +107,11 @@ def pool_view(spec: LLMEngineSpec, name: str, namespace: str, pool: dict[str, An
                     listed_since=_time(entry.get("listedSince")), now=now, list_sync=list_sync,
                     left_out=tuple((str(a.get("name")), str(a.get("message") or "")) for a in
                                    entry.get("adaptersLeftOut") or [] if isinstance(a, dict)))
+
+
+def ready_condition(status: dict[str, Any]) -> dict[str, Any]:
+    """A pool's Ready condition as its status holds it ({} when it has none yet)."""
+    return next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
 
 
 def _time(value: Any) -> datetime | None:

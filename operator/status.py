@@ -16,7 +16,7 @@ from typing import Any
 
 from kiln.operator.kube import iso, parse_time
 from kiln.operator.naming import ANNOTATION_VERSION
-from kiln.operator.pool_member import POOL_MISMATCH, PoolView, listing_message, not_found_message
+from kiln.operator.pool_member import POOL_MISMATCH, SCALED_TO_ZERO, PoolView, listing_message, not_found_message
 
 BUILT, READY = "Built", "Ready"
 MESSAGE_TAIL = 2000
@@ -325,7 +325,7 @@ def _rollout(obs: Observation, cond: Cond, still: str) -> dict[str, Any]:
         owner = (obs.replica_status or {}).get("owner", "the autoscaler")
         why = (f"scaled to zero by {owner}; a request through the KEDA HTTP add-on's interceptor starts a pod"
                if obs.autoscaled else "spec.serving.replicas is 0; nothing serves")
-        phase, ready = "Ready", cond(READY, False, "ScaledToZero", why)
+        phase, ready = "Ready", cond(READY, False, SCALED_TO_ZERO, why)
     elif obs.unschedulable is not None:
         phase, ready = "Deploying", cond(READY, False, *obs.unschedulable)
     else:

@@ -101,9 +101,7 @@ static const kiln_gguf_group gg_vnni[3] = {0, gg_vnni_1, gg_vnni_2};
 
 static int gg_ymm_vnni(int vnni) {
 #ifdef KILN_HAVE_YMM_VNNI
-    static int cpu = -1; /* asked once: a caller's leave without the CPU's gets AVX2, never a fault */
-    if (cpu < 0) cpu = kiln_cpu_ymm_vnni();
-    return vnni && cpu;
+    return vnni && kiln_cpu_ymm_vnni();
 #else
     (void)vnni;
     return 0;

@@ -102,9 +102,7 @@ static const kiln_w8a8_tile yt_vnni[KILN_W8A8_YMM_MR + 1] = {0, yt_vnni1, yt_vnn
 
 const kiln_w8a8_tile *kiln_w8a8_ymm_tiles(int vnni) {
 #ifdef YT_HAVE_VNNI
-    static int cpu_vnni = -1; /* asked once: a caller's leave without the CPU's gets AVX2, never a fault */
-    if (cpu_vnni < 0) cpu_vnni = kiln_cpu_ymm_vnni();
-    if (vnni && cpu_vnni) return yt_vnni;
+    if (vnni && kiln_cpu_ymm_vnni()) return yt_vnni;
 #else
     (void)vnni;
 #endif

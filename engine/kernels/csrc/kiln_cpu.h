@@ -211,15 +211,20 @@ KILN_HIDDEN int kiln_gguf_ymm_off(int vnni);               /* the Q8_0 offset th
 #else
 #define KILN_YMM_DPBUSD(acc, u, s) ((acc) = __builtin_ia32_vpdpbusd_v8si((acc), (__v8si)(u), (__v8si)(s)))
 #endif
-/* the CPU runs it: AVX-VNNI from CPUID (leaf 7, sub-leaf 1, EAX bit 4; older compilers' __builtin_cpu_supports
- * lack its name; the OS keeps the ymm state: the library already runs AVX2), or the EVEX build's two flags */
+/* the CPU runs it, asked once: AVX-VNNI from CPUID (leaf 7, sub-leaf 1, EAX bit 4; older compilers'
+ * __builtin_cpu_supports lack its name; the OS keeps the ymm state: the library already runs AVX2), or the EVEX
+ * build's two flags. A caller's leave without the CPU's gets AVX2, never a fault. */
 static inline int kiln_cpu_ymm_vnni(void) {
+    static int cpu = -1;
+    if (cpu < 0) {
 #ifdef KILN_AVX_VNNI_EVEX
-    return __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+        cpu = __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #else
-    unsigned a, b, c, d;
-    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+        unsigned a, b, c, d;
+        cpu = __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
 #endif
+    }
+    return cpu;
 }
 #endif
 KILN_HIDDEN int kiln_gguf_linear_f32(const float *x, const uint8_t *w, int qt, const float *bias, float *y,
