@@ -2,7 +2,8 @@
 whose spec.serving.pool names it. An engine built as usual is listed in the pool's engine list (a ConfigMap the
 pod follows through the kubelet-style volume refresh) and answers through the pool's Service under its name; the
 member's LoRA adapter, built by its own Job, answers through the pool under its own name; a second engine joins
-the running pod without a restart; one that leaves is unloaded, is a 404 naming the pool's models, and gets its
+the running pod without a restart; an engine named as a member's adapter takes that name from it until it leaves;
+one that leaves is unloaded, is a 404 naming the pool's models, and gets its
 own Deployment again, whose greedy answers (its own and its adapter's) are the pool's; an engine that cannot fit
 a pool's budget is refused naming both figures, and that pool goes Failed naming spec.memoryBudget; a member
 deleted is dropped from the pod's list within seconds.
@@ -69,7 +70,7 @@ def pools(installed: Kube) -> Iterator[Kube]:
     """The pool CRD established; the pools and engines this file made are deleted after it."""
     installed.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{POOLS}")
     yield installed
-    for kind, names in ((f"llmengines.{GROUP}", (A, B)), (POOLS, (POOL, TIGHT))):
+    for kind, names in ((f"llmengines.{GROUP}", (A, B, ADAPTER)), (POOLS, (POOL, TIGHT))):
         installed.kubectl("delete", kind, *names, "-n", ENGINE_NS, "--ignore-not-found", "--wait=true",
                           "--timeout=120s", check=False)
 
@@ -193,6 +194,42 @@ def test_an_engine_joins_the_running_pool_and_answers_without_a_pod_restart(pool
     after = pool_pod(pools)
     assert after["metadata"]["uid"] == pod["metadata"]["uid"], "the pool's pod followed its engine list"
     assert after["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def adapter_message(kube: Kube, engine: str, adapter: str) -> str | None:
+    """The message of ``adapter`` in the engine's status.adapters (None: none, or no such adapter)."""
+    status = (kube.engine(engine, ENGINE_NS) or {}).get("status") or {}
+    return next((a.get("message") for a in status.get("adapters") or [] if a["name"] == adapter), None)
+
+
+def test_an_engine_named_as_a_members_adapter_takes_the_name_and_gives_it_back_when_it_leaves(pools: Kube, tiny_s3,
+                                                                                              a_lora):
+    """An engine named pool-a-lora joins (pool-a's checkpoint and slot limits, so pool-a's version: no Job). A request
+    naming pool-a-lora reaches it, so pool-a's adapter of that name is left out of the pool's adapter list, and
+    pool-a's status.adapters says so; once the engine leaves, the adapter answers under its name again."""
+    address = pool_address(pools)
+    pools.apply(member_manifest(ADAPTER, tiny_s3, POOL, {**a_lora, "adapters": []}))
+    pools.wait_for(f"{ADAPTER} listed in {POOL}", lambda: listed(pools, ADAPTER), timeout=BUILD_TIMEOUT, every=2)
+    same = pools.engine(ADAPTER, ENGINE_NS)["status"]["artifactURI"] == pools.engine(A, ENGINE_NS)["status"][
+        "artifactURI"]
+    assert same, "the engine is pool-a's build envelope, so pool-a's artifact"
+    pools.wait_for(f"{ADAPTER} answered by the engine of that name", lambda: complete(address, ADAPTER) == seen[A],
+                   timeout=120, every=2)
+    pools.wait_for(f"{ADAPTER} listed once on /v1/models, as an engine (the pod followed the adapter list)", lambda: [
+        m.get("parent") for m in call(address, "/v1/models")[1]["data"] if m["id"] == ADAPTER] == [None],
+        timeout=120, every=2)
+    left = pools.wait_for(f"{ADAPTER} left out of {A}'s entry", lambda: member(get_pool(pools), A).get(
+        "adaptersLeftOut"), timeout=60, every=2)
+    assert [a["name"] for a in left] == [ADAPTER]
+    said = pools.wait_for(f"{A}'s status.adapters saying so", lambda: adapter_message(pools, A, ADAPTER),
+                          timeout=120, every=2)
+    assert said.startswith(f"built, but the pool {POOL!r} does not serve it: ") and "rename the adapter" in said
+    pools.kubectl("delete", f"llmengines.{GROUP}", ADAPTER, "-n", ENGINE_NS, "--wait=true", "--timeout=120s")
+    pools.wait_for(f"{ADAPTER} answered by {A}'s adapter again", lambda: complete(address, ADAPTER, answered=False)
+                   == seen[ADAPTER], timeout=120, every=2)
+    assert models(address)[ADAPTER]["parent"] == A
+    pools.wait_for(f"the message gone from {A}'s status.adapters", lambda: adapter_message(pools, A, ADAPTER) is None,
+                   timeout=120, every=2)
 
 
 def test_an_engine_that_leaves_is_unloaded_and_serves_alone_as_it_did_in_the_pool(pools: Kube, tiny_s3, a_lora):
