@@ -297,8 +297,8 @@ class EnginePool:
 
     def cards(self, created: int) -> list[dict[str, Any]]:
         cards = [s.card(created) for s in self.slots.values()]
-        for slot in self.slots.values():
-            cards += slot.loras.cards(created, slot.name)
+        for slot in self.slots.values():  # an adapter named as an engine is not what its name reaches (slot_for)
+            cards += [c for c in slot.loras.cards(created, slot.name) if c["id"] not in self.slots]
         return cards
 
     def _members(self) -> list[EngineSlot]:

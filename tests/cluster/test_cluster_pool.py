@@ -215,7 +215,7 @@ def test_an_engine_named_as_a_members_adapter_takes_the_name_and_gives_it_back_w
     assert same, "the engine is pool-a's build envelope, so pool-a's artifact"
     pools.wait_for(f"{ADAPTER} answered by the engine of that name", lambda: complete(address, ADAPTER) == seen[A],
                    timeout=120, every=2)
-    pools.wait_for(f"{ADAPTER} listed once on /v1/models, as an engine (the pod followed the adapter list)", lambda: [
+    pools.wait_for(f"{ADAPTER} listed once on /v1/models, as an engine", lambda: [
         m.get("parent") for m in call(address, "/v1/models")[1]["data"] if m["id"] == ADAPTER] == [None],
         timeout=120, every=2)
     left = pools.wait_for(f"{ADAPTER} left out of {A}'s entry", lambda: member(get_pool(pools), A).get(

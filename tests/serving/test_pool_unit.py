@@ -584,3 +584,16 @@ def test_an_adapter_pass_that_hangs_does_not_hold_up_the_engine_list(monkeypatch
 
     asyncio.run(run())
     assert passes.count("adapters") == 1 and passes.count("engines") >= 5, passes
+
+
+def test_models_list_a_name_once_as_what_a_request_naming_it_reaches(monkeypatch):
+    """An adapter of engine a named b, as engine b of the pool is (the operator leaves such an adapter out of the
+    list; a pod holds it until it reads the list again): a request naming b reaches the engine b, and /v1/models
+    lists b once, as that engine; a's other adapter is listed as a's."""
+    pool, _ = make_pool(monkeypatch, {"a": 1, "b": 1}, memory_budget=10)
+    for name in ("b", "sql"):
+        pool.slots["a"].loras.adapters[name] = SimpleNamespace(lora_path=f"/adapters/{name}", base_model_name=None)
+    pool.slots["a"].status = LOADED
+    assert pool.slot_for("b") is pool.slots["b"] and pool.slot_for("sql") is pool.slots["a"]
+    cards = [(c["id"], c["parent"]) for c in pool.cards(0)]
+    assert sorted(cards, key=str) == [("a", None), ("b", None), ("sql", "a")]
