@@ -452,13 +452,13 @@ def test_engine_on_the_avx2_library_gives_transformers_tokens(fresh, monkeypatch
     assert outs[1].num_cached_tokens > 0
 
 
-def test_another_kilns_kernels_are_not_used(fresh_cache, caplog):
-    art = fresh_cache / "engine"
+def test_another_kilns_kernels_are_not_used(fresh, module_kernels_dir, caplog):
+    art = fresh / "engine"
     record = {**cpu_library.build_for_artifact(art), "source_sha256": "0" * 64}
     with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.native"):
         assert cpu_library.install_from_artifact(art, {"kernels": record}, trusted=True) == []
     assert "another kiln's source" in caplog.text
-    assert native.kernels().path.parent == fresh_cache / "cache"  # compiled here instead
+    assert native.kernels().path.parent == module_kernels_dir  # this kiln's, from its compile cache, instead
 
 
 def test_a_librarys_name_follows_its_extra_flags_and_the_files_they_name(tmp_path):
@@ -470,13 +470,13 @@ def test_a_librarys_name_follows_its_extra_flags_and_the_files_they_name(tmp_pat
     assert len({plain, with_header, cpu_library.library_name("x86-64-v3", ("-include", str(header)))}) == 3
 
 
-def test_an_unverified_artifacts_library_is_never_loaded(fresh_cache, caplog):
+def test_an_unverified_artifacts_library_is_never_loaded(fresh, module_kernels_dir, caplog):
     """A shipped library runs its constructors when it is loaded, so only a verified artifact's is loaded
     (kiln serve --verify-key); any other artifact runs the kernels this kiln compiles from its own source."""
-    art = fresh_cache / "engine"
+    art = fresh / "engine"
     record = cpu_library.build_for_artifact(art)
-    ran = fresh_cache / "constructor-ran"
-    planted = fresh_cache / "planted.c"
+    ran = fresh / "constructor-ran"
+    planted = fresh / "planted.c"
     planted.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) '
                        f'{{ FILE *f = fopen("{ran}", "w"); if (f) fclose(f); }}\n')
     for info in record["libraries"].values():  # a store writer swaps every level for its own library
@@ -485,7 +485,7 @@ def test_an_unverified_artifacts_library_is_never_loaded(fresh_cache, caplog):
     with caplog.at_level(logging.WARNING, logger="kiln.engine.kernels.native"):
         assert cpu_library.install_from_artifact(art, {"kernels": record}) == []
     assert "signature was not verified" in caplog.text
-    assert native.kernels().path.parent == fresh_cache / "cache"  # compiled here from this kiln's source
+    assert native.kernels().path.parent == module_kernels_dir  # this kiln's, compiled from its own source
     assert not ran.exists()
 
 
