@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kiln_cluster.network import Network
 from kiln_cluster.pki import Pki, ensure_pki, kubeconfig
+from kiln_cluster.priority import keep_priority
 
 NODE_NAME = "kiln-node-0"
 SERVICE_RANGE = "10.96.0.0/16"
@@ -123,6 +124,7 @@ def spawn(cluster: Cluster, name: str, argv: list[str], env: dict[str, str] | No
     log = cluster.log(name).open("ab")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, env={**os.environ, **(env or {})}, cwd=cluster.root)
+    keep_priority(proc.pid)
     cluster.pids[name] = proc.pid
     cluster.save()
 

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln_cluster.priority import keep_priority
+
 
 @dataclass
 class Mount:
@@ -62,6 +64,7 @@ class Sandbox:
             ["nsenter", f"--net={self.netns}", "unshare", "--mount", "--uts", "--propagation", "private",
              "sh", str(script)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+        keep_priority(self.holder.pid)
         (self.root / "holder.pid").write_text(str(self.holder.pid))
         first = self.holder.stdout.readline() if self.holder.stdout else b""
         if first.strip() != b"ready":
