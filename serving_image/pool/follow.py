@@ -28,7 +28,7 @@ async def start_pool(pool: Any) -> EngineFileFollower | None:
     path = pool.settings.engines_file
     if path is None:
         return None
-    follower = EngineFileFollower(pool, path)
+    follower = pool.follower = EngineFileFollower(pool, path)
     await follower.sync()
     return follower
 
@@ -39,6 +39,7 @@ class EngineFileFollower:
         self.held: dict[str, EngineEntry] = {}  # what this follower added, by name
         self._last: bytes | None = None
         self._removals: set[asyncio.Task[None]] = set()
+        self._passing = asyncio.Lock()  # one pass at a time: the loop's, or a request's for a name not found
 
     async def run(self) -> None:
         while True:
@@ -46,7 +47,14 @@ class EngineFileFollower:
             await self.sync()
 
     async def sync(self) -> None:
-        """One pass: if the file changed, add what it lists anew and remove what it no longer lists."""
+        """One pass: if the file changed, add what it lists anew and remove what it no longer lists. A request
+        naming no engine and no adapter runs one too (waiting for one under way) before its 404: the operator's
+        adapter list (read at each request) and this file change together, and an engine taking an adapter's
+        name must not leave the name unanswered until the next pass."""
+        async with self._passing:
+            await self._pass()
+
+    async def _pass(self) -> None:
         try:
             raw = self.path.read_bytes()
         except OSError:

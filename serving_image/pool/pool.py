@@ -51,6 +51,7 @@ class EnginePool:
         self._changed = asyncio.Event()
         self._changes, self._loaded_once = 0, False  # loads and unloads started; any load done (_quiet_rss)
         self.pool_metrics = PoolMetrics(metrics.registry, self)
+        self.follower: Any = None  # follow.EngineFileFollower where --engines-file is given
 
     # -- the engines ---------------------------------------------------------------------------------------
     def make_slot(self, entry: EngineEntry) -> EngineSlot:
@@ -98,6 +99,9 @@ class EnginePool:
     async def acquire(self, model: str) -> EngineSlot:
         """The loaded engine for ``model``: 404 for a name the pool does not serve, 503 when it cannot be placed."""
         slot = self.slot_for(model)
+        if slot is None and self.follower is not None:  # an engine the file lists since the follower's last pass
+            await self.follower.sync()
+            slot = self.slot_for(model)
         if slot is None:
             raise self.not_found(model)
         slot.last_used = time.monotonic()

@@ -213,10 +213,11 @@ def test_an_engine_named_as_a_members_adapter_takes_the_name_and_gives_it_back_w
     same = pools.engine(ADAPTER, ENGINE_NS)["status"]["artifactURI"] == pools.engine(A, ENGINE_NS)["status"][
         "artifactURI"]
     assert same, "the engine is pool-a's build envelope, so pool-a's artifact"
-    # The pod reads its engine list and its adapter list each on its own: between the two reads the name may be
-    # neither's for a moment (a 404), so the wait takes that as not yet.
-    pools.wait_for(f"{ADAPTER} answered by the engine of that name", lambda: complete(
-        address, ADAPTER, answered=False) == seen[A], timeout=120, every=2)
+    # The pod reads its adapter list at each request and its engine list every few seconds, but a name found in
+    # neither reads the engine list once more before its 404: the name is answered throughout (200), first by
+    # the adapter, then by the engine.
+    pools.wait_for(f"{ADAPTER} answered by the engine of that name", lambda: complete(address, ADAPTER) == seen[A],
+                   timeout=120, every=2)
     pools.wait_for(f"{ADAPTER} listed once on /v1/models, as an engine", lambda: [
         m.get("parent") for m in call(address, "/v1/models")[1]["data"] if m["id"] == ADAPTER] == [None],
         timeout=120, every=2)

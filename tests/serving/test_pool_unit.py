@@ -597,3 +597,29 @@ def test_models_list_a_name_once_as_what_a_request_naming_it_reaches(monkeypatch
     assert pool.slot_for("b") is pool.slots["b"] and pool.slot_for("sql") is pool.slots["a"]
     cards = [(c["id"], c["parent"]) for c in pool.cards(0)]
     assert sorted(cards, key=str) == [("a", None), ("b", None), ("sql", "a")]
+
+
+def test_a_name_not_found_reads_the_engines_file_once_more_before_its_404(monkeypatch, tmp_path):
+    """The operator lists an engine and drops the adapter it takes the name of in one ConfigMap edit; the pod reads
+    the adapter list at each request and the engines file every POLL_S: a request in between found the name in
+    neither and got a 404. A miss now runs one pass over the engines file first (one at a time with the loop's)."""
+    from kiln.serving.pool.follow import start_pool
+
+    from kiln.engine_list import document
+
+    listed = tmp_path / "engines.json"
+    entries = [EngineEntry(n, f"file:///store/engines/{n}") for n in ("a", "b")]
+    listed.write_text(json.dumps(document(entries[:1])))
+
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 1, "b": 1}, memory_budget=10, engines_file=listed)
+        pool.slots.clear()  # the file's engines only
+        follower = await start_pool(pool)
+        assert pool.follower is follower and sorted(pool.slots) == ["a"]
+        listed.write_text(json.dumps(document(entries)))  # b joins; the loop's next pass is seconds away
+        first, second = await asyncio.gather(pool.acquire("b"), pool.acquire("b"))  # the second waits for the pass
+        assert first is second is pool.slots["b"] and rec.events == [("load", "b")]
+        with pytest.raises(APIError, match="'a', 'b'"):
+            await pool.acquire("c")
+
+    asyncio.run(run())
