@@ -230,7 +230,8 @@ class AsyncLLM:
     def _delta(req: Request, ids: list[int], text: str, logprobs, reason: str | None,
                queue_time: float | None = None) -> StreamDelta:
         return StreamDelta(req.request_id, ids, text, reason, logprobs, req.num_prompt_tokens,
-                           req.num_output_tokens, req.num_cached_tokens, queue_time)
+                           req.num_output_tokens, req.num_cached_tokens, queue_time,
+                           req.prompt_logprobs if queue_time is not None else None)
 
     def _post(self, request_id: str, item: StreamDelta | BaseException) -> None:
         assert self._loop is not None

@@ -33,6 +33,7 @@ from kiln.engine.layers.paged_metadata import build_paged_metadata, token_rows
 from kiln.engine.lora.runner import LoRARunner
 from kiln.engine.models.llama import Intermediate, head_dim_of, kv_heads_of
 from kiln.engine.models.registry import create_model
+from kiln.engine.prompt_logprobs import PromptSpan, fill, prompt_rows
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow, merge_rows
 from kiln.engine.sequence import Request
 from kiln.engine.spec_decode.verify_rows import sampled_positions, sampling_rows
@@ -163,9 +164,9 @@ class ModelRunner:
             self.tactics_job.let_go()
 
     # -- rank 0 ---------------------------------------------------------------------------
-    def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
-        """Pack the step; returns the inputs and, in row order, the requests that get a token (a
-        request verifying ``k`` drafts once per position: ``k + 1`` times in a row)."""
+    def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request], list[PromptSpan]]:
+        """Pack the step; returns the inputs, in row order the requests that get a token (a request verifying
+        ``k`` drafts once per position: ``k + 1`` times in a row), and the prompt-logprob rows after them."""
         # single-token rows first; then by adapter slot, so each adapter's tokens are one run (lora/layers.py)
         order = sorted(scheduled, key=lambda rn: (rn[1] > 1, -1 if rn[0].lora_slot is None else rn[0].lora_slot))
         reqs = [r for r, _ in order]
@@ -174,9 +175,11 @@ class ModelRunner:
         # A verified row: the last committed token, then its drafts.
         rows = [(r.token_ids[s:s + n] + r.spec_token_ids, s, r.block_table)
                 for r, s, n in zip(reqs, starts, nums, strict=True)]
-        logits_rows, sampled = sampled_positions(reqs, starts, nums, list(itertools.accumulate(nums)))
+        cu = list(itertools.accumulate(nums))
+        logits_rows, sampled = sampled_positions(reqs, starts, nums, cu)
+        prompt_positions, spans = prompt_rows(reqs, starts, nums, cu, len(logits_rows))
         slots = self.lora.token_slots(reqs) if self.lora is not None else None
-        return pack_rows(rows, self.block_size, logits_rows, slots), sampled
+        return pack_rows(rows, self.block_size, logits_rows + prompt_positions, slots), sampled, spans
 
     def run(self, scheduled: list[tuple[Request, int]],
             lora_loads: list[tuple[int, Any]] = ()) -> tuple[list[Request], SamplerOutput | None]:
@@ -184,7 +187,7 @@ class ModelRunner:
         before the step runs."""
         batches = [self.prepare(part) for part in split_batch(scheduled, self.config.num_micro_batches,
                                                                 self.config.micro_batch_min_tokens)]
-        inputs = [b for b, _ in batches]
+        inputs = [b for b, _, _ in batches]
         if self.lora is not None:
             self.lora.load_step(lora_loads)
         if parallel.world_size() > 1:
@@ -195,9 +198,15 @@ class ModelRunner:
         parts = self.run_stage(inputs)
         if timer is not None:
             timer.lap("forward")
-        sampled_reqs = [r for _, reqs in batches for r in reqs]
+        # Each micro-batch's logits: its sampled rows, then its prompt-logprob rows (none sent for one without rows).
+        with_rows = [(reqs, spans, part) for (b, reqs, spans), part in zip(
+            [b for b in batches if b[0].logits_indices.shape[0]], [p for p in parts if p.shape[0]], strict=True)]
+        for reqs, spans, part in with_rows:
+            fill(part[len(reqs):], spans)
+        sampled_reqs = [r for _, reqs, _ in batches for r in reqs]
         if not sampled_reqs:
             return [], None
+        parts = [part[:len(reqs)] for reqs, _, part in with_rows if reqs]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.sample(logits.float(), sampling_rows(sampled_reqs))
         if timer is not None:

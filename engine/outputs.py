@@ -27,6 +27,7 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # params.prompt_logprobs: one per prompt token
 
 
 @dataclass
@@ -40,6 +41,7 @@ class StreamDelta:
     num_output_tokens: int
     num_cached_tokens: int
     queue_time: float | None = None  # on a request's first delta only: arrival to first scheduled, seconds
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # on the first delta only (prompt_logprobs.py)
 
 
 @dataclass

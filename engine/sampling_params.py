@@ -68,6 +68,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the k most likely there (prompt_logprobs.py)
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -115,6 +116,9 @@ class SamplingParams:
              "must be an integer >= 1"),
             ("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0, "must be an integer >= 0"),
             ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"must be between 0 and {MAX_LOGPROBS}"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
              f"must be between 0 and {MAX_LOGPROBS}"),
             ("stop", len(self.stop) <= MAX_STOP_STRINGS, f"may hold at most {MAX_STOP_STRINGS} strings"),
             ("stop", all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),

@@ -131,7 +131,8 @@ class Scheduler:
                 break
             if req.lora is not None and not slots.can_acquire(req.lora):
                 continue
-            cached = self.block_manager.find_cached_blocks(req)
+            # prompt logprobs need every prompt position computed (prompt_logprobs.py)
+            cached = [] if req.needs_prompt_logprobs else self.block_manager.find_cached_blocks(req)
             num_new = min(req.num_tokens - len(cached) * self.block_manager.block_size, budget)
             if not self.block_manager.can_allocate(req, cached, num_new):
                 break

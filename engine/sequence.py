@@ -44,6 +44,7 @@ class Request:
     generator: torch.Generator | None = None
     detokenizer: Any = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # params.prompt_logprobs: one per prompt token
     arrival_time: float = field(default_factory=time.time)
     first_scheduled_time: float | None = None  # first step that computed any of its tokens
     first_token_time: float | None = None
@@ -66,6 +67,8 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first token has nothing before it
         self.stop_token_set = frozenset(self.params.stop_token_ids)
 
     @property
@@ -78,6 +81,11 @@ class Request:
         """The root of its prefix-cache key chain: its adapter version's own (by content digest) and its
         ``cache_salt``'s, so no prefix is shared across adapters, versions of one, or salts."""
         return root_key(None if self.lora is None else self.lora.digest, self.params.cache_salt)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all made yet (prompt_logprobs.py)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -76,6 +76,8 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
         skip_special_tokens=req.skip_special_tokens,
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         allowed_token_ids=req.allowed_token_ids, structured_outputs=constraint, cache_salt=req.cache_salt,
+        # echo with logprobs: the prompt's tokens get them too (engine/prompt_logprobs.py)
+        prompt_logprobs=logprobs if isinstance(req, CompletionRequest) and req.echo else None,
     )
     try:
         return SamplingParams(**kwargs)

@@ -38,6 +38,8 @@ class ChoiceText:
     finish_reason: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # chat: the calls read from `text` (then content is `text`)
     reasoning: str | None = None  # chat with a reasoning parser: the thinking split from `text` (reasoning.py)
+    prompt_token_ids: list[int] = field(default_factory=list)  # echo with logprobs: the prompt's, logprobs first
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
 
 
 def _finite(logprob: float | None) -> float:
@@ -83,8 +85,8 @@ class Builder:
         if self.top_logprobs is None or not logprobs:
             return None
         k = self.top_logprobs
-        rows = [
-            (tid, lp, sorted(lp.items(), key=lambda kv: -kv[1])[:k])
+        rows = [  # an entry of None: the prompt's first token (echo), which nothing comes before
+            (tid, lp, None if lp is None else sorted(lp.items(), key=lambda kv: -kv[1])[:k])
             for tid, lp in zip(token_ids, logprobs, strict=False)
         ]
         if self.kind == "chat":
@@ -100,8 +102,8 @@ class Builder:
         for tid, lp, top in rows:
             s = self._token(tid)
             tokens.append(s)
-            token_logprobs.append(_finite(lp.get(tid)))
-            tops.append({self._token(t): _finite(v) for t, v in top})
+            token_logprobs.append(None if lp is None else _finite(lp.get(tid)))
+            tops.append(None if top is None else {self._token(t): _finite(v) for t, v in top})
             offsets.append(offset)
             offset += len(s)
         self._offsets[index] = offset
@@ -140,7 +142,7 @@ class Builder:
                 {
                     "index": i,
                     "text": c.text,
-                    "logprobs": self.logprobs(i, c.token_ids, c.logprobs),
+                    "logprobs": self.logprobs(i, c.prompt_token_ids + c.token_ids, c.prompt_logprobs + c.logprobs),
                     "finish_reason": c.finish_reason,
                 }
                 for i, c in enumerate(choices)

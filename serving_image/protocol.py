@@ -166,9 +166,6 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
             )
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of is not supported by kiln; use n instead", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported by kiln",
-                           param="echo")
         return
     if req.functions or req.function_call is not None:
         param = "functions" if req.functions else "function_call"

@@ -44,6 +44,8 @@ async def collect(builder: Builder, gen: Generation, plan: ToolPlan | None = Non
         choice = choices[slot]
         choice.text += delta.text
         choice.token_ids += delta.new_token_ids
+        if delta.prompt_logprobs is not None:  # echo with logprobs: the prompt's tokens come first
+            choice.prompt_token_ids, choice.prompt_logprobs = gen.inputs[slot].prompt_token_ids, delta.prompt_logprobs
         if delta.logprobs:
             choice.logprobs += delta.logprobs
         if delta.finish_reason is not None:
@@ -142,7 +144,10 @@ async def chunks(builder: Builder, gen: Generation, include_usage: bool, continu
                     text = gen.inputs[slot].prompt_text + text
             num_output[slot] += len(delta.new_token_ids)
             prefix = len(gen.inputs[slot].prompt_text or "")
-            logprobs = builder.logprobs(slot, delta.new_token_ids, delta.logprobs, prefix)
+            ids, lps = delta.new_token_ids, delta.logprobs
+            if delta.prompt_logprobs is not None:  # echo with logprobs: the prompt's tokens first, offsets from 0
+                ids, lps, prefix = gen.inputs[slot].prompt_token_ids + ids, delta.prompt_logprobs + (lps or []), 0
+            logprobs = builder.logprobs(slot, ids, lps, prefix)
             thought, text = thinking[slot].feed(text) if thinking[slot] is not None else ("", text)
             if delta.finish_reason is not None and thinking[slot] is not None:
                 more_thought, more_text = thinking[slot].finish()

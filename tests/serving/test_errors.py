@@ -31,7 +31,6 @@ COMPLETION_CASES = [
     ({"model": M, "prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ({"model": M, "prompt": "hi", "logit_bias": {"999999": 10}}, 400, "logit_bias"),
     ({"model": M, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
-    ({"model": M, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ({"model": M, "prompt": "hi", "max_token": 5}, 400, "max_token"),
     (
         {"model": M, "prompt": "hi", "stream_options": {"include_usage": "y"}},

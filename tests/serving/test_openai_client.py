@@ -99,6 +99,28 @@ def test_completion_logprobs_and_echo(client, offline):
     assert echoed.choices[0].text == PROMPT + greedy(offline, PROMPT, 4).text
 
 
+def test_echo_with_logprobs_gives_the_prompts_tokens_theirs_as_lm_eval_reads_them(client, offline):
+    """lm-evaluation-harness's loglikelihood requests: token ids, echo, logprobs=1, max_tokens=1; it sums
+    token_logprobs[ctxlen:-1] and checks each against max(top_logprobs). The first token has none (null)."""
+    ids = offline.tokenizer.encode(PROMPT + " jumps over the lazy dog")
+    want = offline.generate([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=1,
+                                                  prompt_logprobs=1))[0]
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    for j, (tid, entry) in enumerate(zip(ids[1:], want.prompt_logprobs[1:], strict=True), start=1):
+        assert math.isclose(lp.token_logprobs[j], entry[tid], abs_tol=1e-4)
+        assert len(lp.top_logprobs[j]) <= 1 and max(lp.top_logprobs[j].values()) >= lp.token_logprobs[j] - 1e-6
+    assert math.isclose(lp.token_logprobs[-1], want.logprobs[0][want.token_ids[0]], abs_tol=1e-4)
+    assert got.choices[0].text.endswith(want.text) and got.usage.completion_tokens == 1
+    assert lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+
+
 def test_chat_logprobs(client):
     got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0,
                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})

@@ -1,0 +1,72 @@
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``, what `/v1/completions` returns for ``echo`` with
+``logprobs``): for each prompt token after the first, its log-probability under the model given the tokens before
+it, and the ``k`` most likely tokens at that position.
+
+A prefill chunk computes the hidden state of every position it runs; the runner asks for the logits of the
+positions whose next token is a prompt token (:func:`prompt_rows`, after the rows it samples) and :func:`fill`
+turns them into one entry per prompt token, in order, on the request (``Request.prompt_logprobs``, the first
+entry None: nothing comes before the first token). Entries are kept once made: a preempted request's recomputed
+prefill adds none. A request that needs them reads nothing from the prefix cache (a cached block's positions are
+not computed, so their logits would be missing); its own blocks are cached as any request's. Logprobs are those
+of the model's logits, unmodified by the request's sampling settings (vLLM's default, as for ``logprobs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from kiln.engine.sequence import Request
+
+
+@dataclass
+class PromptSpan:
+    """Logits rows ``rows`` of a step give ``request`` the entries of its prompt tokens ``first``, ``first + 1``..."""
+
+    request: Request
+    first: int
+    num: int
+
+
+def prompt_rows(reqs: Sequence[Request], starts: Sequence[int], nums: Sequence[int], cu: Sequence[int],
+                first_row: int) -> tuple[list[int], list[PromptSpan]]:
+    """The packed positions whose logits give prompt logprobs, and their spans; ``first_row``: the logits row
+    the first of them lands on (after the sampled rows)."""
+    positions: list[int] = []
+    spans: list[PromptSpan] = []
+    for r, s, n, end in zip(reqs, starts, nums, cu, strict=True):
+        if not r.needs_prompt_logprobs:
+            continue
+        # position j's logits give token j + 1: prompt tokens from the first without an entry to the last
+        lo, hi = max(s, len(r.prompt_logprobs) - 1), min(s + n, r.num_prompt_tokens - 1)
+        if lo >= hi:
+            continue
+        spans.append(PromptSpan(r, lo + 1, hi - lo))
+        packed = end - n - s  # the packed index of position 0 of this row
+        positions.extend(range(packed + lo, packed + hi))
+    return positions, spans
+
+
+def fill(logits: torch.Tensor, spans: list[PromptSpan]) -> None:
+    """Append each span's entries to its request: {token id: logprob} of the prompt token and of the ``k`` most
+    likely tokens (``params.prompt_logprobs``), as ``Request.logprobs`` holds the sampled tokens'."""
+    if not spans:
+        return
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    k = max(s.request.params.prompt_logprobs for s in spans)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    row = 0
+    for span in spans:
+        req = span.request
+        targets = req.prompt_token_ids[span.first:span.first + span.num]
+        rows = torch.arange(row, row + span.num)
+        chosen = logprobs[rows, torch.tensor(targets)].tolist()
+        kk = req.params.prompt_logprobs
+        ids = top_ids[row:row + span.num, :kk].tolist() if kk else [[] for _ in targets]
+        lps = top_lp[row:row + span.num, :kk].tolist() if kk else [[] for _ in targets]
+        for tok, lp, tid, tlp in zip(targets, chosen, ids, lps, strict=True):
+            entry = dict(zip(tid, tlp, strict=True))
+            entry[tok] = lp
+            req.prompt_logprobs.append(entry)
+        row += span.num

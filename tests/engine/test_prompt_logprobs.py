@@ -1,0 +1,63 @@
+"""Prompt logprobs (what `/v1/completions` returns for ``echo`` with ``logprobs``) through the whole engine: each
+prompt token's logprob given the tokens before it and the k most likely there, as transformers computes them,
+whether the prompt is prefilled in one step or in chunks, beside other requests, and after its prefix is cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_testlib import random_prompts
+from kiln.engine import SamplingParams
+
+
+def hf_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at each position but the last: row j is token j + 1's distribution."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], dim=-1)
+
+
+def check(entries, prompt: list[int], ref: torch.Tensor, k: int) -> None:
+    assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+    for j, (tok, entry) in enumerate(zip(prompt[1:], entries[1:], strict=True)):
+        top = set(ref[j].topk(k).indices.tolist()) if k else set()
+        assert set(entry) == top | {tok}, j
+        for t, lp in entry.items():
+            assert lp == pytest.approx(ref[j, t].item(), abs=1e-4), (j, t)
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_prompt_logprobs_match_transformers_in_one_step_or_in_chunks(toy_model, make_llm, chunk):
+    model_dir = toy_model("llama-tiny")
+    kwargs = {"max_num_tokens": chunk} if chunk else {}
+    llm = make_llm(model_dir, num_kv_blocks=64, block_size=8, max_batch_size=4, **kwargs)
+    prompt, other = random_prompts([37, 21], seed=11)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    alone = llm.generate([other], greedy)[0].token_ids
+    asked = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=3)
+    out, beside = llm.generate([prompt, other], [asked, greedy])
+    check(out.prompt_logprobs, prompt, hf_logprobs(model_dir, prompt), 3)
+    assert beside.prompt_logprobs is None and beside.token_ids == alone  # the request beside it is untouched
+    plain = llm.generate([prompt], greedy)[0]
+    assert plain.token_ids == out.token_ids and plain.prompt_logprobs is None
+
+
+def test_a_cached_prefix_still_gives_every_prompt_token_its_logprob(toy_model, make_llm):
+    model_dir = toy_model("llama-tiny")
+    llm = make_llm(model_dir, num_kv_blocks=64, block_size=8)
+    prompt = random_prompts([30], seed=12)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([prompt], greedy)  # its full blocks are in the prefix cache now
+    again = llm.generate([prompt], greedy)[0]
+    assert again.num_cached_tokens >= 24, "the prefix cache holds the prompt's blocks"
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0))[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == again.token_ids
+    check(out.prompt_logprobs, prompt, hf_logprobs(model_dir, prompt), 0)
+
+
+def test_prompt_logprobs_out_of_range_are_refused_naming_the_field():
+    for bad in (-1, 21, 1.5):
+        with pytest.raises(ValueError, match="prompt_logprobs must be between 0 and 20"):
+            SamplingParams(prompt_logprobs=bad)
