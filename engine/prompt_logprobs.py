@@ -48,25 +48,27 @@ def prompt_rows(reqs: Sequence[Request], starts: Sequence[int], nums: Sequence[i
     return positions, spans
 
 
+ROWS_AT_ONCE = 256  # rows of float32 log-softmax made at a time: a prompt chunk's rows times the vocabulary
+
+
 def fill(logits: torch.Tensor, spans: list[PromptSpan]) -> None:
     """Append each span's entries to its request: {token id: logprob} of the prompt token and of the ``k`` most
     likely tokens (``params.prompt_logprobs``), as ``Request.logprobs`` holds the sampled tokens'."""
-    if not spans:
-        return
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    k = max(s.request.params.prompt_logprobs for s in spans)
-    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
     row = 0
     for span in spans:
-        req = span.request
-        targets = req.prompt_token_ids[span.first:span.first + span.num]
-        rows = torch.arange(row, row + span.num)
-        chosen = logprobs[rows, torch.tensor(targets)].tolist()
-        kk = req.params.prompt_logprobs
-        ids = top_ids[row:row + span.num, :kk].tolist() if kk else [[] for _ in targets]
-        lps = top_lp[row:row + span.num, :kk].tolist() if kk else [[] for _ in targets]
-        for tok, lp, tid, tlp in zip(targets, chosen, ids, lps, strict=True):
-            entry = dict(zip(tid, tlp, strict=True))
-            entry[tok] = lp
-            req.prompt_logprobs.append(entry)
+        for first in range(0, span.num, ROWS_AT_ONCE):
+            num = min(ROWS_AT_ONCE, span.num - first)
+            _append(span.request, logits[row + first:row + first + num], span.first + first)
         row += span.num
+
+
+def _append(req: Request, logits: torch.Tensor, first: int) -> None:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = req.prompt_token_ids[first:first + logprobs.shape[0]]
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])[:, 0].tolist()
+    k = req.params.prompt_logprobs
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    for tok, lp, tid, tlp in zip(targets, chosen, top_ids.tolist(), top_lp.tolist(), strict=True):
+        entry = dict(zip(tid, tlp, strict=True))
+        entry[tok] = lp
+        req.prompt_logprobs.append(entry)

@@ -29,9 +29,13 @@ def check(entries, prompt: list[int], ref: torch.Tensor, k: int) -> None:
 
 
 @pytest.mark.parametrize("chunk", [None, 16])
-def test_prompt_logprobs_match_transformers_in_one_step_or_in_chunks(toy_model, make_llm, chunk):
+def test_prompt_logprobs_match_transformers_in_one_step_or_in_chunks(toy_model, make_llm, chunk, monkeypatch):
+    from kiln.engine import prompt_logprobs
+
     model_dir = toy_model("llama-tiny")
     kwargs = {"max_num_tokens": chunk} if chunk else {}
+    if chunk:  # and a chunk's rows made a few at a time
+        monkeypatch.setattr(prompt_logprobs, "ROWS_AT_ONCE", 5)
     llm = make_llm(model_dir, num_kv_blocks=64, block_size=8, max_batch_size=4, **kwargs)
     prompt, other = random_prompts([37, 21], seed=11)
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
