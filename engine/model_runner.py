@@ -177,7 +177,7 @@ class ModelRunner:
                 for r, s, n in zip(reqs, starts, nums, strict=True)]
         cu = list(itertools.accumulate(nums))
         logits_rows, sampled = sampled_positions(reqs, starts, nums, cu)
-        prompt_positions, spans = prompt_rows(reqs, starts, nums, cu, len(logits_rows))
+        prompt_positions, spans = prompt_rows(reqs, starts, nums, cu)
         slots = self.lora.token_slots(reqs) if self.lora is not None else None
         return pack_rows(rows, self.block_size, logits_rows + prompt_positions, slots), sampled, spans
 

@@ -22,17 +22,18 @@ from kiln.engine.sequence import Request
 
 @dataclass
 class PromptSpan:
-    """Logits rows ``rows`` of a step give ``request`` the entries of its prompt tokens ``first``, ``first + 1``..."""
+    """``num`` consecutive logits rows of a step give ``request`` the entries of its prompt tokens ``first``,
+    ``first + 1``, ... (the spans of a micro-batch follow each other, after its sampled rows)."""
 
     request: Request
     first: int
     num: int
 
 
-def prompt_rows(reqs: Sequence[Request], starts: Sequence[int], nums: Sequence[int], cu: Sequence[int],
-                first_row: int) -> tuple[list[int], list[PromptSpan]]:
-    """The packed positions whose logits give prompt logprobs, and their spans; ``first_row``: the logits row
-    the first of them lands on (after the sampled rows)."""
+def prompt_rows(reqs: Sequence[Request], starts: Sequence[int], nums: Sequence[int], cu: Sequence[int]
+                ) -> tuple[list[int], list[PromptSpan]]:
+    """The packed positions whose logits give prompt logprobs, in order, and their spans (``starts``, ``nums``:
+    each row's first position and its number of tokens; ``cu``: their running sum, the packed end of each row)."""
     positions: list[int] = []
     spans: list[PromptSpan] = []
     for r, s, n, end in zip(reqs, starts, nums, cu, strict=True):
