@@ -7,12 +7,15 @@ positions whose next token is a prompt token (:func:`prompt_rows`, after the row
 turns them into one entry per prompt token, in order, on the request (``Request.prompt_logprobs``, the first
 entry None: nothing comes before the first token). Entries are kept once made: a preempted request's recomputed
 prefill adds none. A request that needs them reads nothing from the prefix cache (a cached block's positions are
-not computed, so their logits would be missing); its own blocks are cached as any request's. Logprobs are those
-of the model's logits, unmodified by the request's sampling settings (vLLM's default, as for ``logprobs``).
+not computed, so their logits would be missing); its own blocks are cached as any request's. Its prefill runs
+in chunks of :data:`ROWS_AT_ONCE` tokens at most (:func:`chunk_limit`), so its logits rows stay bounded.
+Logprobs are those of the model's logits, unmodified by the request's sampling settings (vLLM's default, as for
+``logprobs``).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,7 +52,14 @@ def prompt_rows(reqs: Sequence[Request], starts: Sequence[int], nums: Sequence[i
     return positions, spans
 
 
-ROWS_AT_ONCE = 256  # rows of float32 log-softmax made at a time: a prompt chunk's rows times the vocabulary
+ROWS_AT_ONCE = 256  # logits rows a step makes for one request's prompt, and float32 log-softmax rows made at once
+
+
+def chunk_limit(req: Request) -> int:
+    """The most tokens a step computes for ``req``: :data:`ROWS_AT_ONCE` while its prompt logprobs are being made
+    (each such position is a logits row: the LM head's output, rows times the vocabulary, is bounded as a sampled
+    batch's is, not by ``max_num_tokens``), else no limit of its own."""
+    return ROWS_AT_ONCE if req.needs_prompt_logprobs else sys.maxsize
 
 
 def fill(logits: torch.Tensor, spans: list[PromptSpan]) -> None:

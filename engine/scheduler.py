@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.lora.slots import SlotTable
+from kiln.engine.prompt_logprobs import chunk_limit
 from kiln.engine.sequence import Request, RequestStatus
 from kiln.engine.spec_decode.config import SpeculativeConfig
 from kiln.engine.spec_decode.proposer import NgramProposer, Proposer
@@ -133,7 +134,7 @@ class Scheduler:
                 continue
             # prompt logprobs need every prompt position computed (prompt_logprobs.py)
             cached = [] if req.needs_prompt_logprobs else self.block_manager.find_cached_blocks(req)
-            num_new = min(req.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            num_new = min(req.num_tokens - len(cached) * self.block_manager.block_size, budget, chunk_limit(req))
             if not self.block_manager.can_allocate(req, cached, num_new):
                 break
             self.waiting.remove(req)
@@ -159,7 +160,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, chunk_limit(req))
             while not self.block_manager.can_append(req, num_new):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim.request_id, 0) + len(drafts.pop(victim.request_id, ()))

@@ -65,3 +65,21 @@ def test_prompt_logprobs_out_of_range_are_refused_naming_the_field():
     for bad in (-1, 21, 1.5):
         with pytest.raises(ValueError, match="prompt_logprobs must be between 0 and 20"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_a_prompt_logprobs_prefill_runs_in_chunks_of_rows_at_once(toy_model, make_llm, monkeypatch):
+    """Each prompt position is a logits row (rows times the vocabulary): such a request's prefill is cut to
+    ROWS_AT_ONCE tokens a step, whatever max_num_tokens allows; a request without them is not."""
+    from kiln.engine import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "ROWS_AT_ONCE", 8)
+    model_dir = toy_model("llama-tiny")
+    llm = make_llm(model_dir, num_kv_blocks=64, block_size=8)
+    prompt = random_prompts([37], seed=13)[0]
+    steps = llm.stats().num_steps
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    assert llm.stats().num_steps - steps == 5  # 8 + 8 + 8 + 8 + 5 tokens, the last chunk sampling the token
+    check(out.prompt_logprobs, prompt, hf_logprobs(model_dir, prompt), 1)
+    steps = llm.stats().num_steps
+    llm.generate([prompt[:-1] + [prompt[0]]], SamplingParams(temperature=0, max_tokens=1))
+    assert llm.stats().num_steps - steps == 1
