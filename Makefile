@@ -43,11 +43,13 @@ lint: install
 	cp -r bench $(LINT_TREE)/kiln_bench
 	cd $(LINT_TREE) && PYTHONPATH=. $(CURDIR)/$(BIN)/lint-imports --config $(CURDIR)/.importlinter
 
-# The suite and, beside it at a lower priority, the real-cluster suite (tests/cluster: one control plane for
-# the session, kiln installed with helm; it mostly waits on builds and pods, so it fills the main suite's idle
-# time; its daemons and pods keep that priority: cluster/priority.py). Its output follows the main suite's.
-# The control plane's first build overlaps the Python install (-j2): on a new machine that is the cold run's
-# longest step (docs/local-cluster.md); later runs find both cached.
+# The suite and, beside it, the real-cluster suite (tests/cluster: one control plane for the session, kiln
+# installed with helm; it mostly waits on builds and pods, so it fills the main suite's idle time). Its pytest
+# runs at nice 10; its daemons and pods, each in a session of its own, share the CPU with the main suite
+# about equally where Linux groups sessions (docs/local-cluster.md, "In make test"). Its output follows the
+# main suite's. The control plane's first build overlaps the Python install
+# (-j2): on a new machine that is the cold run's longest step (docs/local-cluster.md); later runs find both
+# cached.
 CLUSTER_LOG := .kiln-work/cluster-suite.log
 test:
 	$(MAKE) --no-print-directory -j2 install cluster-bins

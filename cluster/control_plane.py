@@ -22,7 +22,6 @@ from pathlib import Path
 
 from kiln_cluster.network import Network
 from kiln_cluster.pki import Pki, ensure_pki, kubeconfig
-from kiln_cluster.priority import SPAWN
 
 NODE_NAME = "kiln-node-0"
 SERVICE_RANGE = "10.96.0.0/16"
@@ -123,7 +122,7 @@ def alive(pid: int) -> bool:
 def spawn(cluster: Cluster, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
     log = cluster.log(name).open("ab")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, **(env or {})}, cwd=cluster.root, **SPAWN)
+                            start_new_session=True, env={**os.environ, **(env or {})}, cwd=cluster.root)
     cluster.pids[name] = proc.pid
     cluster.save()
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from kiln_cluster.node.fields import expand
 from kiln_cluster.node.probes import ProbeState, run_probe
 from kiln_cluster.node.sandbox import Sandbox, record_process
-from kiln_cluster.priority import SPAWN
 
 BACKOFF_START_S, BACKOFF_MAX_S = 10.0, 300.0  # the kubelet's crash-loop back-off
 
@@ -74,7 +73,7 @@ class Container:
         prefix = sandbox.nsenter() + [f"--wd={self.spec.get('workingDir') or '/'}"]
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen([*prefix, "--", *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, **SPAWN)
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         record_process(sandbox.root, self.name, self.proc.pid)
         self.started_mono = time.monotonic()

@@ -17,8 +17,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln_cluster.priority import SPAWN
-
 
 @dataclass
 class Mount:
@@ -63,7 +61,7 @@ class Sandbox:
         self.holder = subprocess.Popen(
             ["nsenter", f"--net={self.netns}", "unshare", "--mount", "--uts", "--propagation", "private",
              "sh", str(script)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, **SPAWN)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
         (self.root / "holder.pid").write_text(str(self.holder.pid))
         first = self.holder.stdout.readline() if self.holder.stdout else b""
         if first.strip() != b"ready":
