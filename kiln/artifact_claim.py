@@ -95,6 +95,11 @@ def _wait_for_claim(store: VersionStore, claim: Claim, manifest: Manifest) -> Ma
         if (winner := store.read_manifest(version)) is not None:
             return _settle(store, winner, manifest)
         if claim.take():
+            # A holder may have created its manifest and let go between the first look and the take: moving in
+            # now would replace the files that manifest vouches for (a fetch then finds them corrupt).
+            if (winner := store.read_manifest(version)) is not None:
+                claim.release()
+                return _settle(store, winner, manifest)
             return None
         raw = backend.read(claim.key)
         if (other := _read_json(raw)) is None:

@@ -238,6 +238,29 @@ def test_concurrent_publishers_of_different_content_one_wins_cleanly(store: Arti
     assert out == tree(srcs[results.index(winners[0])])
 
 
+def test_a_claim_taken_just_after_the_winner_published_and_let_go_moves_nothing_in(store: ArtifactStore,
+                                                                                  tmp_path: Path, monkeypatch):
+    """The loser looked for a manifest just before the winner created it, and took the claim just after the winner
+    released it (a clean run hit this: the loser's engine.json replaced the winner's, and a fetch found it corrupt).
+    Having taken the claim, it looks for a manifest again before it moves anything in."""
+    srcs = [make_engine_dir(tmp_path / f"src{i}", seed=i, weights_size=64 * 1024) for i in range(2)]
+    winner = store.publish(VERSION, srcs[0], ENVELOPE)
+    real, looks = store.read_manifest, []
+
+    def late(version):  # the loser's first two looks (publish's, then the claim wait's) come before the manifest
+        looks.append(version)
+        return None if len(looks) <= 2 else real(version)
+
+    monkeypatch.setattr(store, "read_manifest", late)
+    with pytest.raises(ArtifactConflict, match="different content"):
+        store.publish(VERSION, srcs[1], ENVELOPE)
+    monkeypatch.undo()
+    out = tree(store.fetch(VERSION, tmp_path / "out"))  # verifies every checksum against the winner's manifest
+    out.pop("manifest.json")
+    assert out == tree(srcs[0]) and store.read_manifest(VERSION) == winner
+    assert store.backend.read(f"engines/{VERSION}/.publish-claim.json") is None
+
+
 CHILD = textwrap.dedent("""
     import os, sys
     from pathlib import Path
