@@ -52,7 +52,7 @@ def prompt_rows(reqs: Sequence[Request], starts: Sequence[int], nums: Sequence[i
     return positions, spans
 
 
-ROWS_AT_ONCE = 256  # logits rows a step makes for one request's prompt, and float32 log-softmax rows made at once
+ROWS_AT_ONCE = 256  # logits rows a step makes for one request's prompt (so its float32 log-softmax rows too)
 
 
 def chunk_limit(req: Request) -> int:
@@ -64,12 +64,11 @@ def chunk_limit(req: Request) -> int:
 
 def fill(logits: torch.Tensor, spans: list[PromptSpan]) -> None:
     """Append each span's entries to its request: {token id: logprob} of the prompt token and of the ``k`` most
-    likely tokens (``params.prompt_logprobs``), as ``Request.logprobs`` holds the sampled tokens'."""
+    likely tokens (``params.prompt_logprobs``), as ``Request.logprobs`` holds the sampled tokens'. A span has at
+    most :data:`ROWS_AT_ONCE` rows (:func:`chunk_limit`), so each log-softmax is bounded."""
     row = 0
     for span in spans:
-        for first in range(0, span.num, ROWS_AT_ONCE):
-            num = min(ROWS_AT_ONCE, span.num - first)
-            _append(span.request, logits[row + first:row + first + num], span.first + first)
+        _append(span.request, logits[row:row + span.num], span.first)
         row += span.num
 
 

@@ -34,7 +34,7 @@ def test_prompt_logprobs_match_transformers_in_one_step_or_in_chunks(toy_model, 
 
     model_dir = toy_model("llama-tiny")
     kwargs = {"max_num_tokens": chunk} if chunk else {}
-    if chunk:  # and a chunk's rows made a few at a time
+    if chunk:  # and the prompt-logprob request's own chunks cut to a few tokens
         monkeypatch.setattr(prompt_logprobs, "ROWS_AT_ONCE", 5)
     llm = make_llm(model_dir, num_kv_blocks=64, block_size=8, max_batch_size=4, **kwargs)
     prompt, other = random_prompts([37, 21], seed=11)
