@@ -6,8 +6,10 @@ expect them right after the assistant's calls; ``tool_use`` blocks become the as
 ``tool_calls``; ``thinking`` blocks of earlier turns are dropped, as thinking templates drop them).
 ``tools`` / ``tool_choice`` map onto chat's (``any`` is ``required``, ``tool`` a named choice,
 ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``), ``output_config.format`` onto
-``response_format``, ``stop_sequences`` onto ``stop``. The stop strings are kept in the chat output
-(``include_stop_str_in_output``) so the reply can say which one ended it; they are cut off here.
+``response_format``, ``stop_sequences`` onto ``stop``, ``thinking`` onto the chat template's
+``enable_thinking`` (``disabled``: false, else true; a template that does not read it is unchanged).
+The stop strings are kept in the chat output (``include_stop_str_in_output``) so the reply can say
+which one ended it; they are cut off here.
 
 Reply: ``thinking`` (with a reasoning parser), ``text`` and ``tool_use`` blocks; ``stop_reason`` from
 the finish reason; ``usage`` as Anthropic counts it: ``input_tokens`` excludes the prompt tokens read
@@ -119,6 +121,8 @@ def _tools(req: CountTokensRequest) -> dict[str, Any]:
 def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request that runs ``req``: a Messages request, or a count_tokens one (which only renders)."""
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req), **_tools(req)}
+    if req.thinking is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
                     top_k=req.top_k, stop=req.stop_sequences, include_stop_str_in_output=bool(req.stop_sequences))

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from kiln.serving import lora, prefix, routes
+from kiln.serving import lora, prefix, routes, tokenizing
 from kiln.serving.auth import require_api_key
 from kiln.serving.config import ServeConfig
 from kiln.serving.constraints import close_compiler
@@ -28,6 +28,7 @@ from kiln.serving.loader import build_engine, in_daemon_thread, warm_up, warm_up
 from kiln.serving.lora import LoRARegistry, runtime_updating_allowed
 from kiln.serving.lora_sync import POLL_S, AdapterSync, adapters_file
 from kiln.serving.metrics import CONTENT_TYPE, ServingMetrics
+from kiln.serving.openapi import openapi_schema
 from kiln.serving.pool.follow import start_pool
 from kiln.serving.pool.pool import EnginePool
 from kiln.serving.pool.settings import PoolSettings
@@ -247,27 +248,6 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     return _model_card(ctx)
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema plus the request bodies: the routes parse bodies themselves (to bound
-    their size and nesting first), so FastAPI cannot see them; the pydantic models are the truth."""
-    if app.openapi_schema is None:
-        from fastapi.openapi.utils import get_openapi
-        from kiln.serving.prefix import KeysRequest
-        from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest
-
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
-                            ("/v1/prefix_cache/keys", KeysRequest)):
-            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(body.pop("$defs", {}))
-            components[model.__name__] = body
-            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
-                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-        app.openapi_schema = schema
-    return app.openapi_schema
-
-
 async def _follow_pool(ctx: ServingContext) -> None:
     """Once the pool started: idle unloads, the engines file and each loaded engine's adapters, each in a loop of
     its own (an adapter's fetch, however long, does not hold up an engine added to or removed from the list)."""
@@ -338,13 +318,14 @@ def create_app(config: ServeConfig, pool: PoolSettings | None = None) -> FastAPI
 
     app = FastAPI(title="kiln", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     app.state.kiln = ctx
     install_error_handlers(app)
     app.include_router(probes)
     app.include_router(models, dependencies=[Depends(require_api_key)])
     app.include_router(routes.router, dependencies=[Depends(require_api_key)])
-    app.include_router(prefix.router, dependencies=[Depends(require_api_key)])  # a pool's: by model (prefix.py)
+    app.include_router(prefix.router, dependencies=[Depends(require_api_key)])
+    app.include_router(tokenizing.router, dependencies=[Depends(require_api_key)])  # a pool's: by model (prefix.py)
     if runtime_updating_allowed(config.allow_runtime_lora_updating) and pool is None:  # else 404, as vLLM
         app.include_router(lora.router, dependencies=[Depends(require_api_key)])
     return app

@@ -6,6 +6,10 @@ with the arguments as objects (what those templates index), ``tool`` messages th
 ``tool_call_id``. A template that does not (SmolLM2, ChatML) gets kiln's ``json`` tool format:
 the tools described in the system message, and earlier calls written into the assistant's
 content as the JSON the model is asked to answer with (:mod:`tool_calls`).
+
+``chat_template_kwargs`` (vLLM's field: ``{"enable_thinking": false}`` for Qwen3, ``{"thinking": true}`` for
+Granite) are more variables for the template, over the server's ``--default-chat-template-kwargs``; the
+names kiln sets itself (the conversation, tools, the generation prompt) are refused, naming the variable.
 """
 
 from __future__ import annotations
@@ -22,6 +26,28 @@ TOOLS_PROMPT = (
     'To call functions, answer with only a JSON array: [{{"name": "<function name>", '
     '"arguments": {{<the arguments>}}}}]. Otherwise answer normally.'
 )
+
+
+# What render_chat passes itself, and the tokenizer's own arguments: a request may not set them.
+RESERVED_TEMPLATE_VARIABLES = frozenset((
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
+    "continue_final_message", "return_dict", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+    "return_tensors", "tokenizer_kwargs", "sanitize_control_tokens"))
+
+
+def with_template_defaults(req: Any, defaults: dict[str, Any] | None) -> None:
+    """Give chat request ``req`` the server's ``--default-chat-template-kwargs`` under its own."""
+    if defaults:
+        req.chat_template_kwargs = {**defaults, **(req.chat_template_kwargs or {})}
+
+
+def check_template_kwargs(kwargs: dict[str, Any], field: str = "chat_template_kwargs") -> dict[str, Any]:
+    """``kwargs`` for the chat template, or a 400 naming the first variable kiln sets itself."""
+    for name in kwargs:
+        if name in RESERVED_TEMPLATE_VARIABLES:
+            raise APIError(400, f"{field}.{name} is set by the server itself (from messages, tools and "
+                           f"add_generation_prompt); remove it from {field}", param=f"{field}.{name}")
+    return dict(kwargs)
 
 
 def _arguments(text: str, param: str) -> Any:
@@ -70,7 +96,7 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan | Non
                        code="no_chat_template")
     native = isinstance(template, str) and "tools" in template
     messages = [_message(i, m, native) for i, m in enumerate(req.messages)]
-    kwargs: dict[str, Any] = {}
+    kwargs = check_template_kwargs(getattr(req, "chat_template_kwargs", None) or {})
     if plan is not None and native:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in plan.tools]
     elif plan is not None:

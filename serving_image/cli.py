@@ -81,6 +81,16 @@ def _lora_modules(ctx: Any, param: Any, value: Any) -> list[dict[str, Any]]:
         raise click.BadParameter(str(exc)) from None
 
 
+def _template_defaults(ctx: Any, param: Any, value: Any) -> dict[str, Any]:
+    from kiln.serving.chat import check_template_kwargs
+    from kiln.serving.errors import APIError
+
+    try:
+        return check_template_kwargs(value or {}, "--default-chat-template-kwargs")
+    except APIError as exc:
+        raise click.BadParameter(exc.message) from None
+
+
 def _flag_type(setting: Any) -> Any:
     """The click type of an engine setting's flag, from its field's metadata (kiln.engine.settings.setting)."""
     meta = setting.metadata
@@ -240,6 +250,10 @@ def _check_pool_flags(model: Path | None, artifact: str | None, lora_modules: li
 @click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None, envvar="KILN_REASONING_PARSER",
               help="Keep a thinking model's <think>...</think> apart from its answer (vLLM's names): reasoning_content "
                    "in chat, thinking blocks in Messages, reasoning items in Responses [env KILN_REASONING_PARSER].")
+@click.option("--default-chat-template-kwargs", type=_JSONObject(), callback=_template_defaults,
+              envvar="KILN_DEFAULT_CHAT_TEMPLATE_KWARGS", metavar="JSON",
+              help="Chat template variables every chat request gets, under its own chat_template_kwargs, as vLLM's "
+                   "flag: '{\"enable_thinking\": false}' [env KILN_DEFAULT_CHAT_TEMPLATE_KWARGS].")
 @click.option("--responses-store-size", type=click.IntRange(min=0), default=1000, show_default=True,
               envvar="KILN_RESPONSES_STORE_SIZE",
               help="Responses kept for previous_response_id and GET /v1/responses/{id}, per process; 0 keeps none "
@@ -270,7 +284,8 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
           max_connections: int, header_timeout: float, body_timeout: float, log_level: str, access_log: bool,
           rank: int | None, world_size: int | None, leader_address: str | None, leader_port: int,
           lora_modules: list[dict[str, Any]], allow_runtime_lora_updating: bool, reasoning_parser: str | None,
-          responses_store_size: int, responses_store_ttl: float, **engine: Any) -> None:
+          default_chat_template_kwargs: dict[str, Any], responses_store_size: int, responses_store_ttl: float,
+          **engine: Any) -> None:
     """Serve a model directory or engine artifact over an OpenAI-compatible API.
 
     The port opens at once; /health answers 200 and /ready 503 until the engine
@@ -305,7 +320,7 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
         max_connections=max_connections, header_read_timeout=header_timeout, body_read_timeout=body_timeout,
         placement=placement, lora_modules=lora_modules, allow_runtime_lora_updating=allow_runtime_lora_updating,
         reasoning_parser=reasoning_parser, responses_store_size=responses_store_size,
-        responses_store_ttl=responses_store_ttl,
+        responses_store_ttl=responses_store_ttl, default_chat_template_kwargs=default_chat_template_kwargs,
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kiln.serving")

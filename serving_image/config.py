@@ -41,6 +41,8 @@ class ServeConfig:
     reasoning_parser: str | None = None
     responses_store_size: int = 1000
     responses_store_ttl: float = 3600.0
+    # Chat template variables every chat request gets under its own chat_template_kwargs (kiln.serving.chat).
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:

@@ -45,10 +45,13 @@ def _from_engine_rule(check: Any, *args: Any, **kwargs: Any) -> Any:
         raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
 
 
+def vocabulary_size(engine: Any) -> int:
+    """The ids ``engine``'s model takes: its config's vocab_size, else its tokenizer's."""
+    return int(engine.engine_config.hf_config.get("vocab_size") or len(engine.tokenizer))
+
+
 def _check_prompt(ids: list[int], param: str, engine: Any) -> None:
-    config = engine.engine_config
-    vocab = int(config.hf_config.get("vocab_size") or len(engine.tokenizer))
-    _from_engine_rule(check_prompt, ids, config.max_input_len, vocab, param=param)
+    _from_engine_rule(check_prompt, ids, engine.engine_config.max_input_len, vocabulary_size(engine), param=param)
 
 
 def _max_tokens(requested: int | None, param: str, num_prompt: int, engine: Any, default: int | None) -> int:

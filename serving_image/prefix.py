@@ -25,17 +25,18 @@ from kiln.engine.prefix_hash import PREFIX_HASH_SCHEME, block_keys
 from kiln.engine.sampling_params import MAX_CACHE_SALT_CHARS
 from kiln.serving.anthropic_protocol import MessagesRequest
 from kiln.serving.anthropic_translate import to_chat as messages_to_chat
-from kiln.serving.chat import render_chat
+from kiln.serving.chat import render_chat, with_template_defaults
 from kiln.serving.constraints import output_constraint
 from kiln.serving.errors import APIError, from_validation_error, parse_json_body
-from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, _Body, check_messages, check_supported
-from kiln.serving.request_path import in_terms_of, parse_request, resolve_model
+from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, TemplateKwargs, _Body, check_messages, check_supported
+from kiln.serving.request_path import in_terms_of, parse_request, resolve_model, serving_context
 from kiln.serving.responses_protocol import ResponsesRequest
 from kiln.serving.responses_translate import to_chat as responses_to_chat
 from kiln.serving.routes import _INLINE_BYTES, MESSAGES_NAMES, RESPONSES_NAMES, _store, read_body
 from pydantic import Field, StrictBool, StrictInt, ValidationError
 
 router = APIRouter()
+WHY = "each engine has its own cache and keys (GET takes it as ?model=NAME)"
 
 
 class KeysRequest(_Body):
@@ -43,26 +44,8 @@ class KeysRequest(_Body):
     prompt: str | list[Annotated[StrictInt, Field(ge=0)]] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_generation_prompt: StrictBool = True
+    chat_template_kwargs: TemplateKwargs | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
-
-
-async def _serving(request: Request, model: str | None) -> Any:
-    """The serving context whose engine answers for ``model`` (``state``, ``loras``...): this server's own; in an
-    engine pool (docs/pools.md) the engine ``model`` names, or the engine of the adapter it names, loaded as a
-    request for it would load it (404 naming the pool's models for a name it does not serve, 503 when it cannot
-    be placed). ``model`` is None only from GET's query string, which a pool needs (400)."""
-    ctx = request.app.state.kiln
-    ctx.state.check_accepting()
-    if ctx.pool is None:
-        if model is not None:
-            resolve_model(ctx, model)  # a 404 for a name this server does not serve
-        return ctx
-    if model is None:
-        raise APIError(400, f"this server is an engine pool: give the engine, ?model=NAME (the pool serves "
-                       f"{ctx.pool.served_names()}); each engine has its own cache and keys", param="model")
-    serving = await ctx.serving_for(model)
-    serving.state.check_accepting()
-    return serving
 
 
 def _scheme(request: Request, serving: Any) -> dict[str, Any]:
@@ -79,7 +62,7 @@ def _scheme(request: Request, serving: Any) -> dict[str, Any]:
 
 @router.get("/v1/prefix_cache")
 async def prefix_cache(request: Request, model: str | None = None) -> dict[str, Any]:
-    return _scheme(request, await _serving(request, model))
+    return _scheme(request, await serving_context(request, model, WHY))
 
 
 @router.post("/v1/prefix_cache/keys")
@@ -94,10 +77,12 @@ async def prefix_cache_keys(request: Request, endpoint: str | None = None) -> di
         req = _parse(raw) if inline else await asyncio.to_thread(_parse, raw)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt (text or token ids) and messages", param="prompt")
-    serving = await _serving(request, req.model)
+    serving = await serving_context(request, req.model, WHY)
     # Read before anything yields to the loop: in a pool, an eviction meanwhile clears serving.state.engine.
     engine, info, scheme = serving.state.engine, serving.state.engine_info, _scheme(request, serving)
     adapter = await _adapter_root(serving, engine, req.model)
+    if endpoint is not None or req.messages is not None:  # rendered as chat: with the server's template variables
+        with_template_defaults(req, serving.config.default_chat_template_kwargs)
     if endpoint is not None:
         ids = await dialect_ids(engine, info, req, names, inline)
     else:

@@ -44,6 +44,11 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_CHOICES = 64  # prompts x n: engine requests one HTTP request may start
 MAX_MESSAGES = 2048
 MAX_ALLOWED_TOKEN_IDS = 1 << 17  # a whole vocabulary of the largest common models
+MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs entries
+
+# A chat template variable's name, as Jinja reads one.
+TemplateVariable = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+TemplateKwargs = Annotated[dict[TemplateVariable, Any], Field(max_length=MAX_TEMPLATE_KWARGS)]
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -152,7 +157,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     add_generation_prompt: StrictBool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: more variables for the chat template ({"enable_thinking": false}); kiln.serving.chat renders them.
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -176,9 +182,6 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise APIError(400, "set only one of max_tokens and max_completion_tokens", param="max_tokens")
-    if req.chat_template_kwargs:
-        raise APIError(400, "chat_template_kwargs is not supported by kiln; remove it",
-                       param="chat_template_kwargs")
     check_messages(req.messages)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from kiln.engine.errors import RequestError, RequestFailedError
+from kiln.serving.chat import with_template_defaults
 from kiln.serving.constraints import compile_constraint, output_constraint
 from kiln.serving.dialect_timing import timed_stream, translating
 from kiln.serving.errors import (
@@ -152,6 +153,26 @@ def resolve_model(ctx: Any, model: str) -> Any:
     return lora
 
 
+async def serving_context(request: Request, model: str | None, why: str) -> Any:
+    """The serving context whose engine answers for ``model`` (``state``, ``loras``...), for an endpoint that does
+    not generate: this server's own (``model`` may be None; a 404 for a name it does not serve); in an engine
+    pool (docs/pools.md) the engine ``model`` names, or the engine of the adapter it names, loaded as a request
+    for it would load it (404 naming the pool's models, 503 when it cannot be placed; None: a 400 saying ``why``
+    the endpoint needs the engine)."""
+    ctx = request.app.state.kiln
+    ctx.state.check_accepting()
+    if ctx.pool is None:
+        if model is not None:
+            resolve_model(ctx, model)
+        return ctx
+    if model is None:
+        raise APIError(400, f"this server is an engine pool: name the engine in model (the pool serves "
+                       f"{ctx.pool.served_names()}); {why}", param="model")
+    serving = await ctx.serving_for(model)
+    serving.state.check_accepting()
+    return serving
+
+
 async def _admitted_inputs(ctx: Any, req: Any, kind: str, lora: Any, inline: bool) -> tuple[Any, ...]:
     """(admission, inputs, constraint, plan): slots taken first, so a flood of big bodies is refused before it
     costs anything; then the adapter loaded, the constraint compiled and the prompt tokenized."""
@@ -198,6 +219,8 @@ async def generate(request: Request, req: CompletionRequest | ChatCompletionRequ
     state = ctx.state
     lora = resolve_model(ctx, req.model)
     check_supported(req)
+    if kind == "chat":
+        with_template_defaults(req, ctx.config.default_chat_template_kwargs)
     engine = state.engine
     admission, inputs, constraint, plan = await _admitted_inputs(ctx, req, kind, lora, inline)
     request_id = dialect.request_id if dialect is not None else (

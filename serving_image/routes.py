@@ -23,7 +23,7 @@ from kiln.serving.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kiln.serving.anthropic_stream import message_events
 from kiln.serving.anthropic_translate import to_chat as messages_to_chat
 from kiln.serving.anthropic_translate import to_message
-from kiln.serving.chat import render_chat
+from kiln.serving.chat import render_chat, with_template_defaults
 from kiln.serving.constraints import output_constraint
 from kiln.serving.dialect_timing import costed
 from kiln.serving.errors import APIError
@@ -107,6 +107,7 @@ async def count_tokens(request: Request) -> dict[str, Any]:
     state = ctx.state
     resolve_model(ctx, chat.model)
     check_supported(chat)
+    with_template_defaults(chat, ctx.config.default_chat_template_kwargs)
     _, plan = output_constraint(chat, (state.engine_info or {}).get("tool_call_format", "json"))
     return {"input_tokens": len(render_chat(chat, state.engine.tokenizer, plan))}
 

@@ -106,6 +106,9 @@ def test_auth(guarded):
         assert httpx.get(f"{guarded.url}{path}", timeout=30).status_code == 200
     assert httpx.get(f"{guarded.url}/version", timeout=30).status_code == 401
     assert httpx.get(f"{guarded.url}/version", headers=auth(), timeout=30).status_code == 200
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):  # vLLM's, beside /v1
+        assert httpx.post(f"{guarded.url}{path}", json=body, timeout=30).status_code == 401
+        assert httpx.post(f"{guarded.url}{path}", json=body, headers=auth(), timeout=30).status_code == 200
     assert KEY not in guarded.log()
 
 

@@ -1,10 +1,14 @@
 """`kiln serve --reasoning-parser deepseek_r1` on a random-weight model whose chat template thinks (its
 generation prompt opens ``<think>``, as DeepSeek-R1's does): the thinking comes back apart from the answer
 in all three APIs, streamed or not, and is exactly the raw output before ``</think>`` (read here from a
-plain completion of the same prompt tokens, without the parser)."""
+plain completion of the same prompt tokens, without the parser). The template reads two variables as Qwen3's
+and a house template would: ``enable_thinking`` (off: an empty thinking in the prompt) and ``house_rules``,
+which the server gives every chat request (``--default-chat-template-kwargs``) and a request's own
+``chat_template_kwargs`` override."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import anthropic
@@ -13,11 +17,15 @@ import pytest
 
 M = "tiny"
 THINKING_TEMPLATE = (
+    "{% if house_rules is defined %}{{ '<|im_start|>system\n' + house_rules + '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% else %}{{ '<think>\n' }}{% endif %}{% endif %}"
 )
+DEFAULTS = {"house_rules": "Answer in one line."}
 ASK = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
 SPLIT = "[a-z]{3,8}</think>[a-z]{3,8}"  # a regex that makes even a random model close its thinking
 
@@ -33,7 +41,8 @@ def thinking_model(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def srv(start_server, thinking_model):
     s = start_server("--max-seq-len", "256", "--max-input-len", "128", "--num-kv-blocks", "256",
-                     "--reasoning-parser", "deepseek_r1", source=["--model", str(thinking_model)])
+                     "--reasoning-parser", "deepseek_r1", "--default-chat-template-kwargs", json.dumps(DEFAULTS),
+                     source=["--model", str(thinking_model)])
     s.wait_ready()
     return s
 
@@ -44,12 +53,22 @@ def client(srv):
 
 
 @pytest.fixture(scope="module")
-def raw(client, thinking_model):
-    """The greedy output of the rendered prompt, as plain text (a completion: no parser applies)."""
+def rendered(thinking_model):
+    """The prompt's ids as transformers renders the template with these variables (the server's defaults)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(thinking_model)
-    ids = tok.encode(tok.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+
+    def render(messages=ASK, **variables):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **variables)
+        return tok.encode(text, add_special_tokens=False)
+    return render
+
+
+@pytest.fixture(scope="module")
+def raw(client, rendered):
+    """The greedy output of the rendered prompt, as plain text (a completion: no parser applies)."""
+    ids = rendered(**DEFAULTS)
     return client.completions.create(model=M, prompt=ids, max_tokens=12, temperature=0).choices[0].text
 
 
@@ -114,3 +133,34 @@ def test_a_json_answer_is_constrained_from_the_first_token(client):
     got = client.chat.completions.create(model=M, messages=ASK, max_tokens=30, response_format={
         "type": "json_schema", "json_schema": {"name": "r", "schema": schema}}).choices[0].message
     assert got.model_extra.get("reasoning_content") is None and got.content.startswith("{")
+
+
+def test_chat_template_kwargs_reach_the_template_over_the_servers_defaults(client, rendered):
+    def prompt_tokens(**extra):
+        return client.chat.completions.create(model=M, messages=ASK, max_tokens=1, extra_body=extra).usage.prompt_tokens
+
+    assert prompt_tokens() == len(rendered(**DEFAULTS))
+    off = {"enable_thinking": False}
+    assert prompt_tokens(chat_template_kwargs=off) == len(rendered(**DEFAULTS, **off)) > len(rendered(**DEFAULTS))
+    rules = {"house_rules": "Answer in one long paragraph, with care and with examples."}
+    assert prompt_tokens(chat_template_kwargs=rules) == len(rendered(**rules)) > len(rendered(**DEFAULTS))
+
+
+def test_messages_thinking_disabled_renders_the_template_without_thinking(srv, rendered):
+    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    for kind, enabled in (("disabled", False), ("enabled", True)):
+        thinking = {"type": kind, "budget_tokens": 1024} if enabled else {"type": kind}
+        counted = client.messages.count_tokens(model=M, messages=ASK, thinking=thinking).input_tokens
+        assert counted == len(rendered(**DEFAULTS, enable_thinking=enabled))
+    assert len(rendered(**DEFAULTS, enable_thinking=False)) > len(rendered(**DEFAULTS, enable_thinking=True))
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"tools": []}, "chat_template_kwargs.tools"),
+    ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+    ({"not-a-name": 1}, "chat_template_kwargs"),
+])
+def test_chat_template_kwargs_kiln_sets_itself_or_that_are_no_variable_are_refused(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=M, messages=ASK, max_tokens=1, extra_body={"chat_template_kwargs": kwargs})
+    assert err.value.body["param"].startswith(param), err.value.body

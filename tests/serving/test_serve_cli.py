@@ -89,3 +89,9 @@ def test_version_reports_the_settings_marked_reported(tmp_path):
 
     assert reported_settings(Loaded()) == {name: {"dtype": "bfloat16", "block_size": 32}.get(name)
                                            for name in reported}
+
+
+def test_default_chat_template_kwargs_must_be_an_object_of_variables_kiln_does_not_set(tmp_path):
+    for bad, says in (('["enable_thinking"]', "JSON object"), ('{"messages": []}', "messages"), ("{", "JSON")):
+        result = CliRunner().invoke(serve, ["--model", str(tmp_path), "--default-chat-template-kwargs", bad])
+        assert result.exit_code == 2 and "--default-chat-template-kwargs" in result.output and says in result.output
