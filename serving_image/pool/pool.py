@@ -26,6 +26,7 @@ from kiln.serving.config import ServeConfig
 from kiln.serving.errors import APIError
 from kiln.serving.lora_sync import RETRY_S, adapters_file
 from kiln.serving.pool.budget import default_budget
+from kiln.serving.pool.counts import PoolCounts
 from kiln.serving.pool.metrics import PoolMetrics
 from kiln.serving.pool.settings import PoolSettings
 from kiln.serving.pool.slot import LOADED, UNLOADED, UNLOADING, EngineSlot
@@ -38,7 +39,7 @@ from kiln.memory_budget import human, proc_status_bytes
 log = logging.getLogger("kiln.serving")
 
 
-class EnginePool:
+class EnginePool(PoolCounts):
     def __init__(self, settings: PoolSettings, base: ServeConfig, metrics: Any) -> None:
         self.settings, self.base, self.metrics = settings, base, metrics
         self.slots: dict[str, EngineSlot] = {}
@@ -97,23 +98,48 @@ class EnginePool:
 
     # -- placing a request ---------------------------------------------------------------------------------
     async def acquire(self, model: str) -> EngineSlot:
-        """The loaded engine for ``model``: 404 for a name the pool does not serve, 503 when it cannot be placed."""
-        slot = self.slot_for(model)
-        if slot is None and self.follower is not None:  # an engine the file lists since the follower's last pass
-            await self.follower.sync()
+        """The loaded engine for ``model``: 404 for a name the pool does not serve, 503 when it cannot be placed. A
+        request whose engine left the list while it waited looks its name up once more: an adapter of that name,
+        left out while the engine had it, is served again (docs/pools.md)."""
+        for _ in range(2):
             slot = self.slot_for(model)
-        if slot is None:
-            raise self.not_found(model)
+            if slot is None and self.follower is not None:  # an engine the file lists since the follower's last pass
+                await self.follower.sync()
+                slot = self.slot_for(model)
+            if slot is None:
+                break
+            if await self._placed(slot) and await self._knows(slot, model):
+                return slot
+        raise self.not_found(model)
+
+    async def _knows(self, slot: EngineSlot, model: str) -> bool:
+        """Whether ``slot``, loaded, may answer ``model``: its own name, or an adapter its registry holds, or one the
+        adapter list names for it since its last adapter pass (read in by one pass now, the engine kept from eviction
+        meanwhile: an adapter named as an engine that just left). False: the engine was removed meanwhile."""
+        if model == slot.name or slot.loras.get(model) is not None or slot.adapter_sync is None:
+            return True
+        slot.num_waiting += 1
+        try:
+            await slot.adapter_sync.sync((slot.state.engine_info or {}).get("engine_version"))
+        finally:
+            slot.num_waiting -= 1
+            self.notify()
+        return slot.status == LOADED and self.slots.get(slot.name) is slot
+
+    async def _placed(self, slot: EngineSlot) -> bool:
+        """``slot`` loaded, within ``--load-timeout``; False when it was removed from the list meanwhile."""
         slot.last_used = time.monotonic()
         if slot.status == LOADED and not getattr(slot.state.engine, "is_running", True):
             log.error("pool: engine %r: its step loop failed; unloading it to load it anew", slot.name)
             self.start_unload(slot, "failed")
         if slot.status == LOADED:
-            return slot
+            return True
         slot.num_waiting += 1
         try:
             async with asyncio.timeout(self.settings.load_timeout):
                 await self._place(slot)
+        except _Removed:
+            return False
         except TimeoutError:
             raise self._busy(f"the engine {slot.name!r} could not be loaded within --load-timeout "
                              f"{self.settings.load_timeout:g}s", "load_timeout") from None
@@ -121,15 +147,13 @@ class EnginePool:
             slot.num_waiting -= 1
             if slot.num_waiting == 0:
                 self.notify()  # a removal (or a drain) may be waiting for the engine's last waiter
-        if self.slots.get(slot.name) is not slot:
-            raise self.not_found(model)  # removed from the engines file while this request waited
         slot.last_used = time.monotonic()
-        return slot
+        return self.slots.get(slot.name) is slot
 
     async def _place(self, slot: EngineSlot) -> None:
         while slot.status != LOADED:
             if self.slots.get(slot.name) is not slot:  # removed while this request waited: never load it again
-                raise self.not_found(slot.name)
+                raise _Removed
             if slot.task is not None:  # a load or unload under way: wait for it with the others
                 loading = slot.status == LOADING  # an unload that failed is no load failure, whatever came before
                 try:
@@ -290,39 +314,7 @@ class EnginePool:
         elif slot in self.leaving:
             self.leaving.remove(slot)
 
-    # -- what the server reports and waits for -------------------------------------------------------------
-    @property
-    def num_loaded(self) -> int:
-        return sum(1 for s in self.slots.values() if s.status == LOADED)
-
-    @property
-    def memory_in_use(self) -> int:
-        return sum(s.memory_bytes for s in [*self.slots.values(), *self.leaving] if s.status != UNLOADED)
-
-    def cards(self, created: int) -> list[dict[str, Any]]:
-        cards = [s.card(created) for s in self.slots.values()]
-        for slot in self.slots.values():  # an adapter named as an engine is not what its name reaches (slot_for)
-            cards += [c for c in slot.loras.cards(created, slot.name) if c["id"] not in self.slots]
-        return cards
-
-    def _members(self) -> list[EngineSlot]:
-        return [*self.slots.values(), *self.leaving]
-
-    @property
-    def num_in_flight(self) -> int:
-        """Requests in flight or waiting for their engine to be placed, removed engines' included: what a drain
-        waits for."""
-        return sum(s.state.num_in_flight + s.num_waiting for s in self._members())
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests waiting for their engine to be placed or loaded (the queue's among them): admitted by no engine
-        yet, so in no engine's waiting count."""
-        return sum(s.num_waiting for s in self._members())
-
-    def generations(self) -> list[Any]:
-        return [g for s in self._members() for g in s.state.generations]
-
+    # -- what the server waits for ------------------------------------------------------------------------
     async def wait_idle(self, timeout: float) -> bool:
         """Nothing in flight and no request waiting for an engine within ``timeout``; False if it passed first."""
         try:
@@ -342,6 +334,10 @@ class EnginePool:
             if slot.state.engine is not None:
                 with contextlib.suppress(Exception):
                     await slot.unload()
+
+
+class _Removed(Exception):
+    """The engine a request waited for was removed from the list meanwhile."""
 
 
 def _task(coro: Any, name: str) -> asyncio.Task[Any]:

@@ -356,6 +356,65 @@ def test_a_request_queued_before_its_engine_was_removed_gets_404_and_never_loads
     asyncio.run(run())
 
 
+def test_a_request_whose_engine_left_while_it_waited_reaches_the_adapter_of_that_name(monkeypatch, tmp_path):
+    """An engine named as an adapter of another engine's base has the name while it is listed; a request that
+    waited for it while it was removed is looked up once more and served by the adapter, not answered 404."""
+    from kiln import adapter_list
+
+    listed = adapter_list.write(tmp_path / "adapters.json", [
+        adapter_list.entry("tone", "file:///store/engines/b-tone-0123", "b-tone-0123", "b")])
+    monkeypatch.setenv(adapter_list.ADAPTERS_FILE_ENV, str(listed))
+
+    async def run() -> None:
+        pool, rec = make_pool(monkeypatch, {"a": 100, "b": 100, "tone": 100}, memory_budget=100, load_timeout=5)
+        for slot in pool.slots.values():
+            slot.version = slot.name
+        held = (await pool.acquire("a")).state.admit(1)  # nothing else can be placed while a is in flight
+        waiting = asyncio.create_task(pool.acquire("tone"))
+        await asyncio.sleep(0.05)
+        removal = asyncio.create_task(pool.remove("tone"))
+        await asyncio.sleep(0.05)
+        held.release()
+        assert (await asyncio.wait_for(waiting, 5)).name == "b"
+        assert ("load", "tone") not in rec.events and rec.events[-1] == ("load", "b")
+        await asyncio.wait_for(removal, 5)
+
+    asyncio.run(run())
+
+
+def test_an_adapter_listed_since_its_engines_last_adapter_pass_is_read_in_before_the_request_goes_on(monkeypatch,
+                                                                                                     tmp_path):
+    """The request path answers an adapter from the engine's registry: one the list names for the engine it was
+    placed on, but which the engine's adapter follower has not read yet, is read in by one pass first (no 404),
+    with the engine kept from eviction meanwhile."""
+    from kiln import adapter_list
+
+    listed = adapter_list.write(tmp_path / "adapters.json", [
+        adapter_list.entry("tone", "file:///store/engines/b-tone-0123", "b-tone-0123", "b")])
+    monkeypatch.setenv(adapter_list.ADAPTERS_FILE_ENV, str(listed))
+
+    class Sync:
+        def __init__(self, slot):
+            self.slot, self.passes = slot, []
+
+        async def sync(self, version):
+            self.passes.append((version, self.slot.is_busy))
+            await asyncio.sleep(0)
+            self.slot.loras.adapters["tone"] = object()
+
+    async def run() -> None:
+        pool, _ = make_pool(monkeypatch, {"a": 1, "b": 1}, memory_budget=10)
+        for slot in pool.slots.values():
+            slot.version = slot.name
+        b = await pool.acquire("b")
+        b.adapter_sync = sync = Sync(b)
+        assert (await pool.acquire("tone")) is b and b.loras.get("tone") is not None
+        assert [busy for _, busy in sync.passes] == [True] and not b.is_busy
+        assert (await pool.acquire("tone")) is b and len(sync.passes) == 1  # held now: no second pass
+
+    asyncio.run(run())
+
+
 def test_a_removal_ends_when_its_last_waiter_times_out(monkeypatch):
     async def run() -> None:
         pool, _ = make_pool(monkeypatch, {"a": 100, "b": 100}, memory_budget=100, load_timeout=0.2)
