@@ -85,7 +85,7 @@ class OutputFormat(_Body):
 
 class OutputConfig(_Body):
     format: OutputFormat | None = None
-    effort: str | None = None  # accepted, ignored: a local model has one effort
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # the template's reasoning_effort
 
 
 class Metadata(_Body):

@@ -7,7 +7,8 @@ expect them right after the assistant's calls; ``tool_use`` blocks become the as
 ``tools`` / ``tool_choice`` map onto chat's (``any`` is ``required``, ``tool`` a named choice,
 ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``), ``output_config.format`` onto
 ``response_format``, ``stop_sequences`` onto ``stop``, ``thinking`` onto the chat template's
-``enable_thinking`` (``disabled``: false, else true; a template that does not read it is unchanged).
+``enable_thinking`` (``disabled``: false, else true; a template that does not read it is unchanged),
+``output_config.effort`` onto ``reasoning_effort``.
 The stop strings are kept in the chat output (``include_stop_str_in_output``) so the reply can say
 which one ended it; they are cut off here.
 
@@ -123,6 +124,8 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req), **_tools(req)}
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+    if req.output_config is not None and req.output_config.effort is not None:
+        body["reasoning_effort"] = req.output_config.effort
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
                     top_k=req.top_k, stop=req.stop_sequences, include_stop_str_in_output=bool(req.stop_sequences))

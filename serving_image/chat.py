@@ -10,6 +10,8 @@ content as the JSON the model is asked to answer with (:mod:`tool_calls`).
 ``chat_template_kwargs`` (vLLM's field: ``{"enable_thinking": false}`` for Qwen3, ``{"thinking": true}`` for
 Granite) are more variables for the template, over the server's ``--default-chat-template-kwargs``; the
 names kiln sets itself (the conversation, tools, the generation prompt) are refused, naming the variable.
+OpenAI's ``reasoning_effort`` (and what the Responses and Messages APIs call effort) is the template's
+``reasoning_effort`` variable, as gpt-oss's template reads it, unless ``chat_template_kwargs`` sets it.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan | Non
     native = isinstance(template, str) and "tools" in template
     messages = [_message(i, m, native) for i, m in enumerate(req.messages)]
     kwargs = check_template_kwargs(getattr(req, "chat_template_kwargs", None) or {})
+    if getattr(req, "reasoning_effort", None) is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     if plan is not None and native:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in plan.tools]
     elif plan is not None:

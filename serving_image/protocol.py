@@ -49,6 +49,8 @@ MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs entries
 # A chat template variable's name, as Jinja reads one.
 TemplateVariable = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
 TemplateKwargs = Annotated[dict[TemplateVariable, Any], Field(max_length=MAX_TEMPLATE_KWARGS)]
+# OpenAI's reasoning efforts (Anthropic's are among them): the chat template's reasoning_effort (kiln.serving.chat).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -159,6 +161,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     # vLLM's: more variables for the chat template ({"enable_thinking": false}); kiln.serving.chat renders them.
     chat_template_kwargs: TemplateKwargs | None = None
+    reasoning_effort: ReasoningEffort | None = None  # OpenAI's: the template's reasoning_effort (gpt-oss reads it)
 
 
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:

@@ -2,7 +2,7 @@
 
 Field names and shapes are OpenAI's. ``input`` items are read by type in :mod:`responses_translate`
 (``ITEMS``), so that an error names the item's own field (``input[2].call_id``). Fields OpenAI takes
-that change nothing kiln computes (``metadata``, ``user``, ``service_tier``, ``reasoning.effort``...)
+that change nothing kiln computes (``metadata``, ``user``, ``service_tier``, ``reasoning.summary``...)
 are accepted and ignored; ones kiln cannot honour (``background: true``, hosted tools, images) are a 400
 naming them. Unknown fields are refused, as on the other endpoints.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from kiln.serving.formats import MAX_TOOLS, JSONSchemaFormat, Name
-from kiln.serving.protocol import MAX_LOGPROBS, MAX_MESSAGES
+from kiln.serving.protocol import MAX_LOGPROBS, MAX_MESSAGES, ReasoningEffort
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 MAX_PARTS = 4096  # content parts of one message
@@ -72,7 +72,7 @@ class TextConfig(_Body):
 
 
 class ReasoningConfig(_Body):
-    effort: str | None = None  # accepted, ignored: the model thinks as its template says
+    effort: ReasoningEffort | None = None  # the chat template's reasoning_effort (kiln.serving.chat)
     summary: str | None = None
     generate_summary: str | None = None
 

@@ -5,7 +5,8 @@ follow-up does not inherit them); ``previous_response_id`` puts the stored conve
 ``input`` items become chat messages (``message`` items by role, ``function_call`` items the
 assistant's ``tool_calls``, ``function_call_output`` items ``tool`` messages; ``reasoning`` items
 are dropped, as thinking templates drop earlier thinking). Function ``tools``, ``tool_choice``,
-``parallel_tool_calls`` and ``text.format`` map onto chat's fields of the same meaning.
+``parallel_tool_calls`` and ``text.format`` map onto chat's fields of the same meaning, and
+``reasoning.effort`` onto its ``reasoning_effort`` (the chat template's variable of that name).
 
 Reply: ``output`` items in order: ``reasoning`` (with a reasoning parser), ``message`` with one
 ``output_text`` part, then one ``function_call`` per call. A reply cut at ``max_output_tokens`` is
@@ -137,6 +138,8 @@ def to_chat(req: Request, store: ResponseStore) -> Translated:
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     body = {"model": req.model, "messages": system + conversation, "max_tokens": req.max_output_tokens,
             "stream": req.stream, "temperature": req.temperature, "top_p": req.top_p, **_fields(req)}
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort
     if LOGPROBS_INCLUDE in (req.include or ()):  # the output text's logprobs; top_logprobs alone asks for none
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     try:
@@ -186,7 +189,8 @@ def response_body(req: Request, response_id: str, created_at: int, status: str =
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
             "output": output or [], "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": req.previous_response_id, "reasoning": {
+                "effort": req.reasoning.effort if req.reasoning else None, "summary": None},
             "store": req.store, "temperature": req.temperature, "text": {"format": fmt}, "top_logprobs": req.top_logprobs,
             "tool_choice": choice or "auto", "tools": tools, "top_p": req.top_p, "truncation": "disabled",
             "usage": usage(chat_usage), "user": req.user, "metadata": req.metadata or {}}

@@ -2,7 +2,8 @@
 generation prompt opens ``<think>``, as DeepSeek-R1's does): the thinking comes back apart from the answer
 in all three APIs, streamed or not, and is exactly the raw output before ``</think>`` (read here from a
 plain completion of the same prompt tokens, without the parser). The template reads two variables as Qwen3's
-and a house template would: ``enable_thinking`` (off: an empty thinking in the prompt) and ``house_rules``,
+and a house template would: ``enable_thinking`` (off: an empty thinking in the prompt), ``reasoning_effort``
+(as gpt-oss's: each API's effort field sets it) and ``house_rules``,
 which the server gives every chat request (``--default-chat-template-kwargs``) and a request's own
 ``chat_template_kwargs`` override."""
 
@@ -18,6 +19,8 @@ import pytest
 M = "tiny"
 THINKING_TEMPLATE = (
     "{% if house_rules is defined %}{{ '<|im_start|>system\n' + house_rules + '<|im_end|>\n' }}{% endif %}"
+    "{% if reasoning_effort is defined %}{{ '<|im_start|>system\nReasoning: ' + reasoning_effort + '<|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -164,3 +167,22 @@ def test_chat_template_kwargs_kiln_sets_itself_or_that_are_no_variable_are_refus
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=M, messages=ASK, max_tokens=1, extra_body={"chat_template_kwargs": kwargs})
     assert err.value.body["param"].startswith(param), err.value.body
+
+
+def test_each_apis_reasoning_effort_is_the_templates_reasoning_effort(srv, client, rendered):
+    low = len(rendered(**DEFAULTS, reasoning_effort="low"))
+    assert low > len(rendered(**DEFAULTS))
+    chat = client.chat.completions.create(model=M, messages=ASK, max_tokens=1, reasoning_effort="low")
+    assert chat.usage.prompt_tokens == low
+    kwargs = {"chat_template_kwargs": {"reasoning_effort": "high"}}  # the template's variables win
+    chat = client.chat.completions.create(model=M, messages=ASK, max_tokens=1, reasoning_effort="low",
+                                          extra_body=kwargs)
+    assert chat.usage.prompt_tokens == len(rendered(**DEFAULTS, reasoning_effort="high"))
+    response = client.responses.create(model=M, input=ASK[0]["content"], max_output_tokens=16,
+                                       reasoning={"effort": "low"})
+    assert response.usage.input_tokens == low and response.reasoning.effort == "low"
+    messages = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0).messages
+    assert messages.count_tokens(model=M, messages=ASK, output_config={"effort": "low"}).input_tokens == low
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=M, messages=ASK, max_tokens=1, extra_body={"reasoning_effort": "lots"})
+    assert err.value.body["param"] == "reasoning_effort"
