@@ -111,6 +111,14 @@ def test_a_pool_serves_each_engine_as_alone_within_its_budget(start_server, arti
     assert missing.status_code == 404
     error = missing.json()["error"]
     assert error["code"] == "model_not_found" and all(f"'{n}'" in error["message"] for n in "abcd")
+    # /tokenize needs the engine in a pool (each has its tokenizer) and answers as that engine's /v1/completions
+    # encodes: the prompt's tokens, echoed.
+    anonymous = httpx.post(f"{srv.url}/tokenize", json={"prompt": "hello there"}, timeout=30)
+    assert anonymous.status_code == 400 and anonymous.json()["error"]["param"] == "model", anonymous.text
+    ids = httpx.post(f"{srv.url}/tokenize", json={"model": "b", "prompt": "hello there"}, timeout=30).json()["tokens"]
+    echoed = httpx.post(f"{srv.url}/v1/completions", json={"model": "b", "prompt": "hello there", "max_tokens": 1,
+                                                             "echo": True, "logprobs": 0}, timeout=60).json()
+    assert len(echoed["choices"][0]["logprobs"]["tokens"]) == len(ids) + 1
 
     # The engines file is followed: d leaves (404, unloaded), e joins, without a restart.
     engines_file.write_text(json.dumps({"format": 1, "engines": [{"name": "e", "artifactURI": artifacts["e"][0]}]}))
