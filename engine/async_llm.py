@@ -231,7 +231,7 @@ class AsyncLLM:
                queue_time: float | None = None) -> StreamDelta:
         return StreamDelta(req.request_id, ids, text, reason, logprobs, req.num_prompt_tokens,
                            req.num_output_tokens, req.num_cached_tokens, queue_time,
-                           req.prompt_logprobs if queue_time is not None else None)
+                           *((req.prompt_logprobs, req.prompt_ranks) if queue_time is not None else (None, None)))
 
     def _post(self, request_id: str, item: StreamDelta | BaseException) -> None:
         assert self._loop is not None

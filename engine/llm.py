@@ -33,7 +33,7 @@ def to_output(req: Request) -> RequestOutput:
         token_ids=req.output_token_ids, text=req.detokenizer.text, finish_reason=req.finish_reason,
         logprobs=req.logprobs, num_cached_tokens=req.num_cached_tokens,
         metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finished_time, req.queue_time),
-        error=req.error, prompt_logprobs=req.prompt_logprobs,
+        error=req.error, prompt_logprobs=req.prompt_logprobs, prompt_ranks=req.prompt_ranks,
     )
 
 

@@ -28,6 +28,7 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # params.prompt_logprobs: one per prompt token
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank (1: the most likely), None first
 
 
 @dataclass
@@ -42,6 +43,7 @@ class StreamDelta:
     num_cached_tokens: int
     queue_time: float | None = None  # on a request's first delta only: arrival to first scheduled, seconds
     prompt_logprobs: list[dict[int, float] | None] | None = None  # on the first delta only (prompt_logprobs.py)
+    prompt_ranks: list[int | None] | None = None  # with them
 
 
 @dataclass

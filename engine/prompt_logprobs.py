@@ -1,6 +1,7 @@
 """Prompt logprobs (``SamplingParams.prompt_logprobs``, what `/v1/completions` returns for ``echo`` with
 ``logprobs``): for each prompt token after the first, its log-probability under the model given the tokens before
-it, and the ``k`` most likely tokens at that position.
+it, its rank there (1: the most likely; ``Request.prompt_ranks``), and the ``k`` most likely tokens at that
+position.
 
 A prefill chunk computes the hidden state of every position it runs; the runner asks for the logits of the
 positions whose next token is a prompt token (:func:`prompt_rows`, after the rows it samples) and :func:`fill`
@@ -75,7 +76,9 @@ def fill(logits: torch.Tensor, spans: list[PromptSpan]) -> None:
 def _append(req: Request, logits: torch.Tensor, first: int) -> None:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     targets = req.prompt_token_ids[first:first + logprobs.shape[0]]
-    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])[:, 0].tolist()
+    chosen_t = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
+    chosen = chosen_t[:, 0].tolist()
+    req.prompt_ranks += ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
     k = req.params.prompt_logprobs
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
     for tok, lp, tid, tlp in zip(targets, chosen, top_ids.tolist(), top_lp.tolist(), strict=True):

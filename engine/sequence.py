@@ -45,6 +45,7 @@ class Request:
     detokenizer: Any = None
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # params.prompt_logprobs: one per prompt token
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank at its position (1: the most likely)
     arrival_time: float = field(default_factory=time.time)
     first_scheduled_time: float | None = None  # first step that computed any of its tokens
     first_token_time: float | None = None
@@ -68,7 +69,7 @@ class Request:
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = [None]  # the first token has nothing before it
+            self.prompt_logprobs, self.prompt_ranks = [None], [None]  # the first token has nothing before it
         self.stop_token_set = frozenset(self.params.stop_token_ids)
 
     @property

@@ -59,6 +59,13 @@ def _max_tokens(requested: int | None, param: str, num_prompt: int, engine: Any,
                              param=param, default=default)
 
 
+def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest, logprobs: int | None) -> int | None:
+    """The k of the prompt's logprobs (engine/prompt_logprobs.py): vLLM's ``prompt_logprobs``, and for echo with
+    ``logprobs`` the prompt's tokens get theirs too (the larger k serves both: each answer keeps its own top)."""
+    asked = [req.prompt_logprobs, logprobs if isinstance(req, CompletionRequest) and req.echo else None]
+    return max((k for k in asked if k is not None), default=None)
+
+
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
                      choice: int, constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     seed = req.seed
@@ -79,8 +86,7 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
         skip_special_tokens=req.skip_special_tokens,
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         allowed_token_ids=req.allowed_token_ids, structured_outputs=constraint, cache_salt=req.cache_salt,
-        # echo with logprobs: the prompt's tokens get them too (engine/prompt_logprobs.py)
-        prompt_logprobs=logprobs if isinstance(req, CompletionRequest) and req.echo else None,
+        prompt_logprobs=_prompt_logprobs(req, logprobs),
     )
     try:
         return SamplingParams(**kwargs)

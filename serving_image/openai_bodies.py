@@ -10,7 +10,10 @@ the totals, just before ``data: [DONE]``; with ``continuous_usage_stats`` too
 (vLLM's), every chunk carries its choice's usage so far instead of null.
 Tool calls are ``message.tool_calls`` / ``delta.tool_calls`` (OpenAI's shapes:
 a delta per call with its ``index``, ``id``, ``type`` and ``function``); with a reasoning parser the
-thinking is ``message.reasoning_content`` / ``delta.reasoning_content`` (vLLM's name).
+thinking is ``message.reasoning_content`` / ``delta.reasoning_content`` (vLLM's name). vLLM's
+``prompt_logprobs`` come in vLLM's shape: per prompt token (None for the first) ``{token id: {"logprob",
+"rank", "decoded_token"}}``, the token's own entry and the k most likely, on each completion choice and at the
+top of a chat completion.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ class ChoiceText:
     finish_reason: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # chat: the calls read from `text` (then content is `text`)
     reasoning: str | None = None  # chat with a reasoning parser: the thinking split from `text` (reasoning.py)
-    prompt_token_ids: list[int] = field(default_factory=list)  # echo with logprobs: the prompt's, logprobs first
+    prompt_token_ids: list[int] = field(default_factory=list)  # with prompt logprobs: the prompt's, and theirs
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)
+    echo: bool = False  # a completion echoing its prompt: its logprobs (if asked) start with the prompt's
 
 
 def _finite(logprob: float | None) -> float:
@@ -70,13 +75,18 @@ class Builder:
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.top_logprobs = top_logprobs
+        self.prompt_top: int | None = None  # vLLM's prompt_logprobs: k, None when not asked
         self._offsets: dict[int, int] = {}  # choice -> text offset so far (completion logprobs)
+        self._decoded: dict[int, str] = {}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def _token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        text = self._decoded.get(token_id)
+        if text is None:  # a long prompt's logprobs name many tokens many times: each decoded once
+            text = self._decoded[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     # -- logprobs ---------------------------------------------------------------------------------
 
@@ -114,6 +124,20 @@ class Builder:
             "text_offset": offsets,
         }
 
+    def prompt_logprobs(self, c: ChoiceText) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs`` of choice ``c``: the prompt token's entry and the ``prompt_top`` most likely."""
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for tid, entry, rank in zip(c.prompt_token_ids, c.prompt_logprobs, c.prompt_ranks, strict=True):
+            if entry is None:  # the first token: nothing comes before it
+                out.append(None)
+                continue
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:self.prompt_top]
+            row = {str(t): {"logprob": _finite(v), "rank": i + 1, "decoded_token": self._token(t)}
+                   for i, (t, v) in enumerate(top)}
+            row[str(tid)] = {"logprob": _finite(entry[tid]), "rank": rank, "decoded_token": self._token(tid)}
+            out.append(row)
+        return out
+
     # -- usage ------------------------------------------------------------------------------------
 
     @staticmethod
@@ -136,14 +160,18 @@ class Builder:
                 }
                 for i, c in enumerate(choices)
             ]
+            if self.prompt_top is not None:  # one prompt, whatever n: at the top, as vLLM puts it
+                body["prompt_logprobs"] = self.prompt_logprobs(choices[0])
         else:
             body = self._head("text_completion")
             body["choices"] = [
                 {
                     "index": i,
                     "text": c.text,
-                    "logprobs": self.logprobs(i, c.prompt_token_ids + c.token_ids, c.prompt_logprobs + c.logprobs),
+                    "logprobs": self.logprobs(i, c.prompt_token_ids + c.token_ids, c.prompt_logprobs + c.logprobs)
+                    if c.echo else self.logprobs(i, c.token_ids, c.logprobs),
                     "finish_reason": c.finish_reason,
+                    **({"prompt_logprobs": self.prompt_logprobs(c)} if self.prompt_top is not None else {}),
                 }
                 for i, c in enumerate(choices)
             ]

@@ -101,6 +101,8 @@ class _SamplingFields(GuidedFields):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # vLLM's: each prompt token's logprob, rank and the k most likely there (not with stream, as vLLM).
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM's: salts the prefix cache, so only requests with the same salt (a tenant's) share cached blocks.
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
@@ -168,6 +170,9 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse valid OpenAI fields kiln does not implement, naming each one."""
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs are not available with stream: true (as on vLLM); send stream: false, "
+                       "or echo with logprobs on /v1/completions, which streams them", param="prompt_logprobs")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise APIError(

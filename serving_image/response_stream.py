@@ -39,13 +39,14 @@ def usage(gen: Generation, num_output_tokens: list[int]) -> dict[str, Any]:
 
 async def collect(builder: Builder, gen: Generation, plan: ToolPlan | None = None,
                   reasoning: Reasoning | None = None) -> dict[str, Any]:
-    choices = [ChoiceText(text=item.prompt_text or "") for item in gen.inputs]
+    choices = [ChoiceText(text=item.prompt_text or "", echo=item.prompt_text is not None) for item in gen.inputs]
     async for slot, delta in gen.deltas():
         choice = choices[slot]
         choice.text += delta.text
         choice.token_ids += delta.new_token_ids
-        if delta.prompt_logprobs is not None:  # echo with logprobs: the prompt's tokens come first
-            choice.prompt_token_ids, choice.prompt_logprobs = gen.inputs[slot].prompt_token_ids, delta.prompt_logprobs
+        if delta.prompt_logprobs is not None:  # echo with logprobs (the prompt's tokens first), or prompt_logprobs
+            choice.prompt_token_ids = gen.inputs[slot].prompt_token_ids
+            choice.prompt_logprobs, choice.prompt_ranks = delta.prompt_logprobs, delta.prompt_ranks or []
         if delta.logprobs:
             choice.logprobs += delta.logprobs
         if delta.finish_reason is not None:

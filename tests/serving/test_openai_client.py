@@ -121,6 +121,36 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_theirs_as_lm_eval_reads_the
     assert streamed == lp.token_logprobs
 
 
+def test_prompt_logprobs_as_vllm_gives_them_for_completions_and_chat(client, offline):
+    """vLLM's ``prompt_logprobs`` (extra_body): per prompt token its logprob, rank and the k most likely, keyed by
+    token id; the first token's is null. On each completion choice (beside plain logprobs, which stay the
+    output's), at the top of a chat completion; with stream a 400, as vLLM."""
+    ids = offline.tokenizer.encode(PROMPT + " jumps over the lazy dog")
+    want = offline.generate([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=2))[0]
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=0,
+                                    extra_body={"prompt_logprobs": 2})
+    rows = got.choices[0].model_extra["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == len(ids) and len(got.choices[0].logprobs.tokens) == 1
+    differ = 0  # the offline engine may time other kernels than the server's: a near tie may rank the other way
+    for tid, row, entry, rank in zip(ids[1:], rows[1:], want.prompt_logprobs[1:], want.prompt_ranks[1:], strict=True):
+        got_rank = row[str(tid)]["rank"]
+        differ += got_rank != rank
+        assert abs(got_rank - rank) <= 1 and len(row) == (2 if got_rank <= 2 else 3)  # its own, and the top 2
+        assert math.isclose(row[str(tid)]["logprob"], entry[tid], abs_tol=1e-4)
+        by_rank = sorted(row.values(), key=lambda v: v["rank"])
+        assert {1, 2} <= {v["rank"] for v in by_rank} and by_rank[0]["logprob"] >= by_rank[-1]["logprob"]
+        assert row[str(tid)]["decoded_token"] == offline.tokenizer.decode([tid])
+    assert differ <= 1
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    rows = chat.model_extra["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == chat.usage.prompt_tokens and all(len(r) == 1 for r in rows[1:])
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+    assert err.value.body["param"] == "prompt_logprobs"
+
+
 def test_chat_logprobs(client):
     got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0,
                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
