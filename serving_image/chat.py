@@ -109,6 +109,8 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan | Non
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                              tokenize=False, **kwargs)
     except Exception as exc:  # jinja's raise_exception() in templates ("roles must alternate" ...)
-        raise APIError(400, f"The chat template rejected these messages: {exc}", param="messages") from None
+        asked = getattr(req, "chat_template_kwargs", None)
+        what = "these messages" + (f" with chat_template_kwargs {sorted(asked)}" if asked else "")
+        raise APIError(400, f"The chat template rejected {what}: {exc}", param="messages") from None
     # The template writes any BOS itself; encoding must not add a second one.
     return tokenizer.encode(text, add_special_tokens=False)

@@ -18,6 +18,8 @@ import pytest
 
 M = "tiny"
 THINKING_TEMPLATE = (
+    "{% if house_rules is defined and not house_rules %}{{ raise_exception('house_rules may not be empty') }}"
+    "{% endif %}"
     "{% if house_rules is defined %}{{ '<|im_start|>system\n' + house_rules + '<|im_end|>\n' }}{% endif %}"
     "{% if reasoning_effort is defined %}{{ '<|im_start|>system\nReasoning: ' + reasoning_effort + '<|im_end|>\n' }}"
     "{% endif %}"
@@ -147,6 +149,10 @@ def test_chat_template_kwargs_reach_the_template_over_the_servers_defaults(clien
     assert prompt_tokens(chat_template_kwargs=off) == len(rendered(**DEFAULTS, **off)) > len(rendered(**DEFAULTS))
     rules = {"house_rules": "Answer in one long paragraph, with care and with examples."}
     assert prompt_tokens(chat_template_kwargs=rules) == len(rendered(**rules)) > len(rendered(**DEFAULTS))
+    with pytest.raises(openai.BadRequestError) as err:  # the template's own refusal, naming what was given
+        prompt_tokens(chat_template_kwargs={"house_rules": ""})
+    assert "house_rules may not be empty" in err.value.message and "chat_template_kwargs ['house_rules']" in \
+        err.value.message
 
 
 def test_messages_thinking_disabled_renders_the_template_without_thinking(srv, rendered):
