@@ -24,9 +24,15 @@ pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("
                                 reason="W8A8 runs in kiln's x86-64 library, compiled here")
 
 
+@pytest.fixture(scope="module")
+def module_kernels_dir(tmp_path_factory):
+    """This module's compile directory: the library compiled once for the module, not once per test (seconds)."""
+    return tmp_path_factory.mktemp("cpu-kernels")
+
+
 @pytest.fixture
-def units(monkeypatch, tmp_path):
-    monkeypatch.setenv("KILN_CPU_KERNELS_DIR", str(tmp_path / "cpu-kernels"))
+def units(monkeypatch, module_kernels_dir):
+    monkeypatch.setenv("KILN_CPU_KERNELS_DIR", str(module_kernels_dir))
     for name in (isa.ISA_ENV, candidates.EXCLUDE_ENV, candidates.SECOND_COPY_ENV):
         monkeypatch.delenv(name, raising=False)
     native.reset()
