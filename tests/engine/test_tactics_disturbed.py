@@ -48,7 +48,7 @@ def _hold_gil(seconds: float) -> None:
     ctypes.PyDLL(None).usleep(int(seconds * 1e6))
 
 
-def test_timing_waits_while_a_thread_of_its_own_process_holds_the_gil():
+def test_timing_waits_while_a_thread_of_its_own_process_holds_the_gil(monkeypatch):
     done = threading.Event()
 
     def hog():  # 2 ms at a time with the GIL held, for 0.4 s; Python between (the interpreter may switch)
@@ -64,7 +64,10 @@ def test_timing_waits_while_a_thread_of_its_own_process_holds_the_gil():
         assert done.is_set(), f"settled after {waited:.2f}s while the GIL hog still ran"
     finally:
         thread.join()
-    assert timing.settle(limit_s=10.0) < 5.0, "a quiet process settles at once"
+    # Undisturbed samples end it at once. (Not timed on the host as it is: on a busy machine other processes take
+    # the CPU from it too, which the settling rightly waits out, so a "quiet" wall time is the host's, not kiln's.)
+    monkeypatch.setattr(timing, "_undisturbed", lambda off, wall: True)
+    assert timing.settle(limit_s=10.0) < 1.0, "undisturbed samples did not end the settling"
 
 
 def test_settling_gives_up_at_its_limit():
