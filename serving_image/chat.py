@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kiln.serving.constraints import ToolPlan
+from kiln.serving.constraints import ToolPlan, output_constraint
 from kiln.serving.errors import APIError
-from kiln.serving.protocol import ChatCompletionRequest, ChatMessage, message_text
+from kiln.serving.protocol import ChatCompletionRequest, ChatMessage, check_supported, message_text
 
 TOOLS_PROMPT = (
     "You can call these functions. Each one's arguments follow its JSON Schema:\n{tools}\n"
@@ -114,3 +114,15 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan | Non
         raise APIError(400, f"The chat template rejected {what}: {exc}", param="messages") from None
     # The template writes any BOS itself; encoding must not add a second one.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_prompt_ids(chat: ChatCompletionRequest, tokenizer: Any, engine_info: dict[str, Any] | None,
+                    defaults: dict[str, Any] | None) -> list[int]:
+    """``chat``'s prompt ids as ``/v1/chat/completions`` renders it, for the endpoints that only count or key a
+    prompt (Messages' count_tokens, the prefix-cache keys of a dialect's body, /tokenize): its fields checked as
+    chat checks them, the server's template variables (``defaults``) under its own, its tools written in the
+    engine's tool-call format (``engine_info``'s)."""
+    check_supported(chat)
+    with_template_defaults(chat, defaults)
+    _, plan = output_constraint(chat, (engine_info or {}).get("tool_call_format", "json"))
+    return render_chat(chat, tokenizer, plan)

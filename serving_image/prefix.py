@@ -25,10 +25,9 @@ from kiln.engine.prefix_hash import PREFIX_HASH_SCHEME, block_keys
 from kiln.engine.sampling_params import MAX_CACHE_SALT_CHARS
 from kiln.serving.anthropic_protocol import MessagesRequest
 from kiln.serving.anthropic_translate import to_chat as messages_to_chat
-from kiln.serving.chat import render_chat, with_template_defaults
-from kiln.serving.constraints import output_constraint
+from kiln.serving.chat import chat_prompt_ids, render_chat, with_template_defaults
 from kiln.serving.errors import APIError, from_validation_error, parse_json_body
-from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, TemplateKwargs, _Body, check_messages, check_supported
+from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, TemplateKwargs, _Body, check_messages
 from kiln.serving.request_path import in_terms_of, parse_request, resolve_model, serving_context
 from kiln.serving.responses_protocol import ResponsesRequest
 from kiln.serving.responses_translate import to_chat as responses_to_chat
@@ -81,11 +80,12 @@ async def prefix_cache_keys(request: Request, endpoint: str | None = None) -> di
     # Read before anything yields to the loop: in a pool, an eviction meanwhile clears serving.state.engine.
     engine, info, scheme = serving.state.engine, serving.state.engine_info, _scheme(request, serving)
     adapter = await _adapter_root(serving, engine, req.model)
-    if endpoint is not None or req.messages is not None:  # rendered as chat: with the server's template variables
-        with_template_defaults(req, serving.config.default_chat_template_kwargs)
+    defaults = serving.config.default_chat_template_kwargs
     if endpoint is not None:
-        ids = await dialect_ids(engine, info, req, names, inline)
+        ids = await dialect_ids(engine, info, req, names, inline, defaults)
     else:
+        if req.messages is not None:  # rendered as chat: with the server's template variables
+            with_template_defaults(req, defaults)
         ids = _prompt_ids(req, engine) if inline else await asyncio.to_thread(_prompt_ids, req, engine)
     size = scheme["block_size"]
     keys = block_keys(ids, size, limit=max(0, len(ids) - 1) // size, adapter=adapter,  # last token: computed
@@ -112,19 +112,13 @@ async def dialect_request(request: Request, endpoint: str, raw: bytes) -> tuple[
 
 
 async def dialect_ids(engine: Any, info: dict[str, Any] | None, chat: Any, names: list[tuple[str, str]],
-                      inline: bool) -> list[int]:
+                      inline: bool, defaults: dict[str, Any] | None) -> list[int]:
     """The prompt's ids of ``chat`` (a translated dialect request), rendered as its endpoint renders it on
-    ``engine`` (whose ``engine_info`` is ``info``); errors name the dialect's own fields."""
-    tokenizer = engine.tokenizer
-    tool_call_format = (info or {}).get("tool_call_format", "json")
-
-    def prompt() -> list[int]:
-        check_supported(chat)
-        _, plan = output_constraint(chat, tool_call_format)
-        return render_chat(chat, tokenizer, plan)
-
+    ``engine`` (whose ``engine_info`` is ``info``; ``defaults``: the server's template variables); errors name
+    the dialect's own fields."""
+    args = (chat, engine.tokenizer, info, defaults)
     try:
-        return prompt() if inline else await asyncio.to_thread(prompt)
+        return chat_prompt_ids(*args) if inline else await asyncio.to_thread(chat_prompt_ids, *args)
     except APIError as exc:
         raise in_terms_of(exc, names) from None
 

@@ -23,11 +23,10 @@ from kiln.serving.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kiln.serving.anthropic_stream import message_events
 from kiln.serving.anthropic_translate import to_chat as messages_to_chat
 from kiln.serving.anthropic_translate import to_message
-from kiln.serving.chat import render_chat, with_template_defaults
-from kiln.serving.constraints import output_constraint
+from kiln.serving.chat import chat_prompt_ids
 from kiln.serving.dialect_timing import costed
 from kiln.serving.errors import APIError
-from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, check_supported
+from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest
 from kiln.serving.request_path import (
     INLINE_BYTES,
     MAX_BODY_BYTES,
@@ -104,12 +103,9 @@ async def count_tokens(request: Request) -> dict[str, Any]:
     raw = await _body(request, "/v1/messages/count_tokens")
     chat = await parse_request(raw, CountTokensRequest, messages_to_chat)
     ctx = await request.app.state.kiln.serving_for(chat.model)  # this server, or a pool's engine
-    state = ctx.state
     resolve_model(ctx, chat.model)
-    check_supported(chat)
-    with_template_defaults(chat, ctx.config.default_chat_template_kwargs)
-    _, plan = output_constraint(chat, (state.engine_info or {}).get("tool_call_format", "json"))
-    return {"input_tokens": len(render_chat(chat, state.engine.tokenizer, plan))}
+    state, defaults = ctx.state, ctx.config.default_chat_template_kwargs
+    return {"input_tokens": len(chat_prompt_ids(chat, state.engine.tokenizer, state.engine_info, defaults))}
 
 
 def _store(request: Request) -> ResponseStore:

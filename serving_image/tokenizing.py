@@ -18,8 +18,7 @@ import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from kiln.serving.chat import render_chat, with_template_defaults
-from kiln.serving.constraints import output_constraint
+from kiln.serving.chat import chat_prompt_ids
 from kiln.serving.errors import APIError, from_validation_error, parse_json_body
 from kiln.serving.formats import MAX_TOOLS, Tool
 from kiln.serving.inputs import vocabulary_size
@@ -29,7 +28,6 @@ from kiln.serving.protocol import (
     ChatMessage,
     TemplateKwargs,
     _Body,
-    check_supported,
 )
 from kiln.serving.request_path import INLINE_BYTES, read_body, serving_context
 from pydantic import Field, StrictBool, StrictInt, ValidationError
@@ -87,10 +85,7 @@ def _chat_ids(req: TokenizeChatRequest, serving: Any, tokenizer: Any) -> list[in
     chat = ChatCompletionRequest.model_construct(
         model=req.model or "", messages=req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
         chat_template_kwargs=req.chat_template_kwargs)  # each field validated already, as the request's
-    check_supported(chat)  # what /v1/chat/completions refuses in messages, named as it names it
-    with_template_defaults(chat, serving.config.default_chat_template_kwargs)
-    _, plan = output_constraint(chat, (serving.state.engine_info or {}).get("tool_call_format", "json"))
-    return render_chat(chat, tokenizer, plan)
+    return chat_prompt_ids(chat, tokenizer, serving.state.engine_info, serving.config.default_chat_template_kwargs)
 
 
 @router.post("/tokenize")
