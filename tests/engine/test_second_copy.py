@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from engine_testlib import random_prompts
-from kiln.engine.kernels import candidates, isa, native, torch_w8a8
+from kiln.engine.kernels import candidates, native, torch_w8a8
 from kiln.engine.layers.quant import quantize_weight
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.tactics import host_signature
@@ -24,25 +24,17 @@ pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("
                                 reason="W8A8 runs in kiln's x86-64 library, compiled here")
 
 
-@pytest.fixture(scope="module")
-def module_kernels_dir(tmp_path_factory):
-    """This module's compile directory: the library compiled once for the module, not once per test (seconds)."""
-    return tmp_path_factory.mktemp("cpu-kernels")
-
-
 @pytest.fixture
-def units(monkeypatch, module_kernels_dir):
-    monkeypatch.setenv("KILN_CPU_KERNELS_DIR", str(module_kernels_dir))
-    for name in (isa.ISA_ENV, candidates.EXCLUDE_ENV, candidates.SECOND_COPY_ENV):
-        monkeypatch.delenv(name, raising=False)
-    native.reset()
+def units(w8a8_fresh, monkeypatch):
+    """The host's own W8A8 tiles (conftest's ``w8a8_fresh``: from the shared compile cache), no second copy
+    turned off."""
+    monkeypatch.delenv(candidates.SECOND_COPY_ENV, raising=False)
     kernels = native.kernels()
     why = "kiln's kernels do not load" if kernels is None else kernels.gemm_kernels[torch.float32]["w8a8"]
     why = why or torch_w8a8.unavailable()
     if why:
         pytest.skip(f"W8A8 (kiln's and torch's) does not run here: {why}")
-    yield kernels
-    native.reset()
+    return kernels
 
 
 def timings(rows_list, kiln_upto: int = 1, ratio: float = 2.0) -> list[BucketTiming]:
