@@ -67,7 +67,8 @@ class Builder:
     """Response pieces for one HTTP request; ``kind`` is ``"completion"`` or ``"chat"``."""
 
     def __init__(
-        self, kind: str, request_id: str, model: str, tokenizer: Any, top_logprobs: int | None
+        self, kind: str, request_id: str, model: str, tokenizer: Any, top_logprobs: int | None,
+        prompt_top: int | None = None,
     ) -> None:
         self.kind = kind
         self.id = request_id
@@ -75,7 +76,7 @@ class Builder:
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.top_logprobs = top_logprobs
-        self.prompt_top: int | None = None  # vLLM's prompt_logprobs: k, None when not asked
+        self.prompt_top = prompt_top  # vLLM's prompt_logprobs: k, None when not asked
         self._offsets: dict[int, int] = {}  # choice -> text offset so far (completion logprobs)
         self._decoded: dict[int, str] = {}
 

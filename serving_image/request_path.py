@@ -209,9 +209,7 @@ def _builder(req: CompletionRequest | ChatCompletionRequest, kind: str, request_
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         top_logprobs = req.logprobs
-    builder = Builder(kind, request_id, req.model, engine.tokenizer, top_logprobs)
-    builder.prompt_top = req.prompt_logprobs
-    return builder
+    return Builder(kind, request_id, req.model, engine.tokenizer, top_logprobs, req.prompt_logprobs)
 
 
 async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str,
