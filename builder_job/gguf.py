@@ -37,7 +37,8 @@ log = logging.getLogger("kiln.build.gguf")
 
 GGUF_SUFFIX = ".gguf"
 # GGUF general.architecture -> the runtime's architecture (config.json "architectures").
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
 # Unquantized tensor types; the quantized ones are whatever gguf.quants can dequantize.
 PLAIN_TYPES = ("F32", "F16", "BF16")
 MARKER = ".kiln-gguf.json"  # in a converted directory: which file (sha256) it was made from
@@ -93,6 +94,32 @@ def _field_str(reader, key: str) -> str | None:
         return bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
     except (IndexError, TypeError):
         return None
+
+
+def _field_int(reader, key: str) -> int | None:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    try:
+        return int(f.parts[f.data[0]][0])
+    except (IndexError, TypeError, ValueError):
+        return None
+
+
+def _head_dim_config(folder: str, name: str, info: GGUFInfo) -> dict:
+    """``from_pretrained``'s config where transformers' GGUF mapping misses the file's head size: it reads no
+    ``attention.key_length`` for some architectures (qwen3 in 5.24), so ``head_dim`` would be the config class's
+    default (Qwen3's 128) whatever the file's heads are. Empty where the mapping got it right."""
+    from transformers import AutoConfig  # deferred: as convert_gguf's
+
+    key_length = _field_int(info.reader, f"{info.architecture}.attention.key_length")
+    if key_length is None:
+        return {}
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if getattr(config, "head_dim", key_length) == key_length:
+        return {}
+    config.head_dim = key_length
+    return {"config": config}
 
 
 def inspect_gguf(path: Path, source: str, expected_sha256: str | None = None) -> GGUFInfo:
@@ -182,7 +209,8 @@ def convert_gguf(path: Path, info: GGUFInfo, dest: Path) -> Path:
             raise FetchError(f"spec.model.source: {info.file} carries no tokenizer kiln can read "
                              f"(tokenizer.ggml.* metadata; {type(exc).__name__}: {str(exc)[:200]}); export the "
                              "GGUF with its tokenizer (llama.cpp's convert_hf_to_gguf.py writes it)") from None
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                     **_head_dim_config(folder, name, info))
     # transformers will not save_pretrained a GGUF-loaded model (it counts as quantized): write the
     # dequantized tensors, the config without its GGUF quantization note, and the generation config.
     from safetensors.torch import save_file  # deferred: torch (as above)

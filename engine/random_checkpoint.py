@@ -50,6 +50,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True,
         use_sliding_window=False, **_COMMON,
     ),
+    # Qwen3: per-head q/k RMSNorms, no qkv bias, tied embeddings, and a head_dim wider than hidden / heads
+    # (as Qwen3-0.6B's 128 against 1024 / 16).
+    "qwen3-tiny": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024, tie_word_embeddings=True,
+        use_sliding_window=False, **_COMMON,
+    ),
     # Mistral: multi-head attention here (kv heads == heads).
     "mistral-tiny": dict(
         model_type="mistral", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -77,7 +84,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mistral": "MistralForCausalLM"}
 
 
 def _corpus(seed: int, num_words: int) -> list[str]:
@@ -157,6 +165,10 @@ def make_random_model(
     config = AutoConfig.for_model(model_type, architectures=[_ARCHITECTURES[model_type]], **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # Qwen3's per-head norms start at ones: away from them, a weight left unread shows
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     tokenizer = make_tokenizer(config.vocab_size, seed=seed)

@@ -209,7 +209,7 @@ class StackLayer(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "gate_up_bias", "o_bias", "down_bias",
-        "k_cache", "v_cache")]
+        "k_cache", "v_cache", "q_norm", "k_norm")]
 
 
 class StackShape(ctypes.Structure):

@@ -1,7 +1,8 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2) as one model with config switches.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one model with config switches.
 
 Differences between the family members are data, read from config.json:
-query/key/value bias (Qwen2, or Llama's ``attention_bias``), tied embeddings,
+query/key/value bias (Qwen2, or Llama's ``attention_bias``), each head's query and
+key RMS-normed before the rotary (Qwen3's ``q_norm``/``k_norm``), tied embeddings,
 grouped-query vs multi-head attention, an explicit ``head_dim``, and the rope
 scaling variant. Parameter names follow the Hugging Face checkpoints, except
 for the fused projections named in ``packed_modules``.
@@ -46,6 +47,11 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        # Qwen3: one RMSNorm over each query head and one over each key head, before the rotary (as transformers')
+        has_qk_norm = cfg.get("model_type") == "qwen3"
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(self.head_dim, eps) if has_qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps) if has_qk_norm else None
 
     native_ops = None  # kernels.native.Kernels: rotary in place, in one pass (set by the runner)
 
@@ -53,12 +59,22 @@ class LlamaAttention(nn.Module):
         qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k are adjacent in the fused output: one rotary pass over both.
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = self._norm_heads(qk)
         if self.native_ops is not None and cos_sin[0].shape[-1] == self.head_dim:
             qk = self.native_ops.rotary_(qk, *cos_sin)
         else:
             qk = apply_rotary_qk(cos_sin, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """q and k [tokens, heads, head_dim], each head's row RMS-normed by its norm: one row per head, as
+        kernels.native's rms_norm (and the C decoder stack) takes them."""
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        d = self.head_dim
+        return torch.cat((self.q_norm(q.reshape(-1, d)).view(-1, self.num_heads, d),
+                          self.k_norm(k.reshape(-1, d)).view(-1, self.num_kv_heads, d)), dim=1)
 
 
 # On CPU (native kernels) the MLP of a step with more tokens runs in slices of ``mlp_rows`` rows: a
@@ -215,6 +231,8 @@ class LlamaModel(nn.Module):
                 "o_bias": None if a.o_proj.bias is None else a.o_proj.bias.detach().contiguous(),
                 "down_bias": None if m.down_proj.bias is None else m.down_proj.bias.detach().contiguous(),
                 "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache,
+                "q_norm": None if a.q_norm is None else a.q_norm.weight.detach().contiguous(),
+                "k_norm": None if a.k_norm is None else a.k_norm.weight.detach().contiguous(),
             })
         kvh, num_blocks, block_size, _ = first.self_attn.attn.k_cache.shape
         shape = dict(hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads, kv_heads=attn.num_kv_heads,

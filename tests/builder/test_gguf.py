@@ -33,7 +33,7 @@ def write_gguf(path: Path, arch: str = "llama", raw_type: str | None = None) -> 
 
 def test_supported_sets_are_what_the_runtime_and_dequantizer_have():
     assert supported_architectures() == {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                         "qwen2": "Qwen2ForCausalLM"}
+                                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
     assert {"F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"} <= set(supported_tensor_types())
 
 

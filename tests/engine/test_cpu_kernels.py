@@ -277,7 +277,8 @@ def test_long_prefill_in_mlp_slices_equals_torch(fresh, toy_model, make_llm):
 STACK_MODELS = [("llama-tiny", {}, "float32", None), ("qwen2-tiny", {}, "float32", None),  # qwen2: q/k/v biases
                  ("llama-tiny", {"attention_bias": True, "mlp_bias": True}, "float32", None),  # o/gate_up/down biases
                  ("llama-tiny", {}, "bfloat16", None), ("qwen2-tiny", {}, "bfloat16", None),
-                 ("llama-tiny", {}, "float32", "int8"), ("qwen2-tiny", {}, "bfloat16", "int8")]  # int8 GEMMs
+                 ("llama-tiny", {}, "float32", "int8"), ("qwen2-tiny", {}, "bfloat16", "int8"),  # int8 GEMMs
+                 ("qwen3-tiny", {}, "float32", None), ("qwen3-tiny", {}, "bfloat16", None)]  # q/k norms, wide heads
 
 
 def _with_random_biases(src, dest):

@@ -20,7 +20,7 @@ from kiln.engine.model_runner import build_model
 from kiln.engine.models.registry import create_model
 from kiln.engine.weights import load_engine_state
 
-PRESETS = ["llama-tiny", "llama3-tiny", "qwen2-tiny"]  # GQA, llama3 rope scaling, qkv bias + tied head
+PRESETS = ["llama-tiny", "llama3-tiny", "qwen2-tiny", "qwen3-tiny"]  # GQA, llama3 rope, qkv bias + tied head, q/k norms
 QUANTIZATIONS = [None, "int8", "fp8"]
 
 

@@ -13,8 +13,9 @@ pytestmark = [
 ]
 
 
-def test_fp32_cuda_equals_hf(toy_model, make_llm, hf_greedy):
-    model_dir = toy_model("llama-tiny")
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen3-tiny"])
+def test_fp32_cuda_equals_hf(toy_model, make_llm, hf_greedy, preset):
+    model_dir = toy_model(preset)
     prompts = random_prompts([3, 17, 40], seed=1)
     outs = make_llm(model_dir, device="cuda", num_kv_blocks=64, enforce_eager=True).generate(
         prompts, SamplingParams(temperature=0, max_tokens=8))

@@ -7,7 +7,7 @@ from engine_testlib import random_prompts
 from kiln.engine import SamplingParams
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "qwen3-tiny"])
 def test_tp2_equals_tp1(preset, toy_model, make_llm, hf_greedy):
     model_dir = toy_model(preset)
     prompts = random_prompts([5, 23, 40], seed=11)

@@ -8,7 +8,7 @@
  * the bench model, more with two threads, where the kernels halve and the Python does not). Per layer:
  *
  *   h, res = RMSNorm(x + res)            (the first layer of the first stage: res = x, h = RMSNorm(x))
- *   qkv = h Wqkv^T + bqkv;  RoPE(q, k);  K/V into the cache;  a = attention(q)
+ *   qkv = h Wqkv^T + bqkv;  (Qwen3: each q and k head RMS-normed);  RoPE(q, k);  K/V into the cache;  a = attention(q)
  *   x = a Wo^T (+ bo);  h, res = RMSNorm(x + res)
  *   x = down(SiLU(gate) * up) (+ bdown), gate|up = h Wgu^T + bgu, in slices of mlp_rows rows
  *
@@ -20,6 +20,7 @@ struct kiln_layer {
     const float *qkv_bias, *gate_up_bias;  /* float32 or NULL */
     const void *o_bias, *down_bias;        /* model dtype or NULL */
     void *k_cache, *v_cache;               /* [kv_heads, num_blocks, block_size, head_dim], as kiln_cache_write */
+    const void *q_norm, *k_norm;           /* [head_dim], model dtype, or NULL: Qwen3's per-head RMSNorms */
 };
 
 struct kiln_stack {
@@ -38,6 +39,17 @@ NOCONTRACT static void add_row_bias(void *y, const void *b, int64_t rows, int64_
 #pragma omp parallel for schedule(static) if (rows * n > 32768)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < n; i++) st(y, r * n + i, rnd(ld(y, r * n + i, bf16) + ld(b, i, bf16), bf16), bf16);
+}
+
+/* Qwen3: each token's query heads, then its key heads, RMS-normed in place, one head a row (as the module
+ * path's kiln_add_rms_norm over [tokens x heads, head_dim]: the same sums, so the same values). */
+static void norm_heads(const struct kiln_stack *s, const struct kiln_layer *L, char *qkv, int64_t tokens) {
+    const int64_t esz = s->bf16 ? 2 : 4, d = s->head_dim, row = (s->heads + 2 * s->kv_heads) * d * esz;
+    for (int64_t t = 0; t < tokens; t++) {
+        char *q = qkv + t * row, *k = q + s->heads * d * esz;
+        kiln_add_rms_norm(q, 0, L->q_norm, q, 0, s->heads, d, s->eps, s->bf16);
+        kiln_add_rms_norm(k, 0, L->k_norm, k, 0, s->kv_heads, d, s->eps, s->bf16);
+    }
 }
 
 static int64_t stack_align(int64_t bytes) { return (bytes + 63) / 64 * 64; }
@@ -85,6 +97,7 @@ int kiln_decoder_stack(const struct kiln_stack *s, const struct kiln_layer *laye
             kiln_add_rms_norm(x, residual, L->input_norm, h, residual, tokens, hid, s->eps, bf16);
         }
         if (stack_linear(L->qkv, h, L->qkv_bias, qkv, tokens)) return -1;
+        if (L->q_norm) norm_heads(s, L, qkv, tokens);
         kiln_rotary(qkv, cos, sin, tokens, s->heads + s->kv_heads, d, qkv_n, cs_stride, bf16);
         kiln_cache_write(qkv + q_n * esz, qkv + (q_n + kv_n) * esz, L->k_cache, L->v_cache, slots, tokens, s->kv_heads,
                          d, qkv_n, qkv_n, s->num_blocks, s->block_size, bf16);
