@@ -57,6 +57,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024, tie_word_embeddings=True,
         use_sliding_window=False, **_COMMON,
     ),
+    # SmolLM3: Llama with layers that skip the rotary (NoPE; here the second of two), tied embeddings.
+    "smollm3-tiny": dict(
+        model_type="smollm3", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True,
+        no_rope_layers=[1, 0], use_sliding_window=False, pad_token_id=None, **_COMMON,
+    ),
     # Mistral: multi-head attention here (kv heads == heads).
     "mistral-tiny": dict(
         model_type="mistral", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -85,7 +91,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mistral": "MistralForCausalLM"}
+                  "smollm3": "SmolLM3ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 def _corpus(seed: int, num_words: int) -> list[str]:

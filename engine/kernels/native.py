@@ -209,7 +209,7 @@ class StackLayer(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "gate_up_bias", "o_bias", "down_bias",
-        "k_cache", "v_cache", "q_norm", "k_norm")]
+        "k_cache", "v_cache", "q_norm", "k_norm")] + [("rope", ctypes.c_int64)]
 
 
 class StackShape(ctypes.Structure):
@@ -235,8 +235,8 @@ class DecoderStack:
         self._keep: list = []
 
         def address(value) -> int | None:
-            if value is None:
-                return None
+            if value is None or isinstance(value, int):  # absent, or a flag (rope)
+                return value
             self._keep.append(value)
             return ctypes.addressof(value.weight) if isinstance(value, PackedLinear) else value.data_ptr()
 

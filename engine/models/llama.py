@@ -1,8 +1,9 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one model with config switches.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM3) as one model with config switches.
 
 Differences between the family members are data, read from config.json:
 query/key/value bias (Qwen2, or Llama's ``attention_bias``), each head's query and
-key RMS-normed before the rotary (Qwen3's ``q_norm``/``k_norm``), tied embeddings,
+key RMS-normed before the rotary (Qwen3's ``q_norm``/``k_norm``), layers without
+rotary (SmolLM3's ``no_rope_layers``), tied embeddings,
 grouped-query vs multi-head attention, an explicit ``head_dim``, and the rope
 scaling variant. Parameter names follow the Hugging Face checkpoints, except
 for the fused projections named in ``packed_modules``.
@@ -34,9 +35,17 @@ def kv_heads_of(cfg: dict[str, Any]) -> int:
     return cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
 
 
+def uses_rope(cfg: dict[str, Any], layer: int) -> bool:
+    """Whether decoder layer ``layer`` rotates q and k: SmolLM3's ``no_rope_layers`` (1 rope, 0 none) leaves some
+    layers position-free (NoPE); every other member rotates in every layer."""
+    flags = cfg.get("no_rope_layers") if cfg.get("model_type") == "smollm3" else None
+    return bool(flags[layer]) if flags else True
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], layer: int = 0) -> None:
         super().__init__()
+        self.use_rope = uses_rope(cfg, layer)
         tp = parallel.tp_size()
         num_heads, num_kv_heads = cfg["num_attention_heads"], kv_heads_of(cfg)
         self.head_dim = head_dim_of(cfg)
@@ -61,9 +70,9 @@ class LlamaAttention(nn.Module):
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = self._norm_heads(qk)
-        if self.native_ops is not None and cos_sin[0].shape[-1] == self.head_dim:
+        if self.use_rope and self.native_ops is not None and cos_sin[0].shape[-1] == self.head_dim:
             qk = self.native_ops.rotary_(qk, *cos_sin)
-        else:
+        elif self.use_rope:
             qk = apply_rotary_qk(cos_sin, qk)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim)))
@@ -149,9 +158,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     stack_member = True  # its linears run inside kernels.native.DecoderStack when one is bound (tactics.bind)
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
@@ -187,7 +196,7 @@ class LlamaModel(nn.Module):
         self.first, self.last = parallel.is_first_stage(), parallel.is_last_stage()
         self.start, self.end = parallel.stage_layers(num_layers, parallel.pp_rank(), parallel.pp_size())
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"]) if self.first else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) if self.start <= i < self.end else OtherStageLayer()
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) if self.start <= i < self.end else OtherStageLayer()
                                     for i in range(num_layers))
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)) if self.last else None
         # One table for every layer: cos/sin are looked up once per forward pass.
@@ -233,6 +242,7 @@ class LlamaModel(nn.Module):
                 "k_cache": a.attn.k_cache, "v_cache": a.attn.v_cache,
                 "q_norm": None if a.q_norm is None else a.q_norm.weight.detach().contiguous(),
                 "k_norm": None if a.k_norm is None else a.k_norm.weight.detach().contiguous(),
+                "rope": int(a.use_rope),
             })
         kvh, num_blocks, block_size, _ = first.self_attn.attn.k_cache.shape
         shape = dict(hidden=first.input_layernorm.weight.shape[0], heads=attn.num_heads, kv_heads=attn.num_kv_heads,

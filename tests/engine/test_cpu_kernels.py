@@ -278,7 +278,8 @@ STACK_MODELS = [("llama-tiny", {}, "float32", None), ("qwen2-tiny", {}, "float32
                  ("llama-tiny", {"attention_bias": True, "mlp_bias": True}, "float32", None),  # o/gate_up/down biases
                  ("llama-tiny", {}, "bfloat16", None), ("qwen2-tiny", {}, "bfloat16", None),
                  ("llama-tiny", {}, "float32", "int8"), ("qwen2-tiny", {}, "bfloat16", "int8"),  # int8 GEMMs
-                 ("qwen3-tiny", {}, "float32", None), ("qwen3-tiny", {}, "bfloat16", None)]  # q/k norms, wide heads
+                 ("qwen3-tiny", {}, "float32", None), ("qwen3-tiny", {}, "bfloat16", None),  # q/k norms, wide heads
+                 ("smollm3-tiny", {}, "float32", None)]  # a layer without rotary
 
 
 def _with_random_biases(src, dest):

@@ -20,7 +20,8 @@ from kiln.engine.model_runner import build_model
 from kiln.engine.models.registry import create_model
 from kiln.engine.weights import load_engine_state
 
-PRESETS = ["llama-tiny", "llama3-tiny", "qwen2-tiny", "qwen3-tiny"]  # GQA, llama3 rope, qkv bias + tied head, q/k norms
+# GQA, llama3 rope scaling, qkv bias + tied head, q/k norms, a layer without rotary
+PRESETS = ["llama-tiny", "llama3-tiny", "qwen2-tiny", "qwen3-tiny", "smollm3-tiny"]
 QUANTIZATIONS = [None, "int8", "fp8"]
 
 

@@ -11,7 +11,7 @@ import pytest
 from engine_testlib import random_prompts
 from kiln.engine import SamplingParams
 
-PRESETS = ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny", "llama3-tiny"]
+PRESETS = ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "smollm3-tiny", "mistral-tiny", "llama3-tiny"]
 LENGTHS = [3, 17, 40, 71]
 MAX_TOKENS = [9, 4, 12, 6]
 

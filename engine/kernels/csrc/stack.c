@@ -8,7 +8,7 @@
  * the bench model, more with two threads, where the kernels halve and the Python does not). Per layer:
  *
  *   h, res = RMSNorm(x + res)            (the first layer of the first stage: res = x, h = RMSNorm(x))
- *   qkv = h Wqkv^T + bqkv;  (Qwen3: each q and k head RMS-normed);  RoPE(q, k);  K/V into the cache;  a = attention(q)
+ *   qkv = h Wqkv^T + bqkv;  (Qwen3: each q and k head RMS-normed);  RoPE(q, k) (not in SmolLM3's NoPE layers);  K/V into the cache;  a = attention(q)
  *   x = a Wo^T (+ bo);  h, res = RMSNorm(x + res)
  *   x = down(SiLU(gate) * up) (+ bdown), gate|up = h Wgu^T + bgu, in slices of mlp_rows rows
  *
@@ -21,6 +21,7 @@ struct kiln_layer {
     const void *o_bias, *down_bias;        /* model dtype or NULL */
     void *k_cache, *v_cache;               /* [kv_heads, num_blocks, block_size, head_dim], as kiln_cache_write */
     const void *q_norm, *k_norm;           /* [head_dim], model dtype, or NULL: Qwen3's per-head RMSNorms */
+    int64_t rope;                          /* 0: no rotary in this layer (SmolLM3's NoPE layers) */
 };
 
 struct kiln_stack {
@@ -98,7 +99,7 @@ int kiln_decoder_stack(const struct kiln_stack *s, const struct kiln_layer *laye
         }
         if (stack_linear(L->qkv, h, L->qkv_bias, qkv, tokens)) return -1;
         if (L->q_norm) norm_heads(s, L, qkv, tokens);
-        kiln_rotary(qkv, cos, sin, tokens, s->heads + s->kv_heads, d, qkv_n, cs_stride, bf16);
+        if (L->rope) kiln_rotary(qkv, cos, sin, tokens, s->heads + s->kv_heads, d, qkv_n, cs_stride, bf16);
         kiln_cache_write(qkv + q_n * esz, qkv + (q_n + kv_n) * esz, L->k_cache, L->v_cache, slots, tokens, s->kv_heads,
                          d, qkv_n, qkv_n, s->num_blocks, s->block_size, bf16);
         if (kiln_paged_attention(qkv, L->k_cache, L->v_cache, block_tables, ctx_lens, row_starts, attn, num_groups,
