@@ -90,6 +90,15 @@ def test_qwen2_bias_and_torch_attention(toy_model, make_llm, adapters):
     run_mixed(llm, model_dir, one, two, check_mixed=False)
 
 
+def test_qwen3_head_norms_under_adapters(toy_model, make_llm, adapters):
+    """Qwen3's per-head q/k norms after the adapted q/k projections, and a head size apart from hidden / heads."""
+    model_dir = toy_model("qwen3-tiny")
+    one, two = adapters("both", "qwen3-tiny")
+    llm = make_llm(model_dir, enable_lora=True, max_loras=2, num_kv_blocks=64, block_size=8,
+                   enable_prefix_caching=False)
+    run_mixed(llm, model_dir, one, two)
+
+
 def test_prefix_cache_is_keyed_by_adapter(toy_model, make_llm, adapters):
     model_dir = toy_model("llama-tiny")
     one, two = adapters("both")
