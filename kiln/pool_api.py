@@ -23,6 +23,7 @@ from kiln.memory_budget import parse_quantity
 from kiln.serving_options import (
     BATCH_INVARIANT_FLAG,
     AutoscalingOptions,
+    ChatServingOptions,
     RoutingOptions,
     batch_invariant_problem,
     check_resources,
@@ -53,7 +54,7 @@ class PoolRoutingOptions(RoutingOptions):
     )
 
 
-class LLMEnginePoolSpec(_Model):
+class LLMEnginePoolSpec(ChatServingOptions):
     engines: list[str] | None = Field(
         default=None, max_length=1000,
         description="kiln up only: the LLMEngine manifests to serve, as paths relative to the pool's manifest. In a "
@@ -227,7 +228,8 @@ def serve_flags(spec: LLMEnginePoolSpec) -> list[str]:
     values = {"maxLoadedEngines": spec.max_loaded_engines, "memoryBudget": spec.memory_budget,
               "idleUnloadAfter": spec.idle_unload_after, "loadTimeout": spec.load_timeout,
               "queueSize": spec.queue_size}
-    flags = ["--max-queue-len", str(spec.max_queue_len), *([BATCH_INVARIANT_FLAG] if spec.batch_invariant else [])]
+    flags = ["--max-queue-len", str(spec.max_queue_len), *([BATCH_INVARIANT_FLAG] if spec.batch_invariant else []),
+             *spec.chat_flags()]
     for field, flag in SERVE_FLAGS.items():
         if values[field] is not None:
             flags += [flag, str(values[field])]
@@ -236,10 +238,10 @@ def serve_flags(spec: LLMEnginePoolSpec) -> list[str]:
 
 def member_problem(spec: LLMEngineSpec, by: str, alone: str) -> str | None:
     """What a pool's member cannot ask for, as ``<field>: <what + fix>``: the pool's pods serve it, so their count,
-    routing, key and ``--batch-invariant`` are the pool's, and a pool pod holds whole engines (one pod per
-    replica). ``by`` names the pool (the operator: ``LLMEnginePool NAME (spec.serving.pool)``; ``kiln up``: its
-    pool manifest), ``alone`` the other fix: serving the engine on its own. The operator and ``kiln up`` refuse
-    the same fields."""
+    routing, key, ``--batch-invariant`` and chat settings (reasoning parser, template defaults) are the pool's, and
+    a pool pod holds whole engines (one pod per replica). ``by`` names the pool (the operator: ``LLMEnginePool NAME
+    (spec.serving.pool)``; ``kiln up``: its pool manifest), ``alone`` the other fix: serving the engine on its own.
+    The operator and ``kiln up`` refuse the same fields."""
     serving = spec.serving
     if serving.autoscaling is not None:
         return (f"spec.serving.autoscaling: this engine is served by {by}, whose pods serve every engine of the pool "
@@ -252,9 +254,10 @@ def member_problem(spec: LLMEngineSpec, by: str, alone: str) -> str | None:
     if serving.api_key_secret:
         return (f"spec.serving.apiKeySecret: this engine is served by {by}, whose pods check one key for every "
                 f"member; set it as the pool's spec.apiKeySecret and remove it here, or {alone}")
-    if serving.batch_invariant:
-        return (f"spec.serving.batchInvariant: this engine is served by {by}, whose pods run every member with one "
-                f"setting; set it as the pool's spec.batchInvariant and remove it here, or {alone}")
+    for field, value in serving.process_wide():
+        if value:
+            return (f"spec.serving.{field}: this engine is served by {by}, whose pods run every member with one "
+                    f"setting; set it as the pool's spec.{field} and remove it here, or {alone}")
     shape = spec.replica_shape
     if shape.pods > 1:
         return (f"spec.tensorParallel x spec.pipelineParallel: this engine is served by {by}, but one replica of it "

@@ -9,12 +9,14 @@ the cross-field rules of this part of the spec (CEL, joined into ``kiln.api.CROS
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from kiln.api_base import DNS1035_LABEL, DNS1123_LABEL, DNS1123_SUBDOMAIN, MAX_POOL_NAME
 from kiln.api_base import APIModel as _Model
+from kiln.chat_options import MAX_TEMPLATE_KWARGS, ReasoningParserName, template_kwargs_problem
 
 BATCH_INVARIANT_FLAG = "--batch-invariant"  # kiln serve's, for spec.serving.batchInvariant (and a pool's)
 RolloutStrategy = Literal["Surge", "RecreateOneAtATime"]
@@ -60,7 +62,39 @@ class RoutingOptions(_Model):
     )
 
 
-class ServingOptions(_Model):
+class ChatServingOptions(_Model):
+    """The chat settings of a server, which every engine it serves takes: an engine's own (spec.serving) or its
+    pool's (spec). Both are ``kiln serve`` flags (docs/serving.md)."""
+
+    reasoning_parser: ReasoningParserName | None = Field(
+        default=None,
+        description="kiln serve --reasoning-parser: keep a thinking model's <think>...</think> apart from its answer "
+        "(reasoning_content in chat, thinking blocks in Messages, reasoning items in Responses); vLLM's names. "
+        "Unset: the whole output is the answer.",
+    )
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                                         "maxProperties": MAX_TEMPLATE_KWARGS},
+        description="kiln serve --default-chat-template-kwargs: chat template variables every chat, Messages and "
+        "Responses request gets under its own chat_template_kwargs, e.g. {enable_thinking: false} for Qwen3.",
+    )
+
+    @field_validator("default_chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and (problem := template_kwargs_problem(value, "defaultChatTemplateKwargs")):
+            raise ValueError(problem)
+        return value
+
+    def chat_flags(self) -> list[str]:
+        """The ``kiln serve`` flags of these settings (none for an unset one)."""
+        flags = ["--reasoning-parser", self.reasoning_parser] if self.reasoning_parser else []
+        if self.default_chat_template_kwargs:
+            flags += ["--default-chat-template-kwargs", json.dumps(self.default_chat_template_kwargs, sort_keys=True)]
+        return flags
+
+
+class ServingOptions(ChatServingOptions):
     replicas: int = Field(
         default=1, ge=0, le=1000,
         description="Serving replicas: each is one pod, or one LeaderWorkerSet group of pods when the engine "
@@ -120,9 +154,15 @@ class ServingOptions(_Model):
     def _check_resources(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return check_resources(value)
 
+    def process_wide(self) -> tuple[tuple[str, Any], ...]:
+        """(field, value) of the settings one ``kiln serve`` takes for every engine it serves: a pool's member
+        cannot have its own, and engines served in one process must agree on them."""
+        return (("batchInvariant", self.batch_invariant), ("reasoningParser", self.reasoning_parser),
+                ("defaultChatTemplateKwargs", self.default_chat_template_kwargs))
+
     def serve_flags(self) -> list[str]:
         """The ``kiln serve`` flags of these options that the server's defaults do not already say."""
-        return [BATCH_INVARIANT_FLAG] if self.batch_invariant else []
+        return [*([BATCH_INVARIANT_FLAG] if self.batch_invariant else []), *self.chat_flags()]
 
 
 def batch_invariant_problem(field: str, on: bool, gpu: str, of: str = "engines") -> str | None:

@@ -24,6 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -116,9 +117,10 @@ def read_manifests(paths: tuple[Path, ...]) -> tuple[list, PoolManifest | None]:
 
 
 def check_one_process(engines: list, pool: PoolManifest | None, origins: list[str]) -> None:
-    """Several engines are served by one ``kiln serve``, which runs them all with one ``--batch-invariant``: the
-    pool manifest's, else the engines' when they agree. A pool manifest's member is refused what the operator
-    refuses a pool's member (:func:`kiln.pool_api.member_problem`: its own key, batchInvariant, autoscaling...)."""
+    """Several engines are served by one ``kiln serve``, which runs them all with one ``--batch-invariant`` and one
+    set of chat settings (``ServingOptions.process_wide``): the pool manifest's, else the engines' when they agree.
+    A pool manifest's member is refused what the operator refuses a pool's member
+    (:func:`kiln.pool_api.member_problem`: its own key, batchInvariant, chat settings, autoscaling...)."""
     from kiln.manifest import ManifestError
     from kiln.pool_api import member_problem
 
@@ -127,14 +129,26 @@ def check_one_process(engines: list, pool: PoolManifest | None, origins: list[st
         for engine, origin in zip(engines, origins, strict=True):  # every engine: one process serves them all
             if problem := member_problem(engine.spec, by, "serve it outside the pool (`kiln up -f` its manifest)"):
                 raise ManifestError(problem, origin)
-    asked = {e.metadata.name: e.spec.serving.batch_invariant for e in engines}
-    if pool is None and len(set(asked.values())) > 1:
+    if pool is None:
+        settings = {e.metadata.name: dict(e.spec.serving.process_wide()) for e in engines}
+        for field in settings[engines[0].metadata.name]:
+            if problem := _disagreement(field, {name: asked[field] for name, asked in settings.items()}):
+                raise ManifestError(problem, ", ".join(origins))
+
+
+def _disagreement(field: str, asked: dict[str, Any]) -> str | None:
+    """``spec.serving.<field>: what + fix`` where engines served by one process ask for different values of a
+    setting that process takes for all of them (``ServingOptions.process_wide``), else None."""
+    if len({json.dumps(v, sort_keys=True) for v in asked.values()}) < 2:
+        return None
+    if all(isinstance(v, bool) for v in asked.values()):
         names = [repr(n) for n, v in asked.items() if v]
-        on = ", ".join(names)
-        verb = "asks" if len(names) == 1 else "ask"
-        raise ManifestError(f"spec.serving.batchInvariant: {on} {verb} for it and the other engines do not, but one "
-                            "process serves them all with one setting; make them agree, or serve them from a pool "
-                            "manifest with spec.batchInvariant", on)
+        said = f"{', '.join(names)} {'asks' if len(names) == 1 else 'ask'} for it and the other engines do not"
+    else:
+        said = "the engines ask for different values (" + ", ".join(
+            f"{n!r}: {'unset' if v is None else json.dumps(v, sort_keys=True)}" for n, v in asked.items()) + ")"
+    return (f"spec.serving.{field}: {said}, but one process serves them all with one setting; make them agree, or "
+            f"serve them from a pool manifest with spec.{field}")
 
 
 def pool_serve_command(built: list, pool: PoolManifest | None, host: str, port: int, verify_key: Path) -> list[str]:

@@ -23,6 +23,8 @@ from kiln.serving.constraints import ToolPlan, output_constraint
 from kiln.serving.errors import APIError
 from kiln.serving.protocol import ChatCompletionRequest, ChatMessage, check_supported, message_text
 
+from kiln.chat_options import RESERVED_TEMPLATE_VARIABLES, reserved_message
+
 TOOLS_PROMPT = (
     "You can call these functions. Each one's arguments follow its JSON Schema:\n{tools}\n"
     'To call functions, answer with only a JSON array: [{{"name": "<function name>", '
@@ -31,12 +33,6 @@ TOOLS_PROMPT = (
 
 
 # What render_chat passes itself, and the tokenizer's own arguments: a request may not set them.
-RESERVED_TEMPLATE_VARIABLES = frozenset((
-    "messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template",
-    "continue_final_message", "return_dict", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
-    "return_tensors", "tokenizer_kwargs", "sanitize_control_tokens"))
-
-
 def with_template_defaults(req: Any, defaults: dict[str, Any] | None) -> None:
     """Give chat request ``req`` the server's ``--default-chat-template-kwargs`` under its own."""
     if defaults:
@@ -47,8 +43,7 @@ def check_template_kwargs(kwargs: dict[str, Any], field: str = "chat_template_kw
     """``kwargs`` for the chat template, or a 400 naming the first variable kiln sets itself."""
     for name in kwargs:
         if name in RESERVED_TEMPLATE_VARIABLES:
-            raise APIError(400, f"{field}.{name} is set by the server itself (from messages, tools and "
-                           f"add_generation_prompt); remove it from {field}", param=f"{field}.{name}")
+            raise APIError(400, reserved_message(field, name), param=f"{field}.{name}")
     return dict(kwargs)
 
 

@@ -16,9 +16,8 @@ import click
 from click.core import ParameterSource
 from kiln.engine.cpu_target import configure_openmp
 from kiln.serving.config import ServeConfig
-from kiln.serving.reasoning import PARSERS
 
-REASONING_PARSERS = list(PARSERS)
+from kiln.chat_options import REASONING_PARSERS
 
 configure_openmp()  # before torch loads (the engine flags below import it): OpenMP threads wait passively
 

@@ -36,6 +36,8 @@ from kiln.serving.errors import APIError
 from kiln.serving.formats import MAX_TOOLS, GuidedFields, Tool, ToolCall, ToolChoice
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from kiln.chat_options import MAX_TEMPLATE_KWARGS, TEMPLATE_VARIABLE_PATTERN
+
 # Server limits on one request (the engine's own per-request limits come from
 # sampling_params). Each bounds work done before admission or per token.
 MAX_N = 16
@@ -44,10 +46,8 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_CHOICES = 64  # prompts x n: engine requests one HTTP request may start
 MAX_MESSAGES = 2048
 MAX_ALLOWED_TOKEN_IDS = 1 << 17  # a whole vocabulary of the largest common models
-MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs entries
 
-# A chat template variable's name, as Jinja reads one.
-TemplateVariable = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+TemplateVariable = Annotated[str, Field(pattern=TEMPLATE_VARIABLE_PATTERN)]
 TemplateKwargs = Annotated[dict[TemplateVariable, Any], Field(max_length=MAX_TEMPLATE_KWARGS)]
 # OpenAI's reasoning efforts (Anthropic's are among them): the chat template's reasoning_effort (kiln.serving.chat).
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]

@@ -63,6 +63,7 @@ class Reasoning:
         return (reasoning + more_reasoning if splitter.thought else None), answer + more_answer
 
 
+# One for each name kiln.chat_options.REASONING_PARSERS gives (an LLMEngine's spec.serving.reasoningParser).
 PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", thinks_first=True),
     "qwen3": ReasoningParser("qwen3", thinks_first=False),

@@ -201,6 +201,14 @@ def test_engines_served_in_one_process_run_one_batch_invariant_setting(toy_model
         read_manifests(tuple(paths))
     steady(paths[1])
     engines, _ = read_manifests(tuple(paths))  # both ask: the one process runs with it
+    doc = yaml.safe_load(paths[0].read_text())  # a chat setting is the one process's too (--reasoning-parser)
+    doc["spec"]["serving"]["reasoningParser"] = "qwen3"
+    paths[0].write_text(yaml.safe_dump(doc))
+    with pytest.raises(ManifestError, match=r"spec.serving.reasoningParser: the engines ask for different values "
+                                            r"\('one': \"qwen3\", 'two': unset\).*make them agree"):
+        read_manifests(tuple(paths))
+    doc["spec"]["serving"].pop("reasoningParser")
+    paths[0].write_text(yaml.safe_dump(doc))
     cmd = pool_serve_command([(e, "file:///s") for e in engines], None, "127.0.0.1", 8000, tmp_path / "key.pem")
     assert cmd.count("--batch-invariant") == 1
     pool = tmp_path / "pool.yaml"

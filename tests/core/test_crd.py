@@ -22,10 +22,11 @@ COMMITTED = [(folder / file, kind) for folder in CRD_DIRS for kind, (file, _) in
 CRD = generate_crd()
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 SPEC_SCHEMA = SCHEMA["properties"]["spec"]
-FREE_FORM = {"spec.serving.resources"}  # the only places unknown fields are kept
+# the only places unknown fields are kept: a container's resources, and chat template variables (any JSON value)
+FREE_FORM = {"spec.serving.resources", "spec.serving.defaultChatTemplateKwargs"}
 POOL_CRD = generate_pool_crd()
 POOL_SCHEMA = POOL_CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-POOL_FREE_FORM = {"spec.resources"}
+POOL_FREE_FORM = {"spec.resources", "spec.defaultChatTemplateKwargs"}
 
 
 @pytest.mark.parametrize(("path", "kind"), COMMITTED, ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path)

@@ -120,6 +120,8 @@ INSENSITIVE = [
     (CPU, "serving.routing.endpointPickerFailureMode", "FailOpen"),
     (CPU, "serving.rolloutStrategy", "RecreateOneAtATime"),
     (CPU, "serving.batchInvariant", True),  # how the pods bind the same artifact's kernels
+    (CPU, "serving.reasoningParser", "qwen3"),  # how the server splits the same engine's output
+    (CPU, "serving.defaultChatTemplateKwargs", {"enable_thinking": False}),  # what the server renders
     (CPU, "serving.pool", "small-models"),
     (CPU, "build.image", "registry.example/kiln-build:2"),
     (CPU, "build.timeoutSeconds", 600),

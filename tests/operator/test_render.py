@@ -192,6 +192,33 @@ def test_batch_invariant_is_a_serve_flag_of_a_cpu_engine_and_outside_the_engine_
     assert "--batch-invariant" not in container(build_deployment(plain, "demo", "ml", "v", uri, CONFIG, OWNER))["args"]
 
 
+def test_chat_settings_are_serve_flags_of_an_engine_and_of_a_pool_not_of_a_member():
+    """spec.serving.reasoningParser / defaultChatTemplateKwargs become kiln serve's flags on the engine's pods (no
+    rebuild); a pool's spec says them for every member, and a member's own are refused, as its batchInvariant."""
+    chat = {"reasoningParser": "qwen3", "defaultChatTemplateKwargs": {"enable_thinking": False}}
+    plain, thinking = spec(), spec(serving=chat)
+    assert engine_version(plain) == engine_version(thinking)
+    uri = "s3://kiln-engines/prod/engines/v"
+    args = container(validate(build_deployment(thinking, "demo", "ml", "v", uri, CONFIG, OWNER)))["args"]
+    assert args[args.index("--reasoning-parser") + 1] == "qwen3"
+    assert json.loads(args[args.index("--default-chat-template-kwargs") + 1]) == {"enable_thinking": False}
+    assert "--reasoning-parser" not in container(build_deployment(plain, "demo", "ml", "v", uri, CONFIG, OWNER))["args"]
+    data = yaml.safe_load(POOL_EXAMPLE.read_text())
+    data["spec"].update(chat)
+    deployment = next(o for o in render_pool(data, "small", "ns", CONFIG) if o["kind"] == "Deployment")
+    pool_args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert pool_args[pool_args.index("--reasoning-parser") + 1] == "qwen3"
+    member = {"model": {"source": "hf://org/m"}, "gpu": "cpu", "serving": {"pool": "small", **chat}}
+    with pytest.raises(InvalidSpec, match=r"spec.serving.reasoningParser: .*set it as the pool's spec.reasoningParser"):
+        validate_spec(member, CONFIG)
+    for bad, match in (({"reasoningParser": "granite"}, "reasoningParser"),
+                       ({"defaultChatTemplateKwargs": {"messages": []}}, r"defaultChatTemplateKwargs.messages is set "
+                                                                         r"by the server itself"),
+                       ({"defaultChatTemplateKwargs": {"1st": True}}, r"defaultChatTemplateKwargs.1st is not a name")):
+        with pytest.raises(InvalidSpec, match=match):
+            validate_spec({"model": {"source": "hf://org/m"}, "gpu": "cpu", "serving": bad}, CONFIG)
+
+
 def test_deployment_serves_the_artifact_safely():
     s = spec(tensorParallel=2, serving={"replicas": 3, "port": 9000, "drainTimeoutSeconds": 40,
                                          "apiKeySecret": "api-key"})

@@ -74,6 +74,9 @@ def test_the_prompt_decides_whether_the_template_opened_the_thinking():
 
 
 def test_unknown_parser_names_the_choices():
+    from kiln.chat_options import REASONING_PARSERS
+
+    assert tuple(PARSERS) == REASONING_PARSERS  # what a manifest's spec.serving.reasoningParser may name
     assert reasoning_parser(None) is None
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         reasoning_parser("granite")
@@ -92,3 +95,18 @@ def test_serve_takes_the_parser_and_store_flags(monkeypatch, tmp_path):
                                             "--responses-store-size", "7", "--responses-store-ttl", "60"])
     assert result.exit_code == 0, result.output
     assert (seen["reasoning_parser"], seen["responses_store_size"], seen["responses_store_ttl"]) == ("qwen3", 7, 60)
+
+
+def test_serve_takes_the_chat_flags_a_manifest_renders(monkeypatch, tmp_path):
+    """spec.serving's chat settings, as the operator and kiln up render them, are flags kiln serve takes."""
+    from click.testing import CliRunner
+    from kiln.serving import cli
+    from kiln.serving_options import ServingOptions
+
+    flags = ServingOptions(reasoningParser="qwen3", defaultChatTemplateKwargs={"enable_thinking": False}).serve_flags()
+    seen = {}
+    monkeypatch.setattr("kiln.serving.server.run_server", lambda config: seen.update(vars(config)) or 0)
+    monkeypatch.setattr(cli, "_exit", lambda code: None)
+    result = CliRunner().invoke(cli.serve, ["--model", str(tmp_path), *flags])
+    assert result.exit_code == 0, result.output
+    assert seen["reasoning_parser"] == "qwen3" and seen["default_chat_template_kwargs"] == {"enable_thinking": False}
