@@ -101,6 +101,7 @@ def test_serve_takes_the_chat_flags_a_manifest_renders(monkeypatch, tmp_path):
     """spec.serving's chat settings, as the operator and kiln up render them, are flags kiln serve takes."""
     from click.testing import CliRunner
     from kiln.serving import cli
+
     from kiln.serving_options import ServingOptions
 
     flags = ServingOptions(reasoningParser="qwen3", defaultChatTemplateKwargs={"enable_thinking": False}).serve_flags()
