@@ -3,7 +3,8 @@
 Request: ``system`` becomes the system message; each message's blocks become chat messages in
 order (``tool_result`` blocks become ``tool`` messages ahead of the user's text, as chat templates
 expect them right after the assistant's calls; ``tool_use`` blocks become the assistant's
-``tool_calls``; ``thinking`` blocks of earlier turns are dropped, as thinking templates drop them).
+``tool_calls``; an assistant turn's ``thinking`` blocks become its ``reasoning_content``, which thinking templates
+show or drop: Qwen3's shows the current turn's in a tool loop; ``redacted_thinking`` holds no text and is dropped).
 ``tools`` / ``tool_choice`` map onto chat's (``any`` is ``required``, ``tool`` a named choice,
 ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``), ``output_config.format`` onto
 ``response_format``, ``stop_sequences`` onto ``stop``, ``thinking`` onto the chat template's
@@ -49,11 +50,17 @@ def _blocks(i: int, role: str, content: list[dict[str, Any]]) -> list[dict[str, 
     """One Messages API message's blocks as chat messages."""
     tool_results: list[dict[str, Any]] = []
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, raw in enumerate(content):
         param = f"messages[{i}].content[{j}]"
         kind = raw.get("type")
         if kind in ("thinking", "redacted_thinking") and role == "assistant":
+            if kind == "thinking":  # the template decides what it shows of it
+                if not isinstance(raw.get("thinking"), str):
+                    raise APIError(400, f"{param}.thinking must be a string, as the reply's thinking block gave it",
+                                   param=f"{param}.thinking")
+                thoughts.append(raw["thinking"])
             continue
         if kind not in ALLOWED[role]:
             raise APIError(400, f"{param}: a {kind!r} block is not served here; {role} messages take "
@@ -73,6 +80,8 @@ def _blocks(i: int, role: str, content: list[dict[str, Any]]) -> list[dict[str, 
         message: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
         if calls:
             message["tool_calls"] = calls
+        if thoughts:
+            message["reasoning_content"] = "\n".join(thoughts)
         out.append(message)
     return out
 

@@ -61,6 +61,9 @@ def _message(i: int, m: ChatMessage, native: bool) -> dict[str, Any]:
         out["name"] = m.name
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    thought = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if thought is not None and m.role == "assistant":  # under both names, as vLLM gives templates
+        out["reasoning"] = out["reasoning_content"] = thought
     if m.tool_calls:
         calls = [{"name": c.function.name,
                   "arguments": _arguments(c.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments")}

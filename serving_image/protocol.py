@@ -146,6 +146,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+    # An assistant turn's thinking, as a reasoning parser returned it (vLLM reads `reasoning`, older clients echo
+    # `reasoning_content`): templates that show the current turn's thinking (Qwen3's, in a tool loop) read it.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

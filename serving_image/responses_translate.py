@@ -3,8 +3,8 @@
 Request: ``instructions`` become the system message (for this response only, as OpenAI has it: a
 follow-up does not inherit them); ``previous_response_id`` puts the stored conversation first;
 ``input`` items become chat messages (``message`` items by role, ``function_call`` items the
-assistant's ``tool_calls``, ``function_call_output`` items ``tool`` messages; ``reasoning`` items
-are dropped, as thinking templates drop earlier thinking). Function ``tools``, ``tool_choice``,
+assistant's ``tool_calls``, ``function_call_output`` items ``tool`` messages; a ``reasoning`` item's text
+is the ``reasoning_content`` of the assistant turn it begins, which thinking templates show or drop). Function ``tools``, ``tool_choice``,
 ``parallel_tool_calls`` and ``text.format`` map onto chat's fields of the same meaning, and
 ``reasoning.effort`` onto its ``reasoning_effort`` (the chat template's variable of that name).
 
@@ -62,9 +62,11 @@ def _text(content: Any, param: str) -> str:
 
 def _item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant message that follows it
     for i, raw in enumerate(items):
         kind = raw.get("type", "message")
         if kind == "reasoning":
+            thought = _reasoning_text(raw, f"input[{i}]")
             continue
         if kind not in ITEMS:
             raise APIError(400, f"input[{i}]: a {kind!r} item is not served here; send message, function_call "
@@ -83,7 +85,25 @@ def _item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id,
                              "content": _text(item.output, f"input[{i}].output")})
+        if thought is not None and messages[-1]["role"] == "assistant":  # the turn the reasoning item began
+            messages[-1]["reasoning_content"] = thought
+        thought = None
     return messages
+
+
+def _reasoning_text(raw: dict[str, Any], param: str) -> str | None:
+    """A reasoning item's text (its ``reasoning_text`` parts, as kiln's replies give them; else its summary's), or
+    None; the assistant turn after it carries it as ``reasoning_content`` (the template shows it or not)."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = raw.get(key) or []
+        if not isinstance(parts, list):
+            raise APIError(400, f"{param}.{key} must be a list of {kind} parts", param=f"{param}.{key}")
+        texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == kind]
+        if any(not isinstance(t, str) for t in texts):
+            raise APIError(400, f"{param}.{key}: each {kind} part needs a text string", param=f"{param}.{key}")
+        if texts:
+            return "\n".join(texts)
+    return None
 
 
 def _fields(req: Request) -> dict[str, Any]:
@@ -215,8 +235,11 @@ def count_reasoning(body: dict[str, Any], message: dict[str, Any], tokenizer: An
 
 
 def assistant_turn(message: dict[str, Any]) -> dict[str, Any]:
-    """The reply as the chat message a follow-up's conversation holds (its thinking dropped)."""
+    """The reply as the chat message a follow-up's conversation holds (its thinking kept for the template, which
+    shows it or drops it: Qwen3's shows the thinking of a tool loop's turn until the user speaks again)."""
     turn: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
     if message.get("tool_calls"):
         turn["tool_calls"] = message["tool_calls"]
+    if message.get("reasoning_content") is not None:
+        turn["reasoning_content"] = message["reasoning_content"]
     return turn
