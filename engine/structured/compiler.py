@@ -66,7 +66,46 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> A
     backend = copy.copy(backend)
     backend.no_padding()
     backend.no_truncation()
-    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token_ids)
+    data = plain_added_tokens(json.loads(backend.to_str()))
+    return llguidance.LLTokenizer(json.dumps(data), n_vocab=vocab_size, eos_token=eos_token_ids)
+
+
+def plain_added_tokens(data: dict[str, Any]) -> dict[str, Any]:
+    """``tokenizer.json`` with its non-special added tokens (Qwen3's ``<think>``, ``<tool_call>``) as entries of the
+    model's vocabulary. llguidance takes every added token for a special one, whose bytes no grammar text matches,
+    while the tokenizer makes that token of the same text: a constraint whose text holds ``<think>`` would force
+    the token, then refuse it. As vocabulary entries they are text like any other token's. A spelling the
+    vocabulary gives another token stays an added token."""
+    vocab = (data.get("model") or {}).get("vocab")
+    if not isinstance(vocab, dict):  # a Unigram model's list: unchanged
+        return data
+    byte_level = "ByteLevel" in json.dumps([data.get("pre_tokenizer"), data.get("decoder")])
+    kept = []
+    for token in data.get("added_tokens") or []:
+        content = token.get("content")
+        if token.get("special", True) or not isinstance(content, str) or not content:
+            kept.append(token)
+            continue
+        spelled = "".join(_BYTE_CHARS[b] for b in content.encode()) if byte_level else content.replace(" ", "\u2581")
+        if vocab.setdefault(spelled, token["id"]) != token["id"]:
+            kept.append(token)
+    data["added_tokens"] = kept
+    return data
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the character a ByteLevel vocabulary spells each byte with."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return [chars[b] for b in range(256)]
+
+
+_BYTE_CHARS = _byte_chars()
 
 
 class GrammarCompiler:

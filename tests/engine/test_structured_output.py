@@ -209,3 +209,28 @@ def test_bitmask_rows_alone_and_all_at_once_agree():
         for t in range(vocab):
             allowed = (int(bitmask[i, t // 32]) >> (t % 32)) & 1
             assert (a[row, t] == float("-inf")) != bool(allowed)
+
+
+def test_text_of_a_non_special_added_token_is_text_to_the_grammar():
+    """Qwen3's <think> and <tool_call> are added tokens that are not special: a constraint whose text holds one
+    must accept that token, as the tokenizer makes it (llguidance alone took it for a special token, forced it,
+    then refused it: a 500 for a regex holding `<think>`)."""
+    from kiln.engine.random_checkpoint import make_tokenizer
+    from kiln.engine.structured.compiler import GrammarCompiler, plain_added_tokens
+
+    tokenizer = make_tokenizer(1024)
+    tokenizer.add_tokens(["<think>", "</think>", " spaced één"])  # special=False, as in Qwen3's tokenizer.json
+    think = tokenizer.convert_tokens_to_ids("<think>")
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [2])
+    try:
+        for pattern, text in (("<think>x</think>", "<think>x</think>"), ("a spaced één", "a spaced één")):
+            state = compiler.compile(Constraint(regex=pattern)).new_state()
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert len(ids) < len(text) and state.accept(ids), (text, ids, state.error)
+            assert state.is_terminated
+    finally:
+        compiler.close()
+    data = plain_added_tokens(json.loads(tokenizer.backend_tokenizer.to_str()))
+    assert data["model"]["vocab"]["<think>"] == think  # text like any token's; the special ones stay added
+    assert {t["content"] for t in data["added_tokens"]} >= {"<s>", "</s>", "<|im_start|>", "<|im_end|>"}
+    assert "<think>" not in {t["content"] for t in data["added_tokens"]}
