@@ -10,7 +10,8 @@ the totals, just before ``data: [DONE]``; with ``continuous_usage_stats`` too
 (vLLM's), every chunk carries its choice's usage so far instead of null.
 Tool calls are ``message.tool_calls`` / ``delta.tool_calls`` (OpenAI's shapes:
 a delta per call with its ``index``, ``id``, ``type`` and ``function``); with a reasoning parser the
-thinking is ``message.reasoning_content`` / ``delta.reasoning_content`` (vLLM's name). vLLM's
+thinking is ``message.reasoning_content`` / ``delta.reasoning_content``, and the same under ``reasoning`` (vLLM's
+names: the first its older, the second its newer). vLLM's
 ``prompt_logprobs`` come in vLLM's shape: per prompt token (None for the first) ``{token id: {"logprob",
 "rank", "decoded_token"}}``, the token's own entry and the k most likely, on each completion choice and at the
 top of a chat completion.
@@ -56,7 +57,7 @@ def _finite(logprob: float | None) -> float:
 def _message(c: ChoiceText) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
     if c.reasoning is not None:
-        message["reasoning_content"] = c.reasoning
+        message["reasoning_content"] = message["reasoning"] = c.reasoning
     if c.tool_calls:
         message["content"] = c.text or None
         message["tool_calls"] = c.tool_calls
@@ -203,7 +204,7 @@ class Builder:
             if role:
                 delta["role"] = "assistant"
             if reasoning:
-                delta["reasoning_content"] = reasoning
+                delta["reasoning_content"] = delta["reasoning"] = reasoning
             if text is not None:
                 delta["content"] = text
             if tool_calls:

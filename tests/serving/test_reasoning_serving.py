@@ -85,10 +85,11 @@ def _split(text: str) -> tuple[str, str]:
 def test_chat_returns_the_thinking_apart_streamed_or_not(client, raw):
     thought, answer = _split(raw)
     got = client.chat.completions.create(model=M, messages=ASK, max_tokens=12, temperature=0).choices[0].message
-    assert got.model_extra["reasoning_content"] == thought and got.content == answer
+    assert got.model_extra["reasoning_content"] == got.model_extra["reasoning"] == thought and got.content == answer
     stream = client.chat.completions.create(model=M, messages=ASK, max_tokens=12, temperature=0, stream=True)
     deltas = [c.choices[0].delta for c in stream if c.choices]
-    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+    for name in ("reasoning_content", "reasoning"):  # vLLM's older name and its newer
+        assert "".join((d.model_extra or {}).get(name) or "" for d in deltas) == thought
     assert "".join(d.content or "" for d in deltas) == answer
 
 
