@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from kiln.engine.compile import COMPILE_MODES, check_compile
 from kiln.engine.errors import ConfigError
+from kiln.engine.generation_config import SOURCES, eos_token_ids
 from kiln.engine.kernels import native
 from kiln.engine.kernels.candidates import LINEAR, known
 from kiln.engine.kernels.formats import BY_QUANTIZATION
@@ -188,6 +189,10 @@ class EngineConfig:
                                  reported=True, choices=LORA_RANKS)
     max_cpu_loras: int | None = setting(None, help="LoRA adapters kept in host memory (LRU; default: max_loras).",
                                         flag=True, reported=True, min=1)
+    generation_config: str = setting(
+        "auto", flag=True, reported=True, envvar="KILN_GENERATION_CONFIG",
+        help="Sampling defaults of requests that do not set their own (vLLM's flag): 'auto' the model's "
+             "generation_config.json, 'vllm' none, or a folder with one (engine/generation_config.py).")
     hf_config: dict[str, Any] = setting(default_factory=dict, repr=False, help="The model's config.json.")
 
     def __post_init__(self) -> None:
@@ -251,6 +256,8 @@ class EngineConfig:
                                            f"({self.distributed_timeout_s})"))
         yield (self.tactics in ("auto", *LINEAR) or Path(self.tactics).is_file(),
                got("tactics", f"must be 'auto', a candidate ({', '.join(LINEAR)}) or a tactics.json file"))
+        yield (self.generation_config in SOURCES or (Path(self.generation_config) / "generation_config.json").is_file(),
+               got("generation_config", "must be 'auto', 'vllm' or a folder with a generation_config.json"))
         yield (not self.batch_invariant or self.device == "cpu",
                got("batch_invariant", "is for CPU engines (kiln's tactic table); a CUDA engine has no such mode "
                                       "yet: set batch_invariant false"))
@@ -332,18 +339,5 @@ class EngineConfig:
         return getattr(torch, self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype)
 
     def eos_token_ids(self, tokenizer: Any = None) -> list[int]:
-        """EOS ids from config.json, generation_config.json and the tokenizer, deduplicated."""
-        ids: list[int] = []
-
-        def add(v: Any) -> None:
-            for x in v if isinstance(v, list) else [v]:
-                if isinstance(x, int) and x not in ids:
-                    ids.append(x)
-
-        add(self.hf_config.get("eos_token_id"))
-        gen = Path(self.model) / "generation_config.json"
-        if gen.is_file():
-            add(json.loads(gen.read_text()).get("eos_token_id"))
-        if tokenizer is not None:
-            add(getattr(tokenizer, "eos_token_id", None))
-        return ids
+        """EOS ids from config.json, generation_config.json and the tokenizer (generation_config.eos_token_ids)."""
+        return eos_token_ids(self, tokenizer)

@@ -17,6 +17,7 @@ from typing import Any
 
 from kiln.engine import SamplingParams
 from kiln.engine.errors import RequestError
+from kiln.engine.generation_config import sampling_defaults
 from kiln.engine.limits import check_prompt, resolve_max_tokens
 from kiln.engine.sampling_params import SEED_MAX
 from kiln.engine.structured.params import StructuredOutputsParams
@@ -67,18 +68,19 @@ def _prompt_logprobs(req: CompletionRequest | ChatCompletionRequest, logprobs: i
 
 
 def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
-                     choice: int, constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+                     choice: int, constraint: StructuredOutputsParams | None = None,
+                     defaults: dict[str, Any] | None = None) -> SamplingParams:
+    defaults = defaults or {}
     seed = req.seed
     if seed is not None and req.n > 1:
         seed += choice
         if seed > SEED_MAX:  # wrap: the generator takes no more, and the choices must still differ
             seed -= SEED_MAX + 1
+    # Unset: the model's default (its generation_config.json, --generation-config), else OpenAI's neutral value.
+    unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    chosen = {k: v if (v := getattr(req, k)) is not None else defaults.get(k, neutral) for k, neutral in unset.items()}
     kwargs = dict(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=req.min_p, seed=seed, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        **chosen, seed=seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         max_tokens=max_tokens, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []),
@@ -98,7 +100,7 @@ def _sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens:
 
 def completion_inputs(req: CompletionRequest, engine: Any, constraint: StructuredOutputsParams | None = None,
                       plan: None = None) -> list[EngineInput]:
-    tokenizer = engine.tokenizer
+    tokenizer, defaults = engine.tokenizer, sampling_defaults(engine.engine_config)
     prompt = req.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) or not prompt:
         prompts: list[Any] = [prompt]
@@ -116,11 +118,9 @@ def completion_inputs(req: CompletionRequest, engine: Any, constraint: Structure
         _check_prompt(ids, param, engine)
         if text is None and req.echo:
             text = tokenizer.decode(ids)
-        max_tokens = _max_tokens(
-            req.max_tokens, "max_tokens", len(ids), engine, DEFAULT_COMPLETION_MAX_TOKENS
-        )
+        max_tokens = _max_tokens(req.max_tokens, "max_tokens", len(ids), engine, DEFAULT_COMPLETION_MAX_TOKENS)
         for j in range(req.n):
-            params = _sampling_params(req, max_tokens, req.logprobs, j, constraint)
+            params = _sampling_params(req, max_tokens, req.logprobs, j, constraint, defaults)
             inputs.append(EngineInput(p_index * req.n + j, p_index, ids, text if req.echo else None, params))
     return inputs
 
@@ -132,9 +132,10 @@ def chat_inputs(req: ChatCompletionRequest, engine: Any, constraint: StructuredO
     requested, param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
-    max_tokens = _max_tokens(requested, param, len(ids), engine, None)
+    defaults = sampling_defaults(engine.engine_config)
+    max_tokens = _max_tokens(requested, param, len(ids), engine, defaults.get("max_tokens"))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return [
-        EngineInput(j, 0, ids, None, _sampling_params(req, max_tokens, logprobs, j, constraint))
+        EngineInput(j, 0, ids, None, _sampling_params(req, max_tokens, logprobs, j, constraint, defaults))
         for j in range(req.n)
     ]

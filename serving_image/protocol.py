@@ -93,10 +93,10 @@ class _SamplingFields(GuidedFields):
     safety_identifier: str | None = None
     # vLLM-style extensions.
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     ignore_eos: StrictBool = False
-    repetition_penalty: Annotated[float, Field(gt=0, le=100)] = 1.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=100)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     include_stop_str_in_output: StrictBool = False
