@@ -8,7 +8,8 @@
  * the bench model, more with two threads, where the kernels halve and the Python does not). Per layer:
  *
  *   h, res = RMSNorm(x + res)            (the first layer of the first stage: res = x, h = RMSNorm(x))
- *   qkv = h Wqkv^T + bqkv;  (Qwen3: each q and k head RMS-normed);  RoPE(q, k) (not in SmolLM3's NoPE layers);  K/V into the cache;  a = attention(q)
+ *   qkv = h Wqkv^T + bqkv;  (Qwen3: each q and k head RMS-normed);  RoPE(q, k) (not in SmolLM3's NoPE layers);
+ *   K/V into the cache;  a = attention(q)
  *   x = a Wo^T (+ bo);  h, res = RMSNorm(x + res)
  *   x = down(SiLU(gate) * up) (+ bdown), gate|up = h Wgu^T + bgu, in slices of mlp_rows rows
  *
