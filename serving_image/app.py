@@ -208,7 +208,8 @@ async def version(request: Request) -> dict[str, Any]:
     attacker which kiln, torch and model to target."""
     ctx = request.app.state.kiln
     body = {"kiln_version": __version__, "served_model_name": ctx.served_model_name, "phase": ctx.state.phase,
-            **ctx.state.engine_info}
+            **ctx.state.engine_info, "reasoning_parser": ctx.config.reasoning_parser,
+            "default_chat_template_kwargs": ctx.config.default_chat_template_kwargs}
     lora = ctx._lora_info()
     if lora is not None:
         body["lora_adapters"] = lora["loaded"]

@@ -13,6 +13,7 @@ import json
 import shutil
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -193,3 +194,9 @@ def test_each_apis_reasoning_effort_is_the_templates_reasoning_effort(srv, clien
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=M, messages=ASK, max_tokens=1, extra_body={"reasoning_effort": "lots"})
     assert err.value.body["param"] == "reasoning_effort"
+
+
+def test_version_says_the_chat_settings(srv):
+    """What a cluster's kubectl cannot show from outside the pod: the parser and template defaults it serves with."""
+    body = httpx.get(f"{srv.url}/version", timeout=10).json()
+    assert body["reasoning_parser"] == "deepseek_r1" and body["default_chat_template_kwargs"] == DEFAULTS
