@@ -3,10 +3,11 @@
 Request: ``instructions`` become the system message (for this response only, as OpenAI has it: a
 follow-up does not inherit them); ``previous_response_id`` puts the stored conversation first;
 ``input`` items become chat messages (``message`` items by role, ``function_call`` items the
-assistant's ``tool_calls``, ``function_call_output`` items ``tool`` messages; a ``reasoning`` item's text
-is the ``reasoning_content`` of the assistant turn it begins, which thinking templates show or drop). Function ``tools``, ``tool_choice``,
-``parallel_tool_calls`` and ``text.format`` map onto chat's fields of the same meaning, and
-``reasoning.effort`` onto its ``reasoning_effort`` (the chat template's variable of that name).
+assistant's ``tool_calls``, ``function_call_output`` items ``tool`` messages; a ``reasoning`` item's
+text is the ``reasoning_content`` of the assistant turn it begins, which thinking templates show or
+drop). Function ``tools``, ``tool_choice``, ``parallel_tool_calls`` and ``text.format`` map onto
+chat's fields of the same meaning, and ``reasoning.effort`` onto its ``reasoning_effort`` (the chat
+template's variable of that name).
 
 Reply: ``output`` items in order: ``reasoning`` (with a reasoning parser), ``message`` with one
 ``output_text`` part, then one ``function_call`` per call. A reply cut at ``max_output_tokens`` is
