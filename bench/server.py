@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from kiln.engine.local_port import free_local_port
 from kiln_bench import peers
 
 AIPERF_PIN = "aiperf==0.13.0"
@@ -188,14 +189,6 @@ def text(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _host() -> str:
     from kiln.engine.cpu_target import describe_host
 
@@ -217,7 +210,7 @@ def run(model_dir: Path, dtype: str, threads: int | None, concurrencies: list[in
     failed: dict[str, list[str]] = {}
     try:
         say(f"starting kiln serve ({dtype}, {threads_n} thread(s)) ...")
-        port = _free_port()
+        port = free_local_port()
         servers["kiln"] = Server("kiln", kiln_command(model_dir, dtype, port, max_batch_size, max_num_tokens,
                                                       prefix_caching=len(endpoints) == 1),
                                  {"OMP_NUM_THREADS": str(threads_n), "TOKENIZERS_PARALLELISM": "false"},
@@ -286,7 +279,7 @@ def _vllm_server(baseline: str, model_dir: Path, dtype: str, threads_n: int, isl
                                python.parent.parent)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server runs its engine core as vLLM deploys it
     say(f"starting vLLM's OpenAI server ({dtype}, {threads_n} thread(s)) ...")
-    port = _free_port()
+    port = free_local_port()
     return Server(baseline, vllm_command(python, model_dir, model_dir.name, dtype, port, isl + osl + 64,
                                          max_batch_size, max_num_tokens),
                   env, port, scratch / f"{baseline}.log", scratch, "/health")

@@ -32,7 +32,6 @@ import logging
 import multiprocessing as mp
 import os
 import secrets
-import socket
 import threading
 import time
 
@@ -41,6 +40,7 @@ import torch.distributed as dist
 from kiln.engine import parallel, rendezvous
 from kiln.engine.config import EngineConfig
 from kiln.engine.errors import ConfigError
+from kiln.engine.local_port import free_local_port
 from kiln.engine.rendezvous import TOKEN_ENV
 from kiln.engine.step_inputs import decode_steps
 
@@ -48,12 +48,6 @@ log = logging.getLogger("kiln.engine")
 
 PING = "ping"
 INSECURE_ENV = "KILN_INSECURE_GROUP"  # "1": ranks started separately join without $KILN_GROUP_TOKEN
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _threads_per_rank(local: int) -> int:
@@ -131,7 +125,7 @@ class RankGroup:
             raise ConfigError("this process already runs a parallel engine; shut it down (LLM.shutdown()) "
                               "before starting another, or use tensor_parallel_size=1 and pipeline_parallel_size=1")
         self.config = config
-        self.address = config.distributed_address or f"127.0.0.1:{_free_port()}"
+        self.address = config.distributed_address or f"127.0.0.1:{free_local_port()}"
         token = group_token(config)
         self.procs = spawn_local_ranks(config, self.address, token)
         self.lock = threading.Lock()  # held by each step and each heartbeat: one collective at a time

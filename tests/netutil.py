@@ -10,11 +10,12 @@ import socket
 import subprocess
 import time
 
+from kiln.engine.local_port import free_local_port
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a server the test starts (kiln.engine.local_port: below the ephemeral range)."""
+    return free_local_port()
 
 
 def wait_for_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:

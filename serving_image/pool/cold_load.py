@@ -13,7 +13,6 @@ server's resident memory with the engine loaded and after each unload (an unload
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,12 +20,7 @@ import tempfile
 import time
 
 import click
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kiln.engine.local_port import free_local_port
 
 
 def _wait(predicate, what: str, timeout: float, proc: subprocess.Popen) -> None:
@@ -80,7 +74,7 @@ def _first_token_seconds(base: str) -> float:
 def main(artifact: str, cache_dir: str | None, repeats: int) -> None:
     import httpx
 
-    port = _free_port()
+    port = free_local_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "kiln", "serve", "--engine", f"m={artifact}", "--idle-unload-after", "1",
            "--port", str(port), "--cache-dir", cache_dir or tempfile.mkdtemp(prefix="kiln-cold-load-")]

@@ -3,20 +3,14 @@ the first collective after the load is a barrier under the join timeout (paralle
 
 from __future__ import annotations
 
-import socket
 import time
 
 import torch
 import torch.multiprocessing as mp
 from kiln.engine import parallel
+from netutil import free_port
 
 STEP_TIMEOUT_S = 2.0  # what every later collective waits at most
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, slow_s: float, join_timeout_s: float, barrier: bool, results) -> None:
@@ -38,7 +32,7 @@ def _rank(rank: int, port: int, slow_s: float, join_timeout_s: float, barrier: b
 def _run(slow_s: float, join_timeout_s: float, barrier: bool) -> dict[int, str]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, slow_s, join_timeout_s, barrier, results)) for r in (0, 1)]
     for p in procs:
         p.start()

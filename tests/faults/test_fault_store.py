@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import REPO, child_env, fresh_version, kiln, make_artifact_dir, measured
+from netutil import free_port
 
 from kiln.cache_stamp import stamp_path
 
@@ -77,9 +77,7 @@ def test_store_unreachable_mid_publish_exits_3_publishes_nothing_and_a_rerun_pub
 
 
 def start_serve(uri: str, cache: Path, log: Path) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = open(log, "wb")  # noqa: SIM115 - the process owns it
     proc = subprocess.Popen(
         [sys.executable, "-P", "-m", "kiln", "serve", "--artifact", uri, "--cache-dir", str(cache), "--port", str(port),
