@@ -81,13 +81,12 @@ def _lora_modules(ctx: Any, param: Any, value: Any) -> list[dict[str, Any]]:
 
 
 def _template_defaults(ctx: Any, param: Any, value: Any) -> dict[str, Any]:
-    from kiln.serving.chat import check_template_kwargs
-    from kiln.serving.errors import APIError
+    """The flag's variables, by the rules a manifest's defaultChatTemplateKwargs and a request's own follow."""
+    from kiln.chat_options import template_kwargs_problem
 
-    try:
-        return check_template_kwargs(value or {}, "--default-chat-template-kwargs")
-    except APIError as exc:
-        raise click.BadParameter(exc.message) from None
+    if problem := template_kwargs_problem(value or {}, "--default-chat-template-kwargs"):
+        raise click.BadParameter(problem)
+    return dict(value or {})
 
 
 def _flag_type(setting: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -92,6 +93,8 @@ def test_version_reports_the_settings_marked_reported(tmp_path):
 
 
 def test_default_chat_template_kwargs_must_be_an_object_of_variables_kiln_does_not_set(tmp_path):
-    for bad, says in (('["enable_thinking"]', "JSON object"), ('{"messages": []}', "messages"), ("{", "JSON")):
+    many = json.dumps({f"v{i}": i for i in range(65)})  # the rules a manifest's defaultChatTemplateKwargs follows
+    for bad, says in (('["enable_thinking"]', "JSON object"), ('{"messages": []}', "messages"), ("{", "JSON"),
+                      ('{"1st": true}', "not a name a chat template can read"), (many, "at most 64")):
         result = CliRunner().invoke(serve, ["--model", str(tmp_path), "--default-chat-template-kwargs", bad])
         assert result.exit_code == 2 and "--default-chat-template-kwargs" in result.output and says in result.output
