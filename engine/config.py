@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from kiln.engine.compile import COMPILE_MODES, check_compile
 from kiln.engine.errors import ConfigError
+from kiln.engine.generation_config import FILE as GENERATION_FILE
 from kiln.engine.generation_config import SOURCES, eos_token_ids
 from kiln.engine.kernels import native
 from kiln.engine.kernels.candidates import LINEAR, known
@@ -256,7 +257,7 @@ class EngineConfig:
                                            f"({self.distributed_timeout_s})"))
         yield (self.tactics in ("auto", *LINEAR) or Path(self.tactics).is_file(),
                got("tactics", f"must be 'auto', a candidate ({', '.join(LINEAR)}) or a tactics.json file"))
-        yield (self.generation_config in SOURCES or (Path(self.generation_config) / "generation_config.json").is_file(),
+        yield (self.generation_config in SOURCES or (Path(self.generation_config) / GENERATION_FILE).is_file(),
                got("generation_config", "must be 'auto', 'vllm' or a folder with a generation_config.json"))
         yield (not self.batch_invariant or self.device == "cpu",
                got("batch_invariant", "is for CPU engines (kiln's tactic table); a CUDA engine has no such mode "

@@ -50,14 +50,15 @@ def sampling_defaults(config: Any) -> dict[str, Any]:
     source = config.generation_config
     if source == "vllm":
         return {}
-    return dict(_defaults(str(Path(config.model if source == "auto" else source) / FILE)))
+    return dict(_defaults(config.model if source == "auto" else source))
 
 
 @functools.lru_cache(maxsize=64)
-def _defaults(path: str) -> tuple[tuple[str, Any], ...]:
+def _defaults(folder: str) -> tuple[tuple[str, Any], ...]:
     from kiln.engine.sampling_params import SamplingParams  # deferred: torch-free until asked
 
-    data = _read(Path(path).parent)
+    path = Path(folder) / FILE
+    data = _read(folder)
     found = {k: data[k] for k in SAMPLING_KEYS if data.get(k) is not None}
     if isinstance(data.get("max_new_tokens"), int) and data["max_new_tokens"] > 0:
         found["max_tokens"] = data["max_new_tokens"]
