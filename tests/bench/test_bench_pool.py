@@ -63,3 +63,30 @@ def test_quick_pool_bench_reports_every_figure_and_evaluates_its_checks(tmp_path
     # (b) on the sampled peak: a budget under it fails.
     assert not pool.rss_check(doc["rss"]["max_rss_bytes"], doc["rss"]["max_rss_bytes"] // 2, 0)["passed"]
     assert "(a) greedy equality" in result.output and "(b) pool RSS max" in result.output
+
+
+def test_start_servers_gives_each_server_its_own_port_and_the_pool_every_engine(tmp_path, monkeypatch):
+    """The servers' wiring without starting them (the whole run is ``slow``): it broke once on a renamed import."""
+    import kiln_bench.server
+
+    started = []
+
+    class FakeServer:
+        def __init__(self, name, cmd, env, port, log, scratch, ready_path):
+            self.name, self.cmd, self.env, self.port, self.ready_path = name, cmd, env, port, ready_path
+            started.append(self)
+
+        def wait_ready(self, path, timeout):
+            assert path == self.ready_path
+
+    monkeypatch.setattr(kiln_bench.server, "Server", FakeServer)
+    built = {"smol": {"uri": "file:///s/smol", "kind": "gguf", "gguf": tmp_path / "m.gguf"},
+             "tiny": {"uri": "file:///s/tiny", "kind": "kiln"}}
+    servers = pool.start_servers(built, ["--max-loaded-engines", "2"], 1, tmp_path, tmp_path / "python", lambda m: None,
+                                 ["--batch-invariant"])
+    assert set(servers) == {"pool", "alone:smol", "alone:tiny", "llama.cpp"}
+    assert len({s.port for s in started}) == 4 and all(s.env["OMP_NUM_THREADS"] == "1" for s in started)
+    cmd = servers["pool"].cmd
+    assert cmd[cmd.index("--port") + 1] == str(servers["pool"].port) and "--batch-invariant" in cmd
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--engine"] == ["smol=file:///s/smol", "tiny=file:///s/tiny"]
+    assert json.loads((tmp_path / "llamacpp.json").read_text())["models"][0]["model_alias"] == "smol"
