@@ -70,22 +70,30 @@ def start_servers(built: dict, flags: list[str], threads: int, scratch: Path, ll
     from kiln.engine.local_port import free_local_port
     from kiln_bench.server import Server
 
+    taken: set[int] = set()
+
+    def free_port() -> int:  # free now, and not one picked for a server that may not listen yet
+        while (port := free_local_port()) in taken:
+            pass
+        taken.add(port)
+        return port
+
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     cache = parts.work_dir() / "bench-pool-cache"
     servers = {}
-    port = free_local_port()
+    port = free_port()
     engines = [a for name, e in built.items() for a in ("--engine", f"{name}={e['uri']}")]
     say(f"starting the pool: kiln serve {' '.join(flags)} with {len(built)} engines ...")
     servers["pool"] = Server("pool", _kiln([*engines, *flags, "--cache-dir", str(cache / "pool")], port, serve_flags),
                              env, port, scratch / "pool.log", scratch, "/ready")
     for name, e in built.items():
-        port = free_local_port()
+        port = free_port()
         servers[f"alone:{name}"] = Server(name, _kiln(["--artifact", e["uri"], "--served-model-name", name,
                                                        "--cache-dir", str(cache / name)], port, serve_flags),
                                           env, port, scratch / f"{name}.log", scratch, "/ready")
     ggufs = [(n, e) for n, e in built.items() if e["kind"] == "gguf"]
     if llamacpp is not None and ggufs:
-        port = free_local_port()
+        port = free_port()
         config = {"host": "127.0.0.1", "port": port,
                   "models": [{"model": str(e["gguf"]), "model_alias": n, "n_threads": threads,
                               "n_threads_batch": threads, "n_ctx": 4096} for n, e in ggufs]}
