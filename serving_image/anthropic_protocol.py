@@ -1,7 +1,8 @@
 """Request bodies of Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``), pydantic v2.
 
 Field names and shapes are Anthropic's. Unknown fields are refused with a 400 naming them, as on the
-OpenAI endpoints. ``cache_control`` is accepted everywhere Anthropic takes it and means nothing here:
+OpenAI endpoints. ``cache_control`` is accepted everywhere Anthropic takes it (blocks, tools, the request's
+top level) and means nothing here:
 kiln's prefix cache reuses every shared prefix without being asked. Content kiln cannot read (images,
 documents, server tools) is refused by :mod:`anthropic_translate`, naming the block. Counts and sizes
 are bounded as the chat endpoint bounds them (docs/serving-limits.md).
@@ -102,6 +103,9 @@ class CountTokensRequest(_Body):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = None  # the top-level marker (automatic caching): means nothing here
+    inference_geo: str | None = None  # accepted, ignored: this server runs where it runs
+    speed: Literal["standard", "fast"] | None = None  # accepted, ignored: one speed here
 
 
 class MessagesRequest(CountTokensRequest):

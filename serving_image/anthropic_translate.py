@@ -13,7 +13,8 @@ show or drop: Qwen3's shows the current turn's in a tool loop; ``redacted_thinki
 The stop strings are kept in the chat output (``include_stop_str_in_output``) so the reply can say
 which one ended it; they are cut off here.
 
-Reply: ``thinking`` (with a reasoning parser), ``text`` and ``tool_use`` blocks; ``stop_reason`` from
+Reply: ``thinking`` (with a reasoning parser), ``text`` and ``tool_use`` blocks, each only when it holds
+something (as the stream opens them; an empty answer is ``content: []``); ``stop_reason`` from
 the finish reason; ``usage`` as Anthropic counts it: ``input_tokens`` excludes the prompt tokens read
 from the prefix cache, which are ``cache_read_input_tokens``.
 """
@@ -165,9 +166,9 @@ def to_message(chat: dict[str, Any], message_id: str, stops: list[str] | None) -
     message = choice["message"]
     text, stop = cut_stop_sequence(message.get("content") or "", choice["finish_reason"], stops)
     content: list[dict[str, Any]] = []
-    if message.get("reasoning_content") is not None:
+    if message.get("reasoning_content"):  # as the stream gives it: a block only for what the model wrote
         content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
-    if text or not message.get("tool_calls"):
+    if text:  # never an empty text block: Anthropic sends none, and refuses one sent back
         content.append({"type": "text", "text": text})
     for call in message.get("tool_calls") or []:
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],

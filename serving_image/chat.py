@@ -47,12 +47,16 @@ def check_template_kwargs(kwargs: dict[str, Any], field: str = "chat_template_kw
     return dict(kwargs)
 
 
-def _arguments(text: str, param: str) -> Any:
+def tool_arguments(text: str, param: str) -> dict[str, Any]:
+    """A tool call's arguments as the template reads them (a mapping), or a 400 naming ``param``."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
-        raise APIError(400, f"{param} must be a JSON object in a string (as the tool call was returned)",
-                       param=param) from None
+        value = None
+    if not isinstance(value, dict):
+        raise APIError(400, f"{param} must be a JSON object in a string (as the tool call was returned), "
+                       f"such as '{{\"city\": \"Paris\"}}'", param=param)
+    return value
 
 
 def _message(i: int, m: ChatMessage, native: bool) -> dict[str, Any]:
@@ -65,8 +69,9 @@ def _message(i: int, m: ChatMessage, native: bool) -> dict[str, Any]:
     if thought is not None and m.role == "assistant":  # under both names, as vLLM gives templates
         out["reasoning"] = out["reasoning_content"] = thought
     if m.tool_calls:
+        where = f"messages[{i}].tool_calls"
         calls = [{"name": c.function.name,
-                  "arguments": _arguments(c.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments")}
+                  "arguments": tool_arguments(c.function.arguments, f"{where}[{j}].function.arguments")}
                  for j, c in enumerate(m.tool_calls)]
         if native:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": call}

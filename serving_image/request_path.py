@@ -134,13 +134,18 @@ def validated(cls: type[BaseModel], value: dict[str, Any], param: str) -> Any:
 
 def in_terms_of(exc: APIError, names: list[tuple[str, str]]) -> APIError:
     """``exc`` (raised about the translated chat request) naming the dialect's own fields: the first
-    ``(pattern, replacement)`` of ``names`` that matches the start of ``param`` rewrites it, and its first
-    mention in the message (``messages`` -> ``input``, ``tools[0].function.parameters`` -> ``tools[0].input_schema``)."""
+    ``(pattern, replacement)`` of ``names`` that matches the start of ``param`` rewrites it, and every mention
+    of it in the message (``messages`` -> ``input``, ``tools[0].function.parameters`` -> ``tools[0].input_schema``);
+    the message's mentions of the other fields are rewritten too (``response_format and tool_choice both
+    constrain...``), but for a name that is also a plain word (``messages``), which only the param's own rewrites."""
+    matched = None
     for pattern, own in names:
         if exc.param and re.match(pattern, exc.param):
-            exc.param = re.sub(pattern, own, exc.param, count=1)
-            exc.message = re.sub(pattern, own, exc.message, count=1)
+            exc.param, matched = re.sub(pattern, own, exc.param, count=1), pattern
             break
+    for pattern, own in names:
+        if pattern == matched or re.search(r"[_.\[]", pattern):
+            exc.message = re.sub(rf"(?<![\w.])(?:{pattern})(?!\w)", own, exc.message)
     return exc
 
 

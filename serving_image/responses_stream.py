@@ -19,7 +19,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kiln.serving.responses_translate import count_reasoning, output_items, response_body
+from kiln.serving.responses_translate import count_reasoning, output_item, output_items, response_body
 
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
@@ -43,16 +43,8 @@ class _Writer:
 
     def _item(self, kind: str, done: bool) -> dict[str, Any]:
         """The open item as it stands, from the message so far."""
-        if kind == "function_call":
-            message = {"tool_calls": self.message["tool_calls"][-1:]}
-        elif kind == "reasoning":
-            message = {"reasoning_content": self.message["reasoning_content"] or ""}
-        else:
-            message = {"content": self.message["content"], "logprobs": self.message["logprobs"]}
-        item = output_items(self.response_id, message)[0]
-        if not done:
-            item["status"] = "in_progress"
-        return item
+        message = {**self.message, "tool_calls": self.message["tool_calls"][-1:]}
+        return output_item(kind, self.response_id, message, "completed" if done else "in_progress")
 
     def start(self, kind: str) -> list[str]:
         out = self.stop()

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.serving.chat import tool_arguments
 from kiln.serving.errors import APIError, from_validation_error
 from kiln.serving.protocol import ChatCompletionRequest
 from kiln.serving.request_path import validated
@@ -77,6 +78,7 @@ def _item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": _text(item.content, f"input[{i}].content")})
         elif kind == "function_call":
+            tool_arguments(item.arguments, f"input[{i}].arguments")  # named here: chat's index is not the item's
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # calls of one turn: one assistant message
@@ -169,23 +171,32 @@ def to_chat(req: Request, store: ResponseStore) -> Translated:
         raise from_validation_error(exc) from None
 
 
+def output_item(kind: str, response_id: str, message: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    """One output item of ``kind`` from the chat message: ``reasoning`` (its thinking), ``message`` (its
+    content), ``function_call`` (its first call)."""
+    hex_id = response_id.removeprefix("resp_")
+    if kind == "reasoning":
+        return {"id": f"rs_{hex_id}", "type": "reasoning", "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": message.get("reasoning_content") or ""}]}
+    if kind == "message":
+        return {"id": f"msg_{hex_id}", "type": "message", "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": [],
+                             "logprobs": message.get("logprobs") or []}]}
+    call = message["tool_calls"][0]
+    return {"id": f"fc_{call['id'].removeprefix('call_')}", "type": "function_call", "status": status,
+            "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+
+
 def output_items(response_id: str, message: dict[str, Any], done: bool = True) -> list[dict[str, Any]]:
-    """A chat message (content, reasoning_content, tool_calls) as Responses output items."""
-    hex_id, status = response_id.removeprefix("resp_"), "completed" if done else "incomplete"
-    items: list[dict[str, Any]] = []
-    if message.get("reasoning_content") is not None:
-        items.append({"id": f"rs_{hex_id}", "type": "reasoning", "summary": [], "status": status,
-                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+    """A chat message (content, reasoning_content, tool_calls) as Responses output items, none empty: an answer
+    that is all thinking is its reasoning item alone, as the stream gives it."""
+    status = "completed" if done else "incomplete"
     calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
-        items.append({"id": f"msg_{hex_id}", "type": "message", "status": status, "role": "assistant",
-                      "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": [],
-                                   "logprobs": message.get("logprobs") or []}]})
-    for call in calls:
-        items.append({"id": f"fc_{call['id'].removeprefix('call_')}", "type": "function_call", "status": status,
-                      "call_id": call["id"], "name": call["function"]["name"],
-                      "arguments": call["function"]["arguments"]})
-    return items
+    kinds = ["reasoning"] if message.get("reasoning_content") else []
+    if message.get("content") or not (calls or kinds):
+        kinds.append("message")
+    return [*(output_item(kind, response_id, message, status) for kind in kinds),
+            *(output_item("function_call", response_id, {"tool_calls": [call]}, status) for call in calls)]
 
 
 def usage(chat_usage: dict[str, Any] | None, num_reasoning_tokens: int = 0) -> dict[str, Any] | None:

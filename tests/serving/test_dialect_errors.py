@@ -55,10 +55,25 @@ def _anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
     ({"tools": [{"name": "f", "input_schema": {"type": "wat"}}], "tool_choice": {"type": "tool", "name": "f"}},
      "tools[0].input_schema"),
     ({"messages": [{"role": "user", "content": "word " * 2000}]}, "messages is"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "any"}},
+     "output_config.format and tool_choice"),
+    ({"max_tokens": 5000}, "lower max_tokens to"),
 ])
 def test_messages_bad_input_names_the_field(http, patch, says):
     body = {k: v for k, v in {**MSG, **patch}.items() if v is not None}
-    assert says in _anthropic_error(http.post("/v1/messages", json=body), 400, "invalid_request_error")
+    message = _anthropic_error(http.post("/v1/messages", json=body), 400, "invalid_request_error")
+    assert says in message and "response_format" not in message  # Anthropic's names, never chat's
+
+
+def test_messages_take_the_sdk_s_top_level_cache_control_and_routing_hints(http):
+    """The SDK's top-level ``cache_control`` (automatic caching), ``inference_geo`` and ``speed``: accepted, as
+    the block-level ``cache_control`` is, and meaning nothing here (kiln's prefix cache needs no marker)."""
+    extra = {"cache_control": {"type": "ephemeral"}, "inference_geo": "us", "speed": "standard"}
+    assert http.post("/v1/messages", json={**MSG, **extra}).status_code == 200
+    count = http.post("/v1/messages/count_tokens", json={"model": M, "messages": MSG["messages"], **extra})
+    assert count.status_code == 200 and count.json()["input_tokens"] > 0
+    _anthropic_error(http.post("/v1/messages", json={**MSG, "speed": "warp"}), 400, "invalid_request_error")
 
 
 def test_messages_unknown_model_malformed_json_and_huge_body(http):
@@ -95,12 +110,20 @@ def test_the_key_goes_as_x_api_key_or_a_bearer_token(guarded):
     ({"max_output_tokens": 5000}, "max_output_tokens"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "wat"}}],
       "tool_choice": {"type": "function", "name": "f"}}, "tools[0].parameters"),
+    ({"instructions": "Be terse.", "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"}]}, "input[1].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
+    ({"text": {"format": {"type": "json_object"}}, "tools": [{"type": "function", "name": "f", "parameters": {}}],
+      "tool_choice": "required"}, "tool_choice"),
 ])
 def test_responses_bad_input_names_the_field(http, patch, param):
     response = http.post("/v1/responses", json={**RESP, **patch})
     assert response.status_code in (400, 404), response.text
     error = response.json()["error"]
     assert error["param"] == param and param.split("[")[0] in error["message"], response.text
+    for chat_name in ("max_tokens", "response_format", "messages[", "function.arguments"):  # Responses' names only
+        assert chat_name not in error["message"], response.text
 
 
 def test_unknown_response_ids_are_404(http):

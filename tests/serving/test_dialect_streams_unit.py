@@ -8,11 +8,14 @@ import json
 
 import anthropic
 import openai
+import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from kiln.serving.anthropic_stream import message_events
-from kiln.serving.openai_bodies import Builder
+from kiln.serving.anthropic_translate import to_message
+from kiln.serving.openai_bodies import Builder, ChoiceText
 from kiln.serving.responses_protocol import ResponsesRequest
 from kiln.serving.responses_stream import response_events
+from kiln.serving.responses_translate import to_response
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -191,3 +194,39 @@ def test_responses_stream_carries_each_text_deltas_logprobs_and_the_whole_list_l
     part = final.output[0].content[0]
     assert [lp.token for lp in part.logprobs] == ["Hel", "lo", " there"] and len(part.logprobs[0].top_logprobs) == 2
     assert final.top_logprobs == 2
+
+
+def _whole(pieces, finish):
+    """The non-streamed chat body for the same pieces (a reasoning parser's split, the calls read)."""
+    builder = Builder("chat", "chatcmpl-x", "tiny", None, None)
+    thought = "".join(p.get("reasoning", "") for p in pieces)
+    choice = ChoiceText(text="".join(p.get("text", "") for p in pieces), finish_reason=finish,
+                        reasoning=thought if any("reasoning" in p for p in pieces) else None,
+                        tool_calls=[{"id": "call_1", "type": "function",
+                                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+                        if any("tool_calls" in p for p in pieces) else None)
+    return builder.response([choice], Builder.usage(7, len(pieces), 0))
+
+
+@pytest.mark.parametrize(("pieces", "finish", "blocks", "items"), [
+    ([{"reasoning": "Let me"}, {"reasoning": " think"}], "length", ["thinking"], ["reasoning"]),
+    ([], "stop", [], ["message"]),
+    ([{"reasoning": "Hm."}, {"text": "Hi"}], "stop", ["thinking", "text"], ["reasoning", "message"]),
+    ([{"tool_calls": [CALL]}, {"tool_calls": [MORE]}], "tool_calls", ["tool_use"], ["function_call"]),
+])
+def test_a_reply_has_the_same_blocks_and_items_streamed_or_not_and_none_empty(pieces, finish, blocks, items):
+    """An answer that is all thinking (cut off before it ended) has no empty text block or message item:
+    Anthropic refuses an empty text block sent back, and the stream never opens one."""
+    whole = _whole(pieces, finish)
+    if any("reasoning" in p for p in pieces) and not any("text" in p for p in pieces):
+        assert whole["choices"][0]["message"]["content"] is None  # as vLLM's reasoning parsers give it
+    message = to_message(whole, "msg_1", None)
+    assert [b["type"] for b in message["content"]] == blocks
+    assert all(b["text"] for b in message["content"] if b["type"] == "text")
+    events = _sse(_run(message_events(_aiter(_chunks(pieces, finish)), "msg_1", "tiny", None)))
+    streamed = [b["content_block"]["type"] for n, b in events if n == "content_block_start"]
+    assert streamed == blocks
+    response = to_response(ResponsesRequest(model="tiny", input="hi"), "resp_ab12", whole)
+    assert [item["type"] for item in response["output"]] == items
+    events, _ = _responses(pieces, finish)
+    assert [item["type"] for item in events[-1][1]["response"]["output"]] == items
