@@ -41,7 +41,10 @@ class AnthropicRoute(APIRoute):
 
         async def anthropic_errors(request: Request) -> Response:
             try:
-                return await handler(request)
+                response = await handler(request)
+                if "x-request-id" in response.headers:  # the header the Anthropic SDK reads (_request_id)
+                    response.headers["request-id"] = response.headers["x-request-id"]
+                return response
             except APIError as exc:
                 return error_response(exc)
             except Exception:

@@ -182,13 +182,18 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        anthropic = request.url.path.startswith("/v1/messages")  # an Anthropic SDK reads its own shape
         if exc.status_code == 404:
-            message = (
-                f"Unknown path {request.url.path}; see /v1/models, /v1/completions, /v1/chat/completions"
-            )
+            message = (f"Unknown path {request.url.path}; kiln serves POST /v1/messages and /v1/messages/count_tokens "
+                       "of Anthropic's API" if anthropic else f"Unknown path {request.url.path}; see /v1/models, "
+                       "/v1/completions, /v1/chat/completions, /v1/responses, /v1/messages")
         elif exc.status_code == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}"
-        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+        error = APIError(exc.status_code, message, headers=getattr(exc, "headers", None))
+        if anthropic:
+            from kiln.serving.anthropic_errors import error_response  # it imports this module
+            return error_response(error)
+        return error.response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

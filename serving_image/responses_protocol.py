@@ -105,3 +105,10 @@ class ResponsesRequest(_Body):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
+
+
+class InputTokensRequest(ResponsesRequest):
+    """``POST /v1/responses/input_tokens`` (the SDK's ``responses.input_tokens.count``): a Responses request's
+    fields, what its prompt would hold; the generating ones (``max_output_tokens``, ``stream``...) change nothing."""
+
+    personality: str | None = None  # accepted, ignored: the chat template is the model's

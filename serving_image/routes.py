@@ -38,7 +38,7 @@ from kiln.serving.request_path import (
     read_body,
     resolve_model,
 )
-from kiln.serving.responses_protocol import ResponsesRequest
+from kiln.serving.responses_protocol import InputTokensRequest, ResponsesRequest
 from kiln.serving.responses_store import ResponseStore
 from kiln.serving.responses_stream import response_events
 from kiln.serving.responses_translate import assistant_turn, not_stored, to_response
@@ -101,9 +101,12 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> dict[str, Any]:
     """The prompt's tokens as ``/v1/messages`` would render it (system, tools and all)."""
     raw = await _body(request, "/v1/messages/count_tokens")
-    chat = await parse_request(raw, CountTokensRequest, messages_to_chat)
-    ctx = await request.app.state.kiln.serving_for(chat.model)  # this server, or a pool's engine
-    resolve_model(ctx, chat.model)
+    try:
+        chat = await parse_request(raw, CountTokensRequest, messages_to_chat)
+        ctx = await request.app.state.kiln.serving_for(chat.model)  # this server, or a pool's engine
+        resolve_model(ctx, chat.model)
+    except APIError as exc:
+        raise in_terms_of(exc, MESSAGES_NAMES) from None
     state, defaults = ctx.state, ctx.config.default_chat_template_kwargs
     return {"input_tokens": len(chat_prompt_ids(chat, state.engine.tokenizer, state.engine_info, defaults))}
 
@@ -151,8 +154,27 @@ async def _responses_dialect(request: Request, req: ResponsesRequest, run: Any, 
                    lambda chunks: response_events(chunks, req, response_id, created, keep, tokenizer), "/v1/responses")
 
 
+@responses_router.post("/v1/responses/input_tokens")
+async def count_input_tokens(request: Request) -> dict[str, Any]:
+    """The prompt's tokens as ``POST /v1/responses`` would render it (instructions, the stored conversation a
+    ``previous_response_id`` continues, tools and all)."""
+    raw = await _body(request, "/v1/responses/input_tokens")
+    try:
+        chat = await parse_request(raw, InputTokensRequest, lambda r: responses_to_chat(r, _store(request)).chat)
+        ctx = await request.app.state.kiln.serving_for(chat.model)  # this server, or a pool's engine
+        resolve_model(ctx, chat.model)
+    except APIError as exc:
+        raise in_terms_of(exc, RESPONSES_NAMES) from None
+    state, defaults = ctx.state, ctx.config.default_chat_template_kwargs
+    ids = chat_prompt_ids(chat, state.engine.tokenizer, state.engine_info, defaults)
+    return {"object": "response.input_tokens", "input_tokens": len(ids)}
+
+
 @responses_router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+    if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        raise APIError(400, "stream: a stored response is returned whole here (its events are not replayed); "
+                       "GET it without stream=true", param="stream")
     stored = _store(request).get(response_id)
     if stored is None:
         raise not_stored(response_id, "response_id")

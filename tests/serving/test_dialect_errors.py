@@ -85,6 +85,15 @@ def test_messages_unknown_model_malformed_json_and_huge_body(http):
     _anthropic_error(http.post("/v1/messages", content=huge), 413, "request_too_large")
 
 
+def test_messages_paths_kiln_lacks_answer_in_anthropic_s_shape_and_replies_carry_request_id(http):
+    for method, path in (("POST", "/v1/messages/batches"), ("GET", "/v1/messages/batches/b1")):
+        message = _anthropic_error(http.request(method, path, json=MSG), 404, "not_found_error")
+        assert "/v1/messages/count_tokens" in message
+    _anthropic_error(http.get("/v1/messages"), 405, "api_error")
+    reply = http.post("/v1/messages", json=MSG)
+    assert reply.headers["request-id"] == reply.headers["x-request-id"]  # the SDK's message._request_id
+
+
 def test_the_key_goes_as_x_api_key_or_a_bearer_token(guarded):
     for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
         response = httpx.post(f"{guarded.url}/v1/messages", json=MSG, headers=headers, timeout=30)
@@ -124,6 +133,13 @@ def test_responses_bad_input_names_the_field(http, patch, param):
     assert error["param"] == param and param.split("[")[0] in error["message"], response.text
     for chat_name in ("max_tokens", "response_format", "messages[", "function.arguments"):  # Responses' names only
         assert chat_name not in error["message"], response.text
+
+
+def test_a_stored_response_is_not_replayed_as_a_stream(http):
+    made = http.post("/v1/responses", json=RESP).json()
+    response = http.get(f"/v1/responses/{made['id']}", params={"stream": "true"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream", response.text
+    assert http.get(f"/v1/responses/{made['id']}", params={"stream": "false"}).json()["id"] == made["id"]
 
 
 def test_unknown_response_ids_are_404(http):

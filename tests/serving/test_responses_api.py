@@ -127,6 +127,14 @@ def test_previous_response_id_continues_from_the_prefix_cache(client):
         {"role": "user", "content": ASK * 3}, {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "And then?"}])
     assert whole.usage.input_tokens == follow.usage.input_tokens and whole.output_text == follow.output_text
+    # The SDK's responses.input_tokens.count renders the prompt the same way, stored conversation, tools and all.
+    counted = client.responses.input_tokens.count(model=M, instructions=SYSTEM, previous_response_id=first.id,
+                                                  input="And then?")
+    assert counted.object == "response.input_tokens" and counted.input_tokens == follow.usage.input_tokens
+    with_tools = client.responses.input_tokens.count(model=M, input=ASK, tools=TOOLS)
+    assert with_tools.input_tokens > client.responses.input_tokens.count(model=M, input=ASK).input_tokens
+    with pytest.raises(openai.BadRequestError, match="input"):
+        client.responses.input_tokens.count(model=M, input=[{"type": "input_image", "image_url": "x"}])
 
 
 def test_stored_responses_are_got_deleted_and_bounded(client, srv):
