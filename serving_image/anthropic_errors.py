@@ -13,25 +13,12 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from kiln.serving.errors import APIError
+from kiln.serving.errors import ANTHROPIC_TYPES as TYPES  # noqa: F401  (re-exported)
+from kiln.serving.errors import APIError  # noqa: F401
+from kiln.serving.errors import anthropic_error_response as error_response
 
 log = logging.getLogger("kiln.serving")
-
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-         503: "overloaded_error", 529: "overloaded_error"}
-
-
-def error_body(exc: APIError) -> dict[str, Any]:
-    kind = TYPES.get(exc.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": exc.message}}
-
-
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
-
 
 class AnthropicRoute(APIRoute):
     """A route whose errors are Anthropic-shaped (its dependencies' errors too: they run inside the handler)."""

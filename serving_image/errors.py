@@ -170,6 +170,21 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return obj
 
 
+# The Messages API's error shape ({"type": "error", "error": {"type", "message"}}), kiln's status codes.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+         503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(exc: APIError) -> dict[str, Any]:
+    kind = ANTHROPIC_TYPES.get(exc.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def anthropic_error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(exc), status_code=exc.status, headers=exc.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -191,8 +206,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         error = APIError(exc.status_code, message, headers=getattr(exc, "headers", None))
         if anthropic:
-            from kiln.serving.anthropic_errors import error_response  # it imports this module
-            return error_response(error)
+            return anthropic_error_response(error)
         return error.response()
 
     @app.exception_handler(Exception)
