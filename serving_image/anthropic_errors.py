@@ -1,7 +1,8 @@
 """Errors of the Messages API in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
 
 The status codes are kiln's everywhere else (400, 401, 404, 413, 429 with ``Retry-After``, 503); the
-error ``type`` is Anthropic's name for each. :class:`AnthropicRoute` renders every :class:`APIError`
+error ``type`` is Anthropic's name for each (``errors.ANTHROPIC_TYPES``, beside the unknown-path handler that
+uses it too). :class:`AnthropicRoute` renders every :class:`APIError`
 its endpoints raise (the API-key check included) this way, so an Anthropic SDK reads the message
 and raises its own exception class for the status.
 """
@@ -14,9 +15,7 @@ from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
-from kiln.serving.errors import ANTHROPIC_TYPES as TYPES  # noqa: F401  (re-exported)
-from kiln.serving.errors import APIError  # noqa: F401
-from kiln.serving.errors import anthropic_error_response as error_response
+from kiln.serving.errors import APIError, anthropic_error_response
 
 log = logging.getLogger("kiln.serving")
 
@@ -33,9 +32,9 @@ class AnthropicRoute(APIRoute):
                     response.headers["request-id"] = response.headers["x-request-id"]
                 return response
             except APIError as exc:
-                return error_response(exc)
+                return anthropic_error_response(exc)
             except Exception:
                 log.exception("internal error on %s %s", request.method, request.url.path)
-                return error_response(APIError(500, "Internal server error; the server log has the details"))
+                return anthropic_error_response(APIError(500, "Internal server error; the server log has the details"))
 
         return anthropic_errors

@@ -16,9 +16,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kiln.serving.anthropic_errors import error_body
 from kiln.serving.anthropic_translate import STOP_REASONS, cut_stop_sequence, usage
-from kiln.serving.errors import APIError
+from kiln.serving.errors import APIError, anthropic_error_body
 
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
@@ -88,7 +87,7 @@ async def message_events(chunks: AsyncIterator[dict[str, Any]], message_id: str,
     async for chunk in chunks:
         if "error" in chunk:  # the stream failed after it started
             failure = chunk["error"]
-            yield event("error", error_body(APIError(500, failure["message"], type=failure.get("type"))))
+            yield event("error", anthropic_error_body(APIError(500, failure["message"], type=failure.get("type"))))
             return
         if not started and chunk.get("usage") is not None:
             started = True

@@ -172,8 +172,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 
 # The Messages API's error shape ({"type": "error", "error": {"type", "message"}}), kiln's status codes.
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-         503: "overloaded_error", 529: "overloaded_error"}
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
 def anthropic_error_body(exc: APIError) -> dict[str, Any]:

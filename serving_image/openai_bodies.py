@@ -56,12 +56,12 @@ def _finite(logprob: float | None) -> float:
 
 def _message(c: ChoiceText) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
-    if c.reasoning is not None:  # an answer that is all thinking has no content (null, as vLLM's parsers give it)
+    if c.reasoning is not None:
         message["reasoning_content"] = message["reasoning"] = c.reasoning
-        message["content"] = c.text or None
     if c.tool_calls:
-        message["content"] = c.text or None
         message["tool_calls"] = c.tool_calls
+    if c.reasoning is not None or c.tool_calls:  # no answer beside thinking or calls: null, as vLLM gives it
+        message["content"] = c.text or None
     return message
 
 

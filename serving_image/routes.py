@@ -101,14 +101,20 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> dict[str, Any]:
     """The prompt's tokens as ``/v1/messages`` would render it (system, tools and all)."""
     raw = await _body(request, "/v1/messages/count_tokens")
+    return {"input_tokens": await _prompt_tokens(request, raw, CountTokensRequest, messages_to_chat, MESSAGES_NAMES)}
+
+
+async def _prompt_tokens(request: Request, raw: bytes, model: Any, to_chat: Any, names: list[tuple[str, str]]) -> int:
+    """How many tokens the prompt of ``raw`` (a ``model`` body, ``to_chat`` translating it) would hold on the engine
+    its model names; errors in the dialect's ``names``."""
     try:
-        chat = await parse_request(raw, CountTokensRequest, messages_to_chat)
+        chat = await parse_request(raw, model, to_chat)
         ctx = await request.app.state.kiln.serving_for(chat.model)  # this server, or a pool's engine
         resolve_model(ctx, chat.model)
     except APIError as exc:
-        raise in_terms_of(exc, MESSAGES_NAMES) from None
+        raise in_terms_of(exc, names) from None
     state, defaults = ctx.state, ctx.config.default_chat_template_kwargs
-    return {"input_tokens": len(chat_prompt_ids(chat, state.engine.tokenizer, state.engine_info, defaults))}
+    return len(chat_prompt_ids(chat, state.engine.tokenizer, state.engine_info, defaults))
 
 
 def _store(request: Request) -> ResponseStore:
@@ -159,15 +165,9 @@ async def count_input_tokens(request: Request) -> dict[str, Any]:
     """The prompt's tokens as ``POST /v1/responses`` would render it (instructions, the stored conversation a
     ``previous_response_id`` continues, tools and all)."""
     raw = await _body(request, "/v1/responses/input_tokens")
-    try:
-        chat = await parse_request(raw, InputTokensRequest, lambda r: responses_to_chat(r, _store(request)).chat)
-        ctx = await request.app.state.kiln.serving_for(chat.model)  # this server, or a pool's engine
-        resolve_model(ctx, chat.model)
-    except APIError as exc:
-        raise in_terms_of(exc, RESPONSES_NAMES) from None
-    state, defaults = ctx.state, ctx.config.default_chat_template_kwargs
-    ids = chat_prompt_ids(chat, state.engine.tokenizer, state.engine_info, defaults)
-    return {"object": "response.input_tokens", "input_tokens": len(ids)}
+    count = await _prompt_tokens(request, raw, InputTokensRequest, lambda r: responses_to_chat(r, _store(request)).chat,
+                                 RESPONSES_NAMES)
+    return {"object": "response.input_tokens", "input_tokens": count}
 
 
 @responses_router.get("/v1/responses/{response_id}")
