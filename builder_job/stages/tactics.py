@@ -34,7 +34,7 @@ from kiln.builder.timing import measure as measure_engine
 from kiln.builder.timing import total_ms
 from kiln.engine import SamplingParams
 from kiln.engine.artifact import TACTICS_FILE
-from kiln.engine.models.llama import mlp_rows_choices
+from kiln.engine.models.llama import CPU_MLP_ROWS, mlp_rows_choices
 from kiln.engine.tactics import report
 from kiln.engine.tactics.bind import attention_shape
 from kiln.engine.tactics.resolve import budget, measure
@@ -77,8 +77,12 @@ def _prefill_ms(llm, tokens: int, vocab_size: int, seed: int) -> float:
 def _mlp_rows(llm, spec, vocab_size: int) -> dict[str, Any] | None:
     """The MLP's prefill slice (``models/llama.mlp_rows_choices``, the rule a load's timing shares) timed on a
     prefill of maxNumTokens tokens, two interleaved rounds; None where the MLP is not sliced (not kiln's kernels,
-    short steps)."""
+    short steps). Under tensor parallelism the other ranks' MLPs live in their own processes and each slice
+    all-reduces once, so rank 0 alone cannot try a slice (the group's all-reduces would stop matching): the
+    record says the default stands, and every rank runs it."""
     tokens = min(spec.max_num_tokens, spec.max_input_len)
+    if llm.engine.config.tensor_parallel_size > 1:
+        return {"winner": None, "how": f"not timed: tensor parallel ranks slice together; {CPU_MLP_ROWS} rows"}
     mlps = [m for m in llm.engine.runner.model.modules() if hasattr(m, "mlp_rows") and m.rows_per_call]
     choices = mlp_rows_choices(tokens)
     if not mlps or len(choices) < 2:

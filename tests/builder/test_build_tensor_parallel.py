@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from builder_helpers import PROMPTS, engine_json, hf_greedy, version_of
 from safetensors import safe_open
 
@@ -12,7 +14,9 @@ def test_tp2_artifact_loads_on_two_gloo_ranks(toy_model, write_manifest, kiln_bu
     from kiln.engine import LLM, SamplingParams
 
     model = toy_model("llama-tiny")
-    manifest = write_manifest(f"file://{model}", tensorParallel=2)
+    # A step longer than one MLP slice (256 rows): rank 0 alone cannot time the slice, whose all-reduces every
+    # rank must match (this build once died in the tactics stage with a gloo size mismatch).
+    manifest = write_manifest(f"file://{model}", tensorParallel=2, maxInputLen=512, maxSeqLen=768, maxNumTokens=512)
     store = f"file://{tmp_path / 'store'}"
     result = kiln_build("-f", str(manifest), "--store", store)
     assert result.exit_code == 0, result.output
@@ -25,6 +29,8 @@ def test_tp2_artifact_loads_on_two_gloo_ranks(toy_model, write_manifest, kiln_bu
         # llama-tiny: 4 heads + 2 + 2 KV heads of 16 -> 128 rows in all, 64 per rank.
         assert f.get_slice(qkv).get_shape() == [64, 64]
     assert doc["build_report"]["quality"]["runtime_token_agreement"] == 1.0
+    tactics = json.loads((artifact / "tactics.json").read_text())
+    assert tactics["model"]["mlp_rows"]["winner"] is None  # the default slice, on every rank
 
     llm = LLM.from_artifact(artifact)
     try:
