@@ -38,11 +38,12 @@ from kiln.builder.outcome import BuildOutcome, cached, publisher
 from kiln.builder.prefetch import fetch_only, load_fetched, load_fetched_draft
 from kiln.builder.report import BuildReport, setup_logging, write_termination_message
 
+from kiln.artifacts import STORE_ENV, STORE_ENV_ALIAS
+from kiln.cache_cli import env_store
 from kiln.envelope import build_envelope, engine_version
 
 log = logging.getLogger("kiln.build")
 WORK_DIR_ENV = "KILN_WORK_DIR"
-STORE_ENV = "KILN_STORE_URI"
 
 
 def fetch_engine(engine, work_dir: str | Path) -> BuildOutcome:
@@ -121,8 +122,8 @@ def build_engine(engine, store_uri: str, work_dir: str | Path | None = None, kee
 @click.option("-f", "--file", "manifest", metavar="MANIFEST", default=None,
               help="LLMEngine manifest (YAML or JSON); '-' reads stdin.")
 @click.option("--spec-file", default=None, metavar="FILE", help="Manifest file as a Job mounts it.")
-@click.option("--store", "store_uri", envvar=STORE_ENV, default=None, metavar="URI",
-              help=f"Artifact store: file:///path or s3://bucket/prefix (default ${STORE_ENV}); "
+@click.option("--store", "store_uri", default=env_store(), metavar="URI",
+              help=f"Artifact store: file:///path or s3://bucket/prefix (default ${STORE_ENV} or ${STORE_ENV_ALIAS}); "
                    "required unless --fetch-only.")
 @click.option("--work-dir", envvar=WORK_DIR_ENV, default=None, type=click.Path(file_okay=False),
               help=f"Scratch space for the download and the package (default ${WORK_DIR_ENV} or a temp dir).")

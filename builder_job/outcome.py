@@ -11,7 +11,7 @@ from typing import Any
 
 from kiln.builder.errors import EXIT_OK, ArtifactMismatch, InvalidSpec, StorageFailure
 
-from kiln.artifact_manifest import BuiltBy, StoreError, built_by_from_env
+from kiln.artifact_manifest import BuiltBy, StoreError, built_by_from_env, rm_hint
 from kiln.artifacts import ArtifactStore
 from kiln.envelope import envelope_mismatch
 from kiln.signing import Signer, SigningError, signer_from
@@ -39,7 +39,7 @@ def check_hit(store: Any, version: str, stored: dict[str, Any], expected: dict[s
     """A cache hit is one only when the whole envelope matches, not the version alone."""
     if (problem := envelope_mismatch(stored, expected)) is not None:
         raise ArtifactMismatch(f"{store.artifact_uri(version)} holds another engine under this version: {problem}; "
-                               f"it is not reused. Remove it (`kiln cache rm {version} --store {store.uri}`) and "
+                               f"it is not reused. Remove it ({rm_hint(store.uri, version)}) and "
                                "build again")
 
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from kiln.artifact_manifest import CLAIM_NAME, MANIFEST_NAME, ArtifactConflict, Manifest, StoreError, now_utc
+from kiln.artifact_manifest import CLAIM_NAME, MANIFEST_NAME, ArtifactConflict, Manifest, StoreError, now_utc, rm_hint
 from kiln.storage import Backend
 
 HEARTBEAT_SUFFIX = ".heartbeat.json"
@@ -83,7 +83,7 @@ def move_in(store: VersionStore, version: str, staging: str, manifest: Manifest)
                 return _settle(store, winner, manifest)
             time.sleep(0.1)
         raise StoreError(f"{store.artifact_uri(version)}/{MANIFEST_NAME} exists but is not a valid "
-                         f"manifest; remove it with `kiln cache rm {version}`")
+                         f"manifest; remove it with {rm_hint(store.uri, version)}")
     finally:
         claim.release()
 
@@ -241,7 +241,7 @@ def _settle(store: VersionStore, winner: Manifest, mine: Manifest) -> Manifest:
     raise ArtifactConflict(
         f"{store.artifact_uri(winner.engine_version)}: already published with different content "
         f"(content digest {winner.content_digest[:12]}, this upload {mine.content_digest[:12]}); "
-        f"remove it with `kiln cache rm {winner.engine_version}` to publish again")
+        f"remove it with {rm_hint(store.uri, winner.engine_version)} to publish again")
 
 
 def _json_bytes(obj: Any) -> bytes:

@@ -194,6 +194,16 @@ def check_version(version: str) -> str:
     return version
 
 
+def rm_hint(store_uri: str, key_or_version: str) -> str:
+    """``kiln cache rm VERSION --store URI``: every hint to remove a version names its store, so that following
+    it removes that copy and never a healthy one from the store ``$KILN_STORE_URI`` names. ``key_or_version``:
+    a version, or an object key under ``engines/VERSION/``."""
+    parts = key_or_version.split("/")
+    version = parts[1] if parts[0] == "engines" and len(parts) > 2 else "<version>" if "/" in key_or_version \
+        else key_or_version
+    return f"`kiln cache rm {version} --store {store_uri}`"
+
+
 def now_utc() -> datetime:
     return datetime.now(UTC)
 

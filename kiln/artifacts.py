@@ -51,6 +51,7 @@ from kiln.artifact_manifest import (
     check_version,
     file_sha256,
     now_utc,
+    rm_hint,
     scan_dir,
 )
 from kiln.cache_stamp import drop_stamp, file_state, verified_copy, write_stamp
@@ -129,7 +130,7 @@ class ArtifactStore:
             return data
         found = ("not listed in its manifest" if entry is None else "missing" if data is None
                  else f"corrupt: sha256 {bytes_sha256(data)}, the manifest says {entry.sha256}")
-        raise ArtifactCorrupt(f"{self.uri}/{key}: {found}; re-publish with `kiln cache rm {version}` and a rebuild")
+        raise ArtifactCorrupt(f"{self.uri}/{key}: {found}; re-publish with {rm_hint(self.uri, version)} and a rebuild")
 
     def list_versions(self) -> list[Manifest]:
         """Every published (valid) version, oldest first."""
@@ -185,8 +186,8 @@ class ArtifactStore:
                 if size != f.size or digest != f.sha256:
                     raise ArtifactCorrupt(
                         f"{self.uri}/{key}: corrupt: manifest says sha256 {f.sha256} ({f.size} bytes), "
-                        f"downloaded sha256 {digest} ({size} bytes); re-publish with `kiln cache rm {version}` "
-                        f"and a rebuild")
+                        f"downloaded sha256 {digest} ({size} bytes); re-publish with "
+                        f"{rm_hint(self.uri, version)} and a rebuild")
             (tmp / MANIFEST_NAME).write_text(manifest.model_dump_json(indent=2))
             drop_stamp(dest)
             _replace_dir(tmp, dest)
@@ -265,9 +266,24 @@ class ArtifactStore:
         return removed
 
 
+STORE_ENV = "KILN_STORE_URI"  # the artifact store's one name: the operator's, its build Jobs', every kiln command's
+STORE_ENV_ALIAS = "KILN_STORE"  # the name kiln up and kiln cache read first; still read, where it agrees
+
+
+def store_from_env() -> str | None:
+    """``$KILN_STORE_URI``, else ``$KILN_STORE``; None where neither is set. Both set to different stores is a
+    ValueError naming both: which one a command would use (and a ``kiln cache rm`` remove from) is no guess."""
+    uri, alias = (os.environ.get(name, "").strip() for name in (STORE_ENV, STORE_ENV_ALIAS))
+    if uri and alias and uri != alias:
+        raise ValueError(f"${STORE_ENV}={uri} and ${STORE_ENV_ALIAS}={alias} name different artifact stores; "
+                         f"unset ${STORE_ENV_ALIAS} (kiln reads either name) or pass --store")
+    return uri or alias or None
+
+
 def default_store_uri() -> str:
-    """``$KILN_STORE``, else a file:// store under the user's cache dir (what ``kiln up`` uses)."""
-    if uri := os.environ.get("KILN_STORE", "").strip():
+    """The store the environment names (:func:`store_from_env`), else a file:// store under the user's cache dir
+    (what ``kiln up`` and ``kiln cache`` use)."""
+    if uri := store_from_env():
         return uri
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return f"file://{(base / 'kiln' / 'store').absolute().as_posix()}"

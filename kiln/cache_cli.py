@@ -18,7 +18,7 @@ from datetime import timedelta
 import click
 
 from kiln.artifact_manifest import ArtifactNotFound, Manifest, StoreError
-from kiln.artifacts import ArtifactStore, default_store_uri
+from kiln.artifacts import STORE_ENV, STORE_ENV_ALIAS, ArtifactStore, default_store_uri, store_from_env
 
 EXIT_NOT_FOUND = 1
 EXIT_STORAGE = 3
@@ -63,10 +63,24 @@ def _store_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+def env_store(fallback: Callable[[], str | None] = lambda: None) -> Callable[[], str | None]:
+    """A ``--store`` option's default (every command's: kiln build, cache, up, render): the store the environment
+    names (``kiln.artifacts.store_from_env``), else ``fallback()``; the two names set to different stores is a
+    usage error naming both."""
+
+    def default() -> str | None:
+        try:
+            return store_from_env() or fallback()
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+
+    return default
+
+
 def store_option(fn: Callable) -> Callable:
     return click.option(
-        "--store", "store_uri", envvar="KILN_STORE", default=default_store_uri, show_default="$KILN_STORE or "
-        "file://<user cache dir>/kiln/store", metavar="URI",
+        "--store", "store_uri", default=env_store(default_store_uri), metavar="URI",
+        show_default=f"${STORE_ENV} (or ${STORE_ENV_ALIAS}), else file://<user cache dir>/kiln/store",
         help="Artifact store: file:///path or s3://bucket/prefix[?endpoint_url=URL&profile=NAME].",
     )(fn)
 
@@ -90,6 +104,7 @@ def ls(store_uri: str, as_json: bool) -> None:
     if not manifests:
         click.echo(f"no engines in {store.uri}", err=True)
         return
+    click.echo(f"store: {store.uri}", err=True)  # which one: --store, $KILN_STORE_URI or the user cache dir
     rows = [("VERSION", "SIZE", "FILES", "CREATED", "KILN")]
     rows += [(m.engine_version, human_size(m.total_size), str(len(m.files)),
               m.created_at.strftime("%Y-%m-%d %H:%M:%SZ"), m.kiln_version) for m in manifests]

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from kiln.artifact_manifest import HASH_CHUNK, ArtifactCorrupt, StoreError, file_sha256
+from kiln.artifact_manifest import HASH_CHUNK, ArtifactCorrupt, StoreError, file_sha256, rm_hint
 from kiln.storage import MAX_READ_BYTES, ByteCallback, ObjectInfo
 
 
@@ -123,7 +123,7 @@ class FileBackend:
                 have = os.fstat(src.fileno()).st_size
                 if size is not None and have != size:
                     raise ArtifactCorrupt(f"{self.uri}/{key}: {have} bytes in the store, the manifest says {size}: "
-                                          "not downloaded; re-publish it (`kiln cache rm` and a rebuild)")
+                                          f"not downloaded; re-publish it ({rm_hint(self.uri, key)} and a rebuild)")
                 left = have
                 while left > 0 and (chunk := src.read(min(HASH_CHUNK, left))):
                     out.write(chunk)
@@ -141,7 +141,7 @@ class FileBackend:
                 have = os.fstat(src.fileno()).st_size
                 if have > limit:
                     raise ArtifactCorrupt(f"{self.uri}/{key}: {have} bytes, more than the {limit} a store object "
-                                          "read whole may hold; not read (remove it: `kiln cache rm`)")
+                                          f"read whole may hold; not read (remove it: {rm_hint(self.uri, key)})")
                 return src.read(limit)
         except (FileNotFoundError, NotADirectoryError):
             return None
@@ -154,12 +154,12 @@ class FileBackend:
         real = Path(os.path.realpath(path))
         if real != Path(os.path.realpath(self.root)).joinpath(*key.split("/")):
             raise ArtifactCorrupt(f"{self.uri}/{key}: reached through a symlink ({real}); the store holds only "
-                                  "regular files: not read (remove it: `kiln cache rm`)")
+                                  f"regular files: not read (remove it: {rm_hint(self.uri, key)})")
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise ArtifactCorrupt(f"{self.uri}/{key}: not a regular file (a device, pipe or directory); not read "
-                                  "(remove it: `kiln cache rm`)")
+                                  f"(remove it: {rm_hint(self.uri, key)})")
         return os.fdopen(fd, "rb")
 
     def create_exclusive(self, key: str, data: bytes) -> bool:

@@ -34,7 +34,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from s3transfer.utils import ChunksizeAdjuster
 
-from kiln.artifact_manifest import HASH_CHUNK, ArtifactCorrupt, StoreError
+from kiln.artifact_manifest import HASH_CHUNK, ArtifactCorrupt, StoreError, rm_hint
 from kiln.storage import MAX_READ_BYTES, ByteCallback, ObjectInfo
 
 MiB = 1024 * 1024
@@ -179,7 +179,7 @@ class S3Backend:
                 have = self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"]
                 if have != size:
                     raise ArtifactCorrupt(f"{self.uri}/{key}: {have} bytes in the store, the manifest says {size}: "
-                                          "not downloaded; re-publish it (`kiln cache rm` and a rebuild)")
+                                          f"not downloaded; re-publish it ({rm_hint(self.uri, key)} and a rebuild)")
                 progress = _bounded(progress, size, f"{self.uri}/{key}")
             self.client.download_file(self.bucket, self._key(key), str(local), Config=self.transfer,
                                       Callback=progress)
@@ -197,7 +197,8 @@ class S3Backend:
             if obj["ContentLength"] > limit:
                 obj["Body"].close()
                 raise ArtifactCorrupt(f"{self.uri}/{key}: {obj['ContentLength']} bytes, more than the {limit} a "
-                                      "store object read whole may hold; not read (remove it: `kiln cache rm`)")
+                                      "store object read whole may hold; not read "
+                                      f"(remove it: {rm_hint(self.uri, key)})")
             return obj["Body"].read(limit)
         except bex.ClientError as exc:
             if exc.response.get("Error", {}).get("Code") == "NoSuchKey":

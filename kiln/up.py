@@ -29,6 +29,9 @@ from typing import Any
 import click
 
 from kiln import adapter_list
+from kiln.artifact_manifest import rm_hint
+from kiln.artifacts import default_store_uri
+from kiln.cache_cli import env_store
 from kiln.pool_api import POOL_KIND, LLMEnginePool, serve_flags
 
 EXIT_INVALID_SPEC = 2
@@ -247,8 +250,8 @@ def run_foreground(cmd: list[str], env: dict[str, str] | None = None) -> int:
               type=click.Path(dir_okay=False, path_type=Path),
               help="LLMEngine manifest (YAML or JSON); repeat it, or give an LLMEnginePool manifest, to serve several "
                    "engines from one process (docs/pools.md).")
-@click.option("--store", "store_uri", default=None, metavar="URI",
-              help="Artifact store (default: $KILN_STORE or file://~/.cache/kiln/store).")
+@click.option("--store", "store_uri", default=env_store(default_store_uri), metavar="URI",
+              help="Artifact store (default: $KILN_STORE_URI or $KILN_STORE, else file://~/.cache/kiln/store).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the server binds.")
 @click.option("--port", type=click.IntRange(0, 65535), default=None, help="Port (default: spec.serving.port).")
 @click.option("--work-dir", default=None, type=click.Path(file_okay=False), help="Build scratch directory.")
@@ -256,7 +259,6 @@ def run_foreground(cmd: list[str], env: dict[str, str] | None = None) -> int:
 def up(manifests: tuple[Path, ...], store_uri: str | None, host: str, port: int | None, work_dir: str | None,
        verbose: bool) -> None:
     """Build the manifests' engines into a local store if missing, then serve them on this machine."""
-    from kiln.artifacts import default_store_uri
     from kiln.builder.report import setup_logging
     from kiln.manifest import ManifestError
     from kiln.signing import generate_key_pair
@@ -270,7 +272,6 @@ def up(manifests: tuple[Path, ...], store_uri: str | None, host: str, port: int 
             click.echo(f"  {line}", err=True)
         sys.exit(EXIT_INVALID_SPEC)
     setup_logging(verbose)
-    store_uri = store_uri or default_store_uri()
     signing_key, verify_key = generate_key_pair(default_key_dir())
     built, adapters = [], None
     for engine in engines:
@@ -304,7 +305,7 @@ def build_one(engine, store_uri: str, work_dir: str | None, signing_key: Path, v
     click.echo(outcome.message)
     if outcome.cache_hit and (problem := signature_problem(store_uri, outcome.version, verify_key)):
         click.echo(f"error: {outcome.artifact_uri}: {problem}; kiln up serves only engines signed by its local key "
-                   f"({verify_key}): remove it with `kiln cache rm {outcome.version} --store {store_uri}` and run "
+                   f"({verify_key}): remove it with {rm_hint(store_uri, outcome.version)} and run "
                    "kiln up again to rebuild it signed", err=True)
         sys.exit(EXIT_INVALID_SPEC)
     report = outcome.build_report or read_engine_json(store_uri, outcome.version).get("build_report")

@@ -58,7 +58,7 @@ from kiln.operator.validation import InvalidSpec
 from pydantic import ValidationError
 
 from kiln.api import API_VERSION, PLURAL, LLMEngineSpec
-from kiln.artifact_manifest import ArtifactCorrupt, Manifest
+from kiln.artifact_manifest import ArtifactCorrupt, Manifest, rm_hint
 from kiln.envelope import build_envelope, engine_version, envelope_digest
 from kiln.memory_budget import engine_memory
 from kiln.pool_api import POOL_PLURAL
@@ -181,7 +181,7 @@ async def read_build(ctx: Context, name: str, spec: LLMEngineSpec, version: str,
         memory = await member_memory(ctx, manifest, digest)
     except (ArtifactCorrupt, ValueError) as exc:
         return replace(view, problem=f"engine {name}: its artifact {version} is not listed: engine.json: {exc}; "
-                                     f"rebuild it (kiln cache rm {version})")
+                                     f"rebuild it ({rm_hint(ctx.store.uri, version)})")
     return replace(view, memory=memory)
 
 

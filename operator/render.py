@@ -12,7 +12,7 @@ only the operator makes, and the rank label value derived from that token (``REN
 The build Job is rendered in the namespace the operator runs builds in (``KILN_BUILD_NAMESPACE``, else
 ``KILN_OPERATOR_NAMESPACE``). The operator's settings come from the same
 ``KILN_*`` variables the chart sets (:class:`kiln.operator.settings.OperatorConfig`);
-``--store`` overrides ``KILN_STORE_URI``.
+``--store`` overrides ``KILN_STORE_URI`` (or ``KILN_STORE``: ``kiln.artifacts.store_from_env``).
 
 An ``LLMEnginePool`` manifest renders as the operator's :func:`kiln.operator.pools.render_pool`: its engine-list
 ConfigMap (empty: which engines join is known only in the cluster), Deployment and Service. An LLMEngine with
@@ -39,6 +39,7 @@ from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
 from kiln.operator.workloads import build_pdb, build_service, build_workload
 
 from kiln.api import KIND, LLMEngine
+from kiln.cache_cli import env_store
 from kiln.envelope import engine_version
 from kiln.manifest import ManifestError, load_manifest, load_pool
 from kiln.pool_api import POOL_KIND, LLMEnginePool
@@ -131,8 +132,9 @@ def _render_text(text: str, where: str, config: OperatorConfig, namespace: str |
 @click.command()
 @click.option("-f", "--file", "manifest", required=True, metavar="MANIFEST",
               help="LLMEngine or LLMEnginePool manifest (YAML or JSON); '-' reads stdin.")
-@click.option("--store", default=None, metavar="URI",
-              help=f"Artifact store the operator uses (default: $KILN_STORE_URI, else {PLACEHOLDER_STORE}).")
+@click.option("--store", default=env_store(), metavar="URI",
+              help=f"Artifact store the operator uses (default: $KILN_STORE_URI or $KILN_STORE, else "
+                   f"{PLACEHOLDER_STORE}).")
 @click.option("-n", "--namespace", default=None, help="Namespace (default: the manifest's, else 'default').")
 def render(manifest: str, store: str | None, namespace: str | None) -> None:
     """Print the Kubernetes objects the operator would create for a manifest, as YAML.

@@ -18,6 +18,8 @@ from kiln.operator.kube import iso, parse_time
 from kiln.operator.naming import ANNOTATION_VERSION
 from kiln.operator.pool_member import POOL_MISMATCH, SCALED_TO_ZERO, PoolView, listing_message, not_found_message
 
+from kiln.artifact_manifest import rm_hint
+
 BUILT, READY = "Built", "Ready"
 MESSAGE_TAIL = 2000
 
@@ -278,8 +280,8 @@ def _failed(cond: Cond, reason: str, message: str, still: str) -> list[dict[str,
 def _untrusted_message(obs: Observation) -> str:
     store = (obs.artifact_uri or "").rpartition("/engines/")[0] or "<store>"
     return (f"{obs.artifact_uri} is in the store but {obs.untrusted}, so this operator will not serve it, "
-            f"and a build cannot replace a published version; remove it (`kiln cache rm {obs.engine_version} "
-            f"--store {store}`) and the operator rebuilds it")
+            f"and a build cannot replace a published version; remove it ({rm_hint(store, obs.engine_version)}) "
+            "and the operator rebuilds it")
 
 
 def _build_progress(obs: Observation, cond: Cond, still: str) -> dict[str, Any]:

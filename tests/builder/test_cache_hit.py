@@ -33,6 +33,10 @@ def test_cache_hit_imports_neither_torch_nor_transformers(write_manifest, tmp_pa
     assert proc.stdout.splitlines()[0] == f"cache hit: {version}"
     assert f"artifact: {store_uri}/engines/{version}" in proc.stdout
     assert time.monotonic() - t0 < 15  # generous for a loaded 2-core box; typically ~1 s
+    # The store by either name of the environment (kiln up's and kiln cache's $KILN_STORE too), as --store.
+    for name, other in (("KILN_STORE_URI", "KILN_STORE"), ("KILN_STORE", "KILN_STORE_URI")):
+        proc = run_cli("-f", str(manifest), prefix=["-c", code, "build"], env={name: store_uri, other: ""})
+        assert proc.returncode == 0 and proc.stdout.splitlines()[0] == f"cache hit: {version}", proc.stderr
 
 
 def test_a_hit_is_one_only_when_the_whole_envelope_matches(write_manifest, tmp_path):
@@ -50,4 +54,4 @@ def test_a_hit_is_one_only_when_the_whole_envelope_matches(write_manifest, tmp_p
     assert proc.returncode == 2, proc.stdout + proc.stderr
     out = proc.stdout + proc.stderr
     assert "holds another engine under this version: its envelope's model is" in out and "hf://attacker" in out
-    assert f"kiln cache rm {version}" in out and "Traceback" not in out
+    assert f"`kiln cache rm {version} --store {store_uri}`" in out and "Traceback" not in out

@@ -4,6 +4,7 @@ operator reads an engine's measured memory from, for an engine pool)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,9 @@ def test_read_file_refuses_a_changed_missing_or_unlisted_file_naming_the_object(
     assert manifest is not None
     key = f"engines/{VERSION}/engine.json"
     published.backend.write(key, json.dumps({"format_version": 1, "kv_plan": {"weight_bytes_per_rank": 1}}).encode())
-    with pytest.raises(ArtifactCorrupt, match=rf"{key}: corrupt: sha256 .*the manifest says .*kiln cache rm"):
+    # The hint names the store: following it removes this copy, never a healthy one from $KILN_STORE_URI's store.
+    hint = re.escape(f"`kiln cache rm {VERSION} --store {published.uri}`")
+    with pytest.raises(ArtifactCorrupt, match=rf"{key}: corrupt: sha256 .*the manifest says .*{hint}"):
         published.read_file(manifest, "engine.json")
     published.backend.delete([key])
     with pytest.raises(ArtifactCorrupt, match=rf"{key}: missing"):

@@ -49,9 +49,19 @@ def test_ls_lists_versions_as_a_table_and_json(published: ArtifactStore):
     assert [m["engine_version"] for m in json.loads(r.stdout)] == [VERSION]
 
 
-def test_store_comes_from_KILN_STORE(published: ArtifactStore):
-    r = invoke("ls", env={"KILN_STORE": published.uri})
+def test_store_comes_from_either_name_and_ls_says_which(published: ArtifactStore, tmp_path: Path):
+    for name, other in (("KILN_STORE_URI", "KILN_STORE"), ("KILN_STORE", "KILN_STORE_URI")):
+        r = invoke("ls", env={name: published.uri, other: None})
+        assert r.exit_code == 0 and VERSION in r.stdout and f"store: {published.uri}" in r.stderr
+    r = invoke("ls", env={"KILN_STORE_URI": published.uri, "KILN_STORE": published.uri})  # one store, two names
     assert r.exit_code == 0 and VERSION in r.stdout
+    # Two different stores: which one `rm` would remove from is no guess; a usage error names both, removes nothing.
+    other = (tmp_path / "other").as_uri()
+    r = invoke("rm", VERSION, env={"KILN_STORE_URI": published.uri, "KILN_STORE": other})
+    assert r.exit_code == 2 and f"$KILN_STORE_URI={published.uri}" in r.stderr and f"$KILN_STORE={other}" in r.stderr
+    assert "--store" in r.stderr and published.read_manifest(VERSION) is not None
+    r = invoke("show", VERSION, "--store", published.uri, env={"KILN_STORE_URI": other, "KILN_STORE": "x"})
+    assert r.exit_code == 0 and VERSION in r.stdout  # --store decides; the environment is not read
 
 
 def test_ls_on_an_empty_store_says_so(tmp_path: Path):
