@@ -32,6 +32,7 @@ from kiln import adapter_list
 from kiln.artifact_manifest import rm_hint
 from kiln.artifacts import default_store_uri
 from kiln.cache_cli import env_store
+from kiln.listen import listen_problem
 from kiln.pool_api import POOL_KIND, LLMEnginePool, serve_flags
 
 EXIT_INVALID_SPEC = 2
@@ -271,6 +272,10 @@ def up(manifests: tuple[Path, ...], store_uri: str | None, host: str, port: int 
         for line in exc.problems:
             click.echo(f"  {line}", err=True)
         sys.exit(EXIT_INVALID_SPEC)
+    port = port if port is not None else pool.port if pool is not None else engines[0].spec.serving.port
+    if problem := listen_problem(host, port):  # before a build of minutes, not after it
+        click.echo(f"error: {problem}", err=True)
+        sys.exit(EXIT_INVALID_SPEC)
     setup_logging(verbose)
     signing_key, verify_key = generate_key_pair(default_key_dir())
     built, adapters = [], None
@@ -279,7 +284,6 @@ def up(manifests: tuple[Path, ...], store_uri: str | None, host: str, port: int 
         built.append((engine, outcome.artifact_uri))
         if entries is not None:
             adapters = (adapters or []) + entries
-    port = port if port is not None else pool.port if pool is not None else engines[0].spec.serving.port
     env = write_adapter_list(adapters, work_dir)
     if pool is None and len(built) == 1:
         click.echo(f"serving {built[0][1]} on http://{host}:{port}/v1 (Ctrl-C to stop)")

@@ -18,6 +18,7 @@ from kiln.engine.cpu_target import configure_openmp
 from kiln.serving.config import ServeConfig
 
 from kiln.chat_options import REASONING_PARSERS
+from kiln.listen import listen_problem
 
 configure_openmp()  # before torch loads (the engine flags below import it): OpenMP threads wait passively
 
@@ -322,6 +323,8 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kiln.serving")
+    if (placement is None or placement.is_leader) and (problem := listen_problem(host, port)):
+        raise click.UsageError(problem)  # before the model loads: a busy port costs a second, not the load
     if placement is not None and not placement.is_leader:
         from kiln.serving.worker import run_worker
 

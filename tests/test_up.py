@@ -94,10 +94,33 @@ def test_kiln_up_stops_at_a_failed_build_with_its_exit_code(toy_model, tmp_path)
         "spec": {"model": {"source": f"file://{toy_model('llama-tiny')}"}, "gpu": "cpu", "dtype": "float32",
                  "maxInputLen": 1024, "maxSeqLen": 2048, "maxNumTokens": 1024},
     }))
-    result = CliRunner().invoke(up, ["-f", str(manifest), "--store", f"file://{tmp_path / 'store'}"])
+    result = CliRunner().invoke(up, ["-f", str(manifest), "--store", f"file://{tmp_path / 'store'}", "--port", "0"])
     assert result.exit_code == 2
     assert "spec.maxSeqLen: 2048 exceeds the model's 1024 positions" in result.output
     assert "serving" not in result.output
+
+
+def test_kiln_up_checks_the_port_before_it_builds(toy_model, tmp_path):
+    """A busy port is one line naming --port, exit 2, before a build of minutes (nothing is built)."""
+    import socket
+
+    from click.testing import CliRunner
+
+    from kiln.up import up
+
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump({
+        "apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEngine", "metadata": {"name": "busy"},
+        "spec": {"model": {"source": f"file://{toy_model('llama-tiny')}"}, "gpu": "cpu", "dtype": "float32"}}))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = CliRunner().invoke(up, ["-f", str(manifest), "--store", f"file://{tmp_path / 'store'}",
+                                         "--port", str(port)])
+    assert result.exit_code == 2, result.output
+    assert f"error: --port {port}: 127.0.0.1:{port} is already in use" in result.output
+    assert not (tmp_path / "store").exists()
 
 
 def test_kiln_up_serves_the_manifests_lora_adapters(toy_model, tmp_path):

@@ -91,7 +91,7 @@ def test_serve_takes_the_parser_and_store_flags(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr("kiln.serving.server.run_server", lambda config: seen.update(vars(config)) or 0)
     monkeypatch.setattr(cli, "_exit", lambda code: None)
-    result = CliRunner().invoke(cli.serve, ["--model", str(tmp_path), "--reasoning-parser", "qwen3",
+    result = CliRunner().invoke(cli.serve, ["--model", str(tmp_path), "--port", "0", "--reasoning-parser", "qwen3",
                                             "--responses-store-size", "7", "--responses-store-ttl", "60"])
     assert result.exit_code == 0, result.output
     assert (seen["reasoning_parser"], seen["responses_store_size"], seen["responses_store_ttl"]) == ("qwen3", 7, 60)
@@ -108,6 +108,6 @@ def test_serve_takes_the_chat_flags_a_manifest_renders(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr("kiln.serving.server.run_server", lambda config: seen.update(vars(config)) or 0)
     monkeypatch.setattr(cli, "_exit", lambda code: None)
-    result = CliRunner().invoke(cli.serve, ["--model", str(tmp_path), *flags])
+    result = CliRunner().invoke(cli.serve, ["--model", str(tmp_path), "--port", "0", *flags])
     assert result.exit_code == 0, result.output
     assert seen["reasoning_parser"] == "qwen3" and seen["default_chat_template_kwargs"] == {"enable_thinking": False}

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 from kiln.serving.cli import serve
 
@@ -26,6 +27,25 @@ def test_missing_model_dir_and_empty_key_file_are_usage_errors(tmp_path):
     key.write_text("\n")
     result = runner.invoke(serve, ["--model", str(tmp_path), "--api-key-file", str(key)])
     assert result.exit_code == 2 and "--api-key-file" in result.output and "empty" in result.output
+
+
+def test_a_busy_port_is_a_usage_error_before_anything_loads(monkeypatch, tmp_path):
+    """`--port` taken by another process: one line naming the flag, exit 2, before the model loads (not
+    uvicorn's bind error after the load)."""
+    import socket
+
+    from kiln.serving import cli
+
+    monkeypatch.setattr("kiln.serving.server.run_server", lambda config: pytest.fail("loaded with a busy port"))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = CliRunner().invoke(cli.serve, ["--model", str(tmp_path), "--port", str(port)])
+    assert result.exit_code == 2, result.output
+    assert f"--port {port}: 127.0.0.1:{port} is already in use" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(cli.serve, ["--model", str(tmp_path), "--host", "192.0.2.1", "--port", "0"])
+    assert result.exit_code == 2 and "--host 192.0.2.1: not an address of this host" in result.output
 
 
 def test_missing_artifact_exits_1_with_a_clear_message(tmp_path):
@@ -64,7 +84,7 @@ def test_engine_flags_are_generated_from_the_engine_settings(monkeypatch, tmp_pa
     monkeypatch.setattr("kiln.serving.server.run_server", lambda config: seen.update(config.engine_kwargs) or 0)
     monkeypatch.setattr(cli, "_exit", lambda code: None)
     result = CliRunner().invoke(serve, [
-        "--model", str(tmp_path), "--quantization", "none", "--tensor-parallel-size", "2",
+        "--model", str(tmp_path), "--port", "0", "--quantization", "none", "--tensor-parallel-size", "2",
         "--kv-memory-fraction", "0.5", "--no-enable-prefix-caching", "--join-timeout", "9",
         "--speculative-config", '{"method": "ngram"}'])
     assert result.exit_code == 0, result.output
