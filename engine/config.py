@@ -105,8 +105,9 @@ class EngineConfig:
     max_batch_size: int = setting(64, help="Most requests in one engine step.", flag=True, reported=True, min=1)
     max_num_tokens: int = setting(2048, help="Token budget per step (chunked prefill).", flag=True,
                                   reported=True, min=1)
-    max_seq_len: int | None = setting(None, help="Prompt + output limit per request.", flag=True, reported=True)
-    max_input_len: int | None = setting(None, help="Prompt limit per request.", flag=True, reported=True)
+    max_seq_len: int | None = setting(None, help="Prompt + output limit per request.", flag=True, reported=True,
+                                      min=2)
+    max_input_len: int | None = setting(None, help="Prompt limit per request.", flag=True, reported=True, min=1)
     block_size: int = setting(16, help="KV-cache block size (power of two).", flag=True, reported=True, min=1)
     num_kv_blocks: int | None = setting(None, help="KV-cache pool size in blocks.", flag=True, min=1)
     kv_memory_fraction: float = setting(0.9, help="Fraction of free device memory for the KV pool.", flag=True,

@@ -67,6 +67,7 @@ def _join_spec(line: str) -> str:
 
 def _load_data(source: Any, kind: str = KIND) -> tuple[Any, str]:
     if isinstance(source, dict):
+        _check_kind(source, kind, "manifest")
         return source, "manifest"
     text, origin = source, "manifest"
     is_path = isinstance(source, Path) or (
@@ -91,7 +92,18 @@ def _load_data(source: Any, kind: str = KIND) -> tuple[Any, str]:
     if len(docs) != 1:
         raise ManifestError(f"expected exactly one {kind} document, found {len(docs)}; "
                             f"put one {kind} per file", origin)
+    _check_kind(docs[0], kind, origin)
     return docs[0], origin
+
+
+def _check_kind(data: Any, kind: str, origin: str) -> None:
+    """kiln's other kind where this one is expected: that one line, not a line per field the kinds do not share."""
+    got = data.get("kind") if isinstance(data, dict) else None
+    if got in (KIND, POOL_KIND) and got != kind:
+        fix = (f"give an {KIND} manifest: a pool's engines are planned and built one by one (its members' "
+               f"manifests); kiln up and kiln render take the pool manifest itself") if kind == KIND else \
+            f"give an {POOL_KIND} manifest (docs/pools.md)"
+        raise ManifestError(f"kind: {got} where an {kind} is expected; {fix}", origin)
 
 
 _PATTERN_NAMES = {
@@ -137,7 +149,10 @@ def validation_error_lines(exc: ValidationError, root: type[BaseModel]) -> list[
             expected = re.sub(r"'([^']*)'", r"\1", str(ctx.get("expected", ""))).replace(" or ", ", ")
             lines.append(f"{path}: must be one of {expected} (got {_show(got)})")
         elif kind in _TYPE_NAMES:
-            lines.append(f"{path}: must be {_TYPE_NAMES[kind]} (got {_show(got)})")
+            # YAML reads an unquoted 20240101 or 1.10 as a number (1.1): text must be quoted to stay as written
+            quote = "; quote it in YAML so it stays text as written" if kind == "string_type" and isinstance(
+                got, int | float) else ""
+            lines.append(f"{path}: must be {_TYPE_NAMES[kind]} (got {_show(got)}){quote}")
         elif kind in _BOUNDS:
             op, key = _BOUNDS[kind]
             lines.append(f"{path}: must be {op} {ctx.get(key)} (got {_show(got)})")

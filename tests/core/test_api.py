@@ -126,6 +126,22 @@ def test_metadata_and_kind_are_checked():
     assert any(line.startswith("metadata.name: must be a DNS-1123 label") for line in lines)
 
 
+def test_the_other_kind_is_one_line_and_a_number_where_text_goes_says_quote_it():
+    from kiln.manifest import load_pool
+
+    pool = {"apiVersion": "serving.kiln.dev/v1alpha1", "kind": "LLMEnginePool", "metadata": {"name": "p"},
+            "spec": {"replicas": 1, "memoryBudget": "4Gi"}}
+    with pytest.raises(ManifestError) as err:
+        load_manifest(yaml.safe_dump(pool))
+    assert err.value.problems == [err.value.problems[0]] and err.value.problems[0].startswith(
+        "kind: LLMEnginePool where an LLMEngine is expected; give an LLMEngine manifest")
+    with pytest.raises(ManifestError, match="kind: LLMEngine where an LLMEnginePool is expected"):
+        load_pool(manifest())
+    data = yaml.safe_load(yaml.safe_dump(manifest()).replace("source:", "revision: 20240101\n    source:", 1))
+    assert problems(data) == ["spec.model.revision: must be a string (got 20240101); quote it in YAML so it "
+                              "stays text as written"]
+
+
 @pytest.mark.parametrize("source", [
     "hf://meta-llama/Llama-3.1-8B-Instruct", "hf://Qwen/Qwen2-7B-Instruct", "s3://models/llama/v1",
     "s3://models", "file:///models/llama", "file://./.kiln-work/models/x", "file://../models/x",

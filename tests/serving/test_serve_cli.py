@@ -91,7 +91,8 @@ def test_engine_flags_are_generated_from_the_engine_settings(monkeypatch, tmp_pa
     assert seen == {"quantization": "none", "tensor_parallel_size": 2, "kv_memory_fraction": 0.5,
                     "enable_prefix_caching": False, "join_timeout_s": 9.0,
                     "speculative_config": {"method": "ngram"}}
-    for bad in (["--tensor-parallel-size", "3"], ["--kv-memory-fraction", "0"], ["--quantization", "int4"]):
+    for bad in (["--tensor-parallel-size", "3"], ["--kv-memory-fraction", "0"], ["--quantization", "int4"],
+                ["--max-seq-len", "-5"], ["--max-input-len", "0"]):  # before the load, not after
         result = CliRunner().invoke(serve, ["--model", str(tmp_path), *bad])
         assert result.exit_code == 2 and bad[0] in result.output
 
