@@ -16,7 +16,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kiln.serving.anthropic_translate import STOP_REASONS, cut_stop_sequence, usage
+from kiln.serving.anthropic_translate import STOP_REASONS, cut_stop_sequence, tool_use_id, usage
 from kiln.serving.errors import APIError, anthropic_error_body
 
 _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
@@ -125,8 +125,8 @@ def _deltas(blocks: _Blocks, text: _Text, delta: dict[str, Any]) -> list[str]:
     for call in delta.get("tool_calls") or ():
         function = call.get("function") or {}
         if call.get("id") is not None:
-            out += blocks.start("tool_use", {"type": "tool_use", "id": call["id"], "name": function.get("name"),
-                                             "input": {}})
+            out += blocks.start("tool_use", {"type": "tool_use", "id": tool_use_id(call["id"]),
+                                             "name": function.get("name"), "input": {}})
         if function.get("arguments"):
             out += blocks.delta("tool_use", {"type": "input_json_delta", "partial_json": function["arguments"]}, {})
     return out

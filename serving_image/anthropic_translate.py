@@ -98,7 +98,32 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             messages.append({"role": m.role, "content": m.content})
         else:
             messages += _blocks(i, m.role, m.content)
+    _check_tool_pairs(req.messages)
     return messages
+
+
+def _ids(message: Any, kind: str, key: str) -> list[tuple[int, str]]:
+    blocks = message.content if isinstance(message.content, list) else []
+    return [(j, b.get(key)) for j, b in enumerate(blocks) if b.get("type") == kind]
+
+
+def _check_tool_pairs(messages: list[Any]) -> None:
+    """Anthropic's rule (its 400s): each ``tool_result`` answers a ``tool_use`` of the message just before it,
+    and each ``tool_use`` of an assistant message that another message follows is answered in that next one. A
+    result answering nothing would reach the template as a tool message without its call."""
+    asked: list[tuple[int, str]] = []  # (block, id) of the previous message's tool_use blocks
+    for i, m in enumerate(messages):
+        answered = _ids(m, "tool_result", "tool_use_id") if m.role == "user" else []
+        for j, use_id in answered:
+            if use_id not in {u for _, u in asked}:
+                raise APIError(400, f"messages[{i}].content[{j}].tool_use_id: {use_id!r} answers no tool_use block of "
+                               f"messages[{i - 1}]; each tool_result block answers a tool_use block of the message "
+                               "just before it", param=f"messages[{i}].content[{j}].tool_use_id")
+        if missing := [u for _, u in asked if u not in {a for _, a in answered}]:
+            raise APIError(400, f"messages[{i}]: tool_use ids {', '.join(map(repr, missing))} of messages[{i - 1}] "
+                           "have no tool_result block here; each tool_use block is answered in the next message",
+                           param=f"messages[{i}].content")
+        asked = _ids(m, "tool_use", "id") if m.role == "assistant" else []
 
 
 def _tools(req: CountTokensRequest) -> dict[str, Any]:
@@ -145,6 +170,11 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
         raise from_validation_error(exc) from None
 
 
+def tool_use_id(call_id: str) -> str:
+    """A chat tool call's id (``call_`` + hex) as Anthropic spells a tool_use block's (``toolu_`` + the rest)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def cut_stop_sequence(text: str, finish_reason: str | None, stops: list[str] | None) -> tuple[str, str | None]:
     """(text without the stop sequence that ended it, that sequence or None)."""
     if finish_reason == "stop":
@@ -171,7 +201,7 @@ def to_message(chat: dict[str, Any], message_id: str, stops: list[str] | None) -
     if text:  # never an empty text block: Anthropic sends none, and refuses one sent back
         content.append({"type": "text", "text": text})
     for call in message.get("tool_calls") or []:
-        content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+        content.append({"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
                         "input": json.loads(call["function"]["arguments"])})
     reason = "stop_sequence" if stop is not None else STOP_REASONS.get(choice["finish_reason"], "end_turn")
     return {"id": message_id, "type": "message", "role": "assistant", "content": content, "model": chat["model"],

@@ -97,6 +97,7 @@ def test_forced_tool_use_streamed_or_not(client, choice):
         final = stream.get_final_message()
     uses = [b for b in final.content if b.type == "tool_use"]
     assert final.stop_reason == "tool_use" and len(uses) == 1 and isinstance(uses[0].input, dict)
+    assert uses[0].id.startswith("toolu_") and got.content[-1].id.startswith("toolu_")  # Anthropic's spelling
 
 
 def test_a_tool_result_continues_and_none_means_no_call(client):
@@ -108,6 +109,13 @@ def test_a_tool_result_continues_and_none_means_no_call(client):
                                             {"type": "text", "text": "And tomorrow?"}]}]
     out = client.messages.create(model=M, messages=history, max_tokens=8, tools=TOOLS, tool_choice={"type": "none"})
     assert out.stop_reason in ("end_turn", "max_tokens") and [b.type for b in out.content] == ["text"]
+    # A result that answers no call, or a call left unanswered, is Anthropic's 400, naming the block.
+    stray = [*history[:-1], {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}]}]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[2\]\.content\[0\]\.tool_use_id: 'toolu_x'"):
+        client.messages.create(model=M, messages=stray, max_tokens=8)
+    unanswered = [*history[:-1], {"role": "user", "content": "And tomorrow?"}]
+    with pytest.raises(anthropic.BadRequestError, match=rf"messages\[2\]: tool_use ids '{use.id}' of messages\[1\]"):
+        client.messages.create(model=M, messages=unanswered, max_tokens=8)
 
 
 def test_json_schema_output_and_parse(client):
