@@ -19,6 +19,7 @@ reply and its stored copy name the same items.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,6 +186,28 @@ def output_item(kind: str, response_id: str, message: dict[str, Any], status: st
     call = message["tool_calls"][0]
     return {"id": f"fc_{call['id'].removeprefix('call_')}", "type": "function_call", "status": status,
             "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+
+
+INPUT_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(req: Request) -> list[dict[str, Any]]:
+    """The request's ``input`` as ``GET /v1/responses/{id}/input_items`` lists it, in the order given: each item
+    with an id (the client's, else a new one) and a status, a message's text as parts (``input_text``; the
+    assistant's ``output_text``)."""
+    given = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    items = []
+    for raw in given:
+        kind = raw.get("type", "message")
+        item = {**raw, "type": kind, "id": raw.get("id") or f"{INPUT_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}"}
+        if kind == "message" and isinstance(raw.get("content"), str):
+            part = {"type": "input_text", "text": raw["content"]} if raw.get("role") != "assistant" else \
+                {"type": "output_text", "text": raw["content"], "annotations": []}
+            item["content"] = [part]
+        if kind != "reasoning":
+            item.setdefault("status", "completed")
+        items.append(item)
+    return items
 
 
 def output_items(response_id: str, message: dict[str, Any], done: bool = True) -> list[dict[str, Any]]:

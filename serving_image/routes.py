@@ -3,8 +3,8 @@
 - OpenAI's ``POST /v1/completions`` and ``POST /v1/chat/completions``, as they are;
 - Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (:mod:`anthropic_translate`,
   :mod:`anthropic_stream`; errors in Anthropic's shape, :mod:`anthropic_errors`);
-- OpenAI's ``POST /v1/responses`` and ``GET``/``DELETE /v1/responses/{id}`` (:mod:`responses_translate`,
-  :mod:`responses_stream`, the store :mod:`responses_store`).
+- OpenAI's ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}`` and ``GET .../{id}/input_items``
+  (:mod:`responses_translate`, :mod:`responses_stream`, the store :mod:`responses_store`).
 
 Each handler reads the body (bounded in size and time), parses its dialect, translates it into the chat
 request kiln runs, and hands that to :func:`request_path.generate` with the dialect's renderers. The
@@ -39,9 +39,9 @@ from kiln.serving.request_path import (
     resolve_model,
 )
 from kiln.serving.responses_protocol import InputTokensRequest, ResponsesRequest
-from kiln.serving.responses_store import ResponseStore
+from kiln.serving.responses_store import ResponseStore, page_of
 from kiln.serving.responses_stream import response_events
-from kiln.serving.responses_translate import assistant_turn, not_stored, to_response
+from kiln.serving.responses_translate import assistant_turn, input_items, not_stored, to_response
 from kiln.serving.responses_translate import to_chat as responses_to_chat
 
 __all__ = ["MAX_BODY_BYTES", "read_body", "router"]
@@ -146,10 +146,12 @@ async def _responses_dialect(request: Request, req: ResponsesRequest, run: Any, 
     response_id, created = "resp_" + uuid.uuid4().hex, int(time.time())
     tokenizer = (await request.app.state.kiln.serving_for(run.chat.model)).state.engine.tokenizer
 
+    given = input_items(req)
+
     def keep(body: dict[str, Any], message: dict[str, Any] | None) -> None:
         """Store the Response; a failed one (``message`` None) with its input only, so a follow-up retries it."""
         if req.store:
-            store.put(response_id, body, [*run.conversation, *([assistant_turn(message)] if message else [])])
+            store.put(response_id, body, [*run.conversation, *([assistant_turn(message)] if message else [])], given)
 
     def whole(chat: dict[str, Any]) -> dict[str, Any]:
         body = to_response(req, response_id, chat, tokenizer)
@@ -179,6 +181,16 @@ async def get_response(response_id: str, request: Request) -> dict[str, Any]:
     if stored is None:
         raise not_stored(response_id, "response_id")
     return stored.response
+
+
+@responses_router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request) -> dict[str, Any]:
+    """The stored response's input items (the SDK's ``responses.input_items.list``), newest first unless
+    ``order=asc``; ``include`` adds nothing here (no item of a text model's input carries what it names)."""
+    stored = _store(request).get(response_id)
+    if stored is None:
+        raise not_stored(response_id, "response_id")
+    return page_of(stored.input_items, request.query_params)
 
 
 @responses_router.delete("/v1/responses/{response_id}")

@@ -153,6 +153,36 @@ def test_the_response_store_is_bounded_by_count_size_and_time(monkeypatch):
     assert kept_none.get("e") is None
 
 
+def test_input_items_are_the_request_s_input_with_ids_and_pages_as_openai_lists():
+    from kiln.serving.errors import APIError
+    from kiln.serving.responses_protocol import ResponsesRequest
+    from kiln.serving.responses_store import page_of
+    from kiln.serving.responses_translate import input_items
+
+    (only,) = input_items(ResponsesRequest.model_validate({"model": "m", "input": "hi"}))
+    assert only["type"] == "message" and only["id"].startswith("msg_") and only["status"] == "completed"
+    assert only["role"] == "user" and only["content"] == [{"type": "input_text", "text": "hi"}]
+    items = input_items(ResponsesRequest.model_validate({"model": "m", "input": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "id": "msg_mine"},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "c"}]}))
+    assert [i["type"] for i in items] == ["message", "message", "function_call", "function_call_output"]
+    assert items[1]["id"] == "msg_mine" and items[1]["content"][0]["type"] == "output_text"  # the client's id kept
+    assert items[2]["id"].startswith("fc_") and items[3]["id"].startswith("fco_")
+    ids = [i["id"] for i in items]
+    first = page_of(items, {"limit": "3"})  # newest first by default
+    assert [i["id"] for i in first["data"]] == ids[::-1][:3] and first["has_more"] and first["last_id"] == ids[1]
+    rest = page_of(items, {"limit": "3", "after": first["last_id"]})
+    assert [i["id"] for i in rest["data"]] == ids[:1] and not rest["has_more"]
+    assert [i["id"] for i in page_of(items, {"order": "asc", "before": ids[2]})["data"]] == ids[:2]
+    assert page_of([], {})["data"] == [] and page_of([], {})["first_id"] is None
+    for query, param in (({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "nope"}, "after")):
+        with pytest.raises(APIError) as err:
+            page_of(items, query)
+        assert err.value.status == 400 and err.value.param == param
+
+
 def _logprob(token, value, k=1):
     entry = {"token": token, "logprob": value, "bytes": list(token.encode())}
     return {**entry, "top_logprobs": [entry] * k}

@@ -143,9 +143,20 @@ def test_stored_responses_are_got_deleted_and_bounded(client, srv):
     client.responses.delete(made.id)
     with pytest.raises(openai.NotFoundError, match="no response"):
         client.responses.retrieve(made.id)
+    # The SDK's responses.input_items.list: what it was asked, paged newest first as OpenAI pages.
+    asked = client.responses.create(model=M, max_output_tokens=2, input=[
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}])
+    listed = list(client.responses.input_items.list(asked.id, limit=2))  # the SDK follows has_more/after
+    assert [item.content[0].text for item in listed] == ["c", "b", "a"] and len({i.id for i in listed}) == 3
+    page = client.responses.input_items.list(asked.id, order="asc", limit=1)
+    assert page.data[0].content[0].text == "a" and page.has_more and page.data[0].role == "user"
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        client.responses.input_items.list(asked.id, limit=500)
     unstored = client.responses.create(model=M, input=ASK, max_output_tokens=4, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(unstored.id)
     ids = [client.responses.create(model=M, input=ASK, max_output_tokens=2).id for _ in range(5)]
     with pytest.raises(openai.NotFoundError):  # --responses-store-size 4: the oldest went first
         client.responses.retrieve(ids[0])
