@@ -132,9 +132,10 @@ def validated(cls: type[BaseModel], value: dict[str, Any], param: str) -> Any:
         raise APIError(400, message, param=full) from None
 
 
-def in_terms_of(exc: APIError, names: list[tuple[str, str]]) -> APIError:
+def in_terms_of(exc: APIError, names: list[tuple[str, Any]]) -> APIError:
     """``exc`` (raised about the translated chat request) naming the dialect's own fields: the first
-    ``(pattern, replacement)`` of ``names`` that matches the start of ``param`` rewrites it, and every mention
+    ``(pattern, replacement)`` of ``names`` (a replacement: a string or a function of the match, as
+    ``re.sub`` takes) that matches the start of ``param`` rewrites it, and every mention
     of it in the message (``messages`` -> ``input``, ``tools[0].function.parameters`` -> ``tools[0].input_schema``);
     the message's mentions of the other fields are rewritten too (``response_format and tool_choice both
     constrain...``), but for a name that is also a plain word (``messages``), which only the param's own rewrites."""

@@ -18,15 +18,16 @@ reply and its stored copy name the same items.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.serving.chat import tool_arguments
 from kiln.serving.errors import APIError, from_validation_error
 from kiln.serving.protocol import ChatCompletionRequest
-from kiln.serving.request_path import validated
+from kiln.serving.request_path import in_terms_of, validated
 from kiln.serving.responses_protocol import (
     LOGPROBS_INCLUDE,
     FunctionCallItem,
@@ -48,6 +49,18 @@ class Translated:
 
     chat: ChatCompletionRequest
     conversation: list[dict[str, Any]]  # the chat messages, instructions aside
+    sources: list[str] = field(default_factory=list)  # per chat message, the field it came from (source_names)
+
+
+def source_names(sources: list[str]) -> list[tuple[str, Any]]:
+    """``in_terms_of`` names for ``messages[i]`` of the chat request: the field of the Responses request the
+    message came from (``instructions``, ``previous_response_id``, ``input`` or ``input[j]``: items and messages
+    are not one to one, as calls of one turn share a message and reasoning items join the next)."""
+    def own(match: re.Match) -> str:
+        i = int(match[1])
+        return sources[i] if i < len(sources) else "input"
+
+    return [(r"messages\[(\d+)\]", own)]
 
 
 def _text(content: Any, param: str) -> str:
@@ -63,8 +76,10 @@ def _text(content: Any, param: str) -> str:
     return "\n".join(parts)
 
 
-def _item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _item_messages(items: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The input items as chat messages, and the item each message begins with (``input[i]``)."""
     messages: list[dict[str, Any]] = []
+    sources: list[str] = []
     thought: str | None = None  # a reasoning item's text, for the assistant message that follows it
     for i, raw in enumerate(items):
         kind = raw.get("type", "message")
@@ -89,10 +104,11 @@ def _item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id,
                              "content": _text(item.output, f"input[{i}].output")})
+        sources += [f"input[{i}]"] * (len(messages) - len(sources))
         if thought is not None and messages[-1]["role"] == "assistant":  # the turn the reasoning item began
             messages[-1]["reasoning_content"] = thought
         thought = None
-    return messages
+    return messages, sources
 
 
 def _reasoning_text(raw: dict[str, Any], param: str) -> str | None:
@@ -157,9 +173,11 @@ def to_chat(req: Request, store: ResponseStore) -> Translated:
         if stored is None:
             raise not_stored(req.previous_response_id, "previous_response_id")
         earlier = [dict(m) for m in stored.conversation]
-    new = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else _item_messages(req.input)
+    new, given = ([{"role": "user", "content": req.input}], ["input"]) if isinstance(req.input, str) else \
+        _item_messages(req.input)
     conversation = earlier + new
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    sources = ["instructions"] * len(system) + ["previous_response_id"] * len(earlier) + given
     body = {"model": req.model, "messages": system + conversation, "max_tokens": req.max_output_tokens,
             "stream": req.stream, "temperature": req.temperature, "top_p": req.top_p, **_fields(req)}
     if req.reasoning is not None and req.reasoning.effort is not None:
@@ -167,9 +185,9 @@ def to_chat(req: Request, store: ResponseStore) -> Translated:
     if LOGPROBS_INCLUDE in (req.include or ()):  # the output text's logprobs; top_logprobs alone asks for none
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     try:
-        return Translated(ChatCompletionRequest.model_validate(body), conversation)
+        return Translated(ChatCompletionRequest.model_validate(body), conversation, sources)
     except ValidationError as exc:
-        raise from_validation_error(exc) from None
+        raise in_terms_of(from_validation_error(exc), source_names(sources)) from None
 
 
 def output_item(kind: str, response_id: str, message: dict[str, Any], status: str = "completed") -> dict[str, Any]:

@@ -41,7 +41,7 @@ from kiln.serving.request_path import (
 from kiln.serving.responses_protocol import InputTokensRequest, ResponsesRequest
 from kiln.serving.responses_store import ResponseStore, page_of
 from kiln.serving.responses_stream import response_events
-from kiln.serving.responses_translate import assistant_turn, input_items, not_stored, to_response
+from kiln.serving.responses_translate import assistant_turn, input_items, not_stored, source_names, to_response
 from kiln.serving.responses_translate import to_chat as responses_to_chat
 
 __all__ = ["MAX_BODY_BYTES", "read_body", "router"]
@@ -131,14 +131,15 @@ def _store(request: Request) -> ResponseStore:
 async def create_response(request: Request) -> Response:
     raw = await _body(request, "/v1/responses")
     store = _store(request)
+    run = None
     try:
         spent = [0.0]
         req, run = await parse_request(raw, ResponsesRequest, costed(spent, lambda r: (r, responses_to_chat(r, store))))
         dialect = await _responses_dialect(request, req, run, store)
         dialect.request_seconds = spent[0]
         return await generate(request, run.chat, "chat", dialect, inline=len(raw) <= INLINE_BYTES)
-    except APIError as exc:
-        raise in_terms_of(exc, RESPONSES_NAMES) from None
+    except APIError as exc:  # messages[i] named as the field it came from (source_names), then the rest
+        raise in_terms_of(exc, [*source_names(run.sources if run else []), *RESPONSES_NAMES]) from None
 
 
 async def _responses_dialect(request: Request, req: ResponsesRequest, run: Any, store: ResponseStore) -> Dialect:

@@ -183,6 +183,32 @@ def test_input_items_are_the_request_s_input_with_ids_and_pages_as_openai_lists(
         assert err.value.status == 400 and err.value.param == param
 
 
+def test_a_chat_message_is_named_as_the_responses_field_it_came_from():
+    """Items and chat messages are not one to one (instructions and a stored conversation come first, the calls of
+    one turn share a message): an error about messages[i] names the field that message came from."""
+    from kiln.serving.errors import APIError
+    from kiln.serving.request_path import in_terms_of
+    from kiln.serving.responses_protocol import ResponsesRequest
+    from kiln.serving.responses_store import ResponseStore
+    from kiln.serving.responses_translate import source_names, to_chat
+
+    store = ResponseStore(max_entries=2, ttl_s=60)
+    store.put("resp_1", {}, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    run = to_chat(ResponsesRequest.model_validate({"model": "m", "instructions": "be terse",
+                                                   "previous_response_id": "resp_1", "input": [
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "x"},
+        {"role": "user", "content": "more"}]}), store)
+    assert run.sources == ["instructions", "previous_response_id", "previous_response_id", "input[1]", "input[3]",
+                           "input[4]"]
+    assert len(run.chat.messages) == len(run.sources)
+    err = in_terms_of(APIError(400, "messages[5].content: too long", param="messages[5].content"),
+                      source_names(run.sources))
+    assert (err.param, err.message) == ("input[4].content", "input[4].content: too long")
+
+
 def _logprob(token, value, k=1):
     entry = {"token": token, "logprob": value, "bytes": list(token.encode())}
     return {**entry, "top_logprobs": [entry] * k}
