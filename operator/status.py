@@ -119,12 +119,8 @@ def rollout_complete(workload: dict[str, Any]) -> bool:
     generation = (workload.get("metadata") or {}).get("generation") or 0
     wanted = spec.get("replicas", 1)
     available = "readyReplicas" if workload.get("kind") == "LeaderWorkerSet" else "availableReplicas"
-    return (
-        (status.get("observedGeneration") or 0) >= generation
-        and (status.get("updatedReplicas") or 0) == wanted
-        and (status.get(available) or 0) == wanted
-        and (status.get("replicas") or 0) == wanted
-    )
+    return ((status.get("observedGeneration") or 0) >= generation and (status.get("updatedReplicas") or 0) == wanted
+            and (status.get(available) or 0) == wanted and (status.get("replicas") or 0) == wanted)
 
 
 def pod_template(workload: dict[str, Any]) -> dict[str, Any]:

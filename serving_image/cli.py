@@ -15,61 +15,13 @@ from typing import Any
 import click
 from click.core import ParameterSource
 from kiln.engine.cpu_target import configure_openmp
+from kiln.serving.cli_types import ChoiceOf, JSONObject, ManyValues
 from kiln.serving.config import ServeConfig
 
 from kiln.chat_options import REASONING_PARSERS
 from kiln.listen import listen_problem
 
 configure_openmp()  # before torch loads (the engine flags below import it): OpenMP threads wait passively
-
-
-class _JSONObject(click.ParamType):
-    name = "JSON"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        import json
-
-        try:
-            parsed = json.loads(value) if isinstance(value, str) else value
-        except ValueError as exc:
-            self.fail(f"must be a JSON object such as '{{\"method\": \"ngram\"}}': {exc}", param, ctx)
-        if not isinstance(parsed, dict):
-            self.fail("must be a JSON object such as '{\"method\": \"ngram\"}'", param, ctx)
-        return parsed
-
-
-class _ChoiceOf(click.Choice):
-    """A choice among a setting's values, typed on the command line as text (``2`` for the int 2). None is
-    spelled ``none`` and stays that word, so an override to "none" is not lost among the unset flags; the
-    engine reads it as None (``kiln.engine.config.canonical_quantization``)."""
-
-    def __init__(self, values: tuple) -> None:
-        self.values = {("none" if v is None else str(v)): ("none" if v is None else v) for v in values}
-        super().__init__(list(self.values))
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        return self.values[super().convert(value if isinstance(value, str) else str(value), param, ctx)]
-
-
-class _ManyValues(click.Option):
-    """An option that takes every following word up to the next option, as vLLM's ``nargs='+'``
-    (``--lora-modules a=/p b=/q``); given twice, the lists add up."""
-
-    def add_to_parser(self, parser: Any, ctx: Any) -> None:
-        super().add_to_parser(parser, ctx)
-        for name in self.opts:
-            option = parser._long_opt.get(name) or parser._short_opt.get(name)
-            if option is None:
-                continue
-            process = option.process
-
-            def take_all(value: Any, state: Any, process: Any = process) -> None:
-                values = [value]
-                while state.rargs and not state.rargs[0].startswith("-"):
-                    values.append(state.rargs.pop(0))
-                process(tuple(values), state)
-
-            option.process = take_all
 
 
 def _lora_modules(ctx: Any, param: Any, value: Any) -> list[dict[str, Any]]:
@@ -94,9 +46,9 @@ def _flag_type(setting: Any) -> Any:
     """The click type of an engine setting's flag, from its field's metadata (kiln.engine.settings.setting)."""
     meta = setting.metadata
     if meta["json"]:
-        return _JSONObject()
+        return JSONObject()
     if meta["choices"] is not None:
-        return _ChoiceOf(meta["choices"])
+        return ChoiceOf(meta["choices"])
     if meta["min"] is not None:
         ranged = click.FloatRange if "float" in str(setting.type) else click.IntRange
         return ranged(meta["min"], meta["max"], min_open=meta["min_open"])
@@ -239,7 +191,7 @@ def _check_pool_flags(model: Path | None, artifact: str | None, lora_modules: li
                    "$LWS_GROUP_SIZE and $LWS_WORKER_INDEX place the process (docs/multi-node.md).")
 @click.option("--leader-port", type=click.IntRange(1, 65535), default=29500, show_default=True,
               envvar="KILN_LEADER_PORT", help="Rendezvous port when the leader address has none [env KILN_LEADER_PORT].")
-@click.option("--lora-modules", "lora_modules", cls=_ManyValues, multiple=True, type=click.UNPROCESSED,
+@click.option("--lora-modules", "lora_modules", cls=ManyValues, multiple=True, type=click.UNPROCESSED,
               callback=_lora_modules, metavar="NAME=PATH ...",
               help="LoRA adapters to serve, as vLLM: NAME=PATH [NAME=PATH ...] or JSON '{\"name\": ..., \"path\": "
                    "..., \"base_model_name\": ...}'; requests pick one with \"model\": NAME (needs --enable-lora).")
@@ -249,7 +201,7 @@ def _check_pool_flags(model: Path | None, artifact: str | None, lora_modules: li
 @click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None, envvar="KILN_REASONING_PARSER",
               help="Keep a thinking model's <think>...</think> apart from its answer (vLLM's names): reasoning_content "
                    "in chat, thinking blocks in Messages, reasoning items in Responses [env KILN_REASONING_PARSER].")
-@click.option("--default-chat-template-kwargs", type=_JSONObject(), callback=_template_defaults,
+@click.option("--default-chat-template-kwargs", type=JSONObject(), callback=_template_defaults,
               envvar="KILN_DEFAULT_CHAT_TEMPLATE_KWARGS", metavar="JSON",
               help="Chat template variables every chat request gets, under its own chat_template_kwargs, as vLLM's "
                    "flag: '{\"enable_thinking\": false}' [env KILN_DEFAULT_CHAT_TEMPLATE_KWARGS].")
@@ -322,8 +274,13 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
         responses_store_ttl=responses_store_ttl, default_chat_template_kwargs=default_chat_template_kwargs,
     )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("kiln.serving")
-    if (placement is None or placement.is_leader) and (problem := listen_problem(host, port)):
+    _run(config, pool)
+
+
+def _run(config: ServeConfig, pool: Any) -> None:
+    """Serve ``config``: rank 0 (or a lone server) over HTTP, another rank computing only; exits with its code."""
+    log, placement = logging.getLogger("kiln.serving"), config.placement
+    if (placement is None or placement.is_leader) and (problem := listen_problem(config.host, config.port)):
         raise click.UsageError(problem)  # before the model loads: a busy port costs a second, not the load
     if placement is not None and not placement.is_leader:
         from kiln.serving.worker import run_worker
@@ -332,13 +289,12 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
         _exit(run_worker(config))
     if placement is not None:
         log.info("kiln serve: leader, %s", placement.describe())
-    log.info("serving %s as %r on %s:%d (auth %s)", artifact or model or "a pool", config.model_name, host, port,
-             "on" if config.api_key else "off")
+    log.info("serving %s as %r on %s:%d (auth %s)", config.artifact or config.model or "a pool", config.model_name,
+             config.host, config.port, "on" if config.api_key else "off")
 
     from kiln.serving.server import run_server
 
     _exit(run_server(config) if pool is None else run_server(config, pool))
-
 
 
 def _exit(code: int) -> None:

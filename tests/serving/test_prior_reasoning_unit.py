@@ -57,7 +57,8 @@ def test_responses_reasoning_items_give_the_turn_they_begin_its_reasoning():
              {"type": "function_call_output", "call_id": "call_1", "output": "12 C"},
              {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "a summary"}]},
              {"type": "message", "role": "user", "content": "And Rome?"}]  # no assistant turn after rs_2
-    user, assistant, tool, again = _item_messages(items)
+    (user, assistant, tool, again), sources = _item_messages(items)
+    assert sources == ["input[0]", "input[2]", "input[3]", "input[5]"]  # the item each message begins with
     assert assistant["reasoning_content"] == "need the weather" and assistant["tool_calls"][0]["id"] == "call_1"
     assert all("reasoning_content" not in m for m in (user, tool, again))
     turn = assistant_turn({"content": None, "reasoning_content": "plan", "tool_calls": [CALL]})
