@@ -31,6 +31,8 @@ from kiln.builder.outcome import BuildOutcome, cached, publisher
 from kiln.builder.report import BuildReport, setup_logging, write_termination_message
 
 from kiln.adapter_list import ADAPTER_VERSION_ENV
+from kiln.artifacts import STORE_ENV, STORE_ENV_ALIAS
+from kiln.cache_cli import env_store
 from kiln.envelope import adapter_envelope, adapter_version, engine_version
 
 log = logging.getLogger("kiln.build.adapter")
@@ -87,7 +89,8 @@ def build_adapter(engine, name: str, store_uri: str, work_dir: str | Path | None
 @click.option("--adapter", "name", required=True, help="Name of the adapter in spec.lora.adapters to build.")
 @click.option("-f", "--file", "manifest", default=None, help="LLMEngine manifest (YAML or JSON); '-' reads stdin.")
 @click.option("--spec-file", default=None, help="Manifest file as a Job mounts it.")
-@click.option("--store", "store_uri", envvar="KILN_STORE_URI", default=None, help="Artifact store URI.")
+@click.option("--store", "store_uri", default=env_store(), metavar="URI",
+              help=f"Artifact store URI (default ${STORE_ENV} or ${STORE_ENV_ALIAS}).")
 @click.option("--work-dir", envvar="KILN_WORK_DIR", default=None, help="Scratch space (default: a temp dir).")
 @click.option("--fetch-only", is_flag=True, help="Only fetch the adapter and the base checkpoint into --work-dir.")
 @click.option("--prefetched", is_flag=True, help="Build from what --fetch-only left in --work-dir.")

@@ -123,3 +123,9 @@ def test_no_adapter_of_that_name_is_exit_2(setup, monkeypatch):
     monkeypatch.setenv("KILN_TERMINATION_LOG", str(tmp / "term"))
     result = run(path, "nope", store_uri, key, tmp / "work")
     assert result.exit_code == 2 and "--adapter: no adapter named 'nope'" in result.output
+    # The store by the names every command reads (kiln.artifacts.store_from_env), as kiln build takes it.
+    from kiln.builder.adapter.command import build_adapter_command
+
+    result = CliRunner().invoke(build_adapter_command, ["-f", str(path), "--adapter", "x"],
+                                env={"KILN_STORE_URI": store_uri, "KILN_STORE": f"{store_uri}-other"})
+    assert result.exit_code == 2 and "name different artifact stores" in result.output
