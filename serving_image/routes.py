@@ -147,12 +147,11 @@ async def _responses_dialect(request: Request, req: ResponsesRequest, run: Any, 
     response_id, created = "resp_" + uuid.uuid4().hex, int(time.time())
     tokenizer = (await request.app.state.kiln.serving_for(run.chat.model)).state.engine.tokenizer
 
-    given = input_items(req)
-
     def keep(body: dict[str, Any], message: dict[str, Any] | None) -> None:
         """Store the Response; a failed one (``message`` None) with its input only, so a follow-up retries it."""
         if req.store:
-            store.put(response_id, body, [*run.conversation, *([assistant_turn(message)] if message else [])], given)
+            store.put(response_id, body, [*run.conversation, *([assistant_turn(message)] if message else [])],
+                      input_items(req))
 
     def whole(chat: dict[str, Any]) -> dict[str, Any]:
         body = to_response(req, response_id, chat, tokenizer)
