@@ -41,15 +41,17 @@ class _Writer:
         self.seq += 1
         return f"event: {kind}\ndata: {_encode(data)}\n\n"
 
-    def _item(self, kind: str, done: bool) -> dict[str, Any]:
+    def _item(self, kind: str, status: str) -> dict[str, Any]:
         """The open item as it stands, from the message so far."""
         message = {**self.message, "tool_calls": self.message["tool_calls"][-1:]}
-        return output_item(kind, self.response_id, message, "completed" if done else "in_progress")
+        return output_item(kind, self.response_id, message, status)
 
     def start(self, kind: str) -> list[str]:
         out = self.stop()
         self.open, self.index = kind, self.index + 1
-        item = self._item(kind, done=False)
+        item = self._item(kind, "in_progress")
+        if kind != "function_call":  # its part comes with content_part.added, as OpenAI (and vLLM) send it
+            item["content"] = []
         self.item_id = item["id"]
         out.append(self.event("response.output_item.added", output_index=self.index, item=item))
         if kind != "function_call":
@@ -75,11 +77,12 @@ class _Writer:
                                   logprobs=logprobs))
         return out
 
-    def stop(self) -> list[str]:
+    def stop(self, status: str = "completed") -> list[str]:
+        """Close the open item: ``completed``, or ``incomplete`` when the response was cut in it."""
         if self.open is None:
             return []
         kind, self.open = self.open, None
-        item = self._item(kind, done=True)
+        item = self._item(kind, status)
         where = {"item_id": item["id"], "output_index": self.index}
         out = []
         if kind == "function_call":
@@ -153,9 +156,9 @@ async def response_events(chunks: AsyncIterator[dict[str, Any]], req: Any, respo
                 yield line
             finish = choice["finish_reason"] or finish
             continue
-        for line in writer.stop():  # the last chunk: the totals
-            yield line
         done = finish != "length"
+        for line in writer.stop("completed" if done else "incomplete"):  # the last chunk: the totals
+            yield line
         message = writer.message
         if message["content"] == "" and message["tool_calls"]:
             message["content"] = None

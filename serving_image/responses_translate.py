@@ -162,6 +162,22 @@ def not_stored(response_id: str, param: str) -> APIError:
                     "the whole conversation as input instead", param=param, code="response_not_found")
 
 
+def _check_outputs(conversation: list[dict[str, Any]], sources: list[str]) -> None:
+    """OpenAI's 400s: each ``function_call_output`` answers a ``function_call`` before it (in ``input``, or in the
+    conversation ``previous_response_id`` continues), and each call is answered by one after it: a tool message
+    without its call, or a call without its answer, would reach the template as a broken turn."""
+    made: dict[str, str] = {}
+    for message, source in zip(conversation, sources, strict=True):
+        made.update((call["id"], source) for call in message.get("tool_calls") or ())
+        if message["role"] == "tool" and made.pop(message["tool_call_id"], None) is None:
+            raise APIError(400, f"{source}.call_id: no tool call found for function call output with call_id "
+                           f"{message['tool_call_id']!r}; a function_call_output answers a function_call item "
+                           "before it, in input or in the response previous_response_id names", param=f"{source}.call_id")
+    for call_id, source in made.items():
+        raise APIError(400, f"{source}: no tool output found for function call {call_id!r}; give its "
+                       f"function_call_output item (call_id {call_id!r}) in input", param=source)
+
+
 def to_chat(req: Request, store: ResponseStore) -> Translated:
     """The chat request that runs ``req``, after the stored conversation it continues."""
     if req.background:
@@ -176,6 +192,7 @@ def to_chat(req: Request, store: ResponseStore) -> Translated:
     new, given = ([{"role": "user", "content": req.input}], ["input"]) if isinstance(req.input, str) else \
         _item_messages(req.input)
     conversation = earlier + new
+    _check_outputs(conversation, ["previous_response_id"] * len(earlier) + given)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     sources = ["instructions"] * len(system) + ["previous_response_id"] * len(earlier) + given
     body = {"model": req.model, "messages": system + conversation, "max_tokens": req.max_output_tokens,
@@ -230,14 +247,17 @@ def input_items(req: Request) -> list[dict[str, Any]]:
 
 def output_items(response_id: str, message: dict[str, Any], done: bool = True) -> list[dict[str, Any]]:
     """A chat message (content, reasoning_content, tool_calls) as Responses output items, none empty: an answer
-    that is all thinking is its reasoning item alone, as the stream gives it."""
-    status = "completed" if done else "incomplete"
+    that is all thinking is its reasoning item alone, as the stream gives it. Cut short (``done`` false), the last
+    item is ``incomplete``; the ones before it ended, and are ``completed`` (as their ``output_item.done`` said)."""
     calls = message.get("tool_calls") or []
     kinds = ["reasoning"] if message.get("reasoning_content") else []
     if message.get("content") or not (calls or kinds):
         kinds.append("message")
-    return [*(output_item(kind, response_id, message, status) for kind in kinds),
-            *(output_item("function_call", response_id, {"tool_calls": [call]}, status) for call in calls)]
+    items = [*(output_item(kind, response_id, message) for kind in kinds),
+             *(output_item("function_call", response_id, {"tool_calls": [call]}) for call in calls)]
+    if not done:
+        items[-1]["status"] = "incomplete"
+    return items
 
 
 def usage(chat_usage: dict[str, Any] | None, num_reasoning_tokens: int = 0) -> dict[str, Any] | None:

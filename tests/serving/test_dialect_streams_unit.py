@@ -200,13 +200,14 @@ def test_a_chat_message_is_named_as_the_responses_field_it_came_from():
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": "x"},
+        {"type": "function_call_output", "call_id": "c2", "output": "y"},
         {"role": "user", "content": "more"}]}), store)
     assert run.sources == ["instructions", "previous_response_id", "previous_response_id", "input[1]", "input[3]",
-                           "input[4]"]
+                           "input[4]", "input[5]"]
     assert len(run.chat.messages) == len(run.sources)
-    err = in_terms_of(APIError(400, "messages[5].content: too long", param="messages[5].content"),
+    err = in_terms_of(APIError(400, "messages[6].content: too long", param="messages[6].content"),
                       source_names(run.sources))
-    assert (err.param, err.message) == ("input[4].content", "input[4].content: too long")
+    assert (err.param, err.message) == ("input[5].content", "input[5].content: too long")
 
 
 def _logprob(token, value, k=1):
