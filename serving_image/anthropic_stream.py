@@ -67,6 +67,11 @@ class _Text:
         self.held = text[len(text) - keep:] if keep else ""
         return text[: len(text) - keep]
 
+    def flush(self) -> str:
+        """What is held back, once no more text can follow it (a tool call began): it ends no stop sequence."""
+        rest, self.held = self.held, ""
+        return rest
+
     def finish(self, finish_reason: str | None) -> tuple[str, str | None]:
         rest, self.held = self.held, ""
         return cut_stop_sequence(rest, finish_reason, self.stops)
@@ -125,6 +130,8 @@ def _deltas(blocks: _Blocks, text: _Text, delta: dict[str, Any]) -> list[str]:
     for call in delta.get("tool_calls") or ():
         function = call.get("function") or {}
         if call.get("id") is not None:
+            if rest := text.flush():  # the text before the call, in its own block as the unstreamed reply has it
+                out += blocks.delta("text", {"type": "text_delta", "text": rest}, {"type": "text", "text": ""})
             out += blocks.start("tool_use", {"type": "tool_use", "id": tool_use_id(call["id"]),
                                              "name": function.get("name"), "input": {}})
         if function.get("arguments"):

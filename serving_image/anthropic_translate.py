@@ -9,7 +9,8 @@ show or drop: Qwen3's shows the current turn's in a tool loop; ``redacted_thinki
 ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``), ``output_config.format`` onto
 ``response_format``, ``stop_sequences`` onto ``stop``, ``thinking`` onto the chat template's
 ``enable_thinking`` (``disabled``: false, else true; a template that does not read it is unchanged),
-``output_config.effort`` onto ``reasoning_effort``.
+``output_config.effort`` onto ``reasoning_effort``. A final assistant message is a prefill: chat's
+``continue_final_message`` renders the conversation up to its text, which the reply continues.
 The stop strings are kept in the chat output (``include_stop_str_in_output``) so the reply can say
 which one ended it; they are cut off here.
 
@@ -116,8 +117,9 @@ def _check_tool_pairs(messages: list[Any]) -> None:
         answered = _ids(m, "tool_result", "tool_use_id") if m.role == "user" else []
         for j, use_id in answered:
             if use_id not in {u for _, u in asked}:
+                before = f"messages[{i - 1}]" if i else "a message before it (it is the first)"
                 raise APIError(400, f"messages[{i}].content[{j}].tool_use_id: {use_id!r} answers no tool_use block of "
-                               f"messages[{i - 1}]; each tool_result block answers a tool_use block of the message "
+                               f"{before}; each tool_result block answers a tool_use block of the message "
                                "just before it", param=f"messages[{i}].content[{j}].tool_use_id")
         if missing := [u for _, u in asked if u not in {a for _, a in answered}]:
             raise APIError(400, f"messages[{i}]: tool_use ids {', '.join(map(repr, missing))} of messages[{i - 1}] "
@@ -157,6 +159,7 @@ def _tools(req: CountTokensRequest) -> dict[str, Any]:
 def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request that runs ``req``: a Messages request, or a count_tokens one (which only renders)."""
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req), **_tools(req)}
+    _prefill(body, len(req.messages) - 1)
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     if req.output_config is not None and req.output_config.effort is not None:
@@ -168,6 +171,21 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:  # a shape Anthropic's rules allow and chat's do not: name chat's field
         raise from_validation_error(exc) from None
+
+
+def _prefill(body: dict[str, Any], index: int) -> None:
+    """A final assistant message is a prefill: the reply continues its text (Anthropic's rule), rendered without
+    its end of turn. Empty, it is left out (a new turn opens); its text may not end in whitespace (Anthropic's 400)."""
+    final = body["messages"][-1]
+    if final["role"] != "assistant" or final.get("tool_calls"):
+        return
+    if not final["content"].strip():
+        body["messages"].pop()
+        return
+    if final["content"] != final["content"].rstrip():
+        raise APIError(400, f"messages[{index}]: final assistant content cannot end with trailing whitespace; "
+                       "strip it (the reply continues the text as written)", param=f"messages[{index}].content")
+    body.update(add_generation_prompt=False, continue_final_message=True)
 
 
 def tool_use_id(call_id: str) -> str:

@@ -27,7 +27,7 @@ from kiln.serving.anthropic_protocol import MessagesRequest
 from kiln.serving.anthropic_translate import to_chat as messages_to_chat
 from kiln.serving.chat import chat_prompt_ids, render_chat, with_template_defaults
 from kiln.serving.errors import APIError, from_validation_error, parse_json_body
-from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, TemplateKwargs, _Body, check_messages
+from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, TemplateKwargs, _Body, check_continuation, check_messages
 from kiln.serving.request_path import in_terms_of, parse_request, resolve_model, serving_context
 from kiln.serving.responses_protocol import ResponsesRequest
 from kiln.serving.responses_translate import to_chat as responses_to_chat
@@ -43,6 +43,7 @@ class KeysRequest(_Body):
     prompt: str | list[Annotated[StrictInt, Field(ge=0)]] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: TemplateKwargs | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
@@ -147,6 +148,7 @@ def _parse(raw: bytes) -> KeysRequest:
 def _prompt_ids(req: KeysRequest, engine: Any) -> list[int]:
     if req.messages is not None:
         check_messages(req.messages)
+        check_continuation(req.add_generation_prompt, req.continue_final_message, req.messages)
         return render_chat(req, engine.tokenizer)  # type: ignore[arg-type]
     if isinstance(req.prompt, str):
         return engine.tokenizer.encode(req.prompt) if req.prompt else []

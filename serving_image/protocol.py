@@ -165,6 +165,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     add_generation_prompt: StrictBool = True
+    # vLLM's (and transformers'): the reply continues the final (assistant) message, rendered without its end of turn.
+    continue_final_message: StrictBool = False
     # vLLM's: more variables for the chat template ({"enable_thinking": false}); kiln.serving.chat renders them.
     chat_template_kwargs: TemplateKwargs | None = None
     reasoning_effort: ReasoningEffort | None = None  # OpenAI's: the template's reasoning_effort (gpt-oss reads it)
@@ -195,6 +197,20 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
             and req.max_tokens != req.max_completion_tokens:
         raise APIError(400, "set only one of max_tokens and max_completion_tokens", param="max_tokens")
     check_messages(req.messages)
+    check_continuation(req.add_generation_prompt, req.continue_final_message, req.messages)
+
+
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool, messages: list[ChatMessage]) -> None:
+    """vLLM's rule: a reply continues the final message, or opens a new turn, not both; and continues only text."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: the reply either "
+                       "continues the final message or opens a new turn; set add_generation_prompt: false",
+                       param="continue_final_message")
+    if not message_text(messages[-1]).strip():
+        raise APIError(400, f"continue_final_message: messages[{len(messages) - 1}] has no text to continue; "
+                       "end the conversation with the text the reply should continue", param="continue_final_message")
 
 
 def check_messages(messages: list[ChatMessage]) -> None:

@@ -47,6 +47,7 @@ class TokenizeChatRequest(_Body):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     chat_template_kwargs: TemplateKwargs | None = None
@@ -84,6 +85,7 @@ def _chat_ids(req: TokenizeChatRequest, serving: Any, tokenizer: Any) -> list[in
                        "leave it out (false) with messages", param="add_special_tokens")
     chat = ChatCompletionRequest.model_construct(
         model=req.model or "", messages=req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
         chat_template_kwargs=req.chat_template_kwargs)  # each field validated already, as the request's
     return chat_prompt_ids(chat, tokenizer, serving.state.engine_info, serving.config.default_chat_template_kwargs)
 

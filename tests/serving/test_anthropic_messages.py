@@ -143,3 +143,50 @@ def test_thinking_is_accepted_and_ignored_without_a_reasoning_parser(client):
     for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"}):
         out = client.messages.create(model=M, messages=ASK, max_tokens=4, extra_body=GREEDY, thinking=thinking)
         assert [b.type for b in out.content] == ["text"]
+
+
+PREFILL = [*ASK, {"role": "assistant", "content": "Once upon a time"}]
+
+
+def test_a_final_assistant_message_is_continued_as_the_completions_endpoint_continues_its_rendering(srv, client, chat):
+    """Anthropic's prefill: the reply continues the final assistant text. The conversation rendered up to that
+    text (chat's continue_final_message, as /tokenize gives it) and run as a plain prompt answers the same tokens."""
+    import httpx
+
+    ids = httpx.post(f"{srv.url}/tokenize", json={"model": M, "messages": [{"role": "system", "content": SYSTEM},
+                     *PREFILL], "add_generation_prompt": False, "continue_final_message": True}).json()["tokens"]
+    text = chat.completions.create(model=M, prompt=ids, max_tokens=10, extra_body=GREEDY).choices[0].text
+    got = client.messages.create(model=M, system=SYSTEM, messages=PREFILL, max_tokens=10, extra_body=GREEDY)
+    assert got.content[0].text == text
+    with client.messages.stream(model=M, system=SYSTEM, messages=PREFILL, max_tokens=10, extra_body=GREEDY) as s:
+        assert "".join(s.text_stream) == text
+    rendered = httpx.post(f"{srv.url}/detokenize", json={"model": M, "tokens": ids}).json()["prompt"]
+    assert rendered.endswith("Once upon a time")  # no end of turn, no new assistant header after it
+    keyed = httpx.post(f"{srv.url}/v1/prefix_cache/keys?endpoint=/v1/messages", json={
+        "model": M, "system": SYSTEM, "messages": PREFILL, "max_tokens": 10}).json()["num_prompt_tokens"]
+    counted = client.messages.count_tokens(model=M, system=SYSTEM, messages=PREFILL).input_tokens
+    assert counted == keyed == len(ids)
+    assert got.usage.input_tokens + (got.usage.cache_read_input_tokens or 0) == len(ids)
+
+
+def test_prefill_edges_are_anthropics(client):
+    empty = client.messages.create(model=M, messages=[*ASK, {"role": "assistant", "content": ""}], max_tokens=4,
+                                   extra_body=GREEDY)
+    assert empty.content[0].text == client.messages.create(model=M, messages=ASK, max_tokens=4,
+                                                           extra_body=GREEDY).content[0].text
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace") as err:
+        client.messages.create(model=M, messages=[*ASK, {"role": "assistant", "content": "Once "}], max_tokens=4)
+    assert err.value.body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"add_generation_prompt": True, "continue_final_message": True}, "cannot both be true"),
+    ({"add_generation_prompt": False, "continue_final_message": True,
+      "messages": [*ASK, {"role": "assistant", "content": " "}]}, "no text to continue"),
+])
+def test_chat_continue_final_message_misuse_is_a_400_naming_it(chat, body, says):
+    extra = {"add_generation_prompt": body["add_generation_prompt"],
+             "continue_final_message": body["continue_final_message"]}
+    with pytest.raises(openai.BadRequestError, match=says) as err:
+        chat.chat.completions.create(model=M, messages=body.get("messages", PREFILL), max_tokens=4, extra_body=extra)
+    assert err.value.body["param"] == "continue_final_message"
