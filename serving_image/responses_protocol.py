@@ -17,6 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 MAX_PARTS = 4096  # content parts of one message
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # include: the output text's logprobs (top_logprobs: how many)
+# OpenAI's other include values: what they add is of hosted tools, images or encrypted reasoning, none of which kiln
+# makes, so each adds nothing here; any other value is OpenAI's 400.
+INCLUDES = (LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+            "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
+            "code_interpreter_call.outputs")
 
 
 class _Body(BaseModel):
@@ -96,7 +101,7 @@ class ResponsesRequest(_Body):
     stream_options: dict[str, Any] | None = None  # {"include_obfuscation": ...}: accepted, ignored (no obfuscation here)
     background: StrictBool | None = None
     truncation: Literal["disabled", "auto"] | None = None
-    include: list[str] | None = None
+    include: list[Literal[INCLUDES]] | None = None  # type: ignore[valid-type]
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     reasoning: ReasoningConfig | None = None
     # Accepted and ignored: they change nothing kiln computes.
@@ -105,6 +110,8 @@ class ResponsesRequest(_Body):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None  # the prefix cache keeps what it can
+    max_tool_calls: Annotated[StrictInt, Field(ge=1)] | None = None  # of hosted tools, which kiln has none of
 
 
 class InputTokensRequest(ResponsesRequest):

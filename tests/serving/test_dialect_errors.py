@@ -125,6 +125,8 @@ def test_the_key_goes_as_x_api_key_or_a_bearer_token(guarded):
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
     ({"text": {"format": {"type": "json_object"}}, "tools": [{"type": "function", "name": "f", "parameters": {}}],
       "tool_choice": "required"}, "tool_choice"),
+    ({"include": ["message.output_text.logprobs", "output_text.everything"]}, "include[1]"),
+    ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
 ])
 def test_responses_bad_input_names_the_field(http, patch, param):
     response = http.post("/v1/responses", json={**RESP, **patch})
@@ -133,6 +135,13 @@ def test_responses_bad_input_names_the_field(http, patch, param):
     assert error["param"] == param and param.split("[")[0] in error["message"], response.text
     for chat_name in ("max_tokens", "response_format", "messages[", "function.arguments"):  # Responses' names only
         assert chat_name not in error["message"], response.text
+
+
+def test_openai_fields_that_change_nothing_here_are_accepted(http):
+    body = {**RESP, "include": ["reasoning.encrypted_content", "web_search_call.action.sources"],
+            "prompt_cache_retention": "24h", "max_tool_calls": 2}
+    response = http.post("/v1/responses", json=body)
+    assert response.status_code == 200 and response.json()["status"] in ("completed", "incomplete"), response.text
 
 
 def test_a_stored_response_is_not_replayed_as_a_stream(http):
