@@ -81,7 +81,7 @@ def _load_data(source: Any, kind: str = KIND) -> tuple[Any, str]:
         except OSError as exc:
             raise ManifestError(f"{origin}: cannot read the file ({exc.strerror}); check the path", origin) from None
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(text, Loader=_UniqueKeyLoader) if d is not None]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -94,6 +94,25 @@ def _load_data(source: Any, kind: str = KIND) -> tuple[Any, str]:
                             f"put one {kind} per file", origin)
     _check_kind(docs[0], kind, origin)
     return docs[0], origin
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping, as kubectl does, instead of keeping the
+    last one silently (a second ``gpu:`` further down would decide what is built)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<': merged keys may be overridden, as YAML means
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):  # SafeLoader refuses it below, with its own message
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}: remove one of them", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _check_kind(data: Any, kind: str, origin: str) -> None:
@@ -147,7 +166,7 @@ def validation_error_lines(exc: ValidationError, root: type[BaseModel]) -> list[
             lines.append(f"{path}: unknown field; {fix}")
         elif kind in ("literal_error", "enum"):
             expected = re.sub(r"'([^']*)'", r"\1", str(ctx.get("expected", ""))).replace(" or ", ", ")
-            lines.append(f"{path}: must be one of {expected} (got {_show(got)})")
+            lines.append(f"{path}: must be one of {expected} (got {_show(got)}){_bool_word_hint(got, expected)}")
         elif kind in _TYPE_NAMES:
             # YAML reads an unquoted 20240101 or 1.10 as a number (1.1): text must be quoted to stay as written
             quote = "; quote it in YAML so it stays text as written" if kind == "string_type" and isinstance(
@@ -166,6 +185,20 @@ def validation_error_lines(exc: ValidationError, root: type[BaseModel]) -> list[
         else:
             lines.append(f"{path}: {err['msg']}")
     return lines
+
+
+# Words YAML 1.1 (PyYAML, and kubectl's parser alike) reads as a boolean when they are not quoted.
+_BOOL_WORDS = {True: ("on", "yes", "y", "true"), False: ("off", "no", "n", "false")}
+
+
+def _bool_word_hint(got: Any, expected: str) -> str:
+    """Where a choice such as ``off`` arrived as a boolean (written unquoted): how to write it."""
+    if not isinstance(got, bool):
+        return ""
+    words = [w for w in expected.split(", ") if w.lower() in _BOOL_WORDS[got]]
+    if not words:
+        return ""
+    return f"; YAML reads an unquoted {words[0]} as {str(got).lower()}: quote it ('{words[0]}')"
 
 
 def _render_path(loc: tuple[Any, ...]) -> str:

@@ -63,8 +63,11 @@ def _read_pem(path: str | Path, what: str, flag: str, env: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
+        # A verify key is the signing key's public half: a new key pair would verify nothing already signed.
+        make = ("openssl genpkey -algorithm ed25519 -out key.pem" if what == "private key"
+                else "the signing key's public half: openssl pkey -in key.pem -pubout -out key.pub")
         raise SigningError(f"{flag} {path}: cannot read the {what} ({exc.strerror}); give a PEM file "
-                           f"(openssl genpkey -algorithm ed25519 -out key.pem) or set ${env}") from None
+                           f"({make}) or set ${env}") from None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,11 @@ from kiln.operator.network import build_network_policy
 from kiln.operator.pools import render_pool
 from kiln.operator.scale_out import extra_objects
 from kiln.operator.settings import ConfigError, OperatorConfig
-from kiln.operator.validation import InvalidSpec, validate_name, validate_spec
+from kiln.operator.validation import InvalidSpec, validate_name, validate_namespace, validate_spec
 from kiln.operator.workloads import build_pdb, build_service, build_workload
 
 from kiln.api import KIND, LLMEngine
+from kiln.api_base import DNS1123_LABEL
 from kiln.cache_cli import env_store
 from kiln.envelope import engine_version
 from kiln.manifest import ManifestError, load_manifest, load_pool
@@ -62,7 +64,11 @@ def render_objects(engine: LLMEngine, config: OperatorConfig, namespace: str | N
     name = engine.metadata.name
     ns = namespace or engine.metadata.namespace or "default"
     validate_name(name)
+    if not re.match(DNS1123_LABEL, ns):
+        raise InvalidSpec(f"namespace: {ns!r} is not a namespace name (a DNS-1123 label: lowercase letters, digits "
+                          "and '-', at most 63 characters); fix -n or metadata.namespace")
     spec = validate_spec(engine.spec.to_k8s(), config)
+    validate_namespace(spec, ns, config)  # a pvc:// source outside the jobs namespace: refused as the operator does
     version = engine_version(spec)
     objects = [build_job(spec, name, ns, version, config)]
     if spec.serving.pool is None:

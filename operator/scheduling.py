@@ -3,8 +3,9 @@
 ``spec.serving.rolloutStrategy``:
 
 - ``Surge`` (default): maxSurge 1, maxUnavailable 0. A new pod starts beside the old ones, which serve until
-  it is Ready. Needs one pod's worth of spare GPUs (``tensorParallel`` of the SKU) for the length of the
-  rollout; on a cluster without them the new pod stays Pending forever and the rollout never moves.
+  it is Ready. Needs one pod's worth of spare GPUs (``tensorParallel x pipelineParallel`` of the SKU, at most
+  ``gpusPerNode``) for the length of the rollout; on a cluster without them the new pod stays Pending forever
+  and the rollout never moves.
 - ``RecreateOneAtATime``: maxSurge 0, maxUnavailable 1. An old pod is stopped first and its GPUs go to its
   replacement, one pod at a time. No spare GPU is needed; capacity drops by one pod during each step, and
   with one replica the engine does not serve between the old pod's stop and the new pod's readiness (with
@@ -61,13 +62,14 @@ def unschedulable(pods: list[dict[str, Any]], spec: LLMEngineSpec, version: str,
     said = stuck[0][1]
     keeps = f"; {serving} keeps serving" if serving and serving != version else ""
     if not gpu.is_cpu and f"Insufficient {GPU_RESOURCE}" in said:
+        gpus = spec.replica_shape.ranks_per_pod  # what each pod requests: tensorParallel x pipelineParallel per node
         selector = ", ".join(f"{k}={v}" for k, v in (config.node_selector(spec.gpu) or {}).items()) or "any node"
         fix = ("free or add GPUs of that SKU, or set spec.serving.rolloutStrategy: RecreateOneAtATime to replace "
                "pods in place without a spare GPU" if spec.serving.rollout_strategy == "Surge" and keeps
                else "free or add GPUs of that SKU, or lower spec.serving replicas/autoscaling.maxReplicas")
         return INSUFFICIENT_GPU, (
-            f"pod(s) {names} of {version} cannot be scheduled: each needs {spec.tensor_parallel} {spec.gpu} GPU(s) "
-            f"({GPU_RESOURCE}: {spec.tensor_parallel} on nodes with {selector}) and no node has them free; "
+            f"pod(s) {names} of {version} cannot be scheduled: each needs {gpus} {spec.gpu} GPU(s) "
+            f"({GPU_RESOURCE}: {gpus} on nodes with {selector}) and no node has them free; "
             f"the scheduler says: {said}{keeps}; {fix}")
     return UNSCHEDULABLE, (f"pod(s) {names} of {version} cannot be scheduled: {said}{keeps}; "
                            "check the pods' events (kubectl describe pod) for what no node offers")

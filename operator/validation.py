@@ -9,13 +9,15 @@ build. Every message names the field and the fix.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kiln.operator.autoscaling import autoscaling_problem
 from kiln.operator.jobs import pod_gpus
-from kiln.operator.naming import engine_name_problem
+from kiln.operator.naming import DNS_1035_LABEL, engine_name_problem
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import spec_image_problem
+from kiln.operator.workloads import RENDEZVOUS_PORT
 from pydantic import ValidationError
 
 from kiln.api import LLMEngineSpec
@@ -61,26 +63,67 @@ def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
         raise InvalidSpec(problem)
     if problem := pool_problem(spec):
         raise InvalidSpec(problem)
-    for path, source in spec.sources.items():  # the model, and a speculative draft model
-        if source.scheme == "file":
-            raise InvalidSpec(
-                f"spec.{path}.source: {source.source} is a path on one machine, not visible to build pods; "
-                "use s3://, hf:// or pvc://claim/path (file:// is for `kiln up`)")
+    if problem := file_source_problem(spec):
+        raise InvalidSpec(problem)
     if config.node_selector(spec.gpu) is None:
         known = ", ".join(sorted(config.sku_node_labels))
         raise InvalidSpec(
             f"spec.gpu: {spec.gpu} has no node label in this operator's SKU map ({known}); "
             "add it to the chart value gpuNodeLabels (KILN_SKU_NODE_LABELS) or pick a listed SKU")
+    if problem := resources_problem(spec) or serving_port_problem(spec) or picker_problem(spec):
+        raise InvalidSpec(problem)
+    return spec
+
+
+def file_source_problem(spec: LLMEngineSpec) -> str | None:
+    """A file:// source (the model, a speculative draft model, a LoRA adapter): a path on one machine."""
+    named = [(f"spec.{path}.source", source.source) for path, source in spec.sources.items()]
+    adapters = spec.lora.adapters if spec.lora is not None else []
+    named += [(f"spec.lora.adapters[{i}].source", a.source) for i, a in enumerate(adapters)]
+    for field, source in named:
+        if source.startswith("file://"):
+            return (f"{field}: {source} is a path on one machine, not visible to build pods; "
+                    "use s3://, hf:// or pvc://claim/path (file:// is for `kiln up`)")
+    return None
+
+
+# A Kubernetes resource.Quantity that a container's resources accept (no sign: a resource is never negative).
+QUANTITY = re.compile(r"^\+?(\d+\.?\d*|\.\d+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?\d+)?$")
+
+
+def resources_problem(spec: LLMEngineSpec) -> str | None:
+    """``spec.serving.resources`` the API server would refuse in the pod (a malformed quantity), or whose
+    ``nvidia.com/gpu`` is not what each serving pod holds."""
     resources = spec.serving.resources or {}
     want = 0 if spec.gpu_spec.is_cpu else pod_gpus(spec)
     for key in ("limits", "requests"):
+        for resource, value in (resources.get(key) or {}).items():
+            if isinstance(value, bool) or not QUANTITY.match(str(value)):
+                return (f"spec.serving.resources.{key}.{resource}: {value!r} is not a Kubernetes quantity; write "
+                        "it as Kubernetes does, e.g. 64Gi or 512Mi (memory), 8 or 500m (cpu)")
         gpus = (resources.get(key) or {}).get("nvidia.com/gpu")
         if gpus is not None and str(gpus) != str(want):
-            raise InvalidSpec(
-                f"spec.serving.resources.{key}: nvidia.com/gpu is {gpus} but each serving pod of this engine "
-                f"holds {want} GPU(s) (spec.tensorParallel x spec.pipelineParallel, at most spec.gpusPerNode, on "
-                f"spec.gpu {spec.gpu}); remove it, the operator sets it")
-    return spec
+            return (f"spec.serving.resources.{key}: nvidia.com/gpu is {gpus} but each serving pod of this engine "
+                    f"holds {want} GPU(s) (spec.tensorParallel x spec.pipelineParallel, at most spec.gpusPerNode, on "
+                    f"spec.gpu {spec.gpu}); remove it, the operator sets it")
+    return None
+
+
+def serving_port_problem(spec: LLMEngineSpec) -> str | None:
+    """A multi-node engine's leader listens on the rendezvous port too: the API port must be another."""
+    if spec.replica_shape.multi_node and spec.serving.port == RENDEZVOUS_PORT:
+        return (f"spec.serving.port: {RENDEZVOUS_PORT} is the port the ranks of this multi-node engine meet on "
+                "(its leader pod listens on it for them); pick another port, e.g. 8000")
+    return None
+
+
+def picker_problem(spec: LLMEngineSpec) -> str | None:
+    """``spec.serving.routing.endpointPicker`` names a Service: a DNS-1035 label (a letter first)."""
+    picker = spec.serving.routing.endpoint_picker
+    if spec.serving.routing.inference_pool and picker is not None and not DNS_1035_LABEL.match(picker):
+        return (f"spec.serving.routing.endpointPicker: {picker!r} cannot name a Service (a DNS-1035 label: "
+                "lowercase letters, digits and '-', starting with a letter); give the endpoint picker's Service name")
+    return None
 
 
 def pool_problem(spec: LLMEngineSpec) -> str | None:

@@ -65,3 +65,13 @@ def test_key_files_and_errors_name_the_flag(tmp_path, monkeypatch):
     assert signer_from(None) is None and verifier_from(None) is None
     monkeypatch.setenv("KILN_VERIFY_KEY", str(public))
     assert verifier_from(None).key_id == Signer.from_pem(private).key_id
+
+
+def test_a_missing_verify_key_says_to_derive_it_not_to_make_a_new_pair(tmp_path):
+    """A fresh `openssl genpkey` key verifies nothing already signed: a verify key is the signing key's public half."""
+    with pytest.raises(SigningError) as err:
+        Verifier.from_pem(tmp_path / "verify-key.pem")
+    assert "cannot read the public key" in str(err.value) and "genpkey" not in str(err.value)
+    assert "openssl pkey -in key.pem -pubout -out key.pub" in str(err.value)
+    with pytest.raises(SigningError, match="openssl genpkey -algorithm ed25519"):  # a signing key may be new
+        Signer.from_pem(tmp_path / "signing-key.pem")
