@@ -161,8 +161,8 @@ def lora_problems(lora: LoraOptions | None, gpu: str) -> list[str]:
         problems.append(f"lora.adapters: names must be unique ({', '.join(dupes)} repeated); rename or remove the "
                         "duplicate")
     for i, adapter in enumerate(lora.adapters):
-        for line in scheme_problems(adapter.model_source, f"lora.adapters[{i}]"):
-            problems.append(f"lora.adapters: {line}")
+        for line in scheme_problems(adapter.model_source, f"lora.adapters[{i}]"):  # the CEL rules' field path first
+            problems.append(f"lora.adapters: {line.removeprefix('lora.')}")
     if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
         problems.append(f"lora.maxCpuLoras: must be at least maxLoras ({lora.max_cpu_loras} < {lora.max_loras}); "
                         "raise maxCpuLoras or lower maxLoras")

@@ -50,7 +50,8 @@ class RoutingOptions(_Model):
     )
     endpoint_picker: str | None = Field(
         default=None, max_length=63, pattern=DNS1123_LABEL,
-        description="Service of the endpoint picker (EPP) serving this pool; unset means <engine name>-epp.",
+        description="Service of the endpoint picker (EPP) serving this pool; unset means <engine Service name>-epp "
+                    "(hashed under 63 characters).",
     )
     endpoint_picker_port: int = Field(
         default=9002, ge=1, le=65535, description="gRPC (ext-proc) port of the endpoint picker's Service.",

@@ -67,6 +67,12 @@ def service_name(engine: str) -> str:
     return engine if re.match(r"^[a-z]", engine) else bounded_name("llme-", engine)
 
 
+def picker_name(service: str) -> str:
+    """The default endpoint picker Service of a Service ``service`` (an engine's or a pool's): ``<service>-epp``,
+    shortened with a hash where it would pass 63 characters, so it names a Service that can exist."""
+    return bounded_name("", service, MAX_NAME - len("-epp")) + "-epp"
+
+
 DNS_1035_LABEL = re.compile(DNS1035_LABEL)
 
 

@@ -44,6 +44,7 @@ from kiln.operator.jobs import shm_volumes, sku_placement
 from kiln.operator.keys import verify_key_mount, verify_key_volume
 from kiln.operator.naming import (
     object_meta,
+    picker_name,
     pool_engines_name,
     pool_labels,
     pool_name_problem,
@@ -230,13 +231,14 @@ def build_pool_network_policy(spec: LLMEnginePoolSpec, pool: str, namespace: str
 def build_pool_inference_pool(spec: LLMEnginePoolSpec, pool: str, namespace: str,
                               owner: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """``spec.routing.inferencePool``: an InferencePool ``<pool>-pool`` over the pool's pods (None when off), scored
-    by the picker Service ``spec.routing.endpointPicker`` (default ``<pool>-pool-epp``). A pool pod reports itself to
-    the picker as one model server whose loaded engines are its active models (``kiln.serving.pool.metrics``)."""
+    by the picker Service ``spec.routing.endpointPicker`` (default ``<pool>-pool-epp``, hashed under 63 characters).
+    A pool pod reports itself to the picker as one model server whose loaded engines are its active models
+    (``kiln.serving.pool.metrics``)."""
     if not spec.routing.inference_pool:
         return None
     name = pool_workload_name(pool)
     return build_inference_pool(spec.routing, name, namespace, pool_labels(pool), pool_selector_labels(pool),
-                                spec.port, spec.routing.endpoint_picker or f"{name}-epp", owner)
+                                spec.port, spec.routing.endpoint_picker or picker_name(name), owner)
 
 
 def pool_queue_query(pool: str, namespace: str, members: list[str]) -> str:

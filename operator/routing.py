@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.operator.naming import MAX_NAME, bounded_name, selector_labels, service_name, serving_labels
+from kiln.operator.naming import picker_name, selector_labels, service_name, serving_labels
 
 from kiln.api import LLMEngineSpec
 from kiln.serving_options import RoutingOptions
@@ -24,7 +24,7 @@ def endpoint_picker_name(spec: LLMEngineSpec, name: str) -> str:
     """``spec.serving.routing.endpointPicker``, else ``<engine>-epp``: the engine's Service name (which starts with
     a letter: ``llme-<engine>`` for an engine named with a digit first) plus ``-epp``, shortened with a hash where
     the whole would pass 63 characters, so the default always names a Service that can exist."""
-    return spec.serving.routing.endpoint_picker or bounded_name("", service_name(name), MAX_NAME - len("-epp")) + "-epp"
+    return spec.serving.routing.endpoint_picker or picker_name(service_name(name))
 
 
 def inference_pool(spec: LLMEngineSpec, name: str, namespace: str,

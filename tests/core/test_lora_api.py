@@ -65,6 +65,7 @@ def test_invalid_lora_names_the_field(lora, field):
     with pytest.raises(ManifestError) as info:
         load_manifest(engine(lora))
     assert any(line.startswith(f"{field}:") for line in info.value.problems), info.value.problems
+    assert not any("lora.adapters: lora." in line for line in info.value.problems), info.value.problems  # once
 
 
 def test_rank_choices_are_the_runtimes():

@@ -330,3 +330,7 @@ def test_a_pool_with_routing_renders_one_inference_pool_over_its_pods():
     assert "InferencePool" not in by_kind(render_pool({**body, "spec": {"replicas": 1}}, "shared", "ml", KEDA))
     with pytest.raises(InvalidSpec, match=r"^spec.routing.endpointPicker"):
         render_pool({**body, "spec": {"routing": {"endpointPicker": "Not_A_Name"}}}, "shared", "ml", KEDA)
+    long_name = "p" * 58  # a pool name may be that long; <pool>-pool-epp would pass 63 characters
+    picker = by_kind(render_pool({**body, "metadata": {**body["metadata"], "name": long_name}}, long_name, "ml",
+                                 KEDA))["InferencePool"]["spec"]["endpointPickerRef"]["name"]
+    assert len(picker) <= 63 and picker.endswith("-epp") and picker.startswith("p" * 40)
