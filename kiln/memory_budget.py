@@ -36,7 +36,10 @@ def parse_quantity(text: str, name: str = "--memory-budget") -> int:
     if match is None or match.group(2) == "ki" or (match.group(2) and "e" in match.group(1).lower()):
         raise ValueError(f"{name} {text!r} is not a memory quantity; write it as Kubernetes does, e.g. 6Gi, 512Mi "
                          "or 8G")
-    value = math.ceil(float(match.group(1)) * _SUFFIXES[match.group(2)])  # milli-bytes round up, as Kubernetes
+    number = float(match.group(1)) * _SUFFIXES[match.group(2)]
+    if not math.isfinite(number):  # 1e400: no number of bytes (math.ceil would raise OverflowError)
+        raise ValueError(f"{name} {text!r} is too large to be a number of bytes; e.g. 6Gi")
+    value = math.ceil(number)  # milli-bytes round up, as Kubernetes
     if value <= 0:
         raise ValueError(f"{name} {text!r} must be more than zero bytes; e.g. 6Gi")
     return value

@@ -3,18 +3,20 @@
 ``--engine`` engines are read at start: one that cannot be read or cannot fit the budget on its own stops the
 server with a message naming both figures. ``--engines-file`` is re-read every :data:`POLL_S` seconds, as pods
 follow the adapter list (:mod:`kiln.serving.lora_sync`): an engine added is served from its next request (its
-memory read and checked first: one too big is refused in the log and the rest serve), one removed answers 404
-at once and is unloaded when its requests finish. A file that cannot be parsed keeps the engines served.
+memory read and checked first: one too big or unreadable is refused in the log, named in its requests' 404s and
+tried again every :data:`RETRY_S` seconds, and the rest serve), one removed answers 404 at once and is unloaded when
+its requests finish. A file that cannot be parsed keeps the engines served; a missing one lists none (logged).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
-from kiln.serving.lora_sync import POLL_S
+from kiln.serving.lora_sync import POLL_S, RETRY_S
 
 from kiln.engine_list import EngineEntry, read_file
 
@@ -37,6 +39,8 @@ class EngineFileFollower:
     def __init__(self, pool: Any, path: Path) -> None:
         self.pool, self.path = pool, path
         self.held: dict[str, EngineEntry] = {}  # what this follower added, by name
+        self.refused: dict[str, tuple[EngineEntry, str, float]] = {}  # listed, not added: (entry, why, when)
+        self._missing = False  # the file was missing at the last pass (logged once)
         self._last: bytes | None = None
         self._removals: set[asyncio.Task[None]] = set()
         self._passing = asyncio.Lock()  # one pass at a time: the loop's, or a request's for a name not found
@@ -55,11 +59,11 @@ class EngineFileFollower:
             await self._pass()
 
     async def _pass(self) -> None:
-        try:
-            raw = self.path.read_bytes()
-        except OSError:
-            raw = b""
-        if raw == self._last:
+        raw = self._read()
+        if raw == self._last:  # unchanged: a refused engine (a store error, say) is tried again now and then
+            for entry, _, when in list(self.refused.values()):
+                if time.monotonic() - when >= RETRY_S:
+                    await self._add(entry)
             return
         self._last = raw
         try:
@@ -67,6 +71,7 @@ class EngineFileFollower:
         except ValueError as exc:
             log.warning("pool: %s; keeping the %d engine(s) served", exc, len(self.pool.slots))
             return
+        self.refused = {n: r for n, r in self.refused.items() if want.get(n) == r[0]}  # still listed: tried below
         flags = self.pool.settings.engines
         for name in sorted(set(want) & set(flags)):
             log.warning("pool: %s lists %r, also given by --engine; the flag's engine is served", self.path, name)
@@ -77,6 +82,19 @@ class EngineFileFollower:
         for name, entry in want.items():
             if name not in self.held:
                 await self._add(entry)
+
+    def _read(self) -> bytes:
+        try:
+            raw, missing = self.path.read_bytes(), False
+        except FileNotFoundError:
+            raw, missing = b"", True
+        except OSError:
+            raw, missing = b"", False
+        if missing and not self._missing:
+            log.warning("pool: --engines-file %s does not exist: it lists no engines until it does (check the path)",
+                        self.path)
+        self._missing = missing
+        return raw
 
     def _remove(self, name: str) -> None:
         self.held.pop(name)
@@ -89,8 +107,11 @@ class EngineFileFollower:
         try:
             slot = await asyncio.to_thread(self.pool.make_slot, entry)
         except ValueError as exc:  # too big, or no artifact there: this one refused, the rest serve
-            log.error("pool: %s: refused: %s", self.path, exc)
+            if (self.refused.get(entry.name) or (None, None))[1] != str(exc):  # logged once per reason
+                log.error("pool: %s: refused: %s; tried again every %ss", self.path, exc, RETRY_S)
+            self.refused[entry.name] = (entry, str(exc), time.monotonic())
             return
+        self.refused.pop(entry.name, None)
         self.held[entry.name] = entry
         self.pool.add(slot)
         log.info("pool: engine %r added from %s", entry.name, self.path)

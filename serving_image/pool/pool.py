@@ -61,9 +61,7 @@ class EnginePool(PoolCounts):
         slot.state.on_idle = lambda: self._released(slot)
         slot.read_memory()
         if slot.memory_bytes > self.budget:
-            raise ValueError(f"engine {entry.name!r} needs {human(slot.memory_bytes)} ({slot.memory_source}) but the "
-                             f"pool's memory budget is {human(self.budget)} ({self.budget_source}); raise "
-                             "--memory-budget (or the pod's memory limit) or serve this engine elsewhere")
+            raise ValueError(self.too_big(slot))
         log.info("pool: engine %r (%s) counts %s, %s", entry.name, entry.artifact_uri, human(slot.memory_bytes),
                  slot.memory_source)
         return slot
@@ -87,14 +85,6 @@ class EnginePool(PoolCounts):
         except (OSError, ValueError):
             return None
         return next((s for s in self.slots.values() if model in wanted(doc, s.version)), None)
-
-    def served_names(self) -> str:
-        """The engines' names, as errors name them: ``'a', 'b'``."""
-        return ", ".join(repr(n) for n in sorted(self.slots)) or "no engines yet"
-
-    def not_found(self, model: str) -> APIError:
-        return APIError(404, f"The model {model!r} does not exist on this server; the pool serves "
-                        f"{self.served_names()} (see GET /v1/models)", param="model", code="model_not_found")
 
     # -- placing a request ---------------------------------------------------------------------------------
     async def acquire(self, model: str) -> EngineSlot:
@@ -169,6 +159,8 @@ class EnginePool(PoolCounts):
                 continue
             if slot.load_error is not None and time.monotonic() - slot.failed_at < RETRY_S:
                 raise self._load_failed(slot)  # not tried again for every request: once per RETRY_S
+            if slot.memory_bytes > self.budget:  # its load here added more than the budget: it can never be placed
+                raise self._refused(slot)
             victims = self._room_for(slot)
             if victims is not None:
                 self._start_load(slot, victims)
@@ -192,6 +184,11 @@ class EnginePool(PoolCounts):
         self.metrics.rejected(code)
         return APIError(503, f"{why}; retry after {self.settings.retry_after_s}s", code=code,
                         headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def _refused(self, slot: EngineSlot) -> APIError:
+        self.metrics.rejected("engine_too_big")
+        return APIError(503, f"The engine {slot.name!r} cannot be loaded: {self.too_big(slot)}",
+                        code="engine_too_big")
 
     def _fits(self, used: int, count: int, slot: EngineSlot) -> bool:
         cap = self.settings.max_loaded_engines
@@ -307,6 +304,7 @@ class EnginePool(PoolCounts):
         if slot is None:
             return
         self.leaving.append(slot)
+        self.notify()  # a request queued for it looks again now: its 404 at once, not at the next change
         while slot.is_busy or slot.task is not None:
             await self._changed.wait()
         if slot.status == LOADED:
