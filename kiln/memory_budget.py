@@ -26,17 +26,21 @@ SERVER_MARGIN_BYTES = 768 * 2**20
 
 _SUFFIXES = {"": 1, "m": 1e-3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
              "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-# A decimal number, an optional decimal exponent (1e9) or suffix, as Kubernetes' resource.Quantity reads memory.
-_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*([kMGTPE]i?|m|)\s*$")
+# Kubernetes' resource.Quantity (unsigned: a resource or a budget is never negative): a decimal number, then a
+# binary-SI suffix (Ki..Ei), a decimal-SI one (m, k..E) or a decimal exponent (e9). The operator checks a pod's
+# resources by it; parse_quantity reads memory by it.
+QUANTITY = re.compile(r"^\+?(\d+\.?\d*|\.\d+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?\d+)?$")
 
 
 def parse_quantity(text: str, name: str = "--memory-budget") -> int:
     """Bytes of a Kubernetes memory quantity (``6Gi``, ``512Mi``, ``8G``, ``1000000``); ValueError naming ``name``."""
-    match = _QUANTITY.match(str(text))
-    if match is None or match.group(2) == "ki" or (match.group(2) and "e" in match.group(1).lower()):
+    match = QUANTITY.match(str(text).strip())
+    if match is None:
         raise ValueError(f"{name} {text!r} is not a memory quantity; write it as Kubernetes does, e.g. 6Gi, 512Mi "
                          "or 8G")
-    number = float(match.group(1)) * _SUFFIXES[match.group(2)]
+    digits, suffix = match.group(1), match.group(2) or ""
+    exponent = suffix[:1] in ("e", "E")  # 1e9: the number with its exponent (1e400 is inf, refused below)
+    number = float(digits + suffix) if exponent else float(digits) * _SUFFIXES[suffix]
     if not math.isfinite(number):  # 1e400: no number of bytes (math.ceil would raise OverflowError)
         raise ValueError(f"{name} {text!r} is too large to be a number of bytes; e.g. 6Gi")
     value = math.ceil(number)  # milli-bytes round up, as Kubernetes

@@ -9,7 +9,6 @@ build. Every message names the field and the fix.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from kiln.operator.autoscaling import autoscaling_problem
@@ -21,6 +20,7 @@ from kiln.operator.workloads import RENDEZVOUS_PORT
 from pydantic import ValidationError
 
 from kiln.api import LLMEngineSpec
+from kiln.memory_budget import QUANTITY
 from kiln.pool_api import member_problem
 
 
@@ -85,10 +85,6 @@ def file_source_problem(spec: LLMEngineSpec) -> str | None:
             return (f"{field}: {source} is a path on one machine, not visible to build pods; "
                     "use s3://, hf:// or pvc://claim/path (file:// is for `kiln up`)")
     return None
-
-
-# A Kubernetes resource.Quantity that a container's resources accept (no sign: a resource is never negative).
-QUANTITY = re.compile(r"^\+?(\d+\.?\d*|\.\d+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?\d+)?$")
 
 
 def resources_problem(spec: LLMEngineSpec) -> str | None:
