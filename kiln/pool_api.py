@@ -253,7 +253,8 @@ def member_problem(spec: LLMEngineSpec, by: str, alone: str) -> str | None:
                 f"spec.routing.inferencePool and remove spec.serving.routing.inferencePool here, or {alone}")
     if serving.api_key_secret:
         return (f"spec.serving.apiKeySecret: this engine is served by {by}, whose pods check one key for every "
-                f"member; set it as the pool's spec.apiKeySecret and remove it here, or {alone}")
+                "member; set it as the pool's spec.apiKeySecret (kiln up reads no Secret: set $KILN_API_KEY where "
+                f"you run it) and remove it here, or {alone}")
     for field, value in serving.process_wide():
         if value:
             return (f"spec.serving.{field}: this engine is served by {by}, whose pods run every member with one "

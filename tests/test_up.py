@@ -255,12 +255,16 @@ def test_a_pool_manifest_member_is_refused_what_the_operator_refuses_a_pool_memb
     pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"},
                                     "spec": {"engines": ["one.yaml"]}}))
     with pytest.raises(ManifestError, match=r"spec.serving.apiKeySecret: this engine is served by the pool manifest "
-                                            r"'p'.*set it as the pool's spec.apiKeySecret and remove it here, or "
+                                            r"'p'.*set it as the pool's spec.apiKeySecret .*and remove it here, or "
                                             r"serve it outside the pool") as err:
         read_manifests((pool,))
     assert err.value.origin == str(path)
     engines, _ = read_manifests((path,))  # on its own, its manifest is served as it is
     assert engines[0].spec.serving.api_key_secret == "one-key"
+    assert "$KILN_API_KEY" in str(err.value)  # what guards a kiln up pool: it reads no Secret
+    doc["spec"]["serving"] = {"replicas": 3, "port": 9000}  # its pods' own: kept for when it leaves the pool
+    path.write_text(yaml.safe_dump(doc))
+    assert read_manifests((pool,))[0][0].spec.serving.replicas == 3
 
 
 def test_a_pool_manifest_is_read_as_the_cluster_s_llmenginepool(toy_model, tmp_path):
