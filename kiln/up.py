@@ -116,8 +116,26 @@ def read_manifests(paths: tuple[Path, ...]) -> tuple[list, PoolManifest | None]:
             raise ManifestError(f"metadata.name: {engine.metadata.name!r} is served twice; clients pick an engine "
                                 "by this name, so give each its own", engine.metadata.name)
         seen.add(engine.metadata.name)
+    check_adapter_names(engines, origins)
     check_one_process(engines, pool, origins)
     return engines, pool
+
+
+def check_adapter_names(engines: list, origins: list[str]) -> None:
+    """One server answers every engine's and adapter's name (``model``): an adapter named as an engine, or one
+    name on two engines, would be unreachable or ambiguous (the operator leaves such a pool member's adapter out)."""
+    from kiln.manifest import ManifestError
+
+    names = {e.metadata.name for e in engines}
+    holder: dict[str, str] = {}
+    for engine, origin in zip(engines, origins, strict=True):
+        for i, adapter in enumerate(engine.spec.lora.adapters if engine.spec.lora is not None else ()):
+            other = adapter.name if adapter.name in names else holder.get(adapter.name)
+            if other is not None:
+                what = "an engine" if adapter.name in names else f"an adapter of engine {other!r}"
+                raise ManifestError(f"spec.lora.adapters[{i}].name: {adapter.name!r} is also {what} served here, "
+                                    "and a request names either by it; rename one of them", origin)
+            holder[adapter.name] = engine.metadata.name
 
 
 def check_one_process(engines: list, pool: PoolManifest | None, origins: list[str]) -> None:

@@ -345,3 +345,28 @@ def test_kiln_up_serves_several_manifests_as_one_pool(toy_model, tmp_path):
         output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, output
     assert "serving 2 engines (one, two) as one pool" in output
+
+
+def test_an_adapter_name_that_is_another_engines_or_adapters_is_refused_naming_the_field(toy_model, tmp_path):
+    """One server answers every name (model): a clash would leave an adapter unreachable or ambiguous."""
+    from kiln.manifest import ManifestError
+    from kiln.up import read_manifests
+
+    paths = [_engine_manifest(tmp_path / f"{n}.yaml", n, toy_model("llama-tiny")) for n in ("one", "two")]
+
+    def with_adapters(path: Path, *names: str) -> None:
+        doc = yaml.safe_load(path.read_text())
+        doc["spec"]["lora"] = {"adapters": [{"name": n, "source": f"file:///adapters/{n}"} for n in names]}
+        path.write_text(yaml.safe_dump(doc))
+
+    with_adapters(paths[0], "tone")
+    with_adapters(paths[1], "sql", "tone")
+    with pytest.raises(ManifestError, match=r"spec.lora.adapters\[1\].name: 'tone' is also an adapter of engine "
+                                            r"'one' served here.*rename one of them") as err:
+        read_manifests(tuple(paths))
+    assert err.value.origin == str(paths[1])
+    with_adapters(paths[1], "one")
+    with pytest.raises(ManifestError, match=r"adapters\[0\].name: 'one' is also an engine served here"):
+        read_manifests(tuple(paths))
+    with_adapters(paths[1], "sql")
+    assert [e.metadata.name for e in read_manifests(tuple(paths))[0]] == ["one", "two"]
