@@ -69,7 +69,9 @@ class ModelSource(_Model):
             )
         pattern, example = _SOURCE_RULES[scheme]
         if not re.match(pattern, value):
-            raise ValueError(f"malformed {scheme}:// source {value!r}; expected {example}")
+            space = "; it holds whitespace, which a source may not: move or link the checkpoint to a path without " \
+                "it" if re.search(r"\s", value) and scheme != "hf" else ""
+            raise ValueError(f"malformed {scheme}:// source {value!r}; expected {example}{space}")
         return value
 
     @field_validator("file")
