@@ -99,7 +99,9 @@ def test_every_field_has_a_description():
     ({"model": {"source": "gs://bucket/x"}}, "spec.model.source: unsupported model source 'gs://bucket/x'"),
     ({"model": {"source": "file://relative"}}, "spec.model.source: malformed file:// source"),
     ({"model": {"source": "s3://B/x"}}, "spec.model.source: malformed s3:// source"),
-    ({"model": {"source": "file://./models/tiny a"}}, "it holds whitespace, which a source may not"),
+    ({"model": {"source": "file://./models/tiny a"}}, "spec.model.source: malformed file:// source 'file://./models/"
+                                                       "tiny a'; expected file:///absolute/path or file://./relative/"
+                                                       "path; it holds whitespace, which a source may not"),
     ({"model": {"source": "file:///m", "credentialsSecret": "tok"}}, "spec.model.credentialsSecret: only used"),
     ({"model": {}}, "spec.model.source: required field is missing"),
     ({"serving": {"replicas": -1}}, "spec.serving.replicas: must be >= 0 (got -1)"),
