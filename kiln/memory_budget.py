@@ -29,7 +29,7 @@ _SUFFIXES = {"": 1, "m": 1e-3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, 
 # Kubernetes' resource.Quantity (unsigned: a resource or a budget is never negative): a decimal number, then a
 # binary-SI suffix (Ki..Ei), a decimal-SI one (m, k..E) or a decimal exponent (e9). The operator checks a pod's
 # resources by it; parse_quantity reads memory by it.
-QUANTITY = re.compile(r"^\+?(\d+\.?\d*|\.\d+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?\d+)?$")
+QUANTITY = re.compile(r"^\+?(\d+\.?\d*|\.\d+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?\d+)?\Z")  # \Z: no trailing newline
 
 
 def parse_quantity(text: str, name: str = "--memory-budget") -> int:
@@ -39,7 +39,7 @@ def parse_quantity(text: str, name: str = "--memory-budget") -> int:
         raise ValueError(f"{name} {text!r} is not a memory quantity; write it as Kubernetes does, e.g. 6Gi, 512Mi "
                          "or 8G")
     digits, suffix = match.group(1), match.group(2) or ""
-    exponent = suffix[:1] in ("e", "E")  # 1e9: the number with its exponent (1e400 is inf, refused below)
+    exponent = suffix not in _SUFFIXES  # 1e9: the number with its exponent (1e400 is inf, refused below); E is exa
     number = float(digits + suffix) if exponent else float(digits) * _SUFFIXES[suffix]
     if not math.isfinite(number):  # 1e400: no number of bytes (math.ceil would raise OverflowError)
         raise ValueError(f"{name} {text!r} is too large to be a number of bytes; e.g. 6Gi")

@@ -20,10 +20,24 @@ from kiln.engine_list import EngineEntry, document
 from kiln.memory_budget import parse_quantity
 
 
-@pytest.mark.parametrize("text", ["1e400", "1e308Ei", "1e309"])
+@pytest.mark.parametrize("text", ["1e400", "1e309", "9" * 400 + "Ei"])
 def test_a_budget_too_large_for_a_number_is_a_value_error_naming_the_flag(text):
-    with pytest.raises(ValueError, match="--memory-budget"):  # was OverflowError: a traceback from kiln serve
+    with pytest.raises(ValueError, match="--memory-budget .* too large"):  # was OverflowError: a traceback
         parse_quantity(text)
+
+
+@pytest.mark.parametrize(("text", "size"), [("1Ei", 2**60), ("2E", 2 * 10**18), ("1e9", 10**9), ("1E3", 1000),
+                                            ("1.5Gi", 3 * 2**29), (".5Ki", 512), ("+8G", 8 * 10**9)])
+def test_kubernetes_quantities_read_as_kubernetes_reads_them(text, size):
+    """E and Ei are exa and exbi, not an exponent; e3 and E3 are."""
+    assert parse_quantity(text) == size
+
+
+def test_a_quantity_with_a_trailing_newline_is_not_one():
+    """A YAML block scalar ends in a newline: the operator's check by QUANTITY must refuse it, as Kubernetes does."""
+    from kiln.memory_budget import QUANTITY
+
+    assert QUANTITY.match("64Gi") and not QUANTITY.match("64Gi\n")
 
 
 def test_a_request_queued_for_an_engine_that_is_removed_gets_its_404_at_once(monkeypatch):
@@ -122,8 +136,8 @@ def test_a_missing_engines_file_is_logged_naming_the_flag(monkeypatch, tmp_path,
 
 
 def test_models_list_an_adapter_name_two_engines_hold_once_as_the_engine_a_request_reaches(monkeypatch):
-    """kiln up -f a.yaml -f b.yaml where both engines have an adapter 'tone': /v1/models listed 'tone' twice (once
-    per engine), though a request naming it reaches one of them, the first loaded engine holding it."""
+    """kiln serve --engine a=... --engine b=... where both engines have an adapter 'tone': /v1/models listed 'tone'
+    twice (once per engine), though a request naming it reaches one of them, the first loaded engine holding it."""
     from types import SimpleNamespace
 
     from kiln.serving.pool.slot import LOADED
