@@ -33,13 +33,16 @@ class ReasoningParser:
     start: str = THINK_START
     end: str = THINK_END
 
-    def for_request(self, prompt_ids: list[int], tokenizer: Any, constraint: Any = None) -> Reasoning:
+    def for_request(self, prompt_ids: list[int], tokenizer: Any, constraint: Any = None,
+                    continued: bool = False) -> Reasoning:
         """How one request's outputs split: whether its rendered prompt ends inside an open ``<think>``
-        (the template opened it), and whether ``constraint`` makes the answer JSON from the first token."""
+        (the template opened it), whether ``constraint`` makes the answer JSON from the first token, and whether
+        the output ``continued`` the final message (a prefill: it goes on with the answer, not a new turn's
+        thinking, unless the prompt ends inside an open ``<think>``)."""
         tail = tokenizer.decode(prompt_ids[-8:]) if prompt_ids else ""
         opened = tail.rstrip().endswith(self.start)
         constrained = constraint is not None and getattr(constraint, "kind", None) in ("json", "json_object")
-        return Reasoning(self, opened, constrained)
+        return Reasoning(self, opened, constrained, continued)
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,12 @@ class Reasoning:
     parser: ReasoningParser
     prompt_opened: bool = False
     constrained: bool = False
+    continued: bool = False
 
     def stream(self) -> ReasoningStream:
         """A splitter for one output, streamed."""
-        in_thinking = not self.constrained and (self.parser.thinks_first or self.prompt_opened)
+        first = self.parser.thinks_first and not self.continued
+        in_thinking = not self.constrained and (first or self.prompt_opened)
         return ReasoningStream(self.parser, in_thinking)
 
     def split(self, text: str) -> tuple[str | None, str]:

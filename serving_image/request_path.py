@@ -42,7 +42,7 @@ from kiln.serving.errors import (
 from kiln.serving.inputs import chat_inputs, completion_inputs
 from kiln.serving.openai_bodies import Builder
 from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest, check_supported
-from kiln.serving.reasoning import reasoning_parser
+from kiln.serving.reasoning import Reasoning, reasoning_parser
 from kiln.serving.request_fanout import Generation
 from kiln.serving.response_stream import chunks, collect, events
 from pydantic import BaseModel, ValidationError
@@ -218,6 +218,13 @@ def _builder(req: CompletionRequest | ChatCompletionRequest, kind: str, request_
     return Builder(kind, request_id, req.model, engine.tokenizer, top_logprobs, req.prompt_logprobs)
 
 
+def _reasoning(name: str | None, req: Any, inputs: list, engine: Any, constraint: Any) -> Reasoning | None:
+    """How the chat output splits into thinking and answer (``--reasoning-parser``; None: off); a continued final
+    message (``continue_final_message``) goes on with the answer."""
+    parser = reasoning_parser(name)
+    return parser.for_request(inputs[0].prompt_token_ids, engine.tokenizer, constraint,
+                              getattr(req, "continue_final_message", False)) if parser else None
+
 async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str,
                    dialect: Dialect | None = None, inline: bool = True) -> Response:
     """Run ``req`` (``kind``: "chat" or "completion") and answer it, in ``dialect`` when one translated it."""
@@ -233,8 +240,7 @@ async def generate(request: Request, req: CompletionRequest | ChatCompletionRequ
         ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex)
     gen = Generation(engine, ctx.metrics, request_id, inputs, lora)
     state.generations.add(gen)
-    parser = reasoning_parser(ctx.config.reasoning_parser) if kind == "chat" else None
-    reasoning = parser.for_request(inputs[0].prompt_token_ids, engine.tokenizer, constraint) if parser else None
+    reasoning = _reasoning(ctx.config.reasoning_parser if kind == "chat" else None, req, inputs, engine, constraint)
     builder = _builder(req, kind, request_id, engine)
 
     async def cleanup() -> None:

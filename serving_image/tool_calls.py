@@ -332,14 +332,12 @@ def _partial_marker(text: str, fmt: str) -> int:
 
 
 def read_calls(text: str, finish_reason: str | None, plan: ToolPlan) -> tuple[str, list[Call]]:
-    """(content, calls) of a whole choice. Cut short by max_tokens (``length``), a constrained output keeps the
-    calls completed before the cut (a named choice's call: its arguments as far as they went, as streamed); with
-    none, or cut any other way, it has no calls and stays content, so the client sees what was generated."""
+    """(content, calls) of a whole choice. A constrained output cut short by max_tokens
+    (``length``) keeps the calls completed before the cut; with none, or cut any other way, it
+    has no calls and stays content, so the client sees what was generated."""
     if plan.mode in ("required", "named"):
         calls = parse_constrained(text, plan, cut=finish_reason == "length") \
             if finish_reason in ("stop", "length") else None
-        if calls is None and plan.mode == "named" and finish_reason == "length" and text:
-            calls = [Call(plan.named or "", text)]  # cut inside its arguments: the call as the stream sent it
         return ("", calls) if calls else (text, [])
     content, calls = parse_auto(text, plan)
     return (content or ""), calls

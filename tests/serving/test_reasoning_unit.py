@@ -73,6 +73,20 @@ def test_the_prompt_decides_whether_the_template_opened_the_thinking():
     assert not QWEN3.for_request(ids[:-9], Tok()).prompt_opened
 
 
+def test_a_continued_final_message_is_answer_unless_the_prompt_opened_thinking():
+    """A prefill (Messages' final assistant turn, chat's continue_final_message) goes on with the answer: deepseek_r1
+    would otherwise read the whole continuation as thinking, waiting for a </think> that never comes."""
+    class Tok:
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    prefill = [ord(c) for c in "<|im_start|>assistant\nOnce upon a time"]
+    assert R1.for_request(prefill, Tok(), continued=True).split(", a fox.") == (None, ", a fox.")
+    assert R1.for_request(prefill, Tok()).split(", a fox.") == (", a fox.", "")  # a new turn: thinks first
+    opened = [ord(c) for c in "<|im_start|>assistant\n<think>\n"]
+    assert R1.for_request(opened, Tok(), continued=True).split("plan</think>ok") == ("plan", "ok")
+
+
 def test_unknown_parser_names_the_choices():
     from kiln.chat_options import REASONING_PARSERS
 
