@@ -117,7 +117,7 @@ def _deltas(writer: _Writer, delta: dict[str, Any]) -> list[str]:
 
 def _failed(writer: _Writer, req: Any, created_at: int, failure: dict[str, Any],
             finished: Callable[[dict[str, Any], dict[str, Any] | None], None]) -> list[str]:
-    """The ``error`` event, then ``response.failed`` with the output as it stood (items incomplete), which
+    """The ``error`` event, then ``response.failed`` with the output as it stood (its last item incomplete), which
     ``finished`` gets (to store) with no reply: a follow-up continues from this response's input."""
     code = "invalid_prompt" if failure.get("type") == "invalid_request_error" else "server_error"
     message = dict(writer.message)

@@ -162,13 +162,18 @@ def not_stored(response_id: str, param: str) -> APIError:
                     "the whole conversation as input instead", param=param, code="response_not_found")
 
 
-def _check_outputs(conversation: list[dict[str, Any]], sources: list[str]) -> None:
+def _check_outputs(conversation: list[dict[str, Any]], sources: list[str], items: Any) -> None:
     """OpenAI's 400s: each ``function_call_output`` answers a ``function_call`` before it (in ``input``, or in the
     conversation ``previous_response_id`` continues), and each call is answered by one after it: a tool message
-    without its call, or a call without its answer, would reach the template as a broken turn."""
+    without its call, or a call without its answer, would reach the template as a broken turn. A call is named as
+    its own item (``input[j]``: calls of one turn share a message), or as ``previous_response_id``."""
+    own = {} if isinstance(items, str) else {item.get("call_id"): f"input[{j}]" for j, item in enumerate(items)
+                                             if item.get("type") == "function_call"}
     made: dict[str, str] = {}
     for message, source in zip(conversation, sources, strict=True):
-        made.update((call["id"], source) for call in message.get("tool_calls") or ())
+        stored = source == "previous_response_id"
+        made.update((call["id"], source if stored else own.get(call["id"], source))
+                    for call in message.get("tool_calls") or ())
         if message["role"] == "tool" and made.pop(message["tool_call_id"], None) is None:
             raise APIError(400, f"{source}.call_id: no tool call found for function call output with call_id "
                            f"{message['tool_call_id']!r}; a function_call_output answers a function_call item "
@@ -192,7 +197,7 @@ def to_chat(req: Request, store: ResponseStore) -> Translated:
     new, given = ([{"role": "user", "content": req.input}], ["input"]) if isinstance(req.input, str) else \
         _item_messages(req.input)
     conversation = earlier + new
-    _check_outputs(conversation, ["previous_response_id"] * len(earlier) + given)
+    _check_outputs(conversation, ["previous_response_id"] * len(earlier) + given, req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     sources = ["instructions"] * len(system) + ["previous_response_id"] * len(earlier) + given
     body = {"model": req.model, "messages": system + conversation, "max_tokens": req.max_output_tokens,

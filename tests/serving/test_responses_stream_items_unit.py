@@ -110,6 +110,11 @@ def test_a_function_call_must_be_answered_in_the_input_that_follows_it():
     with pytest.raises(APIError) as err:
         _translate([{"role": "user", "content": "hi"}, call, {"role": "user", "content": "and?"}])
     assert (err.value.param, "no tool output found" in err.value.message) == ("input[1]", True)
+    second = {**call, "call_id": "call_2"}  # calls of one turn share a message: each is named as its own item
+    with pytest.raises(APIError) as err:
+        _translate([{"role": "user", "content": "hi"}, call, second,
+                    {"type": "function_call_output", "call_id": "call_1", "output": "r"}])
+    assert err.value.param == "input[2]" and "'call_2'" in err.value.message
     store = ResponseStore(max_entries=4, ttl_s=60)
     store.put("resp_1", {}, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}])
