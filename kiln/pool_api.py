@@ -50,7 +50,7 @@ class PoolRoutingOptions(RoutingOptions):
     endpoint_picker: str | None = Field(
         default=None, max_length=63, pattern=DNS1123_LABEL,
         description="Service of the endpoint picker (EPP) serving the pool's InferencePool; unset means "
-        "<pool>-pool-epp.",
+        "<pool>-pool-epp (hashed under 63 characters).",
     )
 
 

@@ -46,7 +46,8 @@ class PoolCounts:
 
     def cards(self, created: int) -> list[dict[str, Any]]:
         """Each name once, as what a request naming it reaches (``slot_for``): an engine, else the adapter of the
-        first loaded engine holding one of that name (two engines' adapters may share a name under ``kiln up``)."""
+        first loaded engine holding one of that name (two engines' adapters may share a name under ``--engine`` or
+        ``--engines-file``)."""
         cards = [s.card(created) for s in self.slots.values()]
         seen = set(self.slots)
         for slot in sorted(self.slots.values(), key=lambda s: s.status != LOADED):

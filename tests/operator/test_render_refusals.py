@@ -96,9 +96,10 @@ def test_render_refuses_a_namespace_kubernetes_would_not_accept(tmp_path):
     path = tmp_path / "e.yaml"
     path.write_text("apiVersion: serving.kiln.dev/v1alpha1\nkind: LLMEngine\nmetadata: {name: demo}\n"
                     "spec: {model: {source: hf://org/model}, gpu: L4}\n")
-    result = CliRunner().invoke(render, ["-f", str(path), "-n", "Prod_NS"])
-    assert result.exit_code == 2, result.output
-    assert "namespace: 'Prod_NS' is not a namespace name" in result.output and "Traceback" not in result.output
+    for ns in ("Prod_NS", "n" * 64):
+        result = CliRunner().invoke(render, ["-f", str(path), "-n", ns])
+        assert result.exit_code == 2, result.output
+        assert f"namespace: {ns!r} is not a namespace name" in result.output and "Traceback" not in result.output
 
 
 @pytest.mark.parametrize(("spec", "gpus"), [
