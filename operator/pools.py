@@ -56,7 +56,7 @@ from kiln.operator.routing import build_inference_pool
 from kiln.operator.scheduling import GPU_RESOURCE
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import image_problem
-from kiln.operator.validation import InvalidSpec
+from kiln.operator.validation import InvalidSpec, quantity_problem
 from kiln.operator.workloads import (
     API_KEY_DIR,
     API_KEY_FILE,
@@ -102,7 +102,8 @@ def validate_pool(name: str, raw: dict[str, Any], config: OperatorConfig) -> LLM
     if spec.engines is not None:
         raise InvalidSpec("spec.engines: lists manifests for kiln up only; in a cluster an LLMEngine joins the pool "
                           f"with spec.serving.pool: {name}; remove spec.engines")
-    if problem := image_problem("spec.image", spec.image, config):
+    if problem := image_problem("spec.image", spec.image, config) or quantity_problem("spec.resources",
+                                                                                      spec.resources or {}):
         raise InvalidSpec(problem)
     if problem := zero_problem(spec.autoscaling, "spec.autoscaling", config):
         raise InvalidSpec(problem)

@@ -92,16 +92,24 @@ def resources_problem(spec: LLMEngineSpec) -> str | None:
     ``nvidia.com/gpu`` is not what each serving pod holds."""
     resources = spec.serving.resources or {}
     want = 0 if spec.gpu_spec.is_cpu else pod_gpus(spec)
+    if problem := quantity_problem("spec.serving.resources", resources):
+        return problem
     for key in ("limits", "requests"):
-        for resource, value in (resources.get(key) or {}).items():
-            if isinstance(value, bool) or not QUANTITY.match(str(value)):
-                return (f"spec.serving.resources.{key}.{resource}: {value!r} is not a Kubernetes quantity; write "
-                        "it as Kubernetes does, e.g. 64Gi or 512Mi (memory), 8 or 500m (cpu)")
         gpus = (resources.get(key) or {}).get("nvidia.com/gpu")
         if gpus is not None and str(gpus) != str(want):
             return (f"spec.serving.resources.{key}: nvidia.com/gpu is {gpus} but each serving pod of this engine "
                     f"holds {want} GPU(s) (spec.tensorParallel x spec.pipelineParallel, at most spec.gpusPerNode, on "
                     f"spec.gpu {spec.gpu}); remove it, the operator sets it")
+    return None
+
+
+def quantity_problem(field: str, resources: dict[str, Any]) -> str | None:
+    """A container's ``resources`` (an engine's pods, a pool's) with an amount the API server would refuse."""
+    for key in ("limits", "requests"):
+        for resource, value in (resources.get(key) or {}).items():
+            if isinstance(value, bool) or not QUANTITY.match(str(value)):
+                return (f"{field}.{key}.{resource}: {value!r} is not a Kubernetes quantity; write it as Kubernetes "
+                        "does, e.g. 64Gi or 512Mi (memory), 8 or 500m (cpu)")
     return None
 
 

@@ -225,6 +225,7 @@ def _reasoning(name: str | None, req: Any, inputs: list, engine: Any, constraint
     return parser.for_request(inputs[0].prompt_token_ids, engine.tokenizer, constraint,
                               getattr(req, "continue_final_message", False)) if parser else None
 
+
 async def generate(request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str,
                    dialect: Dialect | None = None, inline: bool = True) -> Response:
     """Run ``req`` (``kind``: "chat" or "completion") and answer it, in ``dialect`` when one translated it."""

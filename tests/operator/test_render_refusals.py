@@ -69,6 +69,14 @@ def test_a_resource_quantity_kubernetes_would_not_parse_is_refused(resources, fi
         validate_spec(raw, CONFIG)
 
 
+def test_a_pools_resource_quantity_is_checked_as_an_engines():
+    from kiln.operator.pools import validate_pool
+
+    with pytest.raises(InvalidSpec, match=r"^spec\.resources\.requests\.cpu: 'lots' is not a Kubernetes quantity"):
+        validate_pool("shared", {"resources": {"requests": {"cpu": "lots"}}}, CONFIG)  # the memory limit was read
+    assert validate_pool("shared", {"resources": {"requests": {"cpu": "500m"}}}, CONFIG).resources
+
+
 def test_well_formed_quantities_pass():
     good = {"requests": {"cpu": "500m", "memory": "512Mi", "ephemeral-storage": "1e3"},
             "limits": {"cpu": 8, "memory": "64Gi", "hugepages-2Mi": "0.5G", "nvidia.com/gpu": 1}}
