@@ -31,7 +31,7 @@ from typing import Any
 import click
 import yaml
 from kiln.operator.jobs import build_job
-from kiln.operator.naming import pool_engines_name
+from kiln.operator.naming import MAX_NAME, pool_engines_name
 from kiln.operator.network import build_network_policy
 from kiln.operator.pools import render_pool
 from kiln.operator.scale_out import extra_objects
@@ -64,7 +64,7 @@ def render_objects(engine: LLMEngine, config: OperatorConfig, namespace: str | N
     name = engine.metadata.name
     ns = namespace or engine.metadata.namespace or "default"
     validate_name(name)
-    if len(ns) > 63 or not re.match(DNS1123_LABEL, ns):
+    if len(ns) > MAX_NAME or not re.match(DNS1123_LABEL, ns):
         raise InvalidSpec(f"namespace: {ns!r} is not a namespace name (a DNS-1123 label: lowercase letters, digits "
                           "and '-', at most 63 characters); fix -n or metadata.namespace")
     spec = validate_spec(engine.spec.to_k8s(), config)

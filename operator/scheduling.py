@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.operator.jobs import pod_gpus
 from kiln.operator.naming import LABEL_VERSION, selector_labels, version_label
 from kiln.operator.settings import OperatorConfig
 
@@ -62,7 +63,7 @@ def unschedulable(pods: list[dict[str, Any]], spec: LLMEngineSpec, version: str,
     said = stuck[0][1]
     keeps = f"; {serving} keeps serving" if serving and serving != version else ""
     if not gpu.is_cpu and f"Insufficient {GPU_RESOURCE}" in said:
-        gpus = spec.replica_shape.ranks_per_pod  # what each pod requests: tensorParallel x pipelineParallel per node
+        gpus = pod_gpus(spec)  # what each pod requests: tensorParallel x pipelineParallel, at most gpusPerNode
         selector = ", ".join(f"{k}={v}" for k, v in (config.node_selector(spec.gpu) or {}).items()) or "any node"
         fix = ("free or add GPUs of that SKU, or set spec.serving.rolloutStrategy: RecreateOneAtATime to replace "
                "pods in place without a spare GPU" if spec.serving.rollout_strategy == "Surge" and keeps

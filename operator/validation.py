@@ -77,12 +77,12 @@ def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
 
 def file_source_problem(spec: LLMEngineSpec) -> str | None:
     """A file:// source (the model, a speculative draft model, a LoRA adapter): a path on one machine."""
-    named = [(f"spec.{path}.source", source.source) for path, source in spec.sources.items()]
+    named = [(f"spec.{path}.source", source) for path, source in spec.sources.items()]
     adapters = spec.lora.adapters if spec.lora is not None else []
-    named += [(f"spec.lora.adapters[{i}].source", a.source) for i, a in enumerate(adapters)]
+    named += [(f"spec.lora.adapters[{i}].source", a.model_source) for i, a in enumerate(adapters)]
     for field, source in named:
-        if source.startswith("file://"):
-            return (f"{field}: {source} is a path on one machine, not visible to build pods; "
+        if source.scheme == "file":
+            return (f"{field}: {source.source} is a path on one machine, not visible to build pods; "
                     "use s3://, hf:// or pvc://claim/path (file:// is for `kiln up`)")
     return None
 
