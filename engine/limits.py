@@ -21,6 +21,11 @@ def check_prompt(ids: Sequence[int], max_input_len: int, vocab_size: int, param:
     if len(ids) > max_input_len:
         raise RequestError(param, f"{param} is {len(ids)} tokens long, over this engine's max_input_len "
                                   f"({max_input_len}); shorten it", code=CONTEXT_LENGTH_EXCEEDED)
+    check_token_ids(ids, vocab_size, param)
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+    """Refuse ids outside the vocabulary ``[0, vocab_size)``."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(param, f"{param} contains token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")

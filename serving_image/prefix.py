@@ -21,12 +21,15 @@ import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
+from kiln.engine.errors import RequestError
+from kiln.engine.limits import check_token_ids
 from kiln.engine.prefix_hash import PREFIX_HASH_SCHEME, block_keys
 from kiln.engine.sampling_params import MAX_CACHE_SALT_CHARS
 from kiln.serving.anthropic_protocol import MessagesRequest
 from kiln.serving.anthropic_translate import to_chat as messages_to_chat
 from kiln.serving.chat import chat_prompt_ids, render_chat, with_template_defaults
 from kiln.serving.errors import APIError, from_validation_error, parse_json_body
+from kiln.serving.inputs import vocabulary_size
 from kiln.serving.protocol import MAX_MESSAGES, ChatMessage, TemplateKwargs, _Body, check_continuation, check_messages
 from kiln.serving.request_path import in_terms_of, parse_request, resolve_model, serving_context
 from kiln.serving.responses_protocol import ResponsesRequest
@@ -152,4 +155,9 @@ def _prompt_ids(req: KeysRequest, engine: Any) -> list[int]:
         return render_chat(req, engine.tokenizer)  # type: ignore[arg-type]
     if isinstance(req.prompt, str):
         return engine.tokenizer.encode(req.prompt) if req.prompt else []
-    return list(req.prompt or [])
+    ids = list(req.prompt or [])
+    try:  # an id past the vocabulary is refused as completions refuses it (and would not pack into a key)
+        check_token_ids(ids, vocabulary_size(engine))
+    except RequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    return ids

@@ -83,6 +83,10 @@ CORPUS = [
     ("prefix keys: image part", "prefix_cache/keys",
      json.dumps({"model": M, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(), 400,
      "messages[0].content"),
+    ("prefix keys: id past the vocabulary", "prefix_cache/keys",
+     json.dumps({"model": M, "prompt": [1, 10**6]}).encode(), 400, "prompt"),
+    ("prefix keys: id past 2^32", "prefix_cache/keys",
+     json.dumps({"model": M, "prompt": [1, 51867760746318708736]}).encode(), 400, "prompt"),
     ("body over the size limit", "completions", b'{"model":"tiny","prompt":"' + b"a" * (MAX_BODY_BYTES + 10)
      + b'"}', 413, None),
 ]
