@@ -54,7 +54,8 @@ class FakeEngine:
 
     def __init__(self, name: str) -> None:
         self.tokenizer = FakeTokenizer(1000 if name == "b" else 0)
-        self.engine_config = SimpleNamespace(enable_prefix_caching=True, max_batch_size=4, max_seq_len=256)
+        self.engine_config = SimpleNamespace(enable_prefix_caching=True, max_batch_size=4, max_seq_len=256,
+                                             hf_config={"vocab_size": 2048})
         self.block_size, self.num_waiting = BLOCK[name], 0
 
     def stats(self) -> object:
