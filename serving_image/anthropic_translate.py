@@ -10,7 +10,9 @@ show or drop: Qwen3's shows the current turn's in a tool loop; ``redacted_thinki
 ``response_format``, ``stop_sequences`` onto ``stop``, ``thinking`` onto the chat template's
 ``enable_thinking`` (``disabled``: false, else true; a template that does not read it is unchanged),
 ``output_config.effort`` onto ``reasoning_effort``. A final assistant message is a prefill: chat's
-``continue_final_message`` renders the conversation up to its text, which the reply continues.
+``continue_final_message`` renders the conversation up to its text, which the reply continues (a structured
+output's grammar starting past it: :mod:`constraints`). As Anthropic's API, a text block holds non-whitespace text
+and every message but a final assistant one holds content: otherwise a 400 names it (``messages[0].content[1].text``).
 The stop strings are kept in the chat output (``include_stop_str_in_output``) so the reply can say
 which one ended it; they are cut off here.
 
@@ -35,6 +37,17 @@ ALLOWED = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
 
+def text_of_block(block: Any, param: str) -> str:
+    """A text block's text (``block`` a dict, or a parsed ``TextBlock``); Anthropic's 400 for an empty or blank one,
+    naming ``param.text`` (the SDK never sends one: a reply holds no empty text block)."""
+    text = (validated(BLOCKS["text"], block, param) if isinstance(block, dict) else block).text
+    if not text.strip():
+        what = "must be non-empty" if not text else "must contain non-whitespace text"
+        raise APIError(400, f"{param}.text: text content blocks {what}; give the block text or leave it out",
+                       param=f"{param}.text")
+    return text
+
+
 def _text_of(content: Any, param: str) -> str:
     """A tool result's content (a string or text blocks) as text."""
     if content is None or isinstance(content, str):
@@ -44,7 +57,7 @@ def _text_of(content: Any, param: str) -> str:
         if not isinstance(block, dict) or block.get("type") != "text":
             raise APIError(400, f"{param}[{j}]: a tool result holds text blocks here; kiln serves text models",
                            param=f"{param}[{j}]")
-        parts.append(validated(BLOCKS["text"], block, f"{param}[{j}]").text)
+        parts.append(text_of_block(block, f"{param}[{j}]"))
     return "\n".join(parts)
 
 
@@ -67,10 +80,11 @@ def _blocks(i: int, role: str, content: list[dict[str, Any]]) -> list[dict[str, 
         if kind not in ALLOWED[role]:
             raise APIError(400, f"{param}: a {kind!r} block is not served here; {role} messages take "
                            f"{' and '.join(ALLOWED[role])} blocks (kiln serves text models)", param=f"{param}.type")
-        block = validated(BLOCKS[kind], raw, param)
         if kind == "text":
-            texts.append(block.text)
-        elif kind == "tool_use":
+            texts.append(text_of_block(raw, param))
+            continue
+        block = validated(BLOCKS[kind], raw, param)
+        if kind == "tool_use":
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})
         else:
@@ -92,9 +106,15 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     """The conversation as chat messages."""
     messages: list[dict[str, Any]] = []
     if req.system:
-        system = req.system if isinstance(req.system, str) else "\n".join(b.text for b in req.system)
+        system = req.system if isinstance(req.system, str) else \
+            "\n".join(text_of_block(b, f"system[{j}]") for j, b in enumerate(req.system))
         messages.append({"role": "system", "content": system})
+    last = len(req.messages) - 1
     for i, m in enumerate(req.messages):
+        if not m.content and not (i == last and m.role == "assistant"):
+            raise APIError(400, f"messages[{i}].content: all messages must have non-empty content except for the "
+                           "optional final assistant message; give it text or leave the message out",
+                           param=f"messages[{i}].content")
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
         else:
@@ -179,7 +199,7 @@ def _prefill(body: dict[str, Any], index: int) -> None:
     final = body["messages"][-1]
     if final["role"] != "assistant" or final.get("tool_calls"):
         return
-    if not final["content"].strip():
+    if not final["content"]:
         body["messages"].pop()
         return
     if final["content"] != final["content"].rstrip():

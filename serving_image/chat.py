@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kiln.serving.constraints import ToolPlan, output_constraint
+from kiln.serving.constraints import ToolPlan, continued_text, output_constraint
 from kiln.serving.errors import APIError
 from kiln.serving.protocol import ChatCompletionRequest, ChatMessage, check_supported, message_text
 
@@ -115,21 +115,22 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan | Non
         asked = getattr(req, "chat_template_kwargs", None)
         what = "these messages" + (f" with chat_template_kwargs {sorted(asked)}" if asked else "")
         raise APIError(400, f"The chat template rejected {what}: {exc}", param="messages") from None
-    if getattr(req, "continue_final_message", False):
-        text = _continued(text, message_text(req.messages[-1]), len(req.messages) - 1)
+    final = continued_text(req)
+    if final is not None:
+        text = _continued(text, final, len(req.messages) - 1)
     # The template writes any BOS itself; encoding must not add a second one.
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _continued(text: str, final: str, index: int) -> str:
-    """The rendered conversation cut right after the final message's text, so the reply continues it (as
-    transformers' ``continue_final_message`` cuts it: at the last place the stripped text appears)."""
-    at = text.rfind(final.strip())
+    """The rendered conversation cut right after the final message's text (``continued_text``: stripped), so the
+    reply continues it (as transformers' ``continue_final_message`` cuts it: at the last place that text appears)."""
+    at = text.rfind(final)
     if at < 0:
         raise APIError(400, f"continue_final_message: the chat template does not show messages[{index}]'s text as "
                        "written, so the reply cannot continue it; send it as a new turn instead "
                        "(continue_final_message: false)", param="continue_final_message")
-    return text[: at + len(final.strip())]
+    return text[: at + len(final)]
 
 
 def chat_prompt_ids(chat: ChatCompletionRequest, tokenizer: Any, engine_info: dict[str, Any] | None,

@@ -10,6 +10,12 @@ At most one source constrains a request; a second is a 400 naming it. ``tool_cho
   (one call unless ``parallel_tool_calls``), each call's arguments valid for its parameters;
 - a named function: the grammar forces that function's arguments object.
 
+A reply that continues the final assistant message (chat's ``continue_final_message``, a Messages API prefill) is
+constrained as the whole output would be: its grammar starts past that message's text (:class:`ContinuedConstraint`),
+so a prefill ``{`` goes on with the object's first key, never a second ``{``; a text the constraint cannot begin
+with is a 400 naming the constraint. A forced tool call cannot continue a message (its call is the whole output):
+``tool_choice`` ``required`` or a named function with a continued message is a 400 naming ``tool_choice``.
+
 The constraint is compiled here (``compile_constraint``), in the grammar compiler's own bounded pool
 (``kiln.engine.structured.pool``, never the event loop's default executor, so plain requests never wait
 behind compiles) and stopped at ``GRAMMAR_COMPILE_TIMEOUT_S``: a schema the engine cannot compile, or not
@@ -19,7 +25,7 @@ within the limit, is a 400 before anything is queued; a full pool is a 429; the 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kiln.engine.errors import RequestError
@@ -27,6 +33,7 @@ from kiln.engine.structured.params import StructuredOutputsParams
 from kiln.engine.structured.pool import GrammarBusy
 from kiln.serving.errors import APIError
 from kiln.serving.formats import NamedToolChoice, Tool
+from kiln.serving.protocol import message_text
 
 # A function without `parameters` takes none: its arguments are `{}`.
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -42,6 +49,35 @@ class ToolPlan:
     parallel: bool = True
     named: str | None = None  # the function a named tool_choice forces
     names: set[str] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class ContinuedConstraint(StructuredOutputsParams):
+    """A constraint on a reply that continues the final assistant message: its grammar starts past ``prefix``,
+    that message's text (``compile_constraint`` makes each request's grammar state accept it first)."""
+
+    prefix: str = ""
+
+
+def continued_text(req: Any) -> str | None:
+    """The text a reply to ``req`` continues (its final message's, as the rendering is cut after it), or None when
+    the reply opens a new turn."""
+    return message_text(req.messages[-1]).strip() if getattr(req, "continue_final_message", False) else None
+
+
+class _ContinuingGrammar:
+    """A compiled constraint whose every state starts past ``prefix_ids`` (what the prompt already holds)."""
+
+    def __init__(self, compiled: Any, prefix_ids: list[int]) -> None:
+        self.compiled = compiled
+        self.prefix_ids = prefix_ids
+
+    def new_state(self) -> Any:
+        state = self.compiled.new_state()
+        if not state.accept(self.prefix_ids):
+            return None
+        state.num_accepted = 0  # the prefix is the prompt's: never rolled back
+        return state
 
 
 def _spec(param: str, **kwargs: Any) -> StructuredOutputsParams:
@@ -87,7 +123,15 @@ def output_constraint(req: Any, tool_format: str = "json") -> tuple[StructuredOu
         names = [name for name, _ in sources]
         raise APIError(400, f"{' and '.join(names)} both constrain the output; send only one of them",
                        param=names[1])
-    return (sources[0][1] if sources else None), plan
+    prefix = continued_text(req) if sources else None
+    if prefix is None:
+        return (sources[0][1] if sources else None), plan
+    if sources[0][0] == "tool_choice":
+        raise APIError(400, "tool_choice: a forced tool call is the whole reply, so it cannot continue the final "
+                       "assistant message's text; let the model choose (tool_choice auto), or end the conversation "
+                       "with a user message", param="tool_choice")
+    spec = sources[0][1]
+    return ContinuedConstraint(**{f.name: getattr(spec, f.name) for f in fields(spec)}, prefix=prefix), plan
 
 
 def tool_plan(req: Any, tool_format: str) -> ToolPlan | None:
@@ -143,6 +187,21 @@ async def compile_constraint(engine: Any, spec: StructuredOutputsParams) -> None
                        headers={"Retry-After": str(exc.retry_after_s)}) from None
     except RequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
+    if isinstance(spec, ContinuedConstraint) and not isinstance(spec.compiled, _ContinuingGrammar):
+        _continue_from_prefix(engine, spec)
+
+
+def _continue_from_prefix(engine: Any, spec: ContinuedConstraint) -> None:
+    """Make ``spec``'s grammar start past its prefix, or a 400 naming the constraint when the prefix cannot begin
+    an output it allows."""
+    continuing = _ContinuingGrammar(spec.compiled, engine.tokenizer.encode(spec.prefix, add_special_tokens=False))
+    if continuing.new_state() is None:
+        shown = spec.prefix if len(spec.prefix) <= 40 else spec.prefix[:37] + "..."
+        raise APIError(400, f"{spec.param}: the reply continues the final assistant message, whose text {shown!r} "
+                       "is not the start of an output this constraint allows; make that text the output's first "
+                       "characters (a JSON object's is '{'), or leave the message out",
+                       param=spec.param)
+    spec.compiled = continuing  # the engine takes the compiled grammar from here (GrammarCompiler.submit)
 
 
 def close_compiler(engine: Any) -> None:

@@ -190,3 +190,57 @@ def test_chat_continue_final_message_misuse_is_a_400_naming_it(chat, body, says)
     with pytest.raises(openai.BadRequestError, match=says) as err:
         chat.chat.completions.create(model=M, messages=body.get("messages", PREFILL), max_tokens=4, extra_body=extra)
     assert err.value.body["param"] == "continue_final_message"
+
+
+TICKET_FORMAT = {"format": {"type": "json_schema", "schema": Ticket.model_json_schema()}}
+
+
+@pytest.mark.parametrize("prefill", ["{", '{"priority": "'])
+def test_a_prefill_is_continued_by_the_structured_output_it_begins(client, chat, prefill):
+    """A prefill with output_config.format: the grammar goes on from the prefill's text, so the prefill and the reply
+    make one object (the reply never opens a second '{'), streamed or not; chat's continue_final_message alike."""
+    messages = [*ASK, {"role": "assistant", "content": prefill}]
+    got = client.messages.create(model=M, messages=messages, max_tokens=80, output_config=TICKET_FORMAT,
+                                 extra_body=GREEDY)
+    Ticket.model_validate_json(prefill + got.content[0].text)
+    with client.messages.stream(model=M, messages=messages, max_tokens=80, output_config=TICKET_FORMAT,
+                                extra_body=GREEDY) as stream:
+        assert "".join(stream.text_stream) == got.content[0].text
+    reply = chat.chat.completions.create(model=M, messages=messages, max_tokens=80, response_format={
+        "type": "json_schema", "json_schema": {"name": "ticket", "schema": Ticket.model_json_schema()}},
+        extra_body={**GREEDY, "add_generation_prompt": False, "continue_final_message": True})
+    Ticket.model_validate_json(prefill + reply.choices[0].message.content)
+
+
+@pytest.mark.parametrize(("prefill", "fields", "param"), [
+    ("Sure", {"output_config": TICKET_FORMAT}, "output_config.format"),  # no JSON object begins so
+    ("{", {"tools": TOOLS, "tool_choice": {"type": "any"}}, "tool_choice"),  # a forced call is the whole reply
+    ("{", {"tools": TOOLS, "tool_choice": {"type": "tool", "name": "get_weather"}}, "tool_choice"),
+])
+def test_a_prefill_the_constraint_cannot_continue_is_a_400_naming_it(client, prefill, fields, param):
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model=M, messages=[*ASK, {"role": "assistant", "content": prefill}], max_tokens=8,
+                               **fields)
+    assert err.value.body["error"]["type"] == "invalid_request_error"
+    assert err.value.body["error"]["message"].startswith(f"{param}: "), err.value.body
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+     "messages[0].content[0].text: text content blocks must be non-empty"),
+    ({"messages": [*ASK, {"role": "assistant", "content": "Hi."},
+                   {"role": "user", "content": [{"type": "text", "text": "Go on."}, {"type": "text", "text": " \n"}]}]},
+     "messages[2].content[1].text: text content blocks must contain non-whitespace text"),
+    ({"messages": ASK, "system": [{"type": "text", "text": ""}]}, "system[0].text: text content blocks must be"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content: all messages must have non-empty content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content: all messages must have non-empty content"),
+    ({"messages": [*ASK, {"role": "assistant", "content": "  "}]}, "messages[1]: final assistant content cannot end"),
+])
+def test_empty_text_is_anthropics_400_naming_the_field(client, fields, says):
+    """As Anthropic's API: text blocks hold text, every message but a final assistant one holds content (a final
+    assistant message that is blank is a prefill ending in whitespace); counting tokens refuses them alike."""
+    for call in (client.messages.create, client.messages.count_tokens):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            call(model=M, **({"max_tokens": 4} if call == client.messages.create else {}), **fields)
+        assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+        assert err.value.body["error"]["message"].startswith(says), err.value.body
