@@ -25,6 +25,7 @@ from kiln.serving.chat import render_chat
 from kiln.serving.constraints import ToolPlan
 from kiln.serving.errors import APIError
 from kiln.serving.protocol import ChatCompletionRequest, CompletionRequest
+from kiln.serving.truncation import middle_truncated
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -128,10 +129,12 @@ def completion_inputs(req: CompletionRequest, engine: Any, constraint: Structure
 def chat_inputs(req: ChatCompletionRequest, engine: Any, constraint: StructuredOutputsParams | None = None,
                 plan: ToolPlan | None = None) -> list[EngineInput]:
     ids = render_chat(req, engine.tokenizer, plan)
-    _check_prompt(ids, "messages", engine)
     requested, param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
+    if req._truncate_middle:  # the Responses API's truncation "auto": the oldest turns go until it fits
+        req, ids = middle_truncated(req, ids, engine, plan, requested)
+    _check_prompt(ids, "messages", engine)
     defaults = sampling_defaults(engine.engine_config)
     max_tokens = _max_tokens(requested, param, len(ids), engine, defaults.get("max_tokens"))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

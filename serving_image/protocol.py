@@ -34,7 +34,7 @@ from kiln.engine.sampling_params import (
 )
 from kiln.serving.errors import APIError
 from kiln.serving.formats import MAX_TOOLS, GuidedFields, Tool, ToolCall, ToolChoice
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, model_validator
 
 from kiln.chat_options import MAX_TEMPLATE_KWARGS, TEMPLATE_VARIABLE_PATTERN
 
@@ -170,6 +170,8 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: more variables for the chat template ({"enable_thinking": false}); kiln.serving.chat renders them.
     chat_template_kwargs: TemplateKwargs | None = None
     reasoning_effort: ReasoningEffort | None = None  # OpenAI's: the template's reasoning_effort (gpt-oss reads it)
+    # Not a field: set for a Responses request with truncation "auto" (kiln.serving.truncation drops old turns).
+    _truncate_middle: bool = PrivateAttr(default=False)
 
 
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:

@@ -207,9 +207,11 @@ def to_chat(req: Request, store: ResponseStore) -> Translated:
     if LOGPROBS_INCLUDE in (req.include or ()):  # the output text's logprobs; top_logprobs alone asks for none
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     try:
-        return Translated(ChatCompletionRequest.model_validate(body), conversation, sources)
+        chat = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise in_terms_of(from_validation_error(exc), source_names(sources)) from None
+    chat._truncate_middle = req.truncation == "auto"  # kiln.serving.truncation
+    return Translated(chat, conversation, sources)
 
 
 def output_item(kind: str, response_id: str, message: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -277,7 +279,8 @@ def usage(chat_usage: dict[str, Any] | None, num_reasoning_tokens: int = 0) -> d
 
 def response_body(req: Request, response_id: str, created_at: int, status: str = "in_progress",
                   output: list[dict[str, Any]] | None = None, chat_usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A Response object: the request's settings echoed, with ``status``, ``output`` and ``usage``."""
+    """A Response object: the request's settings echoed, with ``status``, ``output`` and ``usage``. ``truncation`` is
+    echoed as asked (``auto``: the oldest turns of an input too long went, kiln.serving.truncation)."""
     fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"type": "text"}
     tools = [dict(t, strict=t.get("strict")) for t in req.tools or []]
     choice = req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None \
@@ -290,7 +293,8 @@ def response_body(req: Request, response_id: str, created_at: int, status: str =
             "previous_response_id": req.previous_response_id, "reasoning": {
                 "effort": req.reasoning.effort if req.reasoning else None, "summary": None},
             "store": req.store, "temperature": req.temperature, "text": {"format": fmt}, "top_logprobs": req.top_logprobs,
-            "tool_choice": choice or "auto", "tools": tools, "top_p": req.top_p, "truncation": "disabled",
+            "tool_choice": choice or "auto", "tools": tools, "top_p": req.top_p,
+            "truncation": req.truncation or "disabled",
             "usage": usage(chat_usage), "user": req.user, "metadata": req.metadata or {}}
 
 

@@ -188,3 +188,56 @@ def test_logprobs_are_chats_for_the_same_greedy_tokens_streamed_or_not(client):
     plain = client.responses.create(model=M, input=ASK, max_output_tokens=6, temperature=0, store=False,
                                     top_logprobs=2)  # top_logprobs without the include: none, as OpenAI
     assert plain.output[0].content[0].logprobs == []
+
+
+@pytest.mark.parametrize("truncation", ["auto", "disabled", None])
+def test_truncation_is_echoed_as_asked(client, truncation):
+    """The Response echoes the truncation asked (OpenAI's default, disabled, when none is), created, streamed and
+    stored alike. Under auto a single input item over the engine's max_input_len is still a 400 naming input: the
+    last exchange is never dropped."""
+    asked = {"model": M, "input": ASK, "max_output_tokens": 2, **({"truncation": truncation} if truncation else {})}
+    want = truncation or "disabled"
+    made = client.responses.create(**asked)
+    assert made.truncation == want and client.responses.retrieve(made.id).truncation == want
+    events = list(client.responses.create(**asked, stream=True))
+    assert [events[0].response.truncation, events[-1].response.truncation] == [want, want]
+    with pytest.raises(openai.BadRequestError, match="max_input_len") as err:
+        client.responses.create(**{**asked, "input": "word " * 2000})
+    assert err.value.body["param"] == "input"
+
+
+def _exchange(k: int) -> list[dict]:
+    """One turn of a long conversation: a question, a tool call and its output, an answer (about 150 tokens)."""
+    call = f"call_{k}"
+    return [{"role": "user", "content": f"Question {k}: " + "tell me more " * 30},
+            {"type": "function_call", "call_id": call, "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": call, "output": f"{k} o'clock"},
+            {"role": "assistant", "content": f"Answer {k}: " + "there is more " * 20}]
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_input_fits(client, srv):
+    """OpenAI's truncation "auto": a conversation over max_input_len (900 here) loses its oldest whole turns after
+    the instructions, the fewest that make it fit; disabled refuses it, naming input."""
+    items = [item for k in range(8) for item in _exchange(k)] + [{"role": "user", "content": "And now?"}]
+    asked = {"model": M, "instructions": SYSTEM, "input": items, "tools": TOOLS, "max_output_tokens": 4}
+    with pytest.raises(openai.BadRequestError, match="max_input_len") as err:
+        client.responses.create(**asked)
+    assert err.value.body["param"] == "input"
+
+    def count(kept: list[dict]) -> int:
+        body = {key: asked[key] for key in ("model", "instructions", "tools")} | {"input": kept}
+        answer = httpx.post(f"{srv.url}/v1/responses/input_tokens", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["input_tokens"]
+
+    # The fewest whole turns dropped from the front: the longest suffix of turns that fits with the output's room.
+    suffixes = [items[4 * k:] for k in range(9)]
+    want = next(n for n in map(count, suffixes) if n + 4 <= 900)
+    made = client.responses.create(**asked, truncation="auto")
+    assert made.truncation == "auto" and made.status in ("completed", "incomplete")
+    assert made.usage.input_tokens == want and 4 * 150 < want <= 896
+    follow = client.responses.create(model=M, previous_response_id=made.id, input="Once more?", max_output_tokens=2,
+                                     truncation="auto")
+    assert follow.usage.input_tokens <= 898  # the stored conversation keeps every item; each request is cut anew
+    stored = httpx.get(f"{srv.url}/v1/responses/{made.id}/input_items", params={"limit": 100}, timeout=30).json()
+    assert len(stored["data"]) == len(items)
