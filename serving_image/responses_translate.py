@@ -157,9 +157,14 @@ def _fields(req: Request) -> dict[str, Any]:
 
 
 def not_stored(response_id: str, param: str) -> APIError:
-    return APIError(404, f"{param}: no response {response_id!r} is stored on this server: it was never stored (store: false), "
-                    "was deleted, expired, or is kept by another replica (docs/serving.md, \"Responses API\"); send "
-                    "the whole conversation as input instead", param=param, code="response_not_found")
+    """OpenAI's answer to an id no response is stored under: a 404 on the response's own routes, a 400
+    (``previous_response_not_found``, which clients such as Codex read to resend the whole conversation) for a
+    ``previous_response_id``."""
+    status, code = (400, "previous_response_not_found") if param == "previous_response_id" else \
+        (404, "response_not_found")
+    return APIError(status, f"{param}: no response {response_id!r} is stored on this server: it was never stored "
+                    "(store: false), was deleted, expired, or is kept by another replica (docs/serving.md, "
+                    "\"Responses API\"); send the whole conversation as input instead", param=param, code=code)
 
 
 def _check_outputs(conversation: list[dict[str, Any]], sources: list[str], items: Any) -> None:

@@ -166,7 +166,7 @@ def test_keys_of_a_dialect_body_refuse_in_its_own_fields(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
     gone = httpx.post(url, params={"endpoint": "/v1/responses"},
                       json={"model": M, "input": "x", "previous_response_id": "resp_0"}, timeout=10)
-    assert gone.status_code == 404 and gone.json()["error"]["param"] == "previous_response_id"
+    assert gone.status_code == 400 and gone.json()["error"]["param"] == "previous_response_id"
     other = httpx.post(url, params={"endpoint": "/v1/embeddings"}, json={"model": M, "input": "x"}, timeout=10)
     assert other.status_code == 400 and other.json()["error"]["param"] == "endpoint"
     assert "/v1/messages" in other.json()["error"]["message"]

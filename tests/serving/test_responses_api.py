@@ -162,7 +162,10 @@ def test_stored_responses_are_got_deleted_and_bounded(client, srv):
         client.responses.retrieve(ids[0])
     assert client.responses.retrieve(ids[-1]).id == ids[-1]
     missing = httpx.post(f"{srv.url}/v1/responses", json={"model": M, "input": "x", "previous_response_id": "resp_0"})
-    assert missing.status_code == 404
+    assert missing.status_code == 400, missing.text  # OpenAI's: a 400 its clients read to resend the conversation
+    assert missing.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
+                                                         "param": "previous_response_id",
+                                                         "code": "previous_response_not_found"}
     assert missing.json()["error"]["param"] == "previous_response_id"
 
 
