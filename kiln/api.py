@@ -38,9 +38,9 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from kiln.api_base import DNS1123_LABEL
+from kiln.api_base import DNS1123_LABEL, label_problems
 from kiln.api_base import APIModel as _Model
 from kiln.engine_status import LLMEngineStatus
 from kiln.lora_options import LORA_ROOT_RULES, LORA_RULES, LoraOptions, lora_problems, served_name_problems
@@ -277,10 +277,19 @@ class Metadata(BaseModel):
     labels: dict[str, str] | None = None
     annotations: dict[str, str] | None = None
 
+    @field_validator("labels", "annotations")
+    @classmethod
+    def _check_keys(cls, value: dict[str, str] | None, info: ValidationInfo) -> dict[str, str] | None:
+        """What the API server checks of every object's labels and annotations (a GitOps file's own, often)."""
+        if problems := label_problems(value, values=info.field_name == "labels"):
+            raise ValueError("; ".join(problems))
+        return value
+
 
 class LLMEngine(_Model):
-    api_version: Literal["serving.kiln.dev/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
-    kind: Literal["LLMEngine"] = Field(default=KIND)
+    # Required, as the API server has them: a manifest without them is not one kubectl applies.
+    api_version: Literal["serving.kiln.dev/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["LLMEngine"]
     metadata: Metadata
     spec: LLMEngineSpec
     status: LLMEngineStatus | None = None

@@ -7,10 +7,11 @@ Pydantic emits JSON Schema 2020-12, so :func:`structural` rewrites it: ``$ref`` 
 inlined (sibling keys such as ``description`` win), ``X | None`` becomes ``X`` with
 ``nullable: true``, ``const`` becomes a one-value ``enum``, titles and ``null``
 defaults go. The CEL rules for cross-field checks come from
-``kiln.api.CROSS_FIELD_RULES`` via the spec's ``x-kubernetes-validations``. The pool's CRD carries three
+``kiln.api.CROSS_FIELD_RULES`` via the spec's ``x-kubernetes-validations``. The pool's CRD carries four
 admission rules of its own (:data:`POOL_RULES`; the operator checks the same, ``kiln.operator.pools.validate_pool``):
-``spec.engines`` is for ``kiln up`` only, the name leaves room for the ``-pool`` suffix of its Service, and
-``spec.batchInvariant`` is for a CPU pool.
+``spec.engines`` is for ``kiln up`` only, the name leaves room for the ``-pool`` suffix of its Service,
+``spec.autoscaling.minReplicas`` is at most its ``maxReplicas`` (as an engine's), and ``spec.batchInvariant`` is for
+a CPU pool.
 
 Output is deterministic (properties in declaration order, everything else as built
 here), so the committed ``crds/`` file only changes when the API does.
@@ -25,6 +26,7 @@ import yaml
 from kiln import api, pool_api
 from kiln.api_base import DNS1035_LABEL, MAX_POOL_NAME
 from kiln.engine_status import LLMEngineStatus
+from kiln.serving_options import autoscaling_bounds_rule
 
 CRD_NAME = f"{api.PLURAL}.{api.GROUP}"
 POOL_CRD_NAME = f"{pool_api.POOL_PLURAL}.{api.GROUP}"
@@ -79,6 +81,7 @@ POOL_RULES: tuple[tuple[str, str, str, str], ...] = (
      f"metadata.name of an LLMEnginePool is a DNS-1035 label of at most {MAX_POOL_NAME} characters (lowercase "
      "letters, digits and '-', starting with a letter), as it names the Service <name>-pool; choose such a name",
      ".metadata.name"),
+    autoscaling_bounds_rule("pool_autoscaling_bounds", "self.spec.autoscaling", "autoscaling"),
     ("pool_batch_invariant_cpu",
      "!has(self.spec.batchInvariant) || !self.spec.batchInvariant || !has(self.spec.gpu) || self.spec.gpu == 'cpu'",
      "spec.batchInvariant is for CPU pools (kiln's tactic table); set it false, or spec.gpu cpu",

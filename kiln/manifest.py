@@ -21,8 +21,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from kiln.api import KIND, LLMEngine, LLMEngineSpec
-from kiln.api_base import DNS1123_LABEL, DNS1123_SUBDOMAIN
-from kiln.pool_api import POOL_KIND, QUANTITY_PATTERN, LLMEnginePool
+from kiln.api_base import DNS1035_LABEL, DNS1123_LABEL, DNS1123_SUBDOMAIN
+from kiln.memory_budget import QUANTITY_PATTERN
+from kiln.pool_api import POOL_KIND, LLMEnginePool
 
 
 class ManifestError(ValueError):
@@ -65,10 +66,44 @@ def _join_spec(line: str) -> str:
     return line.replace("manifest: ", "spec: ", 1) if line.startswith("manifest: ") else f"spec.{line}"
 
 
+def load_documents(source: Any) -> list[LLMEngine | LLMEnginePool]:
+    """Every ``LLMEngine`` and ``LLMEnginePool`` of a manifest's documents, in order (a GitOps file holds a pool and
+    its members; documents of other kinds are left out, as ``kiln render`` renders none); one document of neither
+    kind is read as an LLMEngine, so its problems are said. :class:`ManifestError` names each document's problems."""
+    if isinstance(source, dict):
+        return [load_pool(source) if source.get("kind") == POOL_KIND else load_manifest(source)]
+    docs, origin = read_documents(source)
+    ours = [d for d in docs if isinstance(d, dict) and d.get("kind") in (KIND, POOL_KIND)]
+    if not ours:
+        return [load_manifest(_load_data(source)[0])]
+    objects, problems = [], []
+    for doc in ours:
+        try:
+            objects.append(load_pool(doc) if doc["kind"] == POOL_KIND else load_manifest(doc))
+        except ManifestError as exc:
+            name = (doc.get("metadata") or {}).get("name") if isinstance(doc.get("metadata"), dict) else None
+            problems += [f"{doc['kind']} {name}: {line}" if len(ours) > 1 else line for line in exc.problems]
+    if problems:
+        raise ManifestError(problems, origin)
+    return objects
+
+
 def _load_data(source: Any, kind: str = KIND) -> tuple[Any, str]:
     if isinstance(source, dict):
         _check_kind(source, kind, "manifest")
         return source, "manifest"
+    docs, origin = read_documents(source)
+    if len(docs) > 1:
+        docs = [d for d in docs if isinstance(d, dict) and d.get("kind") == kind] or docs
+    if len(docs) != 1:
+        raise ManifestError(f"expected exactly one {kind} document, found {len(docs)}; "
+                            f"put one {kind} per file", origin)
+    _check_kind(docs[0], kind, origin)
+    return docs[0], origin
+
+
+def read_documents(source: Any) -> tuple[list[Any], str]:
+    """The YAML documents of a path or a text (read as kubectl reads them), and where they came from."""
     text, origin = source, "manifest"
     is_path = isinstance(source, Path) or (
         isinstance(source, str) and "\n" not in source
@@ -87,13 +122,7 @@ def _load_data(source: Any, kind: str = KIND) -> tuple[Any, str]:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ManifestError(f"{where}invalid YAML ({problem}); fix the syntax there", origin) from None
-    if len(docs) > 1:
-        docs = [d for d in docs if isinstance(d, dict) and d.get("kind") == kind] or docs
-    if len(docs) != 1:
-        raise ManifestError(f"expected exactly one {kind} document, found {len(docs)}; "
-                            f"put one {kind} per file", origin)
-    _check_kind(docs[0], kind, origin)
-    return docs[0], origin
+    return docs, origin
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -114,10 +143,24 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    # Plain scalars as kubectl reads them (sigs.k8s.io/yaml: go-yaml v2), where PyYAML's YAML 1.1 reads text:
+    # 1e9 and 1.5e3 are numbers (PyYAML wants a dot and a signed exponent), y and n booleans. So the API server's
+    # refusal of `memoryBudget: 1e9` (a number where text is wanted) is kiln's too.
+    bool_values = {**yaml.SafeLoader.bool_values, "y": True, "n": False}
+
+
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$"),
+    list("-+.0123456789"))
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:y|Y|n|N)$"), list("yYnN"))
+
 
 def _check_kind(data: Any, kind: str, origin: str) -> None:
     """kiln's other kind where this one is expected: that one line, not a line per field the kinds do not share."""
     got = data.get("kind") if isinstance(data, dict) else None
+    if isinstance(data, dict) and got is None:  # not known to be an engine: its spec's lines would say nothing
+        what = f"add kind: {kind}" + (f" (a pool's manifest: kind: {POOL_KIND})" if kind == KIND else "")
+        raise ManifestError(f"kind: required field is missing; {what}", origin)
     if got in (KIND, POOL_KIND) and got != kind:
         fix = (f"give an {KIND} manifest: a pool's engines are planned and built one by one (its members' "
                f"manifests); kiln up and kiln render take the pool manifest itself") if kind == KIND else \
@@ -129,6 +172,8 @@ _PATTERN_NAMES = {
     DNS1123_LABEL: "a DNS-1123 label (lowercase letters, digits and '-', at most 63 characters)",
     DNS1123_SUBDOMAIN: "a DNS-1123 name (lowercase letters, digits, '-' and '.')",
     QUANTITY_PATTERN: "a Kubernetes quantity such as 6Gi, 512Mi or 8G",
+    DNS1035_LABEL: "a DNS-1035 label, as a Service's name is (lowercase letters, digits and '-', starting with a "
+    "letter)",
 }
 _TYPE_NAMES = {
     "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
@@ -157,7 +202,7 @@ def validation_error_lines(exc: ValidationError, root: type[BaseModel]) -> list[
                 else:
                     lines.append(f"{path}: {line}")
         elif kind == "missing":
-            lines.append(f"{path}: required field is missing; add it")
+            lines.append(f"{path}: required field is missing; {_add_missing(root, loc)}")
         elif kind == "extra_forbidden":
             allowed = _allowed_fields(root, loc[:-1])
             near = difflib.get_close_matches(str(loc[-1]).lower(), [a.lower() for a in allowed], n=1)
@@ -166,12 +211,10 @@ def validation_error_lines(exc: ValidationError, root: type[BaseModel]) -> list[
             lines.append(f"{path}: unknown field; {fix}")
         elif kind in ("literal_error", "enum"):
             expected = re.sub(r"'([^']*)'", r"\1", str(ctx.get("expected", ""))).replace(" or ", ", ")
-            lines.append(f"{path}: must be one of {expected} (got {_show(got)}){_bool_word_hint(got, expected)}")
+            hint = _bool_word_hint(got, expected) or _unquote_hint(got, expected.split(", "))
+            lines.append(f"{path}: must be one of {expected} (got {_show(got)}){hint}")
         elif kind in _TYPE_NAMES:
-            # YAML reads an unquoted 20240101 or 1.10 as a number (1.1): text must be quoted to stay as written
-            quote = "; quote it in YAML so it stays text as written" if kind == "string_type" and isinstance(
-                got, int | float) else ""
-            lines.append(f"{path}: must be {_TYPE_NAMES[kind]} (got {_show(got)}){quote}")
+            lines.append(f"{path}: must be {_TYPE_NAMES[kind]} (got {_show(got)}){_quote_hint(kind, got)}")
         elif kind in _BOUNDS:
             op, key = _BOUNDS[kind]
             lines.append(f"{path}: must be {op} {ctx.get(key)} (got {_show(got)})")
@@ -189,6 +232,41 @@ def validation_error_lines(exc: ValidationError, root: type[BaseModel]) -> list[
 
 # Words YAML 1.1 (PyYAML, and kubectl's parser alike) reads as a boolean when they are not quoted.
 _BOOL_WORDS = {True: ("on", "yes", "y", "true"), False: ("off", "no", "n", "false")}
+
+
+_WRITTEN_AS = {"int_type": (int,), "float_type": (int, float), "bool_type": (bool,)}
+
+
+def _quote_hint(kind: str, got: Any) -> str:
+    """How to write a value YAML read as the wrong type: a number where text is wanted, text where a number or a
+    boolean is (the API server takes the CRD's types as they are, with no conversion)."""
+    if kind == "string_type" and isinstance(got, int | float) and not isinstance(got, bool):
+        # YAML reads an unquoted 20240101 or 1.10 as a number (1.1): text must be quoted to stay as written
+        return "; quote it in YAML so it stays text as written"
+    if kind == "bool_type" and isinstance(got, int | float) and not isinstance(got, bool):
+        return "; write true or false"
+    if kind in _WRITTEN_AS and isinstance(got, str):
+        value = _yaml_scalar(got)
+        if isinstance(value, _WRITTEN_AS[kind]) and (kind == "bool_type") == isinstance(value, bool):
+            return f"; write it without quotes ({got}): in quotes YAML reads it as text"
+    return ""
+
+
+def _unquote_hint(got: Any, choices: list[str]) -> str:
+    """Where a choice of numbers (``tensorParallel: "2"``) arrived as text: write it without quotes."""
+    value = _yaml_scalar(got) if isinstance(got, str) else None
+    if isinstance(value, int | float) and not isinstance(value, bool) and str(value) in choices:
+        return f"; write it without quotes ({got}): in quotes YAML reads it as text"
+    return ""
+
+
+def _yaml_scalar(text: str) -> Any:
+    """What YAML reads ``text`` as, unquoted (None where it is no scalar)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return value if isinstance(value, int | float | bool) else None
 
 
 def _bool_word_hint(got: Any, expected: str) -> str:
@@ -221,6 +299,11 @@ def _show(value: Any) -> str:
 
 def _allowed_fields(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """The YAML field names of the model at ``loc`` (for did-you-mean hints)."""
+    cls = _model_at(root, loc)
+    return [f.alias or n for n, f in cls.model_fields.items()] if cls is not None else []
+
+
+def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
     cls: Any = root
     for part in loc:
         if isinstance(part, int):
@@ -228,8 +311,17 @@ def _allowed_fields(root: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         field = next((f for n, f in cls.model_fields.items() if part in (n, f.alias)), None)
         cls = _model_in(field.annotation) if field else None
         if cls is None:
-            return []
-    return [f.alias or n for n, f in cls.model_fields.items()]
+            return None
+    return cls
+
+
+def _add_missing(root: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """The fix for a missing field: ``add it``, or what to write where it takes one value (``kind: LLMEngine``)."""
+    cls = _model_at(root, loc[:-1])
+    field = next((f for n, f in cls.model_fields.items() if loc[-1] in (n, f.alias)), None) if cls else None
+    values = get_args(field.annotation) if field is not None and typing.get_origin(field.annotation) is \
+        typing.Literal else ()
+    return f"add {loc[-1]}: {values[0]}" if len(values) == 1 else "add it"
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:

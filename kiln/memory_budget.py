@@ -27,9 +27,14 @@ SERVER_MARGIN_BYTES = 768 * 2**20
 _SUFFIXES = {"": 1, "m": 1e-3, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
              "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 # Kubernetes' resource.Quantity (unsigned: a resource or a budget is never negative): a decimal number, then a
-# binary-SI suffix (Ki..Ei), a decimal-SI one (m, k..E) or a decimal exponent (e9). The operator checks a pod's
-# resources by it; parse_quantity reads memory by it.
-QUANTITY = re.compile(r"^\+?(\d+\.?\d*|\.\d+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?\d+)?\Z")  # \Z: no trailing newline
+# binary-SI suffix (Ki..Ei), a decimal-SI one (m, k..E) or a decimal exponent (e9); ASCII digits only, as Go's
+# regexp reads [0-9]. The one rule: the operator checks a pod's resources by it, parse_quantity reads memory by it,
+# and a pool's spec.memoryBudget has it as its pattern (QUANTITY_PATTERN: the CRD's and pydantic's, whose regex
+# engines end `$` at the end of the text; Python's `$` would also match before a trailing newline, so QUANTITY ends
+# at `\Z`).
+_QUANTITY = r"\+?([0-9]+\.?[0-9]*|\.[0-9]+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?[0-9]+)?"
+QUANTITY_PATTERN = f"^{_QUANTITY}$"
+QUANTITY = re.compile(rf"^{_QUANTITY}\Z")
 
 
 def parse_quantity(text: str, name: str = "--memory-budget") -> int:

@@ -10,21 +10,24 @@ are of the engine's; the pool's settings become the ``kiln serve`` flags of the 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from kiln.api import API_VERSION, LLMEngineSpec, Metadata
-from kiln.api_base import DNS1123_LABEL, DNS1123_SUBDOMAIN
+from kiln.api import LLMEngineSpec, Metadata
+from kiln.api_base import DNS1035_LABEL, DNS1123_SUBDOMAIN, MAX_POOL_NAME, ServiceName, label_problems
 from kiln.api_base import APIModel as _Model
 from kiln.engine_status import Condition, PoolMemberState
-from kiln.memory_budget import parse_quantity
+from kiln.memory_budget import QUANTITY_PATTERN, parse_quantity
 from kiln.serving_options import (
     BATCH_INVARIANT_FLAG,
     AutoscalingOptions,
     ChatServingOptions,
     RoutingOptions,
+    autoscaling_bounds_problem,
     batch_invariant_problem,
     check_resources,
 )
@@ -34,8 +37,6 @@ POOL_KIND = "LLMEnginePool"
 POOL_PLURAL = "llmenginepools"
 POOL_SINGULAR = "llmenginepool"
 POOL_SHORT_NAME = "llmep"
-# Kubernetes quantity, as the API server's resource.Quantity accepts for memory (decimal and binary suffixes).
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 
 
 class PoolRoutingOptions(RoutingOptions):
@@ -47,10 +48,10 @@ class PoolRoutingOptions(RoutingOptions):
         "<pool>-pool over the pool's pods, for an endpoint picker that scores their queues, KV-cache use and which "
         "engines each has loaded (docs/pools.md, Routing).",
     )
-    endpoint_picker: str | None = Field(
-        default=None, max_length=63, pattern=DNS1123_LABEL,
-        description="Service of the endpoint picker (EPP) serving the pool's InferencePool; unset means "
-        "<pool>-pool-epp (hashed under 63 characters).",
+    endpoint_picker: ServiceName | None = Field(
+        default=None,
+        description="Service of the endpoint picker (EPP) serving the pool's InferencePool (a DNS-1035 label, as a "
+        "Service's name is); unset means <pool>-pool-epp (hashed under 63 characters).",
     )
 
 
@@ -125,15 +126,24 @@ class LLMEnginePoolSpec(ChatServingOptions):
     )
 
     @model_validator(mode="after")
-    def _check_cross_field(self) -> LLMEnginePoolSpec:  # the twin of kiln.crd.POOL_RULES' pool_batch_invariant_cpu
-        if problem := batch_invariant_problem("batchInvariant", self.batch_invariant, self.gpu, "pools"):
-            raise ValueError(problem)
+    def _check_cross_field(self) -> LLMEnginePoolSpec:  # the twins of kiln.crd.POOL_RULES' pool_batch_invariant_cpu
+        problems = [p for p in (batch_invariant_problem("batchInvariant", self.batch_invariant, self.gpu, "pools"),
+                                autoscaling_bounds_problem("autoscaling", self.autoscaling)) if p]  # and its bounds
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
     @field_validator("resources")
     @classmethod
     def _check_resources(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return check_resources(value)
+
+    @field_validator("node_selector")
+    @classmethod
+    def _check_node_selector(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if problems := label_problems(value):  # the pods' nodeSelector: the API server refuses the Deployment
+            raise ValueError("; ".join(problems))
+        return value
 
     @field_validator("memory_budget")
     @classmethod
@@ -214,13 +224,27 @@ class LLMEnginePoolStatus(_Model):
 
 
 class LLMEnginePool(_Model):
-    api_version: Literal["serving.kiln.dev/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
-    kind: Literal["LLMEnginePool"] = Field(default=POOL_KIND)
+    api_version: Literal["serving.kiln.dev/v1alpha1"] = Field(alias="apiVersion")  # required, as LLMEngine's
+    kind: Literal["LLMEnginePool"]
     metadata: Metadata = Field(description="metadata.name is at most 58 characters (the pods' Deployment is "
                                "<name>-pool).")
     spec: LLMEnginePoolSpec
     status: LLMEnginePoolStatus | None = None
 
+    @model_validator(mode="after")
+    def _check_root(self) -> LLMEnginePool:  # the twin of kiln.crd.POOL_RULES' pool_name (kiln up refuses it too)
+        if problem := pool_name_problem(self.metadata.name):
+            raise ValueError(problem)
+        return self
+
+
+def pool_name_problem(name: str) -> str | None:
+    """Why an LLMEnginePool called ``name`` cannot have its children (``<name>-pool``: a Service); None if it can."""
+    if len(name) > MAX_POOL_NAME or not re.fullmatch(DNS1035_LABEL, name):
+        return (f"metadata.name: {name!r} must be a DNS-1035 label of at most {MAX_POOL_NAME} characters (lowercase "
+                f"letters, digits and '-', starting with a letter), as it names the Service {name}-pool; recreate the "
+                "LLMEnginePool with such a name")
+    return None
 
 
 def serve_flags(spec: LLMEnginePoolSpec) -> list[str]:
@@ -266,3 +290,22 @@ def member_problem(spec: LLMEngineSpec, by: str, alone: str) -> str | None:
                 f"{shape.ranks_per_pod} per node) and a pool's pod holds whole engines; lower tensorParallel x "
                 f"pipelineParallel to fit one node, or {alone}")
     return None
+
+
+def adapter_name_clashes(engines: Iterable[str],
+                         adapters: Iterable[tuple[str, str, str]]) -> dict[tuple[str, str], tuple[str, str]]:
+    """The one rule of adapter names where one server answers several engines (a pool's pods, ``kiln up``): a request
+    names an adapter as it names an engine (``model``), so each name must say one thing. ``adapters``: (engine, adapter
+    name, adapter version) rows, the engines that keep a name first. Returns (engine, adapter) -> ``("engine", name)``
+    where an engine has that name (requests naming it reach that engine), or ``("adapter", E)`` where ``E``, before it,
+    holds another adapter of that name. One adapter version (the same adapter of the same base) under two engines says
+    one thing: no clash. ``kiln up`` refuses a clash; the operator leaves the adapter out of the pool's list."""
+    names = set(engines)
+    keeper: dict[str, tuple[str, str]] = {}  # adapter name -> (engine, version) that keeps it
+    out: dict[tuple[str, str], tuple[str, str]] = {}
+    for engine, name, version in adapters:
+        if name in names:
+            out[(engine, name)] = ("engine", name)
+        elif keeper.setdefault(name, (engine, version))[1] != version:
+            out[(engine, name)] = ("adapter", keeper[name][0])
+    return out

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from kiln.api_base import DNS1035_LABEL, DNS1123_LABEL, DNS1123_SUBDOMAIN, MAX_POOL_NAME
+from kiln.api_base import DNS1035_LABEL, DNS1123_SUBDOMAIN, MAX_POOL_NAME, ServiceName
 from kiln.api_base import APIModel as _Model
 from kiln.chat_options import MAX_TEMPLATE_KWARGS, ReasoningParserName, template_kwargs_problem
 
@@ -48,10 +48,10 @@ class RoutingOptions(_Model):
         description="Render a Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1) over "
         "this engine's pods, for an endpoint picker that scores queue depth, KV-cache use and prefix hits.",
     )
-    endpoint_picker: str | None = Field(
-        default=None, max_length=63, pattern=DNS1123_LABEL,
-        description="Service of the endpoint picker (EPP) serving this pool; unset means <engine Service name>-epp "
-                    "(hashed under 63 characters).",
+    endpoint_picker: ServiceName | None = Field(
+        default=None,
+        description="Service of the endpoint picker (EPP) serving this pool (a DNS-1035 label, as a Service's name "
+                    "is); unset means <engine Service name>-epp (hashed under 63 characters).",
     )
     endpoint_picker_port: int = Field(
         default=9002, ge=1, le=65535, description="gRPC (ext-proc) port of the endpoint picker's Service.",
@@ -187,12 +187,27 @@ def check_resources(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
+def autoscaling_bounds_rule(name: str, at: str, field: str) -> tuple[str, str, str, str]:
+    """The CEL rule that ``minReplicas <= maxReplicas`` of the autoscaling options at ``at``
+    (``self.serving.autoscaling`` for an engine's spec, ``self.spec.autoscaling`` for a pool), named ``field`` (from
+    spec); its Python twin is :func:`autoscaling_bounds_problem`."""
+    return (name, f"!has({at}) || {at}.minReplicas <= {at}.maxReplicas",
+            f"spec.{field}.minReplicas must be at most maxReplicas; lower minReplicas or raise maxReplicas",
+            f"{at.removeprefix('self')}.minReplicas")
+
+
+def autoscaling_bounds_problem(field: str, scaling: AutoscalingOptions | None) -> str | None:
+    """``<field>.minReplicas: <what + fix>`` where the autoscaler's floor is above its ceiling (an engine's or a
+    pool's)."""
+    if scaling is not None and scaling.min_replicas > scaling.max_replicas:
+        return (f"{field}.minReplicas: must be at most maxReplicas ({scaling.min_replicas} > {scaling.max_replicas}); "
+                "lower minReplicas or raise maxReplicas")
+    return None
+
+
 # (python check name, CEL rule on spec, message, fieldPath), joined to kiln.api.CROSS_FIELD_RULES.
 SCALE_OUT_RULES: tuple[tuple[str, str, str, str], ...] = (
-    ("autoscaling_bounds",
-     "!has(self.serving.autoscaling) || self.serving.autoscaling.minReplicas <= self.serving.autoscaling.maxReplicas",
-     "spec.serving.autoscaling.minReplicas must be at most maxReplicas; lower minReplicas or raise maxReplicas",
-     ".serving.autoscaling.minReplicas"),
+    autoscaling_bounds_rule("autoscaling_bounds", "self.serving.autoscaling", "serving.autoscaling"),
     ("batch_invariant_cpu", "!has(self.serving.batchInvariant) || !self.serving.batchInvariant || self.gpu == 'cpu'",
      "spec.serving.batchInvariant is for CPU engines (kiln's tactic table); set it false, or spec.gpu cpu",
      ".serving.batchInvariant"),
@@ -202,10 +217,8 @@ SCALE_OUT_RULES: tuple[tuple[str, str, str, str], ...] = (
 def scale_out_problems(serving: ServingOptions, gpu: str) -> list[str]:
     """The Python twins of :data:`SCALE_OUT_RULES`, one ``<field path>: <what + fix>`` line each."""
     problems = []
-    scaling = serving.autoscaling
-    if scaling is not None and scaling.min_replicas > scaling.max_replicas:
-        problems.append(f"serving.autoscaling.minReplicas: must be at most maxReplicas ({scaling.min_replicas} > "
-                        f"{scaling.max_replicas}); lower minReplicas or raise maxReplicas")
+    if problem := autoscaling_bounds_problem("serving.autoscaling", serving.autoscaling):
+        problems.append(problem)
     if problem := batch_invariant_problem("serving.batchInvariant", serving.batch_invariant, gpu):
         problems.append(problem)
     return problems

@@ -90,16 +90,15 @@ def read_pool(path: Path, doc: dict) -> PoolManifest:
 
 def read_manifests(paths: tuple[Path, ...]) -> tuple[list, PoolManifest | None]:
     """The LLMEngines to serve and the pool manifest among ``paths`` (at most one); ManifestError otherwise."""
-    import yaml
-
-    from kiln.manifest import ManifestError, load_manifest
+    from kiln.manifest import ManifestError, load_manifest, read_documents
 
     engines, origins, pool = [], [], None
     for path in paths:
         try:
-            doc = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError):
-            doc = None  # load_manifest says what is wrong with it
+            docs = read_documents(path)[0]  # as kiln plan reads it: a key given twice is refused
+        except ManifestError:
+            docs = []  # load_manifest says what is wrong with it
+        doc = docs[0] if len(docs) == 1 else None
         if isinstance(doc, dict) and doc.get("kind") == POOL_KIND:
             if pool is not None:
                 raise ManifestError(f"kind: {POOL_KIND}: give one pool manifest, not two",
@@ -123,19 +122,23 @@ def read_manifests(paths: tuple[Path, ...]) -> tuple[list, PoolManifest | None]:
 
 def check_adapter_names(engines: list, origins: list[str]) -> None:
     """One server answers every engine's and adapter's name (``model``): an adapter named as an engine, or one
-    name on two engines, would be unreachable or ambiguous (the operator leaves such a pool member's adapter out)."""
+    name on two engines for two adapters, would be unreachable or ambiguous. The rule is the operator's
+    (:func:`kiln.pool_api.adapter_name_clashes`, which leaves such a pool member's adapter out); here it is refused."""
+    from kiln.envelope import adapter_version, engine_version
     from kiln.manifest import ManifestError
+    from kiln.pool_api import adapter_name_clashes
 
-    names = {e.metadata.name for e in engines}
-    holder: dict[str, str] = {}
+    where, rows = {}, []
     for engine, origin in zip(engines, origins, strict=True):
+        base = engine_version(engine.spec)
         for i, adapter in enumerate(engine.spec.lora.adapters if engine.spec.lora is not None else ()):
-            other = adapter.name if adapter.name in names else holder.get(adapter.name)
-            if other is not None:
-                what = "an engine" if adapter.name in names else f"an adapter of engine {other!r}"
-                raise ManifestError(f"spec.lora.adapters[{i}].name: {adapter.name!r} is also {what} served here, "
-                                    "and a request names either by it; rename one of them", origin)
-            holder[adapter.name] = engine.metadata.name
+            where[(engine.metadata.name, adapter.name)] = (i, origin)
+            rows.append((engine.metadata.name, adapter.name, adapter_version(base, adapter)))
+    for (engine, name), (kind, other) in adapter_name_clashes((e.metadata.name for e in engines), rows).items():
+        i, origin = where[(engine, name)]
+        what = "an engine" if kind == "engine" else f"an adapter of engine {other!r}"
+        raise ManifestError(f"spec.lora.adapters[{i}].name: {name!r} is also {what} served here, and a request "
+                            "names either by it; rename one of them", origin)
 
 
 def check_one_process(engines: list, pool: PoolManifest | None, origins: list[str]) -> None:

@@ -12,10 +12,9 @@ import re
 from typing import Any
 
 from kiln.api import API_VERSION, GROUP, KIND
-from kiln.api_base import DNS1035_LABEL, MAX_POOL_NAME
+from kiln.api_base import DNS1035_LABEL, MAX_NAME
 from kiln.pool_api import POOL_KIND
 
-MAX_NAME = 63
 LABEL_VERSION = f"{GROUP}/engine-version"
 LABEL_ENGINE = f"{GROUP}/engine"
 ANNOTATION_VERSION = f"{GROUP}/engine-version"
@@ -67,10 +66,11 @@ def service_name(engine: str) -> str:
     return engine if re.match(r"^[a-z]", engine) else bounded_name("llme-", engine)
 
 
-def picker_name(service: str) -> str:
-    """The default endpoint picker Service of a Service ``service`` (an engine's or a pool's): ``<service>-epp``,
-    shortened with a hash where it would pass 63 characters, so it names a Service that can exist."""
-    return bounded_name("", service, MAX_NAME - len("-epp")) + "-epp"
+def picker_name(routing: Any, service: str) -> str:
+    """The endpoint picker Service of an InferencePool over the Service ``service`` (an engine's or a pool's):
+    ``routing.endpointPicker`` (a Service name by its field's type, ``kiln.api_base.ServiceName``), else
+    ``<service>-epp``, shortened with a hash where it would pass 63 characters: either way a Service that can exist."""
+    return routing.endpoint_picker or bounded_name("", service, MAX_NAME - len("-epp")) + "-epp"
 
 
 DNS_1035_LABEL = re.compile(DNS1035_LABEL)
@@ -166,15 +166,6 @@ def pool_selector_labels(pool: str) -> dict[str, str]:
 
 def pool_labels(pool: str) -> dict[str, str]:
     return {**COMMON_LABELS, "app.kubernetes.io/instance": pool, **pool_selector_labels(pool)}
-
-
-def pool_name_problem(name: str) -> str | None:
-    """Why an LLMEnginePool called ``name`` cannot have its children (``<name>-pool``: a Service); None if it can."""
-    if len(name) > MAX_POOL_NAME or not DNS_1035_LABEL.match(name):
-        return (f"metadata.name: {name!r} must be a DNS-1035 label of at most {MAX_POOL_NAME} characters (lowercase "
-                f"letters, digits and '-', starting with a letter), as it names the Service {name}-pool; recreate the "
-                "LLMEnginePool with such a name")
-    return None
 
 
 def controller_of(obj: dict[str, Any] | None) -> dict[str, Any] | None:

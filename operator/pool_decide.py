@@ -43,7 +43,7 @@ from kiln import adapter_list
 from kiln.api import LLMEngineSpec
 from kiln.engine_list import EngineEntry
 from kiln.memory_budget import MARGIN_FRACTION, SERVER_MARGIN_BYTES, budget_of, human
-from kiln.pool_api import LeftOutAdapter, LLMEnginePoolSpec, PoolMember
+from kiln.pool_api import LeftOutAdapter, LLMEnginePoolSpec, PoolMember, adapter_name_clashes
 
 BUILDING, LISTED, REFUSED = "Building", "Listed", "Refused"
 PENDING, READY, FAILED = "Pending", "Ready", "Failed"
@@ -224,18 +224,12 @@ def adapter_clashes(world: PoolWorld, judged: list[PoolMember]) -> dict[tuple[st
 
 
 def _clashes(world: PoolWorld, rows: list[tuple[str, str, dict[str, str]]]) -> dict[tuple[str, str], str]:
-    engines = {m.name for m in world.members}
-    owner: dict[str, tuple[str, str]] = {}  # adapter -> (member, base) that serves it in the pool
-    out = {}
-    for member, base, entry in rows:
-        name = entry["name"]
-        if name in engines:
-            out[(member, name)] = (f"its adapter {name!r} is not served by the pool: the pool has an engine of that "
-                                   "name, which requests naming it reach; rename the adapter")
-        elif owner.setdefault(name, (member, base))[1] != base:
-            out[(member, name)] = (f"its adapter {name!r} is not served by the pool: {owner[name][0]!r}, listed "
-                                   "before it, has an adapter of that name; rename one of them")
-    return out
+    """The rule is :func:`kiln.pool_api.adapter_name_clashes` (``kiln up`` refuses what it finds); here, the message."""
+    found = adapter_name_clashes((m.name for m in world.members), ((m, e["name"], e["version"]) for m, _, e in rows))
+    return {(member, name): f"its adapter {name!r} is not served by the pool: " + (
+        "the pool has an engine of that name, which requests naming it reach; rename the adapter" if kind == "engine"
+        else f"{other!r}, listed before it, has an adapter of that name; rename one of them")
+        for (member, name), (kind, other) in found.items()}
 
 
 def listed_adapters(world: PoolWorld, judged: list[PoolMember]) -> list[dict[str, str]]:

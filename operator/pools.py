@@ -47,7 +47,6 @@ from kiln.operator.naming import (
     picker_name,
     pool_engines_name,
     pool_labels,
-    pool_name_problem,
     pool_selector_labels,
     pool_workload_name,
 )
@@ -75,7 +74,7 @@ from kiln.adapter_list import ADAPTERS_FILE_ENV
 from kiln.api import LLMEngineSpec
 from kiln.engine_list import EngineEntry, document
 from kiln.manifest import validation_error_lines
-from kiln.pool_api import LLMEnginePool, LLMEnginePoolSpec, serve_flags
+from kiln.pool_api import LLMEnginePool, LLMEnginePoolSpec, pool_name_problem, serve_flags
 from kiln.skus import GPU_SKUS
 
 ENGINES_DIR = "/etc/kiln/pool"
@@ -239,7 +238,7 @@ def build_pool_inference_pool(spec: LLMEnginePoolSpec, pool: str, namespace: str
         return None
     name = pool_workload_name(pool)
     return build_inference_pool(spec.routing, name, namespace, pool_labels(pool), pool_selector_labels(pool),
-                                spec.port, spec.routing.endpoint_picker or picker_name(name), owner)
+                                spec.port, picker_name(spec.routing, name), owner)
 
 
 def pool_queue_query(pool: str, namespace: str, members: list[str]) -> str:

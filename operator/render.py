@@ -43,7 +43,7 @@ from kiln.api import KIND, LLMEngine
 from kiln.api_base import DNS1123_LABEL
 from kiln.cache_cli import env_store
 from kiln.envelope import engine_version
-from kiln.manifest import ManifestError, load_manifest, load_pool
+from kiln.manifest import ManifestError, load_documents
 from kiln.pool_api import POOL_KIND, LLMEnginePool
 
 EXIT_INVALID_SPEC = 2
@@ -99,13 +99,14 @@ def to_yaml(objects: list[dict[str, Any]]) -> str:
 
 
 def manifest_kind(text: str) -> str:
-    """LLMEnginePool when the manifest's documents hold one and no LLMEngine; else LLMEngine (load_manifest says
-    what is wrong with anything else)."""
+    """What a manifest's text holds, for its error's header: LLMEnginePool, LLMEngine (also for anything else:
+    load_manifest says what is wrong with it), or both."""
     try:
         kinds = {doc.get("kind") for doc in yaml.safe_load_all(text) if isinstance(doc, dict)}
     except yaml.YAMLError:
         return KIND
-    return POOL_KIND if POOL_KIND in kinds and KIND not in kinds else KIND
+    return {frozenset([POOL_KIND]): POOL_KIND, frozenset([KIND, POOL_KIND]): f"{POOL_KIND} and {KIND}"}.get(
+        frozenset(kinds & {KIND, POOL_KIND}), KIND)
 
 
 def _refuse(lines: list[str], header: str) -> None:
@@ -115,24 +116,33 @@ def _refuse(lines: list[str], header: str) -> None:
     sys.exit(EXIT_INVALID_SPEC)
 
 
+def render_manifest(manifest: LLMEngine | LLMEnginePool, config: OperatorConfig, namespace: str | None) -> str:
+    """The YAML of one LLMEngine's or LLMEnginePool's objects; :class:`InvalidSpec` as the operator."""
+    if isinstance(manifest, LLMEnginePool):
+        name = manifest.metadata.name
+        return (f"# the engine list is empty here: the operator lists each LLMEngine with spec.serving.pool: "
+                f"{name} once it is built\n"
+                + to_yaml(render_pool(manifest, name, namespace or manifest.metadata.namespace or "default", config)))
+    return pool_note(manifest) + to_yaml(render_objects(manifest, config, namespace))
+
+
 def _render_text(text: str, where: str, config: OperatorConfig, namespace: str | None) -> str:
-    """The YAML ``kiln render`` prints for a manifest's text; exits 2 naming each problem when it is refused."""
-    kind = manifest_kind(text)
+    """The YAML ``kiln render`` prints for a manifest's text: every LLMEngine and LLMEnginePool it holds (a GitOps
+    file may hold a pool and its members), in order; exits 2 naming each problem when one is refused."""
     try:
-        manifest = load_pool(text) if kind == POOL_KIND else load_manifest(text)
+        manifests = load_documents(text)
     except ManifestError as exc:
-        _refuse(exc.problems, f"invalid {kind} manifest {where}")
-    try:
-        if isinstance(manifest, LLMEnginePool):
-            name = manifest.metadata.name
-            return (f"# the engine list is empty here: the operator lists each LLMEngine with spec.serving.pool: "
-                    f"{name} once it is built\n"
-                    + to_yaml(render_pool(manifest, name, namespace or manifest.metadata.namespace or "default",
-                                          config)))
-        return pool_note(manifest) + to_yaml(render_objects(manifest, config, namespace))
-    except InvalidSpec as exc:
-        _refuse([str(exc)], f"the operator would refuse {where}")
-    raise AssertionError("unreachable")  # pragma: no cover - _refuse exits
+        _refuse(exc.problems, f"invalid {manifest_kind(text)} manifest {where}")
+    parts, refused = [], []
+    for manifest in manifests:
+        try:
+            parts.append(render_manifest(manifest, config, namespace))
+        except InvalidSpec as exc:
+            who = f"{manifest.kind} {manifest.metadata.name}: " if len(manifests) > 1 else ""
+            refused.append(f"{who}{exc}")
+    if refused:
+        _refuse(refused, f"the operator would refuse {where}")
+    return "---\n".join(parts)
 
 
 @click.command()
@@ -148,8 +158,9 @@ def render(manifest: str, store: str | None, namespace: str | None) -> None:
     An LLMEngine: build Job, Deployment (or LeaderWorkerSet when a replica spans nodes), Service,
     PodDisruptionBudget, NetworkPolicy, and with spec.serving.autoscaling / routing the KEDA ScaledObject (or HPA) and
     InferencePool; with spec.serving.pool, the build Job alone (the pool's pods serve it). An LLMEnginePool: its
-    engine-list ConfigMap (empty here: the operator lists the engines that join), Deployment and Service. From the
-    operator's own renderers and settings ($KILN_*).
+    engine-list ConfigMap (empty here: the operator lists the engines that join), Deployment and Service. A file of
+    several (a pool and its members) prints each one's, in order. From the operator's own renderers and settings
+    ($KILN_*).
     Exit status 2 (one line per problem on stderr) when the operator would refuse the manifest.
     """
     where = "stdin" if manifest == "-" else manifest

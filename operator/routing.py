@@ -22,9 +22,8 @@ INFERENCE_API = "inference.networking.k8s.io/v1"
 
 def endpoint_picker_name(spec: LLMEngineSpec, name: str) -> str:
     """``spec.serving.routing.endpointPicker``, else ``<engine>-epp``: the engine's Service name (which starts with
-    a letter: ``llme-<engine>`` for an engine named with a digit first) plus ``-epp``, shortened with a hash where
-    the whole would pass 63 characters, so the default always names a Service that can exist."""
-    return spec.serving.routing.endpoint_picker or picker_name(service_name(name))
+    a letter: ``llme-<engine>`` for an engine named with a digit first) plus ``-epp`` (:func:`naming.picker_name`)."""
+    return picker_name(spec.serving.routing, service_name(name))
 
 
 def inference_pool(spec: LLMEngineSpec, name: str, namespace: str,

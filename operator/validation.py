@@ -13,13 +13,13 @@ from typing import Any
 
 from kiln.operator.autoscaling import autoscaling_problem
 from kiln.operator.jobs import pod_gpus
-from kiln.operator.naming import DNS_1035_LABEL, engine_name_problem
+from kiln.operator.naming import engine_name_problem
 from kiln.operator.settings import OperatorConfig
 from kiln.operator.trust import spec_image_problem
 from kiln.operator.workloads import RENDEZVOUS_PORT
-from pydantic import ValidationError
 
 from kiln.api import LLMEngineSpec
+from kiln.manifest import ManifestError, load_spec
 from kiln.memory_budget import QUANTITY
 from kiln.pool_api import member_problem
 
@@ -28,25 +28,12 @@ class InvalidSpec(ValueError):
     """A spec that can never work as written; ``str()`` is the user-facing message."""
 
 
-def _field(loc: tuple[Any, ...]) -> str:
-    parts = ["spec"]
-    for item in loc:
-        if isinstance(item, int):
-            parts[-1] += f"[{item}]"
-        else:
-            parts.append(str(item))
-    return ".".join(parts)
-
-
 def parse_spec(raw: dict[str, Any]) -> LLMEngineSpec:
+    """The spec the API server stored, each problem worded as ``kiln plan`` words it (``kiln.manifest``)."""
     try:
-        return LLMEngineSpec.model_validate(raw)
-    except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            msg = err["msg"].removeprefix("Value error, ")
-            lines.append(f"{_field(err['loc'])}: {msg}" if err["loc"] else f"spec: {msg}")
-        raise InvalidSpec("; ".join(lines)) from None
+        return load_spec(raw)
+    except ManifestError as exc:
+        raise InvalidSpec("; ".join(exc.problems)) from None
 
 
 def validate_name(name: str) -> None:
@@ -70,7 +57,7 @@ def validate_spec(raw: dict[str, Any], config: OperatorConfig) -> LLMEngineSpec:
         raise InvalidSpec(
             f"spec.gpu: {spec.gpu} has no node label in this operator's SKU map ({known}); "
             "add it to the chart value gpuNodeLabels (KILN_SKU_NODE_LABELS) or pick a listed SKU")
-    if problem := resources_problem(spec) or serving_port_problem(spec) or picker_problem(spec):
+    if problem := resources_problem(spec) or serving_port_problem(spec):
         raise InvalidSpec(problem)
     return spec
 
@@ -118,15 +105,6 @@ def serving_port_problem(spec: LLMEngineSpec) -> str | None:
     if spec.replica_shape.multi_node and spec.serving.port == RENDEZVOUS_PORT:
         return (f"spec.serving.port: {RENDEZVOUS_PORT} is the port the ranks of this multi-node engine meet on "
                 "(its leader pod listens on it for them); pick another port, e.g. 8000")
-    return None
-
-
-def picker_problem(spec: LLMEngineSpec) -> str | None:
-    """``spec.serving.routing.endpointPicker`` names a Service: a DNS-1035 label (a letter first)."""
-    picker = spec.serving.routing.endpoint_picker
-    if spec.serving.routing.inference_pool and picker is not None and not DNS_1035_LABEL.match(picker):
-        return (f"spec.serving.routing.endpointPicker: {picker!r} cannot name a Service (a DNS-1035 label: "
-                "lowercase letters, digits and '-', starting with a letter); give the endpoint picker's Service name")
     return None
 
 

@@ -82,11 +82,28 @@ def _engine_options(fn: Any) -> Any:
 
 def _read_api_key(api_key_file: Path | None) -> str | None:
     if api_key_file is not None:
-        key = api_key_file.read_text().strip()
+        try:
+            key = api_key_file.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise click.UsageError(f"--api-key-file {api_key_file}: cannot read it ({getattr(exc, 'strerror', exc)}); "
+                                   "give a readable file holding the key") from None
         if not key:
             raise click.UsageError(f"--api-key-file {api_key_file} is empty; put the key in it")
         return key
     return os.environ.get("KILN_API_KEY", "").strip() or None
+
+
+def _check_verify_key(verify_key: Path | None) -> None:
+    """The key artifacts must be signed by, read before anything binds or loads: a missing, unreadable or malformed
+    one exits 1 at once (no artifact can be loaded with it), not from a server that opened its port first."""
+    if verify_key is None:
+        return
+    from kiln.signing import SigningError, Verifier
+
+    try:
+        Verifier.from_pem(verify_key)
+    except SigningError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _pool_engines(ctx: Any, param: Any, value: Any) -> list[Any]:
@@ -249,6 +266,7 @@ def serve(model: Path | None, artifact: str | None, cache_dir: Path | None, veri
     if verify_key is not None and model is not None:
         raise click.UsageError("--verify-key checks a signed engine artifact; --model DIR is served as it is: "
                                "serve an --artifact URI, or drop --verify-key")
+    _check_verify_key(verify_key)
     engine_kwargs = {k: v for k, v in engine.items() if v is not None}
     if lora_modules and not engine_kwargs.get("enable_lora"):
         raise click.UsageError("--lora-modules serves LoRA adapters: add --enable-lora")

@@ -14,6 +14,8 @@ import pytest
 import yaml
 from netutil import free_port
 
+API = "serving.kiln.dev/v1alpha1"
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -235,7 +237,7 @@ def test_engines_served_in_one_process_run_one_batch_invariant_setting(toy_model
     cmd = pool_serve_command([(e, "file:///s") for e in engines], None, "127.0.0.1", 8000, tmp_path / "key.pem")
     assert cmd.count("--batch-invariant") == 1
     pool = tmp_path / "pool.yaml"
-    pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"},
+    pool.write_text(yaml.safe_dump({"apiVersion": API, "kind": "LLMEnginePool", "metadata": {"name": "p"},
                                     "spec": {"engines": ["one.yaml"], "batchInvariant": True}}))
     with pytest.raises(ManifestError, match=r"spec.serving.batchInvariant: this engine is served by the pool "
                                             r"manifest 'p'.*set it as the pool's spec.batchInvariant and remove it"):
@@ -252,7 +254,7 @@ def test_a_pool_manifest_member_is_refused_what_the_operator_refuses_a_pool_memb
     doc["spec"]["serving"] = {"apiKeySecret": "one-key"}
     path.write_text(yaml.safe_dump(doc))
     pool = tmp_path / "pool.yaml"
-    pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"},
+    pool.write_text(yaml.safe_dump({"apiVersion": API, "kind": "LLMEnginePool", "metadata": {"name": "p"},
                                     "spec": {"engines": ["one.yaml"]}}))
     with pytest.raises(ManifestError, match=r"spec.serving.apiKeySecret: this engine is served by the pool manifest "
                                             r"'p'.*set it as the pool's spec.apiKeySecret .*and remove it here, or "
@@ -290,7 +292,7 @@ def test_a_pool_manifest_is_read_as_the_cluster_s_llmenginepool(toy_model, tmp_p
         "spec.idleUnloadAfter: must be >= 1 (got 0)", "spec.loadTimeout: must be an integer (got 'soon')"]
     assert problems({"engines": []}) == [
         "spec.engines: list the LLMEngine manifests to serve, as paths relative to this file"]
-    pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"},
+    pool.write_text(yaml.safe_dump({"apiVersion": API, "kind": "LLMEnginePool", "metadata": {"name": "p"},
                                     "spec": {"engines": ["one.yaml"], "queueSize": 3, "gpu": "cpu"}}))
     _, manifest = read_manifests((pool,))
     assert manifest.flags[:-2] == serve_flags(manifest.pool.spec) and "--pool-queue-size" in manifest.flags
@@ -304,14 +306,15 @@ def test_kiln_up_refuses_a_bad_pool_manifest_naming_each_field(toy_model, tmp_pa
 
     one = _engine_manifest(tmp_path / "one.yaml", "one", toy_model("llama-tiny"))
     pool = tmp_path / "pool.yaml"
-    pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"},
+    pool.write_text(yaml.safe_dump({"apiVersion": API, "kind": "LLMEnginePool", "metadata": {"name": "p"},
                                     "spec": {"engines": [], "maxLoadedEngines": 0, "colour": "red"}}))
     result = CliRunner().invoke(up, ["-f", str(pool), "--store", f"file://{tmp_path / 'store'}"])
     assert result.exit_code == 2 and f"invalid LLMEnginePool manifest {pool}" in result.output
     assert "spec.maxLoadedEngines: must be >= 1 (got 0)" in result.output
     assert "spec.colour: unknown field" in result.output
     assert "spec.engines: list the LLMEngine manifests" in result.output
-    pool.write_text(yaml.safe_dump({"kind": "LLMEnginePool", "metadata": {"name": "p"}, "spec": {"engines": 5}}))
+    pool.write_text(yaml.safe_dump({"apiVersion": API, "kind": "LLMEnginePool", "metadata": {"name": "p"},
+                                    "spec": {"engines": 5}}))
     scalar = CliRunner().invoke(up, ["-f", str(pool), "--store", f"file://{tmp_path / 'store'}"])
     assert scalar.exit_code == 2 and "spec.engines" in scalar.output and "Traceback" not in scalar.output
     twice = CliRunner().invoke(up, ["-f", str(one), "-f", str(one), "--store", f"file://{tmp_path / 'store'}"])
@@ -354,13 +357,16 @@ def test_an_adapter_name_that_is_another_engines_or_adapters_is_refused_naming_t
 
     paths = [_engine_manifest(tmp_path / f"{n}.yaml", n, toy_model("llama-tiny")) for n in ("one", "two")]
 
-    def with_adapters(path: Path, *names: str) -> None:
+    def with_adapters(path: Path, *names: str, revision: str = "v1") -> None:
         doc = yaml.safe_load(path.read_text())
-        doc["spec"]["lora"] = {"adapters": [{"name": n, "source": f"file:///adapters/{n}"} for n in names]}
+        doc["spec"]["lora"] = {"adapters": [{"name": n, "source": f"file:///adapters/{n}", "revision": revision}
+                                            for n in names]}
         path.write_text(yaml.safe_dump(doc))
 
     with_adapters(paths[0], "tone")
-    with_adapters(paths[1], "sql", "tone")
+    with_adapters(paths[1], "sql", "tone")  # one base (the same envelope): the same adapter under two engines
+    assert [e.metadata.name for e in read_manifests(tuple(paths))[0]] == ["one", "two"]  # as the operator's pool
+    with_adapters(paths[1], "sql", "tone", revision="v2")  # another adapter of that name: a request names either
     with pytest.raises(ManifestError, match=r"spec.lora.adapters\[1\].name: 'tone' is also an adapter of engine "
                                             r"'one' served here.*rename one of them") as err:
         read_manifests(tuple(paths))

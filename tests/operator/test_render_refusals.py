@@ -43,7 +43,8 @@ def test_the_default_endpoint_picker_names_a_service_that_can_exist(name):
 
 def test_an_endpoint_picker_that_cannot_name_a_service_is_refused():
     raw = {"model": MODEL, "gpu": "L4", "serving": {"routing": {"inferencePool": True, "endpointPicker": "9-epp"}}}
-    with pytest.raises(InvalidSpec, match=r"^spec\.serving\.routing\.endpointPicker: '9-epp' cannot name a Service"):
+    with pytest.raises(InvalidSpec, match=r"^spec\.serving\.routing\.endpointPicker: must be a DNS-1035 label, as a "
+                                          r"Service's name is .* \(got '9-epp'\)$"):
         validate_spec(raw, CONFIG)
 
 
