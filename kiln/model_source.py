@@ -68,7 +68,7 @@ class ModelSource(_Model):
                 "file:///path or pvc://claim/path"
             )
         pattern, example = _SOURCE_RULES[scheme]
-        if not re.match(pattern, value):
+        if not re.fullmatch(pattern, value):  # as the CRD (RE2) reads $: the end, no newline after
             space = "; it holds whitespace, which a source may not: move or link the checkpoint to a path without " \
                 "it" if re.search(r"\s", value) and scheme != "hf" else ""
             raise ValueError(f"malformed {scheme}:// source {value!r}; expected {example}{space}")

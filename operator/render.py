@@ -64,7 +64,7 @@ def render_objects(engine: LLMEngine, config: OperatorConfig, namespace: str | N
     name = engine.metadata.name
     ns = namespace or engine.metadata.namespace or "default"
     validate_name(name)
-    if len(ns) > MAX_NAME or not re.match(DNS1123_LABEL, ns):
+    if len(ns) > MAX_NAME or not re.fullmatch(DNS1123_LABEL, ns):
         raise InvalidSpec(f"namespace: {ns!r} is not a namespace name (a DNS-1123 label: lowercase letters, digits "
                           "and '-', at most 63 characters); fix -n or metadata.namespace")
     spec = validate_spec(engine.spec.to_k8s(), config)

@@ -102,6 +102,7 @@ def test_every_field_has_a_description():
     ({"model": {"source": "file://./models/tiny a"}}, "spec.model.source: malformed file:// source 'file://./models/"
                                                        "tiny a'; expected file:///absolute/path or file://./relative/"
                                                        "path; it holds whitespace, which a source may not"),
+    ({"model": {"source": "hf://org/name\n"}}, "spec.model.source: malformed hf:// source"),  # `source: |`
     ({"model": {"source": "file:///m", "credentialsSecret": "tok"}}, "spec.model.credentialsSecret: only used"),
     ({"model": {}}, "spec.model.source: required field is missing"),
     ({"serving": {"replicas": -1}}, "spec.serving.replicas: must be >= 0 (got -1)"),
