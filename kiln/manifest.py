@@ -20,7 +20,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from kiln.api import KIND, LLMEngine, LLMEngineSpec
+from kiln.api import GROUP, KIND, LLMEngine, LLMEngineSpec
 from kiln.api_base import DNS1035_LABEL, DNS1123_LABEL, DNS1123_SUBDOMAIN
 from kiln.memory_budget import QUANTITY_PATTERN
 from kiln.pool_api import POOL_KIND, LLMEnginePool
@@ -73,16 +73,19 @@ def load_documents(source: Any) -> list[LLMEngine | LLMEnginePool]:
     if isinstance(source, dict):
         return [load_pool(source) if source.get("kind") == POOL_KIND else load_manifest(source)]
     docs, origin = read_documents(source)
-    ours = [d for d in docs if isinstance(d, dict) and d.get("kind") in (KIND, POOL_KIND)]
+    # Ours: kiln's kinds, and a document kubectl would refuse that names no kind or kiln's group (its problem said).
+    ours = [d for d in docs if isinstance(d, dict) and (d.get("kind") in (KIND, POOL_KIND) or d.get("kind") is None
+                                                         or str(d.get("apiVersion", "")).startswith(f"{GROUP}/"))]
     if not ours:
         return [load_manifest(_load_data(source)[0])]
     objects, problems = [], []
     for doc in ours:
         try:
-            objects.append(load_pool(doc) if doc["kind"] == POOL_KIND else load_manifest(doc))
+            objects.append(load_pool(doc) if doc.get("kind") == POOL_KIND else load_manifest(doc))
         except ManifestError as exc:
             name = (doc.get("metadata") or {}).get("name") if isinstance(doc.get("metadata"), dict) else None
-            problems += [f"{doc['kind']} {name}: {line}" if len(ours) > 1 else line for line in exc.problems]
+            what = f"{doc.get('kind') or 'document'} {name}: " if len(ours) > 1 else ""
+            problems += [what + line for line in exc.problems]
     if problems:
         raise ManifestError(problems, origin)
     return objects
@@ -102,12 +105,19 @@ def _load_data(source: Any, kind: str = KIND) -> tuple[Any, str]:
     return docs[0], origin
 
 
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except OSError:  # a name too long for a path: a one-line manifest's text
+        return False
+
+
 def read_documents(source: Any) -> tuple[list[Any], str]:
     """The YAML documents of a path or a text (read as kubectl reads them), and where they came from."""
     text, origin = source, "manifest"
     is_path = isinstance(source, Path) or (
         isinstance(source, str) and "\n" not in source
-        and (Path(source).is_file() or source.endswith((".yaml", ".yml", ".json")))
+        and (source.endswith((".yaml", ".yml", ".json")) or _is_file(source))
     )
     if is_path:
         origin = str(source)
@@ -117,6 +127,9 @@ def read_documents(source: Any) -> tuple[list[Any], str]:
             raise ManifestError(f"{origin}: cannot read the file ({exc.strerror}); check the path", origin) from None
     try:
         docs = [d for d in yaml.load_all(text, Loader=_UniqueKeyLoader) if d is not None]
+    except RecursionError:
+        raise ManifestError("invalid YAML (nested too deeply to read); a manifest nests a few levels: fix the "
+                            "brackets", origin) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -261,10 +274,12 @@ def _unquote_hint(got: Any, choices: list[str]) -> str:
 
 
 def _yaml_scalar(text: str) -> Any:
-    """What YAML reads ``text`` as, unquoted (None where it is no scalar)."""
+    """What YAML reads ``text`` as, unquoted (None where it is no scalar: a long or nested text is none)."""
+    if len(text) > 40 or any(c in text for c in "[]{}&*!|>"):
+        return None
     try:
         value = yaml.safe_load(text)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         return None
     return value if isinstance(value, int | float | bool) else None
 

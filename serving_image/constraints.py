@@ -194,14 +194,25 @@ async def compile_constraint(engine: Any, spec: StructuredOutputsParams) -> None
 def _continue_from_prefix(engine: Any, spec: ContinuedConstraint) -> None:
     """Make ``spec``'s grammar start past its prefix, or a 400 naming the constraint when the prefix cannot begin
     an output it allows."""
-    continuing = _ContinuingGrammar(spec.compiled, engine.tokenizer.encode(spec.prefix, add_special_tokens=False))
-    if continuing.new_state() is None:
+    continuing = next((c for ids in _prefix_ids(engine.tokenizer, spec.prefix)
+                       if (c := _ContinuingGrammar(spec.compiled, ids)).new_state() is not None), None)
+    if continuing is None:
         shown = spec.prefix if len(spec.prefix) <= 40 else spec.prefix[:37] + "..."
         raise APIError(400, f"{spec.param}: the reply continues the final assistant message, whose text {shown!r} "
                        "is not the start of an output this constraint allows; make that text the output's first "
                        "characters (a JSON object's is '{'), or leave the message out",
                        param=spec.param)
     spec.compiled = continuing  # the engine takes the compiled grammar from here (GrammarCompiler.submit)
+
+
+def _prefix_ids(tokenizer: Any, prefix: str) -> Any:
+    """Token ids spelling ``prefix``: as encoded alone, then, for a tokenizer that starts a text with a space
+    (SentencePiece's '▁': Llama 2, Mistral v0), as encoded after a newline with the newline's ids cut off."""
+    yield tokenizer.encode(prefix, add_special_tokens=False)
+    lead = tokenizer.encode("\n", add_special_tokens=False)
+    ids = tokenizer.encode("\n" + prefix, add_special_tokens=False)
+    if ids[:len(lead)] == lead and tokenizer.decode(ids[len(lead):]) == prefix:
+        yield ids[len(lead):]
 
 
 def close_compiler(engine: Any) -> None:

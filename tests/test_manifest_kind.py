@@ -73,6 +73,26 @@ def test_each_kiln_document_of_a_file_is_checked_and_named(tmp_path):
         result.stderr
 
 
+def test_a_document_without_its_kind_in_a_file_is_named_not_left_out(tmp_path):
+    """kubectl apply refuses the file; kiln render rendered the other documents and said nothing of it."""
+    other = {**ENGINE, "metadata": {"name": "other"}}
+    for broken, line in ((without(other, "kind"), "document other: kind: required field is missing"),
+                         ({**other, "kind": "LLMEngin"}, "LLMEngin other: kind: must be one of LLMEngine")):
+        result = run("render", tmp_path, POOL, ENGINE, broken)
+        assert result.exit_code == 2 and line in result.stderr, result.output
+
+
+@pytest.mark.parametrize("text", ["a: " + "[" * 3000, "x" * 300])
+def test_text_too_deep_or_too_long_for_a_path_is_said_not_a_traceback(text):
+    from kiln.manifest import load_documents
+
+    with pytest.raises(ManifestError):
+        load_documents(text)
+    with pytest.raises(ManifestError) as info:
+        load_manifest({**ENGINE, "spec": {**ENGINE["spec"], "maxBatchSize": "[" * 3000}})
+    assert info.value.problems[0].startswith("spec.maxBatchSize: must be an integer")
+
+
 @pytest.mark.parametrize(("labels", "line"), [
     ({"team": "ml team"}, "metadata.labels: value 'ml team' of team is not a label value"),
     ({"Example.com/team": "ml"}, "metadata.labels: key 'Example.com/team' is not a Kubernetes key"),
